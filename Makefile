@@ -1,0 +1,35 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Each creates .venv itself.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+
+.PHONY: install demo test lint bench down clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev]'
+	rm -f $(VENV)/.installed-* && touch $@
+
+install: $(STAMP)
+
+## demo: start the local stack and a worker, run examples/txt2img.json end to end
+demo: $(STAMP)
+	$(BIN)/python -m devstack.demo
+
+## test: unit, workflow (time-skipping), integration (real Temporal + SeaweedFS + simulator)
+test: $(STAMP)
+	$(BIN)/pytest -q
+
+## lint: ruff (format + check) and mypy
+lint: $(STAMP)
+	$(BIN)/ruff format --check .
+	$(BIN)/ruff check .
+	$(BIN)/mypy .
+
+## down: stop everything `make demo` / `durable-comfy dev up` started
+down: $(STAMP)
+	$(BIN)/durable-comfy dev down
+
+clean: down
+	rm -rf .devstack

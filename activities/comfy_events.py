@@ -1,0 +1,77 @@
+"""ComfyUI WebSocket frames as typed events (PROTOCOLS.md, "WebSocket /ws").
+
+Binary frames (previews) and unknown types are ignored; anything that is not about our prompt is
+dropped by `for_prompt`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+
+class ComfyEvent(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: str
+    data: dict[str, Any]
+
+    @property
+    def prompt_id(self) -> str | None:
+        value = self.data.get("prompt_id")
+        return value if isinstance(value, str) else None
+
+    @property
+    def node(self) -> str | None:
+        value = self.data.get("node")
+        return None if value is None else str(value)
+
+
+def parse_frame(frame: str | bytes) -> ComfyEvent | None:
+    """A text frame as an event; None for binary previews and anything malformed."""
+    if isinstance(frame, bytes):
+        return None
+    try:
+        raw = json.loads(frame)
+    except ValueError:
+        return None
+    if not isinstance(raw, dict) or not isinstance(raw.get("type"), str):
+        return None
+    data = raw.get("data")
+    return ComfyEvent(type=raw["type"], data=data if isinstance(data, dict) else {})
+
+
+def for_prompt(event: ComfyEvent, prompt_id: str) -> bool:
+    """Events that carry another prompt's ID are not ours; `executing` on connect has none."""
+    return event.prompt_id in (None, prompt_id)
+
+
+def output_files(outputs: dict[str, Any]) -> list[tuple[str, dict[str, str]]]:
+    """(node_id, item) for every output item that names a file, whatever the list is called.
+
+    Output lists vary by node (`images`, `gifs`, `audio`, `animated`, ...): walk them all.
+    """
+    found: list[tuple[str, dict[str, str]]] = []
+    for node_id, node_output in outputs.items():
+        if not isinstance(node_output, dict):
+            continue
+        for items in node_output.values():
+            if not isinstance(items, list):
+                continue
+            for item in items:
+                if isinstance(item, dict) and isinstance(item.get("filename"), str):
+                    found.append((str(node_id), {k: str(v) for k, v in item.items()}))
+    return found
+
+
+def is_out_of_memory(data: dict[str, Any]) -> bool:
+    text = f"{data.get('exception_type', '')} {data.get('exception_message', '')}".lower()
+    return "out of memory" in text or "outofmemory" in text
+
+
+def is_fatal_device_error(data: dict[str, Any]) -> bool:
+    """CUDA faults that do not recover: the backend must be replaced, not retried."""
+    text = str(data.get("exception_message", "")).lower()
+    return "illegal memory access" in text or "device-side assert" in text

@@ -1,0 +1,230 @@
+"""Activities that talk to a ComfyUI pool: prepare, submit, tear down.
+
+Following a running prompt and offloading its outputs live in `activities/comfyui_follow.py`.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+from datetime import UTC, datetime
+
+import httpx
+import structlog
+from temporalio import activity
+
+from activities.comfy_client import ComfyClient, ComfyError
+from activities.comfyui_graph import available_input_files, output_nodes, registry_problems
+from activities.errors import fatal, from_comfy, retryable
+from activities.settings import WorkerSettings
+from activities.storage import ArtifactStore, StorageError
+from workflows.activity_io import (
+    PreparedJob,
+    PrepareInput,
+    SubmitInput,
+    SubmitResult,
+    TeardownInput,
+    TeardownResult,
+)
+from workflows.contracts import MAX_INLINE_INPUT_BYTES, InlineInput, InputRef, S3Input, Teardown
+from workflows.graph import GraphFormatError, apply_overrides, bind_files, load_node_files
+from workflows.graph import sampler_steps as graph_sampler_steps
+from workflows.shared import ErrorType
+
+log = structlog.get_logger(__name__)
+
+MAX_INPUT_BYTES = 100 * 1024 * 1024  # ComfyUI's own --max-upload-size default
+
+
+class ComfyPools:
+    """Maps pool names from the worker's settings to clients; requests never carry URLs."""
+
+    def __init__(self, settings: WorkerSettings, http: httpx.AsyncClient) -> None:
+        self._settings = settings
+        self._http = http
+
+    def resolve(self, pool: str | None) -> str:
+        name = pool or self._settings.default_pool
+        config = self._settings.pools.get(name)
+        if config is None:
+            known = ", ".join(sorted(self._settings.pools)) or "none"
+            raise fatal(
+                ErrorType.UNKNOWN_POOL,
+                f"pool {name!r} is not configured on this worker (configured pools: {known})",
+                pool=name,
+            )
+        if config.kind != "comfyui" or not config.url:
+            raise fatal(
+                ErrorType.UNKNOWN_POOL,
+                f"pool {name!r} is of kind {config.kind!r}, which this worker cannot run yet",
+                pool=name,
+            )
+        return name
+
+    def client(self, pool: str) -> ComfyClient:
+        config = self._settings.pools[self.resolve(pool)]
+        assert config.url is not None
+        return ComfyClient(config.url, self._http)
+
+
+class ComfyActivities:
+    def __init__(self, pools: ComfyPools, store: ArtifactStore) -> None:
+        self._pools = pools
+        self._store = store
+
+    @activity.defn(name="prepare_prompt")
+    async def prepare_prompt(self, req: PrepareInput) -> PreparedJob:
+        """Check the graph against the pool's node registry and bind input files to it."""
+        pool = self._pools.resolve(req.pool)
+        client = self._pools.client(pool)
+        for index, overrides in enumerate(req.segments):
+            try:
+                apply_overrides(req.graph, overrides)  # names only nodes that exist
+            except GraphFormatError as exc:
+                raise fatal(ErrorType.INVALID_REQUEST, f"segment {index}: {exc}") from exc
+        try:
+            object_info = await client.object_info()
+        except ComfyError as exc:
+            raise from_comfy(exc, "reading the node registry") from exc
+        problems = registry_problems(req.graph, object_info)
+        if problems:
+            raise fatal(ErrorType.INVALID_GRAPH, "; ".join(problems), problems=problems)
+
+        bound: dict[str, str] = {}
+        for node_id, input_name, file_name in load_node_files(req.graph):
+            ref = req.inputs.get(file_name)
+            if ref is None:
+                class_type = req.graph[node_id]["class_type"]
+                if file_name in available_input_files(object_info, class_type, input_name):
+                    continue
+                raise fatal(
+                    ErrorType.MISSING_INPUT,
+                    f"node {node_id} ({class_type}) loads {file_name!r}, which is neither in "
+                    f"the request's inputs nor on the backend: pass it as an input named "
+                    f"{file_name!r} (CLI: --input {file_name}=PATH)",
+                    node_id=node_id,
+                    input=file_name,
+                )
+            if file_name not in bound:
+                data = await self._input_bytes(file_name, ref)
+                stored_as = upload_name(req.job_id, file_name)
+                try:
+                    bound[file_name] = await client.upload_image(stored_as, data)
+                except ComfyError as exc:
+                    raise from_comfy(exc, f"uploading input {file_name!r}") from exc
+        graph = bind_files(req.graph, bound)
+        log.info("prepared", job_id=req.job_id, pool=pool, inputs=len(bound))
+        return PreparedJob(
+            pool=pool,
+            kind="comfyui",
+            graph=graph,
+            sampler_steps=graph_sampler_steps(graph),
+            nodes_total=len(graph),
+            output_nodes=output_nodes(graph, object_info),
+        )
+
+    async def _input_bytes(self, name: str, ref: InputRef) -> bytes:
+        if isinstance(ref, InlineInput):
+            try:
+                data = base64.b64decode(ref.data_b64, validate=True)
+            except binascii.Error as exc:
+                raise fatal(ErrorType.MISSING_INPUT, f"input {name!r} is not valid base64") from exc
+            if len(data) > MAX_INLINE_INPUT_BYTES:
+                raise fatal(
+                    ErrorType.INVALID_REQUEST,
+                    f"input {name!r} is {len(data)} bytes inline; inline inputs are limited to "
+                    f"{MAX_INLINE_INPUT_BYTES}: pass an s3:// reference instead",
+                )
+            return data
+        if isinstance(ref, S3Input):
+            bucket, _, key = ref.uri.removeprefix("s3://").partition("/")
+            try:
+                return await self._store.read_bytes(key, bucket=bucket, limit=MAX_INPUT_BYTES)
+            except StorageError as exc:
+                raise fatal(ErrorType.MISSING_INPUT, f"input {name!r}: {exc}") from exc
+        raise fatal(
+            ErrorType.INVALID_REQUEST,
+            f"input {name!r}: https inputs are not supported yet; upload it and pass s3:// "
+            "or inline data",
+        )
+
+    @activity.defn(name="submit_prompt")
+    async def submit_prompt(self, req: SubmitInput) -> SubmitResult:
+        """POST /prompt with our own prompt_id, unless ComfyUI already has it.
+
+        The prompt_id is ours, so a retry after a lost answer can ask `/queue` and `/history`
+        first instead of queueing (and paying for) the same work twice.
+        """
+        client = self._pools.client(req.pool)
+        bound = log.bind(job_id=req.job_id, prompt_id=req.prompt_id, segment=req.segment)
+        try:
+            await client.system_stats()
+            if activity.info().attempt > 1 and await self._known(client, req.prompt_id):
+                bound.info("submit_already_known")
+                return SubmitResult(prompt_id=req.prompt_id, outcome="already_known")
+            answer = await client.post_prompt(
+                req.graph, prompt_id=req.prompt_id, client_id=req.client_id
+            )
+        except ComfyError as exc:
+            raise from_comfy(exc, "submitting the prompt") from exc
+        dropped = answer.get("node_errors") or {}
+        bound.info("submitted", number=answer.get("number"), dropped_outputs=len(dropped))
+        return SubmitResult(
+            prompt_id=req.prompt_id,
+            outcome="submitted",
+            number=answer.get("number"),
+            dropped_outputs=dropped,
+        )
+
+    @staticmethod
+    async def _known(client: ComfyClient, prompt_id: str) -> bool:
+        if await client.queue_position(prompt_id) is not None:
+            return True
+        return await client.history(prompt_id) is not None
+
+    @activity.defn(name="teardown_prompt")
+    async def teardown_prompt(self, req: TeardownInput) -> TeardownResult:
+        """Make sure the prompt is no longer queued or running, and say how we know."""
+        now = datetime.now(UTC)
+        if req.prompt_id is None:
+            return TeardownResult(
+                teardown=Teardown(state="SKIPPED", at=now, detail="nothing was submitted")
+            )
+        client = self._pools.client(req.pool)
+        bound = log.bind(job_id=req.job_id, prompt_id=req.prompt_id)
+        try:
+            position = await client.queue_position(req.prompt_id)
+            actions: list[str] = []
+            if position == "pending":
+                await client.delete_pending(req.prompt_id)
+                actions.append("dequeued")
+            elif position == "running":
+                await client.interrupt(req.prompt_id)
+                actions.append("interrupted")
+            if req.free_memory:
+                await client.free(unload_models=True, free_memory=True)
+                actions.append("freed memory")
+            remaining = await client.queue_position(req.prompt_id)
+        except ComfyError as exc:
+            raise from_comfy(exc, "tearing down the prompt") from exc
+        if remaining is not None:
+            # Interrupts are cooperative: they land at the next step, so confirm on a retry.
+            raise retryable(
+                ErrorType.TEARDOWN_FAILED,
+                f"prompt still {remaining} after {', '.join(actions) or 'no action'}",
+                next_retry_delay=0.5,
+            )
+        detail = f"{req.reason}: " + (", ".join(actions) or "prompt already finished")
+        detail += "; confirmed absent from /queue"
+        bound.info("teardown_confirmed", detail=detail)
+        return TeardownResult(teardown=Teardown(state="CONFIRMED", at=now, detail=detail))
+
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
+
+
+def upload_name(job_id: str, file_name: str) -> str:
+    """A backend-side name unique to the job, so concurrent jobs never overwrite each other."""
+    base = _UNSAFE.sub("_", file_name.rsplit("/", 1)[-1]).strip("._") or "input"
+    return f"dc_{_UNSAFE.sub('_', job_id)}_{base}"

@@ -1,0 +1,52 @@
+"""The worker's settings: which pools it serves and where artifacts go.
+
+Pools come from the `worker:` section of temporal-dev.yaml (`DURABLE_COMFY_CONFIG`) or from
+`DURABLE_COMFY_POOLS` (JSON `{name: {kind, url}}`), which wins. Credentials come only from the
+environment and are never part of a request, a result or a log line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+from devstack.config import PoolConfig, load_stack_config
+from workflows.shared import DEFAULT_TASK_QUEUE
+
+
+class WorkerSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    task_queue: str = DEFAULT_TASK_QUEUE
+    default_pool: str = "comfyui"
+    pools: dict[str, PoolConfig] = Field(default_factory=dict)
+    max_concurrent_activities: int = 100
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> WorkerSettings:
+        settings = cls()
+        config_path = environ.get("DURABLE_COMFY_CONFIG")
+        if config_path:
+            worker = load_stack_config(Path(config_path)).worker
+            settings = cls(
+                task_queue=worker.task_queue,
+                default_pool=worker.default_pool,
+                pools=dict(worker.pools),
+            )
+        pools_json = environ.get("DURABLE_COMFY_POOLS")
+        if pools_json:
+            pools = TypeAdapter(dict[str, PoolConfig]).validate_python(json.loads(pools_json))
+            settings = settings.model_copy(update={"pools": pools})
+        if environ.get("DURABLE_COMFY_TASK_QUEUE"):
+            settings = settings.model_copy(
+                update={"task_queue": environ["DURABLE_COMFY_TASK_QUEUE"]}
+            )
+        if environ.get("DURABLE_COMFY_DEFAULT_POOL"):
+            settings = settings.model_copy(
+                update={"default_pool": environ["DURABLE_COMFY_DEFAULT_POOL"]}
+            )
+        return settings

@@ -1,0 +1,28 @@
+"""`durable-comfy`: the command line. This module only wires the commands together."""
+
+from __future__ import annotations
+
+import typer
+
+from starter.cli import jobs, submit, worker_cmd
+
+
+def build_app() -> typer.Typer:
+    app = typer.Typer(
+        help="Durable ComfyUI jobs on disposable GPU workers, orchestrated by Temporal.",
+        no_args_is_help=True,
+        pretty_exceptions_enable=False,
+    )
+    from devstack.cli import app as dev_app
+
+    app.add_typer(dev_app, name="dev", help="The local stack: Temporal, S3, ComfyUI simulator.")
+    app.command("submit")(submit.submit)
+    app.command("watch")(jobs.watch)
+    app.command("status")(jobs.status)
+    app.command("result")(jobs.result)
+    app.command("worker")(worker_cmd.worker)
+    return app
+
+
+def main() -> None:
+    build_app()()

@@ -1,0 +1,250 @@
+"""End to end on the real local stack: Temporal dev server, SeaweedFS, the ComfyUI simulator.
+
+A worker runs in this process on its own task queue; jobs go in through `JobClient` and the
+`durable-comfy` CLI exactly as a user would send them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import sys
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import pytest_asyncio
+
+from activities.settings import WorkerSettings
+from activities.storage import ArtifactStore, S3Settings
+from devstack.config import PoolConfig
+from devstack.models import RunningStack
+from starter import JobClient, JobRequest, JobState
+from starter.connection import connect_temporal
+from worker import run_worker
+from workflows.shared import ErrorType
+
+ROOT = Path(__file__).parent.parent
+EXAMPLE = ROOT / "examples" / "txt2img.json"
+
+
+def s3_settings(stack: RunningStack) -> S3Settings:
+    return S3Settings(
+        endpoint_url=stack.s3_endpoint,
+        region=stack.region,
+        bucket=stack.bucket,
+        access_key_id=stack.access_key_id,
+        secret_access_key=stack.secret_access_key,
+    )
+
+
+class RunningWorker:
+    def __init__(self, task_queue: str, client: JobClient, store: ArtifactStore) -> None:
+        self.task_queue = task_queue
+        self.client = client
+        self.store = store
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def worker(local_stack: RunningStack) -> AsyncIterator[RunningWorker]:
+    task_queue = f"e2e-{uuid.uuid4().hex[:8]}"
+    settings = WorkerSettings(
+        task_queue=task_queue,
+        pools={"comfyui": PoolConfig(kind="comfyui", url=local_stack.comfyui_url)},
+    )
+    temporal = await connect_temporal(local_stack.temporal_address, local_stack.namespace)
+    stop = asyncio.Event()
+    task = asyncio.create_task(
+        run_worker(settings, s3_settings(local_stack), stop=stop, client=temporal)
+    )
+    async with ArtifactStore(s3_settings(local_stack)) as store:
+        yield RunningWorker(
+            task_queue, JobClient(temporal, task_queue=task_queue, store=store), store
+        )
+    stop.set()
+    await asyncio.wait_for(task, timeout=30)
+
+
+async def sim_prompts(stack: RunningStack) -> dict[str, int]:
+    async with httpx.AsyncClient(trust_env=False) as http:
+        response = await http.get(f"{stack.comfyui_url}/sim/stats")
+    response.raise_for_status()
+    prompts: dict[str, int] = response.json()["prompts"]
+    return prompts
+
+
+def example() -> dict[str, Any]:
+    graph: dict[str, Any] = json.loads(EXAMPLE.read_text())
+    graph["3"]["inputs"]["steps"] = 8
+    return graph
+
+
+async def test_example_job_completes_with_verified_png_in_s3(
+    worker: RunningWorker, local_stack: RunningStack
+) -> None:
+    client = worker.client
+    before = await sim_prompts(local_stack)
+    submitted = await client.submit(JobRequest(graph=example()))
+    states = [s.state async for s in client.watch(submitted.job_id, poll_interval_s=0.05)]
+    final = await client.result(submitted.job_id)
+
+    assert final.state == JobState.COMPLETED, final.error
+    assert JobState.RUNNING in states and states[-1] == JobState.COMPLETED
+    assert final.teardown.state == "CONFIRMED"
+    assert final.progress.fraction == 1.0 and final.progress.step == 8
+    [artifact] = final.artifacts
+    assert artifact.uri == f"s3://{local_stack.bucket}/{artifact.key}"
+    assert artifact.key.startswith(f"jobs/{submitted.job_id}/0/9/")
+    assert artifact.content_type == "image/png"
+    assert artifact.url is not None
+    async with httpx.AsyncClient(trust_env=False) as http:
+        body = (await http.get(artifact.url)).content
+    assert body.startswith(b"\x89PNG\r\n\x1a\n")
+    assert len(body) == artifact.size
+    assert hashlib.sha256(body).hexdigest() == artifact.sha256
+    after = await sim_prompts(local_stack)
+    new = {k: v for k, v in after.items() if k not in before}
+    assert list(new.values()) == [1], "exactly one prompt submitted"
+
+
+async def test_same_job_id_twice_is_one_job(worker: RunningWorker) -> None:
+    job_id = f"idem-{uuid.uuid4().hex[:8]}"
+    request = JobRequest(graph=example())
+    await worker.client.submit(request, job_id=job_id)
+    again = await worker.client.submit(request, job_id=job_id)
+    assert again.job_id == job_id
+    final = await worker.client.wait(job_id)
+    assert final.state == JobState.COMPLETED
+    handle = worker.client.handle(job_id)
+    assert (await handle.describe()).run_id == (await handle.describe()).run_id
+
+
+BAD_GRAPHS: list[tuple[str, dict[str, Any], str | None, str]] = [
+    (
+        "unknown node class",
+        {
+            "1": {"class_type": "NoSuchNode", "inputs": {}},
+            "2": {
+                "class_type": "SaveImage",
+                "inputs": {"images": ["1", 0], "filename_prefix": "x"},
+            },
+        },
+        None,
+        ErrorType.INVALID_GRAPH,
+    ),
+    (
+        "missing input file",
+        {
+            "1": {"class_type": "LoadImage", "inputs": {"image": "not-uploaded.png"}},
+            "2": {
+                "class_type": "SaveImage",
+                "inputs": {"images": ["1", 0], "filename_prefix": "x"},
+            },
+        },
+        None,
+        ErrorType.MISSING_INPUT,
+    ),
+    ("unknown pool", example(), "no-such-pool", ErrorType.UNKNOWN_POOL),
+]
+
+
+@pytest.mark.parametrize(
+    ("graph", "pool", "error_type"),
+    [case[1:] for case in BAD_GRAPHS],
+    ids=[case[0] for case in BAD_GRAPHS],
+)
+async def test_bad_input_fails_typed_before_any_prompt(
+    worker: RunningWorker,
+    local_stack: RunningStack,
+    graph: dict[str, Any],
+    pool: str | None,
+    error_type: str,
+) -> None:
+    before = await sim_prompts(local_stack)
+    submitted = await worker.client.submit(JobRequest(graph=graph, pool=pool))
+    final = await worker.client.wait(submitted.job_id)
+    assert final.state == JobState.FAILED
+    assert final.error is not None and final.error.type == error_type, final.error
+    assert await sim_prompts(local_stack) == before, "no prompt may reach the backend"
+    assert final.artifacts == []
+
+
+def cli_env(stack: RunningStack, task_queue: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TEMPORAL_", "AWS_"))}
+    env.update(stack.worker_env())
+    env["DURABLE_COMFY_TASK_QUEUE"] = task_queue
+    return env
+
+
+async def run_cli(*args: str, env: dict[str, str]) -> tuple[int, str, str]:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "starter.cli",
+        *args,
+        env=env,
+        cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(process.communicate(), timeout=120)
+    assert process.returncode is not None
+    return process.returncode, out.decode(), err.decode()
+
+
+async def test_cli_submit_watch_json_ends_completed_with_stored_artifacts(
+    worker: RunningWorker, local_stack: RunningStack, tmp_path: Path
+) -> None:
+    graph_file = tmp_path / "graph.json"
+    graph_file.write_text(json.dumps(example()))
+    env = cli_env(local_stack, worker.task_queue)
+    code, out, err = await run_cli("submit", str(graph_file), "--watch", "--json", env=env)
+    assert code == 0, err
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert all("state" in line for line in lines)
+    last = lines[-1]
+    assert last["state"] == "COMPLETED"
+    assert last["artifacts"]
+    for artifact in last["artifacts"]:
+        assert artifact["uri"].startswith("s3://")
+        stored = await worker.store.head(artifact["key"])
+        assert stored is not None and stored.size == artifact["size"]
+    seqs = [line["seq"] for line in lines]
+    assert seqs == sorted(seqs)
+
+    code, out, err = await run_cli("status", last["job_id"], "--json", env=env)
+    assert code == 0, err
+    assert json.loads(out)["state"] == "COMPLETED"
+
+    download = tmp_path / "download"
+    code, out, err = await run_cli("result", last["job_id"], "--download", str(download), env=env)
+    assert code == 0, err
+    assert [p.suffix for p in download.rglob("*") if p.is_file()] == [".png"]
+
+
+async def test_cli_rejects_editor_format_before_submitting(
+    worker: RunningWorker, local_stack: RunningStack, tmp_path: Path
+) -> None:
+    graph_file = tmp_path / "editor.json"
+    graph_file.write_text(json.dumps({"nodes": [{"id": 1}], "links": [], "version": 0.4}))
+    env = cli_env(local_stack, worker.task_queue)
+    code, out, err = await run_cli("submit", str(graph_file), "--json", env=env)
+    assert code == 2
+    assert out == ""
+    assert "export the workflow in API format" in err
+
+
+async def test_cli_missing_input_file_is_refused_before_submitting(
+    worker: RunningWorker, local_stack: RunningStack, tmp_path: Path
+) -> None:
+    env = cli_env(local_stack, worker.task_queue)
+    code, _out, err = await run_cli(
+        "submit", str(EXAMPLE), "--input", "face.png=/nonexistent/face.png", env=env
+    )
+    assert code == 2
+    assert "file not found: /nonexistent/face.png" in err

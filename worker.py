@@ -1,0 +1,92 @@
+"""`python worker.py` (or `durable-comfy worker`): the Temporal worker for InferenceJob.
+
+It only wires things together: settings from the environment, one httpx client, one S3 client,
+the activities built on them, and a graceful shutdown on SIGTERM/SIGINT so a running
+`follow_prompt` hands its prompt to another worker at once instead of after a heartbeat timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from datetime import timedelta
+
+import httpx
+import structlog
+from temporalio.client import Client
+from temporalio.worker import Worker
+
+from activities.comfyui import ComfyActivities, ComfyPools
+from activities.comfyui_follow import FollowActivities
+from activities.log_setup import configure_logging
+from activities.settings import WorkerSettings
+from activities.storage import ArtifactStore, S3Settings
+from starter.connection import connect_temporal
+from workflows.inference_job import InferenceJob
+
+log = structlog.get_logger("worker")
+
+GRACEFUL_SHUTDOWN = timedelta(seconds=5)
+
+
+async def run_worker(
+    settings: WorkerSettings | None = None,
+    s3: S3Settings | None = None,
+    stop: asyncio.Event | None = None,
+    client: Client | None = None,
+) -> None:
+    """Serve InferenceJob until `stop` is set (by default: SIGTERM or SIGINT)."""
+    settings = settings or WorkerSettings.from_env()
+    s3 = s3 or S3Settings.from_env()
+    stop = stop or _stop_on_signals()
+    client = client or await connect_temporal()
+    # Temporal owns retries: no transport-level retries here.
+    timeout = httpx.Timeout(30.0, connect=5.0)
+    async with (
+        httpx.AsyncClient(timeout=timeout, trust_env=False) as http,
+        ArtifactStore(s3) as store,
+    ):
+        pools = ComfyPools(settings, http)
+        comfy = ComfyActivities(pools, store)
+        follow = FollowActivities(pools, store)
+        worker = Worker(
+            client,
+            task_queue=settings.task_queue,
+            workflows=[InferenceJob],
+            activities=[
+                comfy.prepare_prompt,
+                comfy.submit_prompt,
+                comfy.teardown_prompt,
+                follow.follow_prompt,
+                follow.offload_outputs,
+            ],
+            max_concurrent_activities=settings.max_concurrent_activities,
+            graceful_shutdown_timeout=GRACEFUL_SHUTDOWN,
+        )
+        log.info(
+            "worker_started",
+            task_queue=settings.task_queue,
+            pools=sorted(settings.pools),
+            namespace=client.namespace,
+        )
+        async with worker:
+            await stop.wait()
+            log.info("worker_stopping")
+    log.info("worker_stopped")
+
+
+def _stop_on_signals() -> asyncio.Event:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+def main() -> None:
+    configure_logging()
+    asyncio.run(run_worker())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""Inputs and results of the activities, one model in and one model out for each."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from workflows.contracts import Artifact, Checkpoint, InputRef, OutputSpec, Teardown
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class PrepareInput(_Model):
+    job_id: str
+    pool: str | None
+    graph: dict[str, Any]
+    inputs: dict[str, InputRef] = Field(default_factory=dict)
+    segments: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class PreparedJob(_Model):
+    """The graph as it will be submitted, checked against the backend's node registry."""
+
+    pool: str
+    kind: str
+    graph: dict[str, Any]
+    sampler_steps: dict[str, int] = Field(default_factory=dict)
+    nodes_total: int = 0
+    output_nodes: list[str] = Field(default_factory=list)
+
+
+class SubmitInput(_Model):
+    job_id: str
+    pool: str
+    prompt_id: str
+    client_id: str
+    segment: int = 0
+    graph: dict[str, Any]
+
+
+class SubmitResult(_Model):
+    prompt_id: str
+    outcome: Literal["submitted", "already_known"]
+    number: int | None = None
+    dropped_outputs: dict[str, Any] = Field(default_factory=dict)
+
+
+class FollowInput(_Model):
+    job_id: str
+    pool: str
+    prompt_id: str
+    client_id: str
+    segment: int = 0
+    segments: int = 1
+    run_tag: str
+    sampler_steps: dict[str, int] = Field(default_factory=dict)
+    nodes_total: int = 0
+    output: OutputSpec
+    progress_interval_s: float = 2.0
+    # Artifacts of this segment stored by an earlier attempt: never uploaded twice.
+    stored: list[Artifact] = Field(default_factory=list)
+
+
+class FollowResult(_Model):
+    prompt_id: str
+    outcome: Literal["success"]
+    artifacts: list[Artifact] = Field(default_factory=list)
+    checkpoint: Checkpoint
+
+
+class OffloadInput(_Model):
+    job_id: str
+    pool: str
+    prompt_id: str
+    segment: int = 0
+    run_tag: str
+    output: OutputSpec
+    stored: list[Artifact] = Field(default_factory=list)
+
+
+class OffloadResult(_Model):
+    artifacts: list[Artifact]
+
+
+class TeardownInput(_Model):
+    job_id: str
+    pool: str
+    prompt_id: str | None
+    reason: str
+    free_memory: bool = False
+
+
+class TeardownResult(_Model):
+    teardown: Teardown

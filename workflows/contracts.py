@@ -1,0 +1,233 @@
+"""The data contracts every layer exchanges (DESIGN.md §2), as pydantic v2 models.
+
+They travel through Temporal with `temporalio.contrib.pydantic.pydantic_data_converter`.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from workflows.shared import JOB_ID_PATTERN
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class JobState(StrEnum):
+    QUEUED = "QUEUED"
+    PREPARING = "PREPARING"
+    SUBMITTING = "SUBMITTING"
+    RUNNING = "RUNNING"
+    RECONNECTING = "RECONNECTING"
+    UPLOADING = "UPLOADING"
+    NEEDS_DECISION = "NEEDS_DECISION"
+    COMPLETED = "COMPLETED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+    ABANDONED = "ABANDONED"
+
+    @property
+    def terminal(self) -> bool:
+        return self in TERMINAL_STATES
+
+
+TERMINAL_STATES = frozenset(
+    {JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED, JobState.ABANDONED}
+)
+
+
+class ReconnectPolicy(_Model):
+    base_delay_s: float = Field(1.0, gt=0)
+    max_delay_s: float = Field(30.0, gt=0)
+    horizon_s: float = Field(300.0, gt=0)
+
+    @model_validator(mode="after")
+    def _max_not_below_base(self) -> ReconnectPolicy:
+        if self.max_delay_s < self.base_delay_s:
+            raise ValueError("reconnect.max_delay_s must be >= reconnect.base_delay_s")
+        return self
+
+
+class JobPolicy(_Model):
+    execution_timeout_s: float = Field(1800.0, gt=0)
+    queue_timeout_s: float | None = Field(None, gt=0)
+    heartbeat_timeout_s: float = Field(20.0, gt=0)
+    reconnect: ReconnectPolicy = Field(default_factory=ReconnectPolicy)
+    # Unset means "the reconnect horizon"; an explicit null makes a detached job.
+    abandon_after_s: float | None = Field(default=300.0, gt=0)
+    progress_interval_s: float = Field(2.0, gt=0)
+    on_ambiguous_submit: Literal["pause", "fail", "resubmit"] = "pause"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _abandon_defaults_to_horizon(cls, data: Any) -> Any:
+        # Resolved here, once, so the value survives serialisation: after a JSON round trip an
+        # explicit null must still mean "detached", and a default must still mean "horizon".
+        if isinstance(data, dict) and "abandon_after_s" not in data:
+            reconnect = data.get("reconnect")
+            horizon = 300.0
+            if isinstance(reconnect, dict):
+                horizon = reconnect.get("horizon_s", horizon)
+            elif isinstance(reconnect, ReconnectPolicy):
+                horizon = reconnect.horizon_s
+            data = {**data, "abandon_after_s": horizon}
+        return data
+
+    @property
+    def detached(self) -> bool:
+        return self.abandon_after_s is None
+
+
+class InlineInput(_Model):
+    kind: Literal["inline"] = "inline"
+    filename: str = Field(min_length=1, max_length=255)
+    data_b64: str = Field(description="File bytes, base64. Keep small: it is stored in history.")
+
+
+class S3Input(_Model):
+    kind: Literal["s3"] = "s3"
+    uri: str = Field(pattern=r"^s3://[^/]+/.+")
+
+
+class UrlInput(_Model):
+    kind: Literal["url"] = "url"
+    url: str = Field(pattern=r"^https://")
+
+
+InputRef = Annotated[InlineInput | S3Input | UrlInput, Field(discriminator="kind")]
+
+# Inline inputs live in workflow history, whose payloads are capped at 2 MiB.
+MAX_INLINE_INPUT_BYTES = 1024 * 1024
+
+
+class OutputSpec(_Model):
+    bucket: str | None = None
+    prefix: str = Field("jobs", max_length=200)
+    presign_ttl_s: int = Field(3600, gt=0, le=7 * 24 * 3600)
+
+
+class JobRequest(_Model):
+    """What a client asks for. Names a pool, never a URL or a credential."""
+
+    graph: dict[str, Any]
+    inputs: dict[str, InputRef] = Field(default_factory=dict)
+    segments: list[dict[str, Any]] = Field(default_factory=list)
+    pool: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    output: OutputSpec = Field(default_factory=OutputSpec)
+    policy: JobPolicy = Field(default_factory=JobPolicy)
+    labels: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("graph")
+    @classmethod
+    def _api_format(cls, graph: dict[str, Any]) -> dict[str, Any]:
+        from workflows.graph import check_api_format
+
+        check_api_format(graph)
+        return graph
+
+
+class Checkpoint(_Model):
+    """The durable answer to "where do I resume": heartbeated on every progress event."""
+
+    job_id: str
+    segment: int = 0
+    step: int = 0
+    total_steps: int = 0
+    provider_job_id: str | None = None
+    prompt_id: str | None = None
+    client_id: str | None = None
+    nodes_done: list[str] = Field(default_factory=list)
+    node_steps: dict[str, int] = Field(default_factory=dict)
+    uploaded: list[str] = Field(default_factory=list)
+    last_artifact_ref: str | None = None
+    updated_at: datetime | None = None
+
+
+class Artifact(_Model):
+    key: str
+    uri: str
+    size: int = Field(ge=0)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    content_type: str
+    node_id: str
+    segment: int = 0
+    url: str | None = Field(None, description="Presigned GET URL; filled by clients, never stored.")
+
+
+class Progress(_Model):
+    segment: int = 0
+    segments: int = 1
+    step: int = 0
+    total_steps: int = 0
+    fraction: float = Field(0.0, ge=0.0, le=1.0)
+    unit: Literal["steps", "nodes"] = "steps"
+
+
+class JobError(_Model):
+    type: str
+    message: str
+    retryable: bool = False
+
+
+class BackendInfo(_Model):
+    pool: str
+    kind: str = "comfyui"
+    provider_job_id: str | None = None
+    worker_id: str | None = None
+
+
+class Teardown(_Model):
+    state: Literal["PENDING", "CONFIRMED", "FAILED", "SKIPPED"] = "PENDING"
+    at: datetime | None = None
+    detail: str = ""
+
+
+class JobStatus(_Model):
+    """What every client sees, by query, poll or push."""
+
+    job_id: str
+    state: JobState = JobState.QUEUED
+    seq: int = 0
+    progress: Progress = Field(default_factory=Progress)
+    checkpoint: Checkpoint | None = None
+    artifacts: list[Artifact] = Field(default_factory=list)
+    error: JobError | None = None
+    backend: BackendInfo | None = None
+    reconnects: int = 0
+    teardown: Teardown = Field(default_factory=Teardown)
+    detached: bool = False
+    created_at: datetime | None = None
+    updated_at: datetime | None = None
+    last_client_contact_at: datetime | None = None
+
+    @property
+    def terminal(self) -> bool:
+        return self.state.terminal
+
+
+class ProgressReport(_Model):
+    """Sent by the monitoring activity as the `progress` signal, throttled by fraction."""
+
+    attempt_client_id: str
+    stage: Literal["queued", "running", "uploading", "finished"] = "running"
+    step: int = 0
+    total_steps: int = 0
+    nodes_done: int = 0
+    nodes_total: int = 0
+    node: str | None = None
+    artifact: Artifact | None = None
+    checkpoint: Checkpoint | None = None
+    worker_id: str | None = None
+
+
+def validate_job_id(job_id: str) -> str:
+    if not JOB_ID_PATTERN.match(job_id):
+        raise ValueError(
+            f"job id {job_id!r} is not valid: use 1-200 characters from A-Z a-z 0-9 _ . : -"
+        )
+    return job_id

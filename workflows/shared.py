@@ -1,0 +1,49 @@
+"""Names shared by the workflow, the activities, the worker, the clients and the tests.
+
+One place for task queues, message names, search attributes and error types, so no string is
+spelled twice.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Final
+
+WORKFLOW_TYPE: Final = "InferenceJob"
+DEFAULT_TASK_QUEUE: Final = "durable-comfy"
+
+# Messages
+QUERY_STATUS: Final = "status"
+SIGNAL_PROGRESS: Final = "progress"
+SIGNAL_CLIENT_SEEN: Final = "client_seen"
+SIGNAL_CANCEL: Final = "cancel"
+SIGNAL_RESUME: Final = "resume"
+UPDATE_ATTACH: Final = "attach"
+
+# Search attributes registered on the server (temporal-dev.yaml lists them too).
+SA_JOB_STATE: Final = "JobState"
+SA_JOB_PROGRESS: Final = "JobProgress"
+SA_JOB_POOL: Final = "JobPool"
+SA_TENANT: Final = "Tenant"
+
+JOB_ID_PATTERN: Final = re.compile(r"^[A-Za-z0-9_.:-]{1,200}$")
+
+
+class ErrorType:
+    """`ApplicationError.type` values. Clients branch on these, so they never change meaning."""
+
+    INVALID_REQUEST: Final = "InvalidRequest"
+    INVALID_GRAPH: Final = "InvalidGraph"
+    UNKNOWN_POOL: Final = "UnknownPool"
+    MISSING_INPUT: Final = "MissingInput"
+    PROMPT_REJECTED: Final = "PromptRejected"
+    BACKEND_UNAVAILABLE: Final = "BackendUnavailable"
+    CONNECTION_LOST: Final = "ConnectionLost"
+    EXECUTION_ERROR: Final = "ExecutionError"
+    OUT_OF_MEMORY: Final = "OutOfMemory"
+    INTERRUPTED: Final = "Interrupted"
+    PROMPT_LOST: Final = "PromptLost"
+    OUTPUT_MISSING: Final = "OutputMissing"
+    STORAGE_ERROR: Final = "StorageError"
+    TIMEOUT: Final = "Timeout"
+    TEARDOWN_FAILED: Final = "TeardownFailed"
