@@ -22,6 +22,7 @@ from activities.log_setup import configure_logging
 from activities.settings import WorkerSettings
 from activities.storage import ArtifactStore, S3Settings
 from starter.connection import connect_temporal
+from starter.exit import exit_without_finalizing
 from workflows.inference_job import InferenceJob
 
 log = structlog.get_logger("worker")
@@ -86,6 +87,7 @@ def _stop_on_signals() -> asyncio.Event:
 def main() -> None:
     configure_logging()
     asyncio.run(run_worker())
+    exit_without_finalizing(0)
 
 
 if __name__ == "__main__":

@@ -16,9 +16,9 @@ from temporalio import activity
 
 from activities.comfy_client import ComfyClient, ComfyError
 from activities.comfyui_graph import available_input_files, output_nodes, registry_problems
-from activities.errors import fatal, from_comfy, retryable
+from activities.errors import fatal, from_comfy, from_storage, retryable
 from activities.settings import WorkerSettings
-from activities.storage import ArtifactStore, StorageError
+from activities.storage import ArtifactStore, ObjectMissing, StorageError
 from workflows.activity_io import (
     PreparedJob,
     PrepareInput,
@@ -141,8 +141,10 @@ class ComfyActivities:
             bucket, _, key = ref.uri.removeprefix("s3://").partition("/")
             try:
                 return await self._store.read_bytes(key, bucket=bucket, limit=MAX_INPUT_BYTES)
-            except StorageError as exc:
+            except ObjectMissing as exc:
                 raise fatal(ErrorType.MISSING_INPUT, f"input {name!r}: {exc}") from exc
+            except StorageError as exc:
+                raise from_storage(exc, f"reading input {name!r}") from exc
         raise fatal(
             ErrorType.INVALID_REQUEST,
             f"input {name!r}: https inputs are not supported yet; upload it and pass s3:// "

@@ -31,7 +31,7 @@ from activities.comfy_events import (
     parse_frame,
 )
 from activities.comfyui import ComfyPools
-from activities.errors import fatal, from_comfy, retryable
+from activities.errors import fatal, from_comfy, from_storage, retryable
 from activities.keys import artifact_key, content_type_for
 from activities.progress import ProgressTracker
 from activities.storage import ArtifactStore, StorageError
@@ -106,7 +106,7 @@ class OutputUploader:
         except ComfyError as exc:
             raise from_comfy(exc, f"fetching output {item['filename']!r}") from exc
         except StorageError as exc:
-            raise retryable(ErrorType.STORAGE_ERROR, f"storing {key}: {exc}") from exc
+            raise from_storage(exc, f"storing {key}") from exc
         finally:
             self._in_flight.discard(key)
         artifact = Artifact(

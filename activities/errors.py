@@ -17,6 +17,7 @@ from activities.comfy_client import (
     ComfyPromptRejected,
     ComfyUnavailable,
 )
+from activities.storage_errors import StorageError
 from workflows.shared import ErrorType
 
 
@@ -48,3 +49,11 @@ def from_comfy(exc: ComfyError, doing: str) -> ApplicationError:
     if isinstance(exc, ComfyHTTPError) and 400 <= exc.status_code < 500:
         return fatal(ErrorType.BACKEND_UNAVAILABLE, f"{doing}: {exc}")
     return retryable(ErrorType.BACKEND_UNAVAILABLE, f"{doing}: {exc}")
+
+
+def from_storage(exc: StorageError, doing: str) -> ApplicationError:
+    """S3 failures: missing credentials or bucket are fatal; the rest is worth retrying."""
+    message = f"{doing}: {exc}"
+    if exc.retryable:
+        return retryable(ErrorType.STORAGE_ERROR, message)
+    return fatal(ErrorType.STORAGE_ERROR, message)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from starter.cli import jobs, submit, worker_cmd
+from starter.exit import exit_without_finalizing
 
 
 def build_app() -> typer.Typer:
@@ -25,4 +26,8 @@ def build_app() -> typer.Typer:
 
 
 def main() -> None:
-    build_app()()
+    try:
+        build_app()()
+    except SystemExit as exc:
+        exit_without_finalizing(exc.code)
+    exit_without_finalizing(0)

@@ -1,0 +1,270 @@
+"""Streaming multipart upload with constant memory, for `activities.storage`.
+
+The client-level pieces only: splitting a byte stream into parts, sending parts with bounded
+concurrency, aborting an unfinished upload even under cancellation, and stamping metadata that is
+known only once the last byte has gone (the sha256) onto the finished object. Errors from botocore
+and from the source iterator propagate untouched; `storage` translates them at its edge.
+
+Memory: at most `MAX_IN_FLIGHT` parts exist at once (sending or being filled), each in one
+buffer of PART_SIZE, so about MAX_IN_FLIGHT x PART_SIZE plus one source chunk whatever the object
+size. A slot is taken before the next part is read, so a fast source never runs ahead of a slow
+bucket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import io
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Awaitable, Mapping
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import structlog
+
+PART_SIZE = 8 * 1024 * 1024
+MAX_IN_FLIGHT = 4
+MAX_PARTS = 10_000  # S3's limit: with 8 MiB parts an object may reach ~78 GiB
+# CopyObject refuses sources above 5 GiB; larger objects get their metadata through part copies.
+COPY_OBJECT_LIMIT = 5 * 1024**3
+COPY_PART_SIZE = 1024**3
+ABORT_TIMEOUT_S = 30.0
+
+log = structlog.get_logger("durable_comfy.s3")
+
+
+class TooManyParts(ValueError):
+    """The stream is longer than MAX_PARTS x PART_SIZE."""
+
+
+@dataclass(frozen=True)
+class Uploaded:
+    size: int
+    sha256: str
+    parts: int  # 0 for a single PutObject
+    etag: str
+
+
+class Part(NamedTuple):
+    body: io.BytesIO  # positioned at 0, owning its buffer
+    size: int
+
+
+async def split_parts(
+    chunks: AsyncIterable[bytes | bytearray | memoryview], part_size: int
+) -> AsyncGenerator[Part, None]:
+    """Re-chunk a stream into parts of exactly `part_size` bytes, the last one shorter.
+
+    Always yields at least one part (an empty stream yields an empty one). Each byte is copied
+    once, into the part's own BytesIO: botocore turns a `bytes` body into a BytesIO that shares
+    the bytes, and aiohttp's `getbuffer()` on it then silently copies the whole part again.
+    """
+    body, filled, yielded = io.BytesIO(), 0, False
+    async for chunk in chunks:
+        view = memoryview(chunk).cast("B")
+        while view.nbytes:
+            take = min(part_size - filled, view.nbytes)
+            body.write(view[:take])
+            filled += take
+            view = view[take:]
+            if filled == part_size:
+                body.seek(0)
+                yield Part(body, filled)
+                # Now that the stream is known to be large, size the next buffer once instead of
+                # growing it by reallocation; small objects never pay for this.
+                body, filled, yielded = _presized(part_size), 0, True
+    if filled or not yielded:
+        body.truncate(filled)
+        body.seek(0)
+        yield Part(body, filled)
+
+
+def _presized(size: int) -> io.BytesIO:
+    body = io.BytesIO()
+    body.seek(size - 1)
+    body.write(b"\0")
+    body.seek(0)
+    return body
+
+
+async def upload_multipart(
+    client: Any,
+    *,
+    bucket: str,
+    key: str,
+    first: Part,
+    rest: AsyncIterator[Part],
+    content_type: str,
+    metadata: Mapping[str, str],
+) -> Uploaded:
+    """Upload `first` then every part of `rest`; stamp `sha256` metadata on the finished object.
+
+    On any failure or cancellation the multipart upload is aborted before the error propagates.
+    """
+    created = await client.create_multipart_upload(
+        Bucket=bucket, Key=key, ContentType=content_type, Metadata=dict(metadata)
+    )
+    upload_id: str = created["UploadId"]
+    try:
+        parts, size, digest = await _send_parts(client, bucket, key, upload_id, first, rest)
+        done = await client.complete_multipart_upload(
+            Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts}
+        )
+    except BaseException:
+        await abort_upload(client, bucket=bucket, key=key, upload_id=upload_id)
+        raise
+    etag: str = done["ETag"]
+    await stamp_metadata(
+        client,
+        bucket=bucket,
+        key=key,
+        etag=etag,
+        size=size,
+        content_type=content_type,
+        metadata={**metadata, "sha256": digest},
+    )
+    return Uploaded(size=size, sha256=digest, parts=len(parts), etag=etag)
+
+
+async def _send_parts(
+    client: Any, bucket: str, key: str, upload_id: str, first: Part, rest: AsyncIterator[Part]
+) -> tuple[list[dict[str, Any]], int, str]:
+    hasher = hashlib.sha256()
+    etags: dict[int, str] = {}
+    in_flight: set[asyncio.Task[None]] = set()
+    size = 0
+
+    async def send(number: int, body: io.BytesIO) -> None:
+        resp = await client.upload_part(
+            Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=body
+        )
+        etags[number] = resp["ETag"]
+
+    async def reap(block: bool) -> None:
+        # Surfaces a failed part as soon as the loop comes round, instead of after the whole
+        # stream has been read.
+        if block:
+            await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
+        for task in [t for t in in_flight if t.done()]:
+            in_flight.discard(task)
+            task.result()
+
+    try:
+        part: Part | None = first
+        number = 0
+        while part is not None:
+            number += 1
+            if number > MAX_PARTS:
+                raise TooManyParts(f"object exceeds {MAX_PARTS} parts of {first.size} bytes")
+            # Hashing 8 MiB takes a few ms; hashlib drops the GIL, so a thread keeps the event
+            # loop (and the activity's heartbeats) responsive. Parts are hashed in order.
+            await asyncio.to_thread(hash_part, hasher, part)
+            size += part.size
+            in_flight.add(asyncio.create_task(send(number, part.body)))
+            del part  # the task now holds the only reference
+            await reap(block=len(in_flight) >= MAX_IN_FLIGHT)
+            part = await anext(rest, None)
+        while in_flight:
+            await reap(block=True)
+    except BaseException:
+        for task in in_flight:
+            task.cancel()
+        await asyncio.gather(*in_flight, return_exceptions=True)
+        raise
+    parts = [{"PartNumber": n, "ETag": etags[n]} for n in sorted(etags)]
+    return parts, size, hasher.hexdigest()
+
+
+def hash_part(hasher: Any, part: Part) -> None:
+    with part.body.getbuffer() as view:  # no copy; released before anyone could resize it
+        hasher.update(view)
+
+
+async def stamp_metadata(
+    client: Any,
+    *,
+    bucket: str,
+    key: str,
+    etag: str,
+    size: int,
+    content_type: str,
+    metadata: Mapping[str, str],
+) -> None:
+    """Replace the object's metadata by copying it onto itself, server side.
+
+    The sha256 of a streamed object is known only after its last part, but S3 fixes metadata at
+    CreateMultipartUpload. `CopySourceIfMatch` pins the copy to the object we just completed, so a
+    concurrent writer of the same key can never receive our digest.
+    """
+    source = {"Bucket": bucket, "Key": key}
+    if size <= COPY_OBJECT_LIMIT:
+        await client.copy_object(
+            Bucket=bucket,
+            Key=key,
+            CopySource=source,
+            CopySourceIfMatch=etag,
+            MetadataDirective="REPLACE",
+            Metadata=dict(metadata),
+            ContentType=content_type,
+        )
+        return
+    created = await client.create_multipart_upload(
+        Bucket=bucket, Key=key, ContentType=content_type, Metadata=dict(metadata)
+    )
+    upload_id: str = created["UploadId"]
+    try:
+        parts = []
+        for number, start in enumerate(range(0, size, COPY_PART_SIZE), start=1):
+            end = min(start + COPY_PART_SIZE, size) - 1
+            resp = await client.upload_part_copy(
+                Bucket=bucket,
+                Key=key,
+                UploadId=upload_id,
+                PartNumber=number,
+                CopySource=source,
+                CopySourceIfMatch=etag,
+                CopySourceRange=f"bytes={start}-{end}",
+            )
+            parts.append({"PartNumber": number, "ETag": resp["CopyPartResult"]["ETag"]})
+        await client.complete_multipart_upload(
+            Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts}
+        )
+    except BaseException:
+        await abort_upload(client, bucket=bucket, key=key, upload_id=upload_id)
+        raise
+
+
+async def abort_upload(client: Any, *, bucket: str, key: str, upload_id: str) -> None:
+    """Abort a multipart upload. Failures are logged, not raised; a cancellation that arrives
+    meanwhile is passed on only once the abort has finished.
+
+    A leaked upload keeps its parts (and their storage cost) until a lifecycle rule removes them,
+    so the abort must run to completion before a cancellation is allowed through.
+    """
+    aborting: Awaitable[Any] = client.abort_multipart_upload(
+        Bucket=bucket, Key=key, UploadId=upload_id
+    )
+    # Bounded: past this, the bucket's AbortIncompleteMultipartUpload lifecycle rule is the net.
+    task = asyncio.ensure_future(asyncio.wait_for(aborting, ABORT_TIMEOUT_S))
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            cancelled = True
+        except Exception:
+            break  # reported below from task.exception()
+    if task.cancelled():
+        log.warning("s3.multipart.abort_cancelled", bucket=bucket, key=key, upload_id=upload_id)
+    elif (exc := task.exception()) is not None:
+        log.warning(
+            "s3.multipart.abort_failed",
+            bucket=bucket,
+            key=key,
+            upload_id=upload_id,
+            error=type(exc).__name__,
+        )
+    else:
+        log.info("s3.multipart.aborted", bucket=bucket, key=key, upload_id=upload_id)
+    if cancelled:
+        raise asyncio.CancelledError

@@ -1,0 +1,426 @@
+"""Artifact storage on S3 (SeaweedFS locally, AWS or any S3 in production).
+
+One `ArtifactStore` per worker or client process holds one aioboto3 S3 client. Uploads stream with
+constant memory (see `activities.s3_multipart`); every stored object carries its sha256 as user
+metadata `sha256`, which `head`, `verify` and `download` check.
+
+Exceptions (defined in `activities.storage_errors`, re-exported here; botocore errors are
+translated at this edge with `raise ... from exc`):
+    StorageError                 base; `.retryable` tells Temporal whether trying again may help
+    ├── ObjectMissing            the key does not exist
+    ├── IntegrityError           size or sha256 differs from what was written or expected
+    ├── StorageConfigError       settings missing/invalid, or credentials/bucket rejected by S3
+    └── SourceStreamError        the caller's byte stream raised mid-upload (upload aborted)
+Botocore retries at most once (`max_attempts: 2`): Temporal owns retries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import re
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterable, Mapping
+from contextlib import AsyncExitStack
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any, Self
+from urllib.parse import urlsplit
+
+import aioboto3
+import structlog
+from aiobotocore.config import AioConfig
+from botocore.exceptions import ClientError
+from pydantic import BaseModel, ConfigDict, SecretStr, ValidationError, field_validator
+
+from activities import s3_multipart
+from activities.s3_multipart import PART_SIZE, split_parts
+from activities.storage_errors import (
+    MISSING_CODES,
+    S3_FAILURES,
+    IntegrityError,
+    ObjectMissing,
+    SourceStreamError,
+    StorageConfigError,
+    StorageError,
+    error_code,
+    translate,
+)
+
+__all__ = [
+    "ArtifactStore",
+    "IntegrityError",
+    "ObjectMissing",
+    "S3Settings",
+    "SourceStreamError",
+    "StorageConfigError",
+    "StorageError",
+    "StoredObject",
+]
+
+log = structlog.get_logger("durable_comfy.storage")
+
+MAX_PRESIGN_TTL_S = 7 * 24 * 3600  # SigV4's ceiling
+_DOWNLOAD_CHUNK = 1024 * 1024
+_BUCKET_NAME = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+_METADATA_KEY = re.compile(r"^[a-z0-9-]{1,64}$")
+
+
+class S3Settings(BaseModel):
+    """Where artifacts go. Credentials are SecretStr: never in repr, str, dumps or logs.
+
+    Without credentials botocore's default chain applies (instance profile, web identity, ...).
+    """
+
+    # hide_input_in_errors: a ValidationError must not print a secret (or a URL carrying one).
+    model_config = ConfigDict(frozen=True, extra="forbid", hide_input_in_errors=True)
+
+    endpoint_url: str | None = None
+    region: str = "us-east-1"
+    bucket: str
+    access_key_id: SecretStr | None = None
+    secret_access_key: SecretStr | None = None
+
+    @field_validator("endpoint_url")
+    @classmethod
+    def _check_endpoint(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        parts = urlsplit(value)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("endpoint must be an http(s) URL")
+        if parts.username or parts.password:
+            # Credentials in a URL end up in logs and error messages.
+            raise ValueError("endpoint must not carry credentials")
+        return value.rstrip("/")
+
+    @field_validator("bucket")
+    @classmethod
+    def _check_bucket(cls, value: str) -> str:
+        if not _BUCKET_NAME.match(value) or ".." in value:
+            raise ValueError("not a valid S3 bucket name")
+        return value
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> S3Settings:
+        """Read DURABLE_COMFY_S3_ENDPOINT (optional), DURABLE_COMFY_BUCKET (required),
+        AWS_ACCESS_KEY_ID + AWS_SECRET_ACCESS_KEY (both or neither) and AWS_REGION."""
+
+        def get(name: str) -> str | None:
+            return environ.get(name) or None  # an empty variable counts as unset
+
+        bucket = get("DURABLE_COMFY_BUCKET")
+        if bucket is None:
+            raise StorageConfigError("DURABLE_COMFY_BUCKET is not set: name the artifact bucket")
+        key_id, secret = get("AWS_ACCESS_KEY_ID"), get("AWS_SECRET_ACCESS_KEY")
+        if (key_id is None) != (secret is None):
+            missing = "AWS_ACCESS_KEY_ID" if key_id is None else "AWS_SECRET_ACCESS_KEY"
+            raise StorageConfigError(f"{missing} is not set (the other half of the key pair is)")
+        try:
+            return cls(
+                endpoint_url=get("DURABLE_COMFY_S3_ENDPOINT"),
+                region=get("AWS_REGION") or get("AWS_DEFAULT_REGION") or "us-east-1",
+                bucket=bucket,
+                access_key_id=SecretStr(key_id) if key_id else None,
+                secret_access_key=SecretStr(secret) if secret else None,
+            )
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()
+            )
+            raise StorageConfigError(f"invalid S3 settings: {problems}") from None
+
+
+class StoredObject(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    bucket: str
+    key: str
+    uri: str
+    size: int
+    sha256: str  # "" when the object carries no sha256 metadata (it then never verifies)
+    content_type: str
+
+
+class ArtifactStore:
+    """Async context manager around one S3 client; all methods raise `StorageError`s."""
+
+    def __init__(self, settings: S3Settings) -> None:
+        self.settings = settings
+        self._stack: AsyncExitStack | None = None
+        self._client: Any = None
+
+    async def __aenter__(self) -> Self:
+        if self._stack is not None:
+            raise RuntimeError("ArtifactStore is already open")
+        s = self.settings
+        session = aioboto3.Session(
+            aws_access_key_id=s.access_key_id.get_secret_value() if s.access_key_id else None,
+            aws_secret_access_key=(
+                s.secret_access_key.get_secret_value() if s.secret_access_key else None
+            ),
+            region_name=s.region,
+        )
+        config = AioConfig(
+            signature_version="s3v4",
+            s3={"addressing_style": "path"},  # SeaweedFS has no virtual-host buckets
+            retries={"max_attempts": 2, "mode": "standard"},
+            connect_timeout=5,
+            read_timeout=60,
+            max_pool_connections=32,  # several concurrent uploads x MAX_IN_FLIGHT parts
+        )
+        stack = AsyncExitStack()
+        self._client = await stack.enter_async_context(
+            session.client("s3", endpoint_url=s.endpoint_url, config=config)
+        )
+        self._stack = stack
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        stack, self._stack, self._client = self._stack, None, None
+        if stack is not None:
+            await stack.aclose()
+
+    @property
+    def client(self) -> Any:
+        if self._client is None:
+            raise RuntimeError("use ArtifactStore as `async with ArtifactStore(settings)`")
+        return self._client
+
+    async def upload_stream(
+        self,
+        key: str,
+        chunks: AsyncIterable[bytes],
+        *,
+        content_type: str,
+        bucket: str | None = None,
+        metadata: Mapping[str, str] | None = None,
+    ) -> StoredObject:
+        """Stream `chunks` to `key`: one PutObject below 8 MiB, else multipart with 8 MiB parts
+        and at most 4 in flight. Checks the stored size and sha256 before returning."""
+        bucket = bucket or self.settings.bucket
+        meta = _check_metadata(metadata or {})
+        _check_header_value("content_type", content_type)
+        started = time.monotonic()
+        source = _guard_source(chunks)
+        parts = split_parts(source, PART_SIZE)
+        try:
+            first = await anext(parts)
+            if first.size < PART_SIZE:
+                hasher = hashlib.sha256()
+                s3_multipart.hash_part(hasher, first)
+                resp = await self.client.put_object(
+                    Bucket=bucket,
+                    Key=key,
+                    Body=first.body,
+                    ContentType=content_type,
+                    Metadata={**meta, "sha256": hasher.hexdigest()},
+                )
+                done = s3_multipart.Uploaded(first.size, hasher.hexdigest(), 0, resp["ETag"])
+            else:
+                done = await s3_multipart.upload_multipart(
+                    self.client,
+                    bucket=bucket,
+                    key=key,
+                    first=first,
+                    rest=parts,
+                    content_type=content_type,
+                    metadata=meta,
+                )
+            stored = await self._head(bucket, key)
+        except s3_multipart.TooManyParts as exc:
+            raise StorageError(str(exc), retryable=False) from exc
+        except S3_FAILURES as exc:
+            raise translate(exc, "upload", bucket, key) from exc
+        finally:
+            # Close our wrappers now rather than at garbage collection; the caller's own iterator
+            # stays theirs to close.
+            await parts.aclose()
+            await source.aclose()
+        if stored is None or stored.size != done.size or stored.sha256 != done.sha256:
+            raise IntegrityError(
+                f"s3://{bucket}/{key}: stored {stored.size if stored else 'nothing'} bytes / "
+                f"sha256 {stored.sha256 if stored else '-'}, streamed {done.size} / {done.sha256}"
+            )
+        elapsed = time.monotonic() - started
+        log.info(
+            "s3.upload.completed",
+            bucket=bucket,
+            key=key,
+            size=done.size,
+            parts=done.parts,
+            sha256=done.sha256,
+            seconds=round(elapsed, 3),
+            mib_per_s=round(done.size / 2**20 / elapsed, 1) if elapsed > 0 else None,
+        )
+        return stored
+
+    async def head(self, key: str, *, bucket: str | None = None) -> StoredObject | None:
+        bucket = bucket or self.settings.bucket
+        try:
+            return await self._head(bucket, key)
+        except S3_FAILURES as exc:
+            raise translate(exc, "head", bucket, key) from exc
+
+    async def verify(self, expected: StoredObject) -> bool:
+        """True when the object exists with the stated size and sha256 metadata."""
+        actual = await self.head(expected.key, bucket=expected.bucket)
+        ok = (
+            actual is not None
+            and bool(actual.sha256)
+            and actual.size == expected.size
+            and actual.sha256 == expected.sha256
+        )
+        if not ok:
+            log.warning(
+                "s3.verify.mismatch",
+                bucket=expected.bucket,
+                key=expected.key,
+                found=actual is not None,
+                size=actual.size if actual else None,
+                expected_size=expected.size,
+            )
+        return ok
+
+    async def presign_get(self, key: str, ttl_s: int, *, bucket: str | None = None) -> str:
+        """A GET URL valid for `ttl_s` seconds. It is a bearer credential: never log it."""
+        if not 1 <= ttl_s <= MAX_PRESIGN_TTL_S:
+            raise ValueError(f"ttl_s must be within 1..{MAX_PRESIGN_TTL_S}")
+        bucket = bucket or self.settings.bucket
+        try:
+            url: str = await self.client.generate_presigned_url(
+                "get_object", Params={"Bucket": bucket, "Key": key}, ExpiresIn=ttl_s
+            )
+        except S3_FAILURES as exc:
+            raise translate(exc, "presign", bucket, key) from exc
+        return url
+
+    async def download(
+        self, key: str, dest: Path, *, expected_sha256: str, bucket: str | None = None
+    ) -> Path:
+        """Stream the object to `dest`, checking its sha256. `dest` appears only when the bytes
+        match: they are written to a temporary sibling that is removed on any failure."""
+        bucket = bucket or self.settings.bucket
+        expected = expected_sha256.lower()
+        tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:12]}.part")
+        hasher = hashlib.sha256()
+        size = 0
+        try:
+            await asyncio.to_thread(dest.parent.mkdir, parents=True, exist_ok=True)
+            resp = await self.client.get_object(Bucket=bucket, Key=key)
+            body = resp["Body"]
+            out: IO[bytes] = await asyncio.to_thread(tmp.open, "wb")
+            try:
+                async with body:  # releases the connection however the loop ends
+                    async for chunk in body.iter_chunks(_DOWNLOAD_CHUNK):
+                        await asyncio.to_thread(_hash_and_write, hasher, out, chunk)
+                        size += len(chunk)
+            finally:
+                await asyncio.to_thread(out.close)
+            if hasher.hexdigest() != expected:
+                raise IntegrityError(
+                    f"s3://{bucket}/{key}: sha256 {hasher.hexdigest()} != expected {expected}"
+                )
+            await asyncio.to_thread(os.replace, tmp, dest)
+        except BaseException as exc:
+            # Synchronous on purpose: one unlink is cheap, and it must happen even when a second
+            # cancellation arrives.
+            tmp.unlink(missing_ok=True)
+            if isinstance(exc, S3_FAILURES):
+                raise translate(exc, "download", bucket, key) from exc
+            raise
+        log.info("s3.download.completed", bucket=bucket, key=key, size=size)
+        return dest
+
+    async def read_bytes(self, key: str, *, limit: int, bucket: str | None = None) -> bytes:
+        """A small object's bytes (an input file), refusing anything larger than `limit`."""
+        bucket = bucket or self.settings.bucket
+        try:
+            resp = await self.client.get_object(Bucket=bucket, Key=key)
+            if int(resp.get("ContentLength", 0)) > limit:
+                resp["Body"].close()
+                raise IntegrityError(f"s3://{bucket}/{key} is larger than {limit} bytes")
+            async with resp["Body"] as body:
+                data: bytes = await body.read()
+        except S3_FAILURES as exc:
+            raise translate(exc, "get", bucket, key) from exc
+        return data
+
+    async def list_multipart_uploads(self, prefix: str, *, bucket: str | None = None) -> list[str]:
+        """Keys with an unfinished multipart upload under `prefix` (a leak detector)."""
+        bucket = bucket or self.settings.bucket
+        return [key for key, _ in await self._multipart_uploads(bucket, prefix)]
+
+    async def abort_multipart_uploads(self, prefix: str, *, bucket: str | None = None) -> int:
+        """Abort every unfinished upload under `prefix`, e.g. one left by a SIGKILLed attempt.
+
+        Only for prefixes no live attempt is writing to. Returns how many were found (abort
+        failures are logged, and show up in the next `list_multipart_uploads`)."""
+        bucket = bucket or self.settings.bucket
+        uploads = await self._multipart_uploads(bucket, prefix)
+        for key, upload_id in uploads:
+            await s3_multipart.abort_upload(
+                self.client, bucket=bucket, key=key, upload_id=upload_id
+            )
+        return len(uploads)
+
+    async def _multipart_uploads(self, bucket: str, prefix: str) -> list[tuple[str, str]]:
+        found: list[tuple[str, str]] = []
+        try:
+            paginator = self.client.get_paginator("list_multipart_uploads")
+            async for page in paginator.paginate(Bucket=bucket, Prefix=prefix):
+                found += [(u["Key"], u["UploadId"]) for u in page.get("Uploads", [])]
+        except S3_FAILURES as exc:
+            raise translate(exc, "list_multipart_uploads", bucket, prefix) from exc
+        return found
+
+    async def _head(self, bucket: str, key: str) -> StoredObject | None:
+        try:
+            resp = await self.client.head_object(Bucket=bucket, Key=key)
+        except ClientError as exc:
+            if error_code(exc) in MISSING_CODES:
+                return None
+            raise
+        return StoredObject(
+            bucket=bucket,
+            key=key,
+            uri=f"s3://{bucket}/{key}",
+            size=int(resp["ContentLength"]),
+            sha256=resp.get("Metadata", {}).get("sha256", ""),
+            content_type=resp.get("ContentType") or "application/octet-stream",
+        )
+
+
+async def _guard_source(chunks: AsyncIterable[bytes]) -> AsyncGenerator[bytes, None]:
+    # Marks failures of the caller's stream so they are not mistaken for S3 failures.
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except Exception as exc:
+        raise SourceStreamError(f"source stream failed: {type(exc).__name__}: {exc}") from exc
+
+
+def _hash_and_write(hasher: Any, out: IO[bytes], chunk: bytes) -> None:
+    hasher.update(chunk)
+    out.write(chunk)
+
+
+def _check_metadata(metadata: Mapping[str, str]) -> dict[str, str]:
+    # User metadata travels as HTTP headers: ASCII only, and `sha256` is ours.
+    for name, value in metadata.items():
+        if not _METADATA_KEY.match(name) or name == "sha256":
+            raise ValueError(f"metadata key {name!r} must match [a-z0-9-]+ and not be 'sha256'")
+        _check_header_value(name, value)
+    return dict(metadata)
+
+
+def _check_header_value(name: str, value: str) -> None:
+    if not value.isascii() or not value.isprintable():
+        raise ValueError(f"{name} must be printable ASCII")

@@ -1,0 +1,12 @@
+"""durable-comfy's ComfyUI simulator: speaks ComfyUI's HTTP + WebSocket protocol (PROTOCOLS.md)
+and "renders" deterministic PNGs over simulated progress steps, with fault knobs under /sim/.
+
+It is a simulator, not ComfyUI: /system_stats reports `sim-0.1 (durable-comfy ComfyUI
+simulator)` and no model is ever loaded. Run it with `python -m devstack.comfy_sim`, or build the
+aiohttp application in-process with `create_app(SimSettings(...))`.
+"""
+
+from .server import create_app
+from .settings import SIM_VERSION, SimSettings
+
+__all__ = ["SIM_VERSION", "SimSettings", "create_app"]

@@ -1,0 +1,95 @@
+"""`python -m devstack.comfy_sim`: run the ComfyUI simulator until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Mapping, MutableMapping
+from pathlib import Path
+from typing import Any
+
+import structlog
+from aiohttp import web
+
+from .server import create_app
+from .settings import SIM_VERSION, SimSettings
+
+
+def parse_args(argv: list[str] | None = None) -> SimSettings:
+    parser = argparse.ArgumentParser(
+        prog="python -m devstack.comfy_sim",
+        description=f"ComfyUI simulator for durable-comfy ({SIM_VERSION}); not ComfyUI.",
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8188)
+    parser.add_argument("--output-dir", type=Path, default=Path("output"))
+    parser.add_argument("--input-dir", type=Path, default=Path("input"))
+    parser.add_argument(
+        "--temp-dir",
+        type=Path,
+        default=None,
+        help="previews (default: 'temp' next to the output directory)",
+    )
+    parser.add_argument(
+        "--step-delay-ms",
+        type=float,
+        default=100,
+        help="time per KSampler step (per prompt: extra_data.sim.step_delay_ms)",
+    )
+    parser.add_argument(
+        "--max-upload-size",
+        type=float,
+        default=100,
+        help="largest request body in MB (bigger: 413), as ComfyUI's flag",
+    )
+    parser.add_argument(
+        "--cache-none",
+        action="store_true",
+        help="never reuse node outputs between prompts, as ComfyUI's flag",
+    )
+    args = parser.parse_args(argv)
+    return SimSettings(
+        host=args.host,
+        port=args.port,
+        output_dir=args.output_dir,
+        input_dir=args.input_dir,
+        temp_dir=args.temp_dir,
+        step_delay_ms=args.step_delay_ms,
+        max_upload_size_mb=args.max_upload_size,
+        cache_none=args.cache_none,
+    )
+
+
+def _tag(_logger: object, _method: str, event: MutableMapping[str, Any]) -> Mapping[str, Any]:
+    event["event"] = f"[comfy-sim] {event.get('event', '')}"
+    return event
+
+
+def main(argv: list[str] | None = None) -> None:
+    settings = parse_args(argv)
+    # Both log streams (ours via structlog, aiohttp's via logging) go to stderr, tagged so a
+    # shared log never passes the simulator off as ComfyUI.
+    logging.basicConfig(level=logging.INFO, format="[comfy-sim] %(levelname)s %(message)s")
+    structlog.configure(
+        processors=[
+            _tag,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso"),
+            structlog.dev.ConsoleRenderer(colors=False),
+        ],
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+    )
+    app = create_app(settings)
+    # run_app turns SIGINT/SIGTERM into a graceful shutdown (sockets closed, tasks cancelled).
+    web.run_app(
+        app,
+        host=settings.host,
+        port=settings.port,
+        shutdown_timeout=5,
+        print=lambda msg: logging.info("%s (%s)", msg.strip(), SIM_VERSION),
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""The prompt queue and history (ComfyUI's execution.PromptQueue, in memory only) and the
+simulator's own counters for /sim/stats."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import heapq
+import itertools
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+MAXIMUM_HISTORY_SIZE = 10000
+SENSITIVE_EXTRA_DATA_KEYS = ("auth_token_comfy_org", "api_key_comfy_org")
+
+# [number, prompt_id, prompt, extra_data, outputs_to_execute], as ComfyUI serialises its tuple.
+QueueItem = list[Any]
+
+
+def public_item(item: QueueItem) -> QueueItem:
+    """The item as /queue and /history show it: a deep copy without sensitive extra_data."""
+    number, prompt_id, prompt, extra_data, outputs = copy.deepcopy(item)
+    extra = {k: v for k, v in extra_data.items() if k not in SENSITIVE_EXTRA_DATA_KEYS}
+    return [number, prompt_id, prompt, extra, outputs]
+
+
+class PromptQueue:
+    """A priority queue ordered by `number` (then arrival), one running item at a time.
+    `on_change` fires wherever ComfyUI calls server.queue_updated() (a `status` broadcast)."""
+
+    def __init__(self, on_change: Callable[[], None]) -> None:
+        self._on_change = on_change
+        self._heap: list[tuple[float, int, QueueItem]] = []
+        self._arrival = itertools.count()
+        self._task_ids = itertools.count()
+        self._wakeup = asyncio.Event()
+        self.running: dict[int, QueueItem] = {}
+        self.history: dict[str, dict[str, Any]] = {}
+
+    def put(self, item: QueueItem) -> None:
+        heapq.heappush(self._heap, (float(item[0]), next(self._arrival), item))
+        self._wakeup.set()
+        self._on_change()
+
+    async def get(self) -> tuple[QueueItem, int]:
+        while not self._heap:
+            self._wakeup.clear()
+            await self._wakeup.wait()
+        _, _, item = heapq.heappop(self._heap)
+        task_id = next(self._task_ids)
+        self.running[task_id] = item
+        self._on_change()
+        return item, task_id
+
+    def remaining(self) -> int:
+        return len(self._heap) + len(self.running)
+
+    def queue_info(self) -> dict[str, Any]:
+        return {"exec_info": {"queue_remaining": self.remaining()}}
+
+    def snapshot(self) -> tuple[list[QueueItem], list[QueueItem]]:
+        running = [public_item(item) for item in self.running.values()]
+        pending = [public_item(item) for _, _, item in sorted(self._heap)]
+        return running, pending
+
+    def running_prompt_ids(self) -> list[str]:
+        return [str(item[1]) for item in self.running.values()]
+
+    def delete(self, prompt_id: Any) -> bool:
+        """Remove the first pending item with this ID (only one, as ComfyUI does)."""
+        for index, (_, _, item) in enumerate(self._heap):
+            if item[1] == prompt_id:
+                self._heap.pop(index)
+                heapq.heapify(self._heap)
+                self._on_change()
+                return True
+        return False
+
+    def wipe(self) -> None:
+        self._heap = []
+        self._on_change()
+
+    def task_done(self, task_id: int, result: dict[str, Any], status: dict[str, Any]) -> None:
+        item = self.running.pop(task_id)
+        if len(self.history) > MAXIMUM_HISTORY_SIZE:
+            self.history.pop(next(iter(self.history)))
+        entry: dict[str, Any] = {"prompt": public_item(item), "outputs": {}, "status": status}
+        entry.update(copy.deepcopy(result))
+        self.history[str(item[1])] = entry
+        self._on_change()
+
+    def get_history(
+        self, prompt_id: str | None = None, max_items: int | None = None, offset: int = -1
+    ) -> dict[str, Any]:
+        if prompt_id is not None:
+            entry = self.history.get(prompt_id)
+            return {} if entry is None else {prompt_id: copy.deepcopy(entry)}
+        if offset < 0 and max_items is not None:
+            offset = len(self.history) - max_items
+        out: dict[str, Any] = {}
+        for index, (key, entry) in enumerate(self.history.items()):
+            if index < offset:
+                continue
+            out[key] = entry
+            if max_items is not None and len(out) >= max_items:
+                break
+        return copy.deepcopy(out)
+
+
+@dataclass
+class SimStats:
+    """What the simulator saw, for tests (GET /sim/stats)."""
+
+    prompts: Counter[str] = field(default_factory=Counter)  # queued (200) per prompt_id
+    rejected: int = 0  # 400 answers
+    interrupts: list[str | None] = field(default_factory=list)  # requested, None = global
+    interrupted: list[str] = field(default_factory=list)  # prompts an interrupt actually hit
+    frees: int = 0
+    executed: dict[str, str] = field(default_factory=dict)  # success | error | interrupted
+    executions: Counter[str] = field(default_factory=Counter)
+    ws_connections: int = 0  # accepted since start/reset
+
+    def reset(self) -> None:
+        fresh = SimStats()
+        for f in fields(self):
+            setattr(self, f.name, getattr(fresh, f.name))
+
+    def as_json(self, ws_open: int) -> dict[str, Any]:
+        return {
+            "prompts": dict(self.prompts),
+            "rejected": self.rejected,
+            "interrupts": list(self.interrupts),
+            "interrupted": list(self.interrupted),
+            "frees": self.frees,
+            "executed": dict(self.executed),
+            "executions": dict(self.executions),
+            "ws_connections": self.ws_connections,
+            "ws_open": ws_open,
+        }

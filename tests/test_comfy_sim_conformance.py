@@ -1,0 +1,553 @@
+"""ComfyUI protocol conformance (PROTOCOLS.md, ComfyUI section).
+
+Runs against the simulator (`python -m devstack.comfy_sim`, started per module) by default, or
+against a real ComfyUI when COMFYUI_URL is set: then simulator-only checks (/sim/*, Sim* nodes,
+KSampler without a checkpoint, injected faults) are skipped and only model-free nodes are used.
+Point it only at a dedicated, idle ComfyUI: the tests read its queue and interrupt its prompts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from devstack.comfy_sim import SimSettings, create_app
+from tests.comfy_sim_support import (
+    PROMPT_SCOPED,
+    REJECTIONS,
+    ComfyAPI,
+    Target,
+    basic_graph,
+    choices,
+    finished,
+    ksampler_graph,
+    make_png,
+    new_id,
+    png_size,
+    poll,
+    run_simulator,
+    save_node,
+    slow_graph,
+    summary,
+)
+
+REAL_URL = os.environ.get("COMFYUI_URL")
+sim_only = pytest.mark.skipif(bool(REAL_URL), reason="simulator only (/sim, Sim nodes, faults)")
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
+    if REAL_URL:
+        yield Target(REAL_URL.rstrip("/"), is_sim=False)
+        return
+    with run_simulator(tmp_path_factory.mktemp("comfy_sim")) as url:
+        yield Target(url, is_sim=True)
+
+
+@pytest.fixture
+async def comfy(target: Target) -> AsyncIterator[ComfyAPI]:
+    async with aiohttp.ClientSession() as http:
+        api = ComfyAPI(target, http)
+        yield api
+        if target.is_sim:
+            await api.sim("/sim/reset", {})  # no fault outlives its test
+
+
+def prefix() -> str:
+    return f"conformance/{new_id()[:12]}"
+
+
+async def view(comfy: ComfyAPI, item: dict[str, Any]) -> tuple[int, bytes, str]:
+    params = {k: item[k] for k in ("filename", "subfolder", "type")}
+    async with comfy.http.get(comfy.target.url + "/view", params=params) as response:
+        return response.status, await response.read(), response.content_type
+
+
+async def test_system_stats_and_api_aliases(comfy: ComfyAPI) -> None:
+    status, stats = await comfy.call("GET", "/system_stats")
+    assert status == 200
+    assert {"os", "ram_total", "ram_free", "comfyui_version", "python_version", "argv"} <= set(
+        stats["system"]
+    )
+    assert {"name", "type", "index", "vram_total", "vram_free"} <= set(stats["devices"][0])
+    if comfy.target.is_sim:
+        assert "simulator" in stats["system"]["comfyui_version"]
+    for path in ("/system_stats", "/queue", "/object_info/SaveImage", "/prompt"):
+        plain, alias = await comfy.call("GET", path), await comfy.call("GET", "/api" + path)
+        assert plain[0] == alias[0] == 200
+        assert set(plain[1]) == set(alias[1])
+
+
+async def test_object_info_describes_the_registry(comfy: ComfyAPI) -> None:
+    status, info = await comfy.call("GET", "/object_info")
+    assert status == 200
+    for name in ("EmptyImage", "ImageBlur", "ImageInvert", "ImageScale", "SaveImage",
+                 "PreviewImage", "LoadImage", "KSampler", "CheckpointLoaderSimple"):  # fmt: skip
+        assert name in info, name
+        assert {"input", "output", "output_node", "name", "display_name", "category"} <= set(
+            info[name]
+        )
+    empty = info["EmptyImage"]["input"]["required"]
+    assert [empty[k][0] for k in ("width", "height", "batch_size", "color")] == ["INT"] * 4
+    assert info["SaveImage"]["output_node"] is True
+    assert info["SaveImage"]["input"]["required"]["images"][0] == "IMAGE"
+    assert info["ImageBlur"]["output_node"] is False and info["ImageBlur"]["output"] == ["IMAGE"]
+    assert "nearest-exact" in choices(info["ImageScale"]["input"]["required"]["upscale_method"])
+    assert info["CheckpointLoaderSimple"]["output"] == ["MODEL", "CLIP", "VAE"]
+    ksampler = info["KSampler"]["input"]["required"]
+    assert ksampler["steps"][0] == "INT" and "euler" in choices(ksampler["sampler_name"])
+    assert list((await comfy.call("GET", "/object_info/ImageInvert"))[1]) == ["ImageInvert"]
+    assert await comfy.call("GET", "/object_info/NoSuchNode") == (200, {})
+
+
+async def test_success_event_order_and_history_timing(comfy: ComfyAPI) -> None:
+    if comfy.target.is_sim:
+        # Widen the gap between execution_success and the history write to make it observable.
+        await comfy.sim("/sim/faults", {"history_delay_ms": 300})
+    client_id, out = new_id(), prefix()
+    async with comfy.socket(client_id) as reader:
+        assert reader.greeting is not None and reader.greeting["type"] == "status"
+        assert reader.greeting["data"]["sid"] == client_id
+        assert "queue_remaining" in reader.greeting["data"]["status"]["exec_info"]
+        prompt_id = new_id()
+        assert await comfy.submit(basic_graph(out), client_id=client_id, prompt_id=prompt_id) == (
+            prompt_id
+        )
+        await reader.until(lambda e: e["type"] == "execution_success", 10)
+        history_at_success = await comfy.history(prompt_id)
+        await reader.until(finished(prompt_id), 10)
+    events = reader.seen[1:]
+    assert summary(events) == [
+        ("execution_start", None),
+        ("execution_cached", None),
+        ("executing", "1"),
+        ("executing", "2"),
+        ("executing", "3"),
+        ("executed", "3"),
+        ("execution_success", None),
+        ("executing", None),
+    ]
+    types = [e["type"] for e in events]
+    assert types[0] == "status" and events[0]["data"]["status"]["exec_info"]["queue_remaining"] >= 1
+    assert "status" in types[types.index("execution_success") : -1]  # queue count after the run
+    by_type = {e["type"]: e["data"] for e in events}
+    assert by_type["execution_cached"]["nodes"] == []
+    assert by_type["execution_start"]["prompt_id"] == prompt_id
+    assert isinstance(by_type["execution_success"]["timestamp"], int)
+    assert not [e for e in events if e["type"] == "progress"]  # no progress bar in these nodes
+    image = by_type["executed"]["output"]["images"][0]
+    name = out.rsplit("/", 1)[1]
+    assert image == {"filename": f"{name}_00001_.png", "subfolder": "conformance", "type": "output"}
+    if comfy.target.is_sim:
+        assert history_at_success == {}
+    entry = (await comfy.history(prompt_id))[prompt_id]
+    assert entry["status"]["status_str"] == "success" and entry["status"]["completed"] is True
+    messages = [event for event, _ in entry["status"]["messages"]]
+    assert messages == ["execution_start", "execution_cached", "execution_success"]
+    assert entry["outputs"]["3"]["images"] == [image]
+    assert entry["prompt"][1] == prompt_id and entry["prompt"][4] == ["3"]
+    assert entry["prompt"][3]["client_id"] == client_id
+    assert entry["meta"]["3"]["node_id"] == "3"
+
+
+async def test_png_is_valid_sized_and_counted(comfy: ComfyAPI) -> None:
+    out = prefix()
+    names = []
+    for color in (0x102030, 0x405060):  # different pixels: no cache hit, a second file
+        graph = basic_graph(out, 40, 24, color)
+        scale = {"image": ["1", 0], "width": 80, "height": 0, "upscale_method": "nearest-exact"}
+        graph["2"] = {"class_type": "ImageScale", "inputs": scale | {"crop": "disabled"}}
+        run = await comfy.run(graph)
+        item = run.entry["outputs"]["3"]["images"][0]
+        status, data, content_type = await view(comfy, item)
+        assert status == 200 and content_type == "image/png"
+        assert png_size(data) == (80, 48)
+        names.append(item["filename"])
+    base = out.rsplit("/", 1)[1]
+    assert names == [f"{base}_00001_.png", f"{base}_00002_.png"]
+
+
+async def test_identical_resubmission_is_served_from_cache(comfy: ComfyAPI) -> None:
+    graph = basic_graph(prefix(), color=0x0A0B0C)
+    first = await comfy.run(graph)
+    second = await comfy.run(graph)
+    cached = next(e for e in second.events if e["type"] == "execution_cached")
+    assert sorted(cached["data"]["nodes"]) == ["1", "2", "3"]
+    assert ("executing", "1") not in summary(second.events)
+    assert second.entry["outputs"] == first.entry["outputs"]
+
+
+@sim_only
+async def test_ksampler_reports_one_progress_event_per_step(comfy: ComfyAPI) -> None:
+    extra = {"sim": {"step_delay_ms": 1}}
+    run = await comfy.run(ksampler_graph(prefix(), steps=7, seed=42), extra_data=extra)
+    progress = [e["data"] for e in run.events if e["type"] == "progress"]
+    assert [p["value"] for p in progress] == list(range(1, 8))
+    assert {(p["max"], p["node"], p["prompt_id"]) for p in progress} == {(7, "5", run.prompt_id)}
+    status, data, _ = await view(comfy, run.entry["outputs"]["7"]["images"][0])
+    assert status == 200 and png_size(data) == (256, 192)
+
+
+async def test_events_go_only_to_the_prompts_client(comfy: ComfyAPI) -> None:
+    async with comfy.socket(new_id()) as bystander:
+        run = await comfy.run(basic_graph(prefix()))
+        leaked = [e for e in bystander.seen + await bystander.quiet(0.2)]
+    assert run.events
+    assert not [e for e in leaked if e["type"] in PROMPT_SCOPED], summary(leaked)
+
+
+async def test_second_socket_with_same_id_takes_over(comfy: ComfyAPI) -> None:
+    client_id = new_id()
+    async with comfy.socket(client_id) as old, comfy.socket(client_id) as new:
+        prompt_id = await comfy.submit(basic_graph(prefix()), client_id=client_id)
+        await new.until(finished(prompt_id))
+        assert not [e for e in old.seen + await old.quiet(0.2) if e["type"] in PROMPT_SCOPED]
+        await old.ws.close()
+        await old.quiet(0.2)
+        # ComfyUI quirk: closing the superseded socket unregisters the ID for the new one too.
+        prompt_id = await comfy.submit(basic_graph(prefix()), client_id=client_id)
+        await comfy.wait_history(prompt_id)
+        assert not [e for e in await new.quiet(0.2) if e["type"] in PROMPT_SCOPED]
+
+
+async def test_nothing_is_replayed_on_reconnect(comfy: ComfyAPI) -> None:
+    client_id = new_id()
+    prompt_id = await comfy.submit(basic_graph(prefix()), client_id=client_id)
+    await comfy.wait_history(prompt_id)
+    async with comfy.socket(client_id) as reader:
+        assert reader.greeting is not None and reader.greeting["type"] == "status"
+        assert not [e for e in await reader.quiet(0.3) if e["type"] in PROMPT_SCOPED]
+
+
+@sim_only
+async def test_reconnect_mid_node_announces_the_current_node(comfy: ComfyAPI) -> None:
+    client_id = new_id()
+    prompt_id = await comfy.submit(slow_graph(prefix(), True, 0.6), client_id=client_id)
+
+    async def running() -> bool:
+        queue = (await comfy.call("GET", "/queue"))[1]
+        return any(item[1] == prompt_id for item in queue["queue_running"])
+
+    await poll(running)
+    async with comfy.socket(client_id) as reader:
+        first = await reader.next(2)
+        assert first == {"type": "executing", "data": {"node": "2"}}
+        await reader.until(finished(prompt_id))
+
+
+async def test_our_prompt_id_is_kept_and_duplicates_run_twice(comfy: ComfyAPI) -> None:
+    client_id, prompt_id = new_id(), new_id()
+    graph = basic_graph(prefix())
+    async with comfy.socket(client_id) as reader:
+        answers = [await comfy.post_prompt(graph, client_id=client_id, prompt_id=prompt_id)
+                   for _ in range(2)]  # fmt: skip
+        await reader.until(finished(prompt_id))
+        await reader.until(finished(prompt_id))
+    assert [a[0] for a in answers] == [200, 200]
+    assert [a[1]["prompt_id"] for a in answers] == [prompt_id, prompt_id]
+    assert answers[0][1]["number"] != answers[1][1]["number"]
+    assert answers[0][1]["node_errors"] == {}
+    starts = [e for e in reader.seen if e["type"] == "execution_start"]
+    assert [e["data"]["prompt_id"] for e in starts] == [prompt_id, prompt_id]
+    if comfy.target.is_sim:
+        stats = await comfy.sim("/sim/stats")
+        assert stats["prompts"][prompt_id] == 2 and stats["executions"][prompt_id] == 2
+
+
+async def test_rejections_have_comfyui_shapes_and_queue_nothing(comfy: ComfyAPI) -> None:
+    client_id = new_id()
+    ids = []
+    async with comfy.socket(client_id) as reader:
+        for case, graph, kind, node, node_kind in REJECTIONS:
+            prompt_id = new_id()
+            ids.append(prompt_id)
+            body: dict[str, Any] = {"client_id": client_id, "prompt_id": prompt_id}
+            if graph is not None:
+                body["prompt"] = graph
+            status, answer = await comfy.call("POST", "/prompt", json=body)
+            assert status == 400, (case, answer)
+            assert set(answer) == {"error", "node_errors"}, case
+            assert set(answer["error"]) == {"type", "message", "details", "extra_info"}, case
+            assert answer["error"]["type"] == kind, (case, answer)
+            if node is not None:
+                entry = answer["node_errors"][node]
+                assert entry["class_type"] == graph[node]["class_type"]
+                assert entry["dependent_outputs"] and entry["errors"][0]["type"] == node_kind
+                assert set(entry["errors"][0]) == {"type", "message", "details", "extra_info"}
+        traffic = reader.seen[1:] + await reader.quiet(0.3)
+    assert traffic == [], summary(traffic)  # a 400 sends nothing on the socket
+    unknown = await comfy.call("POST", "/prompt", json={"prompt": REJECTIONS[1][1]})
+    assert unknown[1]["error"] == {
+        "type": "invalid_prompt",
+        "message": "Cannot execute because node NoSuchNode does not exist.",
+        "details": "Node ID '#1'",
+        "extra_info": {},
+    }
+    assert unknown[1]["node_errors"] == {}
+    queue = (await comfy.call("GET", "/queue"))[1]
+    queued = {item[1] for item in queue["queue_running"] + queue["queue_pending"]}
+    for prompt_id in ids:
+        assert prompt_id not in queued and await comfy.history(prompt_id) == {}
+    if comfy.target.is_sim:
+        stats = await comfy.sim("/sim/stats")
+        assert not set(ids) & set(stats["prompts"])
+        cycle = (await comfy.call("POST", "/prompt", json={"prompt": REJECTIONS[-1][1]}))[1]
+        assert {e["type"] for e in cycle["node_errors"]["1"]["errors"]} == {"dependency_cycle"}
+
+
+async def test_a_bad_output_does_not_stop_the_good_one(comfy: ComfyAPI) -> None:
+    graph = basic_graph(prefix())
+    graph["4"] = save_node(["99", 0])
+    status, answer = await comfy.post_prompt(graph)
+    assert status == 200 and answer["node_errors"]["4"]["dependent_outputs"] == ["4"]
+    entry = await comfy.wait_history(answer["prompt_id"])
+    assert entry["prompt"][4] == ["3"] and set(entry["outputs"]) == {"3"}
+
+
+async def test_queue_delete_and_clear_touch_pending_only(comfy: ComfyAPI) -> None:
+    client_id = new_id()
+    async with comfy.socket(client_id) as reader:
+        slow = await comfy.submit(slow_graph(prefix(), comfy.target.is_sim), client_id=client_id)
+        await reader.until(lambda e: e["type"] == "execution_start")
+        later = [await comfy.submit(basic_graph(prefix()), client_id=client_id) for _ in range(3)]
+        queue = (await comfy.call("GET", "/queue"))[1]
+        running = queue["queue_running"][0]
+        assert len(running) == 5 and running[1] == slow and running[3]["client_id"] == client_id
+        assert running[4] == ["3"]
+        assert [item[1] for item in queue["queue_pending"]] == later
+        assert (await comfy.call("POST", "/queue", json={"delete": [later[0], slow]}))[0] == 200
+        queue = (await comfy.call("GET", "/queue"))[1]
+        assert [item[1] for item in queue["queue_pending"]] == later[1:]
+        assert queue["queue_running"][0][1] == slow
+        assert (await comfy.call("POST", "/queue", json={"clear": True}))[0] == 200
+        assert (await comfy.call("GET", "/queue"))[1]["queue_pending"] == []
+        await comfy.call("POST", "/interrupt", json={"prompt_id": slow})
+        await reader.until(finished(slow), 30)
+        await reader.quiet(0.2)
+    started = {e["data"]["prompt_id"] for e in reader.seen if e["type"] == "execution_start"}
+    assert started == {slow}
+    for prompt_id in later:
+        assert await comfy.history(prompt_id) == {}
+
+
+async def test_unknown_history_is_an_empty_object(comfy: ComfyAPI) -> None:
+    assert await comfy.call("GET", f"/history/{new_id()}") == (200, {})
+    assert await comfy.call("GET", f"/api/history/{new_id()}") == (200, {})
+    status, everything = await comfy.call("GET", "/history?max_items=1")
+    assert status == 200 and len(everything) <= 1
+
+
+async def test_interrupt_is_prompt_scoped_and_cooperative(comfy: ComfyAPI) -> None:
+    client_id, is_sim = new_id(), comfy.target.is_sim
+    async with comfy.socket(client_id) as reader:
+        spared = await comfy.submit(slow_graph(prefix(), is_sim, 0.4), client_id=client_id)
+        await reader.until(lambda e: e["type"] == "executing" and e["data"]["node"] == "2")
+        assert (await comfy.call("POST", "/interrupt", json={"prompt_id": new_id()}))[0] == 200
+        await reader.until(finished(spared), 30)
+        hit = await comfy.submit(slow_graph(prefix(), is_sim, 0.4), client_id=client_id)
+        await reader.until(lambda e: e["type"] == "executing" and e["data"]["node"] == "2")
+        assert (await comfy.call("POST", "/interrupt", json={"prompt_id": hit}))[0] == 200
+        events = await reader.until(finished(hit), 30)
+    assert (await comfy.history(spared))[spared]["status"]["status_str"] == "success"
+    interrupted = [e["data"] for e in events if e["type"] == "execution_interrupted"]
+    assert len(interrupted) == 1
+    # Cooperative: the slow node finishes, the interrupt lands at the next node boundary.
+    assert interrupted[0]["node_id"] == "3" and interrupted[0]["node_type"] == "SaveImage"
+    assert interrupted[0]["executed"] == ["1", "2"] and interrupted[0]["prompt_id"] == hit
+    entry = (await comfy.history(hit))[hit]
+    assert entry["status"]["status_str"] == "error" and entry["status"]["completed"] is False
+    assert entry["status"]["messages"][-1][0] == "execution_interrupted"
+    if is_sim:
+        stats = await comfy.sim("/sim/stats")
+        assert hit in stats["interrupted"] and spared not in stats["interrupted"]
+        assert stats["executed"][hit] == "interrupted"
+
+
+async def test_free_requires_a_body(comfy: ComfyAPI) -> None:
+    before = (await comfy.sim("/sim/stats"))["frees"] if comfy.target.is_sim else 0
+    assert (await comfy.call("POST", "/free"))[0] == 500
+    body = {"unload_models": False, "free_memory": False}
+    assert (await comfy.call("POST", "/free", json=body))[0] == 200
+    if comfy.target.is_sim:
+        assert (await comfy.sim("/sim/stats"))["frees"] == before + 1
+
+
+async def test_view_checks_paths(comfy: ComfyAPI) -> None:
+    run = await comfy.run(basic_graph(prefix()))
+    item = run.entry["outputs"]["3"]["images"][0]
+    status, data, content_type = await view(comfy, item)
+    assert status == 200 and content_type == "image/png" and png_size(data)
+
+    async def status_of(**params: str) -> int:
+        async with comfy.http.get(comfy.target.url + "/view", params=params) as response:
+            return response.status
+
+    assert await status_of(filename="../secret.png", type="output") == 400
+    assert await status_of(filename="/etc/passwd", type="output") == 400
+    assert await status_of(filename="x.png", type="bogus") == 400
+    assert await status_of(filename=item["filename"], subfolder="../..", type="output") == 403
+    assert await status_of(filename=f"missing-{new_id()}.png", type="output") == 404
+    async with comfy.http.get(comfy.target.url + "/api/view", params=item) as response:
+        assert response.status == 200
+
+
+async def test_upload_image_then_load_it(comfy: ComfyAPI) -> None:
+    name = f"upload-{new_id()[:10]}.png"
+    first, other = make_png(20, 10, (200, 10, 10)), make_png(30, 12, (10, 200, 10))
+
+    async def upload(data: bytes, **fields: str) -> Any:
+        form = aiohttp.FormData()
+        form.add_field("image", data, filename=name, content_type="image/png")
+        for key, value in fields.items():
+            form.add_field(key, value)
+        status, answer = await comfy.call("POST", "/upload/image", data=form)
+        assert status == 200, answer
+        return answer
+
+    assert await upload(first) == {"name": name, "subfolder": "", "type": "input"}
+    assert (await upload(first))["name"] == name  # same bytes: recognised as the same file
+    renamed = (await upload(other))["name"]
+    assert renamed == name.replace(".png", " (1).png")
+    assert (await upload(other, overwrite="true"))["name"] == name
+    status, data, _ = await view(comfy, {"filename": name, "subfolder": "", "type": "input"})
+    assert status == 200 and data == other
+    graph = {"1": {"class_type": "LoadImage", "inputs": {"image": renamed}},
+             "2": {"class_type": "SaveImage", "inputs": {"images": ["1", 0],
+                                                         "filename_prefix": prefix()}}}  # fmt: skip
+    run = await comfy.run(graph)
+    status, data, _ = await view(comfy, run.entry["outputs"]["2"]["images"][0])
+    assert status == 200 and png_size(data) == (30, 12)
+
+
+async def test_foreign_origin_is_refused(comfy: ComfyAPI) -> None:
+    host = urlsplit(comfy.target.url)
+    if host.hostname not in ("127.0.0.1", "localhost", "::1"):
+        pytest.skip("the origin check only applies to a loopback Host")
+    evil = await comfy.call("GET", "/system_stats", headers={"Origin": "http://evil.example"})
+    assert evil[0] == 403
+    same = await comfy.call("GET", "/system_stats", headers={"Origin": comfy.target.url})
+    assert same[0] == 200
+
+
+async def test_jobs_endpoint(comfy: ComfyAPI) -> None:
+    run = await comfy.run(basic_graph(prefix()))
+    status, job = await comfy.call("GET", f"/api/jobs/{run.prompt_id}")
+    if status == 404 and not comfy.target.is_sim:
+        pytest.skip("this ComfyUI has no /api/jobs")
+    assert status == 200 and job["id"] == run.prompt_id and job["status"] == "completed"
+    assert job["outputs_count"] == 1
+    assert (await comfy.call("GET", f"/api/jobs/{new_id()}"))[0] == 404
+
+
+async def test_preview_and_animated_webp_outputs(comfy: ComfyAPI) -> None:
+    graph = basic_graph(prefix())
+    graph["1"]["inputs"]["batch_size"] = 2
+    graph["4"] = {"class_type": "PreviewImage", "inputs": {"images": ["1", 0]}}
+    graph["5"] = {"class_type": "SaveAnimatedWEBP", "inputs": {
+        "images": ["2", 0], "filename_prefix": prefix(), "fps": 4.0, "lossless": True,
+        "quality": 80, "method": "default"}}  # fmt: skip
+    run = await comfy.run(graph)
+    previews = run.entry["outputs"]["4"]["images"]
+    assert len(previews) == 2 and {p["type"] for p in previews} == {"temp"}
+    assert previews[0]["filename"].startswith("ComfyUI_temp_")
+    status, data, _ = await view(comfy, previews[1])
+    assert status == 200 and png_size(data) == (64, 48)
+    webp = run.entry["outputs"]["5"]
+    assert webp["animated"] == [True] and webp["images"][0]["filename"].endswith("_00001_.webp")
+    status, data, _ = await view(comfy, webp["images"][0])
+    assert status == 200 and data[:4] == b"RIFF" and data[8:12] == b"WEBP"
+    assert len(run.entry["outputs"]["3"]["images"]) == 2
+
+
+@sim_only
+async def test_fault_drop_ws_after_events(comfy: ComfyAPI) -> None:
+    await comfy.sim("/sim/faults", {"drop_ws_after_events": 3})
+    client_id = new_id()
+    async with comfy.socket(client_id) as reader:
+        prompt_id = await comfy.submit(basic_graph(prefix()), client_id=client_id)
+        await reader.quiet(2)
+    assert reader.closed
+    after_start = [e["type"] for e in reader.seen]
+    after_start = after_start[after_start.index("execution_start") :]
+    assert after_start == ["execution_start", "execution_cached", "progress_state"]
+    entry = await comfy.wait_history(prompt_id)  # the prompt itself carried on
+    assert entry["status"]["status_str"] == "success"
+
+
+@sim_only
+async def test_fault_stall_loses_events_but_execution_continues(comfy: ComfyAPI) -> None:
+    await comfy.sim("/sim/faults", {"stall_ws_s": 0.8})  # starts after execution_start
+    client_id = new_id()
+    async with comfy.socket(client_id) as reader:
+        prompt_id = await comfy.submit(basic_graph(prefix()), client_id=client_id)
+        entry = await comfy.wait_history(prompt_id)
+        assert entry["status"]["status_str"] == "success"
+        observed = await reader.quiet(0.3)  # still inside the stall
+        assert [e["type"] for e in observed if e["type"] in PROMPT_SCOPED] == ["execution_start"]
+        await reader.quiet(0.6)  # the stall is over: events flow again
+        run_id = await comfy.submit(basic_graph(prefix()), client_id=client_id)
+        await reader.until(finished(run_id))
+
+
+@sim_only
+async def test_fault_oom_fails_the_ksampler_once(comfy: ComfyAPI) -> None:
+    await comfy.sim("/sim/faults", {"oom_next": True})
+    extra = {"sim": {"step_delay_ms": 1}}
+    failed = await comfy.run(ksampler_graph(prefix(), 3, 1), extra_data=extra)
+    error = next(e["data"] for e in failed.events if e["type"] == "execution_error")
+    assert error["node_id"] == "5" and error["node_type"] == "KSampler"
+    assert error["exception_type"] == "torch.OutOfMemoryError"
+    assert "CUDA out of memory" in error["exception_message"]
+    assert isinstance(error["traceback"], list) and "seed" in error["current_inputs"]
+    assert error["executed"] and error["prompt_id"] == failed.prompt_id
+    assert failed.entry["status"]["status_str"] == "error"
+    assert failed.entry["status"]["messages"][-1][0] == "execution_error"
+    again = await comfy.run(ksampler_graph(prefix(), 3, 2), extra_data=extra)
+    assert again.entry["status"]["status_str"] == "success"
+
+
+@sim_only
+async def test_fault_cuda_error_sticks_until_free(comfy: ComfyAPI) -> None:
+    await comfy.sim("/sim/faults", {"cuda_error_next": True})
+    for _ in range(2):
+        run = await comfy.run(basic_graph(prefix()))
+        error = next(e["data"] for e in run.events if e["type"] == "execution_error")
+        assert "illegal memory access" in error["exception_message"]
+    assert (await comfy.sim("/sim/faults"))["cuda_broken"] is True
+    await comfy.call("POST", "/free", json={"unload_models": True, "free_memory": True})
+    run = await comfy.run(basic_graph(prefix()))
+    assert run.entry["status"]["status_str"] == "success"
+
+
+@sim_only
+async def test_sim_large_output_is_deterministic(comfy: ComfyAPI) -> None:
+    graph = {"1": {"class_type": "SimLargeOutput",
+                   "inputs": {"size_mib": 2, "seed": 7, "filename_prefix": prefix()}}}  # fmt: skip
+    run = await comfy.run(graph)
+    item = run.entry["outputs"]["1"]["files"][0]
+    status, data, _ = await view(comfy, item)
+    expected = b"".join(hashlib.shake_256(f"7:{i}".encode()).digest(1 << 20) for i in range(2))
+    assert status == 200 and data == expected
+
+
+@sim_only
+async def test_in_process_app_refuses_oversized_bodies(tmp_path: Path) -> None:
+    settings = SimSettings(
+        output_dir=tmp_path / "output", input_dir=tmp_path / "input", max_upload_size_mb=1
+    )
+    assert SimSettings().max_upload_bytes == 100 * 1024 * 1024  # ComfyUI's default
+    async with TestClient(TestServer(create_app(settings))) as client:
+        response = await client.post("/prompt", data=io.BytesIO(b"x" * (2 << 20)))
+        assert response.status == 413
+        response = await client.post("/api/prompt", json={"prompt": {}})
+        assert response.status == 400
+        assert (await response.json())["error"]["type"] == "prompt_no_outputs"
