@@ -18,6 +18,7 @@ from urllib.parse import quote
 import httpx
 from rich.console import Console
 
+from activities.log_setup import configure_logging
 from activities.storage import ArtifactStore, S3Settings
 from devstack.config import DEFAULT_CONFIG_PATH, load_stack_config
 from devstack.models import RunningStack
@@ -90,6 +91,7 @@ async def demo(console: Console) -> JobStatus:
 
 
 def main() -> None:
+    configure_logging("WARNING")
     console = Console()
     final = asyncio.run(demo(console))
     if final.state != JobState.COMPLETED:

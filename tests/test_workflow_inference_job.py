@@ -247,7 +247,7 @@ async def test_failure_ends_failed_with_typed_error_after_teardown(
 async def test_invalid_payload_fails_the_workflow_instead_of_retrying(
     time_env: WorkflowEnvironment,
 ) -> None:
-    editor_format = {"graph": {"nodes": [], "links": []}}
+    editor_format: dict[str, Any] = {"graph": {"nodes": [], "links": []}}
     task_queue = f"tq-{uuid.uuid4()}"
     async with Worker(
         time_env.client,

@@ -1,0 +1,189 @@
+"""What a service of the stack is (command, ports, probe, files) and how to wait for it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Literal, get_args
+
+from devstack.config import StackConfig
+from devstack.errors import ServiceStartError
+from devstack.probes import Probe, ProbeFailed, http_get_ok
+from devstack.processes import PidRecord, is_alive, log_tail
+
+ServiceName = Literal["temporal", "s3", "comfyui_sim"]
+# Start order matters: the Temporal dev server grabs a few random ports for its internal services,
+# so it goes last, when every explicitly configured port is already bound by its owner.
+SERVICE_NAMES: tuple[ServiceName, ...] = ("s3", "comfyui_sim", "temporal")
+assert set(SERVICE_NAMES) == set(get_args(ServiceName))
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class StackPaths:
+    state_dir: Path
+
+    @classmethod
+    def of(cls, config: StackConfig, base_dir: Path) -> StackPaths:
+        state = Path(config.state_dir)
+        if not state.is_absolute():
+            state = base_dir / state
+        return cls(state_dir=state.resolve())
+
+    @property
+    def logs(self) -> Path:
+        return self.state_dir / "logs"
+
+    @property
+    def pids(self) -> Path:
+        return self.state_dir / "pids"
+
+    @property
+    def env_file(self) -> Path:
+        return self.state_dir / "env"
+
+    @property
+    def temporal_toml(self) -> Path:
+        return self.state_dir / "temporal.toml"
+
+    @property
+    def s3_credentials(self) -> Path:
+        return self.state_dir / "s3-credentials.json"
+
+    @property
+    def s3_identities(self) -> Path:
+        return self.state_dir / "seaweedfs-identities.json"
+
+    @property
+    def run(self) -> Path:
+        return self.state_dir / "run"
+
+    @property
+    def seaweed_config_dir(self) -> Path:
+        return self.state_dir / "seaweedfs-config"
+
+    @property
+    def effective_config(self) -> Path:
+        return self.state_dir / "temporal-dev.effective.yaml"
+
+    def log_file(self, name: ServiceName) -> Path:
+        return self.logs / f"{name}.log"
+
+    def pid_file(self, name: ServiceName) -> Path:
+        return self.pids / f"{name}.pid"
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    name: ServiceName
+    host: str
+    # (config key, port) for every port the service binds, checked before anything starts.
+    ports: tuple[tuple[str, int], ...]
+    # Built only when starting, so that `status` and `down` work without the binaries.
+    build_argv: Callable[[], tuple[str, ...]]
+    cwd: Path
+    log_file: Path
+    pid_file: Path
+    probe: Probe
+    url: str
+    check_wildcard: bool = False
+    # Runs right before spawning (never while the service is up): directories, config files.
+    prepare: Callable[[], None] | None = None
+    # Runs once the process is gone: whatever it leaves behind outside the state dir.
+    cleanup: Callable[[], None] | None = None
+    startup_timeout_s: float = 60.0
+    stop_grace_s: float = 15.0
+    env: dict[str, str] = field(default_factory=dict)
+    unset_env: tuple[str, ...] = ()
+
+
+def comfy_sim_argv(config: StackConfig, base_dir: Path) -> tuple[str, ...]:
+    sim = config.comfyui_sim
+    return (
+        sys.executable,
+        "-m",
+        "devstack.comfy_sim",
+        "--host",
+        sim.host,
+        "--port",
+        str(sim.port),
+        "--output-dir",
+        str(config.path(base_dir, sim.output_dir).resolve()),
+        "--input-dir",
+        str(config.path(base_dir, sim.input_dir).resolve()),
+        "--step-delay-ms",
+        str(sim.step_delay_ms),
+    )
+
+
+def comfy_sim_spec(config: StackConfig, base_dir: Path, paths: StackPaths) -> ServiceSpec:
+    sim = config.comfyui_sim
+    # The project is not necessarily installed into the venv; the simulator must import it anyway.
+    pythonpath = os.pathsep.join(p for p in (str(PROJECT_ROOT), os.environ.get("PYTHONPATH")) if p)
+    return ServiceSpec(
+        name="comfyui_sim",
+        host=sim.host,
+        ports=(("comfyui_sim.port", sim.port),),
+        build_argv=partial(comfy_sim_argv, config, base_dir),
+        cwd=paths.state_dir,
+        log_file=paths.log_file("comfyui_sim"),
+        pid_file=paths.pid_file("comfyui_sim"),
+        probe=partial(http_get_ok, f"{sim.url}/system_stats"),
+        url=sim.url,
+        startup_timeout_s=30.0,
+        stop_grace_s=5.0,
+        env={"PYTHONPATH": pythonpath},
+        prepare=partial(_make_dirs, config, base_dir, (sim.output_dir, sim.input_dir)),
+    )
+
+
+def _make_dirs(config: StackConfig, base_dir: Path, relative: tuple[str, ...]) -> None:
+    for directory in relative:
+        config.path(base_dir, directory).mkdir(parents=True, exist_ok=True)
+
+
+async def probe_once(spec: ServiceSpec, timeout_s: float = 3.0) -> str | None:
+    """None when healthy, else why not."""
+    try:
+        await asyncio.wait_for(spec.probe(), timeout=timeout_s)
+    except TimeoutError:
+        return f"probe timed out after {timeout_s:.1f}s"
+    except ProbeFailed as exc:
+        return str(exc)
+    return None
+
+
+async def wait_ready(spec: ServiceSpec, record: PidRecord) -> float:
+    """Poll the probe until it passes; seconds taken. Fails fast if the process exits."""
+    started = time.monotonic()
+    deadline = started + spec.startup_timeout_s
+    last_error = "no answer yet"
+    while True:
+        if not is_alive(record):
+            raise ServiceStartError(
+                spec.name,
+                f"process {record.pid} exited (last probe: {last_error})",
+                str(spec.log_file),
+                log_tail(spec.log_file),
+            )
+        remaining = deadline - time.monotonic()
+        error = await probe_once(spec, timeout_s=max(0.5, min(5.0, remaining)))
+        if error is None:
+            return time.monotonic() - started
+        last_error = error
+        if time.monotonic() >= deadline:
+            raise ServiceStartError(
+                spec.name,
+                f"no healthy answer within {spec.startup_timeout_s:.0f}s"
+                f" (last probe: {last_error})",
+                str(spec.log_file),
+                log_tail(spec.log_file),
+            )
+        await asyncio.sleep(0.1)

@@ -1,0 +1,282 @@
+"""Start, stop and inspect the local stack: Temporal dev server, SeaweedFS S3, ComfyUI simulator.
+
+Services run detached (own session, logs in STATE/logs, PIDs in STATE/pids), so they outlive the
+process that started them; `down` stops exactly the recorded PIDs and keeps the data.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from pathlib import Path
+
+import structlog
+import yaml
+
+from devstack.config import StackConfig
+from devstack.errors import StackError
+from devstack.files import write_atomic
+from devstack.models import RunningStack, ServiceState, StackStatus
+from devstack.processes import (
+    PidRecord,
+    check_port_free,
+    is_alive,
+    read_pid_file,
+    spawn_detached,
+    terminate,
+)
+from devstack.seaweed import (
+    S3Credentials,
+    load_credentials,
+    load_or_create_credentials,
+    seaweed_spec,
+)
+from devstack.services import (
+    SERVICE_NAMES,
+    ServiceName,
+    ServiceSpec,
+    StackPaths,
+    comfy_sim_spec,
+    probe_once,
+    wait_ready,
+)
+from devstack.temporal_server import PROFILE_NAME, temporal_spec, write_temporal_toml
+
+__all__ = [
+    "RunningStack",
+    "ServiceState",
+    "StackStatus",
+    "stack_status",
+    "start_service",
+    "start_stack",
+    "stop_service",
+    "stop_stack",
+]
+
+log = structlog.get_logger(__name__)
+
+
+def _specs(
+    config: StackConfig, base_dir: Path, creds: S3Credentials | None
+) -> dict[ServiceName, ServiceSpec]:
+    paths = StackPaths.of(config, base_dir)
+    return {
+        "s3": seaweed_spec(config, base_dir, paths, creds),
+        "comfyui_sim": comfy_sim_spec(config, base_dir, paths),
+        "temporal": temporal_spec(config, base_dir, paths),
+    }
+
+
+def _running_record(spec: ServiceSpec) -> PidRecord | None:
+    """The recorded process if it is still alive; a stale PID file is removed."""
+    record = read_pid_file(spec.pid_file)
+    if record is None:
+        spec.pid_file.unlink(missing_ok=True)
+        return None
+    if is_alive(record):
+        return record
+    spec.pid_file.unlink(missing_ok=True)
+    return None
+
+
+def _check_ports(specs: list[ServiceSpec]) -> None:
+    seen: dict[int, str] = {}
+    for spec in specs:
+        for key, port in spec.ports:
+            if port in seen:
+                raise StackError(
+                    f"port {port} is configured twice ({seen[port]} and {key})",
+                    hint="give every service its own port",
+                )
+            seen[port] = key
+    for spec in specs:
+        hosts = (spec.host, "0.0.0.0") if spec.check_wildcard else (spec.host,)
+        for key, port in spec.ports:
+            for host in hosts:
+                check_port_free(host, port, spec.name, key)
+
+
+async def _ensure(
+    specs: dict[ServiceName, ServiceSpec], names: tuple[ServiceName, ...]
+) -> dict[ServiceName, ServiceState]:
+    """Start whichever of `names` is not running and wait until all answer their probes.
+
+    All-or-nothing: if any fails, the ones this call started are stopped again.
+    """
+    running = {name: _running_record(specs[name]) for name in names}
+    # Build every command first: a missing binary must fail before anything is spawned.
+    argvs = {name: specs[name].build_argv() for name in names}
+    for name, record in running.items():
+        # Ports or flags changed in the config since `up`: "already running" would be a lie.
+        if record is not None and record.argv[1:] != list(argvs[name][1:]):
+            raise StackError(
+                f"{name} is already running (pid {record.pid}) with other settings",
+                hint="run `durable-comfy dev down`, then `up` again",
+            )
+    to_start = [specs[name] for name in names if running[name] is None]
+    _check_ports(to_start)  # before anything starts, so a clash leaves nothing half-up
+    for spec in to_start:
+        if spec.prepare is not None:
+            spec.prepare()
+    started: dict[ServiceName, PidRecord] = {}
+    records: dict[ServiceName, PidRecord] = {}
+    try:
+        for name in names:
+            spec = specs[name]
+            record = running[name]
+            if record is None:
+                record = spawn_detached(
+                    argvs[name], spec.log_file, spec.cwd, spec.pid_file, spec.env, spec.unset_env
+                )
+                started[name] = record
+                log.info("service starting", service=name, pid=record.pid)
+            records[name] = record
+        results = await asyncio.gather(
+            *(wait_ready(specs[name], records[name]) for name in names), return_exceptions=True
+        )
+        failures = [r for r in results if isinstance(r, BaseException)]
+        if failures:
+            raise failures[0]
+    except BaseException:
+        await asyncio.gather(
+            *(_stop(specs[name], rec, signal.SIGTERM) for name, rec in started.items())
+        )
+        raise
+
+    states: dict[ServiceName, ServiceState] = {}
+    for name, ready_s in zip(names, results, strict=True):
+        assert isinstance(ready_s, float)
+        spec = specs[name]
+        states[name] = ServiceState(
+            name=name,
+            state="running",
+            action="started" if name in started else "already running",
+            pid=records[name].pid,
+            url=spec.url,
+            log_file=spec.log_file,
+            ready_s=round(ready_s, 3) if name in started else None,
+        )
+        log.info("service ready", service=name, action=states[name].action, ready_s=ready_s)
+    return states
+
+
+async def _stop(spec: ServiceSpec, record: PidRecord, sig: signal.Signals) -> None:
+    await terminate(record, sig, grace_s=spec.stop_grace_s)
+    spec.pid_file.unlink(missing_ok=True)
+    if spec.cleanup is not None:
+        spec.cleanup()
+
+
+def _write_client_files(
+    config: StackConfig, base_dir: Path, creds: S3Credentials, config_file: Path | None
+) -> RunningStack:
+    paths = StackPaths.of(config, base_dir)
+    if config_file is None:
+        # Called as a library: the worker still needs a config file, so write the effective one.
+        effective = config.model_copy(update={"state_dir": str(paths.state_dir)})
+        write_atomic(
+            paths.effective_config,
+            yaml.safe_dump(effective.model_dump(mode="json"), sort_keys=False),
+        )
+        config_file = paths.effective_config
+    write_temporal_toml(paths.temporal_toml, config.temporal)
+    stack = RunningStack(
+        temporal_address=config.temporal.address,
+        namespace=config.temporal.namespace,
+        temporal_ui=config.temporal.ui_url,
+        s3_endpoint=config.s3.endpoint_url,
+        bucket=config.s3.bucket,
+        region=config.s3.region,
+        access_key_id=creds.access_key_id,
+        secret_access_key=creds.secret_access_key,
+        comfyui_url=config.comfyui_sim.url,
+        state_dir=paths.state_dir,
+        env_file=paths.env_file,
+        temporal_config_file=paths.temporal_toml,
+        temporal_profile=PROFILE_NAME,
+        config_file=config_file.resolve(),
+    )
+    write_atomic(paths.env_file, stack.env_file_text(), mode=0o600)
+    return stack
+
+
+async def start_stack(
+    config: StackConfig, base_dir: Path, config_file: Path | None = None
+) -> RunningStack:
+    """Start what is not running, wait until every service answers, write env + client profile.
+
+    `config_file` is what DURABLE_COMFY_CONFIG points at; without it the effective config is
+    written to the state dir.
+    """
+    paths = StackPaths.of(config, base_dir)
+    paths.state_dir.mkdir(parents=True, exist_ok=True)
+    creds = load_or_create_credentials(paths.s3_credentials)
+    states = await _ensure(_specs(config, base_dir, creds), SERVICE_NAMES)
+    stack = _write_client_files(config, base_dir, creds, config_file)
+    return stack.model_copy(update={"services": states})
+
+
+async def stop_stack(config: StackConfig, base_dir: Path) -> dict[ServiceName, ServiceState]:
+    """SIGTERM (then SIGKILL) exactly the recorded PIDs; data, credentials and logs stay."""
+    states = await asyncio.gather(
+        *(stop_service(config, base_dir, name) for name in reversed(SERVICE_NAMES))
+    )
+    return {state.name: state for state in states}
+
+
+async def start_service(config: StackConfig, base_dir: Path, name: ServiceName) -> ServiceState:
+    """Start one service (if not running) and wait for it; for restarts in chaos tests."""
+    paths = StackPaths.of(config, base_dir)
+    paths.state_dir.mkdir(parents=True, exist_ok=True)
+    creds = load_or_create_credentials(paths.s3_credentials)
+    states = await _ensure(_specs(config, base_dir, creds), (name,))
+    return states[name]
+
+
+async def stop_service(
+    config: StackConfig,
+    base_dir: Path,
+    name: ServiceName,
+    sig: signal.Signals = signal.SIGTERM,
+) -> ServiceState:
+    """Send `sig` to the service's process group, SIGKILL after its grace period if need be."""
+    spec = _specs(config, base_dir, None)[name]
+    record = _running_record(spec)
+    if record is not None:
+        await _stop(spec, record, sig)
+        log.info("service stopped", service=name, pid=record.pid, signal=sig.name)
+    return ServiceState(
+        name=name,
+        state="stopped",
+        action="stopped" if record is not None else "was not running",
+        pid=record.pid if record is not None else None,
+        url=spec.url,
+        log_file=spec.log_file,
+    )
+
+
+async def stack_status(config: StackConfig, base_dir: Path) -> StackStatus:
+    paths = StackPaths.of(config, base_dir)
+    specs = _specs(config, base_dir, load_credentials(paths.s3_credentials))
+
+    async def one(name: ServiceName) -> ServiceState:
+        spec = specs[name]
+        record = _running_record(spec)
+        if record is None:
+            return ServiceState(name=name, state="stopped", url=spec.url, log_file=spec.log_file)
+        problem = await probe_once(spec, timeout_s=3.0)
+        return ServiceState(
+            name=name,
+            state="running" if problem is None else "unhealthy",
+            pid=record.pid,
+            url=spec.url,
+            log_file=spec.log_file,
+            detail=problem,
+        )
+
+    states = await asyncio.gather(*(one(name) for name in SERVICE_NAMES))
+    return StackStatus(
+        state_dir=paths.state_dir,
+        env_file=paths.env_file,
+        services={state.name: state for state in states},
+    )

