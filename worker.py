@@ -18,6 +18,7 @@ from temporalio.worker import Worker
 
 from activities.comfyui import ComfyActivities, ComfyPools
 from activities.comfyui_follow import FollowActivities
+from activities.comfyui_offload import OffloadActivities
 from activities.log_setup import configure_logging
 from activities.settings import WorkerSettings
 from activities.storage import ArtifactStore, S3Settings
@@ -50,6 +51,7 @@ async def run_worker(
         pools = ComfyPools(settings, http)
         comfy = ComfyActivities(pools, store)
         follow = FollowActivities(pools, store)
+        offload = OffloadActivities(pools, store)
         worker = Worker(
             client,
             task_queue=settings.task_queue,
@@ -59,7 +61,7 @@ async def run_worker(
                 comfy.submit_prompt,
                 comfy.teardown_prompt,
                 follow.follow_prompt,
-                follow.offload_outputs,
+                offload.offload_outputs,
             ],
             max_concurrent_activities=settings.max_concurrent_activities,
             graceful_shutdown_timeout=GRACEFUL_SHUTDOWN,

@@ -123,6 +123,17 @@ class ComfyClient:
         entry = data.get(prompt_id)
         return entry if isinstance(entry, dict) else None
 
+    async def job_state(self, prompt_id: str) -> str | None:
+        """`/api/jobs/{id}` status on newer ComfyUI; None when unknown or not supported."""
+        response = await self._request("GET", f"/api/jobs/{prompt_id}")
+        if response.status_code != 200:
+            return None
+        try:
+            state = response.json().get("status")
+        except ValueError:
+            return None
+        return state if isinstance(state, str) else None
+
     async def delete_pending(self, prompt_id: str) -> None:
         await self._json("POST", "/queue", json={"delete": [prompt_id]})
 

@@ -25,18 +25,22 @@ from activities.comfy_client import ComfyClient, ComfyError
 from activities.comfy_events import (
     ComfyEvent,
     for_prompt,
-    is_fatal_device_error,
-    is_out_of_memory,
     output_files,
     parse_frame,
 )
 from activities.comfyui import ComfyPools
-from activities.errors import fatal, from_comfy, from_storage, retryable
-from activities.keys import artifact_key, content_type_for
+from activities.comfyui_offload import OutputUploader
+from activities.errors import (
+    execution_failure,
+    fatal,
+    from_comfy,
+    history_failure,
+    retryable,
+)
 from activities.progress import ProgressTracker
-from activities.storage import ArtifactStore, StorageError
-from workflows.activity_io import FollowInput, FollowResult, OffloadInput, OffloadResult
-from workflows.contracts import Artifact, Checkpoint, OutputSpec, ProgressReport
+from activities.storage import ArtifactStore
+from workflows.activity_io import FollowInput, FollowResult
+from workflows.contracts import Artifact, Checkpoint, ProgressReport
 from workflows.shared import SIGNAL_PROGRESS, ErrorType
 
 log = structlog.get_logger(__name__)
@@ -46,81 +50,11 @@ Stage = Literal["queued", "running", "uploading", "finished"]
 # How long the socket may stay silent before we ask /queue and /history what is going on.
 # A node without a progress bar can keep a healthy socket silent for minutes.
 SILENCE_CHECK_S = 5.0
+# A socket silent this long while the prompt runs is reopened (its routing may have been lost).
+RESUBSCRIBE_AFTER_S = 30.0
+# Asked twice, this far apart, before a prompt counts as lost.
+LOST_RECHECK_S = 1.0
 MAX_PARALLEL_UPLOADS = 2
-
-
-class OutputUploader:
-    """Streams ComfyUI output files (`/view`) into S3, each file at most once."""
-
-    def __init__(
-        self,
-        client: ComfyClient,
-        store: ArtifactStore,
-        *,
-        job_id: str,
-        segment: int,
-        output: OutputSpec,
-        stored: list[Artifact],
-        run_tag: str,
-    ) -> None:
-        self._run_tag = run_tag
-        self._client = client
-        self._store = store
-        self._job_id = job_id
-        self._segment = segment
-        self._output = output
-        self.artifacts: dict[str, Artifact] = {a.key: a for a in stored}
-        self._in_flight: set[str] = set()
-        self._limit = asyncio.Semaphore(MAX_PARALLEL_UPLOADS)
-
-    def key_for(self, node_id: str, item: Mapping[str, str]) -> str:
-        return artifact_key(
-            self._output.prefix, self._job_id, self._segment, node_id, item["filename"]
-        )
-
-    def wanted(self, node_id: str, item: Mapping[str, str]) -> bool:
-        """Only saved outputs are artifacts; previews (`temp`) are not kept."""
-        if item.get("type", "output") != "output":
-            return False
-        key = self.key_for(node_id, item)
-        return key not in self.artifacts and key not in self._in_flight
-
-    async def upload(self, node_id: str, item: Mapping[str, str]) -> Artifact:
-        if not _from_this_run(item, self._run_tag):
-            raise fatal(
-                ErrorType.OUTPUT_MISSING,
-                f"output {item.get('filename')!r} of node {node_id} is not from this run "
-                f"(expected subfolder under {self._run_tag!r}): ComfyUI served a cached result",
-            )
-        key = self.key_for(node_id, item)
-        self._in_flight.add(key)
-        try:
-            async with self._limit:
-                content_type = content_type_for(item["filename"])
-                async with self._client.view(
-                    item["filename"], item.get("subfolder", ""), item.get("type", "output")
-                ) as chunks:
-                    stored = await self._store.upload_stream(
-                        key, chunks, content_type=content_type, bucket=self._output.bucket
-                    )
-        except ComfyError as exc:
-            raise from_comfy(exc, f"fetching output {item['filename']!r}") from exc
-        except StorageError as exc:
-            raise from_storage(exc, f"storing {key}") from exc
-        finally:
-            self._in_flight.discard(key)
-        artifact = Artifact(
-            key=stored.key,
-            uri=stored.uri,
-            size=stored.size,
-            sha256=stored.sha256,
-            content_type=stored.content_type,
-            node_id=node_id,
-            segment=self._segment,
-        )
-        self.artifacts[key] = artifact
-        log.info("artifact_stored", job_id=self._job_id, key=key, size=stored.size)
-        return artifact
 
 
 class PromptFollower:
@@ -145,6 +79,11 @@ class PromptFollower:
             req.sampler_steps, req.nodes_total, min_interval_s=min(1.0, req.progress_interval_s)
         )
         self.tracker.restore(self.checkpoint.node_steps, self.checkpoint.nodes_done)
+        timeout = activity.info().heartbeat_timeout
+        # Heartbeat well inside the timeout even while the socket is silent.
+        self.poll_s = (
+            min(SILENCE_CHECK_S, timeout.total_seconds() / 3) if timeout else SILENCE_CHECK_S
+        )
         self.current_node: str | None = None
         self.succeeded = False
         self.uploads: set[asyncio.Task[Artifact]] = set()
@@ -154,22 +93,19 @@ class PromptFollower:
         attempt = activity.info().attempt
         self.log.info("follow_start", attempt=attempt, resumed_step=self.tracker.step)
         try:
-            # The same client_id takes the prompt's event routing over from a dead socket.
-            async with websockets.connect(
-                self.client.ws_url(self.req.client_id), max_size=None, open_timeout=10
-            ) as ws:
-                await self._reconcile()
-                while not self.succeeded:
-                    await self._next_event(ws)
-                    self._fail_if_upload_failed()
+            while not self.succeeded:
+                await self._follow_socket()
             await self._drain_uploads()
         except (OSError, websockets.exceptions.WebSocketException) as exc:
-            raise retryable(
-                ErrorType.CONNECTION_LOST,
-                f"ComfyUI socket lost: {type(exc).__name__}: {exc}",
+            raise self._with_progress(
+                retryable(
+                    ErrorType.CONNECTION_LOST, f"ComfyUI socket lost: {type(exc).__name__}: {exc}"
+                )
             ) from exc
         except ComfyError as exc:
-            raise from_comfy(exc, "following the prompt") from exc
+            raise self._with_progress(from_comfy(exc, "following the prompt")) from exc
+        except ApplicationError as exc:
+            raise self._with_progress(exc) from None
         finally:
             for task in self.uploads:
                 task.cancel()
@@ -183,21 +119,55 @@ class PromptFollower:
             checkpoint=self._checkpoint(),
         )
 
-    async def _next_event(self, ws: websockets.ClientConnection) -> None:
+    async def _follow_socket(self) -> None:
+        """One socket's life: reconcile, then events until the prompt ends or the socket idles.
+
+        The submission's client_id takes the prompt's event routing over from a dead socket;
+        a fresh ID would get none of the prompt's events. A socket that stays silent while the
+        prompt runs is reopened, which re-registers that routing.
+        """
+        async with websockets.connect(
+            self.client.ws_url(self.req.client_id), max_size=None, open_timeout=10
+        ) as ws:
+            await self._reconcile()
+            last_event = time.monotonic()
+            while not self.succeeded:
+                if await self._next_event(ws):
+                    last_event = time.monotonic()
+                elif time.monotonic() - last_event > RESUBSCRIBE_AFTER_S:
+                    self.log.info("socket_idle_reopening")
+                    return
+                self._fail_if_upload_failed()
+                if activity.is_worker_shutdown():
+                    raise retryable(ErrorType.CONNECTION_LOST, "worker shutting down")
+
+    async def _next_event(self, ws: websockets.ClientConnection) -> bool:
+        """Handle the next frame; False when the socket stayed silent for a poll interval."""
         try:
-            frame = await asyncio.wait_for(ws.recv(), timeout=SILENCE_CHECK_S)
+            frame = await asyncio.wait_for(ws.recv(), timeout=self.poll_s)
         except TimeoutError:
             self._heartbeat()
-            if activity.is_worker_shutdown():
-                raise retryable(ErrorType.CONNECTION_LOST, "worker shutting down") from None
             # A silent socket on a live prompt is not a failure: ask the source of truth.
             await self._reconcile()
-            return
+            return False
         event = parse_frame(frame)
         if event is None or not for_prompt(event, self.req.prompt_id):
-            return
+            return False
         await self._handle(event)
         self._heartbeat()
+        return True
+
+    def _with_progress(self, error: ApplicationError) -> ApplicationError:
+        """A retryable failure carries the checkpoint, so the workflow re-attaches from it."""
+        if error.non_retryable:
+            return error
+        return ApplicationError(
+            error.message,
+            self._checkpoint().model_dump(mode="json"),
+            [a.model_dump(mode="json") for a in self.uploader.artifacts.values()],
+            type=error.type,
+            non_retryable=False,
+        )
 
     async def _handle(self, event: ComfyEvent) -> None:
         kind, data = event.type, event.data
@@ -222,27 +192,36 @@ class PromptFollower:
         elif kind == "execution_success":
             self.succeeded = True
         elif kind == "execution_error":
-            raise _execution_error(data)
+            raise execution_failure(data)
         elif kind == "execution_interrupted":
             raise fatal(ErrorType.INTERRUPTED, f"prompt interrupted at node {data.get('node_id')}")
 
     async def _reconcile(self) -> None:
-        """Ask /queue, then /history, where the prompt is; recover what events we missed."""
-        position = await self.client.queue_position(self.req.prompt_id)
-        if position is not None:
-            return
-        entry = await self.client.history(self.req.prompt_id)
-        if entry is None:
-            raise fatal(
-                ErrorType.PROMPT_LOST,
-                f"prompt {self.req.prompt_id} is neither queued, running nor in history: "
-                "ComfyUI lost it (restarted?)",
-            )
-        status = entry.get("status", {})
-        if status.get("status_str") == "error":
-            raise _history_error(status.get("messages", []))
-        self._start_uploads(entry.get("outputs", {}))
-        self.succeeded = True
+        """Ask /queue, then /history, where the prompt is; recover what events we missed.
+
+        Only when neither knows it (and `/api/jobs` does not either) is it lost: `{}` from
+        history alone can mean queued, running, never submitted, or lost.
+        """
+        for look in range(2):
+            if await self.client.queue_position(self.req.prompt_id) is not None:
+                return
+            entry = await self.client.history(self.req.prompt_id)
+            if entry is not None:
+                status = entry.get("status", {})
+                if status.get("status_str") == "error":
+                    raise history_failure(status.get("messages", []))
+                self._start_uploads(entry.get("outputs", {}))
+                self.succeeded = True
+                return
+            if await self.client.job_state(self.req.prompt_id) in ("pending", "in_progress"):
+                return
+            if look == 0:
+                await asyncio.sleep(LOST_RECHECK_S)
+        raise fatal(
+            ErrorType.PROMPT_LOST,
+            f"prompt {self.req.prompt_id} is neither queued, running nor in history: "
+            "ComfyUI lost it (restarted?)",
+        )
 
     def _start_uploads(self, outputs: dict[str, Any]) -> None:
         for node_id, item in output_files(outputs):
@@ -319,6 +298,8 @@ def _restore_checkpoint(details: Any, req: FollowInput) -> Checkpoint:
             checkpoint = None
         if checkpoint is not None and checkpoint.prompt_id == req.prompt_id:
             return checkpoint
+    if req.checkpoint is not None and req.checkpoint.prompt_id == req.prompt_id:
+        return req.checkpoint
     return Checkpoint(
         job_id=req.job_id,
         segment=req.segment,
@@ -337,25 +318,6 @@ def _restore_artifacts(details: Any) -> list[Artifact]:
         return []
 
 
-def _execution_error(data: Mapping[str, Any]) -> ApplicationError:
-    node = f"node {data.get('node_id')} ({data.get('node_type')})"
-    message = f"{node}: {data.get('exception_type')}: {data.get('exception_message')}"
-    if is_out_of_memory(dict(data)):
-        return fatal(ErrorType.OUT_OF_MEMORY, f"out of GPU memory at {message}")
-    if is_fatal_device_error(dict(data)):
-        return fatal(ErrorType.EXECUTION_ERROR, f"unrecoverable device fault at {message}")
-    return fatal(ErrorType.EXECUTION_ERROR, message)
-
-
-def _history_error(messages: list[Any]) -> ApplicationError:
-    for item in messages:
-        if isinstance(item, list) and len(item) == 2 and item[0] == "execution_error":
-            return _execution_error(item[1])
-        if isinstance(item, list) and len(item) == 2 and item[0] == "execution_interrupted":
-            return fatal(ErrorType.INTERRUPTED, "prompt was interrupted")
-    return fatal(ErrorType.EXECUTION_ERROR, "prompt failed (history says error)")
-
-
 class FollowActivities:
     def __init__(self, pools: ComfyPools, store: ArtifactStore) -> None:
         self._pools = pools
@@ -364,56 +326,3 @@ class FollowActivities:
     @activity.defn(name="follow_prompt")
     async def follow_prompt(self, req: FollowInput) -> FollowResult:
         return await PromptFollower(req, self._pools.client(req.pool), self._store).run()
-
-    @activity.defn(name="offload_outputs")
-    async def offload_outputs(self, req: OffloadInput) -> OffloadResult:
-        """Store every saved output the history lists and verify all of them in S3."""
-        client = self._pools.client(req.pool)
-        uploader = OutputUploader(
-            client,
-            self._store,
-            job_id=req.job_id,
-            segment=req.segment,
-            output=req.output,
-            stored=list(req.stored),
-            run_tag=req.run_tag,
-        )
-        entry = await _history_when_written(client, req.prompt_id)
-        outputs = entry.get("outputs", {})
-        for node_id, item in output_files(outputs):
-            if not uploader.wanted(node_id, item):
-                continue
-            await uploader.upload(node_id, item)
-            activity.heartbeat()
-        for artifact in uploader.artifacts.values():
-            head = await self._store.head(artifact.key, bucket=req.output.bucket)
-            if head is None or head.size != artifact.size or head.sha256 != artifact.sha256:
-                raise retryable(
-                    ErrorType.STORAGE_ERROR,
-                    f"{artifact.uri} is not stored as stated (size {artifact.size}, "
-                    f"sha256 {artifact.sha256[:12]}...)",
-                )
-        return OffloadResult(artifacts=sorted(uploader.artifacts.values(), key=lambda a: a.key))
-
-
-def _from_this_run(item: Mapping[str, str], run_tag: str) -> bool:
-    subfolder = item.get("subfolder", "")
-    return subfolder == run_tag or subfolder.startswith(run_tag + "/")
-
-
-async def _history_when_written(client: ComfyClient, prompt_id: str) -> dict[str, Any]:
-    """`execution_success` arrives before the history entry exists: give it a moment."""
-    deadline = time.monotonic() + 10.0
-    try:
-        while True:
-            entry = await client.history(prompt_id)
-            if entry is not None:
-                status = entry.get("status", {})
-                if status.get("status_str") == "error":
-                    raise _history_error(status.get("messages", []))
-                return entry
-            if time.monotonic() > deadline:
-                raise retryable(ErrorType.OUTPUT_MISSING, f"no history for prompt {prompt_id} yet")
-            await asyncio.sleep(0.2)
-    except ComfyError as exc:
-        raise from_comfy(exc, "reading history") from exc

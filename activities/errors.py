@@ -6,6 +6,7 @@ from `workflows.shared.ErrorType` and clients see them in `JobStatus.error.type`
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -17,6 +18,7 @@ from activities.comfy_client import (
     ComfyPromptRejected,
     ComfyUnavailable,
 )
+from activities.comfy_events import is_fatal_device_error, is_out_of_memory
 from activities.storage_errors import StorageError
 from workflows.shared import ErrorType
 
@@ -57,3 +59,22 @@ def from_storage(exc: StorageError, doing: str) -> ApplicationError:
     if exc.retryable:
         return retryable(ErrorType.STORAGE_ERROR, message)
     return fatal(ErrorType.STORAGE_ERROR, message)
+
+
+def execution_failure(data: Mapping[str, Any]) -> ApplicationError:
+    node = f"node {data.get('node_id')} ({data.get('node_type')})"
+    message = f"{node}: {data.get('exception_type')}: {data.get('exception_message')}"
+    if is_out_of_memory(dict(data)):
+        return fatal(ErrorType.OUT_OF_MEMORY, f"out of GPU memory at {message}")
+    if is_fatal_device_error(dict(data)):
+        return fatal(ErrorType.EXECUTION_ERROR, f"unrecoverable device fault at {message}")
+    return fatal(ErrorType.EXECUTION_ERROR, message)
+
+
+def history_failure(messages: list[Any]) -> ApplicationError:
+    for item in messages:
+        if isinstance(item, list) and len(item) == 2 and item[0] == "execution_error":
+            return execution_failure(item[1])
+        if isinstance(item, list) and len(item) == 2 and item[0] == "execution_interrupted":
+            return fatal(ErrorType.INTERRUPTED, "prompt was interrupted")
+    return fatal(ErrorType.EXECUTION_ERROR, "prompt failed (history says error)")

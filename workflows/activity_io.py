@@ -60,6 +60,8 @@ class FollowInput(_Model):
     nodes_total: int = 0
     output: OutputSpec
     progress_interval_s: float = 2.0
+    # Where an earlier attempt got to; a retry of the same activity prefers its own heartbeat.
+    checkpoint: Checkpoint | None = None
     # Artifacts of this segment stored by an earlier attempt: never uploaded twice.
     stored: list[Artifact] = Field(default_factory=list)
 
@@ -79,6 +81,8 @@ class OffloadInput(_Model):
     run_tag: str
     output: OutputSpec
     stored: list[Artifact] = Field(default_factory=list)
+    # Compensation after a failure or cancel: keep whatever finished, never fail for the rest.
+    partial: bool = False
 
 
 class OffloadResult(_Model):

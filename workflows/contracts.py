@@ -62,6 +62,8 @@ class JobPolicy(_Model):
     abandon_after_s: float | None = Field(default=300.0, gt=0)
     progress_interval_s: float = Field(2.0, gt=0)
     on_ambiguous_submit: Literal["pause", "fail", "resubmit"] = "pause"
+    # Continue-as-new at a segment boundary once history passes half of this many events.
+    history_budget_events: int = Field(2000, ge=10)
 
     @model_validator(mode="before")
     @classmethod
@@ -223,6 +225,16 @@ class ProgressReport(_Model):
     artifact: Artifact | None = None
     checkpoint: Checkpoint | None = None
     worker_id: str | None = None
+
+
+class CancelRequest(_Model):
+    reason: str = Field("cancelled by a client", max_length=500)
+
+
+class ResumeRequest(_Model):
+    """Continue a NEEDS_DECISION job: re-attach to the prompt, or submit it again."""
+
+    resubmit: bool = False
 
 
 def validate_job_id(job_id: str) -> str:

@@ -1,35 +1,38 @@
 """The `InferenceJob` workflow: one ComfyUI job, from request to confirmed artifacts.
 
-prepare → for each segment: submit → follow (progress, artifacts streamed to S3) → offload
-(reconcile against history, verify) → tear down → COMPLETED. Any failure: tear down, FAILED.
+prepare → for each segment: submit → follow (re-attaching with durable, jittered backoff when
+the path breaks) → offload → COMPLETED. Cancel (signal or Temporal's own), abandonment (no client
+contact within `abandon_after_s`), the execution deadline and every failure stop the work and run
+the same compensation: stop the prompt on the backend, keep what finished, record the teardown.
 The job's state lives here; clients read it with the `status` query.
 """
 
 from __future__ import annotations
 
+import asyncio
 from datetime import timedelta
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from temporalio import workflow
-from temporalio.common import RetryPolicy, SearchAttributeKey
-from temporalio.exceptions import ActivityError, ApplicationError
+from temporalio.common import SearchAttributeKey
+from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
+    from workflows import activity_calls as calls
     from workflows.activity_io import (
         FollowInput,
         FollowResult,
         OffloadInput,
-        OffloadResult,
         PreparedJob,
         PrepareInput,
         SubmitInput,
-        SubmitResult,
         TeardownInput,
-        TeardownResult,
     )
+    from workflows.backoff import reconnect_delay
     from workflows.contracts import (
         Artifact,
         BackendInfo,
+        CancelRequest,
         Checkpoint,
         JobError,
         JobRequest,
@@ -37,16 +40,20 @@ with workflow.unsafe.imports_passed_through():
         JobStatus,
         Progress,
         ProgressReport,
+        ResumeRequest,
         Teardown,
     )
+    from workflows.failures import FailureKind, classify, job_error, recovered_progress
     from workflows.graph import apply_overrides, with_unique_save_prefixes
     from workflows.shared import (
         QUERY_STATUS,
         SA_JOB_POOL,
         SA_JOB_PROGRESS,
         SA_JOB_STATE,
+        SIGNAL_CANCEL,
         SIGNAL_CLIENT_SEEN,
         SIGNAL_PROGRESS,
+        SIGNAL_RESUME,
         UPDATE_ATTACH,
         WORKFLOW_TYPE,
         ErrorType,
@@ -56,31 +63,60 @@ STATE_KEY = SearchAttributeKey.for_keyword(SA_JOB_STATE)
 PROGRESS_KEY = SearchAttributeKey.for_int(SA_JOB_PROGRESS)
 POOL_KEY = SearchAttributeKey.for_keyword(SA_JOB_POOL)
 
-QUICK_RETRY = RetryPolicy(
-    initial_interval=timedelta(seconds=1),
-    backoff_coefficient=2.0,
-    maximum_interval=timedelta(seconds=30),
-    maximum_attempts=10,
-)
+
+class JobCarry(BaseModel):
+    """What a job carries across continue-as-new: where it is and what it has."""
+
+    status: JobStatus
+    prepared: PreparedJob
+    next_segment: int
+
+
+class _Stop(BaseModel):
+    state: JobState
+    error: JobError | None = None
+
+
+class _ContinueAsNew(Exception):
+    def __init__(self, carry: JobCarry) -> None:
+        super().__init__("continue as new")
+        self.carry = carry
 
 
 @workflow.defn(name=WORKFLOW_TYPE, failure_exception_types=[ValidationError])
 class InferenceJob:
     @workflow.init
-    def __init__(self, request: JobRequest) -> None:
+    def __init__(self, request: JobRequest, carry: JobCarry | None = None) -> None:
+        # The SDK applies type hints only when the argument count matches them all: a fresh
+        # start sends one argument, continue-as-new two. Validate here either way; a bad payload
+        # raises ValidationError, which fails the workflow instead of retrying its task.
+        request = JobRequest.model_validate(request)
+        carry = JobCarry.model_validate(carry) if carry is not None else None
         now = workflow.now()
         self._request = request
-        self._status = JobStatus(
-            job_id=workflow.info().workflow_id,
-            state=JobState.QUEUED,
-            progress=Progress(segments=max(1, len(request.segments))),
-            detached=request.policy.detached,
-            created_at=now,
-            updated_at=now,
-            last_client_contact_at=now,
-        )
-        # Progress from an earlier attempt's socket must not overwrite the current one's.
-        self._client_id: str | None = None
+        if carry is not None:
+            self._status = carry.status
+            self._prepared: PreparedJob | None = carry.prepared
+        else:
+            self._status = JobStatus(
+                job_id=workflow.info().workflow_id,
+                progress=Progress(segments=max(1, len(request.segments))),
+                detached=request.policy.detached,
+                created_at=now,
+                updated_at=now,
+                last_client_contact_at=now,
+            )
+            self._prepared = None
+        self._client_id: str | None = None  # progress from older sockets is ignored
+        checkpoint = self._status.checkpoint
+        self._prompt_id: str | None = checkpoint.prompt_id if checkpoint else None
+        self._stop: _Stop | None = None
+        self._cancelled_via_temporal = False
+        self._resubmits = 0
+        self._work: asyncio.Task[None] | None = None
+        self._contacts = 0
+        self._resume: ResumeRequest | None = None
+        self._last_progress_at = now
         self._last_coarse_progress = -1
 
     # -- messages ---------------------------------------------------------------------------
@@ -97,40 +133,366 @@ class InferenceJob:
 
     @workflow.signal(name=SIGNAL_CLIENT_SEEN)
     def client_seen(self) -> None:
-        self._status.last_client_contact_at = workflow.now()
+        self._contact()
 
     @workflow.update(name=UPDATE_ATTACH)
     def attach(self) -> JobStatus:
-        self._status.last_client_contact_at = workflow.now()
-        self._touch()
+        self._contact()
         return self._status
+
+    @workflow.signal(name=SIGNAL_CANCEL)
+    def cancel(self, request: CancelRequest) -> None:
+        self._request_stop(JobState.CANCELLED, ErrorType.CANCELLED, request.reason)
+
+    @workflow.signal(name=SIGNAL_RESUME)
+    def resume(self, request: ResumeRequest) -> None:
+        self._contact()
+        self._resume = request
 
     # -- the process ------------------------------------------------------------------------
 
     @workflow.run
-    async def run(self, request: JobRequest) -> JobStatus:
-        prompt_id: str | None = None
-        pool = request.pool or ""
+    async def run(self, request: JobRequest, carry: JobCarry | None = None) -> JobStatus:
+        request = self._request
+        carry = JobCarry.model_validate(carry) if carry is not None else None
+        self._set_state(self._status.state if carry else JobState.QUEUED)
+        self._work = asyncio.create_task(self._run_job(request, carry))
+        guards = [asyncio.create_task(self._deadline(request))]
+        abandon_after = request.policy.abandon_after_s
+        if abandon_after is not None:
+            guards.append(asyncio.create_task(self._watchdog(abandon_after)))
+        outcome: BaseException | None = None
         try:
-            self._set_state(JobState.PREPARING)
-            prepared = await self._prepare(request)
-            pool = prepared.pool
-            segments = request.segments or [{}]
-            for segment, overrides in enumerate(segments):
-                prompt_id = str(workflow.uuid4())
-                await self._run_segment(request, prepared, segment, overrides, prompt_id)
-            self._status.teardown = await self._teardown(pool, prompt_id, "completed")
-            self._set_state(JobState.COMPLETED)
-        except (ActivityError, ApplicationError) as err:
-            self._status.error = job_error(err)
-            if pool:
-                self._status.teardown = await self._teardown(pool, prompt_id, "failed")
-            else:
-                self._status.teardown = Teardown(
-                    state="SKIPPED", at=workflow.now(), detail="nothing was submitted"
+            await asyncio.shield(self._work)
+        except _ContinueAsNew as again:
+            for guard in guards:
+                guard.cancel()
+            await workflow.wait_condition(workflow.all_handlers_finished)
+            workflow.continue_as_new(args=[request, again.carry])
+        except asyncio.CancelledError:
+            if self._stop is None:
+                # Temporal's cancel (UI button, handle.cancel()) takes the cancel signal's path.
+                self._cancelled_via_temporal = True
+                self._request_stop(
+                    JobState.CANCELLED, ErrorType.CANCELLED, "cancelled via Temporal"
                 )
-            self._set_state(JobState.FAILED)
+            outcome = await self._settle_work()
+        except BaseException as err:
+            outcome = err
+        for guard in guards:
+            guard.cancel()
+        await self._finish(request, outcome)
         await workflow.wait_condition(workflow.all_handlers_finished)
+        return self._end_result()
+
+    async def _run_job(self, request: JobRequest, carry: JobCarry | None) -> None:
+        if carry is None or self._prepared is None:
+            self._set_state(JobState.PREPARING)
+            self._prepared = await calls.prepare(
+                PrepareInput(
+                    job_id=self._status.job_id,
+                    pool=request.pool,
+                    graph=request.graph,
+                    inputs=request.inputs,
+                    segments=request.segments,
+                )
+            )
+            self._status.backend = BackendInfo(pool=self._prepared.pool, kind=self._prepared.kind)
+            workflow.upsert_search_attributes([POOL_KEY.value_set(self._prepared.pool)])
+        segments = request.segments or [{}]
+        first = carry.next_segment if carry else 0
+        for segment in range(first, len(segments)):
+            if segment > first and self._history_is_long(request):
+                raise _ContinueAsNew(
+                    JobCarry(status=self._status, prepared=self._prepared, next_segment=segment)
+                )
+            await self._run_segment(request, self._prepared, segment, segments[segment])
+
+    async def _run_segment(
+        self,
+        request: JobRequest,
+        prepared: PreparedJob,
+        segment: int,
+        overrides: dict[str, dict[str, object]],
+    ) -> None:
+        job_id = self._status.job_id
+        prompt_id = str(workflow.uuid4())
+        run_tag = f"dc_{safe_tag(job_id)}_{segment}_{prompt_id[:8]}"
+        graph = with_unique_save_prefixes(apply_overrides(prepared.graph, overrides), run_tag)
+        total = sum(prepared.sampler_steps.values())
+        self._status.progress = Progress(
+            segment=segment,
+            segments=max(1, len(request.segments)),
+            total_steps=total or prepared.nodes_total,
+            fraction=segment / max(1, len(request.segments)),
+            unit="steps" if total else "nodes",
+        )
+        checkpoint = await self._submit(prepared, segment, prompt_id, graph, total)
+        followed = await self._follow(request, prepared, segment, run_tag, graph, checkpoint)
+        self._merge_artifacts(followed.artifacts)
+        self._status.checkpoint = followed.checkpoint
+        self._set_state(JobState.UPLOADING)
+        offloaded = await calls.offload(
+            OffloadInput(
+                job_id=job_id,
+                pool=prepared.pool,
+                prompt_id=prompt_id,
+                segment=segment,
+                run_tag=run_tag,
+                output=request.output,
+                stored=self._artifacts_of(segment),
+            )
+        )
+        self._merge_artifacts(offloaded.artifacts)
+        if not self._artifacts_of(segment):
+            raise ApplicationError(
+                f"segment {segment} finished without any saved output (add a SaveImage node?)",
+                type=ErrorType.OUTPUT_MISSING,
+                non_retryable=True,
+            )
+        self._status.progress.step = self._status.progress.total_steps
+        self._status.progress.fraction = (segment + 1) / max(1, len(request.segments))
+        self._mark_progress()
+        self._touch()
+
+    async def _submit(
+        self,
+        prepared: PreparedJob,
+        segment: int,
+        prompt_id: str,
+        graph: dict[str, object],
+        total_steps: int,
+    ) -> Checkpoint:
+        client_id = f"dc-{workflow.uuid4()}"
+        self._client_id = client_id
+        self._prompt_id = prompt_id
+        self._set_state(JobState.SUBMITTING)
+        await calls.submit(
+            SubmitInput(
+                job_id=self._status.job_id,
+                pool=prepared.pool,
+                prompt_id=prompt_id,
+                client_id=client_id,
+                segment=segment,
+                graph=graph,
+            ),
+            self._request.policy,
+        )
+        if self._status.backend is not None:
+            self._status.backend.provider_job_id = prompt_id
+        checkpoint = Checkpoint(
+            job_id=self._status.job_id,
+            segment=segment,
+            prompt_id=prompt_id,
+            client_id=client_id,
+            total_steps=total_steps or prepared.nodes_total,
+            updated_at=workflow.now(),
+        )
+        self._status.checkpoint = checkpoint
+        self._mark_progress()
+        return checkpoint
+
+    async def _follow(
+        self,
+        request: JobRequest,
+        prepared: PreparedJob,
+        segment: int,
+        run_tag: str,
+        graph: dict[str, object],
+        checkpoint: Checkpoint,
+    ) -> FollowResult:
+        """Follow the prompt to its end, re-attaching from the checkpoint when the path breaks."""
+        policy = request.policy
+        attempt = 0
+        while True:
+            self._set_state(JobState.RUNNING)
+            try:
+                result = await calls.follow(
+                    FollowInput(
+                        job_id=self._status.job_id,
+                        pool=prepared.pool,
+                        prompt_id=checkpoint.prompt_id or "",
+                        client_id=checkpoint.client_id or "",
+                        segment=segment,
+                        segments=max(1, len(request.segments)),
+                        run_tag=run_tag,
+                        sampler_steps=prepared.sampler_steps,
+                        nodes_total=prepared.nodes_total,
+                        output=request.output,
+                        progress_interval_s=policy.progress_interval_s,
+                        checkpoint=checkpoint,
+                        stored=self._artifacts_of(segment),
+                    ),
+                    policy,
+                )
+                return result
+            except BaseException as err:
+                kind = classify(err)
+                if kind in (FailureKind.FATAL, FailureKind.CANCELLED):
+                    raise
+                recovered, artifacts = recovered_progress(err)
+                self._merge_artifacts(artifacts)
+                if recovered is not None and recovered.prompt_id == checkpoint.prompt_id:
+                    if recovered.step > checkpoint.step or len(recovered.uploaded) > len(
+                        checkpoint.uploaded
+                    ):
+                        self._mark_progress()
+                    checkpoint = recovered
+                    self._status.checkpoint = recovered
+                if kind == FailureKind.LOST:
+                    checkpoint = await self._resubmit_lost(prepared, segment, graph, checkpoint)
+                    attempt = 0
+                    continue
+                await self._back_off(err, attempt, policy.reconnect.horizon_s)
+                attempt += 1
+
+    async def _back_off(self, err: BaseException, attempt: int, horizon_s: float) -> None:
+        policy = self._request.policy.reconnect
+        idle = (workflow.now() - self._last_progress_at).total_seconds()
+        if idle > horizon_s:
+            raise ApplicationError(
+                f"no progress for {idle:.0f} s (reconnect horizon {horizon_s:.0f} s) after "
+                f"{attempt} reconnect attempt(s); last error: {job_error(err).message}",
+                type=ErrorType.CONNECTION_LOST,
+                non_retryable=True,
+            )
+        delay = reconnect_delay(
+            attempt, policy.base_delay_s, policy.max_delay_s, workflow.random().random()
+        )
+        self._status.reconnects += 1
+        self._status.error = job_error(err)
+        self._set_state(JobState.RECONNECTING)
+        await workflow.sleep(timedelta(seconds=delay), summary=f"reconnect {attempt + 1}")
+        self._status.error = None
+
+    async def _resubmit_lost(
+        self, prepared: PreparedJob, segment: int, graph: dict[str, object], checkpoint: Checkpoint
+    ) -> Checkpoint:
+        """ComfyUI provably lost the prompt: submit it once more, or ask a person first."""
+        lost_before = self._resubmits > 0
+        policy = self._request.policy.on_ambiguous_submit
+        if lost_before and policy == "fail":
+            raise ApplicationError(
+                "ComfyUI lost the prompt twice", type=ErrorType.PROMPT_LOST, non_retryable=True
+            )
+        if lost_before and policy == "pause":
+            self._resume = None
+            self._set_state(JobState.NEEDS_DECISION)
+            await workflow.wait_condition(lambda: self._resume is not None)
+            assert self._resume is not None
+            if not self._resume.resubmit:
+                return checkpoint
+        self._resubmits += 1
+        prompt_id = checkpoint.prompt_id or str(workflow.uuid4())
+        return await self._submit(prepared, segment, prompt_id, graph, checkpoint.total_steps)
+
+    # -- stopping and compensation ----------------------------------------------------------
+
+    def _request_stop(self, state: JobState, error_type: str, message: str) -> None:
+        if self._stop is not None or self._status.terminal:
+            return
+        self._stop = _Stop(state=state, error=JobError(type=error_type, message=message))
+        if self._work is not None and not self._work.done():
+            self._work.cancel()
+
+    async def _settle_work(self) -> BaseException | None:
+        assert self._work is not None
+        try:
+            await self._work
+        except BaseException as err:
+            return err
+        return None
+
+    async def _deadline(self, request: JobRequest) -> None:
+        await workflow.sleep(
+            timedelta(seconds=request.policy.execution_timeout_s), summary="execution deadline"
+        )
+        self._request_stop(
+            JobState.FAILED,
+            ErrorType.TIMEOUT,
+            f"the job ran past execution_timeout_s ({request.policy.execution_timeout_s:.0f} s)",
+        )
+
+    async def _watchdog(self, abandon_after_s: float) -> None:
+        while True:
+            seen = self._contacts
+            try:
+                await workflow.wait_condition(
+                    lambda seen=seen: self._contacts != seen,  # type: ignore[misc]
+                    timeout=timedelta(seconds=abandon_after_s),
+                    timeout_summary="abandon watchdog",
+                )
+            except TimeoutError:
+                self._request_stop(
+                    JobState.ABANDONED,
+                    ErrorType.ABANDONED,
+                    f"no client contact for {abandon_after_s:.0f} s",
+                )
+                return
+
+    async def _finish(self, request: JobRequest, outcome: BaseException | None) -> None:
+        """Every exit path: stop the prompt, keep what finished, record it, then the end state."""
+        if self._stop is not None:
+            state, error = self._stop.state, self._stop.error
+        elif outcome is None:
+            state, error = JobState.COMPLETED, None
+        else:
+            state, error = JobState.FAILED, job_error(outcome)
+        self._status.error = error
+        pool = self._prepared.pool if self._prepared else None
+        if pool is None or self._prompt_id is None:
+            self._status.teardown = Teardown(
+                state="SKIPPED", at=workflow.now(), detail="nothing was submitted"
+            )
+        else:
+            free = error is not None and error.type == ErrorType.OUT_OF_MEMORY
+            self._status.teardown = await self._teardown(pool, self._prompt_id, state, free)
+            if state != JobState.COMPLETED:
+                await self._keep_finished_outputs(request, pool)
+        self._set_state(state)
+
+    async def _teardown(
+        self, pool: str, prompt_id: str, state: JobState, free_memory: bool
+    ) -> Teardown:
+        try:
+            result = await calls.teardown(
+                TeardownInput(
+                    job_id=self._status.job_id,
+                    pool=pool,
+                    prompt_id=prompt_id,
+                    reason=state.value.lower(),
+                    free_memory=free_memory,
+                )
+            )
+        except Exception as err:
+            return Teardown(state="FAILED", at=workflow.now(), detail=job_error(err).message)
+        return result.teardown
+
+    async def _keep_finished_outputs(self, request: JobRequest, pool: str) -> None:
+        checkpoint = self._status.checkpoint
+        if checkpoint is None or checkpoint.prompt_id is None:
+            return
+        run_tag = f"dc_{safe_tag(self._status.job_id)}_{checkpoint.segment}_"
+        run_tag += checkpoint.prompt_id[:8]
+        try:
+            kept = await calls.offload(
+                OffloadInput(
+                    job_id=self._status.job_id,
+                    pool=pool,
+                    prompt_id=checkpoint.prompt_id,
+                    segment=checkpoint.segment,
+                    run_tag=run_tag,
+                    output=request.output,
+                    stored=self._artifacts_of(checkpoint.segment),
+                    partial=True,
+                )
+            )
+        except Exception as err:
+            workflow.logger.warning("keeping finished outputs failed: %s", err)
+            return
+        self._merge_artifacts(kept.artifacts)
+
+    def _end_result(self) -> JobStatus:
         if self._status.state == JobState.FAILED and self._status.error is not None:
             # The Temporal UI shows the job as failed, with the typed reason.
             raise ApplicationError(
@@ -139,147 +501,21 @@ class InferenceJob:
                 type=self._status.error.type,
                 non_retryable=True,
             )
+        if self._status.state == JobState.CANCELLED and self._cancelled_via_temporal:
+            raise asyncio.CancelledError(self._status.error.message if self._status.error else "")
         return self._status
-
-    async def _prepare(self, request: JobRequest) -> PreparedJob:
-        prepared: PreparedJob = await workflow.execute_activity(
-            "prepare_prompt",
-            PrepareInput(
-                job_id=self._status.job_id,
-                pool=request.pool,
-                graph=request.graph,
-                inputs=request.inputs,
-                segments=request.segments,
-            ),
-            result_type=PreparedJob,
-            start_to_close_timeout=timedelta(minutes=2),
-            retry_policy=QUICK_RETRY,
-        )
-        self._status.backend = BackendInfo(pool=prepared.pool, kind=prepared.kind)
-        workflow.upsert_search_attributes([POOL_KEY.value_set(prepared.pool)])
-        return prepared
-
-    async def _run_segment(
-        self,
-        request: JobRequest,
-        prepared: PreparedJob,
-        segment: int,
-        overrides: dict[str, dict[str, object]],
-        prompt_id: str,
-    ) -> None:
-        job_id = self._status.job_id
-        run_tag = f"dc_{safe_tag(job_id)}_{segment}_{prompt_id[:8]}"
-        graph = with_unique_save_prefixes(apply_overrides(prepared.graph, overrides), run_tag)
-        client_id = f"dc-{workflow.uuid4()}"
-        self._client_id = client_id
-        self._status.checkpoint = Checkpoint(
-            job_id=job_id,
-            segment=segment,
-            prompt_id=prompt_id,
-            client_id=client_id,
-            total_steps=sum(prepared.sampler_steps.values()),
-            updated_at=workflow.now(),
-        )
-        self._status.progress = Progress(
-            segment=segment,
-            segments=max(1, len(request.segments)),
-            total_steps=sum(prepared.sampler_steps.values()) or prepared.nodes_total,
-            unit="steps" if prepared.sampler_steps else "nodes",
-        )
-        self._set_state(JobState.SUBMITTING)
-        await workflow.execute_activity(
-            "submit_prompt",
-            SubmitInput(
-                job_id=job_id,
-                pool=prepared.pool,
-                prompt_id=prompt_id,
-                client_id=client_id,
-                segment=segment,
-                graph=graph,
-            ),
-            result_type=SubmitResult,
-            start_to_close_timeout=timedelta(seconds=60),
-            retry_policy=QUICK_RETRY,
-        )
-        if self._status.backend is not None:
-            self._status.backend.provider_job_id = prompt_id
-        self._set_state(JobState.RUNNING)
-        stored = [a for a in self._status.artifacts if a.segment == segment]
-        followed: FollowResult = await workflow.execute_activity(
-            "follow_prompt",
-            FollowInput(
-                job_id=job_id,
-                pool=prepared.pool,
-                prompt_id=prompt_id,
-                client_id=client_id,
-                segment=segment,
-                segments=max(1, len(request.segments)),
-                run_tag=run_tag,
-                sampler_steps=prepared.sampler_steps,
-                nodes_total=prepared.nodes_total,
-                output=request.output,
-                progress_interval_s=request.policy.progress_interval_s,
-                stored=stored,
-            ),
-            result_type=FollowResult,
-            start_to_close_timeout=timedelta(seconds=request.policy.execution_timeout_s),
-            heartbeat_timeout=timedelta(seconds=request.policy.heartbeat_timeout_s),
-            retry_policy=RetryPolicy(
-                initial_interval=timedelta(seconds=request.policy.reconnect.base_delay_s),
-                maximum_interval=timedelta(seconds=request.policy.reconnect.max_delay_s),
-                backoff_coefficient=2.0,
-            ),
-            cancellation_type=workflow.ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
-        )
-        self._merge_artifacts(followed.artifacts)
-        self._status.checkpoint = followed.checkpoint
-        self._set_state(JobState.UPLOADING)
-        offloaded: OffloadResult = await workflow.execute_activity(
-            "offload_outputs",
-            OffloadInput(
-                job_id=job_id,
-                pool=prepared.pool,
-                prompt_id=prompt_id,
-                segment=segment,
-                run_tag=run_tag,
-                output=request.output,
-                stored=[a for a in self._status.artifacts if a.segment == segment],
-            ),
-            result_type=OffloadResult,
-            start_to_close_timeout=timedelta(minutes=30),
-            heartbeat_timeout=timedelta(minutes=2),
-            retry_policy=QUICK_RETRY,
-        )
-        self._merge_artifacts(offloaded.artifacts)
-        if not any(a.segment == segment for a in self._status.artifacts):
-            raise ApplicationError(
-                f"segment {segment} finished without any saved output (add a SaveImage node?)",
-                type=ErrorType.OUTPUT_MISSING,
-                non_retryable=True,
-            )
-        self._status.progress.step = self._status.progress.total_steps
-        self._status.progress.fraction = (segment + 1) / max(1, len(request.segments))
-        self._touch()
-
-    async def _teardown(self, pool: str, prompt_id: str | None, reason: str) -> Teardown:
-        try:
-            result: TeardownResult = await workflow.execute_activity(
-                "teardown_prompt",
-                TeardownInput(
-                    job_id=self._status.job_id, pool=pool, prompt_id=prompt_id, reason=reason
-                ),
-                result_type=TeardownResult,
-                start_to_close_timeout=timedelta(seconds=30),
-                retry_policy=QUICK_RETRY,
-            )
-        except ActivityError as err:
-            return Teardown(state="FAILED", at=workflow.now(), detail=str(err.cause or err))
-        return result.teardown
 
     # -- state bookkeeping ------------------------------------------------------------------
 
+    def _contact(self) -> None:
+        self._contacts += 1
+        self._status.last_client_contact_at = workflow.now()
+        self._touch()
+
     def _apply_progress(self, report: ProgressReport) -> None:
         progress = self._status.progress
+        if report.step > progress.step or report.artifact is not None:
+            self._mark_progress()
         progress.step = report.step
         progress.total_steps = report.total_steps or progress.total_steps
         if progress.total_steps:
@@ -294,23 +530,39 @@ class InferenceJob:
         self._touch()
         self._upsert_progress()
 
+    def _mark_progress(self) -> None:
+        self._last_progress_at = workflow.now()
+
     def _merge_artifacts(self, artifacts: list[Artifact]) -> None:
         known = {a.key for a in self._status.artifacts}
         for artifact in artifacts:
             if artifact.key not in known:
                 self._status.artifacts.append(artifact)
                 known.add(artifact.key)
+                self._mark_progress()
+
+    def _artifacts_of(self, segment: int) -> list[Artifact]:
+        return [a for a in self._status.artifacts if a.segment == segment]
+
+    def _history_is_long(self, request: JobRequest) -> bool:
+        info = workflow.info()
+        budget = request.policy.history_budget_events
+        return (
+            info.is_continue_as_new_suggested() or info.get_current_history_length() > budget // 2
+        )
 
     def _touch(self) -> None:
         self._status.seq += 1
         self._status.updated_at = workflow.now()
 
     def _set_state(self, state: JobState) -> None:
+        changed = state != self._status.state
         self._status.state = state
         self._touch()
-        workflow.upsert_search_attributes(
-            [STATE_KEY.value_set(state.value), PROGRESS_KEY.value_set(self._coarse_progress())]
-        )
+        if changed or self._status.seq == 1:
+            workflow.upsert_search_attributes(
+                [STATE_KEY.value_set(state.value), PROGRESS_KEY.value_set(self._coarse_progress())]
+            )
         workflow.set_current_details(self._details())
 
     def _coarse_progress(self) -> int:
@@ -328,22 +580,15 @@ class InferenceJob:
         lines = [f"**{status.state.value}** — {int(status.progress.fraction * 100)} %"]
         if status.backend:
             lines.append(f"pool `{status.backend.pool}`")
+        if status.reconnects:
+            lines.append(f"{status.reconnects} reconnect(s)")
         if status.error:
             lines.append(f"error `{status.error.type}`: {status.error.message}")
         if status.artifacts:
             lines.append(f"{len(status.artifacts)} artifact(s) stored")
+        if status.teardown.state != "PENDING":
+            lines.append(f"teardown {status.teardown.state}")
         return "  \n".join(lines)
-
-
-def job_error(err: ActivityError | ApplicationError) -> JobError:
-    cause = err.cause if isinstance(err, ActivityError) else err
-    if isinstance(cause, ApplicationError):
-        return JobError(
-            type=cause.type or ErrorType.EXECUTION_ERROR,
-            message=cause.message,
-            retryable=not cause.non_retryable,
-        )
-    return JobError(type=ErrorType.TIMEOUT, message=str(cause or err), retryable=True)
 
 
 def safe_tag(job_id: str) -> str:

@@ -47,3 +47,5 @@ class ErrorType:
     STORAGE_ERROR: Final = "StorageError"
     TIMEOUT: Final = "Timeout"
     TEARDOWN_FAILED: Final = "TeardownFailed"
+    CANCELLED: Final = "Cancelled"
+    ABANDONED: Final = "Abandoned"

@@ -1,0 +1,184 @@
+"""Storing ComfyUI outputs in S3: each file once, streamed, verified.
+
+`OutputUploader` is shared by `follow_prompt` (uploads as each node finishes) and
+`offload_outputs` (reconciles against `/history`, the source of truth, once the prompt ended;
+with `partial`, keeps what finished after a failure or cancel).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import structlog
+from temporalio import activity
+from temporalio.exceptions import ApplicationError
+
+from activities.comfy_client import ComfyClient, ComfyError
+from activities.comfy_events import output_files
+from activities.comfyui import ComfyPools
+from activities.errors import fatal, from_comfy, from_storage, history_failure, retryable
+from activities.keys import artifact_key, content_type_for
+from activities.storage import ArtifactStore, StorageError
+from workflows.activity_io import OffloadInput, OffloadResult
+from workflows.contracts import Artifact, OutputSpec
+from workflows.shared import ErrorType
+
+log = structlog.get_logger(__name__)
+
+MAX_PARALLEL_UPLOADS = 2
+
+
+class OutputUploader:
+    """Streams ComfyUI output files (`/view`) into S3, each file at most once."""
+
+    def __init__(
+        self,
+        client: ComfyClient,
+        store: ArtifactStore,
+        *,
+        job_id: str,
+        segment: int,
+        output: OutputSpec,
+        stored: list[Artifact],
+        run_tag: str,
+    ) -> None:
+        self._run_tag = run_tag
+        self._client = client
+        self._store = store
+        self._job_id = job_id
+        self._segment = segment
+        self._output = output
+        self.artifacts: dict[str, Artifact] = {a.key: a for a in stored}
+        self._in_flight: set[str] = set()
+        self._limit = asyncio.Semaphore(MAX_PARALLEL_UPLOADS)
+
+    def key_for(self, node_id: str, item: Mapping[str, str]) -> str:
+        return artifact_key(
+            self._output.prefix, self._job_id, self._segment, node_id, item["filename"]
+        )
+
+    def wanted(self, node_id: str, item: Mapping[str, str]) -> bool:
+        """Only saved outputs are artifacts; previews (`temp`) are not kept."""
+        if item.get("type", "output") != "output":
+            return False
+        key = self.key_for(node_id, item)
+        return key not in self.artifacts and key not in self._in_flight
+
+    async def upload(self, node_id: str, item: Mapping[str, str]) -> Artifact:
+        if not _from_this_run(item, self._run_tag):
+            raise fatal(
+                ErrorType.OUTPUT_MISSING,
+                f"output {item.get('filename')!r} of node {node_id} is not from this run "
+                f"(expected subfolder under {self._run_tag!r}): ComfyUI served a cached result",
+            )
+        key = self.key_for(node_id, item)
+        self._in_flight.add(key)
+        try:
+            async with self._limit:
+                content_type = content_type_for(item["filename"])
+                async with self._client.view(
+                    item["filename"], item.get("subfolder", ""), item.get("type", "output")
+                ) as chunks:
+                    stored = await self._store.upload_stream(
+                        key, chunks, content_type=content_type, bucket=self._output.bucket
+                    )
+        except ComfyError as exc:
+            raise from_comfy(exc, f"fetching output {item['filename']!r}") from exc
+        except StorageError as exc:
+            raise from_storage(exc, f"storing {key}") from exc
+        finally:
+            self._in_flight.discard(key)
+        artifact = Artifact(
+            key=stored.key,
+            uri=stored.uri,
+            size=stored.size,
+            sha256=stored.sha256,
+            content_type=stored.content_type,
+            node_id=node_id,
+            segment=self._segment,
+        )
+        self.artifacts[key] = artifact
+        log.info("artifact_stored", job_id=self._job_id, key=key, size=stored.size)
+        return artifact
+
+
+class OffloadActivities:
+    def __init__(self, pools: ComfyPools, store: ArtifactStore) -> None:
+        self._pools = pools
+        self._store = store
+
+    @activity.defn(name="offload_outputs")
+    async def offload_outputs(self, req: OffloadInput) -> OffloadResult:
+        """Store every saved output the history lists and verify all of them in S3."""
+        client = self._pools.client(req.pool)
+        uploader = OutputUploader(
+            client,
+            self._store,
+            job_id=req.job_id,
+            segment=req.segment,
+            output=req.output,
+            stored=list(req.stored),
+            run_tag=req.run_tag,
+        )
+        if req.partial:
+            await self._keep_finished(client, uploader, req)
+        else:
+            entry = await _history_when_written(client, req.prompt_id)
+            for node_id, item in output_files(entry.get("outputs", {})):
+                if uploader.wanted(node_id, item):
+                    await uploader.upload(node_id, item)
+                    activity.heartbeat()
+        for artifact in uploader.artifacts.values():
+            head = await self._store.head(artifact.key, bucket=req.output.bucket)
+            if head is None or head.size != artifact.size or head.sha256 != artifact.sha256:
+                raise retryable(
+                    ErrorType.STORAGE_ERROR,
+                    f"{artifact.uri} is not stored as stated (size {artifact.size}, "
+                    f"sha256 {artifact.sha256[:12]}...)",
+                )
+        return OffloadResult(artifacts=sorted(uploader.artifacts.values(), key=lambda a: a.key))
+
+    @staticmethod
+    async def _keep_finished(
+        client: ComfyClient, uploader: OutputUploader, req: OffloadInput
+    ) -> None:
+        """After a failure or cancel: store what finished, and never fail over what did not."""
+        try:
+            entry = await client.history(req.prompt_id)
+        except ComfyError as exc:
+            log.warning("keep_finished_no_history", job_id=req.job_id, error=str(exc))
+            return
+        for node_id, item in output_files((entry or {}).get("outputs", {})):
+            if not uploader.wanted(node_id, item):
+                continue
+            try:
+                await uploader.upload(node_id, item)
+            except ApplicationError as exc:
+                log.warning("keep_finished_skipped", job_id=req.job_id, error=exc.message)
+            activity.heartbeat()
+
+
+def _from_this_run(item: Mapping[str, str], run_tag: str) -> bool:
+    subfolder = item.get("subfolder", "")
+    return subfolder == run_tag or subfolder.startswith(run_tag + "/")
+
+
+async def _history_when_written(client: ComfyClient, prompt_id: str) -> dict[str, Any]:
+    """`execution_success` arrives before the history entry exists: give it a moment."""
+    deadline = time.monotonic() + 10.0
+    try:
+        while True:
+            entry = await client.history(prompt_id)
+            if entry is not None:
+                status = entry.get("status", {})
+                if status.get("status_str") == "error":
+                    raise history_failure(status.get("messages", []))
+                return entry
+            if time.monotonic() > deadline:
+                raise retryable(ErrorType.OUTPUT_MISSING, f"no history for prompt {prompt_id} yet")
+            await asyncio.sleep(0.2)
+    except ComfyError as exc:
+        raise from_comfy(exc, "reading history") from exc

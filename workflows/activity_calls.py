@@ -1,0 +1,103 @@
+"""Every activity the workflow runs, with its timeouts and retries stated in one place."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy
+
+with workflow.unsafe.imports_passed_through():
+    from workflows.activity_io import (
+        FollowInput,
+        FollowResult,
+        OffloadInput,
+        OffloadResult,
+        PreparedJob,
+        PrepareInput,
+        SubmitInput,
+        SubmitResult,
+        TeardownInput,
+        TeardownResult,
+    )
+    from workflows.contracts import JobPolicy
+
+QUICK_RETRY = RetryPolicy(
+    initial_interval=timedelta(seconds=1),
+    backoff_coefficient=2.0,
+    maximum_interval=timedelta(seconds=30),
+    maximum_attempts=10,
+)
+# The workflow owns reconnects (durable, jittered, bounded by the horizon): one attempt each.
+ONE_ATTEMPT = RetryPolicy(maximum_attempts=1)
+
+
+async def prepare(req: PrepareInput) -> PreparedJob:
+    result: PreparedJob = await workflow.execute_activity(
+        "prepare_prompt",
+        req,
+        result_type=PreparedJob,
+        start_to_close_timeout=timedelta(minutes=2),
+        retry_policy=QUICK_RETRY,
+        summary="prepare",
+    )
+    return result
+
+
+async def submit(req: SubmitInput, policy: JobPolicy) -> SubmitResult:
+    # A backend that does not answer is retried with backoff until the reconnect horizon;
+    # the prompt_id is ours, so a retry after a lost answer never queues twice.
+    result: SubmitResult = await workflow.execute_activity(
+        "submit_prompt",
+        req,
+        result_type=SubmitResult,
+        start_to_close_timeout=timedelta(seconds=60),
+        schedule_to_close_timeout=timedelta(seconds=policy.reconnect.horizon_s),
+        retry_policy=RetryPolicy(
+            initial_interval=timedelta(seconds=policy.reconnect.base_delay_s),
+            maximum_interval=timedelta(seconds=policy.reconnect.max_delay_s),
+            backoff_coefficient=2.0,
+        ),
+        summary=f"submit segment {req.segment}",
+    )
+    return result
+
+
+async def follow(req: FollowInput, policy: JobPolicy) -> FollowResult:
+    result: FollowResult = await workflow.execute_activity(
+        "follow_prompt",
+        req,
+        result_type=FollowResult,
+        start_to_close_timeout=timedelta(seconds=policy.execution_timeout_s),
+        heartbeat_timeout=timedelta(seconds=policy.heartbeat_timeout_s),
+        retry_policy=ONE_ATTEMPT,
+        # Teardown must see the real end state, not a cancel still on its way to the worker.
+        cancellation_type=workflow.ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
+        summary=f"follow segment {req.segment}",
+    )
+    return result
+
+
+async def offload(req: OffloadInput) -> OffloadResult:
+    result: OffloadResult = await workflow.execute_activity(
+        "offload_outputs",
+        req,
+        result_type=OffloadResult,
+        start_to_close_timeout=timedelta(minutes=30),
+        heartbeat_timeout=timedelta(minutes=2),
+        retry_policy=QUICK_RETRY,
+        summary=f"offload segment {req.segment}" + (" (partial)" if req.partial else ""),
+    )
+    return result
+
+
+async def teardown(req: TeardownInput) -> TeardownResult:
+    result: TeardownResult = await workflow.execute_activity(
+        "teardown_prompt",
+        req,
+        result_type=TeardownResult,
+        start_to_close_timeout=timedelta(seconds=30),
+        retry_policy=QUICK_RETRY,
+        summary=f"teardown ({req.reason})",
+    )
+    return result

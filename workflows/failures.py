@@ -1,0 +1,73 @@
+"""Reading activity failures: what kind of failure, what to tell the client, where we got to."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any
+
+from pydantic import ValidationError
+from temporalio.exceptions import (
+    ActivityError,
+    ApplicationError,
+    TimeoutError,
+    is_cancelled_exception,
+)
+
+from workflows.contracts import Artifact, Checkpoint, JobError
+from workflows.shared import ErrorType
+
+
+class FailureKind(StrEnum):
+    RECONNECT = "reconnect"  # the path to the backend broke: back off, re-attach
+    LOST = "lost"  # the backend provably lost the prompt: submit it again
+    CANCELLED = "cancelled"
+    FATAL = "fatal"  # bad input, a failed prompt: no retry can help
+
+
+def classify(err: BaseException) -> FailureKind:
+    if is_cancelled_exception(err):
+        return FailureKind.CANCELLED
+    cause = err.cause if isinstance(err, ActivityError) else err
+    if isinstance(cause, TimeoutError):
+        # A worker that died mid-follow stops heartbeating: its replacement re-attaches.
+        return FailureKind.RECONNECT
+    if isinstance(cause, ApplicationError):
+        if cause.type == ErrorType.PROMPT_LOST:
+            return FailureKind.LOST
+        if not cause.non_retryable:
+            return FailureKind.RECONNECT
+    return FailureKind.FATAL
+
+
+def job_error(err: BaseException) -> JobError:
+    cause = err.cause if isinstance(err, ActivityError) and err.cause is not None else err
+    if isinstance(cause, ApplicationError):
+        return JobError(
+            type=cause.type or ErrorType.EXECUTION_ERROR,
+            message=cause.message,
+            retryable=not cause.non_retryable,
+        )
+    if isinstance(cause, TimeoutError):
+        return JobError(type=ErrorType.TIMEOUT, message=str(cause), retryable=True)
+    return JobError(type=ErrorType.EXECUTION_ERROR, message=str(cause), retryable=False)
+
+
+def recovered_progress(err: BaseException) -> tuple[Checkpoint | None, list[Artifact]]:
+    """The checkpoint and stored artifacts a failed follow attempt left behind, if any.
+
+    They come back as the failure's details, or as the last heartbeat after a worker died.
+    """
+    cause = err.cause if isinstance(err, ActivityError) else err
+    details: Any = None
+    if isinstance(cause, ApplicationError):
+        details = cause.details
+    elif isinstance(cause, TimeoutError):
+        details = cause.last_heartbeat_details
+    if not details:
+        return None, []
+    try:
+        checkpoint = Checkpoint.model_validate(details[0])
+        artifacts = [Artifact.model_validate(a) for a in details[1]] if len(details) > 1 else []
+    except (ValidationError, TypeError, IndexError):
+        return None, []
+    return checkpoint, artifacts
