@@ -7,13 +7,19 @@ client (this one after a restart, another machine, the Temporal UI) sees the sam
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from temporalio.client import Client, WorkflowFailureError, WorkflowHandle
+from temporalio.client import (
+    Client,
+    WorkflowFailureError,
+    WorkflowHandle,
+    WorkflowUpdateFailedError,
+)
 from temporalio.common import (
     SearchAttributeKey,
     SearchAttributePair,
@@ -25,12 +31,16 @@ from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError
 
 from starter.connection import connect_temporal
-from starter.errors import JobNotFound
+from starter.errors import ContactLost, JobNotFound
+from workflows.backoff import reconnect_delay
 from workflows.contracts import (
     Artifact,
+    CancelRequest,
     JobRequest,
     JobState,
     JobStatus,
+    ReconnectPolicy,
+    ResumeRequest,
     validate_job_id,
 )
 from workflows.shared import (
@@ -38,7 +48,10 @@ from workflows.shared import (
     QUERY_STATUS,
     SA_JOB_STATE,
     SA_TENANT,
+    SIGNAL_CANCEL,
     SIGNAL_CLIENT_SEEN,
+    SIGNAL_RESUME,
+    UPDATE_ATTACH,
     WORKFLOW_TYPE,
 )
 
@@ -123,28 +136,68 @@ class JobClient:
     async def client_seen(self, job_id: str) -> None:
         await self.handle(job_id).signal(SIGNAL_CLIENT_SEEN)
 
+    async def attach(self, job_id: str) -> JobStatus:
+        """Tell the job a client is (back) and get its status in one round trip."""
+        status: JobStatus = await self.handle(job_id).execute_update(
+            UPDATE_ATTACH, result_type=JobStatus
+        )
+        return status
+
+    async def cancel(self, job_id: str, reason: str = "cancelled by a client") -> None:
+        """Stop the job: its prompt is interrupted, finished artifacts are kept, CANCELLED."""
+        await self.handle(job_id).signal(SIGNAL_CANCEL, CancelRequest(reason=reason))
+
+    async def resume(self, job_id: str, *, resubmit: bool = False) -> None:
+        """Continue a NEEDS_DECISION job: re-attach, or (resubmit=True) run the prompt again."""
+        await self.handle(job_id).signal(SIGNAL_RESUME, ResumeRequest(resubmit=resubmit))
+
     async def watch(
         self,
         job_id: str,
         *,
         poll_interval_s: float = 0.5,
         keepalive_s: float | None = None,
+        reconnect: ReconnectPolicy | None = None,
     ) -> AsyncIterator[JobStatus]:
         """Yield the job's status whenever it changes, the last one terminal.
 
         Polls the `status` query and, for attached jobs, sends `client_seen` about four times
-        per abandonment horizon so the job knows someone is still listening.
+        per abandonment horizon so the job knows someone is still listening. Transport errors
+        are retried with the same bounded, jittered backoff the workflow uses; past the
+        horizon without an answer `ContactLost` is raised, while the job runs on server-side.
         """
+        policy = reconnect or ReconnectPolicy()
         last_seq = -1
         last_seen = float("-inf")
+        failures = 0
+        lost_since: float | None = None
         while True:
-            status = await self.status(job_id)
+            try:
+                if failures:
+                    # Back after a gap: one update both records contact and reads the state.
+                    status = await self.attach(job_id)
+                    last_seen = time.monotonic()
+                else:
+                    status = await self.status(job_id)
+            except (RPCError, RuntimeError, WorkflowUpdateFailedError) as exc:
+                if isinstance(exc, RPCError) and "not found" in str(exc).lower():
+                    raise JobNotFound(job_id) from exc
+                lost_since = lost_since if lost_since is not None else time.monotonic()
+                if time.monotonic() - lost_since > policy.horizon_s:
+                    raise ContactLost(job_id, failures, exc) from exc
+                delay = reconnect_delay(
+                    failures, policy.base_delay_s, policy.max_delay_s, random.random()
+                )
+                failures += 1
+                await asyncio.sleep(delay)
+                continue
+            failures, lost_since = 0, None
             if status.seq != last_seq or status.terminal:
                 last_seq = status.seq
                 yield status
             if status.terminal:
                 return
-            interval = keepalive_s if keepalive_s is not None else 30.0
+            interval = keepalive_s if keepalive_s is not None else _keepalive_interval(status)
             if not status.detached and time.monotonic() - last_seen >= interval:
                 await self.client_seen(job_id)
                 last_seen = time.monotonic()
@@ -186,3 +239,10 @@ class JobClient:
                 )
             )
         return paths
+
+
+def _keepalive_interval(status: JobStatus) -> float:
+    """About a quarter of the abandonment horizon, so one lost signal never abandons a job."""
+    if status.abandon_after_s is None:
+        return 30.0
+    return max(0.1, status.abandon_after_s / 4)

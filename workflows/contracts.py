@@ -203,6 +203,8 @@ class JobStatus(_Model):
     reconnects: int = 0
     teardown: Teardown = Field(default_factory=Teardown)
     detached: bool = False
+    # The client-contact horizon: no contact for this long abandons the job (None: detached).
+    abandon_after_s: float | None = None
     created_at: datetime | None = None
     updated_at: datetime | None = None
     last_client_contact_at: datetime | None = None

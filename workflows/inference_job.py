@@ -102,6 +102,7 @@ class InferenceJob:
                 job_id=workflow.info().workflow_id,
                 progress=Progress(segments=max(1, len(request.segments))),
                 detached=request.policy.detached,
+                abandon_after_s=request.policy.abandon_after_s,
                 created_at=now,
                 updated_at=now,
                 last_client_contact_at=now,
@@ -266,6 +267,16 @@ class InferenceJob:
         client_id = f"dc-{workflow.uuid4()}"
         self._client_id = client_id
         self._prompt_id = prompt_id
+        checkpoint = Checkpoint(
+            job_id=self._status.job_id,
+            segment=segment,
+            prompt_id=prompt_id,
+            client_id=client_id,
+            total_steps=total_steps or prepared.nodes_total,
+            updated_at=workflow.now(),
+        )
+        # Recorded before the request goes out: a cancel mid-submit must still find the prompt.
+        self._status.checkpoint = checkpoint
         self._set_state(JobState.SUBMITTING)
         await calls.submit(
             SubmitInput(
@@ -280,15 +291,6 @@ class InferenceJob:
         )
         if self._status.backend is not None:
             self._status.backend.provider_job_id = prompt_id
-        checkpoint = Checkpoint(
-            job_id=self._status.job_id,
-            segment=segment,
-            prompt_id=prompt_id,
-            client_id=client_id,
-            total_steps=total_steps or prepared.nodes_total,
-            updated_at=workflow.now(),
-        )
-        self._status.checkpoint = checkpoint
         self._mark_progress()
         return checkpoint
 

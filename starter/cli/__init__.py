@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from starter.cli import jobs, submit, worker_cmd
+from starter.cli import control, jobs, submit, worker_cmd
 from starter.exit import exit_without_finalizing
 
 
@@ -21,6 +21,9 @@ def build_app() -> typer.Typer:
     app.command("watch")(jobs.watch)
     app.command("status")(jobs.status)
     app.command("result")(jobs.result)
+    app.command("cancel")(control.cancel)
+    app.command("resume")(control.resume)
+    app.command("list")(control.list_jobs)
     app.command("worker")(worker_cmd.worker)
     return app
 
