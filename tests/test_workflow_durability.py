@@ -55,9 +55,18 @@ async def env() -> AsyncIterator[WorkflowEnvironment]:
     await environment.shutdown()
 
 
+@pytest_asyncio.fixture(loop_scope="session")
+async def clean_env() -> AsyncIterator[WorkflowEnvironment]:
+    """A server of its own: an activity still running anywhere on the test server (say, one a
+    cancelled test left behind) stops its clock from skipping, and these tests need it to."""
+    environment = await start_time_skipping()
+    yield environment
+    await environment.shutdown()
+
+
 def request(**policy: Any) -> JobRequest:
     """A detached job unless the test sets `abandon_after_s`; short heartbeats, because an
-    activity hears of a cancel only on its next sent heartbeat (at most every 0.8 × timeout)."""
+    activity hears of a cancel only on its next sent heartbeat (at most every 0.8 x timeout)."""
     defaults = {"abandon_after_s": None, "heartbeat_timeout_s": 1}
     return JobRequest(graph=GRAPH, policy=JobPolicy.model_validate(defaults | policy))
 
@@ -216,10 +225,14 @@ def reconnecting_forever() -> FakeBackend:
 SLOW_RECONNECTS = {"reconnect": {"base_delay_s": 50, "max_delay_s": 50, "horizon_s": 100_000}}
 
 
-async def test_abandoned_just_after_the_deadline_without_contact(env: WorkflowEnvironment) -> None:
+async def test_abandoned_just_after_the_deadline_without_contact(
+    clean_env: WorkflowEnvironment,
+) -> None:
     backend = reconnecting_forever()
-    async with job_worker(env.client, backend) as tq:
-        handle = await start_job(env.client, tq, request(abandon_after_s=600, **SLOW_RECONNECTS))
+    async with job_worker(clean_env.client, backend) as tq:
+        handle = await start_job(
+            clean_env.client, tq, request(abandon_after_s=600, **SLOW_RECONNECTS)
+        )
         status, error = await outcome(handle)
         started = await timers(handle)
     assert error is None
@@ -234,13 +247,17 @@ async def test_abandoned_just_after_the_deadline_without_contact(env: WorkflowEn
     assert ("abandon watchdog", 600.0) in started
 
 
-async def test_contact_just_before_the_deadline_keeps_the_job(env: WorkflowEnvironment) -> None:
+async def test_contact_just_before_the_deadline_keeps_the_job(
+    clean_env: WorkflowEnvironment,
+) -> None:
     backend = reconnecting_forever()
-    async with job_worker(env.client, backend) as tq:
-        handle = await start_job(env.client, tq, request(abandon_after_s=600, **SLOW_RECONNECTS))
-        await env.sleep(590)
+    async with job_worker(clean_env.client, backend) as tq:
+        handle = await start_job(
+            clean_env.client, tq, request(abandon_after_s=600, **SLOW_RECONNECTS)
+        )
+        await clean_env.sleep(590)
         await handle.signal(SIGNAL_CLIENT_SEEN)
-        await env.sleep(20)  # past the first deadline
+        await clean_env.sleep(20)  # past the first deadline
         state = (await handle.query(QUERY_STATUS, result_type=JobStatus)).state
         assert state in (JobState.RUNNING, JobState.RECONNECTING)
         status, _ = await outcome(handle)
@@ -346,13 +363,13 @@ async def test_failures_compensate_before_failing(
 
 
 async def test_execution_deadline_cancels_the_work_and_compensates(
-    env: WorkflowEnvironment,
+    clean_env: WorkflowEnvironment,
 ) -> None:
     backend = reconnecting_forever()
-    async with job_worker(env.client, backend) as tq:
+    async with job_worker(clean_env.client, backend) as tq:
         status, _ = await outcome(
             await start_job(
-                env.client,
+                clean_env.client,
                 tq,
                 request(execution_timeout_s=120, heartbeat_timeout_s=1, **SLOW_RECONNECTS),
             )
