@@ -196,7 +196,7 @@ async def test_lost_twice_pauses_for_a_decision_and_resume_resubmits(
         handle = await start_job(env.client, tq, request())
 
         async def paused() -> bool:
-            status = await handle.query(QUERY_STATUS, result_type=JobStatus)
+            status: JobStatus = await handle.query(QUERY_STATUS, result_type=JobStatus)
             return status.state == JobState.NEEDS_DECISION
 
         await eventually(paused)
@@ -332,7 +332,7 @@ async def test_cancel_while_reconnecting_and_while_paused(env: WorkflowEnvironme
             async def reached(
                 target: JobState = state, job: WorkflowHandle[Any, JobStatus] = handle
             ) -> bool:
-                current = await job.query(QUERY_STATUS, result_type=JobStatus)
+                current: JobStatus = await job.query(QUERY_STATUS, result_type=JobStatus)
                 return current.state == target
 
             await eventually(reached)
