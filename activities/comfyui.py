@@ -17,6 +17,7 @@ from temporalio import activity
 from activities.comfy_client import ComfyClient, ComfyError
 from activities.comfyui_graph import available_input_files, output_nodes, registry_problems
 from activities.errors import fatal, from_comfy, from_storage, retryable
+from activities.pool_health import PoolHealth
 from activities.settings import WorkerSettings
 from activities.storage import ArtifactStore, ObjectMissing, StorageError
 from workflows.activity_io import (
@@ -43,6 +44,7 @@ class ComfyPools:
     def __init__(self, settings: WorkerSettings, http: httpx.AsyncClient) -> None:
         self._settings = settings
         self._http = http
+        self.health = PoolHealth()
 
     def resolve(self, pool: str | None) -> str:
         name = pool or self._settings.default_pool
@@ -162,6 +164,13 @@ class ComfyActivities:
         bound = log.bind(job_id=req.job_id, prompt_id=req.prompt_id, segment=req.segment)
         try:
             await client.system_stats()
+            unhealthy = await self._pools.health.probe(req.pool, client)
+            if unhealthy is not None:
+                raise retryable(
+                    ErrorType.BACKEND_UNAVAILABLE,
+                    f"pool {req.pool!r} is unhealthy: {unhealthy}",
+                    next_retry_delay=5.0,
+                )
             if activity.info().attempt > 1 and await self._known(client, req.prompt_id):
                 bound.info("submit_already_known")
                 return SubmitResult(prompt_id=req.prompt_id, outcome="already_known")

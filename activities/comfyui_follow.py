@@ -37,6 +37,7 @@ from activities.errors import (
     history_failure,
     retryable,
 )
+from activities.pool_health import PoolHealth
 from activities.progress import ProgressTracker
 from activities.storage import ArtifactStore
 from workflows.activity_io import FollowInput, FollowResult
@@ -60,9 +61,12 @@ MAX_PARALLEL_UPLOADS = 2
 class PromptFollower:
     """One attempt at following one prompt to its end."""
 
-    def __init__(self, req: FollowInput, client: ComfyClient, store: ArtifactStore) -> None:
+    def __init__(
+        self, req: FollowInput, client: ComfyClient, store: ArtifactStore, health: PoolHealth
+    ) -> None:
         self.req = req
         self.client = client
+        self.health = health
         details = activity.info().heartbeat_details
         self.checkpoint = _restore_checkpoint(details, req)
         stored = list(req.stored) + _restore_artifacts(details)
@@ -105,6 +109,8 @@ class PromptFollower:
         except ComfyError as exc:
             raise self._with_progress(from_comfy(exc, "following the prompt")) from exc
         except ApplicationError as exc:
+            if exc.type == ErrorType.BACKEND_FAULT:
+                self.health.mark_unhealthy(self.req.pool, exc.message)
             raise self._with_progress(exc) from None
         finally:
             for task in self.uploads:
@@ -325,4 +331,5 @@ class FollowActivities:
 
     @activity.defn(name="follow_prompt")
     async def follow_prompt(self, req: FollowInput) -> FollowResult:
-        return await PromptFollower(req, self._pools.client(req.pool), self._store).run()
+        client = self._pools.client(req.pool)
+        return await PromptFollower(req, client, self._store, self._pools.health).run()

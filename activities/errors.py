@@ -67,7 +67,7 @@ def execution_failure(data: Mapping[str, Any]) -> ApplicationError:
     if is_out_of_memory(dict(data)):
         return fatal(ErrorType.OUT_OF_MEMORY, f"out of GPU memory at {message}")
     if is_fatal_device_error(dict(data)):
-        return fatal(ErrorType.EXECUTION_ERROR, f"unrecoverable device fault at {message}")
+        return fatal(ErrorType.BACKEND_FAULT, f"unrecoverable device fault at {message}")
     return fatal(ErrorType.EXECUTION_ERROR, message)
 
 

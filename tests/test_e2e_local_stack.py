@@ -248,3 +248,30 @@ async def test_cli_missing_input_file_is_refused_before_submitting(
     )
     assert code == 2
     assert "file not found: /nonexistent/face.png" in err
+
+
+async def sim_post(stack: RunningStack, path: str, body: dict[str, Any]) -> None:
+    async with httpx.AsyncClient(trust_env=False) as http:
+        response = await http.post(f"{stack.comfyui_url}{path}", json=body)
+    response.raise_for_status()
+
+
+async def test_device_fault_fails_the_job_and_holds_the_pool_until_a_probe_passes(
+    worker: RunningWorker, local_stack: RunningStack
+) -> None:
+    await sim_post(local_stack, "/sim/faults", {"cuda_error_next": True})
+    broken = await worker.client.submit(JobRequest(graph=example()))
+    failed = await worker.client.wait(broken.job_id)
+    assert failed.state == JobState.FAILED
+    assert failed.error is not None and failed.error.type == ErrorType.BACKEND_FAULT
+
+    waiting = await worker.client.submit(JobRequest(graph=example()))
+    await asyncio.sleep(3)
+    held = await worker.client.status(waiting.job_id)
+    assert held.state == JobState.SUBMITTING, "no work goes to a broken GPU"
+    prompts = await sim_prompts(local_stack)
+    assert held.checkpoint is not None and held.checkpoint.prompt_id not in prompts
+
+    await sim_post(local_stack, "/free", {"unload_models": True, "free_memory": True})
+    final = await asyncio.wait_for(worker.client.wait(waiting.job_id), timeout=60)
+    assert final.state == JobState.COMPLETED

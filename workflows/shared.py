@@ -41,6 +41,7 @@ class ErrorType:
     CONNECTION_LOST: Final = "ConnectionLost"
     EXECUTION_ERROR: Final = "ExecutionError"
     OUT_OF_MEMORY: Final = "OutOfMemory"
+    BACKEND_FAULT: Final = "BackendFault"  # the GPU is broken: the pool needs replacing
     INTERRUPTED: Final = "Interrupted"
     PROMPT_LOST: Final = "PromptLost"
     OUTPUT_MISSING: Final = "OutputMissing"

@@ -1,0 +1,61 @@
+"""Which pools this worker must not send work to, and the probe that clears them.
+
+An unrecoverable device fault (illegal memory access, device-side assert) leaves a ComfyUI
+process that answers HTTP but cannot run anything. Such a pool is marked unhealthy; submissions
+to it first run a tiny model-free probe prompt and wait until one succeeds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import structlog
+
+from activities.comfy_client import ComfyClient, ComfyError
+
+log = structlog.get_logger(__name__)
+
+PROBE_GRAPH = {
+    "1": {
+        "class_type": "EmptyImage",
+        "inputs": {"width": 8, "height": 8, "batch_size": 1, "color": 0},
+    },
+    "2": {"class_type": "PreviewImage", "inputs": {"images": ["1", 0]}},
+}
+PROBE_DEADLINE_S = 15.0
+
+
+class PoolHealth:
+    def __init__(self) -> None:
+        self._unhealthy: dict[str, str] = {}
+
+    def mark_unhealthy(self, pool: str, reason: str) -> None:
+        log.warning("pool_unhealthy", pool=pool, reason=reason)
+        self._unhealthy[pool] = reason
+
+    def reason(self, pool: str) -> str | None:
+        return self._unhealthy.get(pool)
+
+    async def probe(self, pool: str, client: ComfyClient) -> str | None:
+        """None when the pool is (again) healthy; otherwise why not."""
+        reason = self._unhealthy.get(pool)
+        if reason is None:
+            return None
+        prompt_id = f"dc-probe-{uuid.uuid4()}"
+        try:
+            await client.post_prompt(PROBE_GRAPH, prompt_id=prompt_id, client_id=prompt_id)
+            deadline = time.monotonic() + PROBE_DEADLINE_S
+            while time.monotonic() < deadline:
+                entry = await client.history(prompt_id)
+                if entry is not None:
+                    if entry.get("status", {}).get("status_str") == "success":
+                        log.info("pool_healthy_again", pool=pool)
+                        self._unhealthy.pop(pool, None)
+                        return None
+                    return f"{reason}; the health probe failed too"
+                await asyncio.sleep(0.2)
+        except ComfyError as exc:
+            return f"{reason}; the health probe could not run: {exc}"
+        return f"{reason}; the health probe did not finish in {PROBE_DEADLINE_S:.0f} s"
