@@ -14,7 +14,6 @@ from datetime import timedelta
 
 from pydantic import BaseModel, ValidationError
 from temporalio import workflow
-from temporalio.common import SearchAttributeKey
 from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
@@ -30,7 +29,6 @@ with workflow.unsafe.imports_passed_through():
     )
     from workflows.backoff import reconnect_delay
     from workflows.contracts import (
-        Artifact,
         BackendInfo,
         CancelRequest,
         Checkpoint,
@@ -45,11 +43,9 @@ with workflow.unsafe.imports_passed_through():
     )
     from workflows.failures import FailureKind, classify, job_error, recovered_progress
     from workflows.graph import apply_overrides, with_unique_save_prefixes
+    from workflows.job_book import POOL_KEY, JobBook
     from workflows.shared import (
         QUERY_STATUS,
-        SA_JOB_POOL,
-        SA_JOB_PROGRESS,
-        SA_JOB_STATE,
         SIGNAL_CANCEL,
         SIGNAL_CLIENT_SEEN,
         SIGNAL_PROGRESS,
@@ -58,10 +54,6 @@ with workflow.unsafe.imports_passed_through():
         WORKFLOW_TYPE,
         ErrorType,
     )
-
-STATE_KEY = SearchAttributeKey.for_keyword(SA_JOB_STATE)
-PROGRESS_KEY = SearchAttributeKey.for_int(SA_JOB_PROGRESS)
-POOL_KEY = SearchAttributeKey.for_keyword(SA_JOB_POOL)
 
 
 class JobCarry(BaseModel):
@@ -117,8 +109,7 @@ class InferenceJob:
         self._work: asyncio.Task[None] | None = None
         self._contacts = 0
         self._resume: ResumeRequest | None = None
-        self._last_progress_at = now
-        self._last_coarse_progress = -1
+        self._book = JobBook(self._status)
 
     # -- messages ---------------------------------------------------------------------------
 
@@ -130,7 +121,7 @@ class InferenceJob:
     def progress(self, report: ProgressReport) -> None:
         if report.attempt_client_id != self._client_id or self._status.terminal:
             return
-        self._apply_progress(report)
+        self._book.apply_progress(report)
 
     @workflow.signal(name=SIGNAL_CLIENT_SEEN)
     def client_seen(self) -> None:
@@ -156,7 +147,7 @@ class InferenceJob:
     async def run(self, request: JobRequest, carry: JobCarry | None = None) -> JobStatus:
         request = self._request
         carry = JobCarry.model_validate(carry) if carry is not None else None
-        self._set_state(self._status.state if carry else JobState.QUEUED)
+        self._book.set_state(self._status.state if carry else JobState.QUEUED)
         self._work = asyncio.create_task(self._run_job(request, carry))
         guards = [asyncio.create_task(self._deadline(request))]
         abandon_after = request.policy.abandon_after_s
@@ -188,7 +179,7 @@ class InferenceJob:
 
     async def _run_job(self, request: JobRequest, carry: JobCarry | None) -> None:
         if carry is None or self._prepared is None:
-            self._set_state(JobState.PREPARING)
+            self._book.set_state(JobState.PREPARING)
             self._prepared = await calls.prepare(
                 PrepareInput(
                     job_id=self._status.job_id,
@@ -230,9 +221,9 @@ class InferenceJob:
         )
         checkpoint = await self._submit(prepared, segment, prompt_id, graph, total)
         followed = await self._follow(request, prepared, segment, run_tag, graph, checkpoint)
-        self._merge_artifacts(followed.artifacts)
+        self._book.merge_artifacts(followed.artifacts)
         self._status.checkpoint = followed.checkpoint
-        self._set_state(JobState.UPLOADING)
+        self._book.set_state(JobState.UPLOADING)
         offloaded = await calls.offload(
             OffloadInput(
                 job_id=job_id,
@@ -241,11 +232,11 @@ class InferenceJob:
                 segment=segment,
                 run_tag=run_tag,
                 output=request.output,
-                stored=self._artifacts_of(segment),
+                stored=self._book.artifacts_of(segment),
             )
         )
-        self._merge_artifacts(offloaded.artifacts)
-        if not self._artifacts_of(segment):
+        self._book.merge_artifacts(offloaded.artifacts)
+        if not self._book.artifacts_of(segment):
             raise ApplicationError(
                 f"segment {segment} finished without any saved output (add a SaveImage node?)",
                 type=ErrorType.OUTPUT_MISSING,
@@ -253,8 +244,8 @@ class InferenceJob:
             )
         self._status.progress.step = self._status.progress.total_steps
         self._status.progress.fraction = (segment + 1) / max(1, len(request.segments))
-        self._mark_progress()
-        self._touch()
+        self._book.mark_progress()
+        self._book.touch()
 
     async def _submit(
         self,
@@ -277,7 +268,7 @@ class InferenceJob:
         )
         # Recorded before the request goes out: a cancel mid-submit must still find the prompt.
         self._status.checkpoint = checkpoint
-        self._set_state(JobState.SUBMITTING)
+        self._book.set_state(JobState.SUBMITTING)
         await calls.submit(
             SubmitInput(
                 job_id=self._status.job_id,
@@ -291,7 +282,7 @@ class InferenceJob:
         )
         if self._status.backend is not None:
             self._status.backend.provider_job_id = prompt_id
-        self._mark_progress()
+        self._book.mark_progress()
         return checkpoint
 
     async def _follow(
@@ -307,7 +298,7 @@ class InferenceJob:
         policy = request.policy
         attempt = 0
         while True:
-            self._set_state(JobState.RUNNING)
+            self._book.set_state(JobState.RUNNING)
             try:
                 result = await calls.follow(
                     FollowInput(
@@ -323,7 +314,7 @@ class InferenceJob:
                         output=request.output,
                         progress_interval_s=policy.progress_interval_s,
                         checkpoint=checkpoint,
-                        stored=self._artifacts_of(segment),
+                        stored=self._book.artifacts_of(segment),
                     ),
                     policy,
                 )
@@ -333,12 +324,12 @@ class InferenceJob:
                 if kind in (FailureKind.FATAL, FailureKind.CANCELLED):
                     raise
                 recovered, artifacts = recovered_progress(err)
-                self._merge_artifacts(artifacts)
+                self._book.merge_artifacts(artifacts)
                 if recovered is not None and recovered.prompt_id == checkpoint.prompt_id:
                     if recovered.step > checkpoint.step or len(recovered.uploaded) > len(
                         checkpoint.uploaded
                     ):
-                        self._mark_progress()
+                        self._book.mark_progress()
                     checkpoint = recovered
                     self._status.checkpoint = recovered
                 if kind == FailureKind.LOST:
@@ -350,7 +341,7 @@ class InferenceJob:
 
     async def _back_off(self, err: BaseException, attempt: int, horizon_s: float) -> None:
         policy = self._request.policy.reconnect
-        idle = (workflow.now() - self._last_progress_at).total_seconds()
+        idle = (workflow.now() - self._book.last_progress_at).total_seconds()
         if idle > horizon_s:
             raise ApplicationError(
                 f"no progress for {idle:.0f} s (reconnect horizon {horizon_s:.0f} s) after "
@@ -363,7 +354,7 @@ class InferenceJob:
         )
         self._status.reconnects += 1
         self._status.error = job_error(err)
-        self._set_state(JobState.RECONNECTING)
+        self._book.set_state(JobState.RECONNECTING)
         await workflow.sleep(timedelta(seconds=delay), summary=f"reconnect {attempt + 1}")
         self._status.error = None
 
@@ -379,7 +370,7 @@ class InferenceJob:
             )
         if lost_before and policy == "pause":
             self._resume = None
-            self._set_state(JobState.NEEDS_DECISION)
+            self._book.set_state(JobState.NEEDS_DECISION)
             await workflow.wait_condition(lambda: self._resume is not None)
             assert self._resume is not None
             if not self._resume.resubmit:
@@ -451,7 +442,7 @@ class InferenceJob:
             self._status.teardown = await self._teardown(pool, self._prompt_id, state, free)
             if state != JobState.COMPLETED:
                 await self._keep_finished_outputs(request, pool)
-        self._set_state(state)
+        self._book.set_state(state)
 
     async def _teardown(
         self, pool: str, prompt_id: str, state: JobState, free_memory: bool
@@ -485,14 +476,14 @@ class InferenceJob:
                     segment=checkpoint.segment,
                     run_tag=run_tag,
                     output=request.output,
-                    stored=self._artifacts_of(checkpoint.segment),
+                    stored=self._book.artifacts_of(checkpoint.segment),
                     partial=True,
                 )
             )
         except Exception as err:
             workflow.logger.warning("keeping finished outputs failed: %s", err)
             return
-        self._merge_artifacts(kept.artifacts)
+        self._book.merge_artifacts(kept.artifacts)
 
     def _end_result(self) -> JobStatus:
         if self._status.state == JobState.FAILED and self._status.error is not None:
@@ -512,39 +503,7 @@ class InferenceJob:
     def _contact(self) -> None:
         self._contacts += 1
         self._status.last_client_contact_at = workflow.now()
-        self._touch()
-
-    def _apply_progress(self, report: ProgressReport) -> None:
-        progress = self._status.progress
-        if report.step > progress.step or report.artifact is not None:
-            self._mark_progress()
-        progress.step = report.step
-        progress.total_steps = report.total_steps or progress.total_steps
-        if progress.total_steps:
-            within = min(1.0, report.step / progress.total_steps)
-            progress.fraction = (progress.segment + within) / max(1, progress.segments)
-        if report.checkpoint is not None:
-            self._status.checkpoint = report.checkpoint
-        if report.artifact is not None:
-            self._merge_artifacts([report.artifact])
-        if self._status.backend is not None and report.worker_id:
-            self._status.backend.worker_id = report.worker_id
-        self._touch()
-        self._upsert_progress()
-
-    def _mark_progress(self) -> None:
-        self._last_progress_at = workflow.now()
-
-    def _merge_artifacts(self, artifacts: list[Artifact]) -> None:
-        known = {a.key for a in self._status.artifacts}
-        for artifact in artifacts:
-            if artifact.key not in known:
-                self._status.artifacts.append(artifact)
-                known.add(artifact.key)
-                self._mark_progress()
-
-    def _artifacts_of(self, segment: int) -> list[Artifact]:
-        return [a for a in self._status.artifacts if a.segment == segment]
+        self._book.touch()
 
     def _history_is_long(self, request: JobRequest) -> bool:
         info = workflow.info()
@@ -552,45 +511,6 @@ class InferenceJob:
         return (
             info.is_continue_as_new_suggested() or info.get_current_history_length() > budget // 2
         )
-
-    def _touch(self) -> None:
-        self._status.seq += 1
-        self._status.updated_at = workflow.now()
-
-    def _set_state(self, state: JobState) -> None:
-        changed = state != self._status.state
-        self._status.state = state
-        self._touch()
-        if changed or self._status.seq == 1:
-            workflow.upsert_search_attributes(
-                [STATE_KEY.value_set(state.value), PROGRESS_KEY.value_set(self._coarse_progress())]
-            )
-        workflow.set_current_details(self._details())
-
-    def _coarse_progress(self) -> int:
-        return int(self._status.progress.fraction * 10) * 10
-
-    def _upsert_progress(self) -> None:
-        # Only whole tens: a search-attribute upsert costs history events.
-        coarse = self._coarse_progress()
-        if coarse != self._last_coarse_progress:
-            self._last_coarse_progress = coarse
-            workflow.upsert_search_attributes([PROGRESS_KEY.value_set(coarse)])
-
-    def _details(self) -> str:
-        status = self._status
-        lines = [f"**{status.state.value}** — {int(status.progress.fraction * 100)} %"]
-        if status.backend:
-            lines.append(f"pool `{status.backend.pool}`")
-        if status.reconnects:
-            lines.append(f"{status.reconnects} reconnect(s)")
-        if status.error:
-            lines.append(f"error `{status.error.type}`: {status.error.message}")
-        if status.artifacts:
-            lines.append(f"{len(status.artifacts)} artifact(s) stored")
-        if status.teardown.state != "PENDING":
-            lines.append(f"teardown {status.teardown.state}")
-        return "  \n".join(lines)
 
 
 def safe_tag(job_id: str) -> str:
