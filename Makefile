@@ -17,6 +17,11 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m devstack.demo
 
+## demo-chaos: the demo's job with its worker kill -9'ed mid-job and its socket cut; prints the timeline
+.PHONY: demo-chaos
+demo-chaos: $(STAMP)
+	$(BIN)/python -m devstack.chaos_demo
+
 ## test: unit, workflow (time-skipping), integration (real Temporal + SeaweedFS + simulator)
 test: $(STAMP)
 	$(BIN)/pytest -q

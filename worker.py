@@ -29,6 +29,7 @@ from workflows.inference_job import InferenceJob
 log = structlog.get_logger("worker")
 
 GRACEFUL_SHUTDOWN = timedelta(seconds=5)
+STICKY_TIMEOUT = timedelta(seconds=3)
 
 
 async def run_worker(
@@ -65,6 +66,9 @@ async def run_worker(
             ],
             max_concurrent_activities=settings.max_concurrent_activities,
             graceful_shutdown_timeout=GRACEFUL_SHUTDOWN,
+            # After a worker is killed its workflows' tasks wait on its sticky queue this long
+            # before another worker gets them (SDK default 10 s).
+            sticky_queue_schedule_to_start_timeout=STICKY_TIMEOUT,
         )
         log.info(
             "worker_started",

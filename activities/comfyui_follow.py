@@ -51,8 +51,23 @@ Stage = Literal["queued", "running", "uploading", "finished"]
 # How long the socket may stay silent before we ask /queue and /history what is going on.
 # A node without a progress bar can keep a healthy socket silent for minutes.
 SILENCE_CHECK_S = 5.0
-# A socket silent this long while the prompt runs is reopened (its routing may have been lost).
-RESUBSCRIBE_AFTER_S = 30.0
+# A socket silent this many polls while the prompt runs is reopened: ComfyUI unregisters a
+# client_id when any socket of that ID closes, so an older attempt's socket closing late can
+# leave ours deaf. Reopening registers the ID again; a silent node merely costs a reconnect.
+RESUBSCRIBE_AFTER_POLLS = 2
+# Events ComfyUI sends only to the prompt's client_id (status and progress_state go to all).
+ROUTED_EVENTS = frozenset(
+    {
+        "execution_start",
+        "execution_cached",
+        "executing",
+        "progress",
+        "executed",
+        "execution_success",
+        "execution_error",
+        "execution_interrupted",
+    }
+)
 # Asked twice, this far apart, before a prompt counts as lost.
 LOST_RECHECK_S = 1.0
 MAX_PARALLEL_UPLOADS = 2
@@ -88,6 +103,7 @@ class PromptFollower:
         self.poll_s = (
             min(SILENCE_CHECK_S, timeout.total_seconds() / 3) if timeout else SILENCE_CHECK_S
         )
+        self.resubscribe_after_s = RESUBSCRIBE_AFTER_POLLS * self.poll_s
         self.current_node: str | None = None
         self.succeeded = False
         self.uploads: set[asyncio.Task[Artifact]] = set()
@@ -136,19 +152,19 @@ class PromptFollower:
             self.client.ws_url(self.req.client_id), max_size=None, open_timeout=10
         ) as ws:
             await self._reconcile()
-            last_event = time.monotonic()
+            last_routed = time.monotonic()
             while not self.succeeded:
                 if await self._next_event(ws):
-                    last_event = time.monotonic()
-                elif time.monotonic() - last_event > RESUBSCRIBE_AFTER_S:
-                    self.log.info("socket_idle_reopening")
+                    last_routed = time.monotonic()
+                elif time.monotonic() - last_routed > self.resubscribe_after_s:
+                    self.log.info("socket_silent_reopening")
                     return
                 self._fail_if_upload_failed()
                 if activity.is_worker_shutdown():
                     raise retryable(ErrorType.CONNECTION_LOST, "worker shutting down")
 
     async def _next_event(self, ws: websockets.ClientConnection) -> bool:
-        """Handle the next frame; False when the socket stayed silent for a poll interval."""
+        """Handle the next frame; True only for an event routed to our client_id."""
         try:
             frame = await asyncio.wait_for(ws.recv(), timeout=self.poll_s)
         except TimeoutError:
@@ -161,7 +177,7 @@ class PromptFollower:
             return False
         await self._handle(event)
         self._heartbeat()
-        return True
+        return event.type in ROUTED_EVENTS
 
     def _with_progress(self, error: ApplicationError) -> ApplicationError:
         """A retryable failure carries the checkpoint, so the workflow re-attaches from it."""

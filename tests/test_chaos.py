@@ -52,13 +52,10 @@ JOB_DEADLINE_S = 90.0  # generous for a loaded 2-core CI machine; a healthy run 
 
 
 class ChaosEnv:
-    """Module-wide: the stack, one Temporal client, one S3 client, one HTTP client."""
+    """Module-wide: the stack, one S3 client, the simulator's controls (one HTTP client)."""
 
-    def __init__(
-        self, stack: ChaosStack, temporal_address: str, store: ArtifactStore, sim: SimControl
-    ) -> None:
+    def __init__(self, stack: ChaosStack, store: ArtifactStore, sim: SimControl) -> None:
         self.stack = stack
-        self.temporal_address = temporal_address
         self.store = store
         self.sim = sim
 
@@ -72,9 +69,7 @@ async def chaos_env(stack_config_factory: StackConfigFactory) -> AsyncIterator[C
             httpx.AsyncClient(trust_env=False) as http,
             ArtifactStore(stack.s3_settings()) as store,
         ):
-            yield ChaosEnv(
-                stack, stack.running.temporal_address, store, SimControl(stack.sim_url, http)
-            )
+            yield ChaosEnv(stack, store, SimControl(stack.sim_url, http))
     finally:
         await stack.stop()
 
@@ -199,7 +194,8 @@ async def test_websocket_stalled_longer_than_heartbeat_timeout(case: ChaosCase) 
     # Silent for longer than the heartbeat timeout while the prompt runs on: a live prompt
     # behind a quiet socket is not a failure, and must never be submitted again.
     await case.sim.arm(FaultConfig(stall_ws_s=HEARTBEAT_S + 3.0, stall_after_events=10))
-    job_id = await case.submit(JobRequest(graph=sampler_graph(80), policy=chaos_policy()))
+    policy = chaos_policy(heartbeat_timeout_s=HEARTBEAT_S)
+    job_id = await case.submit(JobRequest(graph=sampler_graph(80), policy=policy))
     async with case.timeline(job_id) as timeline:
         final = await timeline.wait_terminal(timeout_s=JOB_DEADLINE_S)
 

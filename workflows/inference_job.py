@@ -325,19 +325,30 @@ class InferenceJob:
                     raise
                 recovered, artifacts = recovered_progress(err)
                 self._book.merge_artifacts(artifacts)
-                if recovered is not None and recovered.prompt_id == checkpoint.prompt_id:
-                    if recovered.step > checkpoint.step or len(recovered.uploaded) > len(
-                        checkpoint.uploaded
-                    ):
-                        self._book.mark_progress()
-                    checkpoint = recovered
-                    self._status.checkpoint = recovered
+                checkpoint = self._furthest(checkpoint, recovered)
                 if kind == FailureKind.LOST:
                     checkpoint = await self._resubmit_lost(prepared, segment, graph, checkpoint)
                     attempt = 0
                     continue
                 await self._back_off(err, attempt, policy.reconnect.horizon_s)
                 attempt += 1
+
+    def _furthest(self, current: Checkpoint, recovered: Checkpoint | None) -> Checkpoint:
+        """Resume from the furthest point known for this prompt.
+
+        The failed attempt's own report may be missing (a Temporal server that crashed loses
+        in-memory heartbeats), but progress signals kept the status's checkpoint up to date.
+        """
+        candidates = [
+            c
+            for c in (recovered, self._status.checkpoint, current)
+            if c is not None and c.prompt_id == current.prompt_id
+        ]
+        best = max(candidates, key=lambda c: (c.step, len(c.uploaded)))
+        if best.step > current.step or len(best.uploaded) > len(current.uploaded):
+            self._book.mark_progress()
+        self._status.checkpoint = best
+        return best
 
     async def _back_off(self, err: BaseException, attempt: int, horizon_s: float) -> None:
         policy = self._request.policy.reconnect
@@ -376,6 +387,7 @@ class InferenceJob:
             if not self._resume.resubmit:
                 return checkpoint
         self._resubmits += 1
+        self._status.progress.step = 0  # the prompt runs again from the start
         prompt_id = checkpoint.prompt_id or str(workflow.uuid4())
         return await self._submit(prepared, segment, prompt_id, graph, checkpoint.total_steps)
 

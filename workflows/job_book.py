@@ -31,7 +31,8 @@ class JobBook:
         progress = self.status.progress
         if report.step > progress.step or report.artifact is not None:
             self.mark_progress()
-        progress.step = report.step
+        # Never backwards for the same prompt: a late report from an older socket is stale.
+        progress.step = max(progress.step, report.step)
         progress.total_steps = report.total_steps or progress.total_steps
         if progress.total_steps:
             within = min(1.0, report.step / progress.total_steps)

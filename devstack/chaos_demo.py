@@ -1,0 +1,190 @@
+"""`make demo-chaos`: the demo's job, with its worker `kill -9`ed mid-job and its socket cut once.
+
+On the default local stack (temporal-dev.yaml, what `make demo` starts), with a worker process of
+its own on a task queue of its own (so that no other worker can quietly finish the job):
+
+1. the ComfyUI simulator is told to cut the job's WebSocket once, early in sampling;
+2. the job is submitted (attached; this process keeps it alive) and its timeline is printed live:
+   time, state, step, reconnects, and what was done to it;
+3. once the sampler is well past the cut, the worker gets SIGKILL, and a new one is started;
+4. the job must finish COMPLETED with its prompt submitted exactly once (`/sim/stats`), its
+   artifact checked against the sha256 through a presigned URL.
+
+Exit code 0 only then. The detached demo worker is stopped first and started again at the end, so
+`make down` finds the stack as `make demo` leaves it.
+
+The timeline recorder, worker process and simulator controls are the chaos tests' own harness
+(tests/chaos), imported from the repository root where `make` runs: one implementation of "kill
+a worker and watch what the job does", shown here and asserted on there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+import httpx
+from rich.console import Console
+
+from activities.log_setup import configure_logging
+from activities.storage import ArtifactStore, S3Settings
+from devstack.comfy_sim.faults import FaultConfig
+from devstack.config import DEFAULT_CONFIG_PATH, load_stack_config
+from devstack.demo import fetch_and_check, workflow_link
+from devstack.models import RunningStack
+from devstack.services import StackPaths
+from devstack.stack import start_stack
+from devstack.worker_process import ensure_worker, stop_worker
+from starter.cli.render import print_summary
+from starter.client import JobClient
+from starter.connection import connect_temporal
+from starter.requests import request_from_files
+from tests.chaos.graphs import SAMPLER_NODE, fresh_seed
+from tests.chaos.sim import DROP_LOGGED, LogWatch, SimControl, StepWatcher
+from tests.chaos.timeline import Timeline
+from tests.chaos.wait import ChaosTimeout
+from tests.chaos.worker_proc import WorkerProcess
+from workflows.contracts import JobPolicy, JobState, JobStatus, ReconnectPolicy
+
+EXAMPLE = Path("examples/txt2img.json")
+TASK_QUEUE = "durable-comfy-chaos-demo"
+STEPS = 80  # 8 s of sampling at the default 100 ms per simulated step
+CUT_AFTER_EVENTS = 30  # the simulator cuts the job's socket around step 8
+KILL_AT_STEP = 35  # well after the cut, well before the end
+JOB_DEADLINE_S = 180.0
+
+# Short enough that a dead worker is noticed in seconds (a demo, not production defaults).
+POLICY = JobPolicy(
+    heartbeat_timeout_s=3.0,
+    reconnect=ReconnectPolicy(base_delay_s=0.5, max_delay_s=3.0, horizon_s=120.0),
+    abandon_after_s=60.0,
+    progress_interval_s=0.3,
+)
+
+
+class Outcome:
+    def __init__(self, final: JobStatus, submissions: int, prompt_id: str | None) -> None:
+        self.final = final
+        self.submissions = submissions
+        self.prompt_id = prompt_id
+
+    @property
+    def ok(self) -> bool:
+        return self.final.state == JobState.COMPLETED and self.submissions == 1
+
+
+async def watch_socket_cut(sim_log: LogWatch, timeline: Timeline) -> None:
+    """Put the simulator's own "I cut it" on the timeline, at the moment it says so."""
+    await sim_log.wait(DROP_LOGGED, timeout_s=JOB_DEADLINE_S)
+    timeline.mark("ComfyUI socket cut by the simulator (fault)")
+
+
+async def run_demo(console: Console) -> Outcome:
+    base_dir = Path.cwd()
+    config = load_stack_config(DEFAULT_CONFIG_PATH)
+    console.print("[bold]Starting the local stack[/] (Temporal dev server, SeaweedFS, ComfyUI sim)")
+    stack = await start_stack(config, base_dir, config_file=DEFAULT_CONFIG_PATH)
+    for name, service in stack.services.items():
+        console.print(f"  {name:<12} {service.state:<8} {service.url or ''}")
+    stopped = await stop_worker(config, base_dir)
+    if stopped is not None:
+        console.print(
+            f"  stopped the detached demo worker (pid {stopped}); it comes back at the end"
+        )
+
+    paths = StackPaths.of(config, base_dir)
+    env = {**stack.worker_env(), "DURABLE_COMFY_TASK_QUEUE": TASK_QUEUE}
+    worker = WorkerProcess(env, paths.logs / "chaos-demo-worker.log", name="chaos-demo worker")
+    try:
+        await worker.start()
+        console.print(
+            f"  {'worker':<12} running  pid {worker.pid}, log {worker.log_file}", soft_wrap=True
+        )
+        return await _run_job(console, stack, worker, paths)
+    finally:
+        await worker.terminate()
+        detached = await ensure_worker(config, base_dir, stack.worker_env())
+        console.print(
+            f"\nThe stack and the detached demo worker (pid {detached.pid}) are still running; "
+            "stop them with [bold]make down[/]."
+        )
+
+
+async def _run_job(
+    console: Console, stack: RunningStack, worker: WorkerProcess, paths: StackPaths
+) -> Outcome:
+    temporal = await connect_temporal(stack.temporal_address, stack.namespace)
+    sim_url = stack.comfyui_url
+    request = request_from_files(EXAMPLE)
+    request.graph[SAMPLER_NODE]["inputs"]["steps"] = STEPS
+    # A seed of its own: an unchanged graph would be answered from the simulator's cache.
+    request.graph[SAMPLER_NODE]["inputs"]["seed"] = fresh_seed()
+    request = request.model_copy(update={"policy": POLICY})
+    async with (
+        httpx.AsyncClient(trust_env=False) as http,
+        ArtifactStore(S3Settings.from_env(stack.worker_env())) as store,
+        StepWatcher(sim_url) as steps,
+    ):
+        sim = SimControl(sim_url, http)
+        await sim.reset()
+        await sim.arm(FaultConfig(drop_ws_after_events=CUT_AFTER_EVENTS))
+        sim_log = LogWatch(paths.log_file("comfyui_sim"))
+        client = JobClient(temporal, task_queue=TASK_QUEUE, store=store)
+        submitted = await client.submit(request)
+        job_id = submitted.job_id
+        console.print(f"\n[bold]Job[/] {job_id} submitted ({EXAMPLE}, {STEPS} steps)")
+        console.print(f"Temporal UI: {workflow_link(stack, job_id)}\n")
+        console.print("[bold]Timeline[/]  (time, state, step, reconnects; --- what was done)")
+        async with Timeline(client, job_id, keepalive_s=5.0) as timeline:
+            timeline.on_entry(
+                lambda entry: console.print(entry.render(), highlight=False, soft_wrap=True)
+            )
+            timeline.mark(f"simulator armed: cut the job's socket after {CUT_AFTER_EVENTS} events")
+            cut = asyncio.create_task(watch_socket_cut(sim_log, timeline))
+            try:
+                prompt_id = await steps.wait_step(KILL_AT_STEP, node=SAMPLER_NODE, timeout_s=60)
+                await worker.kill()
+                timeline.mark(f"worker killed (kill -9) at sampler step >= {KILL_AT_STEP}")
+                await worker.start()
+                timeline.mark(f"worker restarted (pid {worker.pid})")
+                await timeline.wait_terminal(timeout_s=JOB_DEADLINE_S)
+            finally:
+                cut.cancel()
+        final = await client.result(job_id)
+        stats = await sim.stats()
+    submissions = stats.prompts.get(prompt_id, 0)
+    console.print()
+    print_summary(final, console, workflow_link(stack, job_id))
+    cut_seen = "yes" if sim_log.seen(DROP_LOGGED) else "no"
+    console.print(
+        f"  prompt {prompt_id}: submitted {submissions} time(s) to ComfyUI (/sim/stats), "
+        f"{final.reconnects} reconnect(s), socket cut: {cut_seen}"
+    )
+    for artifact in final.artifacts:
+        if artifact.url:
+            size = await fetch_and_check(artifact.url, artifact.sha256)
+            console.print(f"  presigned URL checked: {size} bytes, sha256 matches")
+    return Outcome(final, submissions, prompt_id)
+
+
+def main() -> None:
+    configure_logging("WARNING")
+    console = Console()
+    try:
+        outcome = asyncio.run(run_demo(console))
+    except ChaosTimeout as exc:
+        console.print(f"[red]the job did not finish in time[/]: {exc}")
+        sys.exit(1)
+    if outcome.ok:
+        console.print("\n[green]Survived[/]: COMPLETED, and the prompt ran exactly once.")
+        return
+    console.print(
+        f"\n[red]Not survived[/]: state {outcome.final.state.value}, "
+        f"{outcome.submissions} submission(s) of the prompt."
+    )
+    sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
