@@ -14,8 +14,8 @@ Exit code 0 only then. The detached demo worker is stopped first and started aga
 `make down` finds the stack as `make demo` leaves it.
 
 The timeline recorder, worker process and simulator controls are the chaos tests' own harness
-(tests/chaos), imported from the repository root where `make` runs: one implementation of "kill
-a worker and watch what the job does", shown here and asserted on there.
+(devstack/chaos): one implementation of "kill a worker and watch what the job does", shown
+here and asserted on in tests/test_chaos.py.
 """
 
 from __future__ import annotations
@@ -29,6 +29,11 @@ from rich.console import Console
 
 from activities.log_setup import configure_logging
 from activities.storage import ArtifactStore, S3Settings
+from devstack.chaos.graphs import SAMPLER_NODE, fresh_seed
+from devstack.chaos.sim import DROP_LOGGED, LogWatch, SimControl, StepWatcher
+from devstack.chaos.timeline import Timeline
+from devstack.chaos.wait import ChaosTimeout
+from devstack.chaos.worker_proc import WorkerProcess
 from devstack.comfy_sim.faults import FaultConfig
 from devstack.config import DEFAULT_CONFIG_PATH, load_stack_config
 from devstack.demo import fetch_and_check, workflow_link
@@ -40,11 +45,6 @@ from starter.cli.render import print_summary
 from starter.client import JobClient
 from starter.connection import connect_temporal
 from starter.requests import request_from_files
-from tests.chaos.graphs import SAMPLER_NODE, fresh_seed
-from tests.chaos.sim import DROP_LOGGED, LogWatch, SimControl, StepWatcher
-from tests.chaos.timeline import Timeline
-from tests.chaos.wait import ChaosTimeout
-from tests.chaos.worker_proc import WorkerProcess
 from workflows.contracts import JobPolicy, JobState, JobStatus, ReconnectPolicy
 
 EXAMPLE = Path("examples/txt2img.json")

@@ -19,9 +19,7 @@ import pytest
 import pytest_asyncio
 
 from activities.storage import ArtifactStore
-from devstack.comfy_sim.faults import FaultConfig
-from starter.connection import connect_temporal
-from tests.chaos.graphs import (
+from devstack.chaos.graphs import (
     EARLY_SAVE_NODE,
     SAMPLER_NODE,
     SAVE_NODE,
@@ -30,7 +28,7 @@ from tests.chaos.graphs import (
     seed_segments,
     two_output_graph,
 )
-from tests.chaos.harness import (
+from devstack.chaos.harness import (
     DROP_LOGGED,
     STALL_LOGGED,
     ChaosCase,
@@ -40,6 +38,8 @@ from tests.chaos.harness import (
     Timeline,
     with_step_delay,
 )
+from devstack.comfy_sim.faults import FaultConfig
+from starter.connection import connect_temporal
 from tests.conftest import StackConfigFactory
 from workflows.contracts import JobRequest, JobState, JobStatus
 from workflows.shared import ErrorType

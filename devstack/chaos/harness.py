@@ -21,13 +21,7 @@ from pathlib import Path
 from temporalio.client import Client, WorkflowExecutionStatus
 
 from activities.storage import ArtifactStore, S3Settings
-from devstack.config import StackConfig
-from devstack.models import RunningStack, ServiceState
-from devstack.processes import read_pid_file
-from devstack.services import ServiceName, StackPaths
-from devstack.stack import start_service, start_stack, stop_service, stop_stack
-from starter.client import JobClient
-from tests.chaos.sim import (
+from devstack.chaos.sim import (
     DROP_LOGGED,
     STALL_LOGGED,
     LogWatch,
@@ -36,9 +30,15 @@ from tests.chaos.sim import (
     SimStats,
     StepWatcher,
 )
-from tests.chaos.timeline import Timeline, TimelineEntry
-from tests.chaos.wait import ChaosTimeout, eventually, until
-from tests.chaos.worker_proc import WorkerFleet, WorkerProcess, WorkerStartError
+from devstack.chaos.timeline import Timeline, TimelineEntry
+from devstack.chaos.wait import ChaosTimeout, eventually, until
+from devstack.chaos.worker_proc import WorkerFleet, WorkerProcess, WorkerStartError
+from devstack.config import StackConfig
+from devstack.models import RunningStack, ServiceState
+from devstack.processes import read_pid_file
+from devstack.services import ServiceName, StackPaths
+from devstack.stack import start_service, start_stack, stop_service, stop_stack
+from starter.client import JobClient
 from workflows.contracts import JobRequest
 
 __all__ = [

@@ -19,8 +19,8 @@ from typing import Literal, Self
 
 from pydantic import BaseModel
 
+from devstack.chaos.wait import ChaosTimeout, until
 from starter.client import JobClient
-from tests.chaos.wait import ChaosTimeout, until
 from workflows.contracts import JobState, JobStatus
 
 EntryKind = Literal["status", "event", "unreachable"]
