@@ -7,6 +7,7 @@ prompts and NEEDS_DECISION, abandonment, cancel in every state, and compensation
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -406,3 +407,42 @@ async def test_segments_continue_as_new_and_resume_at_the_next_segment(
 def test_reconnect_policy_rejects_max_below_base() -> None:
     with pytest.raises(ValueError, match="max_delay_s"):
         ReconnectPolicy(base_delay_s=5, max_delay_s=1)
+
+
+async def test_cancel_while_still_queued_runs_nothing(env: WorkflowEnvironment) -> None:
+    backend = FakeBackend()
+    async with job_worker(env.client, backend) as tq:
+        handle = await env.client.start_workflow(
+            "InferenceJob",
+            request(),
+            id=f"queued-{uuid.uuid4()}",
+            task_queue=tq,
+            result_type=JobStatus,
+            start_signal=SIGNAL_CANCEL,
+            start_signal_args=[CancelRequest(reason="changed my mind")],
+        )
+        status, error = await outcome(handle)
+    assert error is None and status.state == JobState.CANCELLED
+    assert backend.calls == []
+    assert status.teardown.state == "SKIPPED"
+
+
+async def test_stop_interrupts_the_prompt_before_the_follow_activity_settles(
+    env: WorkflowEnvironment,
+) -> None:
+    backend = FakeBackend(Script(block_in="follow_prompt"))
+    async with job_worker(env.client, backend) as tq:
+        handle = await start_job(env.client, tq, request(heartbeat_timeout_s=30))
+        await asyncio.wait_for(backend.blocked.wait(), 10)
+        await handle.signal(SIGNAL_CANCEL, CancelRequest())
+        # The follow activity hears of the cancel only on a heartbeat up to 24 s away; the
+        # interrupt must not wait for it.
+        await asyncio.wait_for(_first_teardown(backend), 10)
+        status, _ = await outcome(handle)
+    assert status.state == JobState.CANCELLED
+    assert len(backend.teardowns) == 2, "an early interrupt, then the confirming teardown"
+
+
+async def _first_teardown(backend: FakeBackend) -> None:
+    while not backend.teardowns:  # noqa: ASYNC110
+        await asyncio.sleep(0.02)

@@ -110,6 +110,7 @@ class FakeBackend:
         self.offloaded: list[OffloadInput] = []
         self.teardowns: list[TeardownInput] = []
         self.blocked = asyncio.Event()
+        self.interrupted = asyncio.Event()
 
     async def _enter(self, name: str) -> None:
         self.calls.append(name)
@@ -119,6 +120,11 @@ class FakeBackend:
         if self.script.block_in == name:
             self.blocked.set()
             for _ in range(int(BLOCK_CAP_S / 0.1)):
+                if name == "follow_prompt" and self.interrupted.is_set():
+                    # What ComfyUI does to a running prompt it is told to interrupt.
+                    raise ApplicationError(
+                        "prompt interrupted", type=ErrorType.INTERRUPTED, non_retryable=True
+                    )
                 activity.heartbeat()
                 await asyncio.sleep(0.1)
             raise ApplicationError("blocked too long", non_retryable=True)
@@ -181,6 +187,7 @@ class FakeBackend:
     @activity.defn(name="teardown_prompt")
     async def teardown(self, req: TeardownInput) -> TeardownResult:
         self.teardowns.append(req)
+        self.interrupted.set()
         await self._enter("teardown_prompt")
         return TeardownResult(teardown=Teardown(state="CONFIRMED", detail=req.reason))
 

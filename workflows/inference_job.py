@@ -56,6 +56,11 @@ with workflow.unsafe.imports_passed_through():
     )
 
 
+# Patches: each guards a change in what the workflow does, so running jobs keep replaying.
+PATCH_INTERRUPT_ON_STOP = "interrupt-on-stop"
+PATCH_SHIELDED_FINISH = "shielded-finish"
+
+
 class JobCarry(BaseModel):
     """What a job carries across continue-as-new: where it is and what it has."""
 
@@ -105,6 +110,7 @@ class InferenceJob:
         self._prompt_id: str | None = checkpoint.prompt_id if checkpoint else None
         self._stop: _Stop | None = None
         self._cancelled_via_temporal = False
+        self._early_teardown: asyncio.Task[Teardown] | None = None
         self._resubmits = 0
         self._work: asyncio.Task[None] | None = None
         self._contacts = 0
@@ -149,6 +155,8 @@ class InferenceJob:
         carry = JobCarry.model_validate(carry) if carry is not None else None
         self._book.set_state(self._status.state if carry else JobState.QUEUED)
         self._work = asyncio.create_task(self._run_job(request, carry))
+        if self._stop is not None:
+            self._work.cancel()  # cancelled while still queued: nothing to run
         guards = [asyncio.create_task(self._deadline(request))]
         abandon_after = request.policy.abandon_after_s
         if abandon_after is not None:
@@ -173,7 +181,15 @@ class InferenceJob:
             outcome = err
         for guard in guards:
             guard.cancel()
-        await self._finish(request, outcome)
+        if workflow.patched(PATCH_SHIELDED_FINISH):
+            finishing = asyncio.create_task(self._finish(request, outcome))
+            while not finishing.done():
+                try:
+                    await asyncio.shield(finishing)
+                except asyncio.CancelledError:
+                    continue  # a Temporal cancel during compensation must not cut it short
+        else:
+            await self._finish(request, outcome)
         await workflow.wait_condition(workflow.all_handlers_finished)
         return self._end_result()
 
@@ -397,8 +413,20 @@ class InferenceJob:
         if self._stop is not None or self._status.terminal:
             return
         self._stop = _Stop(state=state, error=JobError(type=error_type, message=message))
-        if self._work is not None and not self._work.done():
-            self._work.cancel()
+        if self._work is None or self._work.done():
+            return
+        self._work.cancel()
+        if (
+            self._prepared is not None
+            and self._prompt_id is not None
+            and workflow.patched(PATCH_INTERRUPT_ON_STOP)
+        ):
+            # Stop the GPU now: the follow activity hears of its cancel only on its next
+            # heartbeat (up to 0.8 x heartbeat_timeout later). The full teardown still runs and
+            # confirms once the work has settled.
+            self._early_teardown = asyncio.create_task(
+                self._teardown(self._prepared.pool, self._prompt_id, state, False)
+            )
 
     async def _settle_work(self) -> BaseException | None:
         assert self._work is not None
@@ -450,6 +478,8 @@ class InferenceJob:
                 state="SKIPPED", at=workflow.now(), detail="nothing was submitted"
             )
         else:
+            if self._early_teardown is not None:
+                await self._early_teardown
             free = error is not None and error.type == ErrorType.OUT_OF_MEMORY
             self._status.teardown = await self._teardown(pool, self._prompt_id, state, free)
             if state != JobState.COMPLETED:

@@ -2,14 +2,15 @@
 
 Runs InferenceJob on the time-skipping server with the stand-in activities through four endings
 (completed, cancelled, abandoned, reconnected) and writes each history as JSON beside this file.
-Re-record only when a workflow change is meant to be incompatible (and then patch with
-`workflow.patched()` instead, so running jobs keep replaying).
+Never overwrite a recording: after a `workflow.patched()` change, record a new set with a
+suffix (`python -m tests.histories.record -v2`) so both the old and the new paths replay.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -58,7 +59,7 @@ SCENARIOS: dict[str, Scenario] = {
 }
 
 
-async def record() -> None:
+async def record(suffix: str = "") -> None:
     env = await start_time_skipping()
     try:
         for name, (script, policy, action) in SCENARIOS.items():
@@ -76,7 +77,7 @@ async def record() -> None:
                 except WorkflowFailureError:
                     pass
                 history = await handle.fetch_history()
-            path = HERE / f"{name}.json"
+            path = HERE / f"{name}{suffix}.json"
             path.write_text(json.dumps(json.loads(history.to_json()), indent=1) + "\n")
             print(f"wrote {path} ({len(history.events)} events)")
     finally:
@@ -84,4 +85,6 @@ async def record() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(record())
+    # `record.py -v2` writes completed-v2.json ...: keep older recordings, they guard the
+    # unpatched paths that jobs started before a `workflow.patched()` change still take.
+    asyncio.run(record(sys.argv[1] if len(sys.argv) > 1 else ""))
