@@ -7,23 +7,20 @@ tests/test_e2e_local_stack.py.
 
 from __future__ import annotations
 
-import sys
 import uuid
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 import pytest_asyncio
 from temporalio import activity
-from temporalio.api.enums.v1 import IndexedValueType
-from temporalio.api.operatorservice.v1 import AddSearchAttributesRequest
 from temporalio.client import Client, WorkflowFailureError
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Replayer, Worker
 
+from tests.workflow_fakes import GRAPH, artifact, start_time_skipping
 from workflows.activity_io import (
     FollowInput,
     FollowResult,
@@ -37,7 +34,6 @@ from workflows.activity_io import (
     TeardownResult,
 )
 from workflows.contracts import (
-    Artifact,
     Checkpoint,
     JobRequest,
     JobState,
@@ -51,36 +47,15 @@ from workflows.shared import (
     SA_JOB_POOL,
     SA_JOB_PROGRESS,
     SA_JOB_STATE,
-    SA_TENANT,
     SIGNAL_PROGRESS,
     WORKFLOW_TYPE,
     ErrorType,
 )
 
-GRAPH: dict[str, Any] = {
-    "1": {"class_type": "EmptyImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}},
-    "2": {"class_type": "SaveImage", "inputs": {"images": ["1", 0], "filename_prefix": "t"}},
-}
-SHA = "a" * 64
-
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def time_env() -> AsyncIterator[WorkflowEnvironment]:
-    server = Path(sys.executable).parent / "temporal-test-server"
-    env = await WorkflowEnvironment.start_time_skipping(
-        data_converter=pydantic_data_converter, test_server_existing_path=str(server)
-    )
-    await env.client.operator_service.add_search_attributes(
-        AddSearchAttributesRequest(
-            namespace=env.client.namespace,
-            search_attributes={
-                SA_JOB_STATE: IndexedValueType.INDEXED_VALUE_TYPE_KEYWORD,
-                SA_JOB_PROGRESS: IndexedValueType.INDEXED_VALUE_TYPE_INT,
-                SA_JOB_POOL: IndexedValueType.INDEXED_VALUE_TYPE_KEYWORD,
-                SA_TENANT: IndexedValueType.INDEXED_VALUE_TYPE_KEYWORD,
-            },
-        )
-    )
+    env = await start_time_skipping()
     yield env
     await env.shutdown()
 
@@ -146,19 +121,6 @@ class FakeBackend:
 
     def activities(self) -> list[Any]:
         return [self.prepare, self.submit, self.follow, self.offload, self.teardown]
-
-
-def artifact(job_id: str, segment: int) -> Artifact:
-    key = f"jobs/{job_id}/{segment}/2/t_00001_.png"
-    return Artifact(
-        key=key,
-        uri=f"s3://bucket/{key}",
-        size=10,
-        sha256=SHA,
-        content_type="image/png",
-        node_id="2",
-        segment=segment,
-    )
 
 
 async def run_job(
