@@ -275,3 +275,41 @@ async def test_device_fault_fails_the_job_and_holds_the_pool_until_a_probe_passe
     await sim_post(local_stack, "/free", {"unload_models": True, "free_memory": True})
     final = await asyncio.wait_for(worker.client.wait(waiting.job_id), timeout=60)
     assert final.state == JobState.COMPLETED
+
+
+async def test_cli_list_finds_jobs_by_state(
+    worker: RunningWorker, local_stack: RunningStack
+) -> None:
+    env = cli_env(local_stack, worker.task_queue)
+    done = await worker.client.submit(JobRequest(graph=example()))
+    await worker.client.wait(done.job_id)
+    rows: list[dict[str, Any]] = []
+    # Visibility is eventually consistent: give the search attributes a moment to land.
+    for _ in range(50):
+        code, out, err = await run_cli("list", "--state", "completed", "--json", env=env)
+        assert code == 0, err
+        rows = [json.loads(line) for line in out.splitlines()]
+        if any(row["job_id"] == done.job_id for row in rows):
+            break
+        await asyncio.sleep(0.1)
+    row = next(row for row in rows if row["job_id"] == done.job_id)
+    assert row["state"] == "COMPLETED" and row["pool"] == "comfyui" and row["progress"] == 100
+
+
+async def test_cli_cancel_stops_a_running_job(
+    worker: RunningWorker, local_stack: RunningStack
+) -> None:
+    env = cli_env(local_stack, worker.task_queue)
+    graph = example()
+    graph["3"]["inputs"]["steps"] = 500  # 10 s at 20 ms a step: plenty of time to cancel
+    submitted = await worker.client.submit(JobRequest(graph=graph), detached=True)
+    async for status in worker.client.watch(submitted.job_id, poll_interval_s=0.05):
+        if status.state == JobState.RUNNING:
+            break
+    code, _out, err = await run_cli("cancel", submitted.job_id, "--reason", "not needed", env=env)
+    assert code == 0, err
+    final = await asyncio.wait_for(worker.client.wait(submitted.job_id), timeout=30)
+    assert final.state == JobState.CANCELLED
+    assert final.error is not None and final.error.message == "not needed"
+    assert final.teardown.state == "CONFIRMED"
+    assert final.progress.step < 500
