@@ -61,6 +61,7 @@ async def run_worker(
                 comfy.prepare_prompt,
                 comfy.submit_prompt,
                 comfy.teardown_prompt,
+                comfy.stop_prompt,
                 follow.follow_prompt,
                 offload.offload_outputs,
             ],

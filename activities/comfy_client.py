@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlencode, urlsplit, urlunsplit
 
@@ -42,14 +43,63 @@ class ComfyPromptRejected(ComfyError):
 
 
 def describe_rejection(error: dict[str, Any], node_errors: dict[str, Any]) -> str:
-    parts = [str(error.get("message") or error.get("type") or "prompt rejected")]
-    if error.get("details"):
-        parts.append(str(error["details"]))
+    """ComfyUI's reason in full: node, class, input name *and* ComfyUI's own message.
+
+    `details` is often just the input name ("seed") while the reason is in `message`
+    ("Value -5 smaller than min of 0"): both are kept.
+    """
+    parts = [_join(error.get("message") or error.get("type") or "prompt rejected", error)]
     for node_id, entry in node_errors.items():
+        if not isinstance(entry, dict):
+            continue
+        where = f"node {node_id} ({entry.get('class_type', '?')})"
         for item in entry.get("errors", []):
-            detail = item.get("details") or item.get("message")
-            parts.append(f"node {node_id} ({entry.get('class_type', '?')}): {detail}")
+            if isinstance(item, dict):
+                parts.append(f"{where}: {_describe_item(item)}")
     return "; ".join(parts)
+
+
+def _describe_item(item: dict[str, Any]) -> str:
+    extra = item.get("extra_info")
+    if not isinstance(extra, dict):
+        extra = {}
+    input_name = extra.get("input_name")
+    message = str(item.get("message") or item.get("type") or "invalid")
+    text = f"input {input_name!r}: {message}" if input_name else message
+    text = _join(text, item, skip={str(input_name)} if input_name else set())
+    if "received_value" in extra and str(extra["received_value"]) not in text:
+        text += f" (got {extra['received_value']!r})"
+    return text
+
+
+def _join(text: object, error: dict[str, Any], skip: set[str] | None = None) -> str:
+    """`text`, plus `details` when they add something to it."""
+    out = str(text)
+    details = error.get("details")
+    if details and str(details) not in (skip or set()) and str(details) not in out:
+        out += f" ({details})"
+    return out
+
+
+@dataclass(frozen=True)
+class QueuePlace:
+    """`where` is 'running', 'pending' or None; `position` 1 means next to run."""
+
+    where: str | None
+    position: int | None = None
+    running: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, prompt_id: str, queue: dict[str, list[list[Any]]]) -> QueuePlace:
+        running = tuple(str(item[1]) for item in queue.get("queue_running", []))
+        if prompt_id in running:
+            return cls("running", None, running)
+        # ComfyUI runs pending prompts in `number` order; /queue does not promise that order.
+        pending = sorted(queue.get("queue_pending", []), key=lambda item: item[0])
+        for index, item in enumerate(pending):
+            if item[1] == prompt_id:
+                return cls("pending", index + 1, running)
+        return cls(None, None, running)
 
 
 class ComfyClient:
@@ -100,7 +150,10 @@ class ComfyClient:
             data = response.json()
             raise ComfyPromptRejected(data.get("error", {}), data.get("node_errors", {}))
         if response.status_code != 200:
-            raise ComfyHTTPError(f"POST /prompt: HTTP {response.status_code}", 0)
+            raise ComfyHTTPError(
+                f"POST /prompt: HTTP {response.status_code}: {response.text[:300]}",
+                response.status_code,
+            )
         result: dict[str, Any] = response.json()
         return result
 
@@ -110,12 +163,11 @@ class ComfyClient:
 
     async def queue_position(self, prompt_id: str) -> str | None:
         """'running', 'pending' or None when the prompt is not in the queue."""
-        queue = await self.queue()
-        if any(item[1] == prompt_id for item in queue.get("queue_running", [])):
-            return "running"
-        if any(item[1] == prompt_id for item in queue.get("queue_pending", [])):
-            return "pending"
-        return None
+        return (await self.queue_place(prompt_id)).where
+
+    async def queue_place(self, prompt_id: str) -> QueuePlace:
+        """Where the prompt is in the queue; pending prompts also get their place in line."""
+        return QueuePlace.of(prompt_id, await self.queue())
 
     async def history(self, prompt_id: str) -> dict[str, Any] | None:
         """The history entry, or None: `{}` means queued, running, never submitted or lost."""

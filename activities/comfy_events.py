@@ -7,7 +7,7 @@ dropped by `for_prompt`.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
@@ -75,3 +75,35 @@ def is_fatal_device_error(data: dict[str, Any]) -> bool:
     """CUDA faults that do not recover: the backend must be replaced, not retried."""
     text = str(data.get("exception_message", "")).lower()
     return "illegal memory access" in text or "device-side assert" in text
+
+
+class Ending(BaseModel):
+    """How a prompt ended, from its history entry's own messages."""
+
+    outcome: Literal["success", "interrupted", "error", "unknown"]
+    node: str | None = None
+    node_type: str | None = None
+    message: str = ""
+
+
+def ending_of(entry: dict[str, Any] | None) -> Ending:
+    """Read `status.messages` of a history entry; `unknown` when there is none."""
+    if not isinstance(entry, dict):
+        return Ending(outcome="unknown")
+    status = entry.get("status")
+    if not isinstance(status, dict):
+        status = {}
+    for item in status.get("messages") or []:
+        if not (isinstance(item, list) and len(item) == 2 and isinstance(item[1], dict)):
+            continue
+        event, data = item
+        node = None if data.get("node_id") is None else str(data.get("node_id"))
+        node_type = None if data.get("node_type") is None else str(data.get("node_type"))
+        if event == "execution_interrupted":
+            return Ending(outcome="interrupted", node=node, node_type=node_type)
+        if event == "execution_error":
+            message = f"{data.get('exception_type')}: {data.get('exception_message')}"
+            return Ending(outcome="error", node=node, node_type=node_type, message=message)
+    if status.get("status_str") == "error":
+        return Ending(outcome="error")
+    return Ending(outcome="success")

@@ -9,12 +9,14 @@ import base64
 import binascii
 import re
 from datetime import UTC, datetime
+from typing import Any, Literal
 
 import httpx
 import structlog
 from temporalio import activity
 
 from activities.comfy_client import ComfyClient, ComfyError
+from activities.comfy_events import ending_of
 from activities.comfyui_graph import available_input_files, output_nodes, registry_problems
 from activities.errors import fatal, from_comfy, from_storage, retryable
 from activities.pool_health import PoolHealth
@@ -23,6 +25,8 @@ from activities.storage import ArtifactStore, ObjectMissing, StorageError
 from workflows.activity_io import (
     PreparedJob,
     PrepareInput,
+    StopCheck,
+    StopInput,
     SubmitInput,
     SubmitResult,
     TeardownInput,
@@ -194,42 +198,95 @@ class ComfyActivities:
             return True
         return await client.history(prompt_id) is not None
 
+    @activity.defn(name="stop_prompt")
+    async def stop_prompt(self, req: StopInput) -> StopCheck:
+        """One check of a stop: dequeue if queued, interrupt if running, say how it ended.
+
+        The workflow repeats it on a durable backoff until the prompt is gone or the teardown
+        horizon passes: interrupts are cooperative, and a node without a progress hook runs
+        to its end first. Re-sending a prompt-scoped interrupt is harmless (it only ever
+        touches this prompt).
+        """
+        client = self._pools.client(req.pool)
+        bound = log.bind(job_id=req.job_id, prompt_id=req.prompt_id)
+        try:
+            return await stop_step(client, req, self._pools.health, bound)
+        except ComfyError as exc:
+            raise from_comfy(exc, "stopping the prompt") from exc
+
     @activity.defn(name="teardown_prompt")
     async def teardown_prompt(self, req: TeardownInput) -> TeardownResult:
-        """Make sure the prompt is no longer queued or running, and say how we know."""
+        """The pre-0.2 teardown, still served for jobs started before `stop_prompt` existed:
+        one check, retried by Temporal until the prompt is gone."""
         now = datetime.now(UTC)
         if req.prompt_id is None:
             return TeardownResult(
                 teardown=Teardown(state="SKIPPED", at=now, detail="nothing was submitted")
             )
         client = self._pools.client(req.pool)
-        bound = log.bind(job_id=req.job_id, prompt_id=req.prompt_id)
+        stop = StopInput(
+            job_id=req.job_id,
+            pool=req.pool,
+            prompt_id=req.prompt_id,
+            reason=req.reason,
+            free_memory=req.free_memory,
+        )
         try:
-            position = await client.queue_position(req.prompt_id)
-            actions: list[str] = []
-            if position == "pending":
-                await client.delete_pending(req.prompt_id)
-                actions.append("dequeued")
-            elif position == "running":
-                await client.interrupt(req.prompt_id)
-                actions.append("interrupted")
-            if req.free_memory:
-                await client.free(unload_models=True, free_memory=True)
-                actions.append("freed memory")
-            remaining = await client.queue_position(req.prompt_id)
+            check = await stop_step(client, stop, self._pools.health, log.bind(job_id=req.job_id))
         except ComfyError as exc:
             raise from_comfy(exc, "tearing down the prompt") from exc
-        if remaining is not None:
-            # Interrupts are cooperative: they land at the next step, so confirm on a retry.
+        if check.position != "gone":
             raise retryable(
                 ErrorType.TEARDOWN_FAILED,
-                f"prompt still {remaining} after {', '.join(actions) or 'no action'}",
+                f"prompt still {check.position} after {check.action}",
                 next_retry_delay=0.5,
             )
-        detail = f"{req.reason}: " + (", ".join(actions) or "prompt already finished")
-        detail += "; confirmed absent from /queue"
-        bound.info("teardown_confirmed", detail=detail)
+        detail = f"{req.reason}: {check.ended or 'gone'}; confirmed absent from /queue"
         return TeardownResult(teardown=Teardown(state="CONFIRMED", at=now, detail=detail))
+
+
+async def stop_step(
+    client: ComfyClient, req: StopInput, health: PoolHealth, bound: Any
+) -> StopCheck:
+    place = await client.queue_place(req.prompt_id)
+    action: Literal["none", "dequeued", "interrupt_sent"] = "none"
+    if place.where == "pending":
+        await client.delete_pending(req.prompt_id)
+        action = "dequeued"
+    elif place.where == "running":
+        await client.interrupt(req.prompt_id)
+        action = "interrupt_sent"
+    freed = False
+    if req.free_memory:
+        await client.free(unload_models=True, free_memory=True)
+        freed = True
+    if action != "none":
+        # A dequeue is immediate; an interrupt lands at the next node or step, often at once.
+        place = await client.queue_place(req.prompt_id)
+    now = datetime.now(UTC)
+    if place.where is not None:
+        if req.final:
+            health.mark_busy(req.pool, req.prompt_id, req.job_id)
+        bound.info("stop_pending", position=place.where, action=action)
+        return StopCheck(at=now, position=place.where, action=action, freed_memory=freed)
+    ending = ending_of(await client.history(req.prompt_id))
+    if ending.outcome == "unknown" and await client.job_state(req.prompt_id) in (
+        "pending",
+        "in_progress",
+    ):
+        # /queue and /api/jobs disagree for a moment around a prompt's start: ask again later.
+        return StopCheck(at=now, position="running", action=action, freed_memory=freed)
+    bound.info("stop_confirmed", action=action, ended=ending.outcome, node=ending.node)
+    return StopCheck(
+        at=now,
+        position="gone",
+        action=action,
+        ended=ending.outcome,
+        node=ending.node,
+        node_type=ending.node_type,
+        message=ending.message,
+        freed_memory=freed,
+    )
 
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")

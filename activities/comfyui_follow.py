@@ -1,10 +1,12 @@
 """Following a running ComfyUI prompt, and offloading its outputs to S3 as they appear.
 
-`follow_prompt` is the one long-running activity of a job: it listens on the prompt's WebSocket,
+`follow_prompt` is the one long-running activity of a job: it opens the prompt's WebSocket,
+submits the prompt when asked to (socket first, so not even the first node's events are missed),
 heartbeats a `Checkpoint` on every event, uploads each output as its node finishes, and tells the
 workflow about progress with throttled signals. A retried attempt reads the last checkpoint and
-re-attaches to the same prompt by ID; it never submits anything. `offload_outputs` reconciles
-against `/history` (the source of truth) once the prompt has finished.
+re-attaches to the same prompt by ID; it submits only when asked to and the backend has never
+heard of the prompt. `offload_outputs` (comfyui_offload.py) reconciles against `/history` (the
+source of truth) once the prompt has finished.
 """
 
 from __future__ import annotations
@@ -105,6 +107,10 @@ class PromptFollower:
         )
         self.resubscribe_after_s = RESUBSCRIBE_AFTER_POLLS * self.poll_s
         self.current_node: str | None = None
+        # "queued" while the prompt waits behind others on the backend, then "running".
+        self.stage: Stage | None = None
+        self.queue_position: int | None = None
+        self.last_routed = time.monotonic()
         self.succeeded = False
         self.uploads: set[asyncio.Task[Artifact]] = set()
         self.log = log.bind(job_id=req.job_id, prompt_id=req.prompt_id, segment=req.segment)
@@ -151,17 +157,68 @@ class PromptFollower:
         async with websockets.connect(
             self.client.ws_url(self.req.client_id), max_size=None, open_timeout=10
         ) as ws:
+            if self.req.graph is not None and self.checkpoint.submitted_at is None:
+                await self._submit(self.req.graph)
+            self.last_routed = time.monotonic()
             await self._reconcile()
-            last_routed = time.monotonic()
             while not self.succeeded:
                 if await self._next_event(ws):
-                    last_routed = time.monotonic()
-                elif time.monotonic() - last_routed > self.resubscribe_after_s:
+                    self.last_routed = time.monotonic()
+                elif (
+                    self.stage == "running"
+                    and time.monotonic() - self.last_routed > self.resubscribe_after_s
+                ):
+                    # Only a running prompt owes us events: one waiting in the queue is quiet.
                     self.log.info("socket_silent_reopening")
                     return
                 self._fail_if_upload_failed()
                 if activity.is_worker_shutdown():
                     raise retryable(ErrorType.CONNECTION_LOST, "worker shutting down")
+
+    async def _submit(self, graph: dict[str, Any]) -> None:
+        """POST /prompt with our prompt_id, unless the backend already has it.
+
+        The prompt_id is ours, so an attempt after a lost answer asks `/queue`, `/history` and
+        `/api/jobs` first instead of queueing (and paying for) the same work twice.
+        """
+        pool = self.req.pool
+        unhealthy = await self.health.probe(pool, self.client)
+        if unhealthy is not None:
+            raise retryable(
+                ErrorType.BACKEND_UNAVAILABLE, f"pool {pool!r} is unhealthy: {unhealthy}"
+            )
+        busy = await self.health.busy(pool, self.client)
+        if busy is not None:
+            raise retryable(ErrorType.BACKEND_UNAVAILABLE, f"pool {pool!r} is busy: {busy}")
+        if await self._known():
+            self.log.info("submit_already_known")
+        else:
+            answer = await self.client.post_prompt(
+                graph, prompt_id=self.req.prompt_id, client_id=self.req.client_id
+            )
+            dropped = answer.get("node_errors") or {}
+            if dropped:
+                # ComfyUI runs the valid outputs and drops the others: say which.
+                self.log.warning("outputs_dropped_by_comfyui", node_errors=dropped)
+            self.log.info("submitted", number=answer.get("number"), dropped_outputs=len(dropped))
+        self.checkpoint = self.checkpoint.model_copy(update={"submitted_at": datetime.now(UTC)})
+        self._heartbeat()
+
+    async def _known(self) -> bool:
+        prompt_id = self.req.prompt_id
+        if await self.client.queue_position(prompt_id) is not None:
+            return True
+        if await self.client.history(prompt_id) is not None:
+            return True
+        return await self.client.job_state(prompt_id) is not None
+
+    async def _set_stage(self, stage: Stage, position: int | None = None) -> None:
+        if stage == self.stage and position == self.queue_position:
+            return
+        if stage != self.stage:
+            self.last_routed = time.monotonic()  # silence counts from the prompt's start
+        self.stage, self.queue_position = stage, position
+        await self._signal(stage, force=True)
 
     async def _next_event(self, ws: websockets.ClientConnection) -> bool:
         """Handle the next frame; True only for an event routed to our client_id."""
@@ -193,6 +250,9 @@ class PromptFollower:
 
     async def _handle(self, event: ComfyEvent) -> None:
         kind, data = event.type, event.data
+        if kind in ("execution_start", "execution_cached", "executing", "progress"):
+            if not (kind == "executing" and event.node is None):
+                await self._set_stage("running")
         if kind == "executing":
             if event.node is None and event.prompt_id == self.req.prompt_id:
                 self.succeeded = True
@@ -202,8 +262,10 @@ class PromptFollower:
             self.current_node = event.node
             await self._signal("running")
         elif kind == "execution_cached":
+            # Nodes served from ComfyUI's cache are done before anything runs.
             for node in data.get("nodes", []):
                 self.tracker.on_node_done(str(node))
+            await self._signal("running")
         elif kind == "progress":
             if self.tracker.on_progress(event.node, int(data.get("value", 0))):
                 await self._signal("running")
@@ -225,7 +287,13 @@ class PromptFollower:
         history alone can mean queued, running, never submitted, or lost.
         """
         for look in range(2):
-            if await self.client.queue_position(self.req.prompt_id) is not None:
+            place = await self.client.queue_place(self.req.prompt_id)
+            if place.where == "pending":
+                await self._set_stage("queued", place.position)
+                return
+            if place.where == "running":
+                if self.stage != "running":
+                    await self._set_stage("running")
                 return
             entry = await self.client.history(self.req.prompt_id)
             if entry is not None:
@@ -296,6 +364,7 @@ class PromptFollower:
         report = ProgressReport(
             attempt_client_id=self.req.client_id,
             stage=stage,
+            queue_position=self.queue_position if stage == "queued" else None,
             step=self.tracker.step,
             total_steps=self.tracker.total,
             nodes_done=len(self.tracker.nodes_done),

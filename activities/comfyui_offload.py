@@ -19,7 +19,7 @@ from temporalio.exceptions import ApplicationError
 from activities.comfy_client import ComfyClient, ComfyError
 from activities.comfy_events import output_files
 from activities.comfyui import ComfyPools
-from activities.errors import fatal, from_comfy, from_storage, history_failure, retryable
+from activities.errors import from_comfy, from_storage, history_failure, retryable
 from activities.keys import artifact_key, content_type_for
 from activities.storage import ArtifactStore, StorageError
 from workflows.activity_io import OffloadInput, OffloadResult
@@ -68,11 +68,20 @@ class OutputUploader:
         return key not in self.artifacts and key not in self._in_flight
 
     async def upload(self, node_id: str, item: Mapping[str, str]) -> Artifact:
+        """Store one output file that this prompt's own record (event or history) names.
+
+        Whatever named the file (a literal prefix rewritten to the run tag, a linked
+        `PrimitiveString`, a custom node's own input) the record is the prompt's, so the file
+        is its output. One outside the run's folder was served from ComfyUI's cache: an
+        earlier identical run's file, which is this graph's result all the same.
+        """
         if not _from_this_run(item, self._run_tag):
-            raise fatal(
-                ErrorType.OUTPUT_MISSING,
-                f"output {item.get('filename')!r} of node {node_id} is not from this run "
-                f"(expected subfolder under {self._run_tag!r}): ComfyUI served a cached result",
+            log.info(
+                "output_outside_run_folder",
+                job_id=self._job_id,
+                node_id=node_id,
+                filename=item.get("filename"),
+                subfolder=item.get("subfolder", ""),
             )
         key = self.key_for(node_id, item)
         self._in_flight.add(key)

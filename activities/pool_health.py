@@ -1,8 +1,12 @@
-"""Which pools this worker must not send work to, and the probe that clears them.
+"""Which pools this worker must not send work to, and the checks that clear them.
 
 An unrecoverable device fault (illegal memory access, device-side assert) leaves a ComfyUI
 process that answers HTTP but cannot run anything. Such a pool is marked unhealthy; submissions
 to it first run a tiny model-free probe prompt and wait until one succeeds.
+
+A prompt that outlived its job's teardown horizon still holds the pool's GPU: the pool is marked
+busy until `/queue` no longer holds that prompt, so new work does not queue behind it unseen.
+Both marks live in this worker process.
 """
 
 from __future__ import annotations
@@ -30,6 +34,32 @@ PROBE_DEADLINE_S = 15.0
 class PoolHealth:
     def __init__(self) -> None:
         self._unhealthy: dict[str, str] = {}
+        self._busy: dict[str, dict[str, str]] = {}  # pool -> {prompt_id: job_id}
+
+    def mark_busy(self, pool: str, prompt_id: str, job_id: str) -> None:
+        log.warning("pool_busy", pool=pool, prompt_id=prompt_id, job_id=job_id)
+        self._busy.setdefault(pool, {})[prompt_id] = job_id
+
+    async def busy(self, pool: str, client: ComfyClient) -> str | None:
+        """None when no stuck prompt holds the pool any more; otherwise which one does."""
+        stuck = self._busy.get(pool)
+        if not stuck:
+            return None
+        queue = await client.queue()
+        held = {
+            str(item[1])
+            for key in ("queue_running", "queue_pending")
+            for item in queue.get(key, [])
+        }
+        for prompt_id in [p for p in stuck if p not in held]:
+            log.info("pool_no_longer_busy", pool=pool, prompt_id=prompt_id)
+            del stuck[prompt_id]
+        if not stuck:
+            return None
+        prompt_id, job_id = next(iter(stuck.items()))
+        return (
+            f"prompt {prompt_id} of job {job_id} is still running on it after its teardown horizon"
+        )
 
     def mark_unhealthy(self, pool: str, reason: str) -> None:
         log.warning("pool_unhealthy", pool=pool, reason=reason)

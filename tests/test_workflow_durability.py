@@ -446,3 +446,66 @@ async def test_stop_interrupts_the_prompt_before_the_follow_activity_settles(
 async def _first_teardown(backend: FakeBackend) -> None:
     while not backend.teardowns:  # noqa: ASYNC110
         await asyncio.sleep(0.02)
+
+
+# -- a stop is confirmed, not requested ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("via", ["signal", "temporal"])
+async def test_stop_keeps_confirming_until_the_prompt_is_gone(
+    clean_env: WorkflowEnvironment, via: str
+) -> None:
+    # A node that ignores the interrupt for four checks: the job ends only once it is gone.
+    backend = FakeBackend(Script(block_in="follow_prompt", stop_running_checks=4))
+    async with job_worker(clean_env.client, backend) as tq:
+        handle = await start_job(clean_env.client, tq, request())
+        await eventually(lambda: _is_set(backend.blocked))
+        if via == "signal":
+            await handle.signal(SIGNAL_CANCEL, CancelRequest(reason="stop it"))
+        else:
+            await handle.cancel()
+        status, _ = await outcome(handle)
+        started = await timers(handle)
+    assert status.state == JobState.CANCELLED
+    assert status.teardown.state == "CONFIRMED", status.teardown
+    assert len(backend.teardowns) == 5 + 1, "four 'still running', one 'gone', one settled pass"
+    assert status.teardown.checks == 6
+    assert [s.action for s in status.teardown.steps] == ["interrupt_sent", "interrupted"]
+    assert status.teardown.steps[-1].node == "1"
+    assert status.teardown.detail.startswith("after cancel: interrupt sent, interrupted at node 1")
+    checks = [seconds for summary, seconds in started if summary.startswith("stop check")]
+    assert len(checks) == 4, started
+    assert all(0 < seconds <= 15 for seconds in checks), checks
+    assert "offload_outputs:partial" in backend.calls
+
+
+async def test_stop_past_the_teardown_horizon_fails_the_teardown_naming_the_prompt(
+    clean_env: WorkflowEnvironment,
+) -> None:
+    backend = FakeBackend(Script(block_in="follow_prompt", stop_running_checks=-1))
+    async with job_worker(clean_env.client, backend) as tq:
+        handle = await start_job(clean_env.client, tq, request(teardown_horizon_s=120))
+        await eventually(lambda: _is_set(backend.blocked))
+        await handle.signal(SIGNAL_CANCEL, CancelRequest(reason="stop it"))
+
+        async def stopping() -> bool:
+            current = await handle.query(QUERY_STATUS, result_type=JobStatus)
+            return current.state == JobState.STOPPING and current.teardown.state == "STOPPING"
+
+        await eventually(stopping)
+        status, _ = await outcome(handle)
+    prompt_id = backend.submitted[0].prompt_id
+    assert status.state == JobState.CANCELLED
+    assert status.teardown.state == "FAILED", status.teardown
+    assert prompt_id in status.teardown.detail and "'comfyui'" in status.teardown.detail
+    assert status.teardown.steps[-1].action == "still_running"
+    assert status.teardown.started_at is not None and status.teardown.at is not None
+    spent = (status.teardown.at - status.teardown.started_at).total_seconds()
+    assert 120 <= spent < 150, spent
+    # The worker is told on the last check, so it can keep new work off the pool.
+    finals = [t for t in backend.teardowns if getattr(t, "final", False)]
+    assert finals and all(t.prompt_id == prompt_id for t in finals)
+
+
+async def _is_set(event: asyncio.Event) -> bool:
+    return event.is_set()

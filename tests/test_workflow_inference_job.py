@@ -13,41 +13,20 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
-from temporalio import activity
 from temporalio.client import Client, WorkflowFailureError
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Replayer, Worker
 
-from tests.workflow_fakes import GRAPH, artifact, start_time_skipping
-from workflows.activity_io import (
-    FollowInput,
-    FollowResult,
-    OffloadInput,
-    OffloadResult,
-    PreparedJob,
-    PrepareInput,
-    SubmitInput,
-    SubmitResult,
-    TeardownInput,
-    TeardownResult,
-)
-from workflows.contracts import (
-    Checkpoint,
-    JobRequest,
-    JobState,
-    JobStatus,
-    ProgressReport,
-    Teardown,
-)
+from tests.workflow_fakes import GRAPH, FakeBackend, Script, start_time_skipping
+from workflows.contracts import JobRequest, JobState, JobStatus
 from workflows.inference_job import InferenceJob
 from workflows.shared import (
     QUERY_STATUS,
     SA_JOB_POOL,
     SA_JOB_PROGRESS,
     SA_JOB_STATE,
-    SIGNAL_PROGRESS,
     WORKFLOW_TYPE,
     ErrorType,
 )
@@ -58,69 +37,6 @@ async def time_env() -> AsyncIterator[WorkflowEnvironment]:
     env = await start_time_skipping()
     yield env
     await env.shutdown()
-
-
-class FakeBackend:
-    """Stand-in activities that record what the workflow asked of them."""
-
-    def __init__(self, *, fail_in: str | None = None, error_type: str = "") -> None:
-        self.fail_in = fail_in
-        self.error_type = error_type
-        self.calls: list[str] = []
-        self.teardowns: list[TeardownInput] = []
-        self.submitted: list[SubmitInput] = []
-
-    def _maybe_fail(self, name: str) -> None:
-        self.calls.append(name)
-        if self.fail_in == name:
-            raise ApplicationError(f"{name} failed", type=self.error_type, non_retryable=True)
-
-    @activity.defn(name="prepare_prompt")
-    async def prepare(self, req: PrepareInput) -> PreparedJob:
-        self._maybe_fail("prepare_prompt")
-        return PreparedJob(
-            pool=req.pool or "comfyui",
-            kind="comfyui",
-            graph=req.graph,
-            sampler_steps={},
-            nodes_total=len(req.graph),
-            output_nodes=["2"],
-        )
-
-    @activity.defn(name="submit_prompt")
-    async def submit(self, req: SubmitInput) -> SubmitResult:
-        self._maybe_fail("submit_prompt")
-        self.submitted.append(req)
-        return SubmitResult(prompt_id=req.prompt_id, outcome="submitted", number=1)
-
-    @activity.defn(name="follow_prompt")
-    async def follow(self, req: FollowInput) -> FollowResult:
-        self._maybe_fail("follow_prompt")
-        handle = activity.client().get_workflow_handle(req.job_id)
-        stale = ProgressReport(attempt_client_id="someone-else", step=99, total_steps=2)
-        await handle.signal(SIGNAL_PROGRESS, stale)
-        report = ProgressReport(attempt_client_id=req.client_id, step=1, total_steps=2)
-        await handle.signal(SIGNAL_PROGRESS, report)
-        return FollowResult(
-            prompt_id=req.prompt_id,
-            outcome="success",
-            artifacts=[artifact(req.job_id, req.segment)],
-            checkpoint=Checkpoint(job_id=req.job_id, prompt_id=req.prompt_id, step=2),
-        )
-
-    @activity.defn(name="offload_outputs")
-    async def offload(self, req: OffloadInput) -> OffloadResult:
-        self._maybe_fail("offload_outputs")
-        return OffloadResult(artifacts=list(req.stored))
-
-    @activity.defn(name="teardown_prompt")
-    async def teardown(self, req: TeardownInput) -> TeardownResult:
-        self.calls.append("teardown_prompt")
-        self.teardowns.append(req)
-        return TeardownResult(teardown=Teardown(state="CONFIRMED", detail=req.reason))
-
-    def activities(self) -> list[Any]:
-        return [self.prepare, self.submit, self.follow, self.offload, self.teardown]
 
 
 async def run_job(
@@ -157,9 +73,10 @@ async def test_happy_path_completes_with_artifacts_and_confirmed_teardown(
         "submit_prompt",
         "follow_prompt",
         "offload_outputs",
-        "teardown_prompt",
+        "stop_prompt",
     ]
-    # The stale attempt's report (step 99) was ignored; the current one counted.
+    # Mid-run, the stale attempt's report (step 99) was ignored and the current one counted.
+    assert backend.step_after_reports == 1
     assert status.progress.step == status.progress.total_steps
     assert status.progress.fraction == 1.0
     submitted = backend.submitted[0]
@@ -194,16 +111,19 @@ async def test_failure_ends_failed_with_typed_error_after_teardown(
     teardown_state: str,
     torn_down: bool,
 ) -> None:
-    backend = FakeBackend(fail_in=fail_in, error_type=error_type)
+    backend = FakeBackend(Script(fatal_in={fail_in: error_type}))
     _job_id, status, error = await run_job(time_env.client, backend, JobRequest(graph=GRAPH))
     assert isinstance(error, WorkflowFailureError)
     assert isinstance(error.cause, ApplicationError) and error.cause.type == error_type
     assert status.state == JobState.FAILED
     assert status.error is not None and status.error.type == error_type
     assert status.teardown.state == teardown_state
-    assert ("teardown_prompt" in backend.calls) is torn_down
+    assert ("stop_prompt" in backend.calls) is torn_down
     if torn_down:
         assert backend.teardowns[0].prompt_id is not None
+        # What teardown saw is recorded, never "already finished" for a prompt never queued.
+        expected = "never_queued" if fail_in == "submit_prompt" else "interrupted"
+        assert [step.action for step in status.teardown.steps] == [expected]
 
 
 async def test_invalid_payload_fails_the_workflow_instead_of_retrying(

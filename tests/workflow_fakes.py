@@ -12,7 +12,7 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -32,18 +32,29 @@ from workflows.activity_io import (
     OffloadResult,
     PreparedJob,
     PrepareInput,
+    StopCheck,
+    StopInput,
     SubmitInput,
     SubmitResult,
     TeardownInput,
     TeardownResult,
 )
-from workflows.contracts import Artifact, Checkpoint, JobRequest, JobStatus, Teardown
+from workflows.contracts import (
+    Artifact,
+    Checkpoint,
+    JobRequest,
+    JobStatus,
+    ProgressReport,
+    Teardown,
+)
 from workflows.inference_job import InferenceJob
 from workflows.shared import (
+    QUERY_STATUS,
     SA_JOB_POOL,
     SA_JOB_PROGRESS,
     SA_JOB_STATE,
     SA_TENANT,
+    SIGNAL_PROGRESS,
     WORKFLOW_TYPE,
     ErrorType,
 )
@@ -99,6 +110,8 @@ class Script:
     fatal_in: dict[str, str] = field(default_factory=dict)  # activity name -> error type
     follow_step: int = 3  # the step the first failed follow attempt reports having reached
     advance: bool = True  # whether each later attempt reports one step more (progress)
+    # Stop checks that still find the prompt running before it is gone (-1: never gone).
+    stop_running_checks: int = 0
 
 
 class FakeBackend:
@@ -108,7 +121,10 @@ class FakeBackend:
         self.submitted: list[SubmitInput] = []
         self.followed: list[FollowInput] = []
         self.offloaded: list[OffloadInput] = []
-        self.teardowns: list[TeardownInput] = []
+        self.teardowns: list[TeardownInput | StopInput] = []
+        self.known: set[str] = set()  # prompt ids the fake backend holds
+        self.step_after_reports: int | None = None
+        self.finished: set[str] = set()  # prompt ids that ran to their end
         self.blocked = asyncio.Event()
         self.interrupted = asyncio.Event()
 
@@ -150,6 +166,35 @@ class FakeBackend:
     @activity.defn(name="follow_prompt")
     async def follow(self, req: FollowInput) -> FollowResult:
         self.followed.append(req)
+        if req.graph is not None:
+            # The follow activity submits first (socket open), unless the backend knows it.
+            await self._enter("submit_prompt")
+            if req.prompt_id not in self.known:
+                self.known.add(req.prompt_id)
+                self.submitted.append(
+                    SubmitInput(
+                        job_id=req.job_id,
+                        pool=req.pool,
+                        prompt_id=req.prompt_id,
+                        client_id=req.client_id,
+                        segment=req.segment,
+                        graph=req.graph,
+                    )
+                )
+            # As the real follower does: the workflow hears that the backend has the prompt.
+            report = ProgressReport(
+                attempt_client_id=req.client_id,
+                stage="running",
+                checkpoint=Checkpoint(
+                    job_id=req.job_id,
+                    segment=req.segment,
+                    prompt_id=req.prompt_id,
+                    client_id=req.client_id,
+                    submitted_at=datetime.now(UTC),
+                ),
+            )
+            handle = activity.client().get_workflow_handle(req.job_id)
+            await handle.signal(SIGNAL_PROGRESS, report)
         await self._enter("follow_prompt")
         if self.script.follow_failures:
             failure = self.script.follow_failures.pop(0)
@@ -159,7 +204,10 @@ class FakeBackend:
                 prompt_id=req.prompt_id,
                 client_id=req.client_id,
                 step=self.script.follow_step + (len(self.followed) if self.script.advance else 0),
+                submitted_at=datetime.now(UTC),
             )
+            if failure == ErrorType.PROMPT_LOST:
+                self.known.discard(req.prompt_id)
             if failure == HEARTBEAT_TIMEOUT:
                 # A worker that dies mid-follow: its last heartbeat is all that is left.
                 activity.heartbeat(checkpoint.model_dump(mode="json"), [])
@@ -171,6 +219,15 @@ class FakeBackend:
                 type=failure,
                 non_retryable=failure in (ErrorType.PROMPT_LOST, ErrorType.OUT_OF_MEMORY),
             )
+        # A report from another (stale) socket must not count; the current one must.
+        handle = activity.client().get_workflow_handle(req.job_id)
+        stale = ProgressReport(attempt_client_id="someone-else", step=99, total_steps=10)
+        await handle.signal(SIGNAL_PROGRESS, stale)
+        current = ProgressReport(attempt_client_id=req.client_id, step=1, total_steps=10)
+        await handle.signal(SIGNAL_PROGRESS, current)
+        status = await handle.query(QUERY_STATUS, result_type=JobStatus)
+        self.step_after_reports = status.progress.step
+        self.finished.add(req.prompt_id)
         return FollowResult(
             prompt_id=req.prompt_id,
             outcome="success",
@@ -191,8 +248,23 @@ class FakeBackend:
         await self._enter("teardown_prompt")
         return TeardownResult(teardown=Teardown(state="CONFIRMED", detail=req.reason))
 
+    @activity.defn(name="stop_prompt")
+    async def stop(self, req: StopInput) -> StopCheck:
+        self.teardowns.append(req)
+        self.interrupted.set()
+        await self._enter("stop_prompt")
+        now = datetime.now(UTC)
+        checks = self.script.stop_running_checks
+        if checks < 0 or len(self.teardowns) <= checks:
+            return StopCheck(at=now, position="running", action="interrupt_sent")
+        if req.prompt_id not in self.known:
+            return StopCheck(at=now, position="gone", ended="unknown")
+        if req.prompt_id in self.finished:
+            return StopCheck(at=now, position="gone", ended="success")
+        return StopCheck(at=now, position="gone", ended="interrupted", node="1", node_type="X")
+
     def activities(self) -> list[Any]:
-        return [self.prepare, self.submit, self.follow, self.offload, self.teardown]
+        return [self.prepare, self.submit, self.follow, self.offload, self.teardown, self.stop]
 
 
 @asynccontextmanager

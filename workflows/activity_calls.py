@@ -15,6 +15,8 @@ with workflow.unsafe.imports_passed_through():
         OffloadResult,
         PreparedJob,
         PrepareInput,
+        StopCheck,
+        StopInput,
         SubmitInput,
         SubmitResult,
         TeardownInput,
@@ -99,5 +101,18 @@ async def teardown(req: TeardownInput) -> TeardownResult:
         start_to_close_timeout=timedelta(seconds=30),
         retry_policy=QUICK_RETRY,
         summary=f"teardown ({req.reason})",
+    )
+    return result
+
+
+async def stop(req: StopInput) -> StopCheck:
+    # One check per call: the workflow repeats it on durable timers until the prompt is gone.
+    result: StopCheck = await workflow.execute_activity(
+        "stop_prompt",
+        req,
+        result_type=StopCheck,
+        start_to_close_timeout=timedelta(seconds=30),
+        retry_policy=ONE_ATTEMPT,
+        summary=f"stop prompt ({req.reason})" + (" (last check)" if req.final else ""),
     )
     return result

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -64,6 +65,9 @@ class FollowInput(_Model):
     checkpoint: Checkpoint | None = None
     # Artifacts of this segment stored by an earlier attempt: never uploaded twice.
     stored: list[Artifact] = Field(default_factory=list)
+    # Submit this graph first, unless the backend already knows the prompt. The socket opens
+    # before the submission, so no event of the prompt is missed.
+    graph: dict[str, Any] | None = None
 
 
 class FollowResult(_Model):
@@ -99,3 +103,31 @@ class TeardownInput(_Model):
 
 class TeardownResult(_Model):
     teardown: Teardown
+
+
+class StopInput(_Model):
+    """One check of a stop: where is the prompt, and what does it take to stop it now."""
+
+    job_id: str
+    pool: str
+    prompt_id: str
+    reason: str
+    free_memory: bool = False
+    # False when the backend never acknowledged the prompt: "no record" then means never queued.
+    submitted: bool = True
+    # The last check before the teardown horizon: a prompt still there marks the pool busy.
+    final: bool = False
+
+
+class StopCheck(_Model):
+    """What one check saw and did."""
+
+    at: datetime
+    position: Literal["pending", "running", "gone"]
+    action: Literal["none", "dequeued", "interrupt_sent"] = "none"
+    # Once gone: how the backend's own record says the prompt ended ("unknown": no record).
+    ended: Literal["success", "interrupted", "error", "unknown"] | None = None
+    node: str | None = None
+    node_type: str | None = None
+    message: str = ""
+    freed_memory: bool = False

@@ -22,9 +22,14 @@ class JobState(StrEnum):
     QUEUED = "QUEUED"
     PREPARING = "PREPARING"
     SUBMITTING = "SUBMITTING"
+    # Accepted by the backend, waiting behind other prompts (progress.queue_position says where).
+    WAITING = "WAITING"
     RUNNING = "RUNNING"
     RECONNECTING = "RECONNECTING"
     UPLOADING = "UPLOADING"
+    # A stop was decided (cancel, abandonment, deadline, failure): waiting for the backend to
+    # confirm the prompt is gone; `teardown` says what was done and seen so far.
+    STOPPING = "STOPPING"
     NEEDS_DECISION = "NEEDS_DECISION"
     COMPLETED = "COMPLETED"
     FAILED = "FAILED"
@@ -62,6 +67,9 @@ class JobPolicy(_Model):
     abandon_after_s: float | None = Field(default=300.0, gt=0)
     progress_interval_s: float = Field(2.0, gt=0)
     on_ambiguous_submit: Literal["pause", "fail", "resubmit"] = "pause"
+    # How long a stop keeps confirming that the prompt left the backend's queue. ComfyUI
+    # interrupts cooperatively: a node without a progress hook runs to its end first.
+    teardown_horizon_s: float = Field(900.0, gt=0)
     # Continue-as-new at a segment boundary once history passes half of this many events.
     history_budget_events: int = Field(2000, ge=10)
 
@@ -147,6 +155,9 @@ class Checkpoint(_Model):
     node_steps: dict[str, int] = Field(default_factory=dict)
     uploaded: list[str] = Field(default_factory=list)
     last_artifact_ref: str | None = None
+    # When the backend was known to hold the prompt (accepted or found queued): from then on a
+    # prompt it no longer knows is lost, never "not submitted yet".
+    submitted_at: datetime | None = None
     updated_at: datetime | None = None
 
 
@@ -168,6 +179,10 @@ class Progress(_Model):
     total_steps: int = 0
     fraction: float = Field(0.0, ge=0.0, le=1.0)
     unit: Literal["steps", "nodes"] = "steps"
+    # While WAITING: 1 = next to run on the backend.
+    queue_position: int | None = None
+    # The node the backend is running, when known.
+    node: str | None = None
 
 
 class JobError(_Model):
@@ -183,10 +198,38 @@ class BackendInfo(_Model):
     worker_id: str | None = None
 
 
+StopAction = Literal[
+    "never_queued",  # the backend never accepted the prompt
+    "dequeued",  # removed from the backend's queue before it started
+    "interrupt_sent",  # running: asked to stop (cooperative: lands at the next node/step)
+    "interrupted",  # ended by the interrupt (at `node`)
+    "finished",  # ended on its own: it had finished before the stop landed
+    "failed",  # ended with an error of its own
+    "gone",  # no longer queued, and the backend keeps no record of it (restarted?)
+    "freed_memory",  # POST /free, after an out-of-memory failure
+    "still_running",  # still on the backend when the teardown horizon ran out
+    "check_failed",  # the backend could not be asked (the check is repeated)
+]
+
+
+class TeardownStep(_Model):
+    """One thing teardown did or saw, in order."""
+
+    at: datetime
+    action: StopAction
+    node: str | None = None
+    detail: str = ""
+
+
 class Teardown(_Model):
-    state: Literal["PENDING", "CONFIRMED", "FAILED", "SKIPPED"] = "PENDING"
+    """How the job made sure its prompt no longer runs, kept across retries and stops."""
+
+    state: Literal["PENDING", "STOPPING", "CONFIRMED", "FAILED", "SKIPPED"] = "PENDING"
     at: datetime | None = None
     detail: str = ""
+    started_at: datetime | None = None
+    checks: int = 0
+    steps: list[TeardownStep] = Field(default_factory=list)
 
 
 class JobStatus(_Model):
@@ -219,6 +262,8 @@ class ProgressReport(_Model):
 
     attempt_client_id: str
     stage: Literal["queued", "running", "uploading", "finished"] = "running"
+    # With stage "queued": 1 = next to run on the backend.
+    queue_position: int | None = None
     step: int = 0
     total_steps: int = 0
     nodes_done: int = 0

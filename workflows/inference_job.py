@@ -54,11 +54,15 @@ with workflow.unsafe.imports_passed_through():
         WORKFLOW_TYPE,
         ErrorType,
     )
+    from workflows.stopping import PromptStop, stop_reason
 
 
 # Patches: each guards a change in what the workflow does, so running jobs keep replaying.
 PATCH_INTERRUPT_ON_STOP = "interrupt-on-stop"
 PATCH_SHIELDED_FINISH = "shielded-finish"
+# v3: the follow activity submits (socket first), and a stop is confirmed on durable timers
+# until the prompt is gone. Asked once at the start of a run; older runs keep the v2 paths.
+PATCH_CONFIRMED_STOP = "submit-in-follow-confirmed-stop"
 
 
 class JobCarry(BaseModel):
@@ -116,6 +120,9 @@ class InferenceJob:
         self._contacts = 0
         self._resume: ResumeRequest | None = None
         self._book = JobBook(self._status)
+        self._v3 = False
+        self._stopper = PromptStop(self._book, request.policy)
+        self._early_stop: asyncio.Task[None] | None = None
 
     # -- messages ---------------------------------------------------------------------------
 
@@ -127,7 +134,7 @@ class InferenceJob:
     def progress(self, report: ProgressReport) -> None:
         if report.attempt_client_id != self._client_id or self._status.terminal:
             return
-        self._book.apply_progress(report)
+        self._book.apply_progress(report, stage_changes=self._v3 and self._stop is None)
 
     @workflow.signal(name=SIGNAL_CLIENT_SEEN)
     def client_seen(self) -> None:
@@ -153,6 +160,7 @@ class InferenceJob:
     async def run(self, request: JobRequest, carry: JobCarry | None = None) -> JobStatus:
         request = self._request
         carry = JobCarry.model_validate(carry) if carry is not None else None
+        self._v3 = workflow.patched(PATCH_CONFIRMED_STOP)
         self._book.set_state(self._status.state if carry else JobState.QUEUED)
         self._work = asyncio.create_task(self._run_job(request, carry))
         if self._stop is not None:
@@ -235,7 +243,10 @@ class InferenceJob:
             fraction=segment / max(1, len(request.segments)),
             unit="steps" if total else "nodes",
         )
-        checkpoint = await self._submit(prepared, segment, prompt_id, graph, total)
+        if self._v3:
+            checkpoint = self._new_submission(prepared, segment, prompt_id, total)
+        else:
+            checkpoint = await self._submit(prepared, segment, prompt_id, graph, total)
         followed = await self._follow(request, prepared, segment, run_tag, graph, checkpoint)
         self._book.merge_artifacts(followed.artifacts)
         self._status.checkpoint = followed.checkpoint
@@ -262,6 +273,29 @@ class InferenceJob:
         self._status.progress.fraction = (segment + 1) / max(1, len(request.segments))
         self._book.mark_progress()
         self._book.touch()
+
+    def _new_submission(
+        self, prepared: PreparedJob, segment: int, prompt_id: str, total_steps: int
+    ) -> Checkpoint:
+        """A prompt the follow activity will submit; recorded before anything is sent, so a
+        cancel mid-submit still finds it. A fresh client_id drops any late progress report
+        of an earlier submission."""
+        client_id = f"dc-{workflow.uuid4()}"
+        self._client_id = client_id
+        self._prompt_id = prompt_id
+        checkpoint = Checkpoint(
+            job_id=self._status.job_id,
+            segment=segment,
+            prompt_id=prompt_id,
+            client_id=client_id,
+            total_steps=total_steps or prepared.nodes_total,
+            updated_at=workflow.now(),
+        )
+        self._status.checkpoint = checkpoint
+        if self._status.backend is not None:
+            self._status.backend.provider_job_id = prompt_id
+        self._book.mark_progress()
+        return checkpoint
 
     async def _submit(
         self,
@@ -314,7 +348,13 @@ class InferenceJob:
         policy = request.policy
         attempt = 0
         while True:
-            self._book.set_state(JobState.RUNNING)
+            submit = self._v3 and checkpoint.submitted_at is None
+            if not self._v3:
+                self._book.set_state(JobState.RUNNING)
+            elif submit:
+                self._book.set_state(JobState.SUBMITTING)
+            else:
+                self._book.set_state(self._book.backend_state)
             try:
                 result = await calls.follow(
                     FollowInput(
@@ -331,6 +371,7 @@ class InferenceJob:
                         progress_interval_s=policy.progress_interval_s,
                         checkpoint=checkpoint,
                         stored=self._book.artifacts_of(segment),
+                        graph=graph if submit else None,
                     ),
                     policy,
                 )
@@ -346,7 +387,10 @@ class InferenceJob:
                     checkpoint = await self._resubmit_lost(prepared, segment, graph, checkpoint)
                     attempt = 0
                     continue
-                await self._back_off(err, attempt, policy.reconnect.horizon_s)
+                # Not yet on the backend (a pool that is down, unhealthy or busy): still
+                # submitting; otherwise the path to a running prompt broke.
+                waiting = JobState.SUBMITTING if submit else JobState.RECONNECTING
+                await self._back_off(err, attempt, policy.reconnect.horizon_s, waiting)
                 attempt += 1
 
     def _furthest(self, current: Checkpoint, recovered: Checkpoint | None) -> Checkpoint:
@@ -361,12 +405,21 @@ class InferenceJob:
             if c is not None and c.prompt_id == current.prompt_id
         ]
         best = max(candidates, key=lambda c: (c.step, len(c.uploaded)))
+        submitted_at = next((c.submitted_at for c in candidates if c.submitted_at), None)
+        if self._v3 and best.submitted_at is None and submitted_at is not None:
+            best = best.model_copy(update={"submitted_at": submitted_at})
         if best.step > current.step or len(best.uploaded) > len(current.uploaded):
             self._book.mark_progress()
         self._status.checkpoint = best
         return best
 
-    async def _back_off(self, err: BaseException, attempt: int, horizon_s: float) -> None:
+    async def _back_off(
+        self,
+        err: BaseException,
+        attempt: int,
+        horizon_s: float,
+        waiting: JobState = JobState.RECONNECTING,
+    ) -> None:
         policy = self._request.policy.reconnect
         idle = (workflow.now() - self._book.last_progress_at).total_seconds()
         if idle > horizon_s:
@@ -381,7 +434,7 @@ class InferenceJob:
         )
         self._status.reconnects += 1
         self._status.error = job_error(err)
-        self._book.set_state(JobState.RECONNECTING)
+        self._book.set_state(waiting)
         await workflow.sleep(timedelta(seconds=delay), summary=f"reconnect {attempt + 1}")
         self._status.error = None
 
@@ -405,6 +458,8 @@ class InferenceJob:
         self._resubmits += 1
         self._status.progress.step = 0  # the prompt runs again from the start
         prompt_id = checkpoint.prompt_id or str(workflow.uuid4())
+        if self._v3:
+            return self._new_submission(prepared, segment, prompt_id, checkpoint.total_steps)
         return await self._submit(prepared, segment, prompt_id, graph, checkpoint.total_steps)
 
     # -- stopping and compensation ----------------------------------------------------------
@@ -416,6 +471,21 @@ class InferenceJob:
         if self._work is None or self._work.done():
             return
         self._work.cancel()
+        if self._v3:
+            self._book.set_state(JobState.STOPPING)
+            if self._prepared is not None and self._prompt_id is not None:
+                # Stop the GPU now: the follow activity hears of its cancel only on its next
+                # heartbeat. The settled pass in _finish confirms once the work has ended.
+                self._early_stop = asyncio.create_task(
+                    self._stopper.confirm(
+                        self._prepared.pool,
+                        self._prompt_id,
+                        stop_reason(state, error_type == ErrorType.TIMEOUT),
+                        submitted=self._submitted(),
+                        settled=False,
+                    )
+                )
+            return
         if (
             self._prepared is not None
             and self._prompt_id is not None
@@ -473,6 +543,9 @@ class InferenceJob:
             state, error = JobState.FAILED, job_error(outcome)
         self._status.error = error
         pool = self._prepared.pool if self._prepared else None
+        if self._v3:
+            await self._finish_v3(request, state, error, pool)
+            return
         if pool is None or self._prompt_id is None:
             self._status.teardown = Teardown(
                 state="SKIPPED", at=workflow.now(), detail="nothing was submitted"
@@ -485,6 +558,41 @@ class InferenceJob:
             if state != JobState.COMPLETED:
                 await self._keep_finished_outputs(request, pool)
         self._book.set_state(state)
+
+    async def _finish_v3(
+        self, request: JobRequest, state: JobState, error: JobError | None, pool: str | None
+    ) -> None:
+        if pool is None or self._prompt_id is None:
+            self._status.teardown = Teardown(
+                state="SKIPPED", at=workflow.now(), detail="nothing was submitted"
+            )
+            self._book.set_state(state)
+            return
+        if state != JobState.COMPLETED:
+            self._book.set_state(JobState.STOPPING)
+        if self._early_stop is not None:
+            await self._early_stop
+        timed_out = error is not None and error.type == ErrorType.TIMEOUT
+        await self._stopper.confirm(
+            pool,
+            self._prompt_id,
+            stop_reason(state, timed_out),
+            submitted=self._submitted(),
+            settled=True,
+            free_memory=error is not None and error.type == ErrorType.OUT_OF_MEMORY,
+        )
+        if state != JobState.COMPLETED:
+            await self._keep_finished_outputs(request, pool)
+        self._book.set_state(state)
+
+    def _submitted(self) -> bool:
+        """Did the backend acknowledge the current prompt (as far as the workflow heard)?"""
+        checkpoint = self._status.checkpoint
+        return (
+            checkpoint is not None
+            and checkpoint.prompt_id == self._prompt_id
+            and checkpoint.submitted_at is not None
+        )
 
     async def _teardown(
         self, pool: str, prompt_id: str, state: JobState, free_memory: bool

@@ -26,8 +26,10 @@ class JobBook:
         # counts from here.
         self.last_progress_at = workflow.now()
         self._last_coarse_progress = -1
+        # Where the backend last said the prompt is: waiting in its queue, or running.
+        self.backend_state = JobState.RUNNING
 
-    def apply_progress(self, report: ProgressReport) -> None:
+    def apply_progress(self, report: ProgressReport, *, stage_changes: bool = False) -> None:
         progress = self.status.progress
         if report.step > progress.step or report.artifact is not None:
             self.mark_progress()
@@ -44,7 +46,23 @@ class JobBook:
         if self.status.backend is not None and report.worker_id:
             self.status.backend.worker_id = report.worker_id
         self.touch()
+        if stage_changes:
+            self._apply_stage(report)
         self._upsert_progress()
+
+    def _apply_stage(self, report: ProgressReport) -> None:
+        """A prompt waiting behind others is WAITING (with its place in line), not RUNNING."""
+        progress = self.status.progress
+        if report.stage == "queued":
+            self.backend_state = JobState.WAITING
+            progress.queue_position = report.queue_position
+        else:
+            self.backend_state = JobState.RUNNING
+            progress.queue_position = None
+        progress.node = report.node
+        following = (JobState.SUBMITTING, JobState.WAITING, JobState.RUNNING)
+        if self.status.state in following and self.status.state != self.backend_state:
+            self.set_state(self.backend_state)
 
     def mark_progress(self) -> None:
         self.last_progress_at = workflow.now()
@@ -87,6 +105,8 @@ class JobBook:
     def details(self) -> str:
         status = self.status
         lines = [f"**{status.state.value}** — {int(status.progress.fraction * 100)} %"]
+        if status.state == JobState.WAITING and status.progress.queue_position is not None:
+            lines.append(f"place {status.progress.queue_position} in the backend's queue")
         if status.backend:
             lines.append(f"pool `{status.backend.pool}`")
         if status.reconnects:
@@ -96,5 +116,5 @@ class JobBook:
         if status.artifacts:
             lines.append(f"{len(status.artifacts)} artifact(s) stored")
         if status.teardown.state != "PENDING":
-            lines.append(f"teardown {status.teardown.state}")
+            lines.append(f"teardown {status.teardown.state}: {status.teardown.detail}")
         return "  \n".join(lines)

@@ -1,0 +1,222 @@
+"""Stopping a prompt for good, and the record of how it was stopped.
+
+ComfyUI interrupts cooperatively: a node checks the flag only in its progress hook or at the
+next node boundary, so a big blur or a model load runs on for many seconds after `/interrupt`.
+A stop is therefore confirmed, not requested: each check dequeues the prompt if it waits,
+interrupts it if it runs, and reads how it ended once it is gone; between checks the workflow
+waits on a durable, jittered timer. Only past `policy.teardown_horizon_s` does the stop give up:
+teardown FAILED, naming the prompt and the pool, and the worker marks the pool busy until the
+prompt is gone.
+
+Every check adds to one `Teardown` record in the job's status, across retries, across the early
+stop (at the moment of a cancel) and the final one (after the work settled).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Literal
+
+from temporalio import workflow
+
+with workflow.unsafe.imports_passed_through():
+    from workflows import activity_calls as calls
+    from workflows.activity_io import StopCheck, StopInput
+    from workflows.backoff import reconnect_delay
+    from workflows.contracts import JobPolicy, JobState, StopAction, Teardown, TeardownStep
+    from workflows.failures import job_error
+    from workflows.job_book import JobBook
+
+# Checks never wait longer than this apart: a prompt that stopped should not keep its job
+# waiting for long, and the horizon still bounds how many checks there are.
+MAX_CHECK_INTERVAL_S = 15.0
+
+STOP_REASONS = {
+    JobState.COMPLETED: "after completion",
+    JobState.FAILED: "after failure",
+    JobState.CANCELLED: "after cancel",
+    JobState.ABANDONED: "after abandonment",
+}
+
+
+def stop_reason(state: JobState, timed_out: bool = False) -> str:
+    """How the Temporal UI labels the stop: what the teardown follows, never its own outcome."""
+    if timed_out:
+        return "after the execution deadline"
+    return STOP_REASONS.get(state, f"after {state.value.lower()}")
+
+
+class PromptStop:
+    """Stops one job's prompt on its pool and keeps `status.teardown` true to what happened."""
+
+    def __init__(self, book: JobBook, policy: JobPolicy) -> None:
+        self._book = book
+        self._policy = policy
+        self._freed = False
+
+    @property
+    def record(self) -> Teardown:
+        return self._book.status.teardown
+
+    async def confirm(
+        self,
+        pool: str,
+        prompt_id: str,
+        reason: str,
+        *,
+        submitted: bool,
+        settled: bool,
+        free_memory: bool = False,
+    ) -> None:
+        """Check until the prompt is gone, or the teardown horizon has passed.
+
+        `settled`: the job's own work has ended, so nothing can submit the prompt any more and
+        "no record of it" is final ("never queued"). An early stop, while the work may still be
+        submitting, leaves that verdict to the settled pass.
+        """
+        record = self.record
+        now = workflow.now()
+        if record.started_at is None:
+            record.started_at = now
+        deadline = record.started_at + timedelta(seconds=self._policy.teardown_horizon_s)
+        attempt = 0
+        while True:
+            final = workflow.now() >= deadline
+            check = await self._check(
+                StopInput(
+                    job_id=self._book.status.job_id,
+                    pool=pool,
+                    prompt_id=prompt_id,
+                    reason=reason,
+                    free_memory=free_memory and not self._freed,
+                    submitted=submitted,
+                    final=final,
+                )
+            )
+            record.checks += 1
+            if check is not None:
+                self._note(check, submitted=submitted, settled=settled)
+            if check is not None and check.position == "gone":
+                if settled or submitted or self._acted():
+                    self._end("CONFIRMED", f"{reason}: {self.summary()}")
+                else:
+                    # Not on the backend yet, and the work may still be submitting it: the
+                    # settled pass decides.
+                    record.state = "STOPPING"
+                    record.detail = f"{reason}: prompt {prompt_id} not on the backend (yet)"
+                    self._book.touch()
+                return
+            if final:
+                where = check.position if check is not None else "unreachable"
+                self._add("still_running", detail=f"prompt {prompt_id} on pool {pool}: {where}")
+                self._end(
+                    "FAILED",
+                    f"{reason}: prompt {prompt_id} was still {where} on pool {pool!r} after the "
+                    f"teardown horizon ({self._policy.teardown_horizon_s:.0f} s, "
+                    f"{record.checks} checks); the pool takes no new work from this worker "
+                    f"until it is gone. {self.summary()}",
+                )
+                return
+            record.state = "STOPPING"
+            record.detail = (
+                f"{reason}: waiting for prompt {prompt_id} to leave pool {pool!r} "
+                f"({self.summary()}; check {record.checks})"
+            )
+            self._book.touch()
+            reconnect = self._policy.reconnect
+            delay = reconnect_delay(
+                attempt,
+                reconnect.base_delay_s,
+                min(reconnect.max_delay_s, MAX_CHECK_INTERVAL_S),
+                workflow.random().random(),
+            )
+            remaining = (deadline - workflow.now()).total_seconds()
+            if remaining > 0:
+                await workflow.sleep(
+                    timedelta(seconds=min(delay, remaining)),
+                    summary=f"stop check {record.checks + 1}",
+                )
+            attempt += 1
+
+    async def _check(self, req: StopInput) -> StopCheck | None:
+        try:
+            return await calls.stop(req)
+        except Exception as err:  # the backend did not answer: record it, ask again later
+            self._add("check_failed", detail=job_error(err).message)
+            return None
+
+    def _note(self, check: StopCheck, *, submitted: bool, settled: bool) -> None:
+        if check.freed_memory:
+            self._freed = True
+            self._add("freed_memory", at_check=check)
+        if check.action == "dequeued":
+            self._add("dequeued", at_check=check)
+        elif check.action == "interrupt_sent":
+            self._add("interrupt_sent", at_check=check)
+        if check.position != "gone":
+            return
+        node = check.node
+        where = f"node {node} ({check.node_type})" if node else ""
+        if check.ended == "interrupted":
+            self._add("interrupted", at_check=check, node=node, detail=where)
+        elif check.ended == "success":
+            self._add("finished", at_check=check)
+        elif check.ended == "error":
+            self._add("failed", at_check=check, node=node, detail=f"{where}: {check.message}")
+        elif self._last_action() == "dequeued":
+            pass  # a dequeued prompt leaves no history: the dequeue says it all
+        elif not submitted and not self._acted():
+            if settled:
+                self._add("never_queued", at_check=check)
+        else:
+            self._add("gone", at_check=check, detail="no longer queued, no record of how it ended")
+
+    def _add(
+        self,
+        action: StopAction,
+        *,
+        at_check: StopCheck | None = None,
+        node: str | None = None,
+        detail: str = "",
+    ) -> None:
+        steps = self.record.steps
+        if steps and steps[-1].action == action and steps[-1].node == node:
+            return  # a repeated observation (a re-sent interrupt, a second pass) adds nothing
+        at = at_check.at if at_check is not None else workflow.now()
+        steps.append(TeardownStep(at=at, action=action, node=node, detail=detail))
+        self._book.touch()
+
+    def _last_action(self) -> StopAction | None:
+        return self.record.steps[-1].action if self.record.steps else None
+
+    def _acted(self) -> bool:
+        return any(s.action in ("dequeued", "interrupt_sent") for s in self.record.steps)
+
+    def _end(self, state: Literal["CONFIRMED", "FAILED"], detail: str) -> None:
+        record = self.record
+        record.state = state
+        record.at = workflow.now()
+        record.detail = detail
+        self._book.touch()
+
+    def summary(self) -> str:
+        """What was done and seen, in order: "interrupt sent, interrupted at node 3 (...)"."""
+        words = {
+            "never_queued": "never queued",
+            "dequeued": "dequeued before it started",
+            "interrupt_sent": "interrupt sent",
+            "interrupted": "interrupted",
+            "finished": "had already finished",
+            "failed": "had failed",
+            "gone": "gone from the backend (no record of how it ended)",
+            "freed_memory": "memory freed",
+            "still_running": "still running",
+            "check_failed": "backend unreachable",
+        }
+        parts = []
+        for step in self.record.steps:
+            text = words[step.action]
+            if step.action == "interrupted" and step.detail:
+                text += f" at {step.detail}"
+            parts.append(text)
+        return ", ".join(parts) or "nothing to stop yet"
