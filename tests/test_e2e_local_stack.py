@@ -313,3 +313,64 @@ async def test_cli_cancel_stops_a_running_job(
     assert final.error is not None and final.error.message == "not needed"
     assert final.teardown.state == "CONFIRMED"
     assert final.progress.step < 500
+
+
+def node_graph() -> dict[str, Any]:
+    """No sampler: progress counts nodes, so a node whose events were missed shows."""
+    return {
+        "1": {
+            "class_type": "EmptyImage",
+            "inputs": {"width": 32, "height": 32, "batch_size": 1, "color": uuid.uuid4().int % 99},
+        },
+        "2": {"class_type": "ImageInvert", "inputs": {"image": ["1", 0]}},
+        "3": {"class_type": "SaveImage", "inputs": {"images": ["2", 0], "filename_prefix": "n"}},
+    }
+
+
+async def test_first_node_events_are_counted_on_an_idle_backend(worker: RunningWorker) -> None:
+    # The socket opens before the prompt is submitted: even the first node's `executing`,
+    # sent a few milliseconds after the submission, reaches the job.
+    submitted = await worker.client.submit(JobRequest(graph=node_graph()))
+    final = await worker.client.wait(submitted.job_id)
+    assert final.state == JobState.COMPLETED, final.error
+    assert final.checkpoint is not None
+    assert sorted(final.checkpoint.nodes_done) == ["1", "2", "3"], final.checkpoint
+    assert final.checkpoint.submitted_at is not None
+
+
+async def test_a_prompt_queued_behind_another_waits_with_its_place_then_runs(
+    worker: RunningWorker, local_stack: RunningStack
+) -> None:
+    # Someone else's prompt holds the backend for a while.
+    blocker = {
+        "1": {"class_type": "SimSleep", "inputs": {"seconds": 4.0}},
+        "2": {"class_type": "PreviewImage", "inputs": {"images": ["1", 0]}},
+    }
+    await sim_post(local_stack, "/prompt", {"prompt": blocker, "prompt_id": str(uuid.uuid4())})
+    submitted = await worker.client.submit(JobRequest(graph=example()))
+    seen = [s async for s in worker.client.watch(submitted.job_id, poll_interval_s=0.05)]
+    states = [s.state for s in seen]
+    assert states[-1] == JobState.COMPLETED, seen[-1].error
+    waiting = [s for s in seen if s.state == JobState.WAITING]
+    assert waiting, f"never reported as waiting on the backend: {states}"
+    assert {s.progress.queue_position for s in waiting} == {1}
+    # Waiting is not running: RUNNING comes only after WAITING.
+    first_running = states.index(JobState.RUNNING)
+    assert first_running > states.index(JobState.WAITING)
+    assert all(s.progress.queue_position is None for s in seen[first_running:])
+
+
+async def test_a_graph_comfyui_rejects_fails_with_comfyuis_reason_and_queues_nothing(
+    worker: RunningWorker, local_stack: RunningStack
+) -> None:
+    graph = example()
+    graph["3"]["inputs"]["seed"] = -5
+    before = await sim_prompts(local_stack)
+    submitted = await worker.client.submit(JobRequest(graph=graph))
+    final = await worker.client.wait(submitted.job_id)
+    assert final.state == JobState.FAILED
+    assert final.error is not None and final.error.type == ErrorType.PROMPT_REJECTED
+    assert "node 3 (KSampler): input 'seed': Value -5 smaller than min of 0" in final.error.message
+    assert await sim_prompts(local_stack) == before
+    assert final.teardown.state == "CONFIRMED"
+    assert [step.action for step in final.teardown.steps] == ["never_queued"]

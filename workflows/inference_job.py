@@ -380,6 +380,10 @@ class InferenceJob:
                 kind = classify(err)
                 if kind in (FailureKind.FATAL, FailureKind.CANCELLED):
                     raise
+                if self._v3 and self._stop is not None:
+                    # The stop's cancel met an attempt that had just failed by itself (say, its
+                    # start-to-close timeout) and was used up on it: stop all the same.
+                    raise
                 recovered, artifacts = recovered_progress(err)
                 self._book.merge_artifacts(artifacts)
                 checkpoint = self._furthest(checkpoint, recovered)
@@ -389,7 +393,8 @@ class InferenceJob:
                     continue
                 # Not yet on the backend (a pool that is down, unhealthy or busy): still
                 # submitting; otherwise the path to a running prompt broke.
-                waiting = JobState.SUBMITTING if submit else JobState.RECONNECTING
+                not_on_backend = self._v3 and checkpoint.submitted_at is None
+                waiting = JobState.SUBMITTING if not_on_backend else JobState.RECONNECTING
                 await self._back_off(err, attempt, policy.reconnect.horizon_s, waiting)
                 attempt += 1
 
