@@ -76,6 +76,8 @@ class ComfySimSection(_Section):
     output_dir: str = "comfy-sim/output"
     input_dir: str = "comfy-sim/input"
     step_delay_ms: int = 100
+    # Image nodes' time per megapixel; None leaves the simulator's own default.
+    ms_per_megapixel: float | None = None
 
     @property
     def url(self) -> str:

@@ -106,6 +106,8 @@ class ServiceSpec:
 
 def comfy_sim_argv(config: StackConfig, base_dir: Path) -> tuple[str, ...]:
     sim = config.comfyui_sim
+    # Only when set: an unchanged config keeps the argv a running stack was started with.
+    cost = () if sim.ms_per_megapixel is None else ("--ms-per-megapixel", str(sim.ms_per_megapixel))
     return (
         sys.executable,
         "-m",
@@ -120,6 +122,7 @@ def comfy_sim_argv(config: StackConfig, base_dir: Path) -> tuple[str, ...]:
         str(config.path(base_dir, sim.input_dir).resolve()),
         "--step-delay-ms",
         str(sim.step_delay_ms),
+        *cost,
     )
 
 

@@ -196,17 +196,80 @@ def basic_graph(prefix: str, width: int = 64, height: int = 48, color: int | Non
     }  # fmt: skip
 
 
+# A node without a progress hook that runs for a few seconds on a real CPU-only ComfyUI 0.8.0:
+# a radius-31 blur of a 1536x1536 image took ~3.8 s on 2 cores. The simulator gets there through
+# its per-megapixel cost (2.36 MP at 600 ms/MP: ~1.4 s per image node); a real ComfyUI ignores
+# extra_data.sim.
+HOOKLESS_SIZE = 1536
+HOOKLESS_EXTRA = {"sim": {"ms_per_megapixel": 600}}
+
+
 def slow_graph(prefix: str, is_sim: bool, seconds: float = 0.6) -> Any:
     """EmptyImage → (slow node without progress bar) → SaveImage. On the simulator the slow
     node is SimSleep; on a real ComfyUI a large blur (best effort: its duration depends on the
-    hardware)."""
-    graph = basic_graph(prefix, 1536, 1536)
+    hardware; see HOOKLESS_SIZE)."""
     if is_sim:
+        # Small: the per-megapixel time of the image nodes must keep SimSleep the one slow node.
+        graph = basic_graph(prefix)
         graph["2"] = {"class_type": "SimSleep", "inputs": {"seconds": seconds, "images": ["1", 0]}}
     else:
-        graph["1"]["inputs"]["batch_size"] = 4
+        graph = basic_graph(prefix, HOOKLESS_SIZE, HOOKLESS_SIZE)
         graph["2"]["inputs"].update(blur_radius=31, sigma=10.0)
     return graph
+
+
+def hookless_graph(prefix: str) -> Any:
+    """EmptyImage → ImageBlur (large: the slow node, no progress hook) → ImageInvert → SaveImage;
+    submit it with extra_data=HOOKLESS_EXTRA."""
+    graph = basic_graph(prefix, HOOKLESS_SIZE, HOOKLESS_SIZE)
+    graph["2"]["inputs"].update(blur_radius=31, sigma=10.0)
+    graph["3"] = {"class_type": "ImageInvert", "inputs": {"image": ["2", 0]}}
+    graph["4"] = {
+        "class_type": "SaveImage",
+        "inputs": {"images": ["3", 0], "filename_prefix": prefix},
+    }
+    return graph
+
+
+def _primitive_info(name: str, display_name: str, kind: str, opts: dict[str, Any]) -> Any:
+    return {
+        "input": {"required": {"value": [kind, opts]}},
+        "input_order": {"required": ["value"]},
+        "output": [kind],
+        "output_is_list": [False],
+        "output_name": [kind],
+        "output_tooltips": [None],
+        "output_matchtypes": None,
+        "name": name,
+        "display_name": display_name,
+        "description": "",
+        "python_module": "comfy_extras.nodes_primitive",
+        "category": "utils/primitive",
+        "output_node": False,
+        "deprecated": False,
+        "experimental": False,
+        "api_node": False,
+    }
+
+
+_INT64_MAX = 2**63 - 1  # sys.maxsize on a 64-bit ComfyUI
+# comfy_extras/nodes_primitive.py (V3 nodes) as ComfyUI 0.8.0's /object_info shows them.
+PRIMITIVES: dict[str, Any] = {
+    "PrimitiveString": _primitive_info("PrimitiveString", "String", "STRING", {"multiline": False}),
+    "PrimitiveStringMultiline": _primitive_info(
+        "PrimitiveStringMultiline", "String (Multiline)", "STRING", {"multiline": True}
+    ),
+    "PrimitiveInt": _primitive_info(
+        "PrimitiveInt",
+        "Int",
+        "INT",
+        {"min": -_INT64_MAX, "max": _INT64_MAX, "control_after_generate": True},
+    ),
+    "PrimitiveFloat": _primitive_info(
+        "PrimitiveFloat", "Float", "FLOAT", {"min": -_INT64_MAX, "max": _INT64_MAX, "step": 0.1}
+    ),
+    "PrimitiveBoolean": _primitive_info("PrimitiveBoolean", "Boolean", "BOOLEAN", {}),
+}
 
 
 def ksampler_graph(prefix: str, steps: int, seed: int) -> Any:
@@ -389,6 +452,9 @@ REJECTIONS: list[tuple[str, Any, str, str | None, str | None]] = [
         "image": ["1", 0], "upscale_method": "bogus", "width": 8, "height": 8,
         "crop": "disabled"}}, "3": save_node(["2", 0])},
      "prompt_outputs_failed_validation", "2", "value_not_in_list"),
+    ("string into an int", {"1": {"class_type": "PrimitiveString", "inputs": {"value": "8"}},
+                            "2": empty_node(width=["1", 0]), "3": save_node(["2", 0])},
+     "prompt_outputs_failed_validation", "2", "return_type_mismatch"),
     ("missing input file", {"1": {"class_type": "LoadImage", "inputs": {"image": "nope.png"}},
                             "2": save_node(["1", 0])},
      "prompt_outputs_failed_validation", "1", "custom_validation_failed"),

@@ -348,3 +348,94 @@ async def test_segmented_job_with_worker_killed_in_segment_two(case: ChaosCase) 
     assert not timeline.step_regressions(), explain(final, timeline)
     assert final.progress.segment == 2 and final.progress.fraction == 1.0
     await case.assert_nothing_left(job_id)
+
+
+# -- (i) a stop during a node that ignores interrupts ----------------------------------------------
+
+# Longer than the old teardown's whole retry budget (~9 s): the prompt runs on that long after
+# the first interrupt, as a real node without a progress hook (a model load, a big decode) does.
+STUBBORN_S = 12.0
+
+
+@pytest.mark.parametrize("how", ["cancel", "abandon", "deadline"])
+async def test_stop_during_a_node_that_ignores_interrupts_ends_only_when_the_prompt_is_gone(
+    case: ChaosCase, how: str
+) -> None:
+    await case.workers.start()
+    await case.sim.arm(FaultConfig(ignore_interrupt_s=STUBBORN_S))
+    policy = chaos_policy(
+        abandon_after_s=3.0 if how == "abandon" else None,
+        execution_timeout_s=6.0 if how == "deadline" else 300.0,
+    )
+    request = JobRequest(graph=sampler_graph(600), policy=policy)
+    job_id = await case.submit(request, detached=how != "abandon")
+    async with case.timeline(job_id, keepalive_s=None) as timeline:
+        prompt_id = await case.watcher.wait_step(3, node=SAMPLER_NODE)
+        if how == "cancel":
+            await case.client.cancel(job_id, "chaos test: stop during a stubborn node")
+            timeline.mark("cancelled")
+        await timeline.wait_for(
+            lambda s: s.state == JobState.STOPPING, timeout_s=15, what="the job is stopping"
+        )
+        final = await timeline.wait_terminal(timeout_s=STUBBORN_S + 40)
+        queue_at_end = await case.sim.queue()
+
+    expected = {"cancel": JobState.CANCELLED, "abandon": JobState.ABANDONED}
+    assert final.state == expected.get(how, JobState.FAILED), explain(final, timeline)
+    if how == "deadline":
+        assert final.error is not None and final.error.type == ErrorType.TIMEOUT
+    # The simulator's own word: the prompt was interrupted, and gone before the job ended.
+    assert prompt_id not in queue_at_end.running + queue_at_end.pending, queue_at_end
+    stats = await case.sim.stats()
+    assert stats.executed.get(prompt_id) == "interrupted", stats
+    assert final.updated_at is not None
+    assert stats.ended_at[prompt_id] <= final.updated_at.timestamp(), (stats, final.updated_at)
+    assert final.teardown.state == "CONFIRMED", final.teardown
+    actions = [step.action for step in final.teardown.steps]
+    assert actions == ["interrupt_sent", "interrupted"], final.teardown
+    sent, landed = final.teardown.steps
+    assert landed.node == SAMPLER_NODE
+    assert (landed.at - sent.at).total_seconds() >= STUBBORN_S - 1.0, final.teardown
+    assert final.teardown.checks >= 3, final.teardown
+    await case.assert_nothing_left(job_id)
+
+
+async def test_stop_past_the_teardown_horizon_fails_the_teardown_and_holds_the_pool(
+    case: ChaosCase,
+) -> None:
+    await case.workers.start()
+    await case.sim.arm(FaultConfig(ignore_interrupt_s=STUBBORN_S))
+    policy = chaos_policy().model_copy(update={"teardown_horizon_s": 3.0})
+    job_id = await case.submit(JobRequest(graph=sampler_graph(600), policy=policy))
+    async with case.timeline(job_id) as timeline:
+        prompt_id = await case.watcher.wait_step(3, node=SAMPLER_NODE)
+        await case.client.cancel(job_id, "chaos test: a stop that cannot finish in time")
+        timeline.mark("cancelled")
+        final = await timeline.wait_terminal(timeout_s=30)
+
+    assert final.state == JobState.CANCELLED, explain(final, timeline)
+    assert final.teardown.state == "FAILED", final.teardown
+    assert final.backend is not None
+    assert prompt_id in final.teardown.detail and repr(final.backend.pool) in final.teardown.detail
+    assert final.teardown.steps[-1].action == "still_running", final.teardown
+    assert prompt_id in (await case.sim.queue()).running, "the stubborn prompt still runs"
+
+    # The pool takes no new work while the stuck prompt holds its GPU; then it does.
+    second = await case.submit(JobRequest(graph=sampler_graph(5), policy=chaos_policy()))
+    async with case.timeline(second) as later:
+        held = await later.wait_for(
+            lambda s: s.error is not None and "busy" in s.error.message,
+            timeout_s=20,
+            what="the second job is held off the busy pool",
+        )
+        assert held.state == JobState.SUBMITTING, explain(held, later)
+        assert held.error is not None and prompt_id in held.error.message
+        assert (await case.sim.queue()).pending == [], "nothing queued behind the stuck prompt"
+        done = await later.wait_terminal(timeout_s=STUBBORN_S + 40)
+
+    assert done.state == JobState.COMPLETED, explain(done, later)
+    assert done.checkpoint is not None and done.checkpoint.prompt_id is not None
+    stats = await case.sim.stats()
+    assert stats.executed.get(prompt_id) == "interrupted"
+    assert stats.prompts[done.checkpoint.prompt_id] == 1
+    await case.assert_nothing_left(second)

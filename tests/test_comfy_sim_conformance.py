@@ -8,9 +8,11 @@ Point it only at a dedicated, idle ComfyUI: the tests read its queue and interru
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import io
 import os
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,14 +23,20 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from devstack.comfy_sim import SimSettings, create_app
+from devstack.comfy_sim.__main__ import parse_args
 from tests.comfy_sim_support import (
+    HOOKLESS_EXTRA,
+    PRIMITIVES,
     PROMPT_SCOPED,
     REJECTIONS,
     ComfyAPI,
+    Event,
+    EventReader,
     Target,
     basic_graph,
     choices,
     finished,
+    hookless_graph,
     ksampler_graph,
     make_png,
     new_id,
@@ -109,6 +117,32 @@ async def test_object_info_describes_the_registry(comfy: ComfyAPI) -> None:
     assert await comfy.call("GET", "/object_info/NoSuchNode") == (200, {})
 
 
+async def test_object_info_lists_the_primitives_exactly(comfy: ComfyAPI) -> None:
+    info = (await comfy.call("GET", "/object_info"))[1]
+    for name, expected in PRIMITIVES.items():
+        assert info[name] == expected, name
+    one = await comfy.call("GET", "/object_info/PrimitiveString")
+    assert one == (200, {"PrimitiveString": PRIMITIVES["PrimitiveString"]})
+
+
+async def test_primitive_links_feed_save_image_prefix_and_sizes(comfy: ComfyAPI) -> None:
+    out = prefix()
+    graph = basic_graph(out, 64, 24)
+    graph["3"]["inputs"]["filename_prefix"] = ["4", 0]  # a link, not a literal prefix
+    graph["4"] = {"class_type": "PrimitiveString", "inputs": {"value": out}}
+    graph["5"] = {"class_type": "PrimitiveInt", "inputs": {"value": 40}}
+    graph["1"]["inputs"]["width"] = ["5", 0]
+    run = await comfy.run(graph)
+    name = out.rsplit("/", 1)[1]
+    image = {"filename": f"{name}_00001_.png", "subfolder": "conformance", "type": "output"}
+    executed = [e["data"] for e in run.events if e["type"] == "executed"]
+    assert [(e["node"], e["output"]) for e in executed] == [("3", {"images": [image]})]
+    assert run.entry["status"]["status_str"] == "success"
+    assert run.entry["outputs"] == {"3": {"images": [image]}}
+    status, data, _ = await view(comfy, image)
+    assert status == 200 and png_size(data) == (40, 24)
+
+
 async def test_success_event_order_and_history_timing(comfy: ComfyAPI) -> None:
     if comfy.target.is_sim:
         # Widen the gap between execution_success and the history write to make it observable.
@@ -184,6 +218,17 @@ async def test_identical_resubmission_is_served_from_cache(comfy: ComfyAPI) -> N
     assert sorted(cached["data"]["nodes"]) == ["1", "2", "3"]
     assert ("executing", "1") not in summary(second.events)
     assert second.entry["outputs"] == first.entry["outputs"]
+
+
+async def test_cached_prompt_without_a_client_has_empty_history_outputs(comfy: ComfyAPI) -> None:
+    # ComfyUI copies a cached node's output into the history only for a prompt with a client.
+    graph = basic_graph(prefix(), 16, 16)
+    first = await comfy.wait_history(await comfy.submit(graph))
+    second = await comfy.wait_history(await comfy.submit(graph))
+    assert len(first["outputs"]["3"]["images"]) == 1
+    assert second["status"]["status_str"] == "success" and second["outputs"] == {}
+    cached = dict(second["status"]["messages"])["execution_cached"]
+    assert sorted(cached["nodes"]) == ["1", "2", "3"]
 
 
 @sim_only
@@ -362,7 +407,8 @@ async def test_interrupt_is_prompt_scoped_and_cooperative(comfy: ComfyAPI) -> No
     assert len(interrupted) == 1
     # Cooperative: the slow node finishes, the interrupt lands at the next node boundary.
     assert interrupted[0]["node_id"] == "3" and interrupted[0]["node_type"] == "SaveImage"
-    assert interrupted[0]["executed"] == ["1", "2"] and interrupted[0]["prompt_id"] == hit
+    # ComfyUI builds `executed` from a set: the order is undefined.
+    assert set(interrupted[0]["executed"]) == {"1", "2"} and interrupted[0]["prompt_id"] == hit
     entry = (await comfy.history(hit))[hit]
     assert entry["status"]["status_str"] == "error" and entry["status"]["completed"] is False
     assert entry["status"]["messages"][-1][0] == "execution_interrupted"
@@ -370,6 +416,46 @@ async def test_interrupt_is_prompt_scoped_and_cooperative(comfy: ComfyAPI) -> No
         stats = await comfy.sim("/sim/stats")
         assert hit in stats["interrupted"] and spared not in stats["interrupted"]
         assert stats["executed"][hit] == "interrupted"
+
+
+async def test_interrupt_during_a_node_without_progress_hook_lands_at_its_end(
+    comfy: ComfyAPI,
+) -> None:
+    """ImageBlur has no progress hook: an interrupt sent while it runs waits for the blur to
+    finish and lands at the next node boundary (ImageInvert), which never runs."""
+    client_id = new_id()
+    async with comfy.socket(client_id) as reader:
+        prompt_id = await comfy.submit(
+            hookless_graph(prefix()), client_id=client_id, extra_data=HOOKLESS_EXTRA
+        )
+        await reader.until(lambda e: e["type"] == "executing" and e["data"]["node"] == "2", 30)
+        # Let the blur get going, so the interrupt cannot beat it to its own start check.
+        await asyncio.sleep(0.2)
+        assert (await comfy.call("POST", "/interrupt", json={"prompt_id": prompt_id}))[0] == 200
+        sent = time.monotonic()
+        queue = (await comfy.call("GET", "/queue"))[1]
+        assert [item[1] for item in queue["queue_running"]] == [prompt_id]
+        tail = await reader.until(lambda e: e["type"] == "execution_interrupted", 30)
+        landed = time.monotonic()
+        tail += await reader.until(finished(prompt_id), 10)
+        ended = time.time()
+    assert landed - sent >= 0.5, landed - sent  # the blur ran on after the request
+    assert summary(tail) == [
+        ("executing", "3"),
+        ("execution_interrupted", None),
+        ("executing", None),
+    ]
+    interrupted: Event = next(e["data"] for e in tail if e["type"] == "execution_interrupted")
+    assert interrupted["node_id"] == "3" and interrupted["node_type"] == "ImageInvert"
+    assert set(interrupted["executed"]) == {"1", "2"}
+    entry = (await comfy.history(prompt_id))[prompt_id]
+    assert entry["status"]["status_str"] == "error" and entry["outputs"] == {}
+    assert entry["status"]["messages"][-1][0] == "execution_interrupted"
+    if comfy.target.is_sim:
+        stats = await comfy.sim("/sim/stats")
+        assert stats["executed"][prompt_id] == "interrupted"
+        # Gone from the running queue before the end marker reached the client.
+        assert stats["started_at"][prompt_id] < stats["ended_at"][prompt_id] <= ended
 
 
 async def test_free_requires_a_body(comfy: ComfyAPI) -> None:
@@ -529,6 +615,60 @@ async def test_fault_cuda_error_sticks_until_free(comfy: ComfyAPI) -> None:
 
 
 @sim_only
+async def test_image_nodes_take_time_per_megapixel(comfy: ComfyAPI) -> None:
+    graph = basic_graph(prefix(), 1000, 500)  # 0.5 MP
+    graph["1"]["inputs"]["batch_size"] = 2  # 1 MP through every image node
+    client_id = new_id()
+    marks: dict[str | None, float] = {}
+    async with comfy.socket(client_id) as reader:
+        extra = {"sim": {"ms_per_megapixel": 300}}
+        prompt_id = await comfy.submit(graph, client_id=client_id, extra_data=extra)
+        while (event := await reader.next(10)) is not None:
+            if event["type"] == "executing":
+                marks[event["data"]["node"]] = time.monotonic()
+            if finished(prompt_id)(event):
+                break
+    assert 0.28 <= marks["2"] - marks["1"] < 2  # EmptyImage: 1 MP at 300 ms/MP
+    assert 0.28 <= marks["3"] - marks["2"] < 2  # ImageBlur
+    stats = await comfy.sim("/sim/stats")
+    assert stats["ended_at"][prompt_id] - stats["started_at"][prompt_id] >= 0.85
+    bad = await comfy.run(basic_graph(prefix()), extra_data={"sim": {"ms_per_megapixel": "x"}})
+    assert bad.entry["status"]["status_str"] == "success"  # a bad override falls back
+
+
+@sim_only
+async def test_fault_ignore_interrupt_holds_it_back_for_a_while(comfy: ComfyAPI) -> None:
+    armed = await comfy.sim("/sim/faults", {"ignore_interrupt_s": 0.5})
+    assert armed["ignore_interrupt_s"] == 0.5
+    extra = {"sim": {"step_delay_ms": 10}}
+    client_id = new_id()
+
+    async def interrupt_mid_sampling(reader: EventReader, seed: int) -> tuple[float, list[Event]]:
+        def at_step_3(e: Event) -> bool:
+            return e["type"] == "progress" and int(e["data"]["value"]) >= 3
+
+        graph = ksampler_graph(prefix(), steps=300, seed=seed)
+        prompt_id = await comfy.submit(graph, client_id=client_id, extra_data=extra)
+        await reader.until(at_step_3)
+        await comfy.call("POST", "/interrupt", json={"prompt_id": prompt_id})
+        sent = time.monotonic()
+        events = await reader.until(lambda e: e["type"] == "execution_interrupted")
+        waited = time.monotonic() - sent
+        await reader.until(finished(prompt_id))
+        return waited, events
+
+    async with comfy.socket(client_id) as reader:
+        deaf, events = await interrupt_mid_sampling(reader, 1)
+        assert (await comfy.sim("/sim/faults"))["ignore_interrupt_s"] is None  # one-shot
+        hearing, _ = await interrupt_mid_sampling(reader, 2)
+    assert 0.45 <= deaf < 2, deaf
+    assert len([e for e in events if e["type"] == "progress"]) >= 10  # it kept sampling
+    interrupted = events[-1]["data"]
+    assert interrupted["node_id"] == "5" and interrupted["node_type"] == "KSampler"
+    assert hearing < 0.3, hearing  # the next prompt hears it at its next step
+
+
+@sim_only
 async def test_sim_large_output_is_deterministic(comfy: ComfyAPI) -> None:
     graph = {"1": {"class_type": "SimLargeOutput",
                    "inputs": {"size_mib": 2, "seed": 7, "filename_prefix": prefix()}}}  # fmt: skip
@@ -537,6 +677,13 @@ async def test_sim_large_output_is_deterministic(comfy: ComfyAPI) -> None:
     status, data, _ = await view(comfy, item)
     expected = b"".join(hashlib.shake_256(f"7:{i}".encode()).digest(1 << 20) for i in range(2))
     assert status == 200 and data == expected
+
+
+@sim_only
+def test_cli_flags_map_onto_settings() -> None:
+    settings = parse_args(["--ms-per-megapixel", "7.5", "--step-delay-ms", "3"])
+    assert (settings.ms_per_megapixel, settings.step_delay_ms) == (7.5, 3)
+    assert parse_args([]).ms_per_megapixel == SimSettings().ms_per_megapixel > 0
 
 
 @sim_only

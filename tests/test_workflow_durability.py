@@ -489,7 +489,7 @@ async def test_stop_past_the_teardown_horizon_fails_the_teardown_naming_the_prom
         await handle.signal(SIGNAL_CANCEL, CancelRequest(reason="stop it"))
 
         async def stopping() -> bool:
-            current = await handle.query(QUERY_STATUS, result_type=JobStatus)
+            current: JobStatus = await handle.query(QUERY_STATUS, result_type=JobStatus)
             return current.state == JobState.STOPPING and current.teardown.state == "STOPPING"
 
         await eventually(stopping)

@@ -120,9 +120,10 @@ class ChaosStack:
     def s3_settings(self) -> S3Settings:
         return S3Settings.from_env(self.running.worker_env())
 
-    def worker_env(self, task_queue: str) -> dict[str, str]:
-        """What `python worker.py` needs to serve `task_queue` on this stack."""
-        pools = {"comfyui": {"kind": "comfyui", "url": self.sim_url}}
+    def worker_env(self, task_queue: str, comfyui_url: str | None = None) -> dict[str, str]:
+        """What `python worker.py` needs to serve `task_queue` on this stack; its `comfyui`
+        pool is the simulator unless `comfyui_url` names another ComfyUI."""
+        pools = {"comfyui": {"kind": "comfyui", "url": comfyui_url or self.sim_url}}
         return {
             **self.running.worker_env(),
             "DURABLE_COMFY_TASK_QUEUE": task_queue,
@@ -148,6 +149,7 @@ class ChaosCase:
         log_dir: Path,
         *,
         name: str = "chaos",
+        comfyui_url: str | None = None,
     ) -> None:
         self.stack = stack
         self.temporal = temporal
@@ -156,7 +158,7 @@ class ChaosCase:
         self.watcher = watcher
         self.name = name
         self.task_queue = f"{name}-{uuid.uuid4().hex[:8]}"
-        self.workers = WorkerFleet(stack.worker_env(self.task_queue), log_dir)
+        self.workers = WorkerFleet(stack.worker_env(self.task_queue, comfyui_url), log_dir)
         self.client = JobClient(temporal, task_queue=self.task_queue, store=store)
         self.sim_log = stack.log_watch("comfyui_sim")
         self.job_ids: list[str] = []

@@ -36,6 +36,10 @@ class SimStats(BaseModel):
     executions: dict[str, int] = Field(default_factory=dict)
     ws_connections: int = 0
     ws_open: int = 0
+    # Epoch seconds per prompt_id of its latest run: entered / left the running queue (success,
+    # error or interrupted). No `ended_at` for a started prompt: it is still running.
+    started_at: dict[str, float] = Field(default_factory=dict)
+    ended_at: dict[str, float] = Field(default_factory=dict)
 
 
 class SimQueue(BaseModel):

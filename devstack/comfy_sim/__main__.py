@@ -13,7 +13,7 @@ import structlog
 from aiohttp import web
 
 from .server import create_app
-from .settings import SIM_VERSION, SimSettings
+from .settings import DEFAULT_MS_PER_MEGAPIXEL, SIM_VERSION, SimSettings
 
 
 def parse_args(argv: list[str] | None = None) -> SimSettings:
@@ -38,6 +38,13 @@ def parse_args(argv: list[str] | None = None) -> SimSettings:
         help="time per KSampler step (per prompt: extra_data.sim.step_delay_ms)",
     )
     parser.add_argument(
+        "--ms-per-megapixel",
+        type=float,
+        default=DEFAULT_MS_PER_MEGAPIXEL,
+        help="time an image node takes per megapixel (width*height*batch), without progress "
+        "hook or interrupt check (per prompt: extra_data.sim.ms_per_megapixel)",
+    )
+    parser.add_argument(
         "--max-upload-size",
         type=float,
         default=100,
@@ -56,6 +63,7 @@ def parse_args(argv: list[str] | None = None) -> SimSettings:
         input_dir=args.input_dir,
         temp_dir=args.temp_dir,
         step_delay_ms=args.step_delay_ms,
+        ms_per_megapixel=args.ms_per_megapixel,
         max_upload_size_mb=args.max_upload_size,
         cache_none=args.cache_none,
     )

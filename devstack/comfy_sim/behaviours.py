@@ -1,5 +1,11 @@
 """What each simulated node does when it runs: cheap stand-ins for the real computations that keep
-sizes, file naming and progress reporting faithful to ComfyUI."""
+sizes, file naming, progress reporting and time faithful to ComfyUI.
+
+Time: KSampler waits `step_delay_s` per step and calls the progress hook after each (where an
+interrupt can land, as in ComfyUI's sampler callback). Image nodes have no progress hook in
+ComfyUI: they take `ms_per_megapixel` per megapixel of the image they make or consume and never
+look at the interrupt flag, so an interrupt sent meanwhile lands at the next node boundary.
+"""
 
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ from .settings import SimSettings
 from .values import SimConditioning, SimImage, SimLatent, SimMask, SimModelPart, mix
 
 MIB = 1024 * 1024
+MEGAPIXEL = 1_000_000
 
 
 @dataclass
@@ -36,12 +43,26 @@ class NodeContext(Protocol):
     def extra_data(self) -> dict[str, Any]: ...
     @property
     def step_delay_s(self) -> float: ...
+    @property
+    def ms_per_megapixel(self) -> float: ...
 
     async def progress(self, value: int, total: int) -> None:
         """ComfyUI's progress hook: may raise the interrupt, then reports the step."""
 
 
 Behaviour = Callable[[NodeContext, dict[str, Any]], Awaitable[NodeResult]]
+
+
+def pixels(*images: SimImage) -> int:
+    """A node's work size: the largest of the images it makes or consumes (width*height*batch)."""
+    return max((image.width * image.height * image.batch for image in images), default=0)
+
+
+async def pixel_work(ctx: NodeContext, count: int) -> None:
+    """The node's computation: a plain wait with no progress hook, so no interrupt check."""
+    seconds = ctx.ms_per_megapixel * count / MEGAPIXEL / 1000
+    if seconds > 0:
+        await asyncio.sleep(seconds)
 
 
 async def checkpoint_loader(ctx: NodeContext, i: dict[str, Any]) -> NodeResult:
@@ -84,6 +105,7 @@ async def ksampler(ctx: NodeContext, i: dict[str, Any]) -> NodeResult:
 async def vae_decode(ctx: NodeContext, i: dict[str, Any]) -> NodeResult:
     latent: SimLatent = i["samples"]
     image = SimImage(latent.width * 8, latent.height * 8, latent.batch, mix("decode", latent))
+    await pixel_work(ctx, pixels(image))
     return NodeResult((image,))
 
 
@@ -113,10 +135,12 @@ def _save_pngs(ctx: NodeContext, images: SimImage, prefix: str, folder_type: str
 
 
 async def save_image(ctx: NodeContext, i: dict[str, Any]) -> NodeResult:
+    await pixel_work(ctx, pixels(i["images"]))
     return await asyncio.to_thread(_save_pngs, ctx, i["images"], i["filename_prefix"], "output")
 
 
 async def preview_image(ctx: NodeContext, i: dict[str, Any]) -> NodeResult:
+    await pixel_work(ctx, pixels(i["images"]))
     suffix = "".join(random.choice(string.ascii_lowercase) for _ in range(5))
     return await asyncio.to_thread(_save_pngs, ctx, i["images"], f"ComfyUI_temp_{suffix}", "temp")
 
@@ -130,6 +154,7 @@ def _load(path: Path) -> tuple[SimImage, SimMask]:
 
 async def load_image(ctx: NodeContext, i: dict[str, Any]) -> NodeResult:
     image, mask = await asyncio.to_thread(_load, input_file_path(i["image"], ctx.settings))
+    await pixel_work(ctx, pixels(image))
     return NodeResult((image, mask))
 
 
@@ -137,7 +162,9 @@ async def empty_image(ctx: NodeContext, i: dict[str, Any]) -> NodeResult:
     color: int = i["color"]
     rgb = ((color >> 16) & 0xFF, (color >> 8) & 0xFF, color & 0xFF)
     w, h, b = i["width"], i["height"], i["batch_size"]
-    return NodeResult((SimImage(w, h, b, mix("empty", w, h, b, color), solid=rgb),))
+    image = SimImage(w, h, b, mix("empty", w, h, b, color), solid=rgb)
+    await pixel_work(ctx, pixels(image))
+    return NodeResult((image,))
 
 
 async def image_scale(ctx: NodeContext, i: dict[str, Any]) -> NodeResult:
@@ -150,16 +177,20 @@ async def image_scale(ctx: NodeContext, i: dict[str, Any]) -> NodeResult:
     elif height == 0:
         height = max(1, round(image.height * width / image.width))
     fp = mix("scale", image.fingerprint, width, height, i["upscale_method"], i["crop"])
-    return NodeResult((SimImage(width, height, image.batch, fp, image.solid),))
+    scaled = SimImage(width, height, image.batch, fp, image.solid)
+    await pixel_work(ctx, pixels(image, scaled))
+    return NodeResult((scaled,))
 
 
 async def image_blur(ctx: NodeContext, i: dict[str, Any]) -> NodeResult:
     image: SimImage = i["image"]
     fp = mix("blur", image.fingerprint, i["blur_radius"], i["sigma"])
+    await pixel_work(ctx, pixels(image))
     return NodeResult((SimImage(image.width, image.height, image.batch, fp, image.solid),))
 
 
 async def image_invert(ctx: NodeContext, i: dict[str, Any]) -> NodeResult:
+    await pixel_work(ctx, pixels(i["image"]))
     return NodeResult((i["image"].inverted(),))
 
 
@@ -169,10 +200,14 @@ def _save_webp(ctx: NodeContext, images: SimImage, prefix: str, fps: float) -> N
     frames = [images.frame(index) for index in range(images.batch)]
     (target.folder / file).write_bytes(encode_animated_webp(frames, fps))
     entry = {"filename": file, "subfolder": target.subfolder, "type": "output"}
-    return NodeResult((), {"images": [entry], "animated": [images.batch != 1]})
+    ui: dict[str, list[Any]] = {"images": [entry]}
+    if images.batch > 1:  # SavedImages(is_animated=...) omits the key for a single frame
+        ui["animated"] = [True]
+    return NodeResult((), ui)
 
 
 async def save_animated_webp(ctx: NodeContext, i: dict[str, Any]) -> NodeResult:
+    await pixel_work(ctx, pixels(i["images"]))
     return await asyncio.to_thread(_save_webp, ctx, i["images"], i["filename_prefix"], i["fps"])
 
 
@@ -193,11 +228,17 @@ async def sim_large_output(ctx: NodeContext, i: dict[str, Any]) -> NodeResult:
 
 
 async def sim_sleep(ctx: NodeContext, i: dict[str, Any]) -> NodeResult:
-    # No progress hook: like a real node without a progress bar, nothing reaches the socket and
-    # an interrupt only takes effect at the next node boundary.
+    """The documented "node without a progress hook": for its `seconds` nothing reaches the
+    socket and interrupts are ignored (they land at the next node boundary), like a model load
+    or a big VAE decode in ComfyUI. Not scaled by ms_per_megapixel: the time is explicit."""
     await asyncio.sleep(i["seconds"])
     image = i.get("images") or SimImage(8, 8, 1, mix("sleep"), solid=(0, 0, 0))
     return NodeResult((image,))
+
+
+async def primitive(ctx: NodeContext, i: dict[str, Any]) -> NodeResult:
+    """PrimitiveString/Int/Float/Boolean: the widget's value, already converted by validation."""
+    return NodeResult((i["value"],))
 
 
 BEHAVIOURS: dict[str, Behaviour] = {
@@ -216,4 +257,9 @@ BEHAVIOURS: dict[str, Behaviour] = {
     "SaveAnimatedWEBP": save_animated_webp,
     "SimLargeOutput": sim_large_output,
     "SimSleep": sim_sleep,
+    "PrimitiveString": primitive,
+    "PrimitiveStringMultiline": primitive,
+    "PrimitiveInt": primitive,
+    "PrimitiveFloat": primitive,
+    "PrimitiveBoolean": primitive,
 }

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -40,6 +41,22 @@ def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
+def sim_option(extra_data: dict[str, Any], key: str, default: float) -> float:
+    """A per-prompt override from extra_data.sim (a real ComfyUI ignores that key). A value that
+    is not a finite number >= 0 falls back to the server's setting instead of failing the run."""
+    options = extra_data.get("sim")
+    if not isinstance(options, dict) or key not in options:
+        return default
+    try:
+        value = float(options[key])
+    except (TypeError, ValueError):
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        log.warning("ignoring bad extra_data.sim option", key=key, value=options[key])
+        return default
+    return value
+
+
 @dataclass
 class _Run:
     """One prompt's execution: what the node context and the events need."""
@@ -51,12 +68,17 @@ class _Run:
     client_id: str | None
     faults: PromptFaults
     step_delay_s: float
+    ms_per_megapixel: float
     node_id: str = ""
+    # While the ignore_interrupt_s fault holds interrupts back: until this time.monotonic().
+    deaf_until: float | None = None
     fault_class: str | None = None  # where an OOM/CUDA fault strikes; None = first node run
     current_inputs: dict[str, list[Any]] = field(default_factory=dict)
     sigs: dict[str, str] = field(default_factory=dict)  # node_id -> cache signature
     messages: list[list[Any]] = field(default_factory=list)
     node_progress: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # The history's `outputs`, in the order the nodes produced (or re-announced) them.
+    ui_outputs: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def settings(self) -> SimSettings:
@@ -89,9 +111,14 @@ class _Run:
         self.executor.hub.send_sync("progress_state", {"prompt_id": self.prompt_id, "nodes": nodes})
 
     def check_interrupt(self) -> None:
-        if self.executor.interrupt_flag:
-            self.executor.interrupt_flag = False
-            raise InterruptProcessingError("Processing interrupted")
+        """comfy.model_management.throw_exception_if_processing_interrupted(): the only place an
+        interrupt can land. A deaf prompt leaves the flag set, so it lands at a later check."""
+        if not self.executor.interrupt_flag:
+            return
+        if self.deaf_until is not None and time.monotonic() < self.deaf_until:
+            return
+        self.executor.interrupt_flag = False
+        raise InterruptProcessingError("Processing interrupted")
 
     async def progress(self, value: int, total: int) -> None:
         """The progress hook main.py installs: interrupt check, progress_state, then progress
@@ -121,12 +148,18 @@ class Executor:
         self.client_id: str | None = None
         self.last_node_id: str | None = None
         self.running_prompt_id: str | None = None
+        self.current: _Run | None = None
         self.interrupt_flag = False
         # None: no /free pending; else whether it asked for free_memory.
         self.free_requested: bool | None = None
 
     def interrupt(self) -> None:
         self.interrupt_flag = True
+        run = self.current
+        deaf_for = run.faults.ignore_interrupt_s if run is not None else None
+        if run is not None and deaf_for is not None and run.deaf_until is None:
+            run.deaf_until = time.monotonic() + deaf_for
+            log.info("fault: ignoring interrupt", prompt_id=run.prompt_id, seconds=deaf_for)
 
     def request_free(self, free_memory: bool) -> None:
         """POST /free acts between prompts: now when idle, else after the running prompt."""
@@ -151,16 +184,18 @@ class Executor:
                 # A simulator bug must not kill the worker: log it and keep serving the queue.
                 log.exception("simulator failure while running a prompt", prompt_id=item[1])
                 self.queue.running.pop(task_id, None)
+                self.stats.ended_at[str(item[1])] = time.time()
                 self.running_prompt_id = None
+                self.current = None
 
     async def run_item(self, item: QueueItem, task_id: int) -> None:
         _number, prompt_id, prompt, extra_data, outputs = item
         started = time.perf_counter()
+        self.stats.started_at[prompt_id] = time.time()
+        self.stats.ended_at.pop(prompt_id, None)
         self.running_prompt_id = prompt_id
         self.interrupt_flag = False
         faults = self.faults.take_for_prompt()
-        sim_opts = extra_data.get("sim") if isinstance(extra_data.get("sim"), dict) else {}
-        delay_ms = sim_opts.get("step_delay_ms", self.settings.step_delay_ms)
         run = _Run(
             self,
             prompt_id,
@@ -168,8 +203,10 @@ class Executor:
             extra_data,
             extra_data.get("client_id"),
             faults,
-            float(delay_ms) / 1000,
+            sim_option(extra_data, "step_delay_ms", self.settings.step_delay_ms) / 1000,
+            sim_option(extra_data, "ms_per_megapixel", self.settings.ms_per_megapixel),
         )
+        self.current = run
         self.client_id = run.client_id
         self.hub.watch_prompt(run.client_id, faults.drop_after, faults.stall_s, faults.stall_after)
         outcome, result = await self._execute(run, outputs)
@@ -181,10 +218,12 @@ class Executor:
             "messages": run.messages,
         }
         self.queue.task_done(task_id, result, status)
+        self.stats.ended_at[prompt_id] = time.time()
         run.to_client("executing", {"node": None, "prompt_id": prompt_id})
         self.stats.executed[prompt_id] = outcome
         self.stats.executions[prompt_id] += 1
         self.running_prompt_id = None
+        self.current = None
         log.info(
             "Prompt executed",
             prompt_id=prompt_id,
@@ -221,16 +260,14 @@ class Executor:
         else:
             run.add_message("execution_success", {"prompt_id": run.prompt_id}, broadcast=False)
         result: dict[str, Any] = {"outputs": {}, "meta": {}}
-        for node_id in run.prompt:
-            entry = self.cache.get(sigs.get(node_id, ""))
-            if entry is not None and entry.ui is not None:
-                result["outputs"][node_id] = entry.ui
-                result["meta"][node_id] = {
-                    "node_id": node_id,
-                    "display_node": node_id,
-                    "parent_node": None,
-                    "real_node_id": node_id,
-                }
+        for node_id, ui in run.ui_outputs.items():
+            result["outputs"][node_id] = ui
+            result["meta"][node_id] = {
+                "node_id": node_id,
+                "display_node": node_id,
+                "parent_node": None,
+                "real_node_id": node_id,
+            }
         self.last_node_id = None
         return outcome, result
 
@@ -239,7 +276,11 @@ class Executor:
     ) -> Exception | None:
         cached = self.cache.get(sig)
         if cached is not None:
-            # A cached output node re-announces its old output, without `executing`.
+            # A cached output node re-announces its old output, without `executing`. ComfyUI
+            # copies it into the history only when the prompt has a client: a fully cached
+            # prompt without client_id ends with empty history outputs.
+            if run.client_id is not None and cached.ui is not None:
+                run.ui_outputs[node_id] = cached.ui
             run.to_client(
                 "executed",
                 {
@@ -254,7 +295,7 @@ class Executor:
         node = run.prompt[node_id]
         run.node_id = node_id
         run.current_inputs = {}
-        run.set_progress(node_id, "running", 0, 1)
+        run.set_progress(node_id, "running", 0.0, 1.0)  # floats, as start_progress() sets them
         try:
             inputs = self._inputs(run, node)
             run.current_inputs = {name: [format_value(v)] for name, v in inputs.items()}
@@ -272,6 +313,7 @@ class Executor:
             log.error("!!! Exception during processing !!!", node_id=node_id, error=str(ex))
             return ex
         if result.ui:
+            run.ui_outputs[node_id] = result.ui
             run.to_client(
                 "executed",
                 {

@@ -1,9 +1,21 @@
 """Simulator-only fault injection (POST /sim/faults), so tests can make the ComfyUI side misbehave
 on purpose. None of this exists in ComfyUI.
 
-One-shot faults (`drop_ws_after_events`, `stall_ws_s`, `oom_next`, `cuda_error_next`) are taken by
-the next prompt that starts executing; `history_delay_ms` stays until changed or reset. After a
-CUDA error every prompt fails the same way until POST /free or POST /sim/reset.
+One-shot faults (`drop_ws_after_events`, `stall_ws_s`, `oom_next`, `cuda_error_next`,
+`ignore_interrupt_s`) are taken by the next prompt that starts executing; `history_delay_ms` stays
+until changed or reset. After a CUDA error every prompt fails the same way until POST /free or
+POST /sim/reset.
+
+`ignore_interrupt_s: X` makes that prompt deaf to interrupts: the first POST /interrupt that hits
+it while it runs (its own prompt_id, or a global one) starts an X-second window; the request is
+answered 200 as always, but every interrupt check inside the window (node boundaries, KSampler
+steps) lets the prompt go on. The interrupt stays pending, so it lands at the first check after
+the window: exactly what a real node without a progress hook (a model load, a big VAE decode)
+does to an interrupt. If the prompt ends inside the window, the interrupt never lands. The
+simulator logs "fault: ignoring interrupt" when the window opens.
+
+Nodes that never check at all are not a fault: image nodes take `ms_per_megapixel` per megapixel
+without checking, and SimSleep sleeps its `seconds` without checking.
 """
 
 from __future__ import annotations
@@ -53,6 +65,8 @@ class FaultConfig(BaseModel):
     # The next prompt fails at its first KSampler (or first executed node if it has none).
     oom_next: bool = False
     cuda_error_next: bool = False
+    # The next prompt ignores interrupts until X s after the first one that hits it (see above).
+    ignore_interrupt_s: float | None = Field(default=None, gt=0)
     # Delay between execution_success and the history entry being written (persistent).
     history_delay_ms: float | None = Field(default=None, ge=0)
 
@@ -66,6 +80,7 @@ class PromptFaults:
     stall_after: int = 1
     oom: bool = False
     cuda_error: bool = False
+    ignore_interrupt_s: float | None = None
 
 
 class FaultState:
@@ -85,6 +100,7 @@ class FaultState:
             stall_after=armed.stall_after_events,
             oom=armed.oom_next,
             cuda_error=armed.cuda_error_next or self.cuda_broken,
+            ignore_interrupt_s=armed.ignore_interrupt_s,
         )
         if armed.cuda_error_next:
             self.cuda_broken = True
@@ -94,6 +110,7 @@ class FaultState:
                 "stall_ws_s": None,
                 "oom_next": False,
                 "cuda_error_next": False,
+                "ignore_interrupt_s": None,
             }
         )
         return taken

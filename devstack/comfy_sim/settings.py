@@ -17,6 +17,10 @@ DEFAULT_CHECKPOINTS = (
     "sd_xl_base_1.0.safetensors",
 )
 
+# Small enough that a 512x512 graph spends about a millisecond per image node, so demos and
+# tests that do not care about node time are not slowed down.
+DEFAULT_MS_PER_MEGAPIXEL = 5.0
+
 
 class SimSettings(BaseModel):
     """Everything `create_app` needs; the CLI flags map one to one onto these fields."""
@@ -30,6 +34,11 @@ class SimSettings(BaseModel):
     # ComfyUI keeps previews in <base>/temp; by default the simulator puts it next to output_dir.
     temp_dir: Path | None = None
     step_delay_ms: float = Field(default=100, ge=0)
+    # What an image node (EmptyImage, ImageBlur, VAEDecode, SaveImage, ...) costs per megapixel
+    # of width * height * batch. Small by default so demo graphs stay quick, yet non-zero so a
+    # big image makes a node that runs for a while without any progress hook (per prompt:
+    # extra_data.sim.ms_per_megapixel).
+    ms_per_megapixel: float = Field(default=DEFAULT_MS_PER_MEGAPIXEL, ge=0)
     # ComfyUI's --max-upload-size, in MB: bodies above it answer 413.
     max_upload_size_mb: float = Field(default=100, gt=0)
     # ComfyUI's --cache-none: never reuse node outputs between prompts.

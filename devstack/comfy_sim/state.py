@@ -121,6 +121,12 @@ class SimStats:
     executed: dict[str, str] = field(default_factory=dict)  # success | error | interrupted
     executions: Counter[str] = field(default_factory=Counter)
     ws_connections: int = 0  # accepted since start/reset
+    # Epoch seconds (time.time()) per prompt_id: when it entered the running queue, and when it
+    # left it (success, error or interrupted; the history entry is written at that same moment).
+    # Both describe a prompt_id's latest run: a re-run drops the old `ended_at` when it starts,
+    # so a started prompt without `ended_at` is still in the running queue.
+    started_at: dict[str, float] = field(default_factory=dict)
+    ended_at: dict[str, float] = field(default_factory=dict)
 
     def reset(self) -> None:
         fresh = SimStats()
@@ -138,4 +144,6 @@ class SimStats:
             "executions": dict(self.executions),
             "ws_connections": self.ws_connections,
             "ws_open": ws_open,
+            "started_at": dict(self.started_at),
+            "ended_at": dict(self.ended_at),
         }

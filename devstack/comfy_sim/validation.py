@@ -234,9 +234,11 @@ class _Validator:
                 input_config=config,
                 received_value=val,
             )
-        if isinstance(input_type, list) and val not in input_type:
-            big = len(input_type) > 20
-            listing = f"(list of length {len(input_type)})" if big else str(input_type)
+        # V1 choices are the type itself; a V3 COMBO keeps them in its options.
+        options = opts.get("options", []) if input_type == "COMBO" else input_type
+        if isinstance(options, list) and val not in options:
+            big = len(options) > 20
+            listing = f"(list of length {len(options)})" if big else str(options)
             return _error(
                 "value_not_in_list",
                 "Value not in list",
