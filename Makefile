@@ -4,7 +4,12 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: install demo test lint bench down clean
+.PHONY: install demo test test-real-comfyui lint down clean
+
+# A real ComfyUI 0.8.0 (CPU only, no models) from the project's shared folder, for
+# `make test-real-comfyui`; the first install brings torch (several GB, a few minutes).
+REAL_COMFYUI     ?= ../shared/comfyui/real-comfyui
+REAL_COMFYUI_DIR ?= .cache/real-comfyui
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +30,13 @@ demo-chaos: $(STAMP)
 ## test: unit, workflow (time-skipping), integration (real Temporal + SeaweedFS + simulator)
 test: $(STAMP)
 	$(BIN)/pytest -q
+
+## test-real-comfyui: the conformance suite and an end-to-end subset against a real ComfyUI
+test-real-comfyui: $(STAMP)
+	@test -x $(REAL_COMFYUI) || { echo "no $(REAL_COMFYUI): set REAL_COMFYUI=path/to/real-comfyui" >&2; exit 2; }
+	$(REAL_COMFYUI) install $(REAL_COMFYUI_DIR)
+	REAL_COMFYUI_DIR=$(abspath $(REAL_COMFYUI_DIR)) $(BIN)/pytest -q \
+		tests/test_comfy_sim_conformance.py tests/test_real_comfyui.py
 
 ## lint: ruff (format + check) and mypy
 lint: $(STAMP)

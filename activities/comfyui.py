@@ -212,7 +212,12 @@ class ComfyActivities:
         try:
             return await stop_step(client, req, self._pools.health, bound)
         except ComfyError as exc:
-            raise from_comfy(exc, "stopping the prompt") from exc
+            # Expected while a backend restarts, and the workflow asks again: one line per
+            # check, the traceback only for the last one.
+            bound.warning("stop_check_unreachable", error=str(exc), exc_info=req.final)
+            return StopCheck(
+                at=datetime.now(UTC), position="unreachable", message=f"{type(exc).__name__}: {exc}"
+            )
 
     @activity.defn(name="teardown_prompt")
     async def teardown_prompt(self, req: TeardownInput) -> TeardownResult:

@@ -157,10 +157,16 @@ class PromptFollower:
         async with websockets.connect(
             self.client.ws_url(self.req.client_id), max_size=None, open_timeout=10
         ) as ws:
+            self.last_routed = time.monotonic()
             if self.req.graph is not None and self.checkpoint.submitted_at is None:
                 await self._submit(self.req.graph)
-            self.last_routed = time.monotonic()
-            await self._reconcile()
+                # Nothing can have been missed on a socket opened before the submission: the
+                # events (buffered if the prompt ran at once) tell the rest, not /history.
+                place = await self.client.queue_place(self.req.prompt_id)
+                if place.where == "pending":
+                    await self._set_stage("queued", place.position)
+            else:
+                await self._reconcile()
             while not self.succeeded:
                 if await self._next_event(ws):
                     self.last_routed = time.monotonic()

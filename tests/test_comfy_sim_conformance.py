@@ -24,6 +24,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from devstack.comfy_sim import SimSettings, create_app
 from devstack.comfy_sim.__main__ import parse_args
+from devstack.real_comfyui import RealComfyUI
 from tests.comfy_sim_support import (
     HOOKLESS_EXTRA,
     PRIMITIVES,
@@ -47,15 +48,28 @@ from tests.comfy_sim_support import (
     slow_graph,
     summary,
 )
+from tests.conftest import free_port
 
 REAL_URL = os.environ.get("COMFYUI_URL")
-sim_only = pytest.mark.skipif(bool(REAL_URL), reason="simulator only (/sim, Sim nodes, faults)")
+# `make test-real-comfyui`: a real ComfyUI installed there, started by this module.
+REAL_DIR = os.environ.get("REAL_COMFYUI_DIR")
+sim_only = pytest.mark.skipif(
+    bool(REAL_URL or REAL_DIR), reason="simulator only (/sim, Sim nodes, faults)"
+)
 
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
     if REAL_URL:
         yield Target(REAL_URL.rstrip("/"), is_sim=False)
+        return
+    if REAL_DIR:
+        real = RealComfyUI(Path(REAL_DIR), free_port())
+        real.start()
+        try:
+            yield Target(real.url, is_sim=False)
+        finally:
+            real.stop()
         return
     with run_simulator(tmp_path_factory.mktemp("comfy_sim")) as url:
         yield Target(url, is_sim=True)

@@ -509,3 +509,18 @@ async def test_stop_past_the_teardown_horizon_fails_the_teardown_naming_the_prom
 
 async def _is_set(event: asyncio.Event) -> bool:
     return event.is_set()
+
+
+async def test_stop_checks_go_on_while_the_backend_cannot_be_reached(
+    clean_env: WorkflowEnvironment,
+) -> None:
+    backend = FakeBackend(Script(block_in="follow_prompt", stop_unreachable_checks=3))
+    async with job_worker(clean_env.client, backend) as tq:
+        handle = await start_job(clean_env.client, tq, request())
+        await eventually(lambda: _is_set(backend.blocked))
+        await handle.signal(SIGNAL_CANCEL, CancelRequest(reason="stop it"))
+        status, _ = await outcome(handle)
+    assert status.state == JobState.CANCELLED
+    assert status.teardown.state == "CONFIRMED", status.teardown
+    assert [s.action for s in status.teardown.steps] == ["check_failed", "interrupted"]
+    assert "refused" in status.teardown.steps[0].detail

@@ -122,7 +122,9 @@ async def test_failure_ends_failed_with_typed_error_after_teardown(
     if torn_down:
         assert backend.teardowns[0].prompt_id is not None
         # What teardown saw is recorded, never "already finished" for a prompt never queued.
-        expected = "never_queued" if fail_in == "submit_prompt" else "interrupted"
+        expected = {"submit_prompt": "never_queued", "offload_outputs": "finished"}.get(
+            fail_in, "interrupted"
+        )
         assert [step.action for step in status.teardown.steps] == [expected]
 
 

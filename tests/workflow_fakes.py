@@ -112,6 +112,8 @@ class Script:
     advance: bool = True  # whether each later attempt reports one step more (progress)
     # Stop checks that still find the prompt running before it is gone (-1: never gone).
     stop_running_checks: int = 0
+    # Stop checks (the first ones) that cannot reach the backend at all.
+    stop_unreachable_checks: int = 0
 
 
 class FakeBackend:
@@ -254,6 +256,8 @@ class FakeBackend:
         self.interrupted.set()
         await self._enter("stop_prompt")
         now = datetime.now(UTC)
+        if len(self.teardowns) <= self.script.stop_unreachable_checks:
+            return StopCheck(at=now, position="unreachable", message="ComfyUnavailable: refused")
         checks = self.script.stop_running_checks
         if checks < 0 or len(self.teardowns) <= checks:
             return StopCheck(at=now, position="running", action="interrupt_sent")

@@ -123,7 +123,8 @@ class StopCheck(_Model):
     """What one check saw and did."""
 
     at: datetime
-    position: Literal["pending", "running", "gone"]
+    # "unreachable": the backend could not be asked (`message` says why); ask again later.
+    position: Literal["pending", "running", "gone", "unreachable"]
     action: Literal["none", "dequeued", "interrupt_sent"] = "none"
     # Once gone: how the backend's own record says the prompt ended ("unknown": no record).
     ended: Literal["success", "interrupted", "error", "unknown"] | None = None

@@ -146,6 +146,9 @@ class PromptStop:
             return None
 
     def _note(self, check: StopCheck, *, submitted: bool, settled: bool) -> None:
+        if check.position == "unreachable":
+            self._add("check_failed", at_check=check, detail=check.message)
+            return
         if check.freed_memory:
             self._freed = True
             self._add("freed_memory", at_check=check)

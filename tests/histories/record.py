@@ -1,7 +1,8 @@
 """Record the committed replay histories: `python -m tests.histories.record`.
 
-Runs InferenceJob on the time-skipping server with the stand-in activities through four endings
-(completed, cancelled, abandoned, reconnected) and writes each history as JSON beside this file.
+Runs InferenceJob on the time-skipping server with the stand-in activities through its endings
+(completed, cancelled, abandoned, reconnected; from v3 also stopped_slowly and lost) and
+writes each history as JSON beside this file.
 Never overwrite a recording: after a `workflow.patched()` change, record a new set with a
 suffix (`python -m tests.histories.record -v2`) so both the old and the new paths replay.
 """
@@ -53,6 +54,17 @@ SCENARIOS: dict[str, Scenario] = {
     ),
     "reconnected": (
         Script(follow_failures=[ErrorType.CONNECTION_LOST] * 3),
+        {"abandon_after_s": None},
+        None,
+    ),
+    # v3 on: a stop confirmed over several checks, and a prompt the backend lost.
+    "stopped_slowly": (
+        Script(block_in="follow_prompt", stop_running_checks=3),
+        {"abandon_after_s": None},
+        cancel_soon,
+    ),
+    "lost": (
+        Script(follow_failures=[ErrorType.PROMPT_LOST]),
         {"abandon_after_s": None},
         None,
     ),

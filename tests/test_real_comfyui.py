@@ -1,0 +1,285 @@
+"""End to end against a real ComfyUI 0.8.0 (CPU, no models): `make test-real-comfyui`.
+
+Skipped unless REAL_COMFYUI_DIR names a real ComfyUI installed by the shared `real-comfyui
+install DIR` (the make target installs it into .cache/real-comfyui). The rest of the stack is
+the usual one (Temporal dev server, SeaweedFS) and the workers are `python worker.py`
+subprocesses whose `comfyui` pool is the real server. Graphs are model-free: big blurs stand in
+for slow GPU nodes, since ImageBlur has no progress hook and ignores interrupts until it ends.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import pytest_asyncio
+
+from activities.storage import ArtifactStore
+from devstack.chaos.graphs import chaos_policy
+from devstack.chaos.harness import ChaosCase, ChaosStack, SimControl, StepWatcher, Timeline
+from devstack.real_comfyui import RealComfyUI
+from starter.connection import connect_temporal
+from tests.conftest import StackConfigFactory, free_port
+from workflows.contracts import JobRequest, JobState, JobStatus
+from workflows.shared import ErrorType
+
+REAL_DIR = os.environ.get("REAL_COMFYUI_DIR")
+pytestmark = pytest.mark.skipif(
+    not REAL_DIR, reason="needs a real ComfyUI: make test-real-comfyui (REAL_COMFYUI_DIR)"
+)
+
+BLUR_NODE = "2"
+SAVE_NODE = "3"
+JOB_DEADLINE_S = 180.0
+GOT_PROMPT = "got prompt"  # ComfyUI logs this line once per accepted POST /prompt
+
+
+def blur_graph(size: int, batch: int, *, radius: int = 31, prefix: str = "real") -> dict[str, Any]:
+    """EmptyImage -> ImageBlur -> SaveImage. On 2 CPU cores a radius-31 blur of 1536x1536 x4
+    takes ~12 s and of 2048x2048 x4 ~20 s; a fresh colour keeps ComfyUI's cache out of it."""
+    return {
+        "1": {
+            "class_type": "EmptyImage",
+            "inputs": {
+                "width": size,
+                "height": size,
+                "batch_size": batch,
+                "color": uuid.uuid4().int % 0xFFFFFF,
+            },
+        },
+        BLUR_NODE: {
+            "class_type": "ImageBlur",
+            "inputs": {"image": ["1", 0], "blur_radius": radius, "sigma": 10.0},
+        },
+        SAVE_NODE: {
+            "class_type": "SaveImage",
+            "inputs": {"images": [BLUR_NODE, 0], "filename_prefix": prefix},
+        },
+    }
+
+
+class RealEnv:
+    def __init__(
+        self, stack: ChaosStack, real: RealComfyUI, store: ArtifactStore, http: httpx.AsyncClient
+    ) -> None:
+        self.stack = stack
+        self.real = real
+        self.store = store
+        self.http = http
+
+
+@pytest.fixture(scope="module")
+def real_comfyui() -> Iterator[RealComfyUI]:
+    assert REAL_DIR is not None
+    real = RealComfyUI(Path(REAL_DIR), free_port())
+    real.start()
+    try:
+        yield real
+    finally:
+        real.stop()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def real_env(
+    stack_config_factory: StackConfigFactory, real_comfyui: RealComfyUI
+) -> AsyncIterator[RealEnv]:
+    config = stack_config_factory("real")
+    stack = await ChaosStack.start(config, Path(config.state_dir).parent)
+    try:
+        async with (
+            httpx.AsyncClient(trust_env=False, timeout=30.0) as http,
+            ArtifactStore(stack.s3_settings()) as store,
+        ):
+            yield RealEnv(stack, real_comfyui, store, http)
+    finally:
+        await stack.stop()
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def case(
+    real_env: RealEnv, tmp_path: Path, request: pytest.FixtureRequest
+) -> AsyncIterator[ChaosCase]:
+    real = real_env.real
+    if not real.alive:  # an earlier test may have failed with it down
+        await real.restart_async()
+    temporal = await connect_temporal(
+        real_env.stack.running.temporal_address, real_env.stack.running.namespace
+    )
+    name = "real-" + request.node.name.removeprefix("test_").split("[")[0].replace("_", "-")[:18]
+    control = SimControl(real.url, real_env.http)  # only ComfyUI's own routes are used
+    async with StepWatcher(real.url) as watcher:
+        chaos = ChaosCase(
+            real_env.stack,
+            temporal,
+            real_env.store,
+            control,
+            watcher,
+            tmp_path,
+            name=name,
+            comfyui_url=real.url,
+        )
+        try:
+            yield chaos
+        finally:
+            leftovers = await chaos.cleanup()
+            for timeline in chaos.timelines:
+                print(f"==== timeline of {timeline.job_id} ====\n{timeline.render()}")
+            for worker in chaos.workers.workers:
+                print(f"==== {worker.name} log ====\n{worker.log_tail(60)}")
+    assert leftovers == [], f"worker processes still running after the test: {leftovers}"
+
+
+def explain(final: JobStatus, timeline: Timeline) -> str:
+    return f"final: {final.model_dump_json(indent=1)}\ntimeline:\n{timeline.render()}"
+
+
+async def history(env: RealEnv, prompt_id: str) -> dict[str, Any]:
+    response = await env.http.get(f"{env.real.url}/history/{prompt_id}")
+    response.raise_for_status()
+    entry: dict[str, Any] = response.json().get(prompt_id, {})
+    return entry
+
+
+def assert_artifact_is_comfyuis_file(env: RealEnv, final: JobStatus, node: str) -> None:
+    """The stored object is byte for byte the file ComfyUI wrote (sha256 of both)."""
+    [artifact] = [a for a in final.artifacts if a.node_id == node]
+    filename = artifact.key.rsplit("/", 1)[-1]
+    matches = list(env.real.output_dir.rglob(filename))
+    assert len(matches) == 1, (filename, matches)
+    on_disk = matches[0].read_bytes()
+    assert len(on_disk) == artifact.size
+    assert hashlib.sha256(on_disk).hexdigest() == artifact.sha256
+
+
+async def test_happy_path_stores_comfyuis_own_file(case: ChaosCase, real_env: RealEnv) -> None:
+    await case.workers.start()
+    log_from = real_env.real.log_size()
+    job_id = await case.submit(JobRequest(graph=blur_graph(256, 1, radius=3)))
+    async with case.timeline(job_id) as timeline:
+        final = await timeline.wait_terminal(timeout_s=JOB_DEADLINE_S)
+    assert final.state == JobState.COMPLETED, explain(final, timeline)
+    assert_artifact_is_comfyuis_file(real_env, final, SAVE_NODE)
+    stored = await case.store.head(final.artifacts[0].key)
+    assert stored is not None and stored.sha256 == final.artifacts[0].sha256
+    assert final.checkpoint is not None and sorted(final.checkpoint.nodes_done) == ["1", "2", "3"]
+    assert final.teardown.state == "CONFIRMED"
+    assert [s.action for s in final.teardown.steps] == ["finished"]
+    assert real_env.real.log_text(log_from).count(GOT_PROMPT) == 1
+    await case.assert_nothing_left(job_id)
+
+
+async def test_linked_save_prefix_completes_with_its_artifact(
+    case: ChaosCase, real_env: RealEnv
+) -> None:
+    graph = blur_graph(128, 1, radius=3)
+    prefix = f"linked-{uuid.uuid4().hex[:8]}/out"
+    graph["4"] = {"class_type": "PrimitiveString", "inputs": {"value": prefix}}
+    graph[SAVE_NODE]["inputs"]["filename_prefix"] = ["4", 0]
+    await case.workers.start()
+    job_id = await case.submit(JobRequest(graph=graph))
+    async with case.timeline(job_id) as timeline:
+        final = await timeline.wait_terminal(timeout_s=JOB_DEADLINE_S)
+    assert final.state == JobState.COMPLETED, explain(final, timeline)
+    assert_artifact_is_comfyuis_file(real_env, final, SAVE_NODE)
+    # Named by the linked string, not by the run tag: found from the prompt's own record.
+    assert list(real_env.real.output_dir.glob(prefix.split("/")[0] + "/*.png"))
+    await case.assert_nothing_left(job_id)
+
+
+async def test_rejected_graph_fails_with_comfyuis_reason_and_queues_nothing(
+    case: ChaosCase, real_env: RealEnv
+) -> None:
+    graph = blur_graph(64, 1)
+    graph[BLUR_NODE]["inputs"]["blur_radius"] = 0
+    await case.workers.start()
+    log_from = real_env.real.log_size()
+    job_id = await case.submit(JobRequest(graph=graph))
+    async with case.timeline(job_id) as timeline:
+        final = await timeline.wait_terminal(timeout_s=JOB_DEADLINE_S)
+    assert final.state == JobState.FAILED, explain(final, timeline)
+    assert final.error is not None and final.error.type == ErrorType.PROMPT_REJECTED
+    message = final.error.message
+    assert "node 2 (ImageBlur): input 'blur_radius': Value 0 smaller than min of 1" in message
+    assert GOT_PROMPT not in real_env.real.log_text(log_from)
+    assert [s.action for s in final.teardown.steps] == ["never_queued"]
+    await case.assert_nothing_left(job_id)
+
+
+async def test_worker_sigkill_mid_node_reattaches_and_runs_the_prompt_once(
+    case: ChaosCase, real_env: RealEnv
+) -> None:
+    worker = await case.workers.start()
+    log_from = real_env.real.log_size()
+    job_id = await case.submit(JobRequest(graph=blur_graph(1536, 4), policy=chaos_policy()))
+    async with case.timeline(job_id) as timeline:
+        await timeline.wait_for(
+            lambda s: s.progress.node == BLUR_NODE, timeout_s=60, what="the blur runs"
+        )
+        await worker.kill()
+        timeline.mark("worker killed (SIGKILL)")
+        await worker.start()
+        timeline.mark("worker restarted")
+        final = await timeline.wait_terminal(timeout_s=JOB_DEADLINE_S)
+    assert final.state == JobState.COMPLETED, explain(final, timeline)
+    assert real_env.real.log_text(log_from).count(GOT_PROMPT) == 1, "submitted exactly once"
+    assert final.reconnects >= 1, explain(final, timeline)
+    assert_artifact_is_comfyuis_file(real_env, final, SAVE_NODE)
+    await case.assert_nothing_left(job_id)
+
+
+async def test_comfyui_killed_and_restarted_mid_prompt_is_resubmitted_once(
+    case: ChaosCase, real_env: RealEnv
+) -> None:
+    await case.workers.start()
+    log_from = real_env.real.log_size()
+    job_id = await case.submit(JobRequest(graph=blur_graph(1536, 4), policy=chaos_policy()))
+    async with case.timeline(job_id) as timeline:
+        await timeline.wait_for(
+            lambda s: s.progress.node == BLUR_NODE, timeout_s=60, what="the blur runs"
+        )
+        await real_env.real.restart_async()
+        timeline.mark("ComfyUI killed (SIGKILL) and restarted: queue and history lost")
+        final = await timeline.wait_terminal(timeout_s=JOB_DEADLINE_S)
+    assert final.state == JobState.COMPLETED, explain(final, timeline)
+    # Once before the crash, once after it: the restarted ComfyUI provably lost the prompt.
+    assert real_env.real.log_text(log_from).count(GOT_PROMPT) == 2
+    assert_artifact_is_comfyuis_file(real_env, final, SAVE_NODE)
+    await case.assert_nothing_left(job_id)
+
+
+async def test_cancel_during_a_slow_node_ends_only_when_the_prompt_is_gone(
+    case: ChaosCase, real_env: RealEnv
+) -> None:
+    await case.workers.start()
+    job_id = await case.submit(JobRequest(graph=blur_graph(2048, 4), policy=chaos_policy()))
+    async with case.timeline(job_id) as timeline:
+        await timeline.wait_for(
+            lambda s: s.progress.node == BLUR_NODE, timeout_s=60, what="the blur runs"
+        )
+        await case.client.cancel(job_id, "real test: cancel during a blur")
+        timeline.mark("cancelled during the blur")
+        final = await timeline.wait_terminal(timeout_s=JOB_DEADLINE_S)
+        queue_at_end = await case.sim.queue()
+    assert final.state == JobState.CANCELLED, explain(final, timeline)
+    assert final.checkpoint is not None and final.checkpoint.prompt_id is not None
+    prompt_id = final.checkpoint.prompt_id
+    assert prompt_id not in queue_at_end.running + queue_at_end.pending
+    entry = await history(real_env, prompt_id)
+    events = {event: data for event, data in entry["status"]["messages"]}
+    assert "execution_interrupted" in events, entry["status"]
+    assert final.updated_at is not None
+    assert events["execution_interrupted"]["timestamp"] / 1000 <= final.updated_at.timestamp()
+    assert final.teardown.state == "CONFIRMED", final.teardown
+    actions = [s.action for s in final.teardown.steps]
+    assert actions == ["interrupt_sent", "interrupted"], final.teardown
+    sent, landed = final.teardown.steps
+    # The blur ignores the interrupt until it ends: seconds, not a step.
+    assert (landed.at - sent.at).total_seconds() >= 3.0, final.teardown
+    assert not [a for a in final.artifacts if a.node_id == SAVE_NODE], "the save never ran"
+    await case.assert_nothing_left(job_id)
