@@ -27,6 +27,7 @@ from devstack.models import RunningStack
 from starter import JobClient, JobRequest, JobState
 from starter.connection import connect_temporal
 from worker import run_worker
+from workflows.contracts import JobPolicy
 from workflows.shared import ErrorType
 
 ROOT = Path(__file__).parent.parent
@@ -76,6 +77,14 @@ async def sim_prompts(stack: RunningStack) -> dict[str, int]:
     response.raise_for_status()
     prompts: dict[str, int] = response.json()["prompts"]
     return prompts
+
+
+async def sim_stats(stack: RunningStack) -> dict[str, Any]:
+    async with httpx.AsyncClient(trust_env=False) as http:
+        response = await http.get(f"{stack.comfyui_url}/sim/stats")
+    response.raise_for_status()
+    stats: dict[str, Any] = response.json()
+    return stats
 
 
 def example() -> dict[str, Any]:
@@ -347,7 +356,11 @@ async def test_a_prompt_queued_behind_another_waits_with_its_place_then_runs(
         "2": {"class_type": "PreviewImage", "inputs": {"images": ["1", 0]}},
     }
     await sim_post(local_stack, "/prompt", {"prompt": blocker, "prompt_id": str(uuid.uuid4())})
-    submitted = await worker.client.submit(JobRequest(graph=example()))
+    sockets_before = (await sim_stats(local_stack))["ws_connections"]
+    # Polls every second, and a *running* prompt's socket silent for two polls is reopened:
+    # a waiting prompt's socket must stay as it is.
+    policy = JobPolicy(heartbeat_timeout_s=3.0, abandon_after_s=None)
+    submitted = await worker.client.submit(JobRequest(graph=example(), policy=policy))
     seen = [s async for s in worker.client.watch(submitted.job_id, poll_interval_s=0.05)]
     states = [s.state for s in seen]
     assert states[-1] == JobState.COMPLETED, seen[-1].error
@@ -358,6 +371,24 @@ async def test_a_prompt_queued_behind_another_waits_with_its_place_then_runs(
     first_running = states.index(JobState.RUNNING)
     assert first_running > states.index(JobState.WAITING)
     assert all(s.progress.queue_position is None for s in seen[first_running:])
+    sockets = (await sim_stats(local_stack))["ws_connections"] - sockets_before
+    assert sockets == 1, f"the waiting job's socket was reopened {sockets - 1} time(s)"
+
+
+async def test_a_save_prefix_linked_from_a_primitive_string_completes_with_its_artifact(
+    worker: RunningWorker, local_stack: RunningStack
+) -> None:
+    graph = example()
+    graph["30"] = {"class_type": "PrimitiveString", "inputs": {"value": "linked/render"}}
+    graph["9"]["inputs"]["filename_prefix"] = ["30", 0]
+    submitted = await worker.client.submit(JobRequest(graph=graph))
+    final = await worker.client.wait(submitted.job_id)
+    assert final.state == JobState.COMPLETED, final.error
+    [artifact] = final.artifacts
+    assert artifact.node_id == "9" and artifact.key.endswith(".png")
+    assert artifact.key.rsplit("/", 1)[-1].startswith("render_")
+    stored = await worker.store.head(artifact.key)
+    assert stored is not None and stored.sha256 == artifact.sha256
 
 
 async def test_a_graph_comfyui_rejects_fails_with_comfyuis_reason_and_queues_nothing(

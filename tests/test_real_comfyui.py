@@ -27,6 +27,7 @@ from devstack.real_comfyui import RealComfyUI
 from starter.connection import connect_temporal
 from tests.conftest import StackConfigFactory, free_port
 from workflows.contracts import JobRequest, JobState, JobStatus
+from workflows.inference_job import safe_tag
 from workflows.shared import ErrorType
 
 REAL_DIR = os.environ.get("REAL_COMFYUI_DIR")
@@ -37,7 +38,12 @@ pytestmark = pytest.mark.skipif(
 BLUR_NODE = "2"
 SAVE_NODE = "3"
 JOB_DEADLINE_S = 180.0
-GOT_PROMPT = "got prompt"  # ComfyUI logs this line once per accepted POST /prompt
+
+
+def accepted_prompts(log: str) -> int:
+    """POST /prompt answers ComfyUI queued, from its own log: it logs "got prompt" for every
+    POST and "invalid prompt: ..." for those it rejected."""
+    return log.count("got prompt") - log.count("invalid prompt:")
 
 
 def blur_graph(size: int, batch: int, *, radius: int = 31, prefix: str = "real") -> dict[str, Any]:
@@ -146,15 +152,28 @@ async def history(env: RealEnv, prompt_id: str) -> dict[str, Any]:
     return entry
 
 
-def assert_artifact_is_comfyuis_file(env: RealEnv, final: JobStatus, node: str) -> None:
-    """The stored object is byte for byte the file ComfyUI wrote (sha256 of both)."""
-    [artifact] = [a for a in final.artifacts if a.node_id == node]
-    filename = artifact.key.rsplit("/", 1)[-1]
-    matches = list(env.real.output_dir.rglob(filename))
-    assert len(matches) == 1, (filename, matches)
-    on_disk = matches[0].read_bytes()
-    assert len(on_disk) == artifact.size
-    assert hashlib.sha256(on_disk).hexdigest() == artifact.sha256
+def assert_artifacts_are_comfyuis_files(
+    env: RealEnv, final: JobStatus, node: str, count: int = 1, folder: str | None = None
+) -> None:
+    """Each stored object is byte for byte the file ComfyUI wrote (sha256 of both).
+
+    The file is looked up in the run's own folder on ComfyUI (`dc_<job>_<segment>_...` for a
+    literal prefix) or in `folder` (a linked prefix names its own).
+    """
+    artifacts = [a for a in final.artifacts if a.node_id == node]
+    assert len(artifacts) == count, final.artifacts
+    run_folder = f"dc_{safe_tag(final.job_id)}_"
+    for artifact in artifacts:
+        filename = artifact.key.rsplit("/", 1)[-1]
+        matches = [
+            path
+            for path in env.real.output_dir.rglob(filename)
+            if (path.parent.name == folder if folder else path.parent.name.startswith(run_folder))
+        ]
+        assert len(matches) == 1, (filename, matches)
+        on_disk = matches[0].read_bytes()
+        assert len(on_disk) == artifact.size
+        assert hashlib.sha256(on_disk).hexdigest() == artifact.sha256
 
 
 async def test_happy_path_stores_comfyuis_own_file(case: ChaosCase, real_env: RealEnv) -> None:
@@ -164,13 +183,13 @@ async def test_happy_path_stores_comfyuis_own_file(case: ChaosCase, real_env: Re
     async with case.timeline(job_id) as timeline:
         final = await timeline.wait_terminal(timeout_s=JOB_DEADLINE_S)
     assert final.state == JobState.COMPLETED, explain(final, timeline)
-    assert_artifact_is_comfyuis_file(real_env, final, SAVE_NODE)
+    assert_artifacts_are_comfyuis_files(real_env, final, SAVE_NODE)
     stored = await case.store.head(final.artifacts[0].key)
     assert stored is not None and stored.sha256 == final.artifacts[0].sha256
     assert final.checkpoint is not None and sorted(final.checkpoint.nodes_done) == ["1", "2", "3"]
     assert final.teardown.state == "CONFIRMED"
     assert [s.action for s in final.teardown.steps] == ["finished"]
-    assert real_env.real.log_text(log_from).count(GOT_PROMPT) == 1
+    assert accepted_prompts(real_env.real.log_text(log_from)) == 1
     await case.assert_nothing_left(job_id)
 
 
@@ -186,9 +205,8 @@ async def test_linked_save_prefix_completes_with_its_artifact(
     async with case.timeline(job_id) as timeline:
         final = await timeline.wait_terminal(timeout_s=JOB_DEADLINE_S)
     assert final.state == JobState.COMPLETED, explain(final, timeline)
-    assert_artifact_is_comfyuis_file(real_env, final, SAVE_NODE)
     # Named by the linked string, not by the run tag: found from the prompt's own record.
-    assert list(real_env.real.output_dir.glob(prefix.split("/")[0] + "/*.png"))
+    assert_artifacts_are_comfyuis_files(real_env, final, SAVE_NODE, folder=prefix.split("/")[0])
     await case.assert_nothing_left(job_id)
 
 
@@ -206,7 +224,8 @@ async def test_rejected_graph_fails_with_comfyuis_reason_and_queues_nothing(
     assert final.error is not None and final.error.type == ErrorType.PROMPT_REJECTED
     message = final.error.message
     assert "node 2 (ImageBlur): input 'blur_radius': Value 0 smaller than min of 1" in message
-    assert GOT_PROMPT not in real_env.real.log_text(log_from)
+    assert accepted_prompts(real_env.real.log_text(log_from)) == 0
+    assert (await case.sim.queue()).empty
     assert [s.action for s in final.teardown.steps] == ["never_queued"]
     await case.assert_nothing_left(job_id)
 
@@ -227,9 +246,9 @@ async def test_worker_sigkill_mid_node_reattaches_and_runs_the_prompt_once(
         timeline.mark("worker restarted")
         final = await timeline.wait_terminal(timeout_s=JOB_DEADLINE_S)
     assert final.state == JobState.COMPLETED, explain(final, timeline)
-    assert real_env.real.log_text(log_from).count(GOT_PROMPT) == 1, "submitted exactly once"
+    assert accepted_prompts(real_env.real.log_text(log_from)) == 1, "submitted exactly once"
     assert final.reconnects >= 1, explain(final, timeline)
-    assert_artifact_is_comfyuis_file(real_env, final, SAVE_NODE)
+    assert_artifacts_are_comfyuis_files(real_env, final, SAVE_NODE, count=4)
     await case.assert_nothing_left(job_id)
 
 
@@ -248,8 +267,8 @@ async def test_comfyui_killed_and_restarted_mid_prompt_is_resubmitted_once(
         final = await timeline.wait_terminal(timeout_s=JOB_DEADLINE_S)
     assert final.state == JobState.COMPLETED, explain(final, timeline)
     # Once before the crash, once after it: the restarted ComfyUI provably lost the prompt.
-    assert real_env.real.log_text(log_from).count(GOT_PROMPT) == 2
-    assert_artifact_is_comfyuis_file(real_env, final, SAVE_NODE)
+    assert accepted_prompts(real_env.real.log_text(log_from)) == 2
+    assert_artifacts_are_comfyuis_files(real_env, final, SAVE_NODE, count=4)
     await case.assert_nothing_left(job_id)
 
 
