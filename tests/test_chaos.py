@@ -95,10 +95,7 @@ async def case(
         finally:
             leftovers = await chaos.cleanup()
             # Captured output: pytest shows it only when the test failed, which is when it helps.
-            for timeline in chaos.timelines:
-                print(f"==== timeline of {timeline.job_id} ====\n{timeline.render()}")
-            for worker in chaos.workers.workers:
-                print(f"==== {worker.name} log ({worker.log_file}) ====\n{worker.log_tail(80)}")
+            print(chaos.report())
     assert leftovers == [], f"worker processes still running after the test: {leftovers}"
 
 

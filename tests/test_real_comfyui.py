@@ -134,10 +134,8 @@ async def case(
             yield chaos
         finally:
             leftovers = await chaos.cleanup()
-            for timeline in chaos.timelines:
-                print(f"==== timeline of {timeline.job_id} ====\n{timeline.render()}")
-            for worker in chaos.workers.workers:
-                print(f"==== {worker.name} log ====\n{worker.log_tail(60)}")
+            # Captured output: pytest shows it only when the test failed, which is when it helps.
+            print(chaos.report())
     assert leftovers == [], f"worker processes still running after the test: {leftovers}"
 
 

@@ -305,33 +305,20 @@ class InferenceJob:
         graph: dict[str, object],
         total_steps: int,
     ) -> Checkpoint:
-        client_id = f"dc-{workflow.uuid4()}"
-        self._client_id = client_id
-        self._prompt_id = prompt_id
-        checkpoint = Checkpoint(
-            job_id=self._status.job_id,
-            segment=segment,
-            prompt_id=prompt_id,
-            client_id=client_id,
-            total_steps=total_steps or prepared.nodes_total,
-            updated_at=workflow.now(),
-        )
-        # Recorded before the request goes out: a cancel mid-submit must still find the prompt.
-        self._status.checkpoint = checkpoint
+        """Before v3: a submit activity of its own, then the follow activity."""
+        checkpoint = self._new_submission(prepared, segment, prompt_id, total_steps)
         self._book.set_state(JobState.SUBMITTING)
         await calls.submit(
             SubmitInput(
                 job_id=self._status.job_id,
                 pool=prepared.pool,
                 prompt_id=prompt_id,
-                client_id=client_id,
+                client_id=checkpoint.client_id or "",
                 segment=segment,
                 graph=graph,
             ),
             self._request.policy,
         )
-        if self._status.backend is not None:
-            self._status.backend.provider_job_id = prompt_id
         self._book.mark_progress()
         return checkpoint
 

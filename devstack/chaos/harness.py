@@ -190,6 +190,14 @@ class ChaosCase:
         leaked = await self.store.list_multipart_uploads(f"{output_prefix}/{job_id}/")
         assert leaked == [], f"unfinished multipart uploads left in S3: {leaked}"
 
+    def report(self) -> str:
+        """Every timeline and worker log tail: what one needs to see when the test failed."""
+        parts = [f"==== timeline of {t.job_id} ====\n{t.render()}" for t in self.timelines]
+        parts += [
+            f"==== {w.name} log ({w.log_file}) ====\n{w.log_tail(80)}" for w in self.workers.workers
+        ]
+        return "\n".join(parts)
+
     async def cleanup(self) -> list[int]:
         """Teardown after a test, passed or not: stop leftovers so the next test starts clean.
 

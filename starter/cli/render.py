@@ -48,6 +48,10 @@ async def stream_progress(statuses: AsyncIterator[JobStatus], console: Console) 
 def _detail(status: JobStatus) -> str:
     progress = status.progress
     parts = []
+    if progress.queue_position is not None:
+        parts.append(f"#{progress.queue_position} in the backend's queue")
+    if status.teardown.state == "STOPPING":
+        parts.append("waiting for the prompt to stop")
     if progress.total_steps:
         parts.append(f"{progress.step}/{progress.total_steps} {progress.unit}")
     if progress.segments > 1:
