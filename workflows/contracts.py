@@ -35,6 +35,11 @@ class JobState(StrEnum):
     FAILED = "FAILED"
     CANCELLED = "CANCELLED"
     ABANDONED = "ABANDONED"
+    # Never set by the job itself: clients report these from Temporal's own record when the
+    # workflow was ended from outside (`temporal workflow terminate`, a run timeout), which
+    # skips the job's teardown.
+    TERMINATED = "TERMINATED"
+    TIMED_OUT = "TIMED_OUT"
 
     @property
     def terminal(self) -> bool:
@@ -42,7 +47,14 @@ class JobState(StrEnum):
 
 
 TERMINAL_STATES = frozenset(
-    {JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED, JobState.ABANDONED}
+    {
+        JobState.COMPLETED,
+        JobState.FAILED,
+        JobState.CANCELLED,
+        JobState.ABANDONED,
+        JobState.TERMINATED,
+        JobState.TIMED_OUT,
+    }
 )
 
 
@@ -232,6 +244,15 @@ class Teardown(_Model):
     steps: list[TeardownStep] = Field(default_factory=list)
 
 
+class Decision(_Model):
+    """Why a NEEDS_DECISION job waits, and what each way out does."""
+
+    reason: str
+    # choice -> what it does and costs ("resume --resubmit": ..., "cancel": ...)
+    options: dict[str, str] = Field(default_factory=dict)
+    since: datetime | None = None
+
+
 class JobStatus(_Model):
     """What every client sees, by query, poll or push."""
 
@@ -245,6 +266,8 @@ class JobStatus(_Model):
     backend: BackendInfo | None = None
     reconnects: int = 0
     teardown: Teardown = Field(default_factory=Teardown)
+    # Set while NEEDS_DECISION (and kept afterwards for the record).
+    decision: Decision | None = None
     detached: bool = False
     # The client-contact horizon: no contact for this long abandons the job (None: detached).
     abandon_after_s: float | None = None

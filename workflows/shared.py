@@ -18,7 +18,12 @@ SIGNAL_PROGRESS: Final = "progress"
 SIGNAL_CLIENT_SEEN: Final = "client_seen"
 SIGNAL_CANCEL: Final = "cancel"
 SIGNAL_RESUME: Final = "resume"
+# Records the reason for a Temporal cancel that follows it (the job then ends Canceled).
+SIGNAL_CANCEL_REASON: Final = "cancel_reason"
 UPDATE_ATTACH: Final = "attach"
+# `resume` as an update: refused with a reason unless the job is NEEDS_DECISION; answers with
+# the status once the job acted on it.
+UPDATE_RESUME: Final = "resume"
 
 # Search attributes registered on the server (temporal-dev.yaml lists them too).
 SA_JOB_STATE: Final = "JobState"
@@ -49,4 +54,5 @@ class ErrorType:
     TIMEOUT: Final = "Timeout"
     TEARDOWN_FAILED: Final = "TeardownFailed"
     CANCELLED: Final = "Cancelled"
+    RESUME_REFUSED: Final = "ResumeRefused"  # the resume update's refusal (the job goes on)
     ABANDONED: Final = "Abandoned"
