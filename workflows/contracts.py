@@ -250,7 +250,19 @@ class Decision(_Model):
     reason: str
     # choice -> what it does and costs ("resume --resubmit": ..., "cancel": ...)
     options: dict[str, str] = Field(default_factory=dict)
+    # Whether a plain resume (no resubmit) can re-attach to anything.
+    reattach_possible: bool = False
     since: datetime | None = None
+
+
+class Notice(_Model):
+    """A message the job received but could not use as sent (what was dropped, and why)."""
+
+    at: datetime
+    message: str
+
+
+MAX_NOTICES = 20
 
 
 class JobStatus(_Model):
@@ -268,6 +280,8 @@ class JobStatus(_Model):
     teardown: Teardown = Field(default_factory=Teardown)
     # Set while NEEDS_DECISION (and kept afterwards for the record).
     decision: Decision | None = None
+    # The latest messages the job could not use as sent (at most MAX_NOTICES).
+    notices: list[Notice] = Field(default_factory=list)
     detached: bool = False
     # The client-contact horizon: no contact for this long abandons the job (None: detached).
     abandon_after_s: float | None = None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from datetime import timedelta
+from typing import Any
 
 from pydantic import BaseModel, ValidationError
 from temporalio import workflow
@@ -32,6 +33,7 @@ with workflow.unsafe.imports_passed_through():
         BackendInfo,
         CancelRequest,
         Checkpoint,
+        Decision,
         JobError,
         JobRequest,
         JobState,
@@ -44,13 +46,16 @@ with workflow.unsafe.imports_passed_through():
     from workflows.failures import FailureKind, classify, job_error, recovered_progress
     from workflows.graph import apply_overrides, with_unique_save_prefixes
     from workflows.job_book import POOL_KEY, JobBook
+    from workflows.messages import M, lenient_message, strict_message
     from workflows.shared import (
         QUERY_STATUS,
         SIGNAL_CANCEL,
+        SIGNAL_CANCEL_REASON,
         SIGNAL_CLIENT_SEEN,
         SIGNAL_PROGRESS,
         SIGNAL_RESUME,
         UPDATE_ATTACH,
+        UPDATE_RESUME,
         WORKFLOW_TYPE,
         ErrorType,
     )
@@ -123,36 +128,99 @@ class InferenceJob:
         self._v3 = False
         self._stopper = PromptStop(self._book, request.policy)
         self._early_stop: asyncio.Task[None] | None = None
+        self._cancel_reason: str | None = None
 
     # -- messages ---------------------------------------------------------------------------
 
+    # Every handler takes `Any` and reads it in workflows/messages.py: a plain client may send
+    # nothing, `{}` or a misspelt field, and a signature that cannot take it would fail every
+    # workflow task from then on.
+
     @workflow.query(name=QUERY_STATUS)
-    def status(self) -> JobStatus:
+    def status(self, _ignored: Any = None) -> JobStatus:
         return self._status
 
     @workflow.signal(name=SIGNAL_PROGRESS)
-    def progress(self, report: ProgressReport) -> None:
+    def progress(self, payload: Any = None) -> None:
+        try:
+            report = ProgressReport.model_validate(payload)
+        except ValidationError as exc:
+            self._book.notice(f"progress: ignored a malformed report ({exc.error_count()} errors)")
+            return
         if report.attempt_client_id != self._client_id or self._status.terminal:
             return
         self._book.apply_progress(report, stage_changes=self._v3 and self._stop is None)
 
     @workflow.signal(name=SIGNAL_CLIENT_SEEN)
-    def client_seen(self) -> None:
+    def client_seen(self, _ignored: Any = None) -> None:
         self._contact()
 
     @workflow.update(name=UPDATE_ATTACH)
-    def attach(self) -> JobStatus:
+    def attach(self, payload: Any = None) -> JobStatus:
         self._contact()
         return self._status
 
+    @attach.validator
+    def _validate_attach(self, payload: Any = None) -> None:
+        if payload not in (None, {}):
+            raise ValueError("attach takes no argument (or {})")
+
     @workflow.signal(name=SIGNAL_CANCEL)
-    def cancel(self, request: CancelRequest) -> None:
+    def cancel(self, payload: Any = None) -> None:
+        request = self._read(CancelRequest, payload, "cancel", scalar_field="reason")
         self._request_stop(JobState.CANCELLED, ErrorType.CANCELLED, request.reason)
 
+    @workflow.signal(name=SIGNAL_CANCEL_REASON)
+    def cancel_reason(self, payload: Any = None) -> None:
+        """The reason for a Temporal cancel that follows (JobClient.cancel sends both)."""
+        request = self._read(CancelRequest, payload, "cancel_reason", scalar_field="reason")
+        self._cancel_reason = request.reason
+
     @workflow.signal(name=SIGNAL_RESUME)
-    def resume(self, request: ResumeRequest) -> None:
+    def resume(self, payload: Any = None) -> None:
+        message, notes = lenient_message(ResumeRequest, payload, scalar_field="resubmit")
         self._contact()
-        self._resume = request
+        if notes:
+            # A decision is not guessed from a garbled message (was `resubmt` meant?).
+            self._book.notice(f"resume: ignored, nothing done: {'; '.join(notes)}")
+            return
+        if self._status.state != JobState.NEEDS_DECISION:
+            self._book.notice(f"resume: ignored, the job is {self._status.state.value}")
+            return
+        self._resume = message
+
+    @workflow.update(name=UPDATE_RESUME)
+    async def resume_update(self, payload: Any = None) -> JobStatus:
+        """Continue a NEEDS_DECISION job; answers once the job has left that state."""
+        self._contact()
+        self._resume = ResumeRequest.model_validate(payload or {})
+        await workflow.wait_condition(lambda: self._status.state != JobState.NEEDS_DECISION)
+        return self._status
+
+    @resume_update.validator
+    def _validate_resume(self, payload: Any = None) -> None:
+        request = strict_message(ResumeRequest, payload, what="resume")
+        state = self._status.state
+        if state != JobState.NEEDS_DECISION:
+            raise ValueError(
+                f"the job is {state.value}: resume only continues a job that waits for a "
+                "decision (NEEDS_DECISION)"
+            )
+        decision = self._status.decision
+        if not request.resubmit and decision is not None and not decision.reattach_possible:
+            raise ValueError(
+                f"cannot re-attach: {decision.reason}. Resume with resubmit=true "
+                f"({decision.options.get('resume --resubmit', 'run the prompt again')}), or "
+                "cancel the job"
+            )
+
+    def _read(
+        self, model: type[M], payload: Any, what: str, *, scalar_field: str | None = None
+    ) -> M:
+        message, notes = lenient_message(model, payload, scalar_field=scalar_field)
+        for note in notes:
+            self._book.notice(f"{what}: {note}")
+        return message
 
     # -- the process ------------------------------------------------------------------------
 
@@ -182,7 +250,9 @@ class InferenceJob:
                 # Temporal's cancel (UI button, handle.cancel()) takes the cancel signal's path.
                 self._cancelled_via_temporal = True
                 self._request_stop(
-                    JobState.CANCELLED, ErrorType.CANCELLED, "cancelled via Temporal"
+                    JobState.CANCELLED,
+                    ErrorType.CANCELLED,
+                    self._cancel_reason or "cancelled via Temporal",
                 )
             outcome = await self._settle_work()
         except BaseException as err:
@@ -442,6 +512,7 @@ class InferenceJob:
             )
         if lost_before and policy == "pause":
             self._resume = None
+            self._status.decision = self._lost_prompt_decision(checkpoint)
             self._book.set_state(JobState.NEEDS_DECISION)
             await workflow.wait_condition(lambda: self._resume is not None)
             assert self._resume is not None
@@ -453,6 +524,26 @@ class InferenceJob:
         if self._v3:
             return self._new_submission(prepared, segment, prompt_id, checkpoint.total_steps)
         return await self._submit(prepared, segment, prompt_id, graph, checkpoint.total_steps)
+
+    def _lost_prompt_decision(self, checkpoint: Checkpoint) -> Decision:
+        total = checkpoint.total_steps or self._status.progress.total_steps
+        unit = self._status.progress.unit
+        return Decision(
+            reason=(
+                f"the backend lost prompt {checkpoint.prompt_id} again after "
+                f"{self._resubmits + 1} submission(s): it is neither queued, running nor in "
+                "its history (a ComfyUI restart forgets both)"
+            ),
+            options={
+                "resume --resubmit": (
+                    f"submit it once more: it runs again from the start ({total} {unit}), "
+                    "paid for again; outputs already stored are kept"
+                ),
+                "cancel": "end the job as CANCELLED; outputs already stored are kept",
+            },
+            reattach_possible=False,
+            since=workflow.now(),
+        )
 
     # -- stopping and compensation ----------------------------------------------------------
 

@@ -7,11 +7,20 @@ glance without a history event per progress step.
 
 from __future__ import annotations
 
+from datetime import datetime
+
 from temporalio import workflow
 from temporalio.common import SearchAttributeKey
 
 with workflow.unsafe.imports_passed_through():
-    from workflows.contracts import Artifact, JobState, JobStatus, ProgressReport
+    from workflows.contracts import (
+        MAX_NOTICES,
+        Artifact,
+        JobState,
+        JobStatus,
+        Notice,
+        ProgressReport,
+    )
     from workflows.shared import SA_JOB_POOL, SA_JOB_PROGRESS, SA_JOB_STATE
 
 STATE_KEY = SearchAttributeKey.for_keyword(SA_JOB_STATE)
@@ -28,6 +37,7 @@ class JobBook:
         self._last_coarse_progress = -1
         # Where the backend last said the prompt is: waiting in its queue, or running.
         self.backend_state = JobState.RUNNING
+        self._pace_from: tuple[datetime, float] | None = None
 
     def apply_progress(self, report: ProgressReport, *, stage_changes: bool = False) -> None:
         progress = self.status.progress
@@ -64,6 +74,14 @@ class JobBook:
         if self.status.state in following and self.status.state != self.backend_state:
             self.set_state(self.backend_state)
 
+    def notice(self, message: str) -> None:
+        """Record a message the job could not use as sent (bounded: the latest ones)."""
+        workflow.logger.warning("job %s: %s", self.status.job_id, message)
+        notices = self.status.notices
+        notices.append(Notice(at=workflow.now(), message=message))
+        del notices[:-MAX_NOTICES]
+        self.touch()
+
     def mark_progress(self) -> None:
         self.last_progress_at = workflow.now()
 
@@ -81,6 +99,8 @@ class JobBook:
     def touch(self) -> None:
         self.status.seq += 1
         self.status.updated_at = workflow.now()
+        # Current details cost no history event: keep the Temporal UI as current as a query.
+        workflow.set_current_details(self.details())
 
     def set_state(self, state: JobState) -> None:
         changed = state != self.status.state
@@ -103,18 +123,59 @@ class JobBook:
             workflow.upsert_search_attributes([PROGRESS_KEY.value_set(coarse)])
 
     def details(self) -> str:
+        """The Temporal UI's "Current Details": the job at a glance, in Markdown."""
         status = self.status
-        lines = [f"**{status.state.value}** — {int(status.progress.fraction * 100)} %"]
-        if status.state == JobState.WAITING and status.progress.queue_position is not None:
-            lines.append(f"place {status.progress.queue_position} in the backend's queue")
+        progress = status.progress
+        head = f"**{status.state.value}** — {int(progress.fraction * 100)} %"
+        if progress.total_steps:
+            head += f" ({progress.step}/{progress.total_steps} {progress.unit}"
+            head += f", segment {progress.segment + 1}/{progress.segments})"
+        lines = [head]
+        if status.state == JobState.WAITING and progress.queue_position is not None:
+            lines.append(f"place {progress.queue_position} in the backend's queue")
+        eta = self._eta_s()
+        if eta is not None:
+            lines.append(f"about {_duration(eta)} to go")
         if status.backend:
-            lines.append(f"pool `{status.backend.pool}`")
+            where = f"pool `{status.backend.pool}`"
+            if progress.node and status.state == JobState.RUNNING:
+                where += f", node {progress.node}"
+            lines.append(where)
         if status.reconnects:
             lines.append(f"{status.reconnects} reconnect(s)")
         if status.error:
             lines.append(f"error `{status.error.type}`: {status.error.message}")
+        if status.decision and status.state == JobState.NEEDS_DECISION:
+            lines.append(f"waiting for a decision: {status.decision.reason}")
+            lines.extend(
+                f"- `{choice}`: {what}" for choice, what in status.decision.options.items()
+            )
         if status.artifacts:
             lines.append(f"{len(status.artifacts)} artifact(s) stored")
         if status.teardown.state != "PENDING":
             lines.append(f"teardown {status.teardown.state}: {status.teardown.detail}")
         return "  \n".join(lines)
+
+    def _eta_s(self) -> float | None:
+        """From the pace since the first step was reported; None until there is one."""
+        fraction = self.status.progress.fraction
+        if self.status.state != JobState.RUNNING or fraction >= 1.0:
+            return None
+        if self._pace_from is None:
+            if fraction > 0:
+                self._pace_from = (workflow.now(), fraction)
+            return None
+        since, start = self._pace_from
+        done = fraction - start
+        if done < 0.02:
+            return None
+        elapsed = (workflow.now() - since).total_seconds()
+        return elapsed / done * (1.0 - fraction)
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"

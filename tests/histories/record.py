@@ -26,8 +26,23 @@ from tests.workflow_fakes import (
     start_job,
     start_time_skipping,
 )
-from workflows.contracts import CancelRequest, JobPolicy, JobRequest, JobStatus
-from workflows.shared import SIGNAL_CANCEL, ErrorType
+from workflows.contracts import (
+    CancelRequest,
+    JobPolicy,
+    JobRequest,
+    JobState,
+    JobStatus,
+    ResumeRequest,
+)
+from workflows.shared import (
+    QUERY_STATUS,
+    SIGNAL_CANCEL,
+    SIGNAL_CANCEL_REASON,
+    SIGNAL_CLIENT_SEEN,
+    SIGNAL_RESUME,
+    UPDATE_RESUME,
+    ErrorType,
+)
 
 HERE = Path(__file__).parent
 Scenario = tuple[
@@ -38,6 +53,24 @@ Scenario = tuple[
 async def cancel_soon(handle: WorkflowHandle[Any, JobStatus]) -> None:
     await asyncio.sleep(0.5)
     await handle.signal(SIGNAL_CANCEL, CancelRequest(reason="recorded cancel"))
+
+
+async def decide_after_malformed_messages(handle: WorkflowHandle[Any, JobStatus]) -> None:
+    """What plain clients send (nothing, misspelt fields), then the resume update."""
+    for _ in range(100):
+        status = await handle.query(QUERY_STATUS, result_type=JobStatus)
+        if status.state == JobState.NEEDS_DECISION:
+            break
+        await asyncio.sleep(0.05)
+    await handle.signal(SIGNAL_CLIENT_SEEN)
+    await handle.signal(SIGNAL_RESUME, {"resubmt": True})
+    await handle.execute_update(UPDATE_RESUME, ResumeRequest(resubmit=True))
+
+
+async def cancel_with_reason(handle: WorkflowHandle[Any, JobStatus]) -> None:
+    await asyncio.sleep(0.5)
+    await handle.signal(SIGNAL_CANCEL_REASON, CancelRequest(reason="recorded reason"))
+    await handle.cancel()
 
 
 SCENARIOS: dict[str, Scenario] = {
@@ -68,13 +101,26 @@ SCENARIOS: dict[str, Scenario] = {
         {"abandon_after_s": None},
         None,
     ),
+    # v4 on: messages from plain clients, the resume update, a reasoned Temporal cancel.
+    "decided": (
+        Script(follow_failures=[ErrorType.PROMPT_LOST] * 2),
+        {"abandon_after_s": None},
+        decide_after_malformed_messages,
+    ),
+    "canceled_with_reason": (
+        Script(block_in="follow_prompt"),
+        {"abandon_after_s": None},
+        cancel_with_reason,
+    ),
 }
 
 
-async def record(suffix: str = "") -> None:
+async def record(suffix: str = "", only: list[str] | None = None) -> None:
     env = await start_time_skipping()
     try:
         for name, (script, policy, action) in SCENARIOS.items():
+            if only and name not in only:
+                continue
             backend = FakeBackend(script)
             async with job_worker(env.client, backend) as task_queue:
                 request = JobRequest(
@@ -99,4 +145,5 @@ async def record(suffix: str = "") -> None:
 if __name__ == "__main__":
     # `record.py -v2` writes completed-v2.json ...: keep older recordings, they guard the
     # unpatched paths that jobs started before a `workflow.patched()` change still take.
-    asyncio.run(record(sys.argv[1] if len(sys.argv) > 1 else ""))
+    # `record.py -v4 decided lost` records only those scenarios.
+    asyncio.run(record(sys.argv[1] if len(sys.argv) > 1 else "", sys.argv[2:]))
