@@ -20,6 +20,7 @@ from activities.comfyui import ComfyActivities, ComfyPools
 from activities.comfyui_follow import FollowActivities
 from activities.comfyui_offload import OffloadActivities
 from activities.log_setup import configure_logging
+from activities.orphans import OrphanSweeper
 from activities.settings import WorkerSettings
 from activities.storage import ArtifactStore, S3Settings
 from starter.connection import connect_temporal
@@ -77,9 +78,17 @@ async def run_worker(
             pools=sorted(settings.pools),
             namespace=client.namespace,
         )
+        sweeper = OrphanSweeper(client, pools.clients())
+        sweeping: asyncio.Task[None] | None = None
         async with worker:
+            if settings.orphan_sweep_interval_s > 0:
+                sweeping = asyncio.create_task(
+                    sweeper.run(settings.orphan_sweep_interval_s, stop), name="orphan-sweep"
+                )
             await stop.wait()
             log.info("worker_stopping")
+            if sweeping is not None:
+                await sweeping
     log.info("worker_stopped")
 
 

@@ -142,9 +142,16 @@ class ComfyClient:
         return result
 
     async def post_prompt(
-        self, graph: dict[str, Any], *, prompt_id: str, client_id: str
+        self,
+        graph: dict[str, Any],
+        *,
+        prompt_id: str,
+        client_id: str,
+        extra_data: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        body = {"prompt": graph, "prompt_id": prompt_id, "client_id": client_id}
+        body: dict[str, Any] = {"prompt": graph, "prompt_id": prompt_id, "client_id": client_id}
+        if extra_data:
+            body["extra_data"] = extra_data
         response = await self._request("POST", "/prompt", json=body)
         if response.status_code == 400:
             data = response.json()

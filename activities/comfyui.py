@@ -73,6 +73,14 @@ class ComfyPools:
         assert config.url is not None
         return ComfyClient(config.url, self._http)
 
+    def clients(self) -> dict[str, ComfyClient]:
+        """A client for every ComfyUI pool this worker serves."""
+        return {
+            name: ComfyClient(config.url, self._http)
+            for name, config in self._settings.pools.items()
+            if config.kind == "comfyui" and config.url
+        }
+
 
 class ComfyActivities:
     def __init__(self, pools: ComfyPools, store: ArtifactStore) -> None:

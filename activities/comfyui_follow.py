@@ -39,6 +39,7 @@ from activities.errors import (
     history_failure,
     retryable,
 )
+from activities.orphans import prompt_tag
 from activities.pool_health import PoolHealth
 from activities.progress import ProgressTracker
 from activities.storage import ArtifactStore
@@ -200,7 +201,10 @@ class PromptFollower:
             self.log.info("submit_already_known")
         else:
             answer = await self.client.post_prompt(
-                graph, prompt_id=self.req.prompt_id, client_id=self.req.client_id
+                graph,
+                prompt_id=self.req.prompt_id,
+                client_id=self.req.client_id,
+                extra_data=prompt_tag(self.req.job_id, self.req.segment),
             )
             dropped = answer.get("node_errors") or {}
             if dropped:

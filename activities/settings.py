@@ -25,6 +25,8 @@ class WorkerSettings(BaseModel):
     default_pool: str = "comfyui"
     pools: dict[str, PoolConfig] = Field(default_factory=dict)
     max_concurrent_activities: int = 100
+    # How often each worker looks for prompts whose job is over (0: never).
+    orphan_sweep_interval_s: float = Field(60.0, ge=0)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> WorkerSettings:
@@ -48,5 +50,9 @@ class WorkerSettings(BaseModel):
         if environ.get("DURABLE_COMFY_DEFAULT_POOL"):
             settings = settings.model_copy(
                 update={"default_pool": environ["DURABLE_COMFY_DEFAULT_POOL"]}
+            )
+        if environ.get("DURABLE_COMFY_ORPHAN_SWEEP_S"):
+            settings = settings.model_copy(
+                update={"orphan_sweep_interval_s": float(environ["DURABLE_COMFY_ORPHAN_SWEEP_S"])}
             )
         return settings

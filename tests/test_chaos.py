@@ -11,12 +11,14 @@ The stack is this module's own (its services get killed; the session's `local_st
 from __future__ import annotations
 
 import signal
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
 import pytest
 import pytest_asyncio
+from temporalio.client import WorkflowExecutionStatus
 
 from activities.storage import ArtifactStore
 from devstack.chaos.graphs import (
@@ -30,6 +32,7 @@ from devstack.chaos.graphs import (
 )
 from devstack.chaos.harness import (
     DROP_LOGGED,
+    ORPHAN_SWEEP_S,
     STALL_LOGGED,
     ChaosCase,
     ChaosStack,
@@ -436,3 +439,25 @@ async def test_stop_past_the_teardown_horizon_fails_the_teardown_and_holds_the_p
     assert stats.executed.get(prompt_id) == "interrupted"
     assert stats.prompts[done.checkpoint.prompt_id] == 1
     await case.assert_nothing_left(second)
+
+
+# -- (j) terminate: the orphan sweep -------------------------------------------------------------
+
+
+async def test_terminate_mid_job_leaves_an_orphan_that_the_sweep_stops(case: ChaosCase) -> None:
+    worker = await case.workers.start()
+    job_id = await case.submit(JobRequest(graph=sampler_graph(600), policy=chaos_policy()))
+    prompt_id = await case.watcher.wait_step(5, node=SAMPLER_NODE)
+    # What `temporal workflow terminate` does: no teardown runs, the prompt keeps running.
+    await case.client.handle(job_id).terminate(reason="chaos test: terminated from outside")
+    started = time.monotonic()
+    queue = await case.sim.wait_idle(timeout_s=ORPHAN_SWEEP_S * 1.25 + 10)
+    took = time.monotonic() - started
+    assert queue.empty
+    stats = await case.sim.stats()
+    assert stats.executed.get(prompt_id) == "interrupted", stats
+    assert took <= ORPHAN_SWEEP_S * 1.25 + 5, f"swept after {took:.1f} s"
+    assert "orphan_swept" in worker.log_text() and prompt_id in worker.log_text()
+    assert await case.workflow_status(job_id) == WorkflowExecutionStatus.TERMINATED
+    status = await case.client.status(job_id)
+    assert status.state == JobState.TERMINATED, status

@@ -43,6 +43,7 @@ from workflows.contracts import JobRequest
 
 __all__ = [
     "DROP_LOGGED",
+    "ORPHAN_SWEEP_S",
     "STALL_LOGGED",
     "ChaosCase",
     "ChaosStack",
@@ -63,6 +64,7 @@ __all__ = [
 ]
 
 OPEN = WorkflowExecutionStatus.RUNNING
+ORPHAN_SWEEP_S = 2.0
 
 
 def with_step_delay(config: StackConfig, step_delay_ms: int) -> StackConfig:
@@ -129,6 +131,8 @@ class ChaosStack:
             "DURABLE_COMFY_TASK_QUEUE": task_queue,
             "DURABLE_COMFY_POOLS": json.dumps(pools),
             "DURABLE_COMFY_DEFAULT_POOL": "comfyui",
+            # Seconds, not a minute: a test waits for the sweep.
+            "DURABLE_COMFY_ORPHAN_SWEEP_S": str(ORPHAN_SWEEP_S),
         }
 
 
