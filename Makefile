@@ -19,8 +19,9 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 ## demo: start the local stack and a worker, run examples/txt2img.json end to end
+## (CONFIG=path/to/stack.yaml: another stack file, e.g. a copy of temporal-dev.yaml with its ports moved)
 demo: $(STAMP)
-	$(BIN)/python -m devstack.demo
+	$(BIN)/python -m devstack.demo $(if $(CONFIG),--config '$(CONFIG)')
 
 ## demo-chaos: the demo's job with its worker kill -9'ed mid-job and its socket cut; prints the timeline
 .PHONY: demo-chaos

@@ -19,7 +19,7 @@ import structlog
 import typer
 from pydantic import ValidationError
 
-from devstack.config import DEFAULT_CONFIG_PATH, StackConfig, load_stack_config
+from devstack.config import CONFIG_ENV, DEFAULT_CONFIG_PATH, StackConfig, load_stack_config
 from devstack.errors import PortInUseError, StackError
 from devstack.models import RunningStack, ServiceState, StackStatus
 from devstack.stack import stack_status, start_stack, stop_stack
@@ -30,7 +30,15 @@ app = typer.Typer(help="The local stack: Temporal dev server, SeaweedFS S3, Comf
 T = TypeVar("T")
 
 ConfigOpt = Annotated[
-    Path, typer.Option("--config", "-c", help="Stack config file.", show_default=True)
+    Path,
+    typer.Option(
+        "--config",
+        "-c",
+        # .devstack/env exports it: a shell set up for a moved stack runs `dev` against that stack.
+        envvar=CONFIG_ENV,
+        help="Stack config file.",
+        show_default=True,
+    ),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Logs and tracebacks.")]

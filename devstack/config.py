@@ -2,31 +2,69 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 DEFAULT_CONFIG_PATH = Path("temporal-dev.yaml")
+# What `durable-comfy dev` and `make demo` read when no --config is given; .devstack/env exports it.
+CONFIG_ENV = "DURABLE_COMFY_CONFIG"
+
+Port = Annotated[int, Field(ge=1, le=65535)]
+
+# weed's own rule (GrpcPortOffset): a component's gRPC port is its HTTP port + 10000.
+SEAWEED_GRPC_OFFSET = 10000
 
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def _derive_missing(data: Any, model: type[BaseModel], rules: Mapping[str, tuple[str, int]]) -> Any:
+    """Fill each omitted port from the port it belongs with (`key: (base_key, offset)`).
+
+    A file written before a port was listed must not keep that port on its default when the
+    file's other ports are moved: an omitted port follows its base port instead.
+    """
+    if not isinstance(data, dict):
+        return data
+    filled = dict(data)
+    for key, (base_key, offset) in rules.items():
+        if key in filled:
+            continue
+        base = filled.get(base_key, model.model_fields[base_key].default)
+        try:
+            filled[key] = int(base) + offset
+        except (TypeError, ValueError):
+            pass  # the base port itself is invalid, and its own validation says so
+    return filled
+
+
 class TemporalSection(_Section):
     host: str = "127.0.0.1"
-    port: int = 7233
-    ui_port: int = 8233
-    # The dev server picks these at random unless told; explicit ports make conflicts visible.
-    http_port: int = 7243
-    metrics_port: int = 7244
+    port: Port = 7233
+    # The dev server's own default for the UI is port + 1000; HTTP API and metrics it would put on
+    # random ports. Omitted, each follows `port` (the defaults are port + 1000, + 10, + 11).
+    ui_port: Port = 8233
+    http_port: Port = 7243
+    metrics_port: Port = 7244
     namespace: str = "default"
     db_filename: str = "temporal.db"
     log_level: Literal["debug", "info", "warn", "error"] = "warn"
     search_attributes: dict[str, str] = Field(default_factory=dict)
     dynamic_config: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _derive_ports(cls, data: Any) -> Any:
+        return _derive_missing(
+            data,
+            cls,
+            {"ui_port": ("port", 1000), "http_port": ("port", 10), "metrics_port": ("port", 11)},
+        )
 
     @property
     def address(self) -> str:
@@ -39,31 +77,44 @@ class TemporalSection(_Section):
 
 class S3Section(_Section):
     host: str = "127.0.0.1"
-    s3_port: int = 8333
-    master_port: int = 9333
-    volume_port: int = 18080
-    filer_port: int = 8888
-    admin_port: int = 23646
-    webdav_port: int = 7333
-    # `weed mini` opens a gRPC port next to each HTTP one (default HTTP port + 10000); they are set
-    # explicitly so that a clash is found before start, not in the middle of it.
-    master_grpc_port: int = 19333
-    volume_grpc_port: int = 28080
-    filer_grpc_port: int = 18888
-    s3_grpc_port: int = 18333
+    s3_port: Port = 8333
+    master_port: Port = 9333
+    volume_port: Port = 18080
+    filer_port: Port = 8888
     # The admin server listens even with its UI off, on admin_port and admin_port + 10000 (its
-    # maintenance workers assume that offset whatever -admin.port.grpc says). webdav_port must be
-    # free even with WebDAV off: `weed mini` checks it anyway.
+    # maintenance workers assume that offset whatever -admin.port.grpc says), so its gRPC port is
+    # not a setting of its own: moving admin_port moves both.
+    admin_port: Annotated[int, Field(ge=1, le=65535 - SEAWEED_GRPC_OFFSET)] = 23646
+    # `weed mini` checks this port even with WebDAV off.
+    webdav_port: Port = 7333
+    # `weed mini` opens a gRPC port next to each HTTP one. Omitted, each is its HTTP port + 10000,
+    # as weed itself would have it; the launcher always passes them, so a clash is found before
+    # start and never "solved" by weed quietly moving to another port.
+    master_grpc_port: Port = 19333
+    volume_grpc_port: Port = 28080
+    filer_grpc_port: Port = 18888
+    s3_grpc_port: Port = 18333
     admin_ui: bool = False
     webdav: bool = False
-
-    @property
-    def admin_grpc_port(self) -> int:
-        return self.admin_port + 10000
-
     bucket: str = "durable-comfy-artifacts"
     region: str = "us-east-1"
     data_dir: str = "seaweedfs"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _derive_grpc_ports(cls, data: Any) -> Any:
+        return _derive_missing(
+            data,
+            cls,
+            {
+                f"{name}_grpc_port": (f"{name}_port", SEAWEED_GRPC_OFFSET)
+                for name in ("master", "volume", "filer", "s3")
+            },
+        )
+
+    @property
+    def admin_grpc_port(self) -> int:
+        return self.admin_port + SEAWEED_GRPC_OFFSET
 
     @property
     def endpoint_url(self) -> str:
@@ -72,7 +123,7 @@ class S3Section(_Section):
 
 class ComfySimSection(_Section):
     host: str = "127.0.0.1"
-    port: int = 8188
+    port: Port = 8188
     output_dir: str = "comfy-sim/output"
     input_dir: str = "comfy-sim/input"
     step_delay_ms: int = 100

@@ -4,13 +4,19 @@ Starts what is not running (Temporal dev server, SeaweedFS, ComfyUI simulator, a
 the example graph as an attached job, shows its progress, then prints the job ID, the Temporal UI
 link and the artifact's presigned URL after checking the downloaded bytes against the sha256.
 The stack keeps running afterwards so the job can be looked at; `make down` stops it.
+
+`--config PATH` (`make demo CONFIG=PATH`) runs it on another stack file, e.g. a copy of
+temporal-dev.yaml with every port moved; without it, $DURABLE_COMFY_CONFIG, else temporal-dev.yaml.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import hashlib
 import json
+import os
+import shlex
 import sys
 from pathlib import Path
 from urllib.parse import quote
@@ -20,7 +26,7 @@ from rich.console import Console
 
 from activities.log_setup import configure_logging
 from activities.storage import ArtifactStore, S3Settings
-from devstack.config import DEFAULT_CONFIG_PATH, load_stack_config
+from devstack.config import CONFIG_ENV, DEFAULT_CONFIG_PATH, load_stack_config
 from devstack.models import RunningStack
 from devstack.stack import start_stack
 from devstack.worker_process import ensure_worker
@@ -53,11 +59,16 @@ async def fetch_and_check(url: str, sha256: str) -> int:
     return size
 
 
-async def demo(console: Console) -> JobStatus:
-    base_dir = Path.cwd()
-    config = load_stack_config(DEFAULT_CONFIG_PATH)
-    console.print("[bold]Starting the local stack[/] (Temporal dev server, SeaweedFS, ComfyUI sim)")
-    stack = await start_stack(config, base_dir, config_file=DEFAULT_CONFIG_PATH)
+async def demo(console: Console, config_file: Path) -> JobStatus:
+    """`config_file` is absolute: it is what the worker is told to read (DURABLE_COMFY_CONFIG)."""
+    config = load_stack_config(config_file)
+    # As for `durable-comfy dev up`: relative paths in the file resolve against its directory.
+    base_dir = config_file.parent
+    console.print(
+        "[bold]Starting the local stack[/] (Temporal dev server, SeaweedFS, ComfyUI sim)"
+        f" from {config_file}"
+    )
+    stack = await start_stack(config, base_dir, config_file=config_file)
     for name, service in stack.services.items():
         console.print(f"  {name:<12} {service.state:<8} {service.url or ''}")
     worker = await ensure_worker(config, base_dir, stack.worker_env())
@@ -79,21 +90,40 @@ async def demo(console: Console) -> JobStatus:
         if artifact.url:
             size = await fetch_and_check(artifact.url, artifact.sha256)
             console.print(f"  presigned URL checked: {size} bytes, sha256 matches")
+    down = f".venv/bin/durable-comfy dev down --config {shlex.quote(str(config_file))}"
     console.print(
-        "\nThe stack is still running (state in .devstack/). "
-        "Stop it with [bold]make down[/] (or `.venv/bin/durable-comfy dev down`)."
+        f"\nThe stack is still running (state in {stack.state_dir}). Stop it with `{down}`"
+        + (" or [bold]make down[/]." if config_file == DEFAULT_CONFIG_PATH.resolve() else ".")
     )
     console.print(
-        "Try: `. .devstack/env && .venv/bin/durable-comfy status "
+        f"Try: `. {shlex.quote(str(stack.env_file))} && .venv/bin/durable-comfy status "
         f"{final.job_id}`  or the Temporal UI at {stack.temporal_ui}"
     )
     return final
 
 
+def parse_config_path(argv: list[str] | None = None) -> Path:
+    parser = argparse.ArgumentParser(
+        prog="python -m devstack.demo", description="Run one example job on the local stack."
+    )
+    parser.add_argument(
+        "--config",
+        "-c",
+        type=Path,
+        default=Path(os.environ.get(CONFIG_ENV) or DEFAULT_CONFIG_PATH),
+        help=f"stack config file (default: ${CONFIG_ENV}, else {DEFAULT_CONFIG_PATH})",
+    )
+    config: Path = parser.parse_args(argv).config
+    return config
+
+
 def main() -> None:
+    config_file = parse_config_path().expanduser().resolve()
+    if not config_file.is_file():
+        sys.exit(f"error: config file {config_file} not found")
     configure_logging("WARNING")
     console = Console()
-    final = asyncio.run(demo(console))
+    final = asyncio.run(demo(console, config_file))
     if final.state != JobState.COMPLETED:
         console.print(json.dumps(final.model_dump(mode="json"), indent=2))
         sys.exit(1)

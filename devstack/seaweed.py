@@ -76,6 +76,13 @@ def write_identities(path: Path, creds: S3Credentials) -> None:
     write_atomic(path, json.dumps(identities, indent=2) + "\n", mode=0o600)
 
 
+# Port flags of `weed mini` the launcher leaves out, and why: nothing listens on them.
+UNUSED_PORT_FLAGS: dict[str, str] = {
+    "debug.port": "only with -debug, which is passed as false",
+    "s3.debug.port": "unused in mini mode (weed's own help says so)",
+}
+
+
 def _ports(s3: S3Section) -> tuple[tuple[str, int], ...]:
     return (
         ("s3.master_port", s3.master_port),
@@ -144,11 +151,20 @@ def seaweed_argv(config: StackConfig, base_dir: Path, paths: StackPaths) -> tupl
         "volume.port.grpc": s3.volume_grpc_port,
         "filer.port": s3.filer_port,
         "filer.port.grpc": s3.filer_grpc_port,
+        # Unset, the volume server's public port is its own port; said here rather than assumed.
+        "volume.port.public": s3.volume_port,
+        # 0 is "no separate public listener" for the filer, and "off" for the listeners below.
+        "filer.port.public": 0,
         "s3.port": s3.s3_port,
         "s3.port.grpc": s3.s3_grpc_port,
         # Iceberg and Lance catalogs listen on 8181 / 9101 unless turned off.
         "s3.port.iceberg": 0,
         "s3.port.lance": 0,
+        "s3.port.https": 0,
+        "s3.metricsPort": 0,
+        "metricsPort": 0,
+        # With -debug weed would serve pprof on -debug.port (6060).
+        "debug": "false",
         "s3.config": paths.s3_identities,
         "admin.port": s3.admin_port,
         "admin.port.grpc": s3.admin_grpc_port,

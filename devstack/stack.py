@@ -46,6 +46,7 @@ __all__ = [
     "RunningStack",
     "ServiceState",
     "StackStatus",
+    "stack_ports",
     "stack_status",
     "start_service",
     "start_stack",
@@ -65,6 +66,12 @@ def _specs(
         "comfyui_sim": comfy_sim_spec(config, base_dir, paths),
         "temporal": temporal_spec(config, base_dir, paths),
     }
+
+
+def stack_ports(config: StackConfig) -> dict[ServiceName, tuple[tuple[str, int], ...]]:
+    """(config key, port) for every port each service binds: what `up` checks before starting."""
+    specs = _specs(config, Path(config.state_dir), None)
+    return {name: specs[name].ports for name in SERVICE_NAMES}
 
 
 def _running_record(spec: ServiceSpec) -> PidRecord | None:

@@ -30,6 +30,9 @@ def temporal_argv(config: StackConfig, base_dir: Path) -> tuple[str, ...]:
         t.host,
         "--port",
         str(t.port),
+        # The UI would bind --ip anyway; said here so no address or port is the binary's choice.
+        "--ui-ip",
+        t.host,
         "--ui-port",
         str(t.ui_port),
         "--http-port",

