@@ -2,22 +2,35 @@
 
 Everything goes through the Temporal client SDK; the job's state lives in its workflow, so any
 client (this one after a restart, another machine, the Temporal UI) sees the same job.
+
+The job answers the `status` query itself. Temporal's own record of the execution is read as
+well when the job cannot say how it ended: a workflow terminated or timed out from outside never
+runs its own ending, so its last answer stays non-terminal forever.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import random
 import time
 import uuid
 from collections.abc import AsyncIterator
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import structlog
+from pydantic import BaseModel, ConfigDict
 from temporalio.client import (
     Client,
+    RPCTimeoutOrCancelledError,
+    WorkflowExecutionDescription,
+    WorkflowExecutionStatus,
     WorkflowFailureError,
     WorkflowHandle,
+    WorkflowQueryFailedError,
     WorkflowUpdateFailedError,
 )
 from temporalio.common import (
@@ -27,11 +40,24 @@ from temporalio.common import (
     WorkflowIDConflictPolicy,
     WorkflowIDReusePolicy,
 )
-from temporalio.exceptions import WorkflowAlreadyStartedError
-from temporalio.service import RPCError
+from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
+from temporalio.service import RPCError, RPCStatusCode
 
 from starter.connection import connect_temporal
-from starter.errors import ContactLost, JobNotFound
+from starter.errors import (
+    ContactLost,
+    InvalidJobId,
+    JobAlreadyEnded,
+    JobConflict,
+    JobNotFound,
+    JobUnanswered,
+    RequestTooLarge,
+    ResumeRefused,
+    StorageNotConfigured,
+    TemporalUnreachable,
+)
+from starter.execution import STATE_KEY, bare_status, ended_from_outside
+from starter.requests import check_segment_overrides
 from workflows.backoff import reconnect_delay
 from workflows.contracts import (
     Artifact,
@@ -46,20 +72,48 @@ from workflows.contracts import (
 from workflows.shared import (
     DEFAULT_TASK_QUEUE,
     QUERY_STATUS,
-    SA_JOB_STATE,
     SA_TENANT,
-    SIGNAL_CANCEL,
+    SIGNAL_CANCEL_REASON,
     SIGNAL_CLIENT_SEEN,
-    SIGNAL_RESUME,
     UPDATE_ATTACH,
+    UPDATE_RESUME,
     WORKFLOW_TYPE,
 )
 
 if TYPE_CHECKING:
     from activities.storage import ArtifactStore
 
-STATE_KEY = SearchAttributeKey.for_keyword(SA_JOB_STATE)
 TENANT_KEY = SearchAttributeKey.for_keyword(SA_TENANT)
+
+# Memo key holding the sha256 of the submitted request: a second submit under the same ID is
+# compared against it without reading (and decoding) the job's history.
+MEMO_REQUEST_SHA256 = "request_sha256"
+# Temporal's default `limit.blobSize.error`: a start whose input is bigger is rejected.
+MAX_REQUEST_BYTES = 2 * 1024 * 1024
+# Query failures that mean "nobody answered", as opposed to "no such job".
+_UNANSWERED_CODES = frozenset(
+    {RPCStatusCode.CANCELLED, RPCStatusCode.DEADLINE_EXCEEDED, RPCStatusCode.FAILED_PRECONDITION}
+)
+
+log = structlog.get_logger("durable_comfy.client")
+
+
+class SubmitOutcome(BaseModel):
+    """What `JobClient.start` did: started a new job, or found one under that ID."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    job_id: str
+    # True: the ID was in use by a job with the same request; nothing new was started and
+    # `status` is that job's real status (perhaps already ended).
+    existed: bool
+    status: JobStatus
+
+
+def request_sha256(request: JobRequest) -> str:
+    """A fingerprint of the request that ignores key order (graphs come from hand-edited JSON)."""
+    canonical = json.dumps(request.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
 
 
 class JobClient:
@@ -67,6 +121,7 @@ class JobClient:
 
     `store` (an open `activities.storage.ArtifactStore`) is optional: with it, `result` adds
     presigned download URLs; without S3 credentials you still get `s3://` URIs.
+    `query_timeout_s` bounds how long a status query waits for a worker to answer.
     """
 
     def __init__(
@@ -75,10 +130,13 @@ class JobClient:
         *,
         task_queue: str = DEFAULT_TASK_QUEUE,
         store: ArtifactStore | None = None,
+        query_timeout_s: float = 10.0,
     ) -> None:
         self.temporal = client
         self.task_queue = task_queue
         self.store = store
+        self.query_timeout = timedelta(seconds=query_timeout_s)
+        self.max_request_bytes = MAX_REQUEST_BYTES
 
     @classmethod
     async def connect(
@@ -88,25 +146,47 @@ class JobClient:
         *,
         task_queue: str = DEFAULT_TASK_QUEUE,
         store: ArtifactStore | None = None,
+        query_timeout_s: float = 10.0,
     ) -> JobClient:
-        return cls(await connect_temporal(address, namespace), task_queue=task_queue, store=store)
+        """Connect to Temporal; `TemporalUnreachable` when nothing answers there."""
+        try:
+            temporal = await connect_temporal(address, namespace)
+        except RuntimeError as exc:  # how the SDK reports a refused or failed connection
+            raise TemporalUnreachable(address or "the configured address", str(exc)) from exc
+        return cls(temporal, task_queue=task_queue, store=store, query_timeout_s=query_timeout_s)
 
     def handle(self, job_id: str) -> WorkflowHandle[object, JobStatus]:
-        return self.temporal.get_workflow_handle(validate_job_id(job_id), result_type=JobStatus)
+        return self.temporal.get_workflow_handle(checked_job_id(job_id), result_type=JobStatus)
+
+    # -- starting ----------------------------------------------------------------------------
 
     async def submit(
         self, request: JobRequest, *, job_id: str | None = None, detached: bool = False
     ) -> JobStatus:
-        """Start a job, or return the existing one when `job_id` was used before.
+        """`start`, returning only the job's status (new, or the existing job's real one)."""
+        return (await self.start(request, job_id=job_id, detached=detached)).status
+
+    async def start(
+        self, request: JobRequest, *, job_id: str | None = None, detached: bool = False
+    ) -> SubmitOutcome:
+        """Start a job, or find the one already started under `job_id` with this request.
+
+        `job_id` is an idempotency key: the same request under the same ID starts nothing and
+        returns `existed=True` with the job's real status; a different request under it raises
+        `JobConflict`. Requests compare by content (`request_sha256`), not by how the job is
+        followed: `detached` is not part of the comparison.
 
         An attached job (the default) expects to hear from a client: `watch` keeps it alive, and
         after `policy.abandon_after_s` without contact it is abandoned and its GPU work is
         stopped. A detached job runs to the end whoever is listening.
         """
-        job_id = validate_job_id(job_id or f"job-{uuid.uuid4().hex[:16]}")
+        job_id = checked_job_id(job_id or f"job-{uuid.uuid4().hex[:16]}")
+        check_segment_overrides(request.graph, request.segments)
+        fingerprint = request_sha256(request)
         if detached:
             policy = request.policy.model_copy(update={"abandon_after_s": None})
             request = request.model_copy(update={"policy": policy})
+        await self._check_size(request)
         pairs = [SearchAttributePair(STATE_KEY, JobState.QUEUED.value)]
         if tenant := request.labels.get("tenant"):
             pairs.append(SearchAttributePair(TENANT_KEY, tenant))
@@ -116,22 +196,127 @@ class JobClient:
                 request,
                 id=job_id,
                 task_queue=self.task_queue,
-                id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+                # FAIL (not USE_EXISTING) so that an existing job is reported, and compared.
+                id_conflict_policy=WorkflowIDConflictPolicy.FAIL,
                 id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
                 search_attributes=TypedSearchAttributes(pairs),
+                memo={MEMO_REQUEST_SHA256: fingerprint},
             )
         except WorkflowAlreadyStartedError:
-            return await self.status(job_id)
-        return JobStatus(job_id=job_id, state=JobState.QUEUED, detached=request.policy.detached)
+            return await self._existing(job_id, fingerprint)
+        except RPCError as exc:
+            if exc.status == RPCStatusCode.INVALID_ARGUMENT and "size exceeds" in exc.message:
+                # The server's limit may be lower than ours: its word is final.
+                raise RequestTooLarge(await self._request_size(request), None) from exc
+            raise
+        status = JobStatus(
+            job_id=job_id,
+            state=JobState.QUEUED,
+            detached=request.policy.detached,
+            abandon_after_s=request.policy.abandon_after_s,
+        )
+        return SubmitOutcome(job_id=job_id, existed=False, status=status)
+
+    async def _request_size(self, request: JobRequest) -> int:
+        payloads = await self.temporal.data_converter.encode([request])
+        return sum(payload.ByteSize() for payload in payloads)
+
+    async def _check_size(self, request: JobRequest) -> None:
+        size = await self._request_size(request)
+        if size > self.max_request_bytes:
+            raise RequestTooLarge(size, self.max_request_bytes)
+
+    async def _existing(self, job_id: str, fingerprint: str) -> SubmitOutcome:
+        description = await self.handle(job_id).describe()
+        stored = await description.memo_value(MEMO_REQUEST_SHA256, None)
+        if stored is None:
+            # Started by something other than JobClient (the Temporal UI, an older client).
+            log.warning("job_request_not_comparable", job_id=job_id)
+        elif stored != fingerprint:
+            raise JobConflict(job_id, str(stored), fingerprint)
+        status = await self.status(job_id)
+        return SubmitOutcome(job_id=job_id, existed=True, status=status)
+
+    # -- reading ------------------------------------------------------------------------------
 
     async def status(self, job_id: str) -> JobStatus:
+        """The job's status, from the job itself, corrected by Temporal's record when the
+        workflow was ended from outside (TERMINATED, TIMED_OUT)."""
+        status = await self._query(job_id)
+        if status.terminal:
+            return status
+        return await self._reconciled(job_id, status) or status
+
+    async def _query(self, job_id: str) -> JobStatus:
+        handle = self.handle(job_id)
         try:
-            status: JobStatus = await self.handle(job_id).query(QUERY_STATUS, result_type=JobStatus)
+            status: JobStatus = await handle.query(
+                QUERY_STATUS, result_type=JobStatus, rpc_timeout=self.query_timeout
+            )
             return status
         except RPCError as exc:
-            if "not found" in str(exc).lower():
+            if exc.status == RPCStatusCode.NOT_FOUND:
+                raise JobNotFound(job_id) from exc
+            if exc.status not in _UNANSWERED_CODES:
+                raise
+            failure: Exception = exc
+            if exc.status != RPCStatusCode.FAILED_PRECONDITION:
+                failure = TimeoutError(
+                    f"no answer to its status query in {self.query_timeout.total_seconds():g} s"
+                )
+        except WorkflowQueryFailedError as exc:
+            failure = exc
+        return await self._without_worker(job_id, failure)
+
+    async def _without_worker(self, job_id: str, failure: Exception) -> JobStatus:
+        """The status as Temporal alone can give it, when no worker answered the query."""
+        handle = self.handle(job_id)
+        description = await self._describe(job_id)
+        ended = ended_from_outside(job_id, description, None)
+        if ended is not None:
+            return ended
+        if description.status == WorkflowExecutionStatus.COMPLETED:
+            return await handle.result()
+        if description.status == WorkflowExecutionStatus.CANCELED:
+            return bare_status(job_id, description)
+        if description.status == WorkflowExecutionStatus.FAILED:
+            try:
+                await handle.result()
+            except WorkflowFailureError as exc:
+                if isinstance(exc.cause, ApplicationError) and exc.cause.details:
+                    return JobStatus.model_validate(exc.cause.details[0])
+        raise JobUnanswered(job_id, description.task_queue, _short(failure)) from failure
+
+    async def _describe(self, job_id: str) -> WorkflowExecutionDescription:
+        try:
+            return await self.handle(job_id).describe()
+        except RPCError as exc:
+            if exc.status == RPCStatusCode.NOT_FOUND:
                 raise JobNotFound(job_id) from exc
             raise
+
+    async def _reconciled(self, job_id: str, last: JobStatus) -> JobStatus | None:
+        """`last` corrected when Temporal ended the workflow from outside; None otherwise."""
+        return ended_from_outside(job_id, await self._describe(job_id), last)
+
+    async def _ended_status(self, job_id: str) -> JobStatus | None:
+        """The final status when the job has ended, None while it runs (or raise not found)."""
+        description = await self._describe(job_id)
+        if description.status == WorkflowExecutionStatus.RUNNING:
+            return None
+        try:
+            return await self.status(job_id)
+        except JobUnanswered:
+            return bare_status(job_id, description)
+
+    async def _not_found_or_ended(self, job_id: str, exc: RPCError, action: str) -> JobAlreadyEnded:
+        """Temporal says NOT_FOUND both for an unknown ID and for a workflow that has closed."""
+        ended = await self._ended_status(job_id)
+        if ended is None:
+            raise exc
+        return JobAlreadyEnded(job_id, ended, action)
+
+    # -- acting on a job ----------------------------------------------------------------------
 
     async def client_seen(self, job_id: str) -> None:
         await self.handle(job_id).signal(SIGNAL_CLIENT_SEEN)
@@ -139,17 +324,58 @@ class JobClient:
     async def attach(self, job_id: str) -> JobStatus:
         """Tell the job a client is (back) and get its status in one round trip."""
         status: JobStatus = await self.handle(job_id).execute_update(
-            UPDATE_ATTACH, result_type=JobStatus
+            UPDATE_ATTACH, result_type=JobStatus, rpc_timeout=self.query_timeout
         )
         return status
 
-    async def cancel(self, job_id: str, reason: str = "cancelled by a client") -> None:
-        """Stop the job: its prompt is interrupted, finished artifacts are kept, CANCELLED."""
-        await self.handle(job_id).signal(SIGNAL_CANCEL, CancelRequest(reason=reason))
+    async def cancel(self, job_id: str, reason: str = "cancelled by a client") -> JobStatus:
+        """Stop the job: its prompt is interrupted, finished artifacts are kept, CANCELLED.
 
-    async def resume(self, job_id: str, *, resubmit: bool = False) -> None:
-        """Continue a NEEDS_DECISION job: re-attach, or (resubmit=True) run the prompt again."""
-        await self.handle(job_id).signal(SIGNAL_RESUME, ResumeRequest(resubmit=resubmit))
+        The reason is recorded first (`cancel_reason` signal), then Temporal's own cancel is
+        requested, so the workflow also ends Canceled in Temporal. Returns the status the job
+        had when the cancel was sent; `JobAlreadyEnded` (with the final status) when there is
+        nothing left to cancel. Works without a worker: the job stops when one picks it up.
+        """
+        try:
+            current = await self.status(job_id)
+        except JobUnanswered:
+            current = None
+        action = "nothing to cancel"
+        if current is not None and current.terminal:
+            raise JobAlreadyEnded(job_id, current, action)
+        handle = self.handle(job_id)
+        try:
+            await handle.signal(SIGNAL_CANCEL_REASON, CancelRequest(reason=reason))
+            await handle.cancel()
+        except RPCError as exc:
+            if exc.status != RPCStatusCode.NOT_FOUND:
+                raise
+            raise await self._not_found_or_ended(job_id, exc, action) from exc
+        return current or JobStatus(job_id=job_id)
+
+    async def resume(self, job_id: str, *, resubmit: bool = False) -> JobStatus:
+        """Continue a NEEDS_DECISION job: re-attach, or (resubmit=True) run the prompt again.
+
+        Answers with the job's status once it has acted on the decision. A job that is not
+        waiting for a decision, or cannot do what was asked, refuses: `ResumeRefused` with its
+        reason; a job that has ended raises `JobAlreadyEnded`.
+        """
+        handle = self.handle(job_id)
+        try:
+            status: JobStatus = await handle.execute_update(
+                UPDATE_RESUME, ResumeRequest(resubmit=resubmit), result_type=JobStatus
+            )
+            return status
+        except WorkflowUpdateFailedError as exc:
+            cause = exc.cause
+            reason = cause.message if isinstance(cause, ApplicationError) else str(cause or exc)
+            raise ResumeRefused(job_id, reason) from exc
+        except RPCError as exc:
+            if exc.status != RPCStatusCode.NOT_FOUND:
+                raise
+            raise await self._not_found_or_ended(job_id, exc, "nothing to resume") from exc
+
+    # -- following ----------------------------------------------------------------------------
 
     async def watch(
         self,
@@ -158,30 +384,50 @@ class JobClient:
         poll_interval_s: float = 0.5,
         keepalive_s: float | None = None,
         reconnect: ReconnectPolicy | None = None,
+        describe_after_s: float = 5.0,
     ) -> AsyncIterator[JobStatus]:
         """Yield the job's status whenever it changes, the last one terminal.
 
         Polls the `status` query and, for attached jobs, sends `client_seen` about four times
-        per abandonment horizon so the job knows someone is still listening. Transport errors
-        are retried with the same bounded, jittered backoff the workflow uses; past the
+        per abandonment horizon so the job knows someone is still listening. While the answer
+        stays the same for `describe_after_s`, Temporal's record is read too (at most that
+        often), so a workflow terminated from outside ends the watch as TERMINATED. Transport
+        errors are retried with the same bounded, jittered backoff the workflow uses; past the
         horizon without an answer `ContactLost` is raised, while the job runs on server-side.
         """
         policy = reconnect or ReconnectPolicy()
         last_seq = -1
         last_seen = float("-inf")
+        changed_at = time.monotonic()
+        described_at: float | None = None  # None: not yet, so the first answer is checked
         failures = 0
         lost_since: float | None = None
         while True:
             try:
                 if failures:
                     # Back after a gap: one update both records contact and reads the state.
-                    status = await self.attach(job_id)
+                    status = await self._attach_or_final(job_id)
                     last_seen = time.monotonic()
                 else:
-                    status = await self.status(job_id)
-            except (RPCError, RuntimeError, WorkflowUpdateFailedError) as exc:
-                if isinstance(exc, RPCError) and "not found" in str(exc).lower():
-                    raise JobNotFound(job_id) from exc
+                    status = await self._query(job_id)
+                now = time.monotonic()
+                if status.seq != last_seq:
+                    changed_at = now
+                quiet_s = now - max(changed_at, described_at or changed_at)
+                if not status.terminal and (described_at is None or quiet_s >= describe_after_s):
+                    described_at = now
+                    status = await self._reconciled(job_id, status) or status
+                interval = keepalive_s if keepalive_s is not None else _keepalive_interval(status)
+                if not status.terminal and not status.detached and now - last_seen >= interval:
+                    await self.client_seen(job_id)
+                    last_seen = time.monotonic()
+            except (
+                RPCError,
+                RPCTimeoutOrCancelledError,
+                RuntimeError,
+                WorkflowUpdateFailedError,
+                JobUnanswered,
+            ) as exc:
                 lost_since = lost_since if lost_since is not None else time.monotonic()
                 if time.monotonic() - lost_since > policy.horizon_s:
                     raise ContactLost(job_id, failures, exc) from exc
@@ -197,11 +443,18 @@ class JobClient:
                 yield status
             if status.terminal:
                 return
-            interval = keepalive_s if keepalive_s is not None else _keepalive_interval(status)
-            if not status.detached and time.monotonic() - last_seen >= interval:
-                await self.client_seen(job_id)
-                last_seen = time.monotonic()
             await asyncio.sleep(poll_interval_s)
+
+    async def _attach_or_final(self, job_id: str) -> JobStatus:
+        try:
+            return await self.attach(job_id)
+        except RPCError as exc:
+            if exc.status != RPCStatusCode.NOT_FOUND:
+                raise
+            ended = await self._ended_status(job_id)
+            if ended is None:
+                raise
+            return ended
 
     async def wait(self, job_id: str) -> JobStatus:
         """Wait for the job to end; return its final status whatever the outcome."""
@@ -209,6 +462,10 @@ class JobClient:
             await self.handle(job_id).result()
         except WorkflowFailureError:
             pass
+        except RPCError as exc:
+            if exc.status == RPCStatusCode.NOT_FOUND:
+                raise JobNotFound(job_id) from exc
+            raise
         return await self.status(job_id)
 
     async def result(self, job_id: str, *, presign: bool = True) -> JobStatus:
@@ -224,21 +481,40 @@ class JobClient:
         url = await self.store.presign_get(artifact.key, ttl_s, bucket=bucket)
         return artifact.model_copy(update={"url": url})
 
+    def require_store(self) -> ArtifactStore:
+        if self.store is None:
+            raise StorageNotConfigured(
+                "downloading needs S3 credentials: set AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY "
+                "and DURABLE_COMFY_BUCKET (the local stack's are in .devstack/env)"
+            )
+        return self.store
+
     async def download(self, status: JobStatus, directory: Path) -> list[Path]:
         """Download every artifact, each one checked against its sha256."""
-        if self.store is None:
-            raise RuntimeError("downloading needs S3 credentials in the environment")
+        store = self.require_store()
         paths: list[Path] = []
         for artifact in status.artifacts:
             bucket = artifact.uri.removeprefix("s3://").split("/", 1)[0]
             dest = directory / artifact.key
             dest.parent.mkdir(parents=True, exist_ok=True)
             paths.append(
-                await self.store.download(
+                await store.download(
                     artifact.key, dest, expected_sha256=artifact.sha256, bucket=bucket
                 )
             )
         return paths
+
+
+def checked_job_id(job_id: str) -> str:
+    try:
+        return validate_job_id(job_id)
+    except ValueError as exc:
+        raise InvalidJobId(str(exc)) from None
+
+
+def _short(exc: Exception) -> str:
+    text = str(exc) or type(exc).__name__
+    return text if len(text) <= 120 else text[:117] + "..."
 
 
 def _keepalive_interval(status: JobStatus) -> float:

@@ -8,25 +8,61 @@ serves the `temporal` CLI, so both see the same server.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
+from functools import cache
 
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.envconfig import ClientConfig
+from temporalio.runtime import (
+    LogForwardingConfig,
+    LoggingConfig,
+    Runtime,
+    TelemetryConfig,
+    TelemetryFilter,
+)
 
 DEFAULT_ADDRESS = "127.0.0.1:7233"
+
+
+def forwarded_core_logs() -> LoggingConfig:
+    """Logging for the SDK's Rust core that hands its lines to Python logging.
+
+    By default the core prints its own warnings (a payload over 512 KiB, for one) to stdout,
+    where they corrupt `--json` output; forwarded, they go wherever logging goes (stderr).
+    Use it in any `TelemetryConfig` you build (one with metrics, say).
+    """
+    return LoggingConfig(
+        filter=TelemetryFilter(core_level="WARN", other_level="ERROR"),
+        forwarding=LogForwardingConfig(logger=logging.getLogger("temporalio.core")),
+    )
+
+
+@cache
+def sdk_runtime() -> Runtime:
+    """The runtime clients get unless given one: one per process, core logs forwarded."""
+    return Runtime(telemetry=TelemetryConfig(logging=forwarded_core_logs()))
 
 
 async def connect_temporal(
     address: str | None = None,
     namespace: str | None = None,
     environ: Mapping[str, str] | None = None,
+    *,
+    runtime: Runtime | None = None,
 ) -> Client:
-    """Connect with the pydantic data converter every durable-comfy payload needs."""
+    """Connect with the pydantic data converter every durable-comfy payload needs.
+
+    `runtime` defaults to `sdk_runtime()`; build your own with `forwarded_core_logs()` to keep
+    the core's log lines off stdout.
+    """
     config = ClientConfig.load_client_connect_config(override_env_vars=environ)
     if address:
         config["target_host"] = address
     if namespace:
         config["namespace"] = namespace
     config.setdefault("target_host", DEFAULT_ADDRESS)
-    return await Client.connect(**config, data_converter=pydantic_data_converter)
+    return await Client.connect(
+        **config, data_converter=pydantic_data_converter, runtime=runtime or sdk_runtime()
+    )

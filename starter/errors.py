@@ -1,24 +1,128 @@
 """Errors of the client library.
 
     ClientError
-    ├── JobNotFound      no job with that ID in this namespace
-    ├── ContactLost      Temporal unreachable past the reconnect horizon (the job runs on)
-    └── InputFileError   an `--input NAME=PATH` that cannot be read
+    ├── InvalidJobId         a job ID outside JOB_ID_PATTERN (nothing was sent)
+    ├── InputFileError       an `--input NAME=PATH` that cannot be read or named
+    ├── InvalidOverride      a segment override naming a node or input the graph does not have
+    ├── RequestTooLarge      the request is over Temporal's payload limit (pass inputs by S3)
+    ├── StorageNotConfigured downloading artifacts needs S3 settings that are not there
+    ├── JobNotFound          no job with that ID in this namespace
+    ├── JobConflict          the ID is taken by a different request
+    ├── JobAlreadyEnded      the action needs a job that still runs; `.status` is its final one
+    ├── ResumeRefused        the job turned the resume down; `.reason` says why
+    ├── TemporalUnreachable  no connection to the Temporal server
+    ├── JobUnanswered        the job exists but no worker answered for it
+    └── ContactLost          Temporal unreachable past the reconnect horizon (the job runs on)
+
 Validation problems with a request are pydantic `ValidationError`s raised before anything is
 sent: they say which field is wrong and how to fix it.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from workflows.contracts import JobStatus
+
 
 class ClientError(Exception):
     """Base of the client library's own errors."""
+
+
+class InvalidJobId(ClientError, ValueError):
+    """Also a ValueError: that is what `validate_job_id` raised before this class existed."""
+
+
+class InputFileError(ClientError):
+    """An input file named on the command line cannot be used."""
+
+
+class InvalidOverride(ClientError):
+    """A segment override names a node or an input that is not in the graph.
+
+    ComfyUI would ignore an unknown input silently, so a typo (`sede` for `seed`) would run
+    every segment with the same values; refused before anything is submitted.
+    """
+
+
+class RequestTooLarge(ClientError):
+    """Temporal stores a job's request in its history, and caps each payload (2 MiB default)."""
+
+    def __init__(self, size: int, limit: int | None) -> None:
+        over = f"over Temporal's limit of {limit:,} bytes" if limit else "over the server's limit"
+        super().__init__(
+            f"the request is {size:,} bytes, {over} for a job's input; inline inputs count in "
+            "full (as base64): upload big inputs to S3 and pass them by reference, "
+            "--input NAME=s3://BUCKET/KEY (JobRequest.inputs: S3Input(uri='s3://BUCKET/KEY'))"
+        )
+        self.size = size
+        self.limit = limit
+
+
+class StorageNotConfigured(ClientError):
+    """Downloading needs S3 access; URIs and sha256s are available without it."""
 
 
 class JobNotFound(ClientError):
     def __init__(self, job_id: str) -> None:
         super().__init__(f"no job {job_id!r} in this namespace")
         self.job_id = job_id
+
+
+class JobConflict(ClientError):
+    """The job ID is in use by a job that was submitted with a different request."""
+
+    def __init__(self, job_id: str, existing_sha256: str, requested_sha256: str) -> None:
+        super().__init__(
+            f"job ID {job_id!r} is already used by a different request (sha256 "
+            f"{existing_sha256[:12]}…, yours {requested_sha256[:12]}…); nothing was submitted: "
+            f"pick another ID, or look at the existing job with `durable-comfy status {job_id}`"
+        )
+        self.job_id = job_id
+        self.existing_sha256 = existing_sha256
+        self.requested_sha256 = requested_sha256
+
+
+class JobAlreadyEnded(ClientError):
+    """The job has ended, so there is nothing left to cancel or resume."""
+
+    def __init__(self, job_id: str, status: JobStatus, action: str) -> None:
+        why = f" ({status.error.type}: {status.error.message})" if status.error else ""
+        super().__init__(f"job {job_id!r} already ended {status.state.value}{why}; {action}")
+        self.job_id = job_id
+        self.status = status
+
+
+class ResumeRefused(ClientError):
+    """The job declined the resume (not NEEDS_DECISION, or a re-attach it cannot do)."""
+
+    def __init__(self, job_id: str, reason: str) -> None:
+        super().__init__(f"job {job_id!r} refused to resume: {reason}")
+        self.job_id = job_id
+        self.reason = reason
+
+
+class TemporalUnreachable(ClientError):
+    def __init__(self, target: str, detail: str) -> None:
+        super().__init__(f"cannot reach Temporal at {target}: {detail}")
+        self.target = target
+
+
+class JobUnanswered(ClientError):
+    """The job exists and runs, but no worker answered for it in time.
+
+    Queries are answered by a worker replaying the job; with none polling its task queue (or
+    one that is stuck) there is no status to give. The job is unaffected.
+    """
+
+    def __init__(self, job_id: str, task_queue: str, detail: str) -> None:
+        super().__init__(
+            f"job {job_id!r} exists but no worker answered for it ({detail}): is a worker "
+            f"running on task queue {task_queue!r}? (`durable-comfy worker`)"
+        )
+        self.job_id = job_id
+        self.task_queue = task_queue
 
 
 class ContactLost(ClientError):
@@ -35,7 +139,3 @@ class ContactLost(ClientError):
         )
         self.job_id = job_id
         self.attempts = attempts
-
-
-class InputFileError(ClientError):
-    """An input file named on the command line cannot be used."""

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import base64
 import json
+import re
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from starter.errors import InputFileError
-from workflows.contracts import MAX_INLINE_INPUT_BYTES, InlineInput, JobRequest
+from starter.errors import InputFileError, InvalidOverride
+from workflows.contracts import MAX_INLINE_INPUT_BYTES, InlineInput, InputRef, JobRequest, S3Input
 from workflows.graph import GraphFormatError
+
+S3_URI = re.compile(r"^s3://[^/]+/.+")
 
 
 def load_graph(path: Path) -> dict[str, Any]:
@@ -25,11 +29,23 @@ def load_graph(path: Path) -> dict[str, Any]:
     return raw
 
 
-def parse_input_option(option: str) -> tuple[str, Path]:
-    name, sep, path = option.partition("=")
-    if not sep or not name or not path:
-        raise InputFileError(f"--input {option!r}: use NAME=PATH, e.g. --input face.png=./face.png")
-    return name, Path(path)
+def parse_input_option(option: str) -> tuple[str, str]:
+    name, sep, source = option.partition("=")
+    if not sep or not name or not source:
+        raise InputFileError(
+            f"--input {option!r}: use NAME=PATH or NAME=s3://BUCKET/KEY, "
+            "e.g. --input face.png=./face.png"
+        )
+    return name, source
+
+
+def input_ref(name: str, source: str) -> InputRef:
+    """An `s3://` source travels as a reference (the worker reads it); a path is sent inline."""
+    if source.startswith("s3://"):
+        if not S3_URI.match(source):
+            raise InputFileError(f"input {name!r}: {source!r} is not s3://BUCKET/KEY")
+        return S3Input(uri=source)
+    return inline_input(name, Path(source))
 
 
 def inline_input(name: str, path: Path) -> InlineInput:
@@ -39,7 +55,7 @@ def inline_input(name: str, path: Path) -> InlineInput:
     if size > MAX_INLINE_INPUT_BYTES:
         raise InputFileError(
             f"input {name!r}: {path} is {size} bytes; inline inputs are limited to "
-            f"{MAX_INLINE_INPUT_BYTES} bytes (upload it to S3 and pass an s3:// reference)"
+            f"{MAX_INLINE_INPUT_BYTES} bytes: upload it to S3 and pass --input {name}=s3://BUCKET/KEY"
         )
     return InlineInput(filename=path.name, data_b64=base64.b64encode(path.read_bytes()).decode())
 
@@ -61,12 +77,43 @@ def request_from_files(
             segments = json.loads(segments_path.read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise InputFileError(f"segments file {segments_path}: {exc}") from exc
-    return JobRequest.model_validate(
+    request = JobRequest.model_validate(
         {
             "graph": graph,
-            "inputs": {name: inline_input(name, path) for name, path in bound.items()},
+            "inputs": {name: input_ref(name, source) for name, source in bound.items()},
             "segments": segments,
             "pool": pool,
             **fields,
         }
     )
+    check_segment_overrides(request.graph, request.segments)
+    return request
+
+
+def check_segment_overrides(
+    graph: Mapping[str, Any], segments: Sequence[Mapping[str, Any]]
+) -> None:
+    """Every override must name a node of the graph and an input that node has.
+
+    The graph is in API format, where a node lists all its inputs (widget values and links), so
+    an input it does not list is a typo or belongs to another node.
+    """
+    problems: list[str] = []
+    for index, overrides in enumerate(segments):
+        for node_id, values in overrides.items():
+            node = graph.get(str(node_id))
+            if not isinstance(node, dict):
+                problems.append(f"segment {index}: node {node_id!r} is not in the graph")
+                continue
+            if not isinstance(values, Mapping):
+                problems.append(f"segment {index}: node {node_id!r} needs an object of inputs")
+                continue
+            known = node.get("inputs") or {}
+            for input_name in values:
+                if input_name not in known:
+                    problems.append(
+                        f"segment {index}: node {node_id!r} ({node.get('class_type')}) has no "
+                        f"input {input_name!r} (its inputs: {', '.join(sorted(known)) or 'none'})"
+                    )
+    if problems:
+        raise InvalidOverride("; ".join(problems))

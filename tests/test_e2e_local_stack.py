@@ -9,8 +9,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import os
-import sys
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -20,55 +18,24 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from activities.settings import WorkerSettings
-from activities.storage import ArtifactStore, S3Settings
-from devstack.config import PoolConfig
 from devstack.models import RunningStack
-from starter import JobClient, JobRequest, JobState
-from starter.connection import connect_temporal
-from worker import run_worker
+from starter import JobRequest, JobState
+from tests.cli_support import (
+    EXAMPLE,
+    RunningWorker,
+    cli_env,
+    example,
+    run_cli,
+    running_worker,
+)
 from workflows.contracts import JobPolicy
 from workflows.shared import ErrorType
-
-ROOT = Path(__file__).parent.parent
-EXAMPLE = ROOT / "examples" / "txt2img.json"
-
-
-def s3_settings(stack: RunningStack) -> S3Settings:
-    return S3Settings(
-        endpoint_url=stack.s3_endpoint,
-        region=stack.region,
-        bucket=stack.bucket,
-        access_key_id=stack.access_key_id,
-        secret_access_key=stack.secret_access_key,
-    )
-
-
-class RunningWorker:
-    def __init__(self, task_queue: str, client: JobClient, store: ArtifactStore) -> None:
-        self.task_queue = task_queue
-        self.client = client
-        self.store = store
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def worker(local_stack: RunningStack) -> AsyncIterator[RunningWorker]:
-    task_queue = f"e2e-{uuid.uuid4().hex[:8]}"
-    settings = WorkerSettings(
-        task_queue=task_queue,
-        pools={"comfyui": PoolConfig(kind="comfyui", url=local_stack.comfyui_url)},
-    )
-    temporal = await connect_temporal(local_stack.temporal_address, local_stack.namespace)
-    stop = asyncio.Event()
-    task = asyncio.create_task(
-        run_worker(settings, s3_settings(local_stack), stop=stop, client=temporal)
-    )
-    async with ArtifactStore(s3_settings(local_stack)) as store:
-        yield RunningWorker(
-            task_queue, JobClient(temporal, task_queue=task_queue, store=store), store
-        )
-    stop.set()
-    await asyncio.wait_for(task, timeout=30)
+    async with running_worker(local_stack, "e2e") as running:
+        yield running
 
 
 async def sim_prompts(stack: RunningStack) -> dict[str, int]:
@@ -85,12 +52,6 @@ async def sim_stats(stack: RunningStack) -> dict[str, Any]:
     response.raise_for_status()
     stats: dict[str, Any] = response.json()
     return stats
-
-
-def example() -> dict[str, Any]:
-    graph: dict[str, Any] = json.loads(EXAMPLE.read_text())
-    graph["3"]["inputs"]["steps"] = 8
-    return graph
 
 
 async def test_example_job_completes_with_verified_png_in_s3(
@@ -181,29 +142,6 @@ async def test_bad_input_fails_typed_before_any_prompt(
     assert final.error is not None and final.error.type == error_type, final.error
     assert await sim_prompts(local_stack) == before, "no prompt may reach the backend"
     assert final.artifacts == []
-
-
-def cli_env(stack: RunningStack, task_queue: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TEMPORAL_", "AWS_"))}
-    env.update(stack.worker_env())
-    env["DURABLE_COMFY_TASK_QUEUE"] = task_queue
-    return env
-
-
-async def run_cli(*args: str, env: dict[str, str]) -> tuple[int, str, str]:
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "starter.cli",
-        *args,
-        env=env,
-        cwd=ROOT,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await asyncio.wait_for(process.communicate(), timeout=120)
-    assert process.returncode is not None
-    return process.returncode, out.decode(), err.decode()
 
 
 async def test_cli_submit_watch_json_ends_completed_with_stored_artifacts(

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+
 import typer
 
+from activities.log_setup import configure_logging
 from starter.cli import control, jobs, submit, worker_cmd
 from starter.exit import exit_without_finalizing
 
@@ -29,6 +32,8 @@ def build_app() -> typer.Typer:
 
 
 def main() -> None:
+    # Logs go to stderr only; stdout is the commands' output. Quiet unless something is off.
+    configure_logging(os.environ.get("DURABLE_COMFY_LOG_LEVEL", "WARNING"))
     try:
         build_app()()
     except SystemExit as exc:

@@ -1,4 +1,9 @@
-"""What every command shares: running async code, reporting errors, opening clients."""
+"""What every command shares: exit codes, running async code, reporting errors, opening clients.
+
+Every command follows one exit-code table (README, "Exit codes"): `ExitCode` below, and
+`exit_code_for` for the errors. Errors are one `error:` line on stderr, sometimes followed by
+one `hint:` line; never a traceback, and never anything on stdout.
+"""
 
 from __future__ import annotations
 
@@ -7,39 +12,91 @@ import os
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
+from enum import IntEnum
 from typing import NoReturn, TypeVar
 
 import typer
 from pydantic import ValidationError
-from temporalio.service import RPCError
+from temporalio.client import RPCTimeoutOrCancelledError
+from temporalio.service import RPCError, RPCStatusCode
 
+from activities.storage_errors import StorageConfigError, StorageError
 from starter.client import JobClient
-from starter.errors import ClientError
+from starter.errors import (
+    ClientError,
+    ContactLost,
+    JobAlreadyEnded,
+    JobConflict,
+    JobUnanswered,
+    ResumeRefused,
+    TemporalUnreachable,
+)
 from workflows.graph import GraphFormatError
 from workflows.shared import DEFAULT_TASK_QUEUE
 
 T = TypeVar("T")
 
-EXIT_FAILED = 1
-EXIT_BAD_INPUT = 2
-EXIT_UNREACHABLE = 3
+
+class ExitCode(IntEnum):
+    OK = 0
+    # The job ended, but not COMPLETED (watch, result, submit --watch).
+    JOB_NOT_COMPLETED = 1
+    # Bad input (request, graph, job ID, option, size, missing S3 settings) or no such job.
+    BAD_INPUT = 2
+    # Temporal unreachable, or no worker answering for the job.
+    UNREACHABLE = 3
+    # The ID or the job's state does not allow it: another request under the ID, cancel or
+    # resume of an ended job, a refused resume.
+    CONFLICT = 4
+    # Artifacts could not be downloaded, or their bytes do not match the recorded sha256.
+    STORAGE = 5
+    INTERRUPTED = 130
 
 
-def fail(message: str, hint: str | None = None, code: int = EXIT_FAILED) -> NoReturn:
+STACK_HINT = "is the stack up? `durable-comfy dev up` (or set TEMPORAL_ADDRESS)"
+_UNREACHABLE_CODES = frozenset(
+    {RPCStatusCode.UNAVAILABLE, RPCStatusCode.DEADLINE_EXCEEDED, RPCStatusCode.CANCELLED}
+)
+
+
+def exit_code_for(exc: BaseException) -> ExitCode:
+    """The table's row for an error a command can meet."""
+    match exc:
+        case TemporalUnreachable() | ContactLost() | JobUnanswered():
+            return ExitCode.UNREACHABLE
+        case RPCError() | RPCTimeoutOrCancelledError():
+            return ExitCode.UNREACHABLE
+        case JobConflict() | JobAlreadyEnded() | ResumeRefused():
+            return ExitCode.CONFLICT
+        case StorageConfigError():
+            return ExitCode.BAD_INPUT
+        case StorageError():
+            return ExitCode.STORAGE
+        case ClientError() | ValidationError() | GraphFormatError():
+            return ExitCode.BAD_INPUT
+        case KeyboardInterrupt():
+            return ExitCode.INTERRUPTED
+    raise TypeError(f"no exit code for {type(exc).__name__}") from exc
+
+
+def fail(message: str, hint: str | None = None, code: int = ExitCode.BAD_INPUT) -> NoReturn:
     typer.echo(f"error: {message}", err=True)
     if hint:
         typer.echo(f"hint: {hint}", err=True)
-    raise typer.Exit(code)
+    raise typer.Exit(int(code))
 
 
-def run(coro_fn: Callable[[], Awaitable[T]]) -> T:
-    """Run a command's coroutine, turning known failures into a message and an exit code."""
-    with reported():
+def run(coro_fn: Callable[[], Awaitable[T]], on_interrupt: Callable[[], str] | None = None) -> T:
+    """Run a command's coroutine, turning known failures into a message and an exit code.
+
+    `on_interrupt` says what Ctrl-C leaves behind (an attached job is abandoned later).
+    """
+    with reported(on_interrupt):
         return asyncio.run(_call(coro_fn))
 
 
 @contextmanager
-def reported() -> Iterator[None]:
+def reported(on_interrupt: Callable[[], str] | None = None) -> Iterator[None]:
     """Known failures become a message, a hint and an exit code; no traceback."""
     try:
         yield
@@ -48,18 +105,21 @@ def reported() -> Iterator[None]:
             f"{'.'.join(str(p) for p in err['loc']) or 'request'}: {err['msg']}"
             for err in exc.errors()
         )
-        fail(problems, "fix the request; nothing was submitted", EXIT_BAD_INPUT)
-    except (GraphFormatError, ClientError) as exc:
-        fail(str(exc), code=EXIT_BAD_INPUT)
+        fail(problems, "fix the request; nothing was submitted", exit_code_for(exc))
     except RPCError as exc:
-        fail(
-            f"Temporal: {exc}",
-            "is the stack up? `durable-comfy dev up` (or set TEMPORAL_ADDRESS)",
-            EXIT_UNREACHABLE,
-        )
-    except KeyboardInterrupt:
-        typer.echo("interrupted; the job keeps running server-side", err=True)
-        raise typer.Exit(130) from None
+        if exc.status in _UNREACHABLE_CODES:
+            fail(f"Temporal did not answer: {exc.message}", STACK_HINT, exit_code_for(exc))
+        fail(f"Temporal refused: {exc.status.name}: {exc.message}", code=exit_code_for(exc))
+    except RPCTimeoutOrCancelledError as exc:
+        fail(f"Temporal did not answer in time: {exc}", STACK_HINT, exit_code_for(exc))
+    except TemporalUnreachable as exc:
+        fail(str(exc), STACK_HINT, exit_code_for(exc))
+    except (GraphFormatError, ClientError, StorageError) as exc:
+        fail(str(exc), code=exit_code_for(exc))
+    except KeyboardInterrupt as exc:
+        note = on_interrupt() if on_interrupt else "the job (if any) keeps running server-side"
+        typer.echo(f"interrupted; {note}", err=True)
+        raise typer.Exit(exit_code_for(exc)) from None
 
 
 async def _call(coro_fn: Callable[[], Awaitable[T]]) -> T:
@@ -70,14 +130,12 @@ async def _call(coro_fn: Callable[[], Awaitable[T]]) -> T:
 async def job_client(with_store: bool = False) -> AsyncIterator[JobClient]:
     """A JobClient; with S3 credentials in the environment it can presign and download."""
     task_queue = os.environ.get("DURABLE_COMFY_TASK_QUEUE", DEFAULT_TASK_QUEUE)
+    raw_timeout = os.environ.get("DURABLE_COMFY_QUERY_TIMEOUT_S", "10")
     try:
-        client = await JobClient.connect(task_queue=task_queue)
-    except RuntimeError as exc:  # the SDK reports a refused connection as RuntimeError
-        fail(
-            f"cannot reach Temporal: {exc}",
-            "is the stack up? `durable-comfy dev up` (or set TEMPORAL_ADDRESS)",
-            EXIT_UNREACHABLE,
-        )
+        query_timeout_s = float(raw_timeout)
+    except ValueError:
+        fail(f"DURABLE_COMFY_QUERY_TIMEOUT_S={raw_timeout!r} is not a number of seconds")
+    client = await JobClient.connect(task_queue=task_queue, query_timeout_s=query_timeout_s)
     if not with_store or not os.environ.get("AWS_ACCESS_KEY_ID"):
         yield client
         return
@@ -89,5 +147,6 @@ async def job_client(with_store: bool = False) -> AsyncIterator[JobClient]:
 
 
 def echo_json(text: str) -> None:
+    """The only way anything reaches stdout in --json mode: one document per line."""
     sys.stdout.write(text + "\n")
     sys.stdout.flush()

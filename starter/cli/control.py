@@ -6,26 +6,36 @@ import json
 from typing import Annotated
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
-from starter.cli.common import echo_json, job_client, run
+from starter.cli.common import ExitCode, echo_json, fail, job_client, run
+from starter.cli.render import status_json
+from starter.client import checked_job_id
+from workflows.contracts import JobState
 from workflows.shared import SA_JOB_POOL, SA_JOB_PROGRESS, SA_JOB_STATE, WORKFLOW_TYPE
 
 JobArg = Annotated[str, typer.Argument(help="The job ID.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="JobStatus as JSON.")]
 
 
 def cancel(
     job_id: JobArg,
     reason: Annotated[str, typer.Option(help="Recorded in the job's status.")] = "cancelled "
     "from the CLI",
+    as_json: JsonOpt = False,
 ) -> None:
     """Cancel a job: its prompt is interrupted, finished artifacts are kept."""
 
     async def go() -> None:
+        checked_job_id(job_id)
         async with job_client() as client:
-            await client.cancel(job_id, reason)
-        typer.echo(f"cancel requested for {job_id}")
+            before = await client.cancel(job_id, reason)
+        if as_json:
+            echo_json(status_json(before))
+        else:
+            typer.echo(
+                f"cancel requested for {job_id} (was {before.state.value}): its prompt is "
+                "stopped, finished outputs are kept, it ends CANCELLED"
+            )
 
     run(go)
 
@@ -35,15 +45,30 @@ def resume(
     resubmit: Annotated[
         bool, typer.Option("--resubmit", help="Run the prompt again instead of re-attaching.")
     ] = False,
+    as_json: JsonOpt = False,
 ) -> None:
     """Continue a job waiting in NEEDS_DECISION."""
 
     async def go() -> None:
+        checked_job_id(job_id)
         async with job_client() as client:
-            await client.resume(job_id, resubmit=resubmit)
-        typer.echo(f"resume sent to {job_id} (resubmit={resubmit})")
+            after = await client.resume(job_id, resubmit=resubmit)
+        if as_json:
+            echo_json(status_json(after))
+        else:
+            how = "resubmitted" if resubmit else "re-attached"
+            typer.echo(f"{job_id} {how}: now {after.state.value}")
 
     run(go)
+
+
+def parse_state(value: str) -> JobState:
+    """A state by name, any case; anything else is refused with the list of valid ones."""
+    try:
+        return JobState(value.upper())
+    except ValueError:
+        valid = ", ".join(state.value for state in JobState)
+        fail(f"--state {value!r} is not a job state; use one of: {valid}", code=ExitCode.BAD_INPUT)
 
 
 def list_jobs(
@@ -53,22 +78,20 @@ def list_jobs(
 ) -> None:
     """Recent jobs, newest first, with their state as the Temporal UI shows it."""
     query = f"WorkflowType = '{WORKFLOW_TYPE}'"
-    if state:
-        if not state.isalpha():
-            raise typer.BadParameter("a state is a word such as RUNNING or COMPLETED")
-        query += f" AND {SA_JOB_STATE} = '{state.upper()}'"
+    if state is not None:
+        query += f" AND {SA_JOB_STATE} = '{parse_state(state).value}'"
 
-    async def go() -> list[dict[str, object]]:
-        rows: list[dict[str, object]] = []
+    async def go() -> list[dict[str, str | int | None]]:
+        rows: list[dict[str, str | int | None]] = []
         async with job_client() as client:
             async for execution in client.temporal.list_workflows(query, limit=limit):
                 attributes = {k.name: v for k, v in execution.typed_search_attributes}
                 rows.append(
                     {
                         "job_id": execution.id,
-                        "state": attributes.get(SA_JOB_STATE),
-                        "progress": attributes.get(SA_JOB_PROGRESS),
-                        "pool": attributes.get(SA_JOB_POOL),
+                        "state": _text_or_none(attributes.get(SA_JOB_STATE)),
+                        "progress": _int_or_none(attributes.get(SA_JOB_PROGRESS)),
+                        "pool": _text_or_none(attributes.get(SA_JOB_POOL)),
                         "started": execution.start_time.isoformat(),
                     }
                 )
@@ -79,7 +102,22 @@ def list_jobs(
         for row in rows:
             echo_json(json.dumps(row))
         return
-    table = Table("job", "state", "progress %", "pool", "started")
-    for row in rows:
-        table.add_row(*(str(row[k] if row[k] is not None else "") for k in row))
-    Console().print(table)
+    for line in table_lines(rows):
+        typer.echo(line)
+
+
+def table_lines(rows: list[dict[str, str | int | None]]) -> list[str]:
+    """Plain aligned columns: a job ID is never cut or wrapped, whatever the terminal width."""
+    header = {"job_id": "job", "state": "state", "progress": "progress %", "pool": "pool"}
+    header["started"] = "started"
+    cells = [header] + [{k: "" if v is None else str(v) for k, v in row.items()} for row in rows]
+    widths = {key: max(len(str(cell[key])) for cell in cells) for key in header}
+    return ["  ".join(str(cell[k]).ljust(widths[k]) for k in header).rstrip() for cell in cells]
+
+
+def _text_or_none(value: object) -> str | None:
+    return None if value is None else str(value)
+
+
+def _int_or_none(value: object) -> int | None:
+    return value if isinstance(value, int) else None

@@ -8,19 +8,27 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from starter.cli.common import EXIT_FAILED, echo_json, job_client, run
-from starter.cli.render import print_summary, status_json, stream_json, stream_progress
+from starter.cli.common import ExitCode, echo_json, job_client, run
+from starter.cli.render import Followed, print_summary, status_json, stream_json, stream_progress
 from starter.cli.ui import workflow_url
-from workflows.contracts import JobState
+from starter.client import checked_job_id
+from workflows.contracts import JobState, JobStatus
 
 JobArg = Annotated[str, typer.Argument(help="The job ID.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="JobStatus as JSON.")]
 
 
+def ended_code(last: JobStatus | None) -> ExitCode:
+    if last is not None and last.state == JobState.COMPLETED:
+        return ExitCode.OK
+    return ExitCode.JOB_NOT_COMPLETED
+
+
 def status(job_id: JobArg, as_json: JsonOpt = False) -> None:
-    """The job's current status."""
+    """The job's current status (exit 0 whatever its state; see `watch` to wait for its end)."""
 
     async def go() -> None:
+        checked_job_id(job_id)
         async with job_client() as client:
             current = await client.status(job_id)
         if as_json:
@@ -33,16 +41,18 @@ def status(job_id: JobArg, as_json: JsonOpt = False) -> None:
 
 def watch(job_id: JobArg, as_json: JsonOpt = False) -> None:
     """Follow a job until it ends (this keeps an attached job alive)."""
+    followed = Followed(job_id)
 
     async def go() -> int:
+        checked_job_id(job_id)
         async with job_client() as client:
             if as_json:
-                last = await stream_json(client.watch(job_id))
+                last = await stream_json(client.watch(job_id), followed)
             else:
-                last = await stream_progress(client.watch(job_id), Console())
-        return 0 if last is not None and last.state == JobState.COMPLETED else EXIT_FAILED
+                last = await stream_progress(client.watch(job_id), Console(), followed)
+        return ended_code(last)
 
-    raise typer.Exit(run(go))
+    raise typer.Exit(run(go, followed.on_interrupt))
 
 
 def result(
@@ -55,7 +65,10 @@ def result(
     """Wait for the job to end; print its artifacts with presigned URLs."""
 
     async def go() -> int:
+        checked_job_id(job_id)
         async with job_client(with_store=True) as client:
+            if download is not None:
+                client.require_store()  # before waiting, not after
             final = await client.result(job_id)
             paths = await client.download(final, download) if download else []
         if as_json:
@@ -64,7 +77,7 @@ def result(
             console = Console()
             print_summary(final, console, workflow_url(job_id))
             for path in paths:
-                console.print(f"  downloaded {path}")
-        return 0 if final.state == JobState.COMPLETED else EXIT_FAILED
+                console.print(f"  downloaded {path}", soft_wrap=True)
+        return ended_code(final)
 
     raise typer.Exit(run(go))

@@ -2,46 +2,104 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 
 from starter.cli.common import echo_json
-from workflows.contracts import JobStatus
+from starter.client import SubmitOutcome
+from workflows.contracts import JobState, JobStatus
 
 
 def status_json(status: JobStatus) -> str:
     return status.model_dump_json(exclude_none=True)
 
 
-async def stream_json(statuses: AsyncIterator[JobStatus]) -> JobStatus | None:
+def submit_json(outcome: SubmitOutcome) -> str:
+    """The job's status with one more field, `existed`: a JobStatus reader can drop it."""
+    document = json.loads(status_json(outcome.status))
+    document["existed"] = outcome.existed
+    return json.dumps(document, separators=(",", ":"))
+
+
+class Followed:
+    """The job a command follows, so an interrupt can say what happens to it next."""
+
+    def __init__(self, job_id: str | None = None) -> None:
+        self.job_id = job_id
+        self.status: JobStatus | None = None
+
+    def seen(self, status: JobStatus) -> None:
+        self.job_id, self.status = status.job_id, status
+
+    def on_interrupt(self) -> str:
+        status, job_id = self.status, self.job_id
+        if job_id is None:
+            return "the job (if any) keeps running server-side"
+        if status is not None and status.terminal:
+            return f"job {job_id} had already ended {status.state.value}"
+        again = f"`durable-comfy watch {job_id}`"
+        if status is None or status.abandon_after_s is None or status.detached:
+            return f"job {job_id} keeps running server-side; follow it again with {again}"
+        return (
+            f"job {job_id} is attached: it will be ABANDONED (its prompt stopped) after "
+            f"{status.abandon_after_s:g} s without a watcher unless watched again: {again}"
+        )
+
+
+async def stream_json(
+    statuses: AsyncIterator[JobStatus],
+    followed: Followed | None = None,
+    *,
+    already_shown: int = -1,
+) -> JobStatus | None:
+    """One line per change; `already_shown` is a seq printed before (by submit) to skip."""
+    followed = followed or Followed()
     last: JobStatus | None = None
     async for status in statuses:
-        echo_json(status_json(status))
+        followed.seen(status)
         last = status
+        if status.seq == already_shown and not status.terminal:
+            continue
+        already_shown = -1
+        echo_json(status_json(status))
     return last
 
 
-async def stream_progress(statuses: AsyncIterator[JobStatus], console: Console) -> JobStatus | None:
-    last: JobStatus | None = None
+async def stream_progress(
+    statuses: AsyncIterator[JobStatus], console: Console, followed: Followed | None = None
+) -> JobStatus | None:
+    """A progress bar until the job ends; `followed` keeps the latest status for Ctrl-C."""
+    followed = followed or Followed()
+    # The first status comes before the bar: a job that does not exist draws nothing.
+    first = await anext(statuses, None)
+    if first is None:
+        return None
+    followed.seen(first)
+    last = first
     columns = (
-        TextColumn("[bold]{task.fields[state]:<13}"),
+        TextColumn("[bold]{task.fields[state]:<14}"),
         BarColumn(),
         TaskProgressColumn(),
         TextColumn("{task.fields[detail]}"),
         TimeElapsedColumn(),
     )
     with Progress(*columns, console=console, transient=False) as bar:
-        task = bar.add_task("job", total=1.0, state="QUEUED", detail="")
-        async for status in statuses:
+        task = bar.add_task("job", total=1.0, state="", detail="")
+        status: JobStatus | None = first
+        while status is not None:
+            followed.seen(status)
             last = status
             bar.update(
                 task,
                 completed=status.progress.fraction,
                 state=status.state.value,
-                detail=_detail(status),
+                detail=escape(_detail(status)),
             )
+            status = await anext(statuses, None)
     return last
 
 
@@ -60,19 +118,62 @@ def _detail(status: JobStatus) -> str:
         parts.append(f"{len(status.artifacts)} artifact(s)")
     if status.reconnects:
         parts.append(f"{status.reconnects} reconnect(s)")
+    if status.state == JobState.NEEDS_DECISION:
+        parts.append("needs a decision: durable-comfy status " + status.job_id)
     return "  ".join(parts)
 
 
+_COLOURS = {JobState.COMPLETED: "green", JobState.NEEDS_DECISION: "yellow"}
+
+
 def print_summary(status: JobStatus, console: Console, ui_url: str | None = None) -> None:
-    colour = "green" if status.state.value == "COMPLETED" else "red"
-    console.print(f"job [bold]{status.job_id}[/]: [{colour}]{status.state.value}[/]")
-    if status.error:
-        console.print(f"  error [bold]{status.error.type}[/]: {status.error.message}")
-    for artifact in status.artifacts:
-        console.print(f"  {artifact.uri}  {artifact.size} bytes  sha256 {artifact.sha256}")
-        if artifact.url:
-            console.print(f"    {artifact.url}", soft_wrap=True)
-    if status.teardown.state != "PENDING":
-        console.print(f"  teardown {status.teardown.state}: {status.teardown.detail}")
+    """Everything a person needs to know about the job, one fact per line."""
+    out = console.print
+    colour = _COLOURS.get(status.state, "red" if status.terminal else "cyan")
+    out(f"job [bold]{escape(status.job_id)}[/]: [{colour}]{status.state.value}[/]")
+    for line in summary_lines(status):
+        out(f"  {escape(line)}", soft_wrap=True)
     if ui_url:
-        console.print(f"  Temporal UI: {ui_url}", soft_wrap=True)
+        out(f"  Temporal UI: {ui_url}", soft_wrap=True)
+
+
+def summary_lines(status: JobStatus) -> list[str]:
+    lines = [_progress_line(status)]
+    if status.error:
+        lines.append(f"error {status.error.type}: {status.error.message}")
+    if status.state == JobState.NEEDS_DECISION and status.decision is not None:
+        lines.append(f"decision needed: {status.decision.reason}")
+        for choice, effect in status.decision.options.items():
+            lines.append(f"  durable-comfy {choice} {status.job_id}: {effect}")
+    for artifact in status.artifacts:
+        lines.append(f"{artifact.uri}  {artifact.size} bytes  sha256 {artifact.sha256}")
+        if artifact.url:
+            lines.append(f"  {artifact.url}")
+    teardown = status.teardown
+    if teardown.state != "PENDING":
+        detail = f": {teardown.detail}" if teardown.detail else ""
+        lines.append(f"teardown {teardown.state}{detail}")
+    if status.reconnects:
+        lines.append(f"{status.reconnects} reconnect(s)")
+    if not status.terminal:
+        if status.detached or status.abandon_after_s is None:
+            lines.append("detached: runs to its end whoever is listening")
+        else:
+            lines.append(
+                f"attached: abandoned after {status.abandon_after_s:g} s without a watcher"
+            )
+    return lines
+
+
+def _progress_line(status: JobStatus) -> str:
+    progress = status.progress
+    parts = [f"progress {progress.fraction:.0%}"]
+    if progress.total_steps:
+        parts.append(f"{progress.step}/{progress.total_steps} {progress.unit}")
+    if progress.segments > 1:
+        parts.append(f"segment {progress.segment + 1}/{progress.segments}")
+    if progress.node is not None and not status.terminal:
+        parts.append(f"node {progress.node}")
+    if status.state == JobState.WAITING and progress.queue_position is not None:
+        parts.append(f"#{progress.queue_position} in the backend's queue")
+    return ", ".join(parts)

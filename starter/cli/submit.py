@@ -5,14 +5,19 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated
 
+import structlog
 import typer
 from rich.console import Console
+from rich.markup import escape
 
-from starter.cli.common import EXIT_FAILED, echo_json, job_client, reported, run
-from starter.cli.render import print_summary, status_json, stream_json, stream_progress
+from starter.cli.common import ExitCode, echo_json, job_client, reported, run
+from starter.cli.jobs import ended_code
+from starter.cli.render import Followed, print_summary, stream_json, stream_progress, submit_json
 from starter.cli.ui import workflow_url
+from starter.client import SubmitOutcome, checked_job_id
 from starter.requests import request_from_files
-from workflows.contracts import JobState
+
+log = structlog.get_logger("durable_comfy.cli")
 
 
 def submit(
@@ -23,7 +28,11 @@ def submit(
     pool: Annotated[str | None, typer.Option(help="Worker pool to run on.")] = None,
     inputs: Annotated[
         list[str] | None,
-        typer.Option("--input", help="NAME=PATH: a file a LoadImage node names. Repeatable."),
+        typer.Option(
+            "--input",
+            help="NAME=PATH (sent inline, up to 1 MiB) or NAME=s3://BUCKET/KEY: a file a "
+            "LoadImage node names. Repeatable.",
+        ),
     ] = None,
     segments: Annotated[
         Path | None, typer.Option(help="JSON list of per-segment input overrides.")
@@ -35,28 +44,54 @@ def submit(
 ) -> None:
     """Submit a graph. Without --watch the job is detached: it runs whoever is listening."""
     with reported():
+        if job_id is not None:
+            checked_job_id(job_id)
         request = request_from_files(graph, inputs=inputs, segments_path=segments, pool=pool)
+    followed = Followed(job_id)
 
     async def go() -> int:
-        async with job_client(with_store=True) as client:
-            status = await client.submit(request, job_id=job_id, detached=not watch)
-            if not watch:
-                if as_json:
-                    echo_json(status_json(status))
-                else:
-                    typer.echo(f"submitted {status.job_id} (detached: runs to its end)")
-                    typer.echo(f"follow it: durable-comfy watch {status.job_id}")
-                return 0
+        # Presigned URLs only matter to the human summary at the end of --watch.
+        async with job_client(with_store=watch and not as_json) as client:
+            outcome = await client.start(request, job_id=job_id, detached=not watch)
+            followed.seen(outcome.status)
+            if outcome.existed:
+                log.warning(
+                    "job_already_exists",
+                    job_id=outcome.job_id,
+                    state=outcome.status.state.value,
+                    detail="same request under this ID: nothing new was submitted",
+                )
             if as_json:
-                last = await stream_json(client.watch(status.job_id))
+                echo_json(submit_json(outcome))
             else:
-                console = Console(stderr=False)
-                console.print(f"job [bold]{status.job_id}[/]  {workflow_url(status.job_id)}")
-                last = await stream_progress(client.watch(status.job_id), console)
-                if last is not None:
-                    last = await client.result(status.job_id)
-                    print_summary(last, console)
-            return 0 if last is not None and last.state == JobState.COMPLETED else EXIT_FAILED
+                _say_submitted(outcome, watch)
+            if not watch:
+                return ExitCode.OK
+            updates = client.watch(outcome.job_id)
+            if as_json:
+                last = await stream_json(updates, followed, already_shown=outcome.status.seq)
+                return ended_code(last)
+            console = Console()
+            last = await stream_progress(updates, console, followed)
+            if last is not None:
+                last = await client.result(outcome.job_id)
+                print_summary(last, console)
+            return ended_code(last)
 
-    code = run(go)
-    raise typer.Exit(code)
+    raise typer.Exit(run(go, followed.on_interrupt))
+
+
+def _say_submitted(outcome: SubmitOutcome, watch: bool) -> None:
+    console = Console()
+    job_id, state = escape(outcome.job_id), outcome.status.state.value
+    if outcome.existed:
+        console.print(
+            f"job [bold]{job_id}[/] already exists ({state}), with this same request: "
+            "nothing new was submitted"
+        )
+    elif not watch:
+        console.print(f"submitted [bold]{job_id}[/] (detached: runs to its end)")
+    if watch:
+        console.print(f"job [bold]{job_id}[/]  {workflow_url(outcome.job_id)}", soft_wrap=True)
+    else:
+        console.print(f"follow it: durable-comfy watch {job_id}")
