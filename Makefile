@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: install demo test test-real-comfyui lint down clean
+.PHONY: install demo test test-real-comfyui test-ui lint down clean
 
 # A real ComfyUI 0.8.0 (CPU only, no models) from the project's shared folder, for
 # `make test-real-comfyui`; the first install brings torch (several GB, a few minutes).
@@ -38,6 +38,12 @@ test-real-comfyui: $(STAMP)
 	$(REAL_COMFYUI) install $(REAL_COMFYUI_DIR)
 	REAL_COMFYUI_DIR=$(abspath $(REAL_COMFYUI_DIR)) $(BIN)/pytest -q \
 		tests/test_comfy_sim_conformance.py tests/test_real_comfyui.py
+
+## test-ui: the Temporal UI shows a running job's live progress (headless Chromium from Debian)
+test-ui: $(STAMP)
+	@command -v chromium >/dev/null || { apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
+	REQUIRE_CHROMIUM=1 $(BIN)/pytest -q tests/test_temporal_ui.py
 
 ## lint: ruff (format + check) and mypy
 lint: $(STAMP)

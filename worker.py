@@ -7,6 +7,7 @@ the activities built on them, and a graceful shutdown on SIGTERM/SIGINT so a run
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import signal
 from datetime import timedelta
@@ -14,16 +15,18 @@ from datetime import timedelta
 import httpx
 import structlog
 from temporalio.client import Client
+from temporalio.runtime import Runtime
 from temporalio.worker import Worker
 
 from activities.comfyui import ComfyActivities, ComfyPools
 from activities.comfyui_follow import FollowActivities
 from activities.comfyui_offload import OffloadActivities
 from activities.log_setup import configure_logging
+from activities.metrics import count_swept, prometheus_runtime
 from activities.orphans import OrphanSweeper
 from activities.settings import WorkerSettings
 from activities.storage import ArtifactStore, S3Settings
-from starter.connection import connect_temporal
+from starter.connection import connect_temporal, forwarded_core_logs
 from starter.exit import exit_without_finalizing
 from workflows.inference_job import InferenceJob
 
@@ -43,7 +46,12 @@ async def run_worker(
     settings = settings or WorkerSettings.from_env()
     s3 = s3 or S3Settings.from_env()
     stop = stop or _stop_on_signals()
-    client = client or await connect_temporal()
+    if client is None:
+        runtime = None
+        if settings.metrics_port is not None:
+            runtime = prometheus_runtime(settings.metrics_port, forwarded_core_logs())
+            log.info("metrics_serving", url=f"http://127.0.0.1:{settings.metrics_port}/metrics")
+        client = await connect_temporal(runtime=runtime)
     # Temporal owns retries: no transport-level retries here.
     timeout = httpx.Timeout(30.0, connect=5.0)
     async with (
@@ -78,7 +86,12 @@ async def run_worker(
             pools=sorted(settings.pools),
             namespace=client.namespace,
         )
-        sweeper = OrphanSweeper(client, pools.clients())
+        meter = (client.service_client.config.runtime or Runtime.default()).metric_meter
+        sweeper = OrphanSweeper(
+            client,
+            pools.clients(),
+            on_swept=lambda orphan: count_swept(meter, orphan.pool, orphan.action),
+        )
         sweeping: asyncio.Task[None] | None = None
         async with worker:
             if settings.orphan_sweep_interval_s > 0:
@@ -100,9 +113,20 @@ def _stop_on_signals() -> asyncio.Event:
     return stop
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="worker.py", description=(__doc__ or "").split("\n")[0])
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics on 127.0.0.1:PORT/metrics (env DURABLE_COMFY_METRICS_PORT)",
+    )
+    args = parser.parse_args(argv)
     configure_logging()
-    asyncio.run(run_worker())
+    settings = WorkerSettings.from_env()
+    if args.metrics_port is not None:
+        settings = settings.model_copy(update={"metrics_port": args.metrics_port})
+    asyncio.run(run_worker(settings))
     exit_without_finalizing(0)
 
 

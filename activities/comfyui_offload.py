@@ -21,6 +21,7 @@ from activities.comfy_events import output_files
 from activities.comfyui import ComfyPools
 from activities.errors import from_comfy, from_storage, history_failure, retryable
 from activities.keys import artifact_key, content_type_for
+from activities.metrics import count_offloaded
 from activities.storage import ArtifactStore, StorageError
 from workflows.activity_io import OffloadInput, OffloadResult
 from workflows.contracts import Artifact, OutputSpec
@@ -110,6 +111,7 @@ class OutputUploader:
             segment=self._segment,
         )
         self.artifacts[key] = artifact
+        count_offloaded(stored.size)
         log.info("artifact_stored", job_id=self._job_id, key=key, size=stored.size)
         return artifact
 

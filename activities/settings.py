@@ -27,6 +27,8 @@ class WorkerSettings(BaseModel):
     max_concurrent_activities: int = 100
     # How often each worker looks for prompts whose job is over (0: never).
     orphan_sweep_interval_s: float = Field(60.0, ge=0)
+    # Serve Prometheus metrics (Temporal's and ours) on 127.0.0.1:<port>/metrics.
+    metrics_port: int | None = Field(None, ge=1, le=65535)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> WorkerSettings:
@@ -50,6 +52,10 @@ class WorkerSettings(BaseModel):
         if environ.get("DURABLE_COMFY_DEFAULT_POOL"):
             settings = settings.model_copy(
                 update={"default_pool": environ["DURABLE_COMFY_DEFAULT_POOL"]}
+            )
+        if environ.get("DURABLE_COMFY_METRICS_PORT"):
+            settings = settings.model_copy(
+                update={"metrics_port": int(environ["DURABLE_COMFY_METRICS_PORT"])}
             )
         if environ.get("DURABLE_COMFY_ORPHAN_SWEEP_S"):
             settings = settings.model_copy(

@@ -10,6 +10,7 @@ The stack is this module's own (its services get killed; the session's `local_st
 
 from __future__ import annotations
 
+import re
 import signal
 import time
 from collections.abc import AsyncIterator
@@ -43,7 +44,7 @@ from devstack.chaos.harness import (
 )
 from devstack.comfy_sim.faults import FaultConfig
 from starter.connection import connect_temporal
-from tests.conftest import StackConfigFactory
+from tests.conftest import StackConfigFactory, free_port
 from workflows.contracts import JobRequest, JobState, JobStatus
 from workflows.shared import ErrorType
 
@@ -461,3 +462,29 @@ async def test_terminate_mid_job_leaves_an_orphan_that_the_sweep_stops(case: Cha
     assert await case.workflow_status(job_id) == WorkflowExecutionStatus.TERMINATED
     status = await case.client.status(job_id)
     assert status.state == JobState.TERMINATED, status
+
+
+# -- (k) metrics ---------------------------------------------------------------------------------
+
+
+async def test_worker_serves_sdk_and_job_metrics_on_its_prometheus_port(case: ChaosCase) -> None:
+    port = free_port()
+    case.workers.env["DURABLE_COMFY_METRICS_PORT"] = str(port)
+    await case.workers.start()
+    done = await case.submit(JobRequest(graph=sampler_graph(5), policy=chaos_policy()))
+    async with case.timeline(done) as timeline:
+        final = await timeline.wait_terminal(timeout_s=JOB_DEADLINE_S)
+    assert final.state == JobState.COMPLETED, explain(final, timeline)
+    assert final.checkpoint is not None and final.checkpoint.prompt_id is not None
+    orphaned = await case.submit(JobRequest(graph=sampler_graph(600), policy=chaos_policy()))
+    await case.watcher.wait_step(3, node=SAMPLER_NODE, exclude={final.checkpoint.prompt_id})
+    await case.client.handle(orphaned).terminate(reason="chaos test: an orphan for the metric")
+    await case.sim.wait_idle(timeout_s=ORPHAN_SWEEP_S * 1.25 + 10)
+
+    async with httpx.AsyncClient(trust_env=False) as http:
+        text = (await http.get(f"http://127.0.0.1:{port}/metrics")).text
+    assert re.search(r'^durable_comfy_jobs_ended\{[^}]*state="COMPLETED"[^}]*\} 1$', text, re.M)
+    assert re.search(r"^durable_comfy_bytes_offloaded\{[^}]*\} [1-9]", text, re.M), text[-2000:]
+    assert re.search(r'^durable_comfy_orphans_swept\{[^}]*action="interrupted"', text, re.M)
+    assert re.search(r"^durable_comfy_teardown_seconds_count\{", text, re.M)
+    assert "temporal_workflow_completed" in text, "the SDK's own metrics are on the same endpoint"

@@ -15,6 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 from temporalio import workflow
+from temporalio.common import MetricCounter
 from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
@@ -495,6 +496,7 @@ class InferenceJob:
             attempt, policy.base_delay_s, policy.max_delay_s, workflow.random().random()
         )
         self._status.reconnects += 1
+        metric("reconnects", "Durable reconnect timers").add(1)
         self._status.error = job_error(err)
         self._book.set_state(waiting)
         await workflow.sleep(timedelta(seconds=delay), summary=f"reconnect {attempt + 1}")
@@ -519,6 +521,7 @@ class InferenceJob:
             if not self._resume.resubmit:
                 return checkpoint
         self._resubmits += 1
+        metric("resubmissions", "Prompts submitted again after the backend lost them").add(1)
         self._status.progress.step = 0  # the prompt runs again from the start
         prompt_id = checkpoint.prompt_id or str(workflow.uuid4())
         if self._v3:
@@ -624,6 +627,7 @@ class InferenceJob:
             state, error = JobState.COMPLETED, None
         else:
             state, error = JobState.FAILED, job_error(outcome)
+        metric("jobs_ended", "Jobs by end state").add(1, {"state": state.value})
         self._status.error = error
         pool = self._prepared.pool if self._prepared else None
         if self._v3:
@@ -744,6 +748,11 @@ class InferenceJob:
         return (
             info.is_continue_as_new_suggested() or info.get_current_history_length() > budget // 2
         )
+
+
+def metric(name: str, description: str) -> MetricCounter:
+    """A counter of the workflow's meter (silent while replaying), named durable_comfy_*."""
+    return workflow.metric_meter().create_counter("durable_comfy_" + name, description)
 
 
 def safe_tag(job_id: str) -> str:

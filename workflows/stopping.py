@@ -201,6 +201,11 @@ class PromptStop:
         record.at = workflow.now()
         record.detail = detail
         self._book.touch()
+        if record.started_at is not None:
+            seconds = (record.at - record.started_at).total_seconds()
+            workflow.metric_meter().create_histogram_float(
+                "durable_comfy_teardown_seconds", "From a stop's start to its end", "s"
+            ).record(seconds, {"state": state})
 
     def summary(self) -> str:
         """What was done and seen, in order: "interrupt sent, interrupted at node 3 (...)"."""

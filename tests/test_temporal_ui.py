@@ -1,0 +1,90 @@
+"""The Temporal UI shows a running job's live progress (`make test-ui`).
+
+Headless Chromium (Debian's `chromium` package; `make test-ui` installs it) loads the job's page
+in the dev server's own UI, as an operator would, and the rendered page must show the job's
+Current Details with the progress the `status` query reports at that moment, not "0 %". A
+screenshot is kept next to the test's temporary files for a person to look at.
+
+Skipped when no Chromium is installed, unless REQUIRE_CHROMIUM is set (as `make test-ui` does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from activities.settings import WorkerSettings
+from devstack.config import PoolConfig
+from devstack.models import RunningStack
+from starter import JobClient, JobRequest, JobState
+from starter.connection import connect_temporal
+from tests.cli_support import EXAMPLE, s3_settings
+from tests.conftest import free_port
+from tests.headless_chromium import CHROMIUM, open_page
+from worker import run_worker
+
+pytestmark = pytest.mark.skipif(
+    CHROMIUM is None and not os.environ.get("REQUIRE_CHROMIUM"),
+    reason="needs headless Chromium: make test-ui (apt-get install chromium)",
+)
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def ui_client(local_stack: RunningStack) -> AsyncIterator[JobClient]:
+    task_queue = f"ui-{uuid.uuid4().hex[:8]}"
+    settings = WorkerSettings(
+        task_queue=task_queue,
+        pools={"comfyui": PoolConfig(kind="comfyui", url=local_stack.comfyui_url)},
+    )
+    temporal = await connect_temporal(local_stack.temporal_address, local_stack.namespace)
+    stop = asyncio.Event()
+    worker = asyncio.create_task(
+        run_worker(settings, s3_settings(local_stack), stop=stop, client=temporal)
+    )
+    yield JobClient(temporal, task_queue=task_queue)
+    stop.set()
+    await asyncio.wait_for(worker, timeout=30)
+
+
+async def test_current_details_show_the_live_progress(
+    ui_client: JobClient, local_stack: RunningStack, tmp_path: Path
+) -> None:
+    graph: dict[str, Any] = json.loads(EXAMPLE.read_text())
+    graph["3"]["inputs"]["steps"] = 10000  # minutes at the stack's 20 ms a step
+    graph["3"]["inputs"]["seed"] = uuid.uuid4().int % 2**32
+    job = await ui_client.submit(JobRequest(graph=graph), detached=True)
+    url = f"{local_stack.temporal_ui}/namespaces/{local_stack.namespace}/workflows/{job.job_id}"
+    shown: list[int] = []
+    try:
+        async with asyncio.timeout(60):
+            while (await ui_client.status(job.job_id)).progress.fraction < 0.05:  # noqa: ASYNC110
+                await asyncio.sleep(0.2)
+        async with open_page(url, free_port(), tmp_path / "profile") as page:
+            async with asyncio.timeout(60):
+                while not shown:
+                    await page.click_text("User Metadata")
+                    before = await ui_client.status(job.job_id)
+                    text = await page.text()
+                    after = await ui_client.status(job.job_id)
+                    # The Markdown renderer may turn "/" into a fraction slash: match loosely.
+                    shown = [int(p) for p in re.findall(r"RUNNING\W+(\d+)\s*%", text)]
+                    await asyncio.sleep(0.5)
+            await page.screenshot(tmp_path / "temporal-ui.png")
+    finally:
+        await ui_client.cancel(job.job_id, "UI test done")
+    print(f"screenshot: {tmp_path / 'temporal-ui.png'}")
+    assert before.state == JobState.RUNNING
+    low, high = int(before.progress.fraction * 100), int(after.progress.fraction * 100)
+    assert any(low <= p <= high for p in shown), (shown, low, high, text[-800:])
+    assert low >= 5, "Current Details must follow progress, not stay at 0 %"
+    shot = (tmp_path / "temporal-ui.png").read_bytes()
+    assert shot.startswith(b"\x89PNG") and len(shot) > 10_000
