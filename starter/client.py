@@ -16,6 +16,7 @@ import json
 import random
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator
 from datetime import timedelta
 from pathlib import Path
@@ -201,6 +202,9 @@ class JobClient:
                 id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
                 search_attributes=TypedSearchAttributes(pairs),
                 memo={MEMO_REQUEST_SHA256: fingerprint},
+                # Shown once, at the top of the job's page in the Temporal UI.
+                static_summary=request_summary(request),
+                static_details=request_details(request),
             )
         except WorkflowAlreadyStartedError:
             return await self._existing(job_id, fingerprint)
@@ -522,3 +526,30 @@ def _keepalive_interval(status: JobStatus) -> float:
     if status.abandon_after_s is None:
         return 30.0
     return max(0.1, status.abandon_after_s / 4)
+
+
+def request_summary(request: JobRequest) -> str:
+    """One line for the Temporal UI: what runs where."""
+    segments = max(1, len(request.segments))
+    pool = request.pool or "the default pool"
+    return f"{len(request.graph)}-node ComfyUI graph on {pool}, {segments} segment(s)" + (
+        f", {len(request.inputs)} input file(s)" if request.inputs else ""
+    )
+
+
+def request_details(request: JobRequest) -> str:
+    """The graph's node classes and the policy that matters to an operator, in Markdown."""
+    classes = Counter(str(node.get("class_type", "?")) for node in request.graph.values())
+    policy = request.policy
+    lines = [
+        "**nodes**: " + ", ".join(f"{name} x{count}" for name, count in sorted(classes.items())),
+        f"**execution timeout**: {policy.execution_timeout_s:.0f} s; "
+        f"**reconnect horizon**: {policy.reconnect.horizon_s:.0f} s; "
+        f"**teardown horizon**: {policy.teardown_horizon_s:.0f} s",
+        f"**attached**: abandoned after {policy.abandon_after_s:.0f} s without a client"
+        if policy.abandon_after_s is not None
+        else "**detached**: runs to its end whoever is listening",
+    ]
+    if request.labels:
+        lines.append("**labels**: " + ", ".join(f"{k}={v}" for k, v in request.labels.items()))
+    return "  \n".join(lines)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import os
+import sys
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -343,3 +345,39 @@ async def test_a_graph_comfyui_rejects_fails_with_comfyuis_reason_and_queues_not
     assert await sim_prompts(local_stack) == before
     assert final.teardown.state == "CONFIRMED"
     assert [step.action for step in final.teardown.steps] == ["never_queued"]
+
+
+async def test_temporal_cli_cancel_signal_without_input_tears_the_job_down(
+    worker: RunningWorker, local_stack: RunningStack
+) -> None:
+    # The operator's way: Temporal's own CLI, no --input at all.
+    graph = example()
+    graph["3"]["inputs"]["steps"] = 500
+    graph["3"]["inputs"]["seed"] = uuid.uuid4().int % 2**32  # never served from the cache
+    submitted = await worker.client.submit(JobRequest(graph=graph), detached=True)
+    async for status in worker.client.watch(submitted.job_id, poll_interval_s=0.05):
+        if status.state == JobState.RUNNING and status.progress.step > 0:
+            break
+    temporal = Path(sys.executable).parent / "temporal"
+    proc = await asyncio.create_subprocess_exec(
+        str(temporal),
+        "workflow",
+        "signal",
+        "--address",
+        local_stack.temporal_address,
+        "--namespace",
+        local_stack.namespace,
+        "--workflow-id",
+        submitted.job_id,
+        "--name",
+        "cancel",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env={k: v for k, v in os.environ.items() if not k.startswith("TEMPORAL_")},
+    )
+    out, err = await proc.communicate()
+    assert proc.returncode == 0, (out, err)
+    final = await asyncio.wait_for(worker.client.wait(submitted.job_id), timeout=30)
+    assert final.state == JobState.CANCELLED
+    assert final.teardown.state == "CONFIRMED"
+    assert [s.action for s in final.teardown.steps][:1] == ["interrupt_sent"]

@@ -81,10 +81,14 @@ async def test_current_details_show_the_live_progress(
             await page.screenshot(tmp_path / "temporal-ui.png")
     finally:
         await ui_client.cancel(job.job_id, "UI test done")
+        # Its worker stops with this test: the teardown must have run before then.
+        await asyncio.wait_for(ui_client.wait(job.job_id), timeout=60)
     print(f"screenshot: {tmp_path / 'temporal-ui.png'}")
     assert before.state == JobState.RUNNING
     low, high = int(before.progress.fraction * 100), int(after.progress.fraction * 100)
     assert any(low <= p <= high for p in shown), (shown, low, high, text[-800:])
     assert low >= 5, "Current Details must follow progress, not stay at 0 %"
+    # The static summary the client set at start.
+    assert "-node ComfyUI graph on" in text and "KSampler x1" in text, text[:1500]
     shot = (tmp_path / "temporal-ui.png").read_bytes()
     assert shot.startswith(b"\x89PNG") and len(shot) > 10_000
