@@ -11,9 +11,11 @@ import argparse
 import asyncio
 import signal
 from datetime import timedelta
+from typing import Annotated
 
 import httpx
 import structlog
+import typer
 from temporalio.client import Client
 from temporalio.runtime import Runtime
 from temporalio.worker import Worker
@@ -128,6 +130,16 @@ def main(argv: list[str] | None = None) -> None:
         settings = settings.model_copy(update={"metrics_port": args.metrics_port})
     asyncio.run(run_worker(settings))
     exit_without_finalizing(0)
+
+
+def cli_command(
+    metrics_port: Annotated[
+        int | None,
+        typer.Option(help="Serve Prometheus metrics on 127.0.0.1:PORT/metrics."),
+    ] = None,
+) -> None:
+    """Run the Temporal worker (pools from temporal-dev.yaml or the environment)."""
+    main([] if metrics_port is None else ["--metrics-port", str(metrics_port)])
 
 
 if __name__ == "__main__":

@@ -11,11 +11,40 @@ import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any, Literal
 
+import yaml
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
-from devstack.config import PoolConfig, load_stack_config
 from workflows.shared import DEFAULT_TASK_QUEUE
+
+
+class PoolConfig(BaseModel):
+    """A named backend the worker may run jobs on. Requests name pools, never URLs."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["comfyui", "runpod"] = "comfyui"
+    url: str | None = None
+    endpoint_id: str | None = None
+
+
+class WorkerSection(BaseModel):
+    """The `worker:` section of a stack file (temporal-dev.yaml): what this worker serves."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    task_queue: str = DEFAULT_TASK_QUEUE
+    default_pool: str = "comfyui"
+    pools: dict[str, PoolConfig] = Field(default_factory=dict)
+
+
+def read_worker_section(path: Path) -> WorkerSection:
+    """Only the worker's own section: the rest of the file describes the local stack."""
+    data: Any = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping at the top level")
+    return WorkerSection.model_validate(data.get("worker") or {})
 
 
 class WorkerSettings(BaseModel):
@@ -35,7 +64,7 @@ class WorkerSettings(BaseModel):
         settings = cls()
         config_path = environ.get("DURABLE_COMFY_CONFIG")
         if config_path:
-            worker = load_stack_config(Path(config_path)).worker
+            worker = read_worker_section(Path(config_path))
             settings = cls(
                 task_queue=worker.task_queue,
                 default_pool=worker.default_pool,

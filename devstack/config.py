@@ -9,6 +9,11 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+# The worker's own section belongs to the product, which reads it without the dev stack; the
+# stack file embeds it. Re-exported for the dev stack's users.
+from activities.settings import PoolConfig as PoolConfig
+from activities.settings import WorkerSection
+
 DEFAULT_CONFIG_PATH = Path("temporal-dev.yaml")
 # What `durable-comfy dev` and `make demo` read when no --config is given; .devstack/env exports it.
 CONFIG_ENV = "DURABLE_COMFY_CONFIG"
@@ -133,20 +138,6 @@ class ComfySimSection(_Section):
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
-
-
-class PoolConfig(_Section):
-    """A named backend the worker may run jobs on. Requests name pools, never URLs."""
-
-    kind: Literal["comfyui", "runpod"] = "comfyui"
-    url: str | None = None
-    endpoint_id: str | None = None
-
-
-class WorkerSection(_Section):
-    task_queue: str = "durable-comfy"
-    default_pool: str = "comfyui"
-    pools: dict[str, PoolConfig] = Field(default_factory=dict)
 
 
 class StackConfig(_Section):

@@ -489,7 +489,7 @@ class JobClient:
         if self.store is None:
             raise StorageNotConfigured(
                 "downloading needs S3 credentials: set AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY "
-                "and DURABLE_COMFY_BUCKET (the local stack's are in .devstack/env)"
+                "and DURABLE_COMFY_BUCKET (the local stack writes its own to its env file)"
             )
         return self.store
 

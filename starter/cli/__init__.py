@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+from importlib.metadata import entry_points
 
 import typer
 
 from activities.log_setup import configure_logging
-from starter.cli import control, jobs, submit, worker_cmd
+from starter.cli import control, jobs, submit
 from starter.exit import exit_without_finalizing
+
+PLUGIN_GROUP = "durable_comfy.cli"
 
 
 def build_app() -> typer.Typer:
@@ -17,9 +20,6 @@ def build_app() -> typer.Typer:
         no_args_is_help=True,
         pretty_exceptions_enable=False,
     )
-    from devstack.cli import app as dev_app
-
-    app.add_typer(dev_app, name="dev", help="The local stack: Temporal, S3, ComfyUI simulator.")
     app.command("submit")(submit.submit)
     app.command("watch")(jobs.watch)
     app.command("status")(jobs.status)
@@ -27,8 +27,20 @@ def build_app() -> typer.Typer:
     app.command("cancel")(control.cancel)
     app.command("resume")(control.resume)
     app.command("list")(control.list_jobs)
-    app.command("worker")(worker_cmd.worker)
+    _add_plugins(app)
     return app
+
+
+def _add_plugins(app: typer.Typer) -> None:
+    """Commands other parts of the distribution register (pyproject's `durable_comfy.cli`
+    entry points): `worker` (worker.py) and `dev` (the local stack). The client library
+    imports neither, so it installs and runs without them."""
+    for entry in sorted(entry_points(group=PLUGIN_GROUP), key=lambda e: e.name):
+        target = entry.load()
+        if isinstance(target, typer.Typer):
+            app.add_typer(target, name=entry.name)
+        else:
+            app.command(entry.name)(target)
 
 
 def main() -> None:
