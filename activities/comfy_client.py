@@ -1,4 +1,4 @@
-"""A thin async client for one ComfyUI server's HTTP API (PROTOCOLS.md).
+"""A thin async client for one ComfyUI server's HTTP API (docs/comfyui-protocol.md).
 
 Exceptions (translated from httpx at this edge):
     ComfyError

@@ -1,4 +1,4 @@
-"""ComfyUI WebSocket frames as typed events (PROTOCOLS.md, "WebSocket /ws").
+"""ComfyUI WebSocket frames as typed events (docs/comfyui-protocol.md, "WebSocket").
 
 Binary frames (previews) and unknown types are ignored; anything that is not about our prompt is
 dropped by `for_prompt`.

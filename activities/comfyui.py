@@ -1,6 +1,9 @@
-"""Activities that talk to a ComfyUI pool: prepare, submit, tear down.
+"""Activities that talk to a ComfyUI pool: prepare, stop (one check), and the older submit and
+teardown.
 
-Following a running prompt and offloading its outputs live in `activities/comfyui_follow.py`.
+Submitting and following a prompt live in `activities/comfyui_follow.py`, storing its outputs in
+`activities/comfyui_offload.py`. `submit_prompt` and `teardown_prompt` are kept for jobs started
+before the follow activity submitted and stops were confirmed check by check.
 """
 
 from __future__ import annotations

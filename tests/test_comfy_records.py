@@ -1,6 +1,6 @@
 """What the ComfyUI client makes of ComfyUI's own records: rejections, queue places, endings.
 
-The shapes are ComfyUI 0.8.0's, as PROTOCOLS.md and the conformance suite describe them.
+The shapes are ComfyUI 0.8.0's, as docs/comfyui-protocol.md and the conformance suite describe them.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""ComfyUI protocol conformance (PROTOCOLS.md, ComfyUI section).
+"""ComfyUI protocol conformance (docs/comfyui-protocol.md).
 
 Runs against the simulator (`python -m devstack.comfy_sim`, started per module) by default, or
 against a real ComfyUI when COMFYUI_URL is set: then simulator-only checks (/sim/*, Sim* nodes,

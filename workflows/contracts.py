@@ -1,4 +1,4 @@
-"""The data contracts every layer exchanges (DESIGN.md §2), as pydantic v2 models.
+"""The data contracts every layer exchanges (docs/architecture.md), as pydantic v2 models.
 
 They travel through Temporal with `temporalio.contrib.pydantic.pydantic_data_converter`.
 """

@@ -1,4 +1,4 @@
-"""durable-comfy's ComfyUI simulator: speaks ComfyUI's HTTP + WebSocket protocol (PROTOCOLS.md)
+"""durable-comfy's ComfyUI simulator: speaks ComfyUI's HTTP + WebSocket protocol (docs/comfyui-protocol.md)
 and "renders" deterministic PNGs over simulated progress steps, with fault knobs under /sim/.
 
 It is a simulator, not ComfyUI: /system_stats reports `sim-0.1 (durable-comfy ComfyUI
