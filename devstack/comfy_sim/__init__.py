@@ -1,5 +1,6 @@
 """durable-comfy's ComfyUI simulator: speaks ComfyUI's HTTP + WebSocket protocol
-(docs/comfyui-protocol.md) and "renders" deterministic PNGs over simulated progress steps, with fault knobs under /sim/.
+(docs/comfyui-protocol.md) and "renders" deterministic PNGs over simulated progress steps, with
+fault knobs under /sim/.
 
 It is a simulator, not ComfyUI: /system_stats reports `sim-0.1 (durable-comfy ComfyUI
 simulator)` and no model is ever loaded. Run it with `python -m devstack.comfy_sim`, or build the
