@@ -38,7 +38,13 @@ from workflows.activity_io import (
 from workflows.contracts import MAX_INLINE_INPUT_BYTES, InlineInput, InputRef, S3Input, Teardown
 from workflows.graph import GraphFormatError, apply_overrides, bind_files, load_node_files
 from workflows.graph import sampler_steps as graph_sampler_steps
-from workflows.shared import ErrorType
+from workflows.shared import (
+    ACTIVITY_PREPARE,
+    ACTIVITY_STOP,
+    ACTIVITY_SUBMIT,
+    ACTIVITY_TEARDOWN,
+    ErrorType,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -90,7 +96,7 @@ class ComfyActivities:
         self._pools = pools
         self._store = store
 
-    @activity.defn(name="prepare_prompt")
+    @activity.defn(name=ACTIVITY_PREPARE)
     async def prepare_prompt(self, req: PrepareInput) -> PreparedJob:
         """Check the graph against the pool's node registry and bind input files to it."""
         pool = self._pools.resolve(req.pool)
@@ -168,7 +174,7 @@ class ComfyActivities:
             "or inline data",
         )
 
-    @activity.defn(name="submit_prompt")
+    @activity.defn(name=ACTIVITY_SUBMIT)
     async def submit_prompt(self, req: SubmitInput) -> SubmitResult:
         """POST /prompt with our own prompt_id, unless ComfyUI already has it.
 
@@ -209,7 +215,7 @@ class ComfyActivities:
             return True
         return await client.history(prompt_id) is not None
 
-    @activity.defn(name="stop_prompt")
+    @activity.defn(name=ACTIVITY_STOP)
     async def stop_prompt(self, req: StopInput) -> StopCheck:
         """One check of a stop: dequeue if queued, interrupt if running, say how it ended.
 
@@ -230,7 +236,7 @@ class ComfyActivities:
                 at=datetime.now(UTC), position="unreachable", message=f"{type(exc).__name__}: {exc}"
             )
 
-    @activity.defn(name="teardown_prompt")
+    @activity.defn(name=ACTIVITY_TEARDOWN)
     async def teardown_prompt(self, req: TeardownInput) -> TeardownResult:
         """The pre-0.2 teardown, still served for jobs started before `stop_prompt` existed:
         one check, retried by Temporal until the prompt is gone."""

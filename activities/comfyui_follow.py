@@ -45,7 +45,7 @@ from activities.progress import ProgressTracker
 from activities.storage import ArtifactStore
 from workflows.activity_io import FollowInput, FollowResult
 from workflows.contracts import Artifact, Checkpoint, ProgressReport
-from workflows.shared import SIGNAL_PROGRESS, ErrorType
+from workflows.shared import ACTIVITY_FOLLOW, SIGNAL_PROGRESS, ErrorType
 
 log = structlog.get_logger(__name__)
 
@@ -98,7 +98,7 @@ class PromptFollower:
             run_tag=req.run_tag,
         )
         self.tracker = ProgressTracker(
-            req.sampler_steps, req.nodes_total, min_interval_s=min(1.0, req.progress_interval_s)
+            req.sampler_steps, req.nodes_total, min_interval_s=req.progress_interval_s
         )
         self.tracker.restore(self.checkpoint.node_steps, self.checkpoint.nodes_done)
         timeout = activity.info().heartbeat_timeout
@@ -424,7 +424,7 @@ class FollowActivities:
         self._pools = pools
         self._store = store
 
-    @activity.defn(name="follow_prompt")
+    @activity.defn(name=ACTIVITY_FOLLOW)
     async def follow_prompt(self, req: FollowInput) -> FollowResult:
         client = self._pools.client(req.pool)
         return await PromptFollower(req, client, self._store, self._pools.health).run()

@@ -66,6 +66,7 @@ from workflows.contracts import (
     JobRequest,
     JobState,
     JobStatus,
+    OutputSpec,
     ReconnectPolicy,
     ResumeRequest,
     validate_job_id,
@@ -476,8 +477,28 @@ class JobClient:
         """The final status, with presigned URLs for the artifacts when S3 access is set up."""
         status = await self.wait(job_id)
         if presign and self.store is not None:
-            status.artifacts = [await self._presigned(a) for a in status.artifacts]
+            ttl_s = await self._presign_ttl(job_id)
+            status.artifacts = [await self._presigned(a, ttl_s) for a in status.artifacts]
         return status
+
+    async def _presign_ttl(self, job_id: str) -> int:
+        """The link lifetime the job's request asked for (`output.presign_ttl_s`).
+
+        Read from the run's start event (its first argument is the request), so a client that
+        did not submit the job still honours it.
+        """
+        default = OutputSpec().presign_ttl_s
+        try:
+            async for event in self.handle(job_id).fetch_history_events():
+                payloads = event.workflow_execution_started_event_attributes.input.payloads
+                if not payloads:
+                    return default
+                converter = self.temporal.data_converter
+                [request] = await converter.decode(list(payloads[:1]), [JobRequest])
+                return int(request.output.presign_ttl_s)
+        except (RPCError, ValueError, TypeError):
+            return default
+        return default
 
     async def _presigned(self, artifact: Artifact, ttl_s: int = 3600) -> Artifact:
         assert self.store is not None
@@ -488,8 +509,10 @@ class JobClient:
     def require_store(self) -> ArtifactStore:
         if self.store is None:
             raise StorageNotConfigured(
-                "downloading needs S3 credentials: set AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY "
-                "and DURABLE_COMFY_BUCKET (the local stack writes its own to its env file)"
+                "downloading needs the artifact bucket: set DURABLE_COMFY_BUCKET (and "
+                "DURABLE_COMFY_S3_ENDPOINT off AWS) with credentials from AWS_ACCESS_KEY_ID/"
+                "AWS_SECRET_ACCESS_KEY or any source botocore reads (the local stack writes its "
+                "own to its env file)"
             )
         return self.store
 

@@ -311,6 +311,7 @@ async def test_exit_2_for_a_missing_job_a_request_too_large_or_downloads_without
 ) -> None:
     env = cli_env(local_stack, worker.task_queue)
     no_s3 = {k: v for k, v in env.items() if not k.startswith("AWS_")}
+    no_s3.pop("DURABLE_COMFY_BUCKET", None)
     inputs = []
     for name in ("a.png", "b.png"):  # each under the inline limit, together over 2 MiB
         (tmp_path / name).write_bytes(os.urandom(1024 * 1024))
@@ -331,7 +332,7 @@ async def test_exit_2_for_a_missing_job_a_request_too_large_or_downloads_without
         assert err == f"error: no job {missing!r} in this namespace\n"
     assert "over Temporal's limit of 2,097,152 bytes" in errors[3]
     assert "--input NAME=s3://BUCKET/KEY" in errors[3]
-    assert errors[4].startswith("error: downloading needs S3 credentials")
+    assert errors[4].startswith("error: downloading needs the artifact bucket")
     assert errors[4].count("\n") == 1
 
     # Past the client's own check, the server's rejection reads the same.
@@ -488,3 +489,27 @@ async def test_ctrl_c_in_submit_watch_says_when_the_attached_job_is_abandoned(
     ) in err
     await worker.client.cancel(job_id, "test over")
     await asyncio.wait_for(worker.client.wait(job_id), timeout=30)
+
+
+async def test_download_takes_credentials_from_botocores_default_chain(
+    worker: RunningWorker, local_stack: RunningStack, tmp_path: Path
+) -> None:
+    # No AWS_* keys in the environment: a shared credentials file, as `aws configure` writes.
+    env = {k: v for k, v in cli_env(local_stack, worker.task_queue).items()}
+    key_id, secret = env.pop("AWS_ACCESS_KEY_ID"), env.pop("AWS_SECRET_ACCESS_KEY")
+    credentials = tmp_path / "credentials"
+    credentials.write_text(
+        f"[default]\naws_access_key_id = {key_id}\naws_secret_access_key = {secret}\n"
+    )
+    env["AWS_SHARED_CREDENTIALS_FILE"] = str(credentials)
+    env["AWS_CONFIG_FILE"] = str(tmp_path / "no-config")
+    done = await worker.client.submit(JobRequest(graph=tiny_graph()))
+    await worker.client.wait(done.job_id)
+    code, out, err = await run_cli(
+        "result", done.job_id, "--download", str(tmp_path / "dl"), "--json", env=env
+    )
+    assert code == ExitCode.OK, err
+    # The key ID is part of every presigned URL (X-Amz-Credential); the secret never shows.
+    assert secret not in out + err
+    downloaded = [p for p in (tmp_path / "dl").rglob("*") if p.is_file()]
+    assert downloaded, out

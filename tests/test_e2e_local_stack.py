@@ -30,7 +30,7 @@ from tests.cli_support import (
     run_cli,
     running_worker,
 )
-from workflows.contracts import JobPolicy
+from workflows.contracts import JobPolicy, OutputSpec
 from workflows.shared import ErrorType
 
 
@@ -381,3 +381,11 @@ async def test_temporal_cli_cancel_signal_without_input_tears_the_job_down(
     assert final.state == JobState.CANCELLED
     assert final.teardown.state == "CONFIRMED"
     assert [s.action for s in final.teardown.steps][:1] == ["interrupt_sent"]
+
+
+async def test_presigned_links_live_as_long_as_the_request_asked(worker: RunningWorker) -> None:
+    request = JobRequest(graph=example(), output=OutputSpec(presign_ttl_s=120))
+    submitted = await worker.client.submit(request)
+    final = await worker.client.result(submitted.job_id)
+    assert final.artifacts and all(a.url for a in final.artifacts)
+    assert all("X-Amz-Expires=120" in (a.url or "") for a in final.artifacts), final.artifacts

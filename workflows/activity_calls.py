@@ -23,6 +23,14 @@ with workflow.unsafe.imports_passed_through():
         TeardownResult,
     )
     from workflows.contracts import JobPolicy
+    from workflows.shared import (
+        ACTIVITY_FOLLOW,
+        ACTIVITY_OFFLOAD,
+        ACTIVITY_PREPARE,
+        ACTIVITY_STOP,
+        ACTIVITY_SUBMIT,
+        ACTIVITY_TEARDOWN,
+    )
 
 QUICK_RETRY = RetryPolicy(
     initial_interval=timedelta(seconds=1),
@@ -36,7 +44,7 @@ ONE_ATTEMPT = RetryPolicy(maximum_attempts=1)
 
 async def prepare(req: PrepareInput) -> PreparedJob:
     result: PreparedJob = await workflow.execute_activity(
-        "prepare_prompt",
+        ACTIVITY_PREPARE,
         req,
         result_type=PreparedJob,
         start_to_close_timeout=timedelta(minutes=2),
@@ -50,7 +58,7 @@ async def submit(req: SubmitInput, policy: JobPolicy) -> SubmitResult:
     # A backend that does not answer is retried with backoff until the reconnect horizon;
     # the prompt_id is ours, so a retry after a lost answer never queues twice.
     result: SubmitResult = await workflow.execute_activity(
-        "submit_prompt",
+        ACTIVITY_SUBMIT,
         req,
         result_type=SubmitResult,
         start_to_close_timeout=timedelta(seconds=60),
@@ -67,7 +75,7 @@ async def submit(req: SubmitInput, policy: JobPolicy) -> SubmitResult:
 
 async def follow(req: FollowInput, policy: JobPolicy) -> FollowResult:
     result: FollowResult = await workflow.execute_activity(
-        "follow_prompt",
+        ACTIVITY_FOLLOW,
         req,
         result_type=FollowResult,
         start_to_close_timeout=timedelta(seconds=policy.execution_timeout_s),
@@ -82,7 +90,7 @@ async def follow(req: FollowInput, policy: JobPolicy) -> FollowResult:
 
 async def offload(req: OffloadInput) -> OffloadResult:
     result: OffloadResult = await workflow.execute_activity(
-        "offload_outputs",
+        ACTIVITY_OFFLOAD,
         req,
         result_type=OffloadResult,
         start_to_close_timeout=timedelta(minutes=30),
@@ -95,7 +103,7 @@ async def offload(req: OffloadInput) -> OffloadResult:
 
 async def teardown(req: TeardownInput) -> TeardownResult:
     result: TeardownResult = await workflow.execute_activity(
-        "teardown_prompt",
+        ACTIVITY_TEARDOWN,
         req,
         result_type=TeardownResult,
         start_to_close_timeout=timedelta(seconds=30),
@@ -108,7 +116,7 @@ async def teardown(req: TeardownInput) -> TeardownResult:
 async def stop(req: StopInput) -> StopCheck:
     # One check per call: the workflow repeats it on durable timers until the prompt is gone.
     result: StopCheck = await workflow.execute_activity(
-        "stop_prompt",
+        ACTIVITY_STOP,
         req,
         result_type=StopCheck,
         start_to_close_timeout=timedelta(seconds=30),

@@ -128,7 +128,11 @@ async def _call(coro_fn: Callable[[], Awaitable[T]]) -> T:
 
 @asynccontextmanager
 async def job_client(with_store: bool = False) -> AsyncIterator[JobClient]:
-    """A JobClient; with S3 credentials in the environment it can presign and download."""
+    """A JobClient; with an artifact bucket configured it can presign and download.
+
+    Credentials follow botocore's default chain: AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, else a
+    shared credentials file or profile (AWS_PROFILE), an instance role, ...
+    """
     task_queue = os.environ.get("DURABLE_COMFY_TASK_QUEUE", DEFAULT_TASK_QUEUE)
     raw_timeout = os.environ.get("DURABLE_COMFY_QUERY_TIMEOUT_S", "10")
     try:
@@ -136,7 +140,7 @@ async def job_client(with_store: bool = False) -> AsyncIterator[JobClient]:
     except ValueError:
         fail(f"DURABLE_COMFY_QUERY_TIMEOUT_S={raw_timeout!r} is not a number of seconds")
     client = await JobClient.connect(task_queue=task_queue, query_timeout_s=query_timeout_s)
-    if not with_store or not os.environ.get("AWS_ACCESS_KEY_ID"):
+    if not with_store or not os.environ.get("DURABLE_COMFY_BUCKET"):
         yield client
         return
     from activities.storage import ArtifactStore, S3Settings
