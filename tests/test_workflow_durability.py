@@ -524,3 +524,26 @@ async def test_stop_checks_go_on_while_the_backend_cannot_be_reached(
     assert status.teardown.state == "CONFIRMED", status.teardown
     assert [s.action for s in status.teardown.steps] == ["check_failed", "interrupted"]
     assert "refused" in status.teardown.steps[0].detail
+
+
+async def test_a_prompt_waiting_past_queue_timeout_fails_the_job_and_is_dequeued(
+    clean_env: WorkflowEnvironment,
+) -> None:
+    backend = FakeBackend(Script(block_in="follow_prompt", queued_at=3))
+    async with job_worker(clean_env.client, backend) as tq:
+        # Short: time does not skip while the (blocked) follow activity runs.
+        handle = await start_job(clean_env.client, tq, request(queue_timeout_s=3))
+
+        async def waiting() -> bool:
+            current: JobStatus = await handle.query(QUERY_STATUS, result_type=JobStatus)
+            return current.state == JobState.WAITING and current.progress.queue_position == 3
+
+        await eventually(waiting)
+        status, error = await outcome(handle)
+        started = await timers(handle)
+    assert status.state == JobState.FAILED
+    assert status.error is not None and status.error.type == ErrorType.QUEUE_TIMEOUT
+    assert "place 3" in status.error.message and "(3 s)" in status.error.message
+    assert isinstance(error, WorkflowFailureError)
+    assert ("queue timeout", 3.0) in started
+    assert status.teardown.state == "CONFIRMED"

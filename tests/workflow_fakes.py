@@ -114,6 +114,8 @@ class Script:
     stop_running_checks: int = 0
     # Stop checks (the first ones) that cannot reach the backend at all.
     stop_unreachable_checks: int = 0
+    # The submitted prompt waits in the backend's queue (at this place) instead of running.
+    queued_at: int | None = None
 
 
 class FakeBackend:
@@ -184,9 +186,11 @@ class FakeBackend:
                     )
                 )
             # As the real follower does: the workflow hears that the backend has the prompt.
+            queued = self.script.queued_at
             report = ProgressReport(
                 attempt_client_id=req.client_id,
-                stage="running",
+                stage="running" if queued is None else "queued",
+                queue_position=queued,
                 checkpoint=Checkpoint(
                     job_id=req.job_id,
                     segment=req.segment,

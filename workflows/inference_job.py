@@ -238,6 +238,9 @@ class InferenceJob:
         abandon_after = request.policy.abandon_after_s
         if abandon_after is not None:
             guards.append(asyncio.create_task(self._watchdog(abandon_after)))
+        queue_timeout = request.policy.queue_timeout_s
+        if self._v3 and queue_timeout is not None:
+            guards.append(asyncio.create_task(self._queue_watchdog(queue_timeout)))
         outcome: BaseException | None = None
         try:
             await asyncio.shield(self._work)
@@ -365,6 +368,8 @@ class InferenceJob:
         self._status.checkpoint = checkpoint
         if self._status.backend is not None:
             self._status.backend.provider_job_id = prompt_id
+        self._book.backend_state = JobState.RUNNING  # nothing is known of the new prompt yet
+        self._status.progress.queue_position = None
         self._book.mark_progress()
         return checkpoint
 
@@ -601,6 +606,33 @@ class InferenceJob:
             ErrorType.TIMEOUT,
             f"the job ran past execution_timeout_s ({request.policy.execution_timeout_s:.0f} s)",
         )
+
+    async def _queue_watchdog(self, queue_timeout_s: float) -> None:
+        """A prompt that waits in the backend's queue longer than `queue_timeout_s` fails the
+        job (`QueueTimeout`): the GPU it waits for is not coming in time."""
+        book = self._book
+        while True:
+            await workflow.wait_condition(lambda: book.backend_state == JobState.WAITING)
+            waiting_for = self._prompt_id
+
+            def moved_on(prompt: str | None = waiting_for) -> bool:
+                return book.backend_state != JobState.WAITING or self._prompt_id != prompt
+
+            try:
+                await workflow.wait_condition(
+                    moved_on,
+                    timeout=timedelta(seconds=queue_timeout_s),
+                    timeout_summary="queue timeout",
+                )
+            except TimeoutError:
+                position = self._status.progress.queue_position
+                self._request_stop(
+                    JobState.FAILED,
+                    ErrorType.QUEUE_TIMEOUT,
+                    f"prompt {waiting_for} waited in the backend's queue (place {position}) "
+                    f"longer than queue_timeout_s ({queue_timeout_s:.0f} s)",
+                )
+                return
 
     async def _watchdog(self, abandon_after_s: float) -> None:
         while True:

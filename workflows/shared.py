@@ -61,6 +61,7 @@ class ErrorType:
     OUTPUT_MISSING: Final = "OutputMissing"
     STORAGE_ERROR: Final = "StorageError"
     TIMEOUT: Final = "Timeout"
+    QUEUE_TIMEOUT: Final = "QueueTimeout"  # waited in the backend's queue past queue_timeout_s
     TEARDOWN_FAILED: Final = "TeardownFailed"
     CANCELLED: Final = "Cancelled"
     RESUME_REFUSED: Final = "ResumeRefused"  # the resume update's refusal (the job goes on)

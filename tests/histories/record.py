@@ -112,6 +112,11 @@ SCENARIOS: dict[str, Scenario] = {
         {"abandon_after_s": None},
         cancel_with_reason,
     ),
+    "queue_timeout": (
+        Script(block_in="follow_prompt", queued_at=2),
+        {"abandon_after_s": None, "queue_timeout_s": 2},
+        None,
+    ),
 }
 
 
