@@ -12,6 +12,8 @@ source of truth) once the prompt has finished.
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
 import time
 from collections.abc import Mapping
 from datetime import UTC, datetime
@@ -115,6 +117,7 @@ class PromptFollower:
         self.succeeded = False
         self.uploads: set[asyncio.Task[Artifact]] = set()
         self.log = log.bind(job_id=req.job_id, prompt_id=req.prompt_id, segment=req.segment)
+        self.worker_id = _worker_identity()
 
     async def run(self) -> FollowResult:
         attempt = activity.info().attempt
@@ -382,13 +385,21 @@ class PromptFollower:
             node=self.current_node,
             artifact=artifact,
             checkpoint=self._checkpoint(),
-            worker_id=activity.info().activity_id,
+            worker_id=self.worker_id,
         )
         try:
             handle = activity.client().get_workflow_handle(self.req.job_id)
             await handle.signal(SIGNAL_PROGRESS, report)
         except Exception as exc:  # progress is advisory: never fail the job over it
             self.log.warning("progress_signal_failed", error=str(exc))
+
+
+def _worker_identity() -> str:
+    """The worker process following the prompt, as Temporal knows it (`pid@host`)."""
+    try:
+        return activity.client().identity
+    except RuntimeError:  # no client (e.g. an ActivityEnvironment): name the process
+        return f"{os.getpid()}@{socket.gethostname()}"
 
 
 def _restore_checkpoint(details: Any, req: FollowInput) -> Checkpoint:

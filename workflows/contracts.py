@@ -207,6 +207,7 @@ class BackendInfo(_Model):
     pool: str
     kind: str = "comfyui"
     provider_job_id: str | None = None
+    # The worker process following the job (`pid@host`, its Temporal identity).
     worker_id: str | None = None
 
 
