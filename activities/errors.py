@@ -48,8 +48,15 @@ def from_comfy(exc: ComfyError, doing: str) -> ApplicationError:
         )
     if isinstance(exc, ComfyUnavailable):
         return retryable(ErrorType.BACKEND_UNAVAILABLE, f"{doing}: ComfyUI unavailable: {exc}")
+    if isinstance(exc, ComfyHTTPError) and exc.status_code == 413:
+        return fatal(
+            ErrorType.INVALID_REQUEST,
+            f"{doing}: ComfyUI refused the request as too large (its --max-upload-size): {exc}",
+            status_code=413,
+        )
     if isinstance(exc, ComfyHTTPError) and 400 <= exc.status_code < 500:
-        return fatal(ErrorType.BACKEND_UNAVAILABLE, f"{doing}: {exc}")
+        # Reachable, and refusing: not "unavailable", and no retry changes its answer.
+        return fatal(ErrorType.BACKEND_ERROR, f"{doing}: {exc}", status_code=exc.status_code)
     return retryable(ErrorType.BACKEND_UNAVAILABLE, f"{doing}: {exc}")
 
 

@@ -110,3 +110,17 @@ def test_ending_reads_the_prompts_own_messages() -> None:
     assert "out of memory" in ending_of(failed).message
     assert ending_of({"status": {"status_str": "success", "messages": []}}).outcome == "success"
     assert ending_of(None).outcome == "unknown"
+
+
+def test_comfyui_http_errors_keep_their_status_and_say_what_kind_they_are() -> None:
+    from activities.comfy_client import ComfyHTTPError, ComfyUnavailable
+    from activities.errors import from_comfy
+    from workflows.shared import ErrorType
+
+    refused = from_comfy(ComfyHTTPError("GET /view 'x.png': HTTP 404", 404), "fetching x.png")
+    assert (refused.type, refused.non_retryable) == (ErrorType.BACKEND_ERROR, True)
+    assert refused.details == ({"status_code": 404},)
+    too_big = from_comfy(ComfyHTTPError("POST /upload/image: HTTP 413", 413), "uploading")
+    assert too_big.type == ErrorType.INVALID_REQUEST and "max-upload-size" in too_big.message
+    down = from_comfy(ComfyUnavailable("GET /queue: HTTP 502"), "asking the queue")
+    assert (down.type, down.non_retryable) == (ErrorType.BACKEND_UNAVAILABLE, False)

@@ -52,6 +52,7 @@ class ErrorType:
     MISSING_INPUT: Final = "MissingInput"
     PROMPT_REJECTED: Final = "PromptRejected"
     BACKEND_UNAVAILABLE: Final = "BackendUnavailable"
+    BACKEND_ERROR: Final = "BackendError"  # the backend refused a call (4xx): retrying won't help
     CONNECTION_LOST: Final = "ConnectionLost"
     EXECUTION_ERROR: Final = "ExecutionError"
     OUT_OF_MEMORY: Final = "OutOfMemory"
