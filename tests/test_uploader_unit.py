@@ -176,5 +176,5 @@ async def test_an_output_comfyui_no_longer_has_is_fatal(offload: Offload) -> Non
     uploader = offload.uploader()
     with pytest.raises(ApplicationError) as caught:
         await uploader.upload("9", image("gone.png"))
-    assert caught.value.type == ErrorType.BACKEND_UNAVAILABLE and caught.value.non_retryable
+    assert caught.value.type == ErrorType.BACKEND_ERROR and caught.value.non_retryable
     assert uploader.wanted("9", image("gone.png")), "a failed upload may be tried again"
