@@ -397,9 +397,14 @@ class PromptFollower:
 def _worker_identity() -> str:
     """The worker process following the prompt, as Temporal knows it (`pid@host`)."""
     try:
-        return activity.client().identity
-    except RuntimeError:  # no client (e.g. an ActivityEnvironment): name the process
-        return f"{os.getpid()}@{socket.gethostname()}"
+        identity = getattr(activity.client(), "identity", None)
+    except RuntimeError:  # no client (e.g. an ActivityEnvironment)
+        identity = None
+    return identity if isinstance(identity, str) and identity else _process_identity()
+
+
+def _process_identity() -> str:
+    return f"{os.getpid()}@{socket.gethostname()}"
 
 
 def _restore_checkpoint(details: Any, req: FollowInput) -> Checkpoint:
