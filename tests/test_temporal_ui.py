@@ -22,15 +22,11 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from activities.settings import WorkerSettings
-from devstack.config import PoolConfig
 from devstack.models import RunningStack
 from starter import JobClient, JobRequest, JobState
-from starter.connection import connect_temporal
-from tests.cli_support import EXAMPLE, s3_settings
+from tests.cli_support import EXAMPLE, running_worker
 from tests.conftest import free_port
 from tests.headless_chromium import CHROMIUM, open_page
-from worker import run_worker
 
 pytestmark = pytest.mark.skipif(
     CHROMIUM is None and not os.environ.get("REQUIRE_CHROMIUM"),
@@ -40,19 +36,8 @@ pytestmark = pytest.mark.skipif(
 
 @pytest_asyncio.fixture(loop_scope="session")
 async def ui_client(local_stack: RunningStack) -> AsyncIterator[JobClient]:
-    task_queue = f"ui-{uuid.uuid4().hex[:8]}"
-    settings = WorkerSettings(
-        task_queue=task_queue,
-        pools={"comfyui": PoolConfig(kind="comfyui", url=local_stack.comfyui_url)},
-    )
-    temporal = await connect_temporal(local_stack.temporal_address, local_stack.namespace)
-    stop = asyncio.Event()
-    worker = asyncio.create_task(
-        run_worker(settings, s3_settings(local_stack), stop=stop, client=temporal)
-    )
-    yield JobClient(temporal, task_queue=task_queue)
-    stop.set()
-    await asyncio.wait_for(worker, timeout=30)
+    async with running_worker(local_stack, "ui") as worker:
+        yield worker.client
 
 
 async def test_current_details_show_the_live_progress(
