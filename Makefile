@@ -45,6 +45,13 @@ test-ui: $(STAMP)
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
 	REQUIRE_CHROMIUM=1 $(BIN)/pytest -q tests/test_temporal_ui.py
 
+## mutate: mutation testing of workflows/ and the follower against the fast tests (not in `make test`)
+.PHONY: mutate
+mutate: $(STAMP)
+	rm -rf mutants
+	$(BIN)/mutmut run --max-children 2
+	$(BIN)/mutmut results
+
 ## lint: ruff (format + check) and mypy
 lint: $(STAMP)
 	$(BIN)/ruff format --check .
