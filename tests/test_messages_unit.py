@@ -1,0 +1,74 @@
+"""`workflows/messages.py` on its own: what a plain client's payload becomes, word for word."""
+
+from __future__ import annotations
+
+import pytest
+
+from workflows.contracts import CancelRequest, ResumeRequest
+from workflows.messages import lenient_message, strict_message
+
+
+def test_nothing_or_an_empty_object_means_the_defaults() -> None:
+    assert lenient_message(CancelRequest, None) == (CancelRequest(), [])
+    assert lenient_message(CancelRequest, {}) == (CancelRequest(), [])
+    assert strict_message(ResumeRequest, None, what="resume") == ResumeRequest()
+    assert strict_message(ResumeRequest, {}, what="resume") == ResumeRequest()
+
+
+def test_a_bare_value_is_the_scalar_field_or_is_refused() -> None:
+    assert lenient_message(CancelRequest, "why not", scalar_field="reason") == (
+        CancelRequest(reason="why not"),
+        [],
+    )
+    assert lenient_message(ResumeRequest, True, scalar_field="resubmit")[0].resubmit is True
+    message, notes = lenient_message(CancelRequest, ["a", "list"])
+    assert message == CancelRequest()
+    assert notes == ["ignored a list payload: send an object"]
+
+
+def test_unknown_fields_are_named_with_the_known_ones() -> None:
+    message, notes = lenient_message(CancelRequest, {"why": "typo", "reason": "kept"})
+    assert message == CancelRequest(reason="kept")
+    assert notes == ["ignored unknown field 'why' (known: reason)"]
+
+
+def test_a_value_of_the_wrong_type_is_dropped_with_the_reason() -> None:
+    message, notes = lenient_message(ResumeRequest, {"resubmit": "perhaps"})
+    assert message == ResumeRequest()
+    assert len(notes) == 1
+    assert notes[0].startswith("ignored resubmit='perhaps': ")
+    assert "bool" in notes[0]
+
+
+def test_a_too_long_string_is_cut_to_its_limit_not_dropped() -> None:
+    message, notes = lenient_message(CancelRequest, {"reason": "r" * 501})
+    assert message.reason == "r" * 500
+    assert notes == ["reason cut to its first 500 characters (of 501)"]
+    exact, none = lenient_message(CancelRequest, {"reason": "r" * 500})
+    assert exact.reason == "r" * 500 and none == []
+
+
+def test_long_rejected_values_are_shortened_in_notes() -> None:
+    _message, notes = lenient_message(ResumeRequest, {"resubmit": "x" * 200})
+    shown = notes[0].split("=", 1)[1].split(":", 1)[0]
+    assert shown == repr("x" * 200)[:60] + "..."
+    _message, short = lenient_message(ResumeRequest, {"resubmit": "xy"})
+    assert short[0].startswith("ignored resubmit='xy': ")
+
+
+@pytest.mark.parametrize(
+    ("payload", "expected"),
+    [
+        ("yes", "resume takes an object such as {\"resubmit\":false}, not 'yes'"),
+        ({"resubmt": True}, "resume: unknown field(s) 'resubmt'; send an object such as"),
+        ({"resubmit": "perhaps"}, "resume: resubmit: Input should be a valid boolean"),
+    ],
+)
+def test_strict_messages_refuse_with_what_to_send(payload: object, expected: str) -> None:
+    with pytest.raises(ValueError) as refused:
+        strict_message(ResumeRequest, payload, what="resume")
+    assert str(refused.value).startswith(expected), str(refused.value)
+
+
+def test_strict_messages_take_a_valid_object() -> None:
+    assert strict_message(ResumeRequest, {"resubmit": True}, what="resume").resubmit is True
