@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -25,7 +25,9 @@ from tests.workflow_fakes import (
     HEARTBEAT_TIMEOUT,
     FakeBackend,
     Script,
+    eventually,
     job_worker,
+    request,
     start_job,
     start_time_skipping,
 )
@@ -65,13 +67,6 @@ async def clean_env() -> AsyncIterator[WorkflowEnvironment]:
     await environment.shutdown()
 
 
-def request(**policy: Any) -> JobRequest:
-    """A detached job unless the test sets `abandon_after_s`; short heartbeats, because an
-    activity hears of a cancel only on its next sent heartbeat (at most every 0.8 x timeout)."""
-    defaults = {"abandon_after_s": None, "heartbeat_timeout_s": 1}
-    return JobRequest(graph=GRAPH, policy=JobPolicy.model_validate(defaults | policy))
-
-
 async def outcome(handle: WorkflowHandle[Any, JobStatus]) -> tuple[JobStatus, BaseException | None]:
     error: BaseException | None = None
     try:
@@ -94,13 +89,6 @@ async def timers(handle: WorkflowHandle[Any, JobStatus]) -> list[tuple[str, floa
             seconds = event.timer_started_event_attributes.start_to_fire_timeout.ToTimedelta()
             found.append((summary, seconds.total_seconds()))
     return found
-
-
-async def eventually(predicate: Callable[[], Any], timeout_s: float = 10.0) -> None:
-    """Poll a condition with a deadline (queries have no push to wait on)."""
-    async with asyncio.timeout(timeout_s):
-        while not await predicate():  # noqa: ASYNC110
-            await asyncio.sleep(0.02)
 
 
 def test_delay_formula_is_bounded_and_jittered() -> None:

@@ -7,8 +7,7 @@ updates must refuse with a reason; no workflow task may ever fail over a message
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -26,14 +25,15 @@ from temporalio.service import RPCError
 from temporalio.testing import WorkflowEnvironment
 
 from tests.workflow_fakes import (
-    GRAPH,
     FakeBackend,
     Script,
+    eventually,
     job_worker,
+    request,
     start_job,
     start_time_skipping,
 )
-from workflows.contracts import JobPolicy, JobRequest, JobState, JobStatus
+from workflows.contracts import JobState, JobStatus
 from workflows.shared import (
     QUERY_STATUS,
     SIGNAL_CANCEL,
@@ -59,17 +59,6 @@ def plain(env: WorkflowEnvironment) -> Client:
     config = env.client.config()
     config["data_converter"] = DataConverter.default
     return Client(**config)
-
-
-def request(**policy: Any) -> JobRequest:
-    defaults = {"abandon_after_s": None, "heartbeat_timeout_s": 1}
-    return JobRequest(graph=GRAPH, policy=JobPolicy.model_validate(defaults | policy))
-
-
-async def eventually(predicate: Callable[[], Awaitable[bool]], timeout_s: float = 10.0) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not await predicate():  # noqa: ASYNC110 (a query has no event to wait on)
-            await asyncio.sleep(0.02)
 
 
 async def status_of(handle: WorkflowHandle[Any, Any]) -> JobStatus:

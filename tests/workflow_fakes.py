@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -42,6 +42,7 @@ from workflows.activity_io import (
 from workflows.contracts import (
     Artifact,
     Checkpoint,
+    JobPolicy,
     JobRequest,
     JobStatus,
     ProgressReport,
@@ -298,3 +299,17 @@ async def start_job(
         task_queue=task_queue,
         result_type=JobStatus,
     )
+
+
+def request(**policy: Any) -> JobRequest:
+    """A detached job unless the test sets `abandon_after_s`; short heartbeats, because an
+    activity hears of a cancel only on its next sent heartbeat (at most every 0.8 x timeout)."""
+    defaults = {"abandon_after_s": None, "heartbeat_timeout_s": 1}
+    return JobRequest(graph=GRAPH, policy=JobPolicy.model_validate(defaults | policy))
+
+
+async def eventually(predicate: Callable[[], Awaitable[Any]], timeout_s: float = 10.0) -> None:
+    """Poll a condition with a deadline (queries have no push to wait on)."""
+    async with asyncio.timeout(timeout_s):
+        while not await predicate():  # noqa: ASYNC110
+            await asyncio.sleep(0.02)
