@@ -254,8 +254,10 @@ async def test_current_details_follow_progress(
         assert details.startswith("**RUNNING** — 40 %"), details
         assert "pool `comfyui`" in details
         await handle.signal(SIGNAL_CANCEL)
-        await handle.result()
-        assert "teardown CONFIRMED" in await current_details(handle)
+        # The job's own result: no query of a closed workflow (that replays it on the test
+        # server; see the stop-5 note on a nondeterminism error seen once there).
+        final = JobStatus.model_validate(await handle.result())
+    assert final.state == JobState.CANCELLED and final.teardown.state == "CONFIRMED"
 
 
 async def current_details(handle: WorkflowHandle[Any, Any]) -> str:
