@@ -20,9 +20,10 @@ from temporalio.client import Client
 from temporalio.runtime import Runtime
 from temporalio.worker import Worker
 
-from activities.comfyui import ComfyActivities, ComfyPools
-from activities.comfyui_follow import FollowActivities
-from activities.comfyui_offload import OffloadActivities
+from activities.comfyui.activities import ComfyActivities
+from activities.comfyui.follow import FollowActivities
+from activities.comfyui.offload import OffloadActivities
+from activities.comfyui.pools import ComfyPools
 from activities.log_setup import configure_logging
 from activities.metrics import count_swept, prometheus_runtime
 from activities.orphans import OrphanSweeper

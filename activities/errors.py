@@ -12,13 +12,13 @@ from typing import Any
 
 from temporalio.exceptions import ApplicationError
 
-from activities.comfy_client import (
+from activities.comfyui.client import (
     ComfyError,
     ComfyHTTPError,
     ComfyPromptRejected,
     ComfyUnavailable,
 )
-from activities.comfy_events import is_fatal_device_error, is_out_of_memory
+from activities.comfyui.events import is_fatal_device_error, is_out_of_memory
 from activities.storage_errors import StorageError
 from workflows.shared import ErrorType
 

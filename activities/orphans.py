@@ -22,7 +22,7 @@ from temporalio import activity
 from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.service import RPCError, RPCStatusCode
 
-from activities.comfy_client import ComfyClient, ComfyError
+from activities.comfyui.client import ComfyClient, ComfyError
 
 log = structlog.get_logger(__name__)
 

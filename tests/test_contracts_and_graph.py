@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from activities.comfyui_graph import registry_problems
+from activities.comfyui.graph import registry_problems
 from workflows.contracts import JobPolicy, JobRequest, JobStatus, validate_job_id
 from workflows.graph import (
     GraphFormatError,

@@ -18,10 +18,10 @@ import pytest_asyncio
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
-import activities.comfyui_follow as follow_module
-from activities.comfy_client import ComfyClient
-from activities.comfyui_follow import PromptFollower
-from activities.pool_health import PoolHealth
+import activities.comfyui.follow as follow_module
+from activities.comfyui.client import ComfyClient
+from activities.comfyui.follow import PromptFollower
+from activities.comfyui.pools import PoolHealth
 from activities.storage_errors import StorageError
 from tests.comfy_unit_fakes import (
     PROMPT_ID,

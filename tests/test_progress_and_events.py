@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from activities.comfy_events import (
+from activities.comfyui.events import (
     for_prompt,
     is_fatal_device_error,
     is_out_of_memory,

@@ -11,9 +11,9 @@ import pytest_asyncio
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
-from activities.comfy_client import ComfyClient
-from activities.comfyui import ComfyPools
-from activities.comfyui_offload import OffloadActivities, OutputUploader
+from activities.comfyui.client import ComfyClient
+from activities.comfyui.offload import OffloadActivities, OutputUploader
+from activities.comfyui.pools import ComfyPools
 from activities.settings import PoolConfig, WorkerSettings
 from activities.storage_errors import StorageError
 from tests.comfy_unit_fakes import PROMPT_ID, RUN_TAG, FakeComfy, FakeStore, image

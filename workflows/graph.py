@@ -1,7 +1,7 @@
 """Pure functions over ComfyUI API-format graphs: shape checks, bindings, progress units.
 
 No I/O: the workflow, the activities and the clients all use these. Checks that need the
-backend's node registry (`/object_info`) live in `activities/comfyui_graph.py`.
+backend's node registry (`/object_info`) live in `activities/comfyui/graph.py`.
 """
 
 from __future__ import annotations

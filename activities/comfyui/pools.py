@@ -1,4 +1,8 @@
-"""Which pools this worker must not send work to, and the checks that clear them.
+"""The ComfyUI pools this worker serves, and which of them must not get work now.
+
+`ComfyPools` maps the pool names of the worker's settings to clients; requests never carry URLs.
+`PoolHealth` marks the pools this worker must not send work to, and runs the checks that clear
+the marks.
 
 An unrecoverable device fault (illegal memory access, device-side assert) leaves a ComfyUI
 process that answers HTTP but cannot run anything. Such a pool is marked unhealthy; submissions
@@ -15,9 +19,13 @@ import asyncio
 import time
 import uuid
 
+import httpx
 import structlog
 
-from activities.comfy_client import ComfyClient, ComfyError
+from activities.comfyui.client import ComfyClient, ComfyError
+from activities.errors import fatal
+from activities.settings import WorkerSettings
+from workflows.shared import ErrorType
 
 log = structlog.get_logger(__name__)
 
@@ -89,3 +97,43 @@ class PoolHealth:
         except ComfyError as exc:
             return f"{reason}; the health probe could not run: {exc}"
         return f"{reason}; the health probe did not finish in {PROBE_DEADLINE_S:.0f} s"
+
+
+class ComfyPools:
+    """Maps pool names from the worker's settings to clients; requests never carry URLs."""
+
+    def __init__(self, settings: WorkerSettings, http: httpx.AsyncClient) -> None:
+        self._settings = settings
+        self._http = http
+        self.health = PoolHealth()
+
+    def resolve(self, pool: str | None) -> str:
+        name = pool or self._settings.default_pool
+        config = self._settings.pools.get(name)
+        if config is None:
+            known = ", ".join(sorted(self._settings.pools)) or "none"
+            raise fatal(
+                ErrorType.UNKNOWN_POOL,
+                f"pool {name!r} is not configured on this worker (configured pools: {known})",
+                pool=name,
+            )
+        if config.kind != "comfyui" or not config.url:
+            raise fatal(
+                ErrorType.UNKNOWN_POOL,
+                f"pool {name!r} is of kind {config.kind!r}, which this worker cannot run yet",
+                pool=name,
+            )
+        return name
+
+    def client(self, pool: str) -> ComfyClient:
+        config = self._settings.pools[self.resolve(pool)]
+        assert config.url is not None
+        return ComfyClient(config.url, self._http)
+
+    def clients(self) -> dict[str, ComfyClient]:
+        """A client for every ComfyUI pool this worker serves."""
+        return {
+            name: ComfyClient(config.url, self._http)
+            for name, config in self._settings.pools.items()
+            if config.kind == "comfyui" and config.url
+        }

@@ -1,9 +1,9 @@
 """Activities that talk to a ComfyUI pool: prepare, stop (one check), and the older submit and
 teardown.
 
-Submitting and following a prompt live in `activities/comfyui_follow.py`, storing its outputs in
-`activities/comfyui_offload.py`. `submit_prompt` and `teardown_prompt` are kept for jobs started
-before the follow activity submitted and stops were confirmed check by check.
+Submitting and following a prompt live in `follow.py`, storing its outputs in `offload.py`.
+`submit_prompt` and `teardown_prompt` are kept for jobs started before the follow activity
+submitted and stops were confirmed check by check.
 """
 
 from __future__ import annotations
@@ -14,16 +14,14 @@ import re
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-import httpx
 import structlog
 from temporalio import activity
 
-from activities.comfy_client import ComfyClient, ComfyError
-from activities.comfy_events import ending_of
-from activities.comfyui_graph import available_input_files, output_nodes, registry_problems
+from activities.comfyui.client import ComfyClient, ComfyError
+from activities.comfyui.events import ending_of
+from activities.comfyui.graph import available_input_files, output_nodes, registry_problems
+from activities.comfyui.pools import ComfyPools, PoolHealth
 from activities.errors import fatal, from_comfy, from_storage, retryable
-from activities.pool_health import PoolHealth
-from activities.settings import WorkerSettings
 from activities.storage import ArtifactStore, ObjectMissing, StorageError
 from workflows.activity_io import (
     PreparedJob,
@@ -49,46 +47,6 @@ from workflows.shared import (
 log = structlog.get_logger(__name__)
 
 MAX_INPUT_BYTES = 100 * 1024 * 1024  # ComfyUI's own --max-upload-size default
-
-
-class ComfyPools:
-    """Maps pool names from the worker's settings to clients; requests never carry URLs."""
-
-    def __init__(self, settings: WorkerSettings, http: httpx.AsyncClient) -> None:
-        self._settings = settings
-        self._http = http
-        self.health = PoolHealth()
-
-    def resolve(self, pool: str | None) -> str:
-        name = pool or self._settings.default_pool
-        config = self._settings.pools.get(name)
-        if config is None:
-            known = ", ".join(sorted(self._settings.pools)) or "none"
-            raise fatal(
-                ErrorType.UNKNOWN_POOL,
-                f"pool {name!r} is not configured on this worker (configured pools: {known})",
-                pool=name,
-            )
-        if config.kind != "comfyui" or not config.url:
-            raise fatal(
-                ErrorType.UNKNOWN_POOL,
-                f"pool {name!r} is of kind {config.kind!r}, which this worker cannot run yet",
-                pool=name,
-            )
-        return name
-
-    def client(self, pool: str) -> ComfyClient:
-        config = self._settings.pools[self.resolve(pool)]
-        assert config.url is not None
-        return ComfyClient(config.url, self._http)
-
-    def clients(self) -> dict[str, ComfyClient]:
-        """A client for every ComfyUI pool this worker serves."""
-        return {
-            name: ComfyClient(config.url, self._http)
-            for name, config in self._settings.pools.items()
-            if config.kind == "comfyui" and config.url
-        }
 
 
 class ComfyActivities:

@@ -5,7 +5,7 @@ submits the prompt when asked to (socket first, so not even the first node's eve
 heartbeats a `Checkpoint` on every event, uploads each output as its node finishes, and tells the
 workflow about progress with throttled signals. A retried attempt reads the last checkpoint and
 re-attaches to the same prompt by ID; it submits only when asked to and the backend has never
-heard of the prompt. `offload_outputs` (comfyui_offload.py) reconciles against `/history` (the
+heard of the prompt. `offload_outputs` (offload.py) reconciles against `/history` (the
 source of truth) once the prompt has finished.
 """
 
@@ -25,15 +25,15 @@ from pydantic import ValidationError
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from activities.comfy_client import ComfyClient, ComfyError
-from activities.comfy_events import (
+from activities.comfyui.client import ComfyClient, ComfyError
+from activities.comfyui.events import (
     ComfyEvent,
     for_prompt,
     output_files,
     parse_frame,
 )
-from activities.comfyui import ComfyPools
-from activities.comfyui_offload import OutputUploader
+from activities.comfyui.offload import OutputUploader
+from activities.comfyui.pools import ComfyPools, PoolHealth
 from activities.errors import (
     execution_failure,
     fatal,
@@ -42,7 +42,6 @@ from activities.errors import (
     retryable,
 )
 from activities.orphans import prompt_tag
-from activities.pool_health import PoolHealth
 from activities.progress import ProgressTracker
 from activities.storage import ArtifactStore
 from workflows.activity_io import FollowInput, FollowResult
@@ -75,7 +74,6 @@ ROUTED_EVENTS = frozenset(
 )
 # Asked twice, this far apart, before a prompt counts as lost.
 LOST_RECHECK_S = 1.0
-MAX_PARALLEL_UPLOADS = 2
 
 
 class PromptFollower:

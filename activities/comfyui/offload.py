@@ -16,9 +16,9 @@ import structlog
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from activities.comfy_client import ComfyClient, ComfyError
-from activities.comfy_events import output_files
-from activities.comfyui import ComfyPools
+from activities.comfyui.client import ComfyClient, ComfyError
+from activities.comfyui.events import output_files
+from activities.comfyui.pools import ComfyPools
 from activities.errors import from_comfy, from_storage, history_failure, retryable
 from activities.keys import artifact_key, content_type_for
 from activities.metrics import count_offloaded

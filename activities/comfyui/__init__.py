@@ -1,0 +1,13 @@
+"""Everything that talks to ComfyUI, one module per concern.
+
+    client.py      `ComfyClient`: the HTTP API of one ComfyUI server, errors translated at the edge
+    events.py      WebSocket frames as typed events; outputs and endings read from history
+    graph.py       a graph checked against the backend's node registry (`/object_info`)
+    pools.py       `ComfyPools` (pool name -> client) and `PoolHealth` (unhealthy, busy pools)
+    activities.py  `ComfyActivities`: prepare, stop (one check), the older submit and teardown
+    follow.py      `FollowActivities` and `PromptFollower`: submit, follow, upload as nodes finish
+    offload.py     `OffloadActivities` and `OutputUploader`: outputs stored in S3, each once
+
+Import from the modules themselves; this file imports nothing, so `activities.errors` can use
+the client's exceptions without pulling in the activities.
+"""
