@@ -5,16 +5,12 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-from workflows.contracts import Artifact, Checkpoint, InputRef, OutputSpec, Teardown
-
-
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+from workflows.contracts import Artifact, Checkpoint, InputRef, OutputSpec, StrictModel, Teardown
 
 
-class PrepareInput(_Model):
+class PrepareInput(StrictModel):
     job_id: str
     pool: str | None
     graph: dict[str, Any]
@@ -22,7 +18,7 @@ class PrepareInput(_Model):
     segments: list[dict[str, Any]] = Field(default_factory=list)
 
 
-class PreparedJob(_Model):
+class PreparedJob(StrictModel):
     """The graph as it will be submitted, checked against the backend's node registry."""
 
     pool: str
@@ -33,7 +29,7 @@ class PreparedJob(_Model):
     output_nodes: list[str] = Field(default_factory=list)
 
 
-class SubmitInput(_Model):
+class SubmitInput(StrictModel):
     job_id: str
     pool: str
     prompt_id: str
@@ -42,14 +38,14 @@ class SubmitInput(_Model):
     graph: dict[str, Any]
 
 
-class SubmitResult(_Model):
+class SubmitResult(StrictModel):
     prompt_id: str
     outcome: Literal["submitted", "already_known"]
     number: int | None = None
     dropped_outputs: dict[str, Any] = Field(default_factory=dict)
 
 
-class FollowInput(_Model):
+class FollowInput(StrictModel):
     job_id: str
     pool: str
     prompt_id: str
@@ -70,14 +66,14 @@ class FollowInput(_Model):
     graph: dict[str, Any] | None = None
 
 
-class FollowResult(_Model):
+class FollowResult(StrictModel):
     prompt_id: str
     outcome: Literal["success"]
     artifacts: list[Artifact] = Field(default_factory=list)
     checkpoint: Checkpoint
 
 
-class OffloadInput(_Model):
+class OffloadInput(StrictModel):
     job_id: str
     pool: str
     prompt_id: str
@@ -89,11 +85,11 @@ class OffloadInput(_Model):
     partial: bool = False
 
 
-class OffloadResult(_Model):
+class OffloadResult(StrictModel):
     artifacts: list[Artifact]
 
 
-class TeardownInput(_Model):
+class TeardownInput(StrictModel):
     job_id: str
     pool: str
     prompt_id: str | None
@@ -101,11 +97,11 @@ class TeardownInput(_Model):
     free_memory: bool = False
 
 
-class TeardownResult(_Model):
+class TeardownResult(StrictModel):
     teardown: Teardown
 
 
-class StopInput(_Model):
+class StopInput(StrictModel):
     """One check of a stop: where is the prompt, and what does it take to stop it now."""
 
     job_id: str
@@ -119,7 +115,7 @@ class StopInput(_Model):
     final: bool = False
 
 
-class StopCheck(_Model):
+class StopCheck(StrictModel):
     """What one check saw and did."""
 
     at: datetime

@@ -14,7 +14,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from workflows.shared import JOB_ID_PATTERN
 
 
-class _Model(BaseModel):
+class StrictModel(BaseModel):
+    """Base of every contract: an unknown field is an error, never silently dropped."""
+
     model_config = ConfigDict(extra="forbid")
 
 
@@ -58,7 +60,7 @@ TERMINAL_STATES = frozenset(
 )
 
 
-class ReconnectPolicy(_Model):
+class ReconnectPolicy(StrictModel):
     base_delay_s: float = Field(1.0, gt=0)
     max_delay_s: float = Field(30.0, gt=0)
     horizon_s: float = Field(300.0, gt=0)
@@ -70,7 +72,7 @@ class ReconnectPolicy(_Model):
         return self
 
 
-class JobPolicy(_Model):
+class JobPolicy(StrictModel):
     execution_timeout_s: float = Field(1800.0, gt=0)
     queue_timeout_s: float | None = Field(None, gt=0)
     heartbeat_timeout_s: float = Field(20.0, gt=0)
@@ -105,18 +107,18 @@ class JobPolicy(_Model):
         return self.abandon_after_s is None
 
 
-class InlineInput(_Model):
+class InlineInput(StrictModel):
     kind: Literal["inline"] = "inline"
     filename: str = Field(min_length=1, max_length=255)
     data_b64: str = Field(description="File bytes, base64. Keep small: it is stored in history.")
 
 
-class S3Input(_Model):
+class S3Input(StrictModel):
     kind: Literal["s3"] = "s3"
     uri: str = Field(pattern=r"^s3://[^/]+/.+")
 
 
-class UrlInput(_Model):
+class UrlInput(StrictModel):
     kind: Literal["url"] = "url"
     url: str = Field(pattern=r"^https://")
 
@@ -127,13 +129,13 @@ InputRef = Annotated[InlineInput | S3Input | UrlInput, Field(discriminator="kind
 MAX_INLINE_INPUT_BYTES = 1024 * 1024
 
 
-class OutputSpec(_Model):
+class OutputSpec(StrictModel):
     bucket: str | None = None
     prefix: str = Field("jobs", max_length=200)
     presign_ttl_s: int = Field(3600, gt=0, le=7 * 24 * 3600)
 
 
-class JobRequest(_Model):
+class JobRequest(StrictModel):
     """What a client asks for. Names a pool, never a URL or a credential."""
 
     graph: dict[str, Any]
@@ -153,7 +155,7 @@ class JobRequest(_Model):
         return graph
 
 
-class Checkpoint(_Model):
+class Checkpoint(StrictModel):
     """The durable answer to "where do I resume": heartbeated on every progress event."""
 
     job_id: str
@@ -173,7 +175,7 @@ class Checkpoint(_Model):
     updated_at: datetime | None = None
 
 
-class Artifact(_Model):
+class Artifact(StrictModel):
     key: str
     uri: str
     size: int = Field(ge=0)
@@ -184,7 +186,7 @@ class Artifact(_Model):
     url: str | None = Field(None, description="Presigned GET URL; filled by clients, never stored.")
 
 
-class Progress(_Model):
+class Progress(StrictModel):
     segment: int = 0
     segments: int = 1
     step: int = 0
@@ -197,13 +199,13 @@ class Progress(_Model):
     node: str | None = None
 
 
-class JobError(_Model):
+class JobError(StrictModel):
     type: str
     message: str
     retryable: bool = False
 
 
-class BackendInfo(_Model):
+class BackendInfo(StrictModel):
     pool: str
     kind: str = "comfyui"
     provider_job_id: str | None = None
@@ -225,7 +227,7 @@ StopAction = Literal[
 ]
 
 
-class TeardownStep(_Model):
+class TeardownStep(StrictModel):
     """One thing teardown did or saw, in order."""
 
     at: datetime
@@ -234,7 +236,7 @@ class TeardownStep(_Model):
     detail: str = ""
 
 
-class Teardown(_Model):
+class Teardown(StrictModel):
     """How the job made sure its prompt no longer runs, kept across retries and stops."""
 
     state: Literal["PENDING", "STOPPING", "CONFIRMED", "FAILED", "SKIPPED"] = "PENDING"
@@ -245,7 +247,7 @@ class Teardown(_Model):
     steps: list[TeardownStep] = Field(default_factory=list)
 
 
-class Decision(_Model):
+class Decision(StrictModel):
     """Why a NEEDS_DECISION job waits, and what each way out does."""
 
     reason: str
@@ -256,7 +258,7 @@ class Decision(_Model):
     since: datetime | None = None
 
 
-class Notice(_Model):
+class Notice(StrictModel):
     """A message the job received but could not use as sent (what was dropped, and why)."""
 
     at: datetime
@@ -266,7 +268,7 @@ class Notice(_Model):
 MAX_NOTICES = 20
 
 
-class JobStatus(_Model):
+class JobStatus(StrictModel):
     """What every client sees, by query, poll or push."""
 
     job_id: str
@@ -295,7 +297,7 @@ class JobStatus(_Model):
         return self.state.terminal
 
 
-class ProgressReport(_Model):
+class ProgressReport(StrictModel):
     """Sent by the monitoring activity as the `progress` signal, throttled by fraction."""
 
     attempt_client_id: str
@@ -312,11 +314,11 @@ class ProgressReport(_Model):
     worker_id: str | None = None
 
 
-class CancelRequest(_Model):
+class CancelRequest(StrictModel):
     reason: str = Field("cancelled by a client", max_length=500)
 
 
-class ResumeRequest(_Model):
+class ResumeRequest(StrictModel):
     """Continue a NEEDS_DECISION job: re-attach to the prompt, or submit it again."""
 
     resubmit: bool = False
