@@ -40,7 +40,7 @@ from tests.comfy_unit_fakes import (
     send,
     wait_for,
 )
-from workflows.activity_io import FollowInput, FollowResult
+from workflows.activity_io import FollowHeartbeat, FollowInput, FollowResult
 from workflows.contracts import Artifact, Checkpoint, OutputSpec
 from workflows.shared import ErrorType
 
@@ -117,8 +117,10 @@ class Rig:
             await self.follow(req)
         return caught.value
 
-    def last_checkpoint(self) -> Checkpoint:
-        return Checkpoint.model_validate(self.beats[-1][0])
+    def heartbeats(self) -> list[FollowHeartbeat]:
+        """Every heartbeat, each one detail: a `FollowHeartbeat`'s JSON."""
+        assert all(len(beat) == 1 for beat in self.beats), "one detail per heartbeat"
+        return [FollowHeartbeat.model_validate(beat[0]) for beat in self.beats]
 
 
 @pytest_asyncio.fixture
@@ -148,7 +150,8 @@ async def test_events_upload_outputs_and_report_where_the_prompt_got(rig: Rig) -
     stages = [stage for stage, _ in rig.signals.stages()]
     assert stages[0] == "running" and stages[-1] == "finished" and "uploading" in stages
     # The progress step seen mid-run (4 of 10) was heartbeated before the node finished.
-    assert any(Checkpoint.model_validate(b[0]).step == 4 for b in rig.beats)
+    assert any(beat.checkpoint.step == 4 for beat in rig.heartbeats())
+    assert [a.key for a in rig.heartbeats()[-1].artifacts] == [KEY]
 
 
 async def test_a_socket_cut_mid_prompt_is_retryable_and_carries_the_checkpoint(rig: Rig) -> None:
@@ -169,14 +172,18 @@ async def test_a_socket_cut_mid_prompt_is_retryable_and_carries_the_checkpoint(r
     ]
     error = await rig.failure(request())
     assert error.type == ErrorType.CONNECTION_LOST and not error.non_retryable
-    checkpoint_json, artifacts_json = error.details
-    checkpoint = Checkpoint.model_validate(checkpoint_json)
+    (detail,) = error.details  # one detail: the follow heartbeat, as the workflow reads it
+    left = FollowHeartbeat.model_validate(detail)
+    checkpoint = left.checkpoint
     assert checkpoint.prompt_id == PROMPT_ID and checkpoint.step == 10
     assert checkpoint.nodes_done == ["3", "9"] and checkpoint.uploaded == [KEY]
-    assert [Artifact.model_validate(a).key for a in artifacts_json] == [KEY]
+    assert [a.key for a in left.artifacts] == [KEY]
 
 
-async def test_a_retry_resumes_from_its_heartbeat_and_uploads_nothing_twice(rig: Rig) -> None:
+@pytest.mark.parametrize("form", ["one_model", "positional_before_the_model"])
+async def test_a_retry_resumes_from_its_heartbeat_and_uploads_nothing_twice(
+    rig: Rig, form: str
+) -> None:
     rig.comfy.running.append(PROMPT_ID)
     earlier = Checkpoint(
         job_id="job-1", prompt_id=PROMPT_ID, client_id=CLIENT_ID, node_steps={"3": 7}
@@ -198,13 +205,17 @@ async def test_a_retry_resumes_from_its_heartbeat_and_uploads_nothing_twice(rig:
             )
         ]
     ]
-    details = [earlier.model_dump(mode="json"), [stored.model_dump(mode="json")]]
+    details: list[Any]
+    if form == "one_model":
+        details = [FollowHeartbeat(checkpoint=earlier, artifacts=[stored]).model_dump(mode="json")]
+    else:  # what an attempt of an earlier version heartbeated: [checkpoint, artifacts]
+        details = [earlier.model_dump(mode="json"), [stored.model_dump(mode="json")]]
     result = await rig.follow(request(), heartbeat_details=details)
     assert rig.store.uploads == [], "the output the earlier attempt stored is not fetched again"
     assert [a.sha256 for a in result.artifacts] == ["b" * 64]
     assert result.checkpoint.step == 10
     # Before anything happened the first heartbeat already said step 7, not 0.
-    assert Checkpoint.model_validate(rig.beats[0][0]).node_steps == {"3": 7}
+    assert rig.heartbeats()[0].checkpoint.node_steps == {"3": 7}
 
 
 async def test_silence_asks_the_queue_and_history_says_it_is_done(rig: Rig) -> None:

@@ -1,8 +1,13 @@
-"""Progress units and throttling, and reading ComfyUI's WebSocket frames."""
+"""Progress units and throttling, reading ComfyUI's WebSocket frames, and reading back where a
+follow attempt got to (its heartbeat, also its failure's details)."""
 
 from __future__ import annotations
 
 import json
+from typing import Any
+
+import pytest
+from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError, TimeoutType
 
 from activities.comfyui.events import (
     for_prompt,
@@ -12,6 +17,9 @@ from activities.comfyui.events import (
     parse_frame,
 )
 from activities.progress import ProgressTracker
+from workflows.activity_io import FollowHeartbeat
+from workflows.contracts import Artifact, Checkpoint
+from workflows.failures import recovered_progress
 
 
 class FakeClock:
@@ -105,3 +113,102 @@ def test_gpu_failures_are_classified() -> None:
     fault = {"exception_message": "CUDA error: an illegal memory access was encountered"}
     assert is_out_of_memory(oom) and not is_fatal_device_error(oom)
     assert is_fatal_device_error(fault) and not is_out_of_memory(fault)
+
+
+# --- where a follow attempt got to -----------------------------------------------------------
+
+CHECKPOINT = Checkpoint(job_id="job-1", prompt_id="p-1", client_id="c-1", node_steps={"3": 6})
+ARTIFACT = Artifact(
+    key="jobs/job-1/0/9/a.png",
+    uri="s3://out/jobs/job-1/0/9/a.png",
+    size=3,
+    sha256="a" * 64,
+    content_type="image/png",
+    node_id="9",
+)
+CHECKPOINT_JSON = CHECKPOINT.model_dump(mode="json")
+ARTIFACT_JSON = ARTIFACT.model_dump(mode="json")
+HEARTBEAT = FollowHeartbeat(checkpoint=CHECKPOINT, artifacts=[ARTIFACT])
+
+
+def after_activity(cause: BaseException) -> ActivityError:
+    """`cause` as the workflow sees it: wrapped in the activity's failure."""
+    error = ActivityError(
+        "activity failed",
+        scheduled_event_id=5,
+        started_event_id=6,
+        identity="1@worker",
+        activity_type="follow_prompt",
+        activity_id="1",
+        retry_state=None,
+    )
+    error.__cause__ = cause
+    return error
+
+
+def test_the_follow_heartbeat_is_one_detail_that_reads_back() -> None:
+    details = [HEARTBEAT.model_dump(mode="json")]
+    assert FollowHeartbeat.from_details(details) == HEARTBEAT
+    failed = after_activity(ApplicationError("socket lost", *details, type="ConnectionLost"))
+    assert recovered_progress(failed) == (CHECKPOINT, [ARTIFACT])
+    died = after_activity(
+        TimeoutError("heartbeat", type=TimeoutType.HEARTBEAT, last_heartbeat_details=details)
+    )
+    assert recovered_progress(died) == (CHECKPOINT, [ARTIFACT])
+
+
+def test_the_positional_details_of_earlier_versions_still_read() -> None:
+    """Histories recorded before `FollowHeartbeat` carry `[checkpoint, artifacts]`."""
+    positional = [CHECKPOINT_JSON, [ARTIFACT_JSON]]
+    assert FollowHeartbeat.from_details(positional) == HEARTBEAT
+    assert FollowHeartbeat.from_details((CHECKPOINT_JSON,)) == FollowHeartbeat(
+        checkpoint=CHECKPOINT
+    )
+    failed = after_activity(ApplicationError("socket lost", *positional, type="ConnectionLost"))
+    assert recovered_progress(failed) == (CHECKPOINT, [ARTIFACT])
+    died = after_activity(
+        TimeoutError("heartbeat", type=TimeoutType.HEARTBEAT, last_heartbeat_details=positional)
+    )
+    assert recovered_progress(died) == (CHECKPOINT, [ARTIFACT])
+
+
+GARBAGE: list[list[Any]] = [
+    [],
+    [None],
+    ["text"],
+    [42, "x"],
+    [{}],
+    [{"pool": "comfyui"}],  # a fatal failure's own details
+    [{"checkpoint": "not a checkpoint"}],
+    [{"checkpoint": CHECKPOINT_JSON, "artifacts": [], "extra": 1}],
+    [{"checkpoint": CHECKPOINT_JSON, "artifacts": "not a list"}],
+    [HEARTBEAT.model_dump(mode="json"), HEARTBEAT.model_dump(mode="json")],
+    [CHECKPOINT_JSON, "not a list"],
+    [CHECKPOINT_JSON, None],
+    [CHECKPOINT_JSON, [{"key": "half an artifact"}]],
+]
+
+
+@pytest.mark.parametrize("details", GARBAGE)
+def test_unreadable_details_recover_nothing_and_never_raise(details: list[Any]) -> None:
+    assert FollowHeartbeat.from_details(details) is None
+    failed = after_activity(ApplicationError("failed", *details, type="ConnectionLost"))
+    assert recovered_progress(failed) == (None, [])
+    died = after_activity(
+        TimeoutError("heartbeat", type=TimeoutType.HEARTBEAT, last_heartbeat_details=details)
+    )
+    assert recovered_progress(died) == (None, [])
+
+
+@pytest.mark.parametrize("details", [None, "text", b"bytes", 42, {"checkpoint": CHECKPOINT_JSON}])
+def test_details_that_are_no_sequence_recover_nothing(details: Any) -> None:
+    assert FollowHeartbeat.from_details(details) is None
+
+
+def test_failures_without_details_recover_nothing() -> None:
+    assert recovered_progress(after_activity(ApplicationError("failed"))) == (None, [])
+    assert recovered_progress(after_activity(RuntimeError("no details at all"))) == (None, [])
+    assert recovered_progress(ApplicationError("unwrapped", HEARTBEAT.model_dump(mode="json"))) == (
+        CHECKPOINT,
+        [ARTIFACT],
+    )

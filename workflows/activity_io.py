@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, ValidationError
 
 from workflows.contracts import Artifact, Checkpoint, InputRef, OutputSpec, StrictModel, Teardown
 
@@ -71,6 +72,35 @@ class FollowResult(StrictModel):
     outcome: Literal["success"]
     artifacts: list[Artifact] = Field(default_factory=list)
     checkpoint: Checkpoint
+
+
+class FollowHeartbeat(StrictModel):
+    """Where a follow attempt got to: the one detail of its heartbeats and of its retryable
+    failures, so the next attempt (or the workflow) resumes from it.
+
+    Versions before this model sent two positional details, `[checkpoint, artifacts]`; recorded
+    histories still carry them, and `from_details` reads both forms.
+    """
+
+    checkpoint: Checkpoint
+    # Artifacts of this segment stored so far: never uploaded twice.
+    artifacts: list[Artifact] = Field(default_factory=list)
+
+    @classmethod
+    def from_details(cls, details: Sequence[Any] | None) -> FollowHeartbeat | None:
+        """The heartbeat in a details sequence (`heartbeat_details`, `ApplicationError.details`,
+        `last_heartbeat_details`); None when there is none or it cannot be read."""
+        if not details or not isinstance(details, Sequence) or isinstance(details, str | bytes):
+            return None
+        first = details[0]
+        if len(details) == 1 and isinstance(first, Mapping) and "checkpoint" in first:
+            raw: Any = first
+        else:  # the positional form of earlier versions
+            raw = {"checkpoint": first, "artifacts": details[1] if len(details) > 1 else []}
+        try:
+            return cls.model_validate(raw)
+        except ValidationError:
+            return None
 
 
 class OffloadInput(StrictModel):

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from enum import StrEnum
 from typing import Any
 
-from pydantic import ValidationError
 from temporalio.exceptions import (
     ActivityError,
     ApplicationError,
@@ -13,6 +13,7 @@ from temporalio.exceptions import (
     is_cancelled_exception,
 )
 
+from workflows.activity_io import FollowHeartbeat
 from workflows.contracts import Artifact, Checkpoint, JobError
 from workflows.shared import ErrorType
 
@@ -55,19 +56,16 @@ def job_error(err: BaseException) -> JobError:
 def recovered_progress(err: BaseException) -> tuple[Checkpoint | None, list[Artifact]]:
     """The checkpoint and stored artifacts a failed follow attempt left behind, if any.
 
-    They come back as the failure's details, or as the last heartbeat after a worker died.
+    They come back as the failure's details, or as the last heartbeat after a worker died, in
+    either form `FollowHeartbeat.from_details` reads.
     """
     cause = err.cause if isinstance(err, ActivityError) else err
-    details: Any = None
+    details: Sequence[Any] = ()
     if isinstance(cause, ApplicationError):
         details = cause.details
     elif isinstance(cause, TimeoutError):
         details = cause.last_heartbeat_details
-    if not details:
+    heartbeat = FollowHeartbeat.from_details(details)
+    if heartbeat is None:
         return None, []
-    try:
-        checkpoint = Checkpoint.model_validate(details[0])
-        artifacts = [Artifact.model_validate(a) for a in details[1]] if len(details) > 1 else []
-    except (ValidationError, TypeError, IndexError):
-        return None, []
-    return checkpoint, artifacts
+    return heartbeat.checkpoint, heartbeat.artifacts

@@ -1,12 +1,13 @@
-"""Following a running ComfyUI prompt, and offloading its outputs to S3 as they appear.
+"""Following a running ComfyUI prompt, and storing its outputs in S3 as they appear.
 
 `follow_prompt` is the one long-running activity of a job: it opens the prompt's WebSocket,
 submits the prompt when asked to (socket first, so not even the first node's events are missed),
-heartbeats a `Checkpoint` on every event, uploads each output as its node finishes, and tells the
-workflow about progress with throttled signals. A retried attempt reads the last checkpoint and
-re-attaches to the same prompt by ID; it submits only when asked to and the backend has never
-heard of the prompt. `offload_outputs` (offload.py) reconciles against `/history` (the
-source of truth) once the prompt has finished.
+heartbeats a `FollowHeartbeat` (its `Checkpoint` and the artifacts stored so far) on every event,
+uploads each output as its node finishes (offload.py's `OutputUploader`), and tells the workflow
+about progress with throttled signals. A retried attempt reads the last heartbeat and re-attaches
+to the same prompt by ID; it submits only when asked to and the backend has never heard of the
+prompt. `offload_outputs` (offload.py) reconciles against `/history` (the source of truth) once
+the prompt has finished.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from typing import Any, Literal
 
 import structlog
 import websockets
-from pydantic import ValidationError
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
@@ -44,7 +44,7 @@ from activities.errors import (
 from activities.orphans import prompt_tag
 from activities.progress import ProgressTracker
 from activities.storage import ArtifactStore
-from workflows.activity_io import FollowInput, FollowResult
+from workflows.activity_io import FollowHeartbeat, FollowInput, FollowResult
 from workflows.contracts import Artifact, Checkpoint, ProgressReport
 from workflows.shared import ACTIVITY_FOLLOW, SIGNAL_PROGRESS, ErrorType
 
@@ -85,9 +85,9 @@ class PromptFollower:
         self.req = req
         self.client = client
         self.health = health
-        details = activity.info().heartbeat_details
-        self.checkpoint = _restore_checkpoint(details, req)
-        stored = list(req.stored) + _restore_artifacts(details)
+        heartbeat = FollowHeartbeat.from_details(activity.info().heartbeat_details)
+        self.checkpoint = _restore_checkpoint(heartbeat, req)
+        stored = list(req.stored) + (heartbeat.artifacts if heartbeat is not None else [])
         self.uploader = OutputUploader(
             client,
             store,
@@ -253,8 +253,7 @@ class PromptFollower:
             return error
         return ApplicationError(
             error.message,
-            self._checkpoint().model_dump(mode="json"),
-            [a.model_dump(mode="json") for a in self.uploader.artifacts.values()],
+            self._resume_point().model_dump(mode="json"),
             type=error.type,
             non_retryable=False,
         )
@@ -363,9 +362,13 @@ class PromptFollower:
             }
         )
 
+    def _resume_point(self) -> FollowHeartbeat:
+        return FollowHeartbeat(
+            checkpoint=self._checkpoint(), artifacts=list(self.uploader.artifacts.values())
+        )
+
     def _heartbeat(self) -> None:
-        artifacts = [a.model_dump(mode="json") for a in self.uploader.artifacts.values()]
-        activity.heartbeat(self._checkpoint().model_dump(mode="json"), artifacts)
+        activity.heartbeat(self._resume_point().model_dump(mode="json"))
 
     async def _signal(
         self, stage: Stage, *, artifact: Artifact | None = None, force: bool = False
@@ -405,14 +408,9 @@ def _process_identity() -> str:
     return f"{os.getpid()}@{socket.gethostname()}"
 
 
-def _restore_checkpoint(details: Any, req: FollowInput) -> Checkpoint:
-    if details:
-        try:
-            checkpoint = Checkpoint.model_validate(details[0])
-        except ValidationError:
-            checkpoint = None
-        if checkpoint is not None and checkpoint.prompt_id == req.prompt_id:
-            return checkpoint
+def _restore_checkpoint(heartbeat: FollowHeartbeat | None, req: FollowInput) -> Checkpoint:
+    if heartbeat is not None and heartbeat.checkpoint.prompt_id == req.prompt_id:
+        return heartbeat.checkpoint
     if req.checkpoint is not None and req.checkpoint.prompt_id == req.prompt_id:
         return req.checkpoint
     return Checkpoint(
@@ -422,15 +420,6 @@ def _restore_checkpoint(details: Any, req: FollowInput) -> Checkpoint:
         client_id=req.client_id,
         updated_at=datetime.now(UTC),
     )
-
-
-def _restore_artifacts(details: Any) -> list[Artifact]:
-    if not details or len(details) < 2:
-        return []
-    try:
-        return [Artifact.model_validate(a) for a in details[1]]
-    except ValidationError:
-        return []
 
 
 class FollowActivities:
