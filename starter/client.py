@@ -57,7 +57,7 @@ from starter.errors import (
     StorageNotConfigured,
     TemporalUnreachable,
 )
-from starter.execution import STATE_KEY, bare_status, ended_from_outside
+from starter.execution import bare_status, ended_from_outside
 from starter.requests import check_segment_overrides
 from workflows.backoff import reconnect_delay
 from workflows.contracts import (
@@ -71,12 +71,14 @@ from workflows.contracts import (
     ResumeRequest,
     validate_job_id,
 )
+from workflows.job_input import JobInput
 from workflows.shared import (
     DEFAULT_TASK_QUEUE,
     QUERY_STATUS,
     SA_TENANT,
     SIGNAL_CANCEL_REASON,
     SIGNAL_CLIENT_SEEN,
+    STATE_KEY,
     UPDATE_ATTACH,
     UPDATE_RESUME,
     WORKFLOW_TYPE,
@@ -195,7 +197,7 @@ class JobClient:
         try:
             await self.temporal.start_workflow(
                 WORKFLOW_TYPE,
-                request,
+                JobInput(request=request),
                 id=job_id,
                 task_queue=self.task_queue,
                 # FAIL (not USE_EXISTING) so that an existing job is reported, and compared.
@@ -484,7 +486,7 @@ class JobClient:
     async def _presign_ttl(self, job_id: str) -> int:
         """The link lifetime the job's request asked for (`output.presign_ttl_s`).
 
-        Read from the run's start event (its first argument is the request), so a client that
+        Read from the run's start event (its argument holds the request), so a client that
         did not submit the job still honours it.
         """
         default = OutputSpec().presign_ttl_s
@@ -494,8 +496,8 @@ class JobClient:
                 if not payloads:
                     return default
                 converter = self.temporal.data_converter
-                [request] = await converter.decode(list(payloads[:1]), [JobRequest])
-                return int(request.output.presign_ttl_s)
+                [job_input] = await converter.decode(list(payloads[:1]), [JobInput])
+                return int(job_input.request.output.presign_ttl_s)
         except (RPCError, ValueError, TypeError):
             return default
         return default

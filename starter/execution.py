@@ -8,13 +8,9 @@ execution's description (status, search attributes, times) still holds the essen
 from __future__ import annotations
 
 from temporalio.client import WorkflowExecutionDescription, WorkflowExecutionStatus
-from temporalio.common import SearchAttributeKey
 
 from workflows.contracts import JobError, JobState, JobStatus, Progress
-from workflows.shared import SA_JOB_PROGRESS, SA_JOB_STATE
-
-STATE_KEY = SearchAttributeKey.for_keyword(SA_JOB_STATE)
-PROGRESS_KEY = SearchAttributeKey.for_int(SA_JOB_PROGRESS)
+from workflows.shared import PROGRESS_KEY, STATE_KEY
 
 # Error types of the states only a client reports (the job never sets them itself).
 ERROR_TERMINATED = "Terminated"

@@ -89,8 +89,7 @@ async def test_the_workflows_reconnect_timers_are_the_functions_answers(
         answers.append(((attempt, base_s, max_s, u), delay))
         return delay
 
-    # The workflow module (re-imported in the sandbox for each run) takes the function from this
-    # passed-through module when it is imported.
+    # The workflow looks the function up in this passed-through module at each reconnect.
     monkeypatch.setattr(workflows.backoff, "reconnect_delay", recorded)
     backend = FakeBackend(Script(follow_failures=[ErrorType.CONNECTION_LOST] * 4))
     policy = JobPolicy.model_validate(

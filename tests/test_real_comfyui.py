@@ -27,7 +27,7 @@ from devstack.real_comfyui import RealComfyUI
 from starter.connection import connect_temporal
 from tests.conftest import StackConfigFactory, free_port
 from workflows.contracts import JobRequest, JobState, JobStatus
-from workflows.inference_job import safe_tag
+from workflows.graph import safe_tag
 from workflows.shared import ErrorType
 
 REAL_DIR = os.environ.get("REAL_COMFYUI_DIR")

@@ -49,6 +49,7 @@ from workflows.contracts import (
     Teardown,
 )
 from workflows.inference_job import InferenceJob
+from workflows.job_input import JobInput
 from workflows.shared import (
     QUERY_STATUS,
     SA_JOB_POOL,
@@ -294,7 +295,7 @@ async def start_job(
 ) -> WorkflowHandle[Any, JobStatus]:
     return await client.start_workflow(
         WORKFLOW_TYPE,
-        request,
+        JobInput(request=request),
         id=f"job-{uuid.uuid4()}",
         task_queue=task_queue,
         result_type=JobStatus,

@@ -146,6 +146,11 @@ class JobRequest(StrictModel):
     policy: JobPolicy = Field(default_factory=JobPolicy)
     labels: dict[str, str] = Field(default_factory=dict)
 
+    @property
+    def segment_count(self) -> int:
+        """How many times the graph runs: once per segment, once when there are none."""
+        return max(1, len(self.segments))
+
     @field_validator("graph")
     @classmethod
     def _api_format(cls, graph: dict[str, Any]) -> dict[str, Any]:

@@ -95,6 +95,21 @@ def apply_overrides(
     return result
 
 
+def run_tag(job_id: str, segment: int, prompt_id: str) -> str:
+    """The folder one submission saves into: `dc_<job>_<segment>_<prompt id's first 8>`.
+
+    The only place this format is written: the offload after a stop finds the finished outputs
+    by it, so a second copy that drifted would silently keep nothing.
+    """
+    return f"dc_{safe_tag(job_id)}_{segment}_{prompt_id[:8]}"
+
+
+def safe_tag(job_id: str) -> str:
+    """The job ID as a file-name component on the backend (no ':' on every filesystem)."""
+    cleaned = "".join(c if c.isalnum() or c in "-_" else "_" for c in job_id)
+    return cleaned[:48]
+
+
 def with_unique_save_prefixes(graph: Mapping[str, Any], run_tag: str) -> dict[str, Any]:
     """Prefix every `filename_prefix` with a per-run folder.
 

@@ -1,8 +1,9 @@
-"""The job's status and the bookkeeping every change to it needs.
+"""The job's status, and the one owner of every change to it.
 
-Each change bumps `seq` and `updated_at`; state changes (only) upsert the `JobState` and
-`JobProgress` search attributes and the current details, so the Temporal UI shows the job at a
-glance without a history event per progress step.
+Every change goes through a method here and bumps `seq` and `updated_at` (clients' `watch`
+relies on it) and refreshes the current details; state changes (only) upsert the `JobState` and
+`JobProgress` search attributes, so the Temporal UI shows the job at a glance without a history
+event per progress step.
 """
 
 from __future__ import annotations
@@ -10,22 +11,23 @@ from __future__ import annotations
 from datetime import datetime
 
 from temporalio import workflow
-from temporalio.common import SearchAttributeKey
 
 with workflow.unsafe.imports_passed_through():
     from workflows.contracts import (
         MAX_NOTICES,
         Artifact,
+        BackendInfo,
+        Checkpoint,
+        Decision,
+        JobError,
         JobState,
         JobStatus,
         Notice,
+        Progress,
         ProgressReport,
+        Teardown,
     )
-    from workflows.shared import SA_JOB_POOL, SA_JOB_PROGRESS, SA_JOB_STATE
-
-STATE_KEY = SearchAttributeKey.for_keyword(SA_JOB_STATE)
-PROGRESS_KEY = SearchAttributeKey.for_int(SA_JOB_PROGRESS)
-POOL_KEY = SearchAttributeKey.for_keyword(SA_JOB_POOL)
+    from workflows.shared import POOL_KEY, PROGRESS_KEY, STATE_KEY
 
 
 class JobBook:
@@ -38,6 +40,103 @@ class JobBook:
         # Where the backend last said the prompt is: waiting in its queue, or running.
         self.backend_state = JobState.RUNNING
         self._pace_from: tuple[datetime, float] | None = None
+        # The current submission: progress reports from any other socket are stale.
+        checkpoint = status.checkpoint
+        self.prompt_id: str | None = checkpoint.prompt_id if checkpoint else None
+        self.client_id: str | None = None
+        # Messages from clients: the abandon watchdog waits for this to move.
+        self.contacts = 0
+
+    # -- the run --------------------------------------------------------------------------
+
+    def prepared_on(self, pool: str, kind: str) -> None:
+        self.status.backend = BackendInfo(pool=pool, kind=kind)
+        workflow.upsert_search_attributes([POOL_KEY.value_set(pool)])
+        self.touch()
+
+    def begin_segment(self, segment: int, segments: int, sampler_steps: int, nodes: int) -> None:
+        self.status.progress = Progress(
+            segment=segment,
+            segments=segments,
+            total_steps=sampler_steps or nodes,
+            fraction=segment / segments,
+            unit="steps" if sampler_steps else "nodes",
+        )
+        self.touch()
+
+    def new_submission(self, segment: int, prompt_id: str, total_steps: int) -> Checkpoint:
+        """A prompt about to be submitted; recorded before anything is sent, so a cancel
+        mid-submit still finds it. A fresh client_id drops any late progress report of an
+        earlier submission."""
+        client_id = f"dc-{workflow.uuid4()}"
+        self.client_id = client_id
+        self.prompt_id = prompt_id
+        checkpoint = Checkpoint(
+            job_id=self.status.job_id,
+            segment=segment,
+            prompt_id=prompt_id,
+            client_id=client_id,
+            total_steps=total_steps,
+            updated_at=workflow.now(),
+        )
+        self.status.checkpoint = checkpoint
+        if self.status.backend is not None:
+            self.status.backend.provider_job_id = prompt_id
+        self.backend_state = JobState.RUNNING  # nothing is known of the new prompt yet
+        self.status.progress.queue_position = None
+        self.mark_progress()
+        self.touch()
+        return checkpoint
+
+    def submitted(self) -> bool:
+        """Did the backend acknowledge the current prompt (as far as the workflow heard)?"""
+        checkpoint = self.status.checkpoint
+        return (
+            checkpoint is not None
+            and checkpoint.prompt_id == self.prompt_id
+            and checkpoint.submitted_at is not None
+        )
+
+    def set_checkpoint(self, checkpoint: Checkpoint) -> None:
+        self.status.checkpoint = checkpoint
+        self.touch()
+
+    def restart_prompt(self) -> None:
+        """The prompt runs again from its first step."""
+        self.status.progress.step = 0
+        self.touch()
+
+    def end_segment(self) -> None:
+        progress = self.status.progress
+        progress.step = progress.total_steps
+        progress.fraction = (progress.segment + 1) / progress.segments
+        self.mark_progress()
+        self.touch()
+
+    def reconnecting(self, error: JobError, state: JobState) -> None:
+        self.status.reconnects += 1
+        self.status.error = error
+        self.set_state(state)
+
+    def set_error(self, error: JobError | None) -> None:
+        self.status.error = error
+        self.touch()
+
+    def ask(self, decision: Decision) -> None:
+        """Wait for a person: the job is NEEDS_DECISION until a resume or a cancel."""
+        self.status.decision = decision
+        self.set_state(JobState.NEEDS_DECISION)
+
+    def set_teardown(self, teardown: Teardown) -> None:
+        self.status.teardown = teardown
+        self.touch()
+
+    def contact(self) -> None:
+        self.contacts += 1
+        self.status.last_client_contact_at = workflow.now()
+        self.touch()
+
+    # -- reports from the follow activity ---------------------------------------------------
 
     def apply_progress(self, report: ProgressReport, *, stage_changes: bool = False) -> None:
         progress = self.status.progress
@@ -106,6 +205,7 @@ class JobBook:
         changed = state != self.status.state
         self.status.state = state
         self.touch()
+        # seq 1: the status's very first write (a run's start, unless a message came first).
         if changed or self.status.seq == 1:
             workflow.upsert_search_attributes(
                 [STATE_KEY.value_set(state.value), PROGRESS_KEY.value_set(self.coarse_progress())]

@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 from typing import Final
 
+from temporalio.common import SearchAttributeKey
+
 WORKFLOW_TYPE: Final = "InferenceJob"
 DEFAULT_TASK_QUEUE: Final = "durable-comfy"
 
@@ -39,6 +41,9 @@ SA_JOB_STATE: Final = "JobState"
 SA_JOB_PROGRESS: Final = "JobProgress"
 SA_JOB_POOL: Final = "JobPool"
 SA_TENANT: Final = "Tenant"
+STATE_KEY: Final = SearchAttributeKey.for_keyword(SA_JOB_STATE)
+PROGRESS_KEY: Final = SearchAttributeKey.for_int(SA_JOB_PROGRESS)
+POOL_KEY: Final = SearchAttributeKey.for_keyword(SA_JOB_POOL)
 
 JOB_ID_PATTERN: Final = re.compile(r"^[A-Za-z0-9_.:-]{1,200}$")
 

@@ -14,6 +14,7 @@ stop (at the moment of a cancel) and the final one (after the work settled).
 
 from __future__ import annotations
 
+import asyncio
 from datetime import timedelta
 from typing import Literal
 
@@ -23,9 +24,17 @@ with workflow.unsafe.imports_passed_through():
     from workflows import activity_calls as calls
     from workflows.activity_io import StopCheck, StopInput
     from workflows.backoff import reconnect_delay
-    from workflows.contracts import JobPolicy, JobState, StopAction, Teardown, TeardownStep
+    from workflows.contracts import (
+        JobError,
+        JobPolicy,
+        JobState,
+        StopAction,
+        Teardown,
+        TeardownStep,
+    )
     from workflows.failures import job_error
     from workflows.job_book import JobBook
+    from workflows.shared import ErrorType
 
 # Checks never wait longer than this apart: a prompt that stopped should not keep its job
 # waiting for long, and the horizon still bounds how many checks there are.
@@ -228,3 +237,47 @@ class PromptStop:
                 text += f" at {step.detail}"
             parts.append(text)
         return ", ".join(parts) or "nothing to stop yet"
+
+
+class ConfirmedStop:
+    """A job's stop: an early pass the moment it is asked for, then one after the work ended.
+
+    The follow activity hears of its cancel only on its next heartbeat, so the early pass stops
+    the GPU at once; the settled pass confirms, and alone may say "never queued".
+    """
+
+    def __init__(self, book: JobBook, policy: JobPolicy) -> None:
+        self._book = book
+        self._stop = PromptStop(book, policy)
+        self._early: asyncio.Task[None] | None = None
+
+    def begin(
+        self, pool: str | None, prompt_id: str | None, order_state: JobState, error_type: str
+    ) -> None:
+        self._book.set_state(JobState.STOPPING)
+        if pool is not None and prompt_id is not None:
+            self._early = asyncio.create_task(
+                self._stop.confirm(
+                    pool,
+                    prompt_id,
+                    stop_reason(order_state, error_type == ErrorType.TIMEOUT),
+                    submitted=self._book.submitted(),
+                    settled=False,
+                )
+            )
+
+    async def settle(
+        self, pool: str, prompt_id: str, state: JobState, error: JobError | None
+    ) -> None:
+        if state != JobState.COMPLETED:
+            self._book.set_state(JobState.STOPPING)
+        if self._early is not None:
+            await self._early
+        await self._stop.confirm(
+            pool,
+            prompt_id,
+            stop_reason(state, error is not None and error.type == ErrorType.TIMEOUT),
+            submitted=self._book.submitted(),
+            settled=True,
+            free_memory=error is not None and error.type == ErrorType.OUT_OF_MEMORY,
+        )

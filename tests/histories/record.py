@@ -1,8 +1,8 @@
 """Record the committed replay histories: `python -m tests.histories.record`.
 
 Runs InferenceJob on the time-skipping server with the stand-in activities through its endings
-(completed, cancelled, abandoned, reconnected; from v3 also stopped_slowly and lost) and
-writes each history as JSON beside this file.
+(completed, cancelled, abandoned, reconnected; from v3 also stopped_slowly and lost; from v6 a
+run continued as new) and writes each history (of the last run) as JSON beside this file.
 Never overwrite a recording: after a `workflow.patched()` change, record a new set with a
 suffix (`python -m tests.histories.record -v2`) so both the old and the new paths replay.
 """
@@ -45,6 +45,7 @@ from workflows.shared import (
 )
 
 HERE = Path(__file__).parent
+SEGMENTS = "segments"  # in a scenario's settings: the request's segments, not a policy field
 Scenario = tuple[
     Script, dict[str, Any], Callable[[WorkflowHandle[Any, JobStatus]], Awaitable[None]] | None
 ]
@@ -117,6 +118,12 @@ SCENARIOS: dict[str, Scenario] = {
         {"abandon_after_s": None, "queue_timeout_s": 2},
         None,
     ),
+    # v6 on (JobInput): the last run of a job that continued as new twice, carry and all.
+    "continued": (
+        Script(),
+        {"abandon_after_s": None, "history_budget_events": 10, SEGMENTS: [{}, {}, {}]},
+        None,
+    ),
 }
 
 
@@ -128,9 +135,11 @@ async def record(suffix: str = "", only: list[str] | None = None) -> None:
                 continue
             backend = FakeBackend(script)
             async with job_worker(env.client, backend) as task_queue:
+                settings = dict(policy)
                 request = JobRequest(
                     graph=GRAPH,
-                    policy=JobPolicy.model_validate({"heartbeat_timeout_s": 1} | policy),
+                    segments=settings.pop(SEGMENTS, []),
+                    policy=JobPolicy.model_validate({"heartbeat_timeout_s": 1} | settings),
                 )
                 handle = await start_job(env.client, task_queue, request)
                 if action is not None:

@@ -1,0 +1,37 @@
+"""The workflow's one argument: the request, and what a continued run carries over."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, model_validator
+
+from workflows.activity_io import PreparedJob
+from workflows.contracts import JobRequest, JobStatus
+
+
+class JobCarry(BaseModel):
+    """What a job carries across continue-as-new: where it is and what it has."""
+
+    status: JobStatus
+    prepared: PreparedJob
+    next_segment: int
+
+
+class JobInput(BaseModel):
+    """`InferenceJob`'s argument. A bare `JobRequest` is accepted too: what plain clients
+    (`temporal workflow start --input`) and every earlier version of the client send."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    request: JobRequest
+    carry: JobCarry | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bare_request(cls, data: Any) -> Any:
+        if isinstance(data, JobRequest):
+            return {"request": data}
+        if isinstance(data, dict) and "request" not in data:
+            return {"request": data}
+        return data

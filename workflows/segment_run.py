@@ -1,0 +1,225 @@
+"""One segment of a job: submit the prompt, follow it to its end, store its outputs.
+
+When the path to the backend breaks, the segment re-attaches from the furthest checkpoint after
+a durable, jittered backoff, bounded by the reconnect horizon; when the backend provably lost
+the prompt, it submits it again (or asks a person first, per `on_ambiguous_submit`).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from temporalio import workflow
+from temporalio.exceptions import ApplicationError
+
+with workflow.unsafe.imports_passed_through():
+    from workflows import activity_calls as calls
+    from workflows import backoff, legacy
+    from workflows.activity_io import FollowInput, FollowResult, OffloadInput, PreparedJob
+    from workflows.contracts import Checkpoint, Decision, JobRequest, JobState
+    from workflows.failures import FailureKind, classify, job_error, recovered_progress
+    from workflows.graph import apply_overrides, run_tag, with_unique_save_prefixes
+    from workflows.job_book import JobBook
+    from workflows.job_controls import JobControls
+    from workflows.job_metrics import counter
+    from workflows.shared import ErrorType
+
+
+class SegmentRun:
+    def __init__(
+        self,
+        book: JobBook,
+        controls: JobControls,
+        request: JobRequest,
+        prepared: PreparedJob,
+        segment: int,
+        *,
+        legacy_submit: bool,
+    ) -> None:
+        self._book = book
+        self._controls = controls
+        self._request = request
+        self._prepared = prepared
+        self._segment = segment
+        # Runs started before the follow activity submitted: a submit activity of its own.
+        self._legacy = legacy_submit
+        self._graph: dict[str, Any] = {}
+        self._tag = ""
+
+    async def run(self) -> None:
+        book, segment = self._book, self._segment
+        prompt_id = str(workflow.uuid4())
+        self._tag = run_tag(book.status.job_id, segment, prompt_id)
+        overrides = self._request.segments[segment] if self._request.segments else {}
+        graph = apply_overrides(self._prepared.graph, overrides)
+        self._graph = with_unique_save_prefixes(graph, self._tag)
+        sampler_steps = sum(self._prepared.sampler_steps.values())
+        book.begin_segment(
+            segment, self._request.segment_count, sampler_steps, self._prepared.nodes_total
+        )
+        checkpoint = await self._submission(prompt_id, book.status.progress.total_steps)
+        followed = await self._follow(checkpoint)
+        book.merge_artifacts(followed.artifacts)
+        book.set_checkpoint(followed.checkpoint)
+        book.set_state(JobState.UPLOADING)
+        offloaded = await calls.offload(
+            OffloadInput(
+                job_id=book.status.job_id,
+                pool=self._prepared.pool,
+                prompt_id=prompt_id,
+                segment=segment,
+                run_tag=self._tag,
+                output=self._request.output,
+                stored=book.artifacts_of(segment),
+            )
+        )
+        book.merge_artifacts(offloaded.artifacts)
+        if not book.artifacts_of(segment):
+            raise ApplicationError(
+                f"segment {segment} finished without any saved output (add a SaveImage node?)",
+                type=ErrorType.OUTPUT_MISSING,
+                non_retryable=True,
+            )
+        book.end_segment()
+
+    async def _submission(self, prompt_id: str, total_steps: int) -> Checkpoint:
+        checkpoint = self._book.new_submission(self._segment, prompt_id, total_steps)
+        if self._legacy:
+            await legacy.submit(self._book, self._request.policy, self._prepared, self._graph)
+        return checkpoint
+
+    async def _follow(self, checkpoint: Checkpoint) -> FollowResult:
+        """Follow the prompt to its end, re-attaching from the checkpoint when the path breaks."""
+        book, policy = self._book, self._request.policy
+        attempt = 0
+        while True:
+            submit = not self._legacy and checkpoint.submitted_at is None
+            book.set_state(self._follow_state(submit))
+            try:
+                return await calls.follow(self._follow_input(checkpoint, submit), policy)
+            except BaseException as err:
+                kind = classify(err)
+                if kind in (FailureKind.FATAL, FailureKind.CANCELLED):
+                    raise
+                if not self._legacy and self._controls.stop is not None:
+                    # The stop's cancel met an attempt that had just failed by itself (say, its
+                    # start-to-close timeout) and was used up on it: stop all the same.
+                    raise
+                recovered, artifacts = recovered_progress(err)
+                book.merge_artifacts(artifacts)
+                checkpoint = self._furthest(checkpoint, recovered)
+                if kind == FailureKind.LOST:
+                    checkpoint = await self._resubmit_lost(checkpoint)
+                    attempt = 0
+                    continue
+                # Not yet on the backend (a pool that is down, unhealthy or busy): still
+                # submitting; otherwise the path to a running prompt broke.
+                not_on_backend = not self._legacy and checkpoint.submitted_at is None
+                waiting = JobState.SUBMITTING if not_on_backend else JobState.RECONNECTING
+                await self._back_off(err, attempt, waiting)
+                attempt += 1
+
+    def _follow_state(self, submit: bool) -> JobState:
+        if self._legacy:
+            return JobState.RUNNING
+        return JobState.SUBMITTING if submit else self._book.backend_state
+
+    def _follow_input(self, checkpoint: Checkpoint, submit: bool) -> FollowInput:
+        request, prepared = self._request, self._prepared
+        return FollowInput(
+            job_id=self._book.status.job_id,
+            pool=prepared.pool,
+            prompt_id=checkpoint.prompt_id or "",
+            client_id=checkpoint.client_id or "",
+            segment=self._segment,
+            segments=request.segment_count,
+            run_tag=self._tag,
+            sampler_steps=prepared.sampler_steps,
+            nodes_total=prepared.nodes_total,
+            output=request.output,
+            progress_interval_s=request.policy.progress_interval_s,
+            checkpoint=checkpoint,
+            stored=self._book.artifacts_of(self._segment),
+            graph=self._graph if submit else None,
+        )
+
+    def _furthest(self, current: Checkpoint, recovered: Checkpoint | None) -> Checkpoint:
+        """Resume from the furthest point known for this prompt.
+
+        The failed attempt's own report may be missing (a Temporal server that crashed loses
+        in-memory heartbeats), but progress signals kept the status's checkpoint up to date.
+        """
+        candidates = [
+            c
+            for c in (recovered, self._book.status.checkpoint, current)
+            if c is not None and c.prompt_id == current.prompt_id
+        ]
+        best = max(candidates, key=lambda c: (c.step, len(c.uploaded)))
+        submitted_at = next((c.submitted_at for c in candidates if c.submitted_at), None)
+        if not self._legacy and best.submitted_at is None and submitted_at is not None:
+            best = best.model_copy(update={"submitted_at": submitted_at})
+        if best.step > current.step or len(best.uploaded) > len(current.uploaded):
+            self._book.mark_progress()
+        self._book.set_checkpoint(best)
+        return best
+
+    async def _back_off(self, err: BaseException, attempt: int, waiting: JobState) -> None:
+        reconnect = self._request.policy.reconnect
+        idle = (workflow.now() - self._book.last_progress_at).total_seconds()
+        if idle > reconnect.horizon_s:
+            raise ApplicationError(
+                f"no progress for {idle:.0f} s (reconnect horizon {reconnect.horizon_s:.0f} s) "
+                f"after {attempt} reconnect attempt(s); last error: {job_error(err).message}",
+                type=ErrorType.CONNECTION_LOST,
+                non_retryable=True,
+            )
+        delay = backoff.reconnect_delay(
+            attempt, reconnect.base_delay_s, reconnect.max_delay_s, workflow.random().random()
+        )
+        counter("reconnects", "Durable reconnect timers").add(1)
+        self._book.reconnecting(job_error(err), waiting)
+        await workflow.sleep(timedelta(seconds=delay), summary=f"reconnect {attempt + 1}")
+        self._book.set_error(None)
+
+    async def _resubmit_lost(self, checkpoint: Checkpoint) -> Checkpoint:
+        """The backend provably lost the prompt: submit it once more, or ask a person first."""
+        controls = self._controls
+        lost_before = controls.resubmits > 0
+        policy = self._request.policy.on_ambiguous_submit
+        if lost_before and policy == "fail":
+            raise ApplicationError(
+                "ComfyUI lost the prompt twice", type=ErrorType.PROMPT_LOST, non_retryable=True
+            )
+        if lost_before and policy == "pause":
+            controls.resume = None
+            self._book.ask(self._lost_prompt_decision(checkpoint))
+            await workflow.wait_condition(lambda: controls.resume is not None)
+            assert controls.resume is not None
+            if not controls.resume.resubmit:
+                return checkpoint
+        controls.resubmits += 1
+        counter("resubmissions", "Prompts submitted again after the backend lost them").add(1)
+        self._book.restart_prompt()
+        prompt_id = checkpoint.prompt_id or str(workflow.uuid4())
+        return await self._submission(prompt_id, checkpoint.total_steps)
+
+    def _lost_prompt_decision(self, checkpoint: Checkpoint) -> Decision:
+        progress = self._book.status.progress
+        total = checkpoint.total_steps or progress.total_steps
+        return Decision(
+            reason=(
+                f"the backend lost prompt {checkpoint.prompt_id} again after "
+                f"{self._controls.resubmits + 1} submission(s): it is neither queued, running "
+                "nor in its history (a ComfyUI restart forgets both)"
+            ),
+            options={
+                "resume --resubmit": (
+                    f"submit it once more: it runs again from the start ({total} "
+                    f"{progress.unit}), paid for again; outputs already stored are kept"
+                ),
+                "cancel": "end the job as CANCELLED; outputs already stored are kept",
+            },
+            reattach_possible=False,
+            since=workflow.now(),
+        )
