@@ -189,6 +189,7 @@ class InferenceJob:
 
     @workflow.run
     async def run(self, input: JobInput) -> JobStatus:
+        """The job to its end state; every way out stops the prompt and keeps the outputs."""
         self._legacy = not workflow.patched(PATCH_CONFIRMED_STOP)
         self._stopper = (
             TeardownStop(self._book)
@@ -206,15 +207,7 @@ class InferenceJob:
         if carry is not None:
             await workflow.wait_condition(workflow.all_handlers_finished)
             workflow.continue_as_new(JobInput(request=self._request, carry=carry))
-        if workflow.patched(PATCH_SHIELDED_FINISH):
-            finishing = asyncio.create_task(self._finish(outcome))
-            while not finishing.done():
-                try:
-                    await asyncio.shield(finishing)
-                except asyncio.CancelledError:
-                    continue  # a Temporal cancel during compensation must not cut it short
-        else:
-            await self._finish(outcome)
+        await self._finish_uncancellable(outcome)
         await workflow.wait_condition(workflow.all_handlers_finished)
         return self._end_result()
 
@@ -285,6 +278,17 @@ class InferenceJob:
         assert self._stopper is not None
         pool = self._prepared.pool if self._prepared else None
         self._stopper.begin(pool, self._book.prompt_id, state, error_type)
+
+    async def _finish_uncancellable(self, outcome: BaseException | None) -> None:
+        if not workflow.patched(PATCH_SHIELDED_FINISH):
+            await self._finish(outcome)  # runs from before the shield
+            return
+        finishing = asyncio.create_task(self._finish(outcome))
+        while not finishing.done():
+            try:
+                await asyncio.shield(finishing)
+            except asyncio.CancelledError:
+                continue  # a Temporal cancel during compensation must not cut it short
 
     async def _finish(self, outcome: BaseException | None) -> None:
         """Every exit path: stop the prompt, keep what finished, record it, then the end state."""
