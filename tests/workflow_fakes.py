@@ -167,7 +167,7 @@ class FakeBackend:
     async def submit(self, req: SubmitInput) -> SubmitResult:
         await self._enter("submit_prompt")
         self.submitted.append(req)
-        return SubmitResult(prompt_id=req.prompt_id, outcome="submitted", number=1)
+        return SubmitResult(prompt_id=req.prompt_id, outcome="submitted")
 
     @activity.defn(name="follow_prompt")
     async def follow(self, req: FollowInput) -> FollowResult:

@@ -40,10 +40,12 @@ class SubmitInput(StrictModel):
 
 
 class SubmitResult(StrictModel):
+    """The legacy submit activity's answer (its queue number and dropped outputs are logged)."""
+
+    retired_fields = frozenset({"number", "dropped_outputs"})
+
     prompt_id: str
     outcome: Literal["submitted", "already_known"]
-    number: int | None = None
-    dropped_outputs: dict[str, Any] = Field(default_factory=dict)
 
 
 class FollowInput(StrictModel):

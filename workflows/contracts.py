@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from datetime import datetime
 from enum import StrEnum
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -18,6 +18,21 @@ class StrictModel(BaseModel):
     """Base of every contract: an unknown field is an error, never silently dropped."""
 
     model_config = ConfigDict(extra="forbid")
+    # Fields earlier versions wrote and nothing reads any more. Recorded histories still carry
+    # them (in signals, heartbeats, activity results), and replaying those must not fail: they
+    # are accepted and dropped, never written again.
+    retired_fields: ClassVar[frozenset[str]] = frozenset()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_retired_fields(cls, data: Any) -> Any:
+        if (
+            cls.retired_fields
+            and isinstance(data, dict)
+            and not cls.retired_fields.isdisjoint(data)
+        ):
+            return {k: v for k, v in data.items() if k not in cls.retired_fields}
+        return data
 
 
 class JobState(StrEnum):
@@ -163,6 +178,8 @@ class JobRequest(StrictModel):
 class Checkpoint(StrictModel):
     """The durable answer to "where do I resume": heartbeated on every progress event."""
 
+    retired_fields = frozenset({"last_artifact_ref"})
+
     job_id: str
     segment: int = 0
     step: int = 0
@@ -173,7 +190,6 @@ class Checkpoint(StrictModel):
     nodes_done: list[str] = Field(default_factory=list)
     node_steps: dict[str, int] = Field(default_factory=dict)
     uploaded: list[str] = Field(default_factory=list)
-    last_artifact_ref: str | None = None
     # When the backend was known to hold the prompt (accepted or found queued): from then on a
     # prompt it no longer knows is lost, never "not submitted yet".
     submitted_at: datetime | None = None
@@ -305,14 +321,15 @@ class JobStatus(StrictModel):
 class ProgressReport(StrictModel):
     """Sent by the monitoring activity as the `progress` signal, throttled by fraction."""
 
+    # `step` counts nodes when the graph has no sampler: the node counts said it twice.
+    retired_fields = frozenset({"nodes_done", "nodes_total"})
+
     attempt_client_id: str
     stage: Literal["queued", "running", "uploading", "finished"] = "running"
     # With stage "queued": 1 = next to run on the backend.
     queue_position: int | None = None
     step: int = 0
     total_steps: int = 0
-    nodes_done: int = 0
-    nodes_total: int = 0
     node: str | None = None
     artifact: Artifact | None = None
     checkpoint: Checkpoint | None = None

@@ -160,12 +160,7 @@ class ComfyActivities:
             raise from_comfy(exc, "submitting the prompt") from exc
         dropped = answer.get("node_errors") or {}
         bound.info("submitted", number=answer.get("number"), dropped_outputs=len(dropped))
-        return SubmitResult(
-            prompt_id=req.prompt_id,
-            outcome="submitted",
-            number=answer.get("number"),
-            dropped_outputs=dropped,
-        )
+        return SubmitResult(prompt_id=req.prompt_id, outcome="submitted")
 
     @staticmethod
     async def _known(client: ComfyClient, prompt_id: str) -> bool:

@@ -357,7 +357,6 @@ class PromptFollower:
                 "node_steps": dict(self.tracker.node_steps),
                 "nodes_done": list(self.tracker.nodes_done),
                 "uploaded": sorted(self.uploader.artifacts),
-                "last_artifact_ref": max(self.uploader.artifacts, default=None),
                 "updated_at": datetime.now(UTC),
             }
         )
@@ -381,8 +380,6 @@ class PromptFollower:
             queue_position=self.queue_position if stage == "queued" else None,
             step=self.tracker.step,
             total_steps=self.tracker.total,
-            nodes_done=len(self.tracker.nodes_done),
-            nodes_total=self.req.nodes_total,
             node=self.current_node,
             artifact=artifact,
             checkpoint=self._checkpoint(),
