@@ -20,12 +20,12 @@ from temporalio.exceptions import ApplicationError, CancelledError
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Replayer
 
+from devstack.chaos.wait import eventually
 from tests.workflow_fakes import (
     GRAPH,
     HEARTBEAT_TIMEOUT,
     FakeBackend,
     Script,
-    eventually,
     job_worker,
     request,
     start_job,
@@ -188,7 +188,7 @@ async def test_lost_twice_pauses_for_a_decision_and_resume_resubmits(
             status: JobStatus = await handle.query(QUERY_STATUS, result_type=JobStatus)
             return status.state == JobState.NEEDS_DECISION
 
-        await eventually(paused)
+        await eventually(paused, timeout_s=10, what="the job waits for a decision")
         await handle.signal(SIGNAL_RESUME, ResumeRequest(resubmit=True))
         status, error = await outcome(handle)
     assert error is None and status.state == JobState.COMPLETED
@@ -286,7 +286,7 @@ async def test_cancel_in_every_state_tears_down_and_keeps_artifacts(
             current = await handle.query(QUERY_STATUS, result_type=JobStatus)
             return current.state == state and backend.blocked.is_set()
 
-        await eventually(reached)
+        await eventually(reached, timeout_s=10, what="the job reached the step")
         if via == "signal":
             await handle.signal(SIGNAL_CANCEL, CancelRequest(reason="test says stop"))
         else:
@@ -324,7 +324,7 @@ async def test_cancel_while_reconnecting_and_while_paused(env: WorkflowEnvironme
                 current: JobStatus = await job.query(QUERY_STATUS, result_type=JobStatus)
                 return current.state == target
 
-            await eventually(reached)
+            await eventually(reached, timeout_s=10, what="the job reached the step")
             await handle.signal(SIGNAL_CANCEL, CancelRequest())
             status, _ = await outcome(handle)
         assert status.state == JobState.CANCELLED, state
@@ -447,7 +447,9 @@ async def test_stop_keeps_confirming_until_the_prompt_is_gone(
     backend = FakeBackend(Script(block_in="follow_prompt", stop_running_checks=4))
     async with job_worker(clean_env.client, backend) as tq:
         handle = await start_job(clean_env.client, tq, request())
-        await eventually(lambda: _is_set(backend.blocked))
+        await eventually(
+            lambda: _is_set(backend.blocked), timeout_s=10, what="the follow activity is running"
+        )
         if via == "signal":
             await handle.signal(SIGNAL_CANCEL, CancelRequest(reason="stop it"))
         else:
@@ -473,14 +475,16 @@ async def test_stop_past_the_teardown_horizon_fails_the_teardown_naming_the_prom
     backend = FakeBackend(Script(block_in="follow_prompt", stop_running_checks=-1))
     async with job_worker(clean_env.client, backend) as tq:
         handle = await start_job(clean_env.client, tq, request(teardown_horizon_s=120))
-        await eventually(lambda: _is_set(backend.blocked))
+        await eventually(
+            lambda: _is_set(backend.blocked), timeout_s=10, what="the follow activity is running"
+        )
         await handle.signal(SIGNAL_CANCEL, CancelRequest(reason="stop it"))
 
         async def stopping() -> bool:
             current: JobStatus = await handle.query(QUERY_STATUS, result_type=JobStatus)
             return current.state == JobState.STOPPING and current.teardown.state == "STOPPING"
 
-        await eventually(stopping)
+        await eventually(stopping, timeout_s=10, what="the job is STOPPING")
         status, _ = await outcome(handle)
     prompt_id = backend.submitted[0].prompt_id
     assert status.state == JobState.CANCELLED
@@ -505,7 +509,9 @@ async def test_stop_checks_go_on_while_the_backend_cannot_be_reached(
     backend = FakeBackend(Script(block_in="follow_prompt", stop_unreachable_checks=3))
     async with job_worker(clean_env.client, backend) as tq:
         handle = await start_job(clean_env.client, tq, request())
-        await eventually(lambda: _is_set(backend.blocked))
+        await eventually(
+            lambda: _is_set(backend.blocked), timeout_s=10, what="the follow activity is running"
+        )
         await handle.signal(SIGNAL_CANCEL, CancelRequest(reason="stop it"))
         status, _ = await outcome(handle)
     assert status.state == JobState.CANCELLED
@@ -526,7 +532,7 @@ async def test_a_prompt_waiting_past_queue_timeout_fails_the_job_and_is_dequeued
             current: JobStatus = await handle.query(QUERY_STATUS, result_type=JobStatus)
             return current.state == JobState.WAITING and current.progress.queue_position == 3
 
-        await eventually(waiting)
+        await eventually(waiting, timeout_s=10, what="the job is WAITING")
         status, error = await outcome(handle)
         started = await timers(handle)
     assert status.state == JobState.FAILED

@@ -24,10 +24,10 @@ from temporalio.exceptions import CancelledError
 from temporalio.service import RPCError
 from temporalio.testing import WorkflowEnvironment
 
+from devstack.chaos.wait import eventually
 from tests.workflow_fakes import (
     FakeBackend,
     Script,
-    eventually,
     job_worker,
     request,
     start_job,
@@ -73,7 +73,9 @@ async def workflow_task_failures(handle: WorkflowHandle[Any, Any]) -> int:
 
 async def running_job(env: WorkflowEnvironment, backend: FakeBackend, tq: str) -> str:
     handle = await start_job(env.client, tq, request())
-    await eventually(lambda: _true(backend.blocked.is_set()))
+    await eventually(
+        lambda: _true(backend.blocked.is_set()), timeout_s=10, what="the follow activity is running"
+    )
     return handle.id
 
 
@@ -197,7 +199,7 @@ async def test_needs_decision_says_why_and_resume_explains_itself(
         async def paused() -> bool:
             return (await status_of(handle)).state == JobState.NEEDS_DECISION
 
-        await eventually(paused)
+        await eventually(paused, timeout_s=10, what="the job waits for a decision")
         status = await status_of(handle)
         assert status.decision is not None
         assert "lost prompt" in status.decision.reason
@@ -249,7 +251,7 @@ async def test_current_details_follow_progress(
         async def shows_progress() -> bool:
             return "4/10 steps" in await current_details(handle)
 
-        await eventually(shows_progress)
+        await eventually(shows_progress, timeout_s=10, what="the status shows progress")
         details = await current_details(handle)
         assert details.startswith("**RUNNING** — 40 %"), details
         assert "pool `comfyui`" in details

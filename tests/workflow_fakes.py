@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -307,10 +307,3 @@ def request(**policy: Any) -> JobRequest:
     activity hears of a cancel only on its next sent heartbeat (at most every 0.8 x timeout)."""
     defaults = {"abandon_after_s": None, "heartbeat_timeout_s": 1}
     return JobRequest(graph=GRAPH, policy=JobPolicy.model_validate(defaults | policy))
-
-
-async def eventually(predicate: Callable[[], Awaitable[Any]], timeout_s: float = 10.0) -> None:
-    """Poll a condition with a deadline (queries have no push to wait on)."""
-    async with asyncio.timeout(timeout_s):
-        while not await predicate():  # noqa: ASYNC110
-            await asyncio.sleep(0.02)
