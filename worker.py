@@ -1,6 +1,7 @@
 """`python worker.py` (or `durable-comfy worker`): the Temporal worker for InferenceJob.
 
-It only wires things together: settings from the environment, one httpx client, one S3 client,
+It only wires things together: settings read once from the environment at start-up
+(`activities.settings`, `starter.connection.TemporalSettings`), one httpx client, one S3 client,
 the activities built on them, and a graceful shutdown on SIGTERM/SIGINT so a running
 `follow_prompt` hands its prompt to another worker at once instead of after a heartbeat timeout.
 """
@@ -10,12 +11,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import signal
+import sys
 from datetime import timedelta
 from typing import Annotated
 
 import httpx
 import structlog
 import typer
+from pydantic import ValidationError
+from pydantic_settings import SettingsError
 from temporalio.client import Client
 from temporalio.runtime import Runtime
 from temporalio.worker import Worker
@@ -28,8 +32,8 @@ from activities.log_setup import configure_logging
 from activities.metrics import count_swept, prometheus_runtime
 from activities.orphans import OrphanSweeper
 from activities.settings import WorkerSettings
-from activities.storage import ArtifactStore, S3Settings
-from starter.connection import connect_temporal, forwarded_core_logs
+from activities.storage import ArtifactStore, S3Settings, StorageConfigError
+from starter.connection import TemporalSettings, connect_temporal, forwarded_core_logs
 from starter.exit import exit_without_finalizing
 from workflows.inference_job import InferenceJob
 
@@ -40,21 +44,25 @@ STICKY_TIMEOUT = timedelta(seconds=3)
 
 
 async def run_worker(
-    settings: WorkerSettings | None = None,
-    s3: S3Settings | None = None,
+    settings: WorkerSettings,
+    s3: S3Settings,
     stop: asyncio.Event | None = None,
     client: Client | None = None,
+    temporal: TemporalSettings | None = None,
 ) -> None:
-    """Serve InferenceJob until `stop` is set (by default: SIGTERM or SIGINT)."""
-    settings = settings or WorkerSettings.from_env()
-    s3 = s3 or S3Settings.from_env()
+    """Serve InferenceJob until `stop` is set (by default: SIGTERM or SIGINT).
+
+    Without `client` it connects where `temporal` says (None: Temporal's own environment
+    configuration alone).
+    """
     stop = stop or _stop_on_signals()
     if client is None:
         runtime = None
         if settings.metrics_port is not None:
             runtime = prometheus_runtime(settings.metrics_port, forwarded_core_logs())
             log.info("metrics_serving", url=f"http://127.0.0.1:{settings.metrics_port}/metrics")
-        client = await connect_temporal(runtime=runtime)
+        address, namespace = (temporal.address, temporal.namespace) if temporal else (None, None)
+        client = await connect_temporal(address, namespace, runtime=runtime)
     # Temporal owns retries: no transport-level retries here.
     timeout = httpx.Timeout(30.0, connect=5.0)
     async with (
@@ -125,11 +133,18 @@ def main(argv: list[str] | None = None) -> None:
         help="serve Prometheus metrics on 127.0.0.1:PORT/metrics (env DURABLE_COMFY_METRICS_PORT)",
     )
     args = parser.parse_args(argv)
-    configure_logging()
-    settings = WorkerSettings.from_env()
-    if args.metrics_port is not None:
-        settings = settings.model_copy(update={"metrics_port": args.metrics_port})
-    asyncio.run(run_worker(settings))
+    # Every setting is read here, once; a bad one stops the worker naming its variable.
+    try:
+        if args.metrics_port is None:
+            settings = WorkerSettings()
+        else:  # the option wins over DURABLE_COMFY_METRICS_PORT
+            settings = WorkerSettings(metrics_port=args.metrics_port)
+        s3 = S3Settings.from_env()
+        temporal = TemporalSettings()
+    except (ValidationError, SettingsError, StorageConfigError) as exc:
+        sys.exit(f"worker: invalid settings: {exc}")
+    configure_logging(settings.log_level)
+    asyncio.run(run_worker(settings, s3, temporal=temporal))
     exit_without_finalizing(0)
 
 

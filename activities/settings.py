@@ -1,22 +1,64 @@
 """The worker's settings: which pools it serves and where artifacts go.
 
-Pools come from the `worker:` section of temporal-dev.yaml (`DURABLE_COMFY_CONFIG`) or from
-`DURABLE_COMFY_POOLS` (JSON `{name: {kind, url}}`), which wins. Credentials come only from the
-environment and are never part of a request, a result or a log line.
+Both are `pydantic-settings` classes read from the environment once, at start-up (worker.py
+builds them and passes them down; nothing else reads these variables):
+
+    WorkerSettings  DURABLE_COMFY_CONFIG, DURABLE_COMFY_POOLS, DURABLE_COMFY_TASK_QUEUE,
+                    DURABLE_COMFY_DEFAULT_POOL, DURABLE_COMFY_ORPHAN_SWEEP_S,
+                    DURABLE_COMFY_METRICS_PORT, DURABLE_COMFY_LOG_LEVEL
+    S3Settings      DURABLE_COMFY_BUCKET, DURABLE_COMFY_S3_ENDPOINT, AWS_ACCESS_KEY_ID,
+                    AWS_SECRET_ACCESS_KEY, AWS_REGION (else AWS_DEFAULT_REGION)
+
+Precedence, highest first: values passed in code (`worker --metrics-port`), the variables, the
+`worker:` section of the stack file DURABLE_COMFY_CONFIG names (temporal-dev.yaml), the defaults.
+A field takes its value from one place only: DURABLE_COMFY_POOLS replaces the file's pools, it is
+not merged with them. An empty variable counts as unset. A bad value is a pydantic
+`ValidationError` whose location is the variable's name.
+
+Credentials come only from the environment (or botocore's own chain when no keys are set) and are
+`SecretStr`s: never in a repr, a request, a result or a log line.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+import re
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Self
+from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic.fields import FieldInfo
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    SettingsError,
+)
 
+from activities.storage_errors import StorageConfigError
 from workflows.shared import DEFAULT_TASK_QUEUE
+
+CONFIG_VAR = "DURABLE_COMFY_CONFIG"
+POOLS_VAR = "DURABLE_COMFY_POOLS"
+BUCKET_VAR = "DURABLE_COMFY_BUCKET"
+
+_BUCKET_NAME = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+_KEY_PAIR = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
 
 
 class PoolConfig(BaseModel):
@@ -47,47 +89,244 @@ def read_worker_section(path: Path) -> WorkerSection:
     return WorkerSection.model_validate(data.get("worker") or {})
 
 
-class WorkerSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+# --- reading the environment ------------------------------------------------------------------
 
-    task_queue: str = DEFAULT_TASK_QUEUE
-    default_pool: str = "comfyui"
-    pools: dict[str, PoolConfig] = Field(default_factory=dict)
-    max_concurrent_activities: int = 100
-    # How often each worker looks for prompts whose job is over (0: never).
-    orphan_sweep_interval_s: float = Field(60.0, ge=0)
-    # Serve Prometheus metrics (Temporal's and ours) on 127.0.0.1:<port>/metrics.
-    metrics_port: int | None = Field(None, ge=1, le=65535)
+# The environment `EnvSettings.from_env` was given; None: the process's own.
+_ENVIRON: ContextVar[Mapping[str, str] | None] = ContextVar("durable_comfy_environ", default=None)
+
+
+def variable_names(field: FieldInfo) -> list[str]:
+    """The variables a field is read from, in order: its validation alias(es)."""
+    alias = field.validation_alias
+    if isinstance(alias, str):
+        return [alias]
+    if isinstance(alias, AliasChoices):
+        return [choice for choice in alias.choices if isinstance(choice, str)]
+    return []
+
+
+def _taken(state: Mapping[str, Any], name: str, field: FieldInfo) -> bool:
+    """Whether a higher source already gave this field (under its name or a variable's)."""
+    return name in state or any(var in state for var in variable_names(field))
+
+
+class _Variables(PydanticBaseSettingsSource):
+    """The variables a settings class names (its fields' aliases), and nothing else.
+
+    Values stay strings for pydantic to parse, keyed by the variable's name, so an error names
+    the variable. A field a higher source (code) already set is left alone: sources never merge.
+    """
+
+    def __init__(self, settings_cls: type[BaseSettings], environ: Mapping[str, str]) -> None:
+        super().__init__(settings_cls)
+        self._environ = environ
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        for name in variable_names(field):
+            value = self._environ.get(name)
+            if value:  # an empty variable counts as unset
+                return value, name, False
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        values: dict[str, Any] = {}
+        for name, field in self.settings_cls.model_fields.items():
+            if _taken(self.current_state, name, field):
+                continue
+            value, key, _ = self.get_field_value(field, name)
+            if value is not None:
+                values[key] = value
+        return values
+
+
+class EnvSettings(BaseSettings):
+    """Settings read from the variables their fields' aliases name, and from code by field name.
+
+    `Cls()` reads the process's environment; `Cls.from_env(mapping)` reads that mapping instead
+    (the local stack's `worker_env()`, a test's dict).
+    """
+
+    model_config = SettingsConfigDict(
+        extra="forbid",
+        frozen=True,
+        validate_by_name=True,
+        validate_by_alias=True,
+        case_sensitive=True,
+    )
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] = os.environ) -> WorkerSettings:
-        settings = cls()
-        config_path = environ.get("DURABLE_COMFY_CONFIG")
-        if config_path:
-            worker = read_worker_section(Path(config_path))
-            settings = cls(
-                task_queue=worker.task_queue,
-                default_pool=worker.default_pool,
-                pools=dict(worker.pools),
-            )
-        pools_json = environ.get("DURABLE_COMFY_POOLS")
-        if pools_json:
-            pools = TypeAdapter(dict[str, PoolConfig]).validate_python(json.loads(pools_json))
-            settings = settings.model_copy(update={"pools": pools})
-        if environ.get("DURABLE_COMFY_TASK_QUEUE"):
-            settings = settings.model_copy(
-                update={"task_queue": environ["DURABLE_COMFY_TASK_QUEUE"]}
-            )
-        if environ.get("DURABLE_COMFY_DEFAULT_POOL"):
-            settings = settings.model_copy(
-                update={"default_pool": environ["DURABLE_COMFY_DEFAULT_POOL"]}
-            )
-        if environ.get("DURABLE_COMFY_METRICS_PORT"):
-            settings = settings.model_copy(
-                update={"metrics_port": int(environ["DURABLE_COMFY_METRICS_PORT"])}
-            )
-        if environ.get("DURABLE_COMFY_ORPHAN_SWEEP_S"):
-            settings = settings.model_copy(
-                update={"orphan_sweep_interval_s": float(environ["DURABLE_COMFY_ORPHAN_SWEEP_S"])}
-            )
-        return settings
+    def from_env(cls, environ: Mapping[str, str] | None = None, **values: Any) -> Self:
+        """Build from `environ` (default: the process's environment); `values` win over it."""
+        token = _ENVIRON.set(environ)
+        try:
+            return cls(**values)
+        finally:
+            _ENVIRON.reset(token)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        environ = _ENVIRON.get()
+        return (init_settings, _Variables(settings_cls, os.environ if environ is None else environ))
+
+
+@contextmanager
+def _reading(what: str) -> Iterator[None]:
+    try:
+        yield
+    except (OSError, ValueError, yaml.YAMLError) as exc:  # ValidationError is a ValueError
+        raise SettingsError(f"{what}: {exc}") from exc
+
+
+class _StackFileWorkerSection(PydanticBaseSettingsSource):
+    """The `worker:` section of the file DURABLE_COMFY_CONFIG names, below the variables."""
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False  # everything happens in __call__
+
+    def __call__(self) -> dict[str, Any]:
+        state = self.current_state
+        path = state.get(CONFIG_VAR) or state.get("config_file")
+        if not path:
+            return {}
+        with _reading(f"{CONFIG_VAR}={path}"):
+            section = read_worker_section(Path(path))
+        fields = self.settings_cls.model_fields
+        return {
+            name: getattr(section, name)
+            for name in WorkerSection.model_fields
+            if not _taken(state, name, fields[name])
+        }
+
+
+# --- the worker -------------------------------------------------------------------------------
+
+
+class WorkerSettings(EnvSettings):
+    """What one worker process serves, and how."""
+
+    # The config file holds no secret: a bad value is worth showing.
+    config_file: Path | None = Field(None, validation_alias=CONFIG_VAR)
+    task_queue: str = Field(DEFAULT_TASK_QUEUE, validation_alias="DURABLE_COMFY_TASK_QUEUE")
+    default_pool: str = Field("comfyui", validation_alias="DURABLE_COMFY_DEFAULT_POOL")
+    # JSON `{name: {kind, url}}` from the variable; replaces the config file's pools.
+    pools: dict[str, PoolConfig] = Field(default_factory=dict, validation_alias=POOLS_VAR)
+    max_concurrent_activities: int = 100
+    # How often each worker looks for prompts whose job is over (0: never).
+    orphan_sweep_interval_s: float = Field(
+        60.0, ge=0, validation_alias="DURABLE_COMFY_ORPHAN_SWEEP_S"
+    )
+    # Serve Prometheus metrics (Temporal's and ours) on 127.0.0.1:<port>/metrics.
+    metrics_port: int | None = Field(
+        None, ge=1, le=65535, validation_alias="DURABLE_COMFY_METRICS_PORT"
+    )
+    # Unknown names fall back to INFO (activities.log_setup).
+    log_level: str = Field("INFO", validation_alias="DURABLE_COMFY_LOG_LEVEL")
+
+    @field_validator("pools", mode="before")
+    @classmethod
+    def _pools_json(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            try:
+                return json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"not JSON ({exc}); expected {{name: {{kind, url}}}}") from None
+        return value
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        above = super().settings_customise_sources(
+            settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings
+        )
+        return (*above, _StackFileWorkerSection(settings_cls))
+
+
+# --- artifact storage -------------------------------------------------------------------------
+
+
+class S3Settings(EnvSettings):
+    """Where artifacts go. Credentials are SecretStr: never in repr, str, dumps or logs.
+
+    Without credentials the S3 client gets none, and botocore's default chain applies (a shared
+    credentials file or AWS_PROFILE, web identity, an instance role, ...).
+    """
+
+    # hide_input_in_errors: a ValidationError must not print a secret (or a URL carrying one).
+    model_config = SettingsConfigDict(hide_input_in_errors=True)
+
+    endpoint_url: str | None = Field(None, validation_alias="DURABLE_COMFY_S3_ENDPOINT")
+    region: str = Field(
+        "us-east-1", validation_alias=AliasChoices("AWS_REGION", "AWS_DEFAULT_REGION")
+    )
+    bucket: str = Field(validation_alias=BUCKET_VAR)
+    access_key_id: SecretStr | None = Field(None, validation_alias=_KEY_PAIR[0])
+    secret_access_key: SecretStr | None = Field(None, validation_alias=_KEY_PAIR[1])
+
+    @field_validator("endpoint_url")
+    @classmethod
+    def _check_endpoint(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        parts = urlsplit(value)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("endpoint must be an http(s) URL")
+        if parts.username or parts.password:
+            # Credentials in a URL end up in logs and error messages.
+            raise ValueError("endpoint must not carry credentials")
+        return value.rstrip("/")
+
+    @field_validator("bucket")
+    @classmethod
+    def _check_bucket(cls, value: str) -> str:
+        if not _BUCKET_NAME.match(value) or ".." in value:
+            raise ValueError("not a valid S3 bucket name")
+        return value
+
+    @model_validator(mode="after")
+    def _both_keys_or_neither(self) -> Self:
+        if (self.access_key_id is None) != (self.secret_access_key is None):
+            key_id, secret = _KEY_PAIR
+            missing = key_id if self.access_key_id is None else secret
+            raise ValueError(f"{missing} is not set (the other half of the key pair is)")
+        return self
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **values: Any) -> Self:
+        """As `EnvSettings.from_env`, with every problem one `StorageConfigError` naming the
+        variable (and never its value)."""
+        try:
+            return super().from_env(environ, **values)
+        except ValidationError as exc:
+            raise StorageConfigError(f"invalid S3 settings: {problems(exc)}") from None
+
+    @classmethod
+    def from_env_if_configured(cls, environ: Mapping[str, str] | None = None) -> Self | None:
+        """None without DURABLE_COMFY_BUCKET (a client that stores nothing), else `from_env`."""
+        env = os.environ if environ is None else environ
+        return cls.from_env(environ) if env.get(BUCKET_VAR) else None
+
+
+def problems(exc: ValidationError) -> str:
+    """One line for a settings error: each problem with the variable (or field) it is about."""
+
+    def one(error: Any) -> str:
+        where = ".".join(str(part) for part in error["loc"])
+        if error["type"] == "missing":
+            return f"{where} is not set"
+        message = str(error["msg"]).removeprefix("Value error, ")
+        return f"{where}: {message}" if where else message
+
+    return "; ".join(one(error) for error in exc.errors())

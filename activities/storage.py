@@ -27,16 +27,16 @@ from contextlib import AsyncExitStack
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Self
-from urllib.parse import urlsplit
 
 import aioboto3
 import structlog
 from aiobotocore.config import AioConfig
 from botocore.exceptions import ClientError
-from pydantic import BaseModel, ConfigDict, SecretStr, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict
 
 from activities import s3_multipart
 from activities.s3_multipart import PART_SIZE, split_parts
+from activities.settings import S3Settings
 from activities.storage_errors import (
     MISSING_CODES,
     S3_FAILURES,
@@ -64,73 +64,7 @@ log = structlog.get_logger("durable_comfy.storage")
 
 MAX_PRESIGN_TTL_S = 7 * 24 * 3600  # SigV4's ceiling
 _DOWNLOAD_CHUNK = 1024 * 1024
-_BUCKET_NAME = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 _METADATA_KEY = re.compile(r"^[a-z0-9-]{1,64}$")
-
-
-class S3Settings(BaseModel):
-    """Where artifacts go. Credentials are SecretStr: never in repr, str, dumps or logs.
-
-    Without credentials botocore's default chain applies (instance profile, web identity, ...).
-    """
-
-    # hide_input_in_errors: a ValidationError must not print a secret (or a URL carrying one).
-    model_config = ConfigDict(frozen=True, extra="forbid", hide_input_in_errors=True)
-
-    endpoint_url: str | None = None
-    region: str = "us-east-1"
-    bucket: str
-    access_key_id: SecretStr | None = None
-    secret_access_key: SecretStr | None = None
-
-    @field_validator("endpoint_url")
-    @classmethod
-    def _check_endpoint(cls, value: str | None) -> str | None:
-        if value is None:
-            return None
-        parts = urlsplit(value)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError("endpoint must be an http(s) URL")
-        if parts.username or parts.password:
-            # Credentials in a URL end up in logs and error messages.
-            raise ValueError("endpoint must not carry credentials")
-        return value.rstrip("/")
-
-    @field_validator("bucket")
-    @classmethod
-    def _check_bucket(cls, value: str) -> str:
-        if not _BUCKET_NAME.match(value) or ".." in value:
-            raise ValueError("not a valid S3 bucket name")
-        return value
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] = os.environ) -> S3Settings:
-        """Read DURABLE_COMFY_S3_ENDPOINT (optional), DURABLE_COMFY_BUCKET (required),
-        AWS_ACCESS_KEY_ID + AWS_SECRET_ACCESS_KEY (both or neither) and AWS_REGION."""
-
-        def get(name: str) -> str | None:
-            return environ.get(name) or None  # an empty variable counts as unset
-
-        bucket = get("DURABLE_COMFY_BUCKET")
-        if bucket is None:
-            raise StorageConfigError("DURABLE_COMFY_BUCKET is not set: name the artifact bucket")
-        key_id, secret = get("AWS_ACCESS_KEY_ID"), get("AWS_SECRET_ACCESS_KEY")
-        if (key_id is None) != (secret is None):
-            missing = "AWS_ACCESS_KEY_ID" if key_id is None else "AWS_SECRET_ACCESS_KEY"
-            raise StorageConfigError(f"{missing} is not set (the other half of the key pair is)")
-        try:
-            return cls(
-                endpoint_url=get("DURABLE_COMFY_S3_ENDPOINT"),
-                region=get("AWS_REGION") or get("AWS_DEFAULT_REGION") or "us-east-1",
-                bucket=bucket,
-                access_key_id=SecretStr(key_id) if key_id else None,
-                secret_access_key=SecretStr(secret) if secret else None,
-            )
-        except ValidationError as exc:
-            problems = "; ".join(
-                f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()
-            )
-            raise StorageConfigError(f"invalid S3 settings: {problems}") from None
 
 
 class StoredObject(BaseModel):

@@ -4,6 +4,11 @@ Connection settings come from Temporal's environment configuration: `TEMPORAL_AD
 `TEMPORAL_NAMESPACE`, `TEMPORAL_API_KEY`, TLS variables, or a profile in a `temporal.toml`
 (`TEMPORAL_CONFIG_FILE` + `TEMPORAL_PROFILE`; `durable-comfy dev up` writes one). The same file
 serves the `temporal` CLI, so both see the same server.
+
+`TemporalSettings` holds the variables durable-comfy itself reads (the address, the namespace and
+the UI's URL); the worker and the CLI build it once at start-up and pass its address and namespace
+to `connect_temporal`, where, as in Temporal's own rules, they win over the profile's. Everything
+else (API key, TLS, the profile) stays with the SDK's environment configuration.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ import logging
 from collections.abc import Mapping
 from functools import cache
 
+from pydantic import Field
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.envconfig import ClientConfig
@@ -24,6 +31,38 @@ from temporalio.runtime import (
 )
 
 DEFAULT_ADDRESS = "127.0.0.1:7233"
+DEFAULT_UI_URL = "http://127.0.0.1:8233"
+
+
+class TemporalSettings(BaseSettings):
+    """TEMPORAL_ADDRESS, TEMPORAL_NAMESPACE and TEMPORAL_UI_URL, read once at start-up.
+
+    Unset (or empty), the address and namespace are None: the profile's, else the SDK's defaults.
+    Fields are read only from their variables (case-sensitive) and set in code by those names.
+    """
+
+    model_config = SettingsConfigDict(
+        extra="forbid", frozen=True, case_sensitive=True, env_ignore_empty=True
+    )
+
+    address: str | None = Field(None, validation_alias="TEMPORAL_ADDRESS")
+    namespace: str | None = Field(None, validation_alias="TEMPORAL_NAMESPACE")
+    ui_url: str = Field(DEFAULT_UI_URL, validation_alias="TEMPORAL_UI_URL")
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, env_settings)
+
+    def ui_namespace(self) -> str:
+        """The namespace the UI's links name (Temporal's default unless TEMPORAL_NAMESPACE)."""
+        return self.namespace or "default"
 
 
 def forwarded_core_logs() -> LoggingConfig:
