@@ -2,16 +2,29 @@
 
 from __future__ import annotations
 
-import os
+from collections.abc import Callable
 from importlib.metadata import entry_points
+from typing import Any
 
 import typer
 
 from activities.log_setup import configure_logging
 from starter.cli import control, jobs, submit
+from starter.cli.common import load_config
 from starter.exit import exit_without_finalizing
 
 PLUGIN_GROUP = "durable_comfy.cli"
+
+# The job commands: each gets the `CliConfig` the root callback builds.
+JOB_COMMANDS: dict[str, Callable[..., Any]] = {
+    "submit": submit.submit,
+    "watch": jobs.watch,
+    "status": jobs.status,
+    "result": jobs.result,
+    "cancel": control.cancel,
+    "resume": control.resume,
+    "list": control.list_jobs,
+}
 
 
 def build_app() -> typer.Typer:
@@ -20,15 +33,25 @@ def build_app() -> typer.Typer:
         no_args_is_help=True,
         pretty_exceptions_enable=False,
     )
-    app.command("submit")(submit.submit)
-    app.command("watch")(jobs.watch)
-    app.command("status")(jobs.status)
-    app.command("result")(jobs.result)
-    app.command("cancel")(control.cancel)
-    app.command("resume")(control.resume)
-    app.command("list")(control.list_jobs)
+    app.callback()(_start)
+    for name, command in JOB_COMMANDS.items():
+        app.command(name)(command)
     _add_plugins(app)
     return app
+
+
+def _start(ctx: typer.Context) -> None:
+    """Before any command: settings read once and handed down, then logging.
+
+    Logs go to stderr only; stdout is the commands' output. Quiet unless something is off.
+    """
+    if ctx.invoked_subcommand not in JOB_COMMANDS:
+        # `worker` and `dev` read their own settings and configure their own logging on top.
+        configure_logging("WARNING")
+        return
+    config = load_config()
+    configure_logging(config.settings.log_level)
+    ctx.obj = config
 
 
 def _add_plugins(app: typer.Typer) -> None:
@@ -44,8 +67,6 @@ def _add_plugins(app: typer.Typer) -> None:
 
 
 def main() -> None:
-    # Logs go to stderr only; stdout is the commands' output. Quiet unless something is off.
-    configure_logging(os.environ.get("DURABLE_COMFY_LOG_LEVEL", "WARNING"))
     try:
         build_app()()
     except SystemExit as exc:

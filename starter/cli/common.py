@@ -1,5 +1,8 @@
 """What every command shares: exit codes, running async code, reporting errors, opening clients.
 
+Settings come from `starter.cli.settings.CliConfig`, built once when a job command starts and
+passed down (`config_of(ctx)`); nothing here reads the environment.
+
 Every command follows one exit-code table (README, "Exit codes"): `ExitCode` below, and
 `exit_code_for` for the errors. Errors are one `error:` line on stderr, sometimes followed by
 one `hint:` line; never a traceback, and never anything on stdout.
@@ -8,7 +11,6 @@ one `hint:` line; never a traceback, and never anything on stdout.
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
@@ -21,6 +23,7 @@ from temporalio.client import RPCTimeoutOrCancelledError
 from temporalio.service import RPCError, RPCStatusCode
 
 from activities.storage_errors import StorageConfigError, StorageError
+from starter.cli.settings import CliConfig
 from starter.client import JobClient
 from starter.errors import (
     ClientError,
@@ -32,7 +35,6 @@ from starter.errors import (
     TemporalUnreachable,
 )
 from workflows.graph import GraphFormatError
-from workflows.shared import DEFAULT_TASK_QUEUE
 
 T = TypeVar("T")
 
@@ -101,11 +103,7 @@ def reported(on_interrupt: Callable[[], str] | None = None) -> Iterator[None]:
     try:
         yield
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or 'request'}: {err['msg']}"
-            for err in exc.errors()
-        )
-        fail(problems, "fix the request; nothing was submitted", exit_code_for(exc))
+        fail(problems(exc), "fix the request; nothing was submitted", exit_code_for(exc))
     except RPCError as exc:
         if exc.status in _UNREACHABLE_CODES:
             fail(f"Temporal did not answer: {exc.message}", STACK_HINT, exit_code_for(exc))
@@ -122,30 +120,57 @@ def reported(on_interrupt: Callable[[], str] | None = None) -> Iterator[None]:
         raise typer.Exit(exit_code_for(exc)) from None
 
 
+def problems(exc: ValidationError, what: str = "request") -> str:
+    """Each problem with where it is: a field of the request, or a variable of the settings."""
+    return "; ".join(
+        f"{'.'.join(str(p) for p in err['loc']) or what}: {err['msg']}" for err in exc.errors()
+    )
+
+
+def load_config() -> CliConfig:
+    """The job commands' settings from the environment, or exit 2 naming the bad variable."""
+    try:
+        return CliConfig.load()
+    except ValidationError as exc:
+        fail(
+            f"invalid settings: {problems(exc, 'settings')}",
+            "fix the environment variable; nothing was done",
+            ExitCode.BAD_INPUT,
+        )
+
+
+def config_of(ctx: typer.Context) -> CliConfig:
+    """What the root command's callback built for this command."""
+    config = ctx.find_object(CliConfig)
+    if config is None:
+        raise RuntimeError("no CliConfig: run the command through starter.cli.build_app()")
+    return config
+
+
 async def _call(coro_fn: Callable[[], Awaitable[T]]) -> T:
     return await coro_fn()
 
 
 @asynccontextmanager
-async def job_client(with_store: bool = False) -> AsyncIterator[JobClient]:
+async def job_client(config: CliConfig, with_store: bool = False) -> AsyncIterator[JobClient]:
     """A JobClient; with an artifact bucket configured it can presign and download.
 
     Credentials follow botocore's default chain: AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, else a
     shared credentials file or profile (AWS_PROFILE), an instance role, ...
     """
-    task_queue = os.environ.get("DURABLE_COMFY_TASK_QUEUE", DEFAULT_TASK_QUEUE)
-    raw_timeout = os.environ.get("DURABLE_COMFY_QUERY_TIMEOUT_S", "10")
-    try:
-        query_timeout_s = float(raw_timeout)
-    except ValueError:
-        fail(f"DURABLE_COMFY_QUERY_TIMEOUT_S={raw_timeout!r} is not a number of seconds")
-    client = await JobClient.connect(task_queue=task_queue, query_timeout_s=query_timeout_s)
-    if not with_store or not os.environ.get("DURABLE_COMFY_BUCKET"):
+    client = await JobClient.connect(
+        config.temporal.address,
+        config.temporal.namespace,
+        task_queue=config.settings.task_queue,
+        query_timeout_s=config.settings.query_timeout_s,
+    )
+    s3 = config.artifact_store_settings() if with_store else None
+    if s3 is None:
         yield client
         return
-    from activities.storage import ArtifactStore, S3Settings
+    from activities.storage import ArtifactStore
 
-    async with ArtifactStore(S3Settings.from_env()) as store:
+    async with ArtifactStore(s3) as store:
         client.store = store
         yield client
 

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from starter.cli.common import ExitCode, echo_json, fail, job_client, run
+from starter.cli.common import ExitCode, config_of, echo_json, fail, job_client, run
 from starter.cli.render import status_json
 from starter.client import checked_job_id
 from workflows.contracts import JobState
@@ -18,16 +18,18 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="JobStatus as JSON.")]
 
 
 def cancel(
+    ctx: typer.Context,
     job_id: JobArg,
     reason: Annotated[str, typer.Option(help="Recorded in the job's status.")] = "cancelled "
     "from the CLI",
     as_json: JsonOpt = False,
 ) -> None:
     """Cancel a job: its prompt is interrupted, finished artifacts are kept."""
+    config = config_of(ctx)
 
     async def go() -> None:
         checked_job_id(job_id)
-        async with job_client() as client:
+        async with job_client(config) as client:
             before = await client.cancel(job_id, reason)
         if as_json:
             echo_json(status_json(before))
@@ -41,6 +43,7 @@ def cancel(
 
 
 def resume(
+    ctx: typer.Context,
     job_id: JobArg,
     resubmit: Annotated[
         bool, typer.Option("--resubmit", help="Run the prompt again instead of re-attaching.")
@@ -48,10 +51,11 @@ def resume(
     as_json: JsonOpt = False,
 ) -> None:
     """Continue a job waiting in NEEDS_DECISION."""
+    config = config_of(ctx)
 
     async def go() -> None:
         checked_job_id(job_id)
-        async with job_client() as client:
+        async with job_client(config) as client:
             after = await client.resume(job_id, resubmit=resubmit)
         if as_json:
             echo_json(status_json(after))
@@ -72,18 +76,20 @@ def parse_state(value: str) -> JobState:
 
 
 def list_jobs(
+    ctx: typer.Context,
     state: Annotated[str | None, typer.Option(help="Only jobs in this state.")] = None,
     limit: Annotated[int, typer.Option(help="At most this many.")] = 20,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per line.")] = False,
 ) -> None:
     """Recent jobs, newest first, with their state as the Temporal UI shows it."""
+    config = config_of(ctx)
     query = f"WorkflowType = '{WORKFLOW_TYPE}'"
     if state is not None:
         query += f" AND {SA_JOB_STATE} = '{parse_state(state).value}'"
 
     async def go() -> list[dict[str, str | int | None]]:
         rows: list[dict[str, str | int | None]] = []
-        async with job_client() as client:
+        async with job_client(config) as client:
             async for execution in client.temporal.list_workflows(query, limit=limit):
                 attributes = {k.name: v for k, v in execution.typed_search_attributes}
                 rows.append(

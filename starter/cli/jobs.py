@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from starter.cli.common import ExitCode, echo_json, job_client, run
+from starter.cli.common import ExitCode, config_of, echo_json, job_client, run
 from starter.cli.render import Followed, print_summary, status_json, stream_json, stream_progress
 from starter.cli.ui import workflow_url
 from starter.client import checked_job_id
@@ -24,28 +24,30 @@ def ended_code(last: JobStatus | None) -> ExitCode:
     return ExitCode.JOB_NOT_COMPLETED
 
 
-def status(job_id: JobArg, as_json: JsonOpt = False) -> None:
+def status(ctx: typer.Context, job_id: JobArg, as_json: JsonOpt = False) -> None:
     """The job's current status (exit 0 whatever its state; see `watch` to wait for its end)."""
+    config = config_of(ctx)
 
     async def go() -> None:
         checked_job_id(job_id)
-        async with job_client() as client:
+        async with job_client(config) as client:
             current = await client.status(job_id)
         if as_json:
             echo_json(status_json(current))
         else:
-            print_summary(current, Console(), workflow_url(job_id))
+            print_summary(current, Console(), workflow_url(config.temporal, job_id))
 
     run(go)
 
 
-def watch(job_id: JobArg, as_json: JsonOpt = False) -> None:
+def watch(ctx: typer.Context, job_id: JobArg, as_json: JsonOpt = False) -> None:
     """Follow a job until it ends (this keeps an attached job alive)."""
+    config = config_of(ctx)
     followed = Followed(job_id)
 
     async def go() -> int:
         checked_job_id(job_id)
-        async with job_client() as client:
+        async with job_client(config) as client:
             if as_json:
                 last = await stream_json(client.watch(job_id), followed)
             else:
@@ -56,6 +58,7 @@ def watch(job_id: JobArg, as_json: JsonOpt = False) -> None:
 
 
 def result(
+    ctx: typer.Context,
     job_id: JobArg,
     download: Annotated[
         Path | None, typer.Option(help="Download the artifacts here (sha256 checked).")
@@ -63,10 +66,11 @@ def result(
     as_json: JsonOpt = False,
 ) -> None:
     """Wait for the job to end; print its artifacts with presigned URLs."""
+    config = config_of(ctx)
 
     async def go() -> int:
         checked_job_id(job_id)
-        async with job_client(with_store=True) as client:
+        async with job_client(config, with_store=True) as client:
             if download is not None:
                 client.require_store()  # before waiting, not after
             final = await client.result(job_id)
@@ -75,7 +79,7 @@ def result(
             echo_json(status_json(final))
         else:
             console = Console()
-            print_summary(final, console, workflow_url(job_id))
+            print_summary(final, console, workflow_url(config.temporal, job_id))
             for path in paths:
                 console.print(f"  downloaded {path}", soft_wrap=True)
         return ended_code(final)

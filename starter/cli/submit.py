@@ -10,9 +10,10 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from starter.cli.common import ExitCode, echo_json, job_client, reported, run
+from starter.cli.common import ExitCode, config_of, echo_json, job_client, reported, run
 from starter.cli.jobs import ended_code
 from starter.cli.render import Followed, print_summary, stream_json, stream_progress, submit_json
+from starter.cli.settings import CliConfig
 from starter.cli.ui import workflow_url
 from starter.client import SubmitOutcome, checked_job_id
 from starter.requests import request_from_files
@@ -21,6 +22,7 @@ log = structlog.get_logger("durable_comfy.cli")
 
 
 def submit(
+    ctx: typer.Context,
     graph: Annotated[Path, typer.Argument(help="ComfyUI graph in API format (JSON).")],
     job_id: Annotated[
         str | None, typer.Option("--job-id", help="Your ID for the job (idempotency key).")
@@ -43,6 +45,7 @@ def submit(
     as_json: Annotated[bool, typer.Option("--json", help="JobStatus as JSON lines.")] = False,
 ) -> None:
     """Submit a graph. Without --watch the job is detached: it runs whoever is listening."""
+    config = config_of(ctx)
     with reported():
         if job_id is not None:
             checked_job_id(job_id)
@@ -51,7 +54,7 @@ def submit(
 
     async def go() -> int:
         # Presigned URLs only matter to the human summary at the end of --watch.
-        async with job_client(with_store=watch and not as_json) as client:
+        async with job_client(config, with_store=watch and not as_json) as client:
             outcome = await client.start(request, job_id=job_id, detached=not watch)
             followed.seen(outcome.status)
             if outcome.existed:
@@ -64,7 +67,7 @@ def submit(
             if as_json:
                 echo_json(submit_json(outcome))
             else:
-                _say_submitted(outcome, watch)
+                _say_submitted(config, outcome, watch)
             if not watch:
                 return ExitCode.OK
             updates = client.watch(outcome.job_id)
@@ -81,7 +84,7 @@ def submit(
     raise typer.Exit(run(go, followed.on_interrupt))
 
 
-def _say_submitted(outcome: SubmitOutcome, watch: bool) -> None:
+def _say_submitted(config: CliConfig, outcome: SubmitOutcome, watch: bool) -> None:
     console = Console()
     job_id, state = escape(outcome.job_id), outcome.status.state.value
     if outcome.existed:
@@ -92,6 +95,9 @@ def _say_submitted(outcome: SubmitOutcome, watch: bool) -> None:
     elif not watch:
         console.print(f"submitted [bold]{job_id}[/] (detached: runs to its end)")
     if watch:
-        console.print(f"job [bold]{job_id}[/]  {workflow_url(outcome.job_id)}", soft_wrap=True)
+        console.print(
+            f"job [bold]{job_id}[/]  {workflow_url(config.temporal, outcome.job_id)}",
+            soft_wrap=True,
+        )
     else:
         console.print(f"follow it: durable-comfy watch {job_id}")

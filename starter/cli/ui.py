@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from urllib.parse import quote
 
+from starter.connection import TemporalSettings
 
-def workflow_url(job_id: str) -> str:
-    base = os.environ.get("TEMPORAL_UI_URL", "http://127.0.0.1:8233").rstrip("/")
-    namespace = os.environ.get("TEMPORAL_NAMESPACE", "default")
+
+def workflow_url(temporal: TemporalSettings, job_id: str) -> str:
+    base = temporal.ui_url.rstrip("/")
+    namespace = temporal.ui_namespace()
     return f"{base}/namespaces/{quote(namespace)}/workflows/{quote(job_id, safe='')}"
