@@ -27,27 +27,29 @@ from pathlib import Path
 import httpx
 from rich.console import Console
 
-from activities.log_setup import configure_logging
-from activities.storage import ArtifactStore, S3Settings
 from devstack.chaos.graphs import SAMPLER_NODE, fresh_seed
 from devstack.chaos.sim import DROP_LOGGED, LogWatch, SimControl, StepWatcher
 from devstack.chaos.timeline import Timeline
 from devstack.chaos.wait import ChaosTimeout
 from devstack.chaos.worker_proc import WorkerProcess
 from devstack.comfy_sim.faults import FaultConfig
-from devstack.config import DEFAULT_CONFIG_PATH, load_stack_config
-from devstack.demo import fetch_and_check, workflow_link
+from devstack.config import DEFAULT_CONFIG_PATH
+from devstack.demo_support import (
+    EXAMPLE,
+    check_artifacts,
+    demo_console,
+    print_worker,
+    stack_job_client,
+    start_demo_stack,
+    workflow_link,
+)
 from devstack.models import RunningStack
 from devstack.services import StackPaths
-from devstack.stack import start_stack
 from devstack.worker_process import ensure_worker, stop_worker
 from starter.cli.render import print_summary
-from starter.client import JobClient
-from starter.connection import connect_temporal
 from starter.requests import request_from_files
 from workflows.contracts import JobPolicy, JobState, JobStatus, ReconnectPolicy
 
-EXAMPLE = Path("examples/txt2img.json")
 TASK_QUEUE = "durable-comfy-chaos-demo"
 STEPS = 80  # 8 s of sampling at the default 100 ms per simulated step
 CUT_AFTER_EVENTS = 30  # the simulator cuts the job's socket around step 8
@@ -80,13 +82,10 @@ async def watch_socket_cut(sim_log: LogWatch, timeline: Timeline) -> None:
     timeline.mark("ComfyUI socket cut by the simulator (fault)")
 
 
-async def run_demo(console: Console) -> Outcome:
-    base_dir = Path.cwd()
-    config = load_stack_config(DEFAULT_CONFIG_PATH)
-    console.print("[bold]Starting the local stack[/] (Temporal dev server, SeaweedFS, ComfyUI sim)")
-    stack = await start_stack(config, base_dir, config_file=DEFAULT_CONFIG_PATH)
-    for name, service in stack.services.items():
-        console.print(f"  {name:<12} {service.state:<8} {service.url or ''}")
+async def run_demo(console: Console, config_file: Path) -> Outcome:
+    """`config_file` is absolute (the default stack's: temporal-dev.yaml)."""
+    started = await start_demo_stack(console, config_file)
+    config, base_dir, stack = started.config, started.base_dir, started.running
     stopped = await stop_worker(config, base_dir)
     if stopped is not None:
         console.print(
@@ -98,9 +97,7 @@ async def run_demo(console: Console) -> Outcome:
     worker = WorkerProcess(env, paths.logs / "chaos-demo-worker.log", name="chaos-demo worker")
     try:
         await worker.start()
-        console.print(
-            f"  {'worker':<12} running  pid {worker.pid}, log {worker.log_file}", soft_wrap=True
-        )
+        print_worker(console, worker.pid, worker.log_file)
         return await _run_job(console, stack, worker, paths)
     finally:
         await worker.terminate()
@@ -114,7 +111,6 @@ async def run_demo(console: Console) -> Outcome:
 async def _run_job(
     console: Console, stack: RunningStack, worker: WorkerProcess, paths: StackPaths
 ) -> Outcome:
-    temporal = await connect_temporal(stack.temporal_address, stack.namespace)
     sim_url = stack.comfyui_url
     request = request_from_files(EXAMPLE)
     request.graph[SAMPLER_NODE]["inputs"]["steps"] = STEPS
@@ -123,14 +119,13 @@ async def _run_job(
     request = request.model_copy(update={"policy": POLICY})
     async with (
         httpx.AsyncClient(trust_env=False) as http,
-        ArtifactStore(S3Settings.from_env(stack.worker_env())) as store,
+        stack_job_client(stack, TASK_QUEUE) as client,
         StepWatcher(sim_url) as steps,
     ):
         sim = SimControl(sim_url, http)
         await sim.reset()
         await sim.arm(FaultConfig(drop_ws_after_events=CUT_AFTER_EVENTS))
         sim_log = LogWatch(paths.log_file("comfyui_sim"))
-        client = JobClient(temporal, task_queue=TASK_QUEUE, store=store)
         submitted = await client.submit(request)
         job_id = submitted.job_id
         console.print(f"\n[bold]Job[/] {job_id} submitted ({EXAMPLE}, {STEPS} steps)")
@@ -161,18 +156,14 @@ async def _run_job(
         f"  prompt {prompt_id}: submitted {submissions} time(s) to ComfyUI (/sim/stats), "
         f"{final.reconnects} reconnect(s), socket cut: {cut_seen}"
     )
-    for artifact in final.artifacts:
-        if artifact.url:
-            size = await fetch_and_check(artifact.url, artifact.sha256)
-            console.print(f"  presigned URL checked: {size} bytes, sha256 matches")
+    await check_artifacts(console, final)
     return Outcome(final, submissions, prompt_id)
 
 
 def main() -> None:
-    configure_logging("WARNING")
-    console = Console()
+    console = demo_console()
     try:
-        outcome = asyncio.run(run_demo(console))
+        outcome = asyncio.run(run_demo(console, DEFAULT_CONFIG_PATH.resolve()))
     except ChaosTimeout as exc:
         console.print(f"[red]the job did not finish in time[/]: {exc}")
         sys.exit(1)

@@ -1,0 +1,102 @@
+"""What `make demo` (devstack/demo.py) and `make demo-chaos` (devstack/chaos_demo.py) share.
+
+Their start-up: logging and a console, the local stack started from a stack file and shown, a
+`JobClient` with its artifact store on that stack (built from the stack's own environment with
+the product's builders, `S3Settings.from_env` and `connect_temporal`), and their ending: the
+Temporal UI link and each artifact fetched through its presigned URL, checked against its sha256.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import quote
+
+import httpx
+from rich.console import Console
+
+from activities.log_setup import configure_logging
+from activities.storage import ArtifactStore, S3Settings
+from devstack.config import StackConfig, load_stack_config
+from devstack.models import RunningStack
+from devstack.stack import start_stack
+from starter.client import JobClient
+from starter.connection import connect_temporal
+from workflows.contracts import JobStatus
+
+EXAMPLE = Path("examples/txt2img.json")
+
+
+def demo_console() -> Console:
+    """Quiet logs on stderr: the console is the demo's output."""
+    configure_logging("WARNING")
+    return Console()
+
+
+@dataclass(frozen=True)
+class DemoStack:
+    """The running stack and the file it came from."""
+
+    config: StackConfig
+    # Absolute: it is what the worker is told to read (DURABLE_COMFY_CONFIG).
+    config_file: Path
+    # As for `durable-comfy dev up`: relative paths in the file resolve against its directory.
+    base_dir: Path
+    running: RunningStack
+
+
+async def start_demo_stack(console: Console, config_file: Path) -> DemoStack:
+    """Start what is not running and show each service. `config_file` is absolute."""
+    config = load_stack_config(config_file)
+    console.print(
+        "[bold]Starting the local stack[/] (Temporal dev server, SeaweedFS, ComfyUI sim)"
+        f" from {config_file}"
+    )
+    running = await start_stack(config, config_file.parent, config_file=config_file)
+    for name, service in running.services.items():
+        console.print(f"  {name:<12} {service.state:<8} {service.url or ''}")
+    return DemoStack(config, config_file, config_file.parent, running)
+
+
+def print_worker(console: Console, pid: int | None, log_file: Path) -> None:
+    console.print(f"  {'worker':<12} running  pid {pid}, log {log_file}", soft_wrap=True)
+
+
+@asynccontextmanager
+async def stack_job_client(stack: RunningStack, task_queue: str) -> AsyncIterator[JobClient]:
+    """A JobClient on the stack's Temporal with the stack's artifact store (for presigning)."""
+    s3 = S3Settings.from_env(stack.worker_env())
+    temporal = await connect_temporal(stack.temporal_address, stack.namespace)
+    async with ArtifactStore(s3) as store:
+        yield JobClient(temporal, task_queue=task_queue, store=store)
+
+
+def workflow_link(stack: RunningStack, job_id: str) -> str:
+    return (
+        f"{stack.temporal_ui.rstrip('/')}/namespaces/{quote(stack.namespace)}"
+        f"/workflows/{quote(job_id, safe='')}"
+    )
+
+
+async def fetch_and_check(url: str, sha256: str) -> int:
+    digest = hashlib.sha256()
+    size = 0
+    async with httpx.AsyncClient(trust_env=False) as http, http.stream("GET", url) as response:
+        response.raise_for_status()
+        async for chunk in response.aiter_bytes():
+            digest.update(chunk)
+            size += len(chunk)
+    if digest.hexdigest() != sha256:
+        raise RuntimeError(f"downloaded bytes do not match sha256 {sha256}")
+    return size
+
+
+async def check_artifacts(console: Console, final: JobStatus) -> None:
+    """Fetch each artifact through its presigned URL; its bytes must match its sha256."""
+    for artifact in final.artifacts:
+        if artifact.url:
+            size = await fetch_and_check(artifact.url, artifact.sha256)
+            console.print(f"  presigned URL checked: {size} bytes, sha256 matches")
