@@ -16,11 +16,20 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev]'
 	rm -f $(VENV)/.installed-* && touch $@
 
-install: $(STAMP)
+# The RunPod handler's venv (endpoint/requirements.txt): `runpod` cannot share the app's venv.
+EP_VENV  := .venv-endpoint
+EP_STAMP := $(EP_VENV)/.installed-$(shell cat endpoint/requirements.txt | cksum | cut -d' ' -f1)
+
+$(EP_STAMP): endpoint/requirements.txt
+	$(PYTHON) -m venv $(EP_VENV)
+	$(EP_VENV)/bin/pip install --quiet --disable-pip-version-check -r endpoint/requirements.txt
+	rm -f $(EP_VENV)/.installed-* && touch $@
+
+install: $(STAMP) $(EP_STAMP)
 
 ## demo: start the local stack and a worker, run examples/txt2img.json end to end
 ## (CONFIG=path/to/stack.yaml: another stack file, e.g. a copy of temporal-dev.yaml with its ports moved)
-demo: $(STAMP)
+demo: $(STAMP) $(EP_STAMP)
 	$(BIN)/python -m devstack.demo $(if $(CONFIG),--config '$(CONFIG)')
 
 ## demo-chaos: the demo's job with its worker kill -9'ed mid-job and its socket cut; prints the timeline
@@ -29,7 +38,7 @@ demo-chaos: $(STAMP)
 	$(BIN)/python -m devstack.chaos_demo
 
 ## test: unit, workflow (time-skipping), integration (real Temporal + SeaweedFS + simulator)
-test: $(STAMP)
+test: $(STAMP) $(EP_STAMP)
 	$(BIN)/pytest -q
 
 ## test-real-comfyui: the conformance suite and an end-to-end subset against a real ComfyUI

@@ -84,19 +84,19 @@ def artifact_key(prefix: str, job_id: str, segment: int, node_id: str, filename:
     """
     if isinstance(segment, bool) or not isinstance(segment, int) or segment < 0:
         raise ValueError(f"segment must be a non-negative int, got {segment!r}")
-    # "" and "." prefix levels are no-ops as in a path; ".." is kept, sanitised, so a prefix can
-    # never be steered into a sibling.
-    levels = [safe_component(level) for level in prefix.split("/") if level not in ("", ".")]
-    levels += [
-        safe_component(job_id),
-        str(segment),
-        safe_component(node_id),
-        _flatten_filename(filename),
-    ]
-    key = "/".join(levels)
+    parts = [job_folder(prefix, job_id), str(segment), safe_component(node_id)]
+    key = "/".join([*parts, _flatten_filename(filename)])
     if len(key.encode()) > MAX_KEY_BYTES:
         raise ValueError(f"artifact key would exceed {MAX_KEY_BYTES} bytes: shorten the prefix")
     return key
+
+
+def job_folder(prefix: str, job_id: str) -> str:
+    """`{prefix}/{job_id}`, sanitised: where everything of one job is stored."""
+    # "" and "." prefix levels are no-ops as in a path; ".." is kept, sanitised, so a prefix can
+    # never be steered into a sibling.
+    levels = [safe_component(level) for level in prefix.split("/") if level not in ("", ".")]
+    return "/".join([*levels, safe_component(job_id)])
 
 
 def content_type_for(filename: str) -> str:
