@@ -31,7 +31,7 @@ from devstack.chaos.graphs import SAMPLER_NODE, fresh_seed
 from devstack.chaos.sim import DROP_LOGGED, LogWatch, SimControl, StepWatcher
 from devstack.chaos.timeline import Timeline
 from devstack.chaos.wait import ChaosTimeout
-from devstack.chaos.worker_proc import WorkerProcess
+from devstack.chaos.worker_proc import KillableWorker
 from devstack.comfy_sim.faults import FaultConfig
 from devstack.config import DEFAULT_CONFIG_PATH
 from devstack.demo_support import (
@@ -94,7 +94,7 @@ async def run_demo(console: Console, config_file: Path) -> Outcome:
 
     paths = StackPaths.of(config, base_dir)
     env = {**stack.worker_env(), "DURABLE_COMFY_TASK_QUEUE": TASK_QUEUE}
-    worker = WorkerProcess(env, paths.logs / "chaos-demo-worker.log", name="chaos-demo worker")
+    worker = KillableWorker(env, paths.logs / "chaos-demo-worker.log", name="chaos-demo worker")
     try:
         await worker.start()
         print_worker(console, worker.pid, worker.log_file)
@@ -109,7 +109,7 @@ async def run_demo(console: Console, config_file: Path) -> Outcome:
 
 
 async def _run_job(
-    console: Console, stack: RunningStack, worker: WorkerProcess, paths: StackPaths
+    console: Console, stack: RunningStack, worker: KillableWorker, paths: StackPaths
 ) -> Outcome:
     sim_url = stack.comfyui_url
     request = request_from_files(EXAMPLE)

@@ -24,7 +24,7 @@ START_DEADLINE_S = 60.0
 WORKER_PY = Path(__file__).resolve().parent.parent / "worker.py"
 
 
-class WorkerProcess(BaseModel):
+class DetachedWorker(BaseModel):
     pid: int
     log_file: Path
     started: bool
@@ -37,12 +37,12 @@ def _paths(config: StackConfig, base_dir: Path) -> tuple[Path, Path]:
 
 async def ensure_worker(
     config: StackConfig, base_dir: Path, env: Mapping[str, str]
-) -> WorkerProcess:
+) -> DetachedWorker:
     """Start `python worker.py` unless one of ours runs; wait until it polls its task queue."""
     pid_file, log_file = _paths(config, base_dir)
     record = read_pid_file(pid_file)
     if record is not None and is_alive(record):
-        return WorkerProcess(pid=record.pid, log_file=log_file, started=False)
+        return DetachedWorker(pid=record.pid, log_file=log_file, started=False)
     offset = log_file.stat().st_size if log_file.exists() else 0
     record = spawn_detached(
         [sys.executable, str(WORKER_PY)], log_file, base_dir, pid_file, env=dict(env)
@@ -56,7 +56,7 @@ async def ensure_worker(
         with log_file.open("rb") as f:
             f.seek(offset)
             if READY_MARK.encode() in f.read():
-                return WorkerProcess(pid=record.pid, log_file=log_file, started=True)
+                return DetachedWorker(pid=record.pid, log_file=log_file, started=True)
         await asyncio.sleep(0.2)
     raise ServiceStartError(
         "worker", f"not ready after {START_DEADLINE_S:.0f} s", str(log_file), log_tail(log_file)

@@ -6,7 +6,7 @@
 - `ChaosCase`: what one test uses: a task queue of its own, worker subprocesses, the simulator's
   controls and step watcher, a `JobClient`, timelines, and the "nothing left behind" checks.
 
-Re-exports the pieces (`WorkerProcess`, `Timeline`, `SimControl`, ...) so tests and the demo
+Re-exports the pieces (`KillableWorker`, `Timeline`, `SimControl`, ...) so tests and the demo
 import from one place.
 """
 
@@ -32,7 +32,7 @@ from devstack.chaos.sim import (
 )
 from devstack.chaos.timeline import Timeline, TimelineEntry
 from devstack.chaos.wait import ChaosTimeout, eventually, until
-from devstack.chaos.worker_proc import WorkerFleet, WorkerProcess, WorkerStartError
+from devstack.chaos.worker_proc import KillableWorker, WorkerFleet, WorkerStartError
 from devstack.config import StackConfig
 from devstack.models import RunningStack, ServiceState
 from devstack.processes import read_pid_file
@@ -48,6 +48,7 @@ __all__ = [
     "ChaosCase",
     "ChaosStack",
     "ChaosTimeout",
+    "KillableWorker",
     "LogWatch",
     "SimControl",
     "SimQueue",
@@ -56,7 +57,6 @@ __all__ = [
     "Timeline",
     "TimelineEntry",
     "WorkerFleet",
-    "WorkerProcess",
     "WorkerStartError",
     "eventually",
     "until",

@@ -35,7 +35,7 @@ def clean_environ() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith(_FOREIGN_ENV_PREFIXES)}
 
 
-class WorkerProcess:
+class KillableWorker:
     """One worker "slot": successive `python worker.py` processes sharing an env and a log file.
 
     `start()` after `kill()` is the replacement machine coming up; every process ever started is
@@ -159,15 +159,15 @@ class WorkerFleet:
     def __init__(self, env: Mapping[str, str], log_dir: Path) -> None:
         self.env = dict(env)
         self.log_dir = log_dir
-        self.workers: list[WorkerProcess] = []
+        self.workers: list[KillableWorker] = []
 
-    def new(self, name: str | None = None) -> WorkerProcess:
+    def new(self, name: str | None = None) -> KillableWorker:
         name = name or f"worker-{len(self.workers) + 1}"
-        worker = WorkerProcess(self.env, self.log_dir / f"{name}.log", name=name)
+        worker = KillableWorker(self.env, self.log_dir / f"{name}.log", name=name)
         self.workers.append(worker)
         return worker
 
-    async def start(self, name: str | None = None) -> WorkerProcess:
+    async def start(self, name: str | None = None) -> KillableWorker:
         worker = self.new(name)
         await worker.start()
         return worker
