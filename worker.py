@@ -24,9 +24,8 @@ from temporalio.client import Client
 from temporalio.runtime import Runtime
 from temporalio.worker import Worker
 
-from activities.comfyui.activities import ComfyActivities
-from activities.comfyui.follow import FollowActivities
-from activities.comfyui.offload import OffloadActivities
+from activities.backend import Backends, JobActivities
+from activities.comfyui.backend import ComfyBackend
 from activities.comfyui.pools import ComfyPools
 from activities.log_setup import configure_logging
 from activities.metrics import count_swept, prometheus_runtime
@@ -70,20 +69,21 @@ async def run_worker(
         ArtifactStore(s3) as store,
     ):
         pools = ComfyPools(settings, http)
-        comfy = ComfyActivities(pools, store)
-        follow = FollowActivities(pools, store)
-        offload = OffloadActivities(pools, store)
+        comfy = ComfyBackend(pools, store)
+        backends = Backends(settings.pools, settings.default_pool, {"comfyui": comfy})
+        jobs = JobActivities(backends)
         worker = Worker(
             client,
             task_queue=settings.task_queue,
             workflows=[InferenceJob],
             activities=[
-                comfy.prepare_prompt,
-                comfy.submit_prompt,
-                comfy.teardown_prompt,
-                comfy.stop_prompt,
-                follow.follow_prompt,
-                offload.offload_outputs,
+                jobs.prepare_prompt,
+                jobs.follow_prompt,
+                jobs.offload_outputs,
+                jobs.stop_prompt,
+                # Scheduled only by runs started before the follow activity submitted.
+                comfy.comfy.submit_prompt,
+                comfy.comfy.teardown_prompt,
             ],
             max_concurrent_activities=settings.max_concurrent_activities,
             graceful_shutdown_timeout=GRACEFUL_SHUTDOWN,

@@ -259,7 +259,8 @@ async def test_exit_0_for_the_same_request_under_an_id_and_4_for_another(
 ) -> None:
     env = cli_env(local_stack, worker.task_queue)
     job_id = unique_id("idem")
-    graph = example(steps=150)  # 3 s: running while it is submitted again
+    # 8 s: still running while three CLI processes (slow to start on a loaded machine) submit.
+    graph = example(steps=400)
     same = write_graph(tmp_path, graph, "same.json")
     graph["3"]["inputs"]["seed"] = 1
     other = write_graph(tmp_path, graph, "other.json")

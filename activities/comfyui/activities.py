@@ -37,8 +37,6 @@ from workflows.contracts import MAX_INLINE_INPUT_BYTES, InlineInput, InputRef, S
 from workflows.graph import GraphFormatError, apply_overrides, bind_files, load_node_files
 from workflows.graph import sampler_steps as graph_sampler_steps
 from workflows.shared import (
-    ACTIVITY_PREPARE,
-    ACTIVITY_STOP,
     ACTIVITY_SUBMIT,
     ACTIVITY_TEARDOWN,
     ErrorType,
@@ -54,7 +52,6 @@ class ComfyActivities:
         self._pools = pools
         self._store = store
 
-    @activity.defn(name=ACTIVITY_PREPARE)
     async def prepare_prompt(self, req: PrepareInput) -> PreparedJob:
         """Check the graph against the pool's node registry and bind input files to it."""
         pool = self._pools.resolve(req.pool)
@@ -168,7 +165,6 @@ class ComfyActivities:
             return True
         return await client.history(prompt_id) is not None
 
-    @activity.defn(name=ACTIVITY_STOP)
     async def stop_prompt(self, req: StopInput) -> StopCheck:
         """One check of a stop: dequeue if queued, interrupt if running, say how it ended.
 

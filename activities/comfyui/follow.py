@@ -46,7 +46,7 @@ from activities.progress import ProgressTracker
 from activities.storage import ArtifactStore
 from workflows.activity_io import FollowHeartbeat, FollowInput, FollowResult
 from workflows.contracts import Artifact, Checkpoint, ProgressReport
-from workflows.shared import ACTIVITY_FOLLOW, SIGNAL_PROGRESS, ErrorType
+from workflows.shared import SIGNAL_PROGRESS, ErrorType
 
 log = structlog.get_logger(__name__)
 
@@ -424,7 +424,6 @@ class FollowActivities:
         self._pools = pools
         self._store = store
 
-    @activity.defn(name=ACTIVITY_FOLLOW)
     async def follow_prompt(self, req: FollowInput) -> FollowResult:
         client = self._pools.client(req.pool)
         return await PromptFollower(req, client, self._store, self._pools.health).run()

@@ -25,7 +25,7 @@ from activities.metrics import count_offloaded
 from activities.storage import ArtifactStore, StorageError
 from workflows.activity_io import OffloadInput, OffloadResult
 from workflows.contracts import Artifact, OutputSpec
-from workflows.shared import ACTIVITY_OFFLOAD, ErrorType
+from workflows.shared import ErrorType
 
 log = structlog.get_logger(__name__)
 
@@ -121,7 +121,6 @@ class OffloadActivities:
         self._pools = pools
         self._store = store
 
-    @activity.defn(name=ACTIVITY_OFFLOAD)
     async def offload_outputs(self, req: OffloadInput) -> OffloadResult:
         """Store every saved output the history lists and verify all of them in S3."""
         client = self._pools.client(req.pool)

@@ -1,0 +1,41 @@
+"""The `comfyui` kind of pool: a ComfyUI server reached over HTTP and WebSocket."""
+
+from __future__ import annotations
+
+from activities.comfyui.activities import ComfyActivities
+from activities.comfyui.follow import FollowActivities
+from activities.comfyui.offload import OffloadActivities
+from activities.comfyui.pools import ComfyPools
+from activities.storage import ArtifactStore
+from workflows.activity_io import (
+    FollowInput,
+    FollowResult,
+    OffloadInput,
+    OffloadResult,
+    PreparedJob,
+    PrepareInput,
+    StopCheck,
+    StopInput,
+)
+
+
+class ComfyBackend:
+    """`activities.backend.Backend` for ComfyUI pools. `comfy` also serves the submit and
+    teardown activities that runs started by older versions still schedule."""
+
+    def __init__(self, pools: ComfyPools, store: ArtifactStore) -> None:
+        self.comfy = ComfyActivities(pools, store)
+        self._follow = FollowActivities(pools, store)
+        self._offload = OffloadActivities(pools, store)
+
+    async def prepare(self, req: PrepareInput, pool: str) -> PreparedJob:
+        return await self.comfy.prepare_prompt(req.model_copy(update={"pool": pool}))
+
+    async def follow(self, req: FollowInput) -> FollowResult:
+        return await self._follow.follow_prompt(req)
+
+    async def offload(self, req: OffloadInput) -> OffloadResult:
+        return await self._offload.offload_outputs(req)
+
+    async def stop(self, req: StopInput) -> StopCheck:
+        return await self.comfy.stop_prompt(req)
