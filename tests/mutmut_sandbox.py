@@ -2,14 +2,18 @@
 
 mutmut wraps every mutated function in a trampoline that reads `MUTANT_UNDER_TEST` from
 os.environ; re-imported inside Temporal's sandbox that read is (rightly) refused and every
-workflow task fails. Passing `mutmut` through makes the trampoline the host's. The workflow
-code under test is unchanged; `make test` never loads this plugin.
+workflow task fails. Passing `mutmut` through makes the trampoline the host's. Each mutant runs
+in a forked child, which gets a Temporal runtime of its own. The workflow code under test is
+unchanged; `make test` never loads this plugin.
 """
 
 from __future__ import annotations
 
 import inspect
+import os
 
+import pytest
+from temporalio.runtime import Runtime, TelemetryConfig
 from temporalio.worker import Replayer, Worker
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner
 
@@ -23,3 +27,16 @@ def _pass_mutmut_through(owner: type[Worker] | type[Replayer]) -> None:
 
 _pass_mutmut_through(Worker)
 _pass_mutmut_through(Replayer)
+
+
+# mutmut runs the clean tests in its own process, then forks a child per mutant. A Temporal
+# runtime (behind every client, worker and replayer) does not work across a fork, so a child
+# gets its own; the parent's is kept referenced, never dropped in a process without its threads.
+_parent_pid = os.getpid()
+_inherited: list[Runtime] = []
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if os.getpid() != _parent_pid and not _inherited:
+        _inherited.append(Runtime.default())
+        Runtime.set_default(Runtime(telemetry=TelemetryConfig()), error_if_already_set=False)
