@@ -59,10 +59,21 @@ def test_the_delay_doubles_until_the_ceiling() -> None:
     assert reconnect_delay(10_000, 1.0, 30.0, 0.5) == 22.5, "huge attempts do not overflow"
 
 
-@pytest.mark.parametrize(("attempt", "u"), [(-1, 0.5), (0, -0.1), (0, 1.0), (0, 1.5)])
-def test_out_of_range_arguments_are_refused(attempt: int, u: float) -> None:
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize(
+    ("attempt", "u", "message"),
+    [
+        (-1, 0.5, "attempt must be >= 0"),
+        (0, -0.1, "u must be in [0, 1)"),
+        (0, 1.0, "u must be in [0, 1)"),
+        (0, 1.5, "u must be in [0, 1)"),
+    ],
+)
+def test_out_of_range_arguments_are_refused_saying_which(
+    attempt: int, u: float, message: str
+) -> None:
+    with pytest.raises(ValueError) as refused:
         reconnect_delay(attempt, 1.0, 30.0, u)
+    assert str(refused.value) == message
 
 
 def test_attempt_zero_and_a_draw_just_below_one_are_allowed() -> None:

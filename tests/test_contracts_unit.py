@@ -1,0 +1,97 @@
+"""workflows/contracts.py's own logic: end states, policy defaults, job ids, refusals verbatim."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from workflows.contracts import (
+    TERMINAL_STATES,
+    JobPolicy,
+    JobRequest,
+    JobState,
+    JobStatus,
+    ReconnectPolicy,
+    validate_job_id,
+)
+
+GRAPH: dict[str, Any] = {"1": {"class_type": "EmptyImage", "inputs": {"width": 8}}}
+
+
+def test_exactly_the_end_states_are_terminal() -> None:
+    ended = {"COMPLETED", "FAILED", "CANCELLED", "ABANDONED", "TERMINATED", "TIMED_OUT"}
+    assert {s.value for s in JobState if s.terminal} == ended
+    assert {s.value for s in TERMINAL_STATES} == ended
+    for state in JobState:
+        assert JobStatus(job_id="j", state=state).terminal is (state.value in ended)
+
+
+def test_the_reconnect_ceiling_may_equal_but_not_undercut_the_base_delay() -> None:
+    assert ReconnectPolicy(base_delay_s=5, max_delay_s=5).max_delay_s == 5
+    with pytest.raises(ValidationError) as refused:
+        ReconnectPolicy(base_delay_s=5, max_delay_s=4.9)
+    assert refused.value.errors()[0]["msg"] == (
+        "Value error, reconnect.max_delay_s must be >= reconnect.base_delay_s"
+    )
+
+
+@pytest.mark.parametrize(
+    ("data", "abandon_after_s"),
+    [
+        ({}, 300.0),
+        ({"reconnect": {}}, 300.0),
+        ({"reconnect": {"base_delay_s": 2}}, 300.0),
+        ({"reconnect": {"horizon_s": 42}}, 42.0),
+        ({"reconnect": ReconnectPolicy(horizon_s=17)}, 17.0),
+        ({"reconnect": {"horizon_s": 42}, "abandon_after_s": 60}, 60.0),
+        ({"reconnect": {"horizon_s": 42}, "abandon_after_s": None}, None),
+    ],
+)
+def test_abandonment_follows_the_reconnect_horizon_unless_given(
+    data: dict[str, Any], abandon_after_s: float | None
+) -> None:
+    policy = JobPolicy.model_validate(data)
+    assert policy.abandon_after_s == abandon_after_s
+    assert policy.detached is (abandon_after_s is None)
+    assert JobPolicy.model_validate_json(policy.model_dump_json()) == policy
+
+
+def test_a_policy_passed_as_a_model_is_kept_as_it_is() -> None:
+    policy = JobPolicy(abandon_after_s=None)
+    assert JobRequest(graph=GRAPH, policy=policy).policy.detached
+    assert JobPolicy.model_validate(policy) == policy
+
+
+def test_a_request_keeps_its_graph_as_given() -> None:
+    assert JobRequest(graph=GRAPH).graph == GRAPH
+
+
+@pytest.mark.parametrize(("segments", "count"), [(0, 1), (1, 1), (3, 3)])
+def test_a_request_runs_its_graph_once_per_segment_and_once_without(
+    segments: int, count: int
+) -> None:
+    request = JobRequest(graph=GRAPH, segments=[{"1": {"width": n}} for n in range(segments)])
+    assert request.segment_count == count
+
+
+def test_a_request_refuses_a_bad_graph_with_the_graph_check_message() -> None:
+    with pytest.raises(ValidationError) as refused:
+        JobRequest(graph={})
+    assert refused.value.errors()[0]["msg"] == (
+        "Value error, the graph is empty: it needs at least one node"
+    )
+
+
+@pytest.mark.parametrize("job_id", ["a", "job-1_x.y:z", "A" * 200])
+def test_good_job_ids_come_back_unchanged(job_id: str) -> None:
+    assert validate_job_id(job_id) == job_id
+
+
+def test_a_bad_job_id_is_refused_saying_what_is_allowed() -> None:
+    with pytest.raises(ValueError) as refused:
+        validate_job_id("job/1")
+    assert str(refused.value) == (
+        "job id 'job/1' is not valid: use 1-200 characters from A-Z a-z 0-9 _ . : -"
+    )
