@@ -1,0 +1,502 @@
+"""`workflows/job_book.py` on its own: every status write, search attribute and the UI's details.
+
+`JobBook` calls a few `temporalio.workflow` functions (the clock, uuid4, search attributes,
+current details, the logger); here they are stand-ins, so each write is checked without a server.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from temporalio import workflow
+
+from workflows.contracts import (
+    MAX_NOTICES,
+    Artifact,
+    BackendInfo,
+    Checkpoint,
+    Decision,
+    JobError,
+    JobState,
+    JobStatus,
+    Progress,
+    ProgressReport,
+    Teardown,
+)
+from workflows.job_book import JobBook
+from workflows.shared import SA_JOB_POOL, SA_JOB_PROGRESS, SA_JOB_STATE
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+@dataclass
+class FakeWorkflow:
+    """What the book asked of the workflow runtime."""
+
+    now: datetime = T0
+    upserts: list[dict[str, Any]] = field(default_factory=list)
+    details: list[str] = field(default_factory=list)
+
+    def advance(self, seconds: float) -> None:
+        self.now += timedelta(seconds=seconds)
+
+    def upsert(self, updates: list[Any]) -> None:
+        self.upserts.append({u.key.name: u.value for u in updates})
+
+
+@pytest.fixture
+def wf(monkeypatch: pytest.MonkeyPatch) -> FakeWorkflow:
+    fake = FakeWorkflow()
+    monkeypatch.setattr(workflow, "now", lambda: fake.now)
+    monkeypatch.setattr(workflow, "uuid4", lambda: "u-1")
+    monkeypatch.setattr(workflow, "upsert_search_attributes", fake.upsert)
+    monkeypatch.setattr(workflow, "set_current_details", fake.details.append)
+    monkeypatch.setattr(workflow, "logger", logging.getLogger("job_book_test"))
+    return fake
+
+
+def _artifact(key: str, segment: int = 0) -> Artifact:
+    return Artifact(
+        key=key,
+        uri=f"s3://b/{key}",
+        size=1,
+        sha256="0" * 64,
+        content_type="image/png",
+        node_id="9",
+        segment=segment,
+    )
+
+
+def _report(step: int = 0, total: int = 0, **kw: Any) -> ProgressReport:
+    return ProgressReport(attempt_client_id="dc-u-1", step=step, total_steps=total, **kw)
+
+
+def _book(**status: Any) -> JobBook:
+    return JobBook(JobStatus(job_id="j1", **status))
+
+
+# -- a new book -----------------------------------------------------------------------------
+
+
+def test_a_new_book_takes_the_prompt_from_the_checkpoint_and_starts_the_clock(
+    wf: FakeWorkflow,
+) -> None:
+    fresh = _book()
+    assert fresh.prompt_id is None
+    assert fresh.client_id is None
+    assert fresh.last_progress_at == T0
+    assert fresh.backend_state == JobState.RUNNING
+    carried = _book(checkpoint=Checkpoint(job_id="j1", prompt_id="p-7"))
+    assert carried.prompt_id == "p-7"
+    # Nothing written yet: no seq bump, no search attribute.
+    assert fresh.status.seq == 0 and wf.upserts == []
+
+
+def test_the_first_progress_upsert_is_sent_even_at_zero(wf: FakeWorkflow) -> None:
+    book = _book()
+    book.apply_progress(_report())
+    assert wf.upserts == [{SA_JOB_PROGRESS: 0}]
+    book.apply_progress(_report())
+    assert wf.upserts == [{SA_JOB_PROGRESS: 0}]
+
+
+# -- the run --------------------------------------------------------------------------------
+
+
+def test_prepared_on_records_the_backend_and_upserts_the_pool(wf: FakeWorkflow) -> None:
+    book = _book()
+    book.prepared_on("gpu-a", "runpod")
+    assert book.status.backend == BackendInfo(pool="gpu-a", kind="runpod")
+    assert wf.upserts == [{SA_JOB_POOL: "gpu-a"}]
+    assert book.status.seq == 1
+
+
+def test_begin_segment_counts_sampler_steps_or_else_nodes(wf: FakeWorkflow) -> None:
+    book = _book()
+    book.begin_segment(1, 4, 20, 7)
+    assert book.status.progress == Progress(
+        segment=1, segments=4, total_steps=20, fraction=0.25, unit="steps"
+    )
+    book.begin_segment(2, 4, 0, 7)
+    assert book.status.progress == Progress(
+        segment=2, segments=4, total_steps=7, fraction=0.5, unit="nodes"
+    )
+    assert book.status.seq == 2
+
+
+def test_new_submission_records_the_prompt_before_it_is_sent(wf: FakeWorkflow) -> None:
+    book = _book(backend=BackendInfo(pool="p"))
+    book.status.progress.queue_position = 3
+    book.backend_state = JobState.WAITING
+    wf.advance(5)
+    checkpoint = book.new_submission(2, "p-1", 30)
+    assert checkpoint == Checkpoint(
+        job_id="j1",
+        segment=2,
+        prompt_id="p-1",
+        client_id="dc-u-1",
+        total_steps=30,
+        updated_at=T0 + timedelta(seconds=5),
+    )
+    assert book.status.checkpoint == checkpoint
+    assert book.client_id == "dc-u-1" and book.prompt_id == "p-1"
+    assert book.status.backend is not None and book.status.backend.provider_job_id == "p-1"
+    assert book.backend_state == JobState.RUNNING
+    assert book.status.progress.queue_position is None
+    assert book.last_progress_at == T0 + timedelta(seconds=5)
+    assert book.status.seq == 1
+    assert not book.submitted()
+    # Without a backend yet (a cancel before prepare): nothing to name the prompt on.
+    bare = _book()
+    bare.new_submission(0, "p-2", 1)
+    assert bare.status.backend is None and bare.prompt_id == "p-2"
+
+
+def test_submitted_needs_the_current_prompt_acknowledged(wf: FakeWorkflow) -> None:
+    book = _book()
+    assert not book.submitted()
+    checkpoint = book.new_submission(0, "p-1", 10)
+    assert not book.submitted()
+    book.set_checkpoint(checkpoint.model_copy(update={"submitted_at": T0}))
+    assert book.submitted()
+    assert book.status.seq == 2
+    book.prompt_id = "p-2"  # a newer prompt the backend has not acknowledged
+    assert not book.submitted()
+
+
+def test_restart_and_end_of_a_segment(wf: FakeWorkflow) -> None:
+    book = _book()
+    book.begin_segment(1, 4, 20, 0)
+    book.apply_progress(_report(12, 20))
+    book.restart_prompt()
+    assert book.status.progress.step == 0
+    wf.advance(9)
+    seq = book.status.seq
+    book.end_segment()
+    assert book.status.progress.step == 20
+    assert book.status.progress.fraction == 0.5
+    assert book.last_progress_at == T0 + timedelta(seconds=9)
+    assert book.status.seq == seq + 1
+
+
+def test_reconnecting_counts_and_sets_the_error_and_state(wf: FakeWorkflow) -> None:
+    book = _book(state=JobState.RUNNING)
+    error = JobError(type="Net", message="gone", retryable=True)
+    book.reconnecting(error, JobState.RECONNECTING)
+    book.reconnecting(error, JobState.RECONNECTING)
+    assert book.status.reconnects == 2
+    assert book.status.error == error
+    assert book.status.state == JobState.RECONNECTING
+    book.set_error(None)
+    assert book.status.error is None
+    assert book.status.seq == 3
+
+
+def test_ask_waits_for_a_person(wf: FakeWorkflow) -> None:
+    book = _book(state=JobState.RUNNING)
+    decision = Decision(reason="ambiguous submit", options={"resume": "re-attach"})
+    book.ask(decision)
+    assert book.status.decision == decision
+    assert book.status.state == JobState.NEEDS_DECISION
+    assert wf.upserts[-1][SA_JOB_STATE] == "NEEDS_DECISION"
+
+
+def test_teardown_and_contact(wf: FakeWorkflow) -> None:
+    book = _book()
+    book.set_teardown(Teardown(state="STOPPING"))
+    assert book.status.teardown.state == "STOPPING"
+    wf.advance(3)
+    book.contact()
+    book.contact()
+    assert book.contacts == 2
+    assert book.status.last_client_contact_at == T0 + timedelta(seconds=3)
+    assert book.status.seq == 3
+
+
+# -- reports from the follow activity -------------------------------------------------------
+
+
+def test_progress_moves_forward_only_and_sets_the_fraction(wf: FakeWorkflow) -> None:
+    book = _book()
+    book.begin_segment(1, 4, 20, 0)
+    wf.advance(1)
+    book.apply_progress(_report(10, 20))
+    progress = book.status.progress
+    assert (progress.step, progress.total_steps, progress.fraction) == (10, 20, 0.375)
+    assert book.last_progress_at == T0 + timedelta(seconds=1)
+    wf.advance(1)
+    book.apply_progress(_report(4, 0))  # late, from an older socket
+    assert (progress.step, progress.total_steps) == (10, 20)
+    assert progress.fraction == pytest.approx(0.3)  # the fraction follows the report
+    assert book.last_progress_at == T0 + timedelta(seconds=1)  # no progress: no clock reset
+    book.apply_progress(_report(10, 20))  # the same step again is no progress either
+    assert book.last_progress_at == T0 + timedelta(seconds=1)
+    book.apply_progress(_report(25, 20))  # past the end: the fraction stops at the segment's
+    assert progress.step == 25 and progress.fraction == 0.5
+
+
+def test_progress_without_a_known_total_leaves_the_fraction(wf: FakeWorkflow) -> None:
+    book = _book()
+    book.status.progress.fraction = 0.25
+    book.apply_progress(_report(3, 0))
+    assert book.status.progress.fraction == 0.25
+    assert book.status.progress.step == 3
+
+
+def test_progress_with_no_segments_counts_as_one(wf: FakeWorkflow) -> None:
+    book = _book(progress=Progress(segments=0))
+    book.apply_progress(_report(5, 10))
+    assert book.status.progress.fraction == 0.5
+
+
+def test_a_report_carries_checkpoint_artifact_and_worker(wf: FakeWorkflow) -> None:
+    book = _book(backend=BackendInfo(pool="p"))
+    wf.advance(2)
+    checkpoint = Checkpoint(job_id="j1", prompt_id="p-1", step=3)
+    book.apply_progress(
+        _report(0, 0, artifact=_artifact("a"), checkpoint=checkpoint, worker_id="w9")
+    )
+    assert book.status.checkpoint == checkpoint
+    assert [a.key for a in book.status.artifacts] == ["a"]
+    assert book.status.backend is not None and book.status.backend.worker_id == "w9"
+    assert book.last_progress_at == T0 + timedelta(seconds=2)  # an artifact is progress
+    wf.advance(2)
+    book.apply_progress(_report(0, 0, artifact=_artifact("a"), worker_id=None))
+    assert len(book.status.artifacts) == 1
+    assert book.status.backend.worker_id == "w9"
+    assert book.status.checkpoint == checkpoint  # a report without one keeps it
+    assert book.status.seq == 2
+    # No backend yet: the worker is not recorded anywhere, and nothing breaks.
+    bare = _book()
+    bare.apply_progress(_report(1, 2, worker_id="w1"))
+    assert bare.status.backend is None
+
+
+def test_search_attribute_progress_only_in_whole_tens(wf: FakeWorkflow) -> None:
+    book = _book()
+    book.begin_segment(0, 1, 100, 0)
+    for step in (1, 5, 9, 10, 19, 20, 100):
+        book.apply_progress(_report(step, 100))
+    assert wf.upserts == [
+        {SA_JOB_PROGRESS: 0},
+        {SA_JOB_PROGRESS: 10},
+        {SA_JOB_PROGRESS: 20},
+        {SA_JOB_PROGRESS: 100},
+    ]
+    assert book.coarse_progress() == 100
+
+
+def test_stage_changes_only_when_asked(wf: FakeWorkflow) -> None:
+    book = _book(state=JobState.RUNNING)
+    book.apply_progress(_report(stage="queued", queue_position=2, node="5"))
+    assert book.backend_state == JobState.RUNNING
+    assert book.status.progress.queue_position is None and book.status.progress.node is None
+    assert book.status.state == JobState.RUNNING
+
+
+@pytest.mark.parametrize("state", [JobState.SUBMITTING, JobState.WAITING, JobState.RUNNING])
+def test_a_queued_prompt_is_waiting_with_its_place_then_running(
+    wf: FakeWorkflow, state: JobState
+) -> None:
+    book = _book(state=state)
+    book.apply_progress(_report(stage="queued", queue_position=2), stage_changes=True)
+    assert (book.backend_state, book.status.state) == (JobState.WAITING, JobState.WAITING)
+    assert book.status.progress.queue_position == 2
+    book.apply_progress(_report(1, 10, stage="running", node="5"), stage_changes=True)
+    assert (book.backend_state, book.status.state) == (JobState.RUNNING, JobState.RUNNING)
+    assert book.status.progress.queue_position is None
+    assert book.status.progress.node == "5"
+    states = [u[SA_JOB_STATE] for u in wf.upserts if SA_JOB_STATE in u]
+    assert states == (["RUNNING"] if state == JobState.WAITING else ["WAITING", "RUNNING"])
+
+
+@pytest.mark.parametrize(
+    "state", [JobState.RECONNECTING, JobState.NEEDS_DECISION, JobState.STOPPING]
+)
+def test_a_stage_does_not_move_a_job_that_is_elsewhere(wf: FakeWorkflow, state: JobState) -> None:
+    book = _book(state=state)
+    book.apply_progress(_report(stage="queued", queue_position=1), stage_changes=True)
+    assert book.status.state == state
+    assert book.backend_state == JobState.WAITING
+
+
+def test_notices_are_logged_and_only_the_latest_kept(
+    wf: FakeWorkflow, caplog: pytest.LogCaptureFixture
+) -> None:
+    book = _book()
+    with caplog.at_level(logging.WARNING, logger="job_book_test"):
+        for i in range(MAX_NOTICES + 2):
+            wf.advance(1)
+            book.notice(f"n{i}")
+    notices = book.status.notices
+    assert len(notices) == MAX_NOTICES
+    assert notices[0].message == "n2" and notices[-1].message == f"n{MAX_NOTICES + 1}"
+    assert notices[-1].at == T0 + timedelta(seconds=MAX_NOTICES + 2)
+    assert caplog.messages[0] == "job j1: n0"
+    assert book.status.seq == MAX_NOTICES + 2
+
+
+def test_artifacts_merge_by_key_and_by_segment(wf: FakeWorkflow) -> None:
+    book = _book()
+    book.merge_artifacts([_artifact("a"), _artifact("a"), _artifact("b", 1)])
+    assert [a.key for a in book.status.artifacts] == ["a", "b"]
+    wf.advance(4)
+    book.merge_artifacts([_artifact("b", 1)])
+    assert book.last_progress_at == T0  # nothing new: no progress
+    book.merge_artifacts([_artifact("c", 1)])
+    assert book.last_progress_at == T0 + timedelta(seconds=4)
+    assert [a.key for a in book.artifacts_of(1)] == ["b", "c"]
+    assert [a.key for a in book.artifacts_of(0)] == ["a"]
+
+
+# -- status writes --------------------------------------------------------------------------
+
+
+def test_every_write_bumps_seq_and_time_and_refreshes_the_details(wf: FakeWorkflow) -> None:
+    book = _book()
+    wf.advance(7)
+    book.touch()
+    assert book.status.seq == 1
+    assert book.status.updated_at == T0 + timedelta(seconds=7)
+    assert wf.details == [book.details()]
+
+
+def test_state_changes_upsert_state_and_progress(wf: FakeWorkflow) -> None:
+    book = _book()
+    book.status.progress.fraction = 0.47
+    book.set_state(JobState.QUEUED)  # the very first write: upserted although unchanged
+    assert wf.upserts == [{SA_JOB_STATE: "QUEUED", SA_JOB_PROGRESS: 40}]
+    book.set_state(JobState.QUEUED)
+    assert len(wf.upserts) == 1
+    book.set_state(JobState.RUNNING)
+    assert wf.upserts[-1] == {SA_JOB_STATE: "RUNNING", SA_JOB_PROGRESS: 40}
+    assert book.status.state == JobState.RUNNING
+    assert book.status.seq == 3
+    assert wf.details[-1] == book.details()
+    assert wf.details[-1].startswith("**RUNNING**")
+
+
+def test_an_unchanged_state_later_upserts_nothing(wf: FakeWorkflow) -> None:
+    book = _book(seq=4, state=JobState.RUNNING)
+    book.set_state(JobState.RUNNING)
+    assert wf.upserts == []
+    assert len(wf.details) == 2  # touch, then after the state write
+
+
+# -- the Temporal UI's current details ------------------------------------------------------
+
+
+def test_details_of_a_bare_job(wf: FakeWorkflow) -> None:
+    assert _book().details() == "**QUEUED** — 0 %"
+    done = _book(state=JobState.COMPLETED, progress=Progress(fraction=1.0))
+    assert done.details() == "**COMPLETED** — 100 %"
+
+
+def test_details_of_a_running_job(wf: FakeWorkflow) -> None:
+    book = _book(
+        state=JobState.RUNNING,
+        backend=BackendInfo(pool="gpu"),
+        reconnects=2,
+        error=JobError(type="Net", message="lost"),
+        artifacts=[_artifact("a")],
+        progress=Progress(segment=1, segments=3, step=4, total_steps=20, fraction=0.4, node="7"),
+    )
+    assert book.details() == "  \n".join(
+        [
+            "**RUNNING** — 40 % (4/20 steps, segment 2/3)",
+            "pool `gpu`, node 7",
+            "2 reconnect(s)",
+            "error `Net`: lost",
+            "1 artifact(s) stored",
+        ]
+    )
+
+
+def test_details_of_a_waiting_job_name_its_place_not_a_node(wf: FakeWorkflow) -> None:
+    progress = Progress(queue_position=3, node="7", total_steps=5, unit="nodes")
+    book = _book(state=JobState.WAITING, backend=BackendInfo(pool="gpu"), progress=progress)
+    assert book.details() == "  \n".join(
+        [
+            "**WAITING** — 0 % (0/5 nodes, segment 1/1)",
+            "place 3 in the backend's queue",
+            "pool `gpu`",
+        ]
+    )
+    book.status.progress.queue_position = None
+    assert "queue" not in book.details()
+    book.status.state = JobState.RUNNING
+    book.status.progress.queue_position = 3
+    assert "queue" not in book.details()
+
+
+def test_details_of_a_decision_and_a_teardown(wf: FakeWorkflow) -> None:
+    decision = Decision(reason="ambiguous", options={"resume": "re-attach", "cancel": "stop"})
+    book = _book(
+        state=JobState.NEEDS_DECISION,
+        decision=decision,
+        teardown=Teardown(state="FAILED", detail="p-1 still running"),
+    )
+    assert book.details() == "  \n".join(
+        [
+            "**NEEDS_DECISION** — 0 %",
+            "waiting for a decision: ambiguous",
+            "- `resume`: re-attach",
+            "- `cancel`: stop",
+            "teardown FAILED: p-1 still running",
+        ]
+    )
+    book.status.state = JobState.RUNNING  # a past decision is not shown
+    assert book.details() == "**RUNNING** — 0 %  \nteardown FAILED: p-1 still running"
+
+
+def test_the_eta_follows_the_pace_since_the_first_step(wf: FakeWorkflow) -> None:
+    book = _book(state=JobState.RUNNING)
+    progress = book.status.progress
+    assert book._eta_s() is None  # no step yet: no pace to start from
+    progress.fraction = 0.25
+    assert book._eta_s() is None  # the pace starts here
+    wf.advance(30)
+    progress.fraction = 0.26
+    assert book._eta_s() is None  # too little done to tell
+    progress.fraction = 0.5
+    assert book._eta_s() == pytest.approx(60.0)  # a quarter in 30 s: half to go in 60 s
+    assert "about 60 s to go" in book.details()
+    wf.advance(30)
+    progress.fraction = 1.0
+    assert book._eta_s() is None
+    progress.fraction = 0.75
+    book.status.state = JobState.WAITING
+    assert book._eta_s() is None
+
+
+def test_the_eta_shows_from_two_hundredths_done(wf: FakeWorkflow) -> None:
+    book = _book(state=JobState.RUNNING)
+    book.status.progress.fraction = 0.005
+    book._eta_s()
+    wf.advance(2)
+    book.status.progress.fraction = 0.025  # exactly 0.02 more, in floats too
+    assert book._eta_s() == pytest.approx(97.5)
+
+
+@pytest.mark.parametrize(
+    ("seconds", "shown"),
+    [
+        (0.4, "0 s"),
+        (89.4, "89 s"),
+        (90, "2 min"),
+        (5399, "90 min"),
+        (5400, "1.5 h"),
+        (5580, "1.6 h"),
+    ],
+)
+def test_the_eta_is_shown_in_a_readable_unit(wf: FakeWorkflow, seconds: float, shown: str) -> None:
+    book = _book(state=JobState.RUNNING)
+    book.status.progress.fraction = 0.25
+    book._eta_s()
+    wf.advance(seconds / 2)  # a quarter done: the remaining half takes twice as long
+    book.status.progress.fraction = 0.5
+    assert book.details() == f"**RUNNING** — 50 %  \nabout {shown} to go"
