@@ -73,6 +73,8 @@ class EndpointInput(_Contract):
     workflow: dict[str, Any]
     images: list[InputImage] = Field(default_factory=list)
     durable_comfy: Orchestration | None = None
+    # worker-comfyui's per-request key for Comfy.org API nodes (else COMFY_ORG_API_KEY).
+    api_key_comfy_org: str | None = None
 
     @field_validator("workflow", mode="before")
     @classmethod
@@ -102,13 +104,21 @@ class ArtifactRecord(_Contract):
     key: str | None = None
 
 
+# "starting": waiting for the worker's ComfyUI to answer (a cold start).
+ProgressStage = Literal["claiming", "starting", "queued", "running", "uploading"]
+
+
 class ProgressUpdate(_Contract):
     """What `runpod.serverless.progress_update` sends; `/status` shows it while IN_PROGRESS."""
 
     kind: Literal["durable_comfy.progress"] = "durable_comfy.progress"
     submission: str
     prompt_id: str
-    stage: Literal["claiming", "queued", "running", "uploading"] = "running"
+    stage: ProgressStage = "running"
+    # Increases with every update of one delivery: the SDK posts each update from its own
+    # thread, so they can arrive out of order; keep the highest.
+    seq: int = 0
+    worker_id: str = ""
     queue_position: int | None = None
     step: int = 0
     total_steps: int = 0
@@ -116,6 +126,9 @@ class ProgressUpdate(_Contract):
     nodes_done: list[str] = Field(default_factory=list)
     node_steps: dict[str, int] = Field(default_factory=dict)
     artifacts: list[ArtifactRecord] = Field(default_factory=list)
+    # The oldest records left out to keep the update under MAX_UPDATE_BYTES (the output and
+    # the claim carry them all).
+    artifacts_omitted: int = 0
     at: datetime
 
 
@@ -130,11 +143,34 @@ class EndpointOutput(_Contract):
     submission: str | None = None
     claim_holder: str | None = None
     prompt_id: str | None = None
+    # True when this delivery ran nothing and returns the outcome the claim recorded.
+    replayed: bool = False
+
+
+class EndpointError(_Contract):
+    """The handler's return value on failure. The SDK moves `error` (and `refresh_worker`, as
+    `stopPod`) out of it; the rest stays in RunPod's `output`."""
+
+    error: str
+    # workflows.shared.ErrorType's names (InvalidRequest, PromptRejected, ExecutionError,
+    # OutOfMemory, BackendFault, BackendUnavailable, BackendError, Interrupted, PromptLost,
+    # OutputMissing, StorageError, Cancelled), plus OutputTooLarge for base64 results.
+    error_type: str
+    details: list[str] = Field(default_factory=list)
+    # The platform replaces the worker after this job (a CUDA fault, ComfyUI gone).
+    refresh_worker: bool = False
+    submission: str | None = None
+    prompt_id: str | None = None
+    claim_holder: str | None = None
+    replayed: bool = False
+    # Outputs stored before the failure (kept, as the ComfyUI backend keeps them).
+    images: list[ArtifactRecord] = Field(default_factory=list)
 
 
 class ClaimOutcome(_Contract):
     state: Literal["completed", "failed", "cancelled"]
     error: str | None = None
+    error_type: str | None = None
     images: list[ArtifactRecord] = Field(default_factory=list)
     at: datetime
 
