@@ -9,6 +9,9 @@ builds them and passes them down; nothing else reads these variables):
     S3Settings      DURABLE_COMFY_BUCKET, DURABLE_COMFY_S3_ENDPOINT, AWS_ACCESS_KEY_ID,
                     AWS_SECRET_ACCESS_KEY, AWS_REGION (else AWS_DEFAULT_REGION)
 
+and `runpod_api_keys` reads each runpod pool's API key, at start-up too, from the variable the
+pool's `api_key_env` names (default RUNPOD_API_KEY).
+
 Precedence, highest first: values passed in code (`worker --metrics-port`), the variables, the
 `worker:` section of the stack file DURABLE_COMFY_CONFIG names (temporal-dev.yaml), the defaults.
 A field takes its value from one place only: DURABLE_COMFY_POOLS replaces the file's pools, it is
@@ -50,6 +53,11 @@ from pydantic_settings import (
     SettingsError,
 )
 
+from activities.runpod.models import (
+    ENDPOINT_ID_PATTERN,
+    MAX_POLICY_S,
+    MIN_EXECUTION_TIMEOUT_S,
+)
 from activities.storage_errors import StorageConfigError
 from workflows.shared import DEFAULT_TASK_QUEUE
 
@@ -61,14 +69,136 @@ _BUCKET_NAME = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 _KEY_PAIR = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
 
 
+RUNPOD_API_URL = "https://api.runpod.ai/v2"
+RUNPOD_API_KEY_ENV = "RUNPOD_API_KEY"
+_VARIABLE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+# What a hidden value becomes (see `PoolConfig._hide_secrets`).
+_HIDDEN = "<hidden>"
+_RUNPOD_ONLY = ("endpoint_id", "api_key_env", "claims", "usd_per_second", "execution_timeout_s")
+
+
 class PoolConfig(BaseModel):
-    """A named backend the worker may run jobs on. Requests name pools, never URLs."""
+    """A named backend the worker may run jobs on. Requests name pools, never URLs.
+
+    `comfyui`: `url` is the ComfyUI server.
+    `runpod`: a serverless endpoint. `endpoint_id` (required) on the API at `url` (default
+    RunPod's); its key is read once at start-up from the variable `api_key_env` names (default
+    RUNPOD_API_KEY, see `runpod_api_keys`), never from a config file. `claims`: the endpoint runs
+    our handler, which claims each submission, so resubmitting after a lost `/run` answer is safe;
+    false for stock worker-comfyui endpoints (a person decides instead). `usd_per_second`: the
+    endpoint's price, for the job's cost estimate. `execution_timeout_s`: sent as RunPod's
+    `executionTimeout` instead of the job's own.
+
+    After validation a runpod pool has `url`, `api_key_env` and `claims` set; a comfyui pool has
+    none of the runpod fields (so its dump is what it always was).
+    """
 
     model_config = ConfigDict(extra="forbid")
 
     kind: Literal["comfyui", "runpod"] = "comfyui"
     url: str | None = None
     endpoint_id: str | None = None
+    api_key_env: str | None = None
+    claims: bool | None = None
+    usd_per_second: float | None = Field(None, ge=0)
+    execution_timeout_s: float | None = Field(None, ge=MIN_EXECUTION_TIMEOUT_S, le=MAX_POLICY_S)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _hide_secrets(cls, data: Any) -> Any:
+        # A key pasted where its variable's name belongs, or a URL with credentials, would be
+        # echoed by every later validation error (they print the pool's input): take them out
+        # before anything else, and let the validators below say what is wrong.
+        if not isinstance(data, dict):
+            return data
+        name, url = data.get("api_key_env"), data.get("url")
+        if isinstance(name, str) and (name.startswith("rpa_") or not _VARIABLE_NAME.match(name)):
+            data = {**data, "api_key_env": _HIDDEN}
+        # (A comfyui pool's URL is left as it always was.)
+        if data.get("kind") == "runpod" and isinstance(url, str) and _has_credentials(url):
+            data = {**data, "url": _HIDDEN}
+        return data
+
+    @field_validator("api_key_env")
+    @classmethod
+    def _variable_name(cls, value: str | None) -> str | None:
+        if value is not None and not _VARIABLE_NAME.match(value):
+            raise ValueError(
+                "must be the NAME of the environment variable that holds the API key "
+                f"(e.g. {RUNPOD_API_KEY_ENV}), never the key itself"
+            )
+        return value
+
+    @field_validator("endpoint_id")
+    @classmethod
+    def _endpoint_id(cls, value: str | None) -> str | None:
+        if value is not None and not ENDPOINT_ID_PATTERN.match(value):
+            raise ValueError("not a RunPod endpoint id (letters, digits, '-' and '_' only)")
+        return value
+
+    @model_validator(mode="after")
+    def _fields_of_its_kind(self) -> Self:
+        if self.kind != "runpod":
+            misplaced = [name for name in _RUNPOD_ONLY if getattr(self, name) is not None]
+            if misplaced:
+                raise ValueError(f"{', '.join(misplaced)}: only for pools of kind 'runpod'")
+            return self
+        if not self.endpoint_id:
+            raise ValueError(
+                "a runpod pool needs endpoint_id (the id in the endpoint's URL, "
+                "https://api.runpod.ai/v2/<endpoint_id>/run)"
+            )
+        self.url = _api_url(self.url or RUNPOD_API_URL)
+        self.api_key_env = self.api_key_env or RUNPOD_API_KEY_ENV
+        if self.claims is None:
+            self.claims = True
+        return self
+
+
+def _has_credentials(url: str) -> bool:
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return False
+    return bool(parts.username or parts.password)
+
+
+def _api_url(value: str) -> str:
+    if value == _HIDDEN:
+        raise ValueError("url must not carry credentials: the key comes from api_key_env")
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"url must be an http(s) URL (RunPod's API base, e.g. {RUNPOD_API_URL})")
+    return value.rstrip("/")
+
+
+def runpod_api_keys(
+    pools: Mapping[str, PoolConfig], environ: Mapping[str, str] | None = None
+) -> dict[str, SecretStr]:
+    """The API key of every runpod pool, read once at worker start-up from the variable its
+    `api_key_env` names (default: the process's environment).
+
+    A `SettingsError` names each pool whose variable is unset or empty, and the variable; never
+    a value. Pools may share a variable (one account) or each name their own.
+    """
+    env = os.environ if environ is None else environ
+    keys: dict[str, SecretStr] = {}
+    missing: list[str] = []
+    for name, pool in pools.items():
+        if pool.kind != "runpod":
+            continue
+        variable = pool.api_key_env or RUNPOD_API_KEY_ENV
+        value = env.get(variable, "").strip()
+        if value:
+            keys[name] = SecretStr(value)
+        else:
+            missing.append(f"pool {name!r}: {variable} is not set")
+    if missing:
+        raise SettingsError(
+            "; ".join(missing) + " (set it to the RunPod API key, or point the pool's "
+            "api_key_env at the variable that holds it)"
+        )
+    return keys
 
 
 class WorkerSection(BaseModel):

@@ -20,7 +20,13 @@ from temporalio.client import Client
 from typer.testing import CliRunner
 
 import worker
-from activities.settings import S3Settings, WorkerSettings, variable_names
+from activities.settings import (
+    PoolConfig,
+    S3Settings,
+    WorkerSettings,
+    runpod_api_keys,
+    variable_names,
+)
 from activities.storage import ArtifactStore, StorageConfigError
 from devstack.config import StackFileSettings
 from starter.cli import build_app
@@ -81,7 +87,14 @@ def test_each_worker_variable_reaches_its_field(
 
 
 def test_pools_come_as_json() -> None:
-    pools = {"gpu": {"kind": "comfyui", "url": "http://gpu:8188"}, "rp": {"kind": "runpod"}}
+    runpod = {
+        "kind": "runpod",
+        "url": "https://api.runpod.ai/v2",
+        "endpoint_id": "abc123",
+        "api_key_env": "RUNPOD_API_KEY",
+        "claims": True,
+    }
+    pools = {"gpu": {"kind": "comfyui", "url": "http://gpu:8188"}, "rp": runpod}
     settings = WorkerSettings.from_env({"DURABLE_COMFY_POOLS": json.dumps(pools)})
     assert {name: pool.model_dump(exclude_none=True) for name, pool in settings.pools.items()} == (
         pools
@@ -453,3 +466,102 @@ def test_no_product_module_reads_the_environment_but_the_settings() -> None:
             if reads:
                 readers.add(path.relative_to(ROOT).as_posix())
     assert sorted(readers - allowed) == []
+
+
+# --- runpod pools ----------------------------------------------------------------------------
+
+RUNPOD_KEY = "rpa_NEVERSHOWN0123456789"
+
+
+def test_a_runpod_pool_needs_only_its_endpoint_id() -> None:
+    pools = {"rp": {"kind": "runpod", "endpoint_id": "abc123"}}
+    pool = WorkerSettings.from_env({"DURABLE_COMFY_POOLS": json.dumps(pools)}).pools["rp"]
+    assert (pool.url, pool.endpoint_id, pool.api_key_env, pool.claims) == (
+        "https://api.runpod.ai/v2",
+        "abc123",
+        "RUNPOD_API_KEY",
+        True,
+    )
+    assert (pool.usd_per_second, pool.execution_timeout_s) == (None, None)
+    stock = PoolConfig(
+        kind="runpod",
+        url="http://127.0.0.1:8300/v2/",
+        endpoint_id="stock-comfy",
+        api_key_env="RUNPOD_KEY_TEAM_B",
+        claims=False,
+        usd_per_second=0.00044,
+        execution_timeout_s=600,
+    )
+    assert (stock.url, stock.claims, stock.usd_per_second, stock.execution_timeout_s) == (
+        "http://127.0.0.1:8300/v2",
+        False,
+        0.00044,
+        600,
+    )
+
+
+def test_a_runpod_pool_from_the_stack_file(tmp_path: Path) -> None:
+    config = stack_file(
+        tmp_path, {"pools": {"rp": {"kind": "runpod", "endpoint_id": "ep1", "claims": False}}}
+    )
+    pool = WorkerSettings.from_env({"DURABLE_COMFY_CONFIG": str(config)}).pools["rp"]
+    assert (pool.kind, pool.endpoint_id, pool.claims) == ("runpod", "ep1", False)
+
+
+@pytest.mark.parametrize(
+    ("pool", "message"),
+    [
+        ({"kind": "runpod"}, "a runpod pool needs endpoint_id"),
+        ({"kind": "runpod", "endpoint_id": "../other"}, "not a RunPod endpoint id"),
+        ({"kind": "runpod", "endpoint_id": "e", "url": "ftp://x"}, "must be an http(s) URL"),
+        ({"kind": "runpod", "endpoint_id": "e", "usd_per_second": -1}, "greater than or equal"),
+        ({"kind": "runpod", "endpoint_id": "e", "execution_timeout_s": 2}, "greater than or equal"),
+        (
+            {"kind": "runpod", "endpoint_id": "e", "execution_timeout_s": 8 * 24 * 3600},
+            "less than or equal",
+        ),
+        ({"kind": "runpod", "endpoint_id": "e", "api_key_env": "my key"}, "NAME of the"),
+        ({"url": "http://gpu:8188", "endpoint_id": "e"}, "endpoint_id: only for pools of kind"),
+        ({"url": "http://gpu:8188", "claims": False}, "claims: only for pools of kind 'runpod'"),
+    ],
+)
+def test_a_bad_runpod_pool_is_named(pool: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValidationError) as caught:
+        WorkerSettings.from_env({"DURABLE_COMFY_POOLS": json.dumps({"rp": pool})})
+    assert caught.value.errors()[0]["loc"][:2] == ("DURABLE_COMFY_POOLS", "rp")
+    assert message in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "pool",
+    [
+        {"kind": "runpod", "endpoint_id": "e", "api_key_env": RUNPOD_KEY},
+        {"kind": "runpod", "endpoint_id": "e", "api_key_env": f"{RUNPOD_KEY}-x"},
+        {"kind": "runpod", "endpoint_id": "e", "url": f"https://u:{RUNPOD_KEY}@api.runpod.ai/v2"},
+        # Another error in the same pool must not print the key either.
+        {"kind": "runpod", "api_key_env": RUNPOD_KEY},
+    ],
+)
+def test_a_key_pasted_into_a_pool_is_refused_without_being_shown(pool: dict[str, Any]) -> None:
+    with pytest.raises(ValidationError) as caught:
+        WorkerSettings.from_env({"DURABLE_COMFY_POOLS": json.dumps({"rp": pool})})
+    assert RUNPOD_KEY not in str(caught.value)
+    assert "api_key_env" in str(caught.value) or "credentials" in str(caught.value)
+
+
+def test_the_runpod_keys_are_read_once_from_the_variables_the_pools_name() -> None:
+    pools = {
+        "local": PoolConfig(url="http://127.0.0.1:8188"),
+        "rp": PoolConfig(kind="runpod", endpoint_id="e1"),
+        "team": PoolConfig(kind="runpod", endpoint_id="e2", api_key_env="RUNPOD_KEY_TEAM"),
+    }
+    keys = runpod_api_keys(pools, {"RUNPOD_API_KEY": RUNPOD_KEY, "RUNPOD_KEY_TEAM": "k2"})
+    assert sorted(keys) == ["rp", "team"]
+    assert keys["rp"].get_secret_value() == RUNPOD_KEY and keys["team"].get_secret_value() == "k2"
+    assert RUNPOD_KEY not in repr(keys) and RUNPOD_KEY not in str(keys)
+
+    with pytest.raises(SettingsError) as caught:
+        runpod_api_keys(pools, {"RUNPOD_API_KEY": RUNPOD_KEY, "RUNPOD_KEY_TEAM": "  "})
+    assert "pool 'team': RUNPOD_KEY_TEAM is not set" in str(caught.value)
+    assert "'rp'" not in str(caught.value) and RUNPOD_KEY not in str(caught.value)
+    assert runpod_api_keys({"local": pools["local"]}, {}) == {}, "no runpod pool, no key needed"
