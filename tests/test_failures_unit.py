@@ -1,0 +1,104 @@
+"""`workflows/failures.py` on its own: how an activity failure is classified and reported.
+
+`classify` decides what the job does next (re-attach, resubmit, stop, fail); `job_error` is
+the error a client sees in the status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from temporalio.exceptions import (
+    ActivityError,
+    ApplicationError,
+    CancelledError,
+    TimeoutError,
+    TimeoutType,
+)
+
+from workflows.contracts import JobError
+from workflows.failures import FailureKind, classify, job_error
+from workflows.shared import ErrorType
+
+
+def after_activity(cause: BaseException | None) -> ActivityError:
+    """`cause` as the workflow sees it: wrapped in the activity's failure."""
+    error = ActivityError(
+        "activity failed",
+        scheduled_event_id=5,
+        started_event_id=6,
+        identity="1@worker",
+        activity_type="follow_prompt",
+        activity_id="1",
+        retry_state=None,
+    )
+    error.__cause__ = cause
+    return error
+
+
+def heartbeat_timeout() -> TimeoutError:
+    return TimeoutError(
+        "activity heartbeat timeout", type=TimeoutType.HEARTBEAT, last_heartbeat_details=[]
+    )
+
+
+@pytest.mark.parametrize(
+    ("err", "kind"),
+    [
+        (asyncio.CancelledError(), FailureKind.CANCELLED),
+        (CancelledError(), FailureKind.CANCELLED),
+        (after_activity(CancelledError()), FailureKind.CANCELLED),
+        (after_activity(heartbeat_timeout()), FailureKind.RECONNECT),
+        (heartbeat_timeout(), FailureKind.RECONNECT),
+        (after_activity(ApplicationError("gone", type=ErrorType.PROMPT_LOST)), FailureKind.LOST),
+        (
+            after_activity(
+                ApplicationError("gone", type=ErrorType.PROMPT_LOST, non_retryable=True)
+            ),
+            FailureKind.LOST,
+        ),
+        (after_activity(ApplicationError("socket", type="ConnectionLost")), FailureKind.RECONNECT),
+        (ApplicationError("socket", type="ConnectionLost"), FailureKind.RECONNECT),
+        (
+            after_activity(ApplicationError("bad", type="PromptRejected", non_retryable=True)),
+            FailureKind.FATAL,
+        ),
+        (after_activity(RuntimeError("bug")), FailureKind.FATAL),
+        (after_activity(None), FailureKind.FATAL),
+        (RuntimeError("bug"), FailureKind.FATAL),
+    ],
+)
+def test_classify(err: BaseException, kind: FailureKind) -> None:
+    assert classify(err) == kind
+
+
+def test_an_application_error_is_reported_as_raised() -> None:
+    oom = ApplicationError("CUDA out of memory", type="OutOfMemory", non_retryable=True)
+    assert job_error(after_activity(oom)) == JobError(
+        type="OutOfMemory", message="CUDA out of memory", retryable=False
+    )
+    untyped = ApplicationError("flaky")
+    assert job_error(after_activity(untyped)) == JobError(
+        type=ErrorType.EXECUTION_ERROR, message="flaky", retryable=True
+    )
+    assert job_error(untyped) == job_error(after_activity(untyped))
+
+
+def test_a_timeout_is_retryable() -> None:
+    assert job_error(after_activity(heartbeat_timeout())) == JobError(
+        type=ErrorType.TIMEOUT, message="activity heartbeat timeout", retryable=True
+    )
+
+
+def test_anything_else_is_an_execution_error() -> None:
+    assert job_error(after_activity(RuntimeError("bug"))) == JobError(
+        type=ErrorType.EXECUTION_ERROR, message="bug", retryable=False
+    )
+    assert job_error(KeyError("k")) == JobError(
+        type=ErrorType.EXECUTION_ERROR, message="'k'", retryable=False
+    )
+    # An activity failure without a cause is reported as itself.
+    assert job_error(after_activity(None)) == JobError(
+        type=ErrorType.EXECUTION_ERROR, message="activity failed", retryable=False
+    )
