@@ -64,6 +64,9 @@ class ErrorType:
     BACKEND_FAULT: Final = "BackendFault"  # the GPU is broken: the pool needs replacing
     INTERRUPTED: Final = "Interrupted"
     PROMPT_LOST: Final = "PromptLost"
+    # A submission was sent and its answer lost: the work may or may not exist. Resubmitting is
+    # safe only where the backend deduplicates (RunPod with claims); otherwise a person decides.
+    SUBMISSION_AMBIGUOUS: Final = "SubmissionAmbiguous"
     OUTPUT_MISSING: Final = "OutputMissing"
     STORAGE_ERROR: Final = "StorageError"
     TIMEOUT: Final = "Timeout"
