@@ -8,7 +8,15 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError
 
-from workflows.contracts import Artifact, Checkpoint, InputRef, OutputSpec, StrictModel, Teardown
+from workflows.contracts import (
+    Artifact,
+    Checkpoint,
+    InputRef,
+    JobCost,
+    OutputSpec,
+    StrictModel,
+    Teardown,
+)
 
 
 class PrepareInput(StrictModel):
@@ -67,6 +75,9 @@ class FollowInput(StrictModel):
     # Submit this graph first, unless the backend already knows the prompt. The socket opens
     # before the submission, so no event of the prompt is missed.
     graph: dict[str, Any] | None = None
+    # For backends that take them with the submission (RunPod's executionTimeout and ttl).
+    execution_timeout_s: float | None = None
+    queue_timeout_s: float | None = None
 
 
 class FollowResult(StrictModel):
@@ -74,6 +85,7 @@ class FollowResult(StrictModel):
     outcome: Literal["success"]
     artifacts: list[Artifact] = Field(default_factory=list)
     checkpoint: Checkpoint
+    cost: JobCost | None = None
 
 
 class FollowHeartbeat(StrictModel):
@@ -160,3 +172,5 @@ class StopCheck(StrictModel):
     node_type: str | None = None
     message: str = ""
     freed_memory: bool = False
+    # Once gone from a per-second-billed backend: what the provider job cost.
+    cost: JobCost | None = None

@@ -289,6 +289,30 @@ class Notice(StrictModel):
 MAX_NOTICES = 20
 
 
+class JobCost(StrictModel):
+    """What the job cost on a provider that bills by the second (RunPod): its own figures.
+
+    `billed_after_end_s` is what a worker keeps billing once the job is over (its idle timeout)
+    — part of the bill, not of the job's run time.
+    """
+
+    provider_job_id: str | None = None
+    queue_s: float = 0.0
+    execution_s: float = 0.0
+    billed_after_end_s: float = 0.0
+    usd_per_second: float | None = None
+
+    @property
+    def billed_s(self) -> float:
+        return self.execution_s + self.billed_after_end_s
+
+    @property
+    def usd_estimate(self) -> float | None:
+        if self.usd_per_second is None:
+            return None
+        return round(self.billed_s * self.usd_per_second, 6)
+
+
 class JobStatus(StrictModel):
     """What every client sees, by query, poll or push."""
 
@@ -306,6 +330,8 @@ class JobStatus(StrictModel):
     decision: Decision | None = None
     # The latest messages the job could not use as sent (at most MAX_NOTICES).
     notices: list[Notice] = Field(default_factory=list)
+    # Per provider job (one per submission that reached a per-second-billed backend).
+    cost: list[JobCost] = Field(default_factory=list)
     detached: bool = False
     # The client-contact horizon: no contact for this long abandons the job (None: detached).
     abandon_after_s: float | None = None

@@ -21,6 +21,9 @@ from workflows.shared import ErrorType
 class FailureKind(StrEnum):
     RECONNECT = "reconnect"  # the path to the backend broke: back off, re-attach
     LOST = "lost"  # the backend provably lost the prompt: submit it again
+    # A submission whose answer was lost, on a backend that cannot tell whether it took it
+    # (RunPod without claims): submitting again may pay twice, so the policy decides.
+    AMBIGUOUS = "ambiguous"
     CANCELLED = "cancelled"
     FATAL = "fatal"  # bad input, a failed prompt: no retry can help
 
@@ -35,6 +38,8 @@ def classify(err: BaseException) -> FailureKind:
     if isinstance(cause, ApplicationError):
         if cause.type == ErrorType.PROMPT_LOST:
             return FailureKind.LOST
+        if cause.type == ErrorType.SUBMISSION_AMBIGUOUS:
+            return FailureKind.AMBIGUOUS
         if not cause.non_retryable:
             return FailureKind.RECONNECT
     return FailureKind.FATAL

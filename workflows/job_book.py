@@ -19,6 +19,7 @@ with workflow.unsafe.imports_passed_through():
         BackendInfo,
         Checkpoint,
         Decision,
+        JobCost,
         JobError,
         JobState,
         JobStatus,
@@ -126,6 +127,13 @@ class JobBook:
         """Wait for a person: the job is NEEDS_DECISION until a resume or a cancel."""
         self.status.decision = decision
         self.set_state(JobState.NEEDS_DECISION)
+
+    def add_cost(self, cost: JobCost) -> None:
+        """A provider job's cost; a later reading of the same job replaces the earlier one."""
+        costs = self.status.cost
+        costs[:] = [c for c in costs if c.provider_job_id != cost.provider_job_id]
+        costs.append(cost)
+        self.touch()
 
     def set_teardown(self, teardown: Teardown) -> None:
         self.status.teardown = teardown

@@ -62,6 +62,8 @@ class SegmentRun:
         followed = await self._follow(checkpoint)
         book.merge_artifacts(followed.artifacts)
         book.set_checkpoint(followed.checkpoint)
+        if followed.cost is not None:
+            book.add_cost(followed.cost)
         book.set_state(JobState.UPLOADING)
         offloaded = await calls.offload(
             OffloadInput(
@@ -113,6 +115,10 @@ class SegmentRun:
                     checkpoint = await self._resubmit_lost(checkpoint)
                     attempt = 0
                     continue
+                if kind == FailureKind.AMBIGUOUS:
+                    checkpoint = await self._after_ambiguous_submission(checkpoint, err)
+                    attempt = 0
+                    continue
                 # Not yet on the backend (a pool that is down, unhealthy or busy): still
                 # submitting; otherwise the path to a running prompt broke.
                 not_on_backend = not self._legacy and checkpoint.submitted_at is None
@@ -142,6 +148,8 @@ class SegmentRun:
             checkpoint=checkpoint,
             stored=self._book.artifacts_of(self._segment),
             graph=self._graph if submit else None,
+            execution_timeout_s=request.policy.execution_timeout_s,
+            queue_timeout_s=request.policy.queue_timeout_s,
         )
 
     def _furthest(self, current: Checkpoint, recovered: Checkpoint | None) -> Checkpoint:
@@ -203,6 +211,60 @@ class SegmentRun:
         self._book.restart_prompt()
         prompt_id = checkpoint.prompt_id or str(workflow.uuid4())
         return await self._submission(prompt_id, checkpoint.total_steps)
+
+    async def _after_ambiguous_submission(
+        self, checkpoint: Checkpoint, err: BaseException
+    ) -> Checkpoint:
+        """The submission's answer was lost and the backend cannot say whether it took it (a
+        RunPod pool without claims): `on_ambiguous_submit` decides whether to risk paying twice."""
+        what = job_error(err).message
+        policy = self._request.policy.on_ambiguous_submit
+        if policy == "fail":
+            raise ApplicationError(
+                f"{what} (on_ambiguous_submit is 'fail')",
+                type=ErrorType.SUBMISSION_AMBIGUOUS,
+                non_retryable=True,
+            )
+        if policy == "pause":
+            await self._ask_for_resubmit(self._ambiguous_decision(checkpoint, what))
+        self._controls.resubmits += 1
+        counter("resubmissions", "Prompts submitted again after the backend lost them").add(1)
+        self._book.restart_prompt()
+        prompt_id = checkpoint.prompt_id or str(workflow.uuid4())
+        return await self._submission(prompt_id, checkpoint.total_steps)
+
+    async def _ask_for_resubmit(self, decision: Decision) -> None:
+        """NEEDS_DECISION until a resume with resubmit (a cancel ends the job meanwhile)."""
+        controls = self._controls
+        controls.resume = None
+        self._book.ask(decision)
+        while True:
+            await workflow.wait_condition(lambda: controls.resume is not None)
+            assert controls.resume is not None
+            if controls.resume.resubmit:
+                return
+            self._book.notice("resume: nothing to re-attach to; resume with resubmit=true")
+            controls.resume = None
+
+    def _ambiguous_decision(self, checkpoint: Checkpoint, what: str) -> Decision:
+        return Decision(
+            reason=(
+                f"the backend may or may not have prompt {checkpoint.prompt_id}: {what}; this "
+                "pool cannot tell (no claims), and submitting again may run it twice"
+            ),
+            options={
+                "resume --resubmit": (
+                    "submit it again: if the first submission did arrive, it runs and is paid "
+                    "for twice; outputs already stored are kept"
+                ),
+                "cancel": (
+                    "end the job as CANCELLED; a first submission that did arrive is not "
+                    "stopped (its job ID on the backend is unknown)"
+                ),
+            },
+            reattach_possible=False,
+            since=workflow.now(),
+        )
 
     def _lost_prompt_decision(self, checkpoint: Checkpoint) -> Decision:
         progress = self._book.status.progress
