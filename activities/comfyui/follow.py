@@ -13,8 +13,6 @@ the prompt has finished.
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
 import time
 from collections.abc import Mapping
 from datetime import UTC, datetime
@@ -41,12 +39,13 @@ from activities.errors import (
     history_failure,
     retryable,
 )
+from activities.follow_common import restore_checkpoint, send_progress, worker_identity
 from activities.orphans import prompt_tag
 from activities.progress import ProgressTracker
 from activities.storage import ArtifactStore
 from workflows.activity_io import FollowHeartbeat, FollowInput, FollowResult
 from workflows.contracts import Artifact, Checkpoint, ProgressReport
-from workflows.shared import SIGNAL_PROGRESS, ErrorType
+from workflows.shared import ErrorType
 
 log = structlog.get_logger(__name__)
 
@@ -86,7 +85,7 @@ class PromptFollower:
         self.client = client
         self.health = health
         heartbeat = FollowHeartbeat.from_details(activity.info().heartbeat_details)
-        self.checkpoint = _restore_checkpoint(heartbeat, req)
+        self.checkpoint = restore_checkpoint(heartbeat, req)
         stored = list(req.stored) + (heartbeat.artifacts if heartbeat is not None else [])
         self.uploader = OutputUploader(
             client,
@@ -115,7 +114,7 @@ class PromptFollower:
         self.succeeded = False
         self.uploads: set[asyncio.Task[Artifact]] = set()
         self.log = log.bind(job_id=req.job_id, prompt_id=req.prompt_id, segment=req.segment)
-        self.worker_id = _worker_identity()
+        self.worker_id = worker_identity()
 
     async def run(self) -> FollowResult:
         attempt = activity.info().attempt
@@ -385,38 +384,7 @@ class PromptFollower:
             checkpoint=self._checkpoint(),
             worker_id=self.worker_id,
         )
-        try:
-            handle = activity.client().get_workflow_handle(self.req.job_id)
-            await handle.signal(SIGNAL_PROGRESS, report)
-        except Exception as exc:  # progress is advisory: never fail the job over it
-            self.log.warning("progress_signal_failed", error=str(exc))
-
-
-def _worker_identity() -> str:
-    """The worker process following the prompt, as Temporal knows it (`pid@host`)."""
-    try:
-        identity = getattr(activity.client(), "identity", None)
-    except RuntimeError:  # no client (e.g. an ActivityEnvironment)
-        identity = None
-    return identity if isinstance(identity, str) and identity else _process_identity()
-
-
-def _process_identity() -> str:
-    return f"{os.getpid()}@{socket.gethostname()}"
-
-
-def _restore_checkpoint(heartbeat: FollowHeartbeat | None, req: FollowInput) -> Checkpoint:
-    if heartbeat is not None and heartbeat.checkpoint.prompt_id == req.prompt_id:
-        return heartbeat.checkpoint
-    if req.checkpoint is not None and req.checkpoint.prompt_id == req.prompt_id:
-        return req.checkpoint
-    return Checkpoint(
-        job_id=req.job_id,
-        segment=req.segment,
-        prompt_id=req.prompt_id,
-        client_id=req.client_id,
-        updated_at=datetime.now(UTC),
-    )
+        await send_progress(self.req.job_id, report, self.log)
 
 
 class FollowActivities:
