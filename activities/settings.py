@@ -74,7 +74,14 @@ RUNPOD_API_KEY_ENV = "RUNPOD_API_KEY"
 _VARIABLE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 # What a hidden value becomes (see `PoolConfig._hide_secrets`).
 _HIDDEN = "<hidden>"
-_RUNPOD_ONLY = ("endpoint_id", "api_key_env", "claims", "usd_per_second", "execution_timeout_s")
+_RUNPOD_ONLY = (
+    "endpoint_id",
+    "api_key_env",
+    "claims",
+    "usd_per_second",
+    "execution_timeout_s",
+    "idle_timeout_s",
+)
 
 
 class PoolConfig(BaseModel):
@@ -87,7 +94,8 @@ class PoolConfig(BaseModel):
     our handler, which claims each submission, so resubmitting after a lost `/run` answer is safe;
     false for stock worker-comfyui endpoints (a person decides instead). `usd_per_second`: the
     endpoint's price, for the job's cost estimate. `execution_timeout_s`: sent as RunPod's
-    `executionTimeout` instead of the job's own.
+    `executionTimeout` instead of the job's own. `idle_timeout_s`: the endpoint's idle timeout,
+    what a worker keeps billing after its last job (RunPod's default 5 s when unset).
 
     After validation a runpod pool has `url`, `api_key_env` and `claims` set; a comfyui pool has
     none of the runpod fields (so its dump is what it always was).
@@ -102,6 +110,7 @@ class PoolConfig(BaseModel):
     claims: bool | None = None
     usd_per_second: float | None = Field(None, ge=0)
     execution_timeout_s: float | None = Field(None, ge=MIN_EXECUTION_TIMEOUT_S, le=MAX_POLICY_S)
+    idle_timeout_s: float | None = Field(None, ge=0)
 
     @model_validator(mode="before")
     @classmethod

@@ -25,6 +25,8 @@ class PrepareInput(StrictModel):
     graph: dict[str, Any]
     inputs: dict[str, InputRef] = Field(default_factory=dict)
     segments: list[dict[str, Any]] = Field(default_factory=list)
+    # Where the job stores things (backends that stage inputs beside its artifacts).
+    output: OutputSpec = Field(default_factory=OutputSpec)
 
 
 class PreparedJob(StrictModel):
@@ -36,6 +38,9 @@ class PreparedJob(StrictModel):
     sampler_steps: dict[str, int] = Field(default_factory=dict)
     nodes_total: int = 0
     output_nodes: list[str] = Field(default_factory=list)
+    # Input files staged in the job's bucket folder for backends that fetch them with the
+    # submission (RunPod): the name a load node uses -> its object key.
+    staged_inputs: dict[str, str] = Field(default_factory=dict)
 
 
 class SubmitInput(StrictModel):
@@ -78,6 +83,8 @@ class FollowInput(StrictModel):
     # For backends that take them with the submission (RunPod's executionTimeout and ttl).
     execution_timeout_s: float | None = None
     queue_timeout_s: float | None = None
+    # PreparedJob.staged_inputs, for backends that send input files with the submission.
+    staged_inputs: dict[str, str] = Field(default_factory=dict)
 
 
 class FollowResult(StrictModel):
@@ -99,6 +106,9 @@ class FollowHeartbeat(StrictModel):
     checkpoint: Checkpoint
     # Artifacts of this segment stored so far: never uploaded twice.
     artifacts: list[Artifact] = Field(default_factory=list)
+    # The submission was sent and its answer not heard yet (a RunPod `/run` in flight): the
+    # next attempt must find out whether it arrived before sending it again.
+    submitting: bool = False
 
     @classmethod
     def from_details(cls, details: Sequence[Any] | None) -> FollowHeartbeat | None:
@@ -157,6 +167,9 @@ class StopInput(StrictModel):
     submitted: bool = True
     # The last check before the teardown horizon: a prompt still there marks the pool busy.
     final: bool = False
+    # The backend's own job id for the prompt, when the workflow has heard it (RunPod's).
+    provider_job_id: str | None = None
+    output: OutputSpec = Field(default_factory=OutputSpec)
 
 
 class StopCheck(StrictModel):

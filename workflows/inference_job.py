@@ -194,7 +194,7 @@ class InferenceJob:
         self._stopper = (
             TeardownStop(self._book)
             if self._legacy
-            else ConfirmedStop(self._book, self._request.policy)
+            else ConfirmedStop(self._book, self._request.policy, self._request.output)
         )
         self._book.set_state(self._status.state if self._carry else JobState.QUEUED)
         self._work = asyncio.create_task(self._run_job())
@@ -223,6 +223,7 @@ class InferenceJob:
                     graph=request.graph,
                     inputs=request.inputs,
                     segments=request.segments,
+                    output=request.output,
                 )
             )
             book.prepared_on(self._prepared.pool, self._prepared.kind)

@@ -150,6 +150,7 @@ class SegmentRun:
             graph=self._graph if submit else None,
             execution_timeout_s=request.policy.execution_timeout_s,
             queue_timeout_s=request.policy.queue_timeout_s,
+            staged_inputs=prepared.staged_inputs,
         )
 
     def _furthest(self, current: Checkpoint, recovered: Checkpoint | None) -> Checkpoint:

@@ -28,6 +28,7 @@ with workflow.unsafe.imports_passed_through():
         JobError,
         JobPolicy,
         JobState,
+        OutputSpec,
         StopAction,
         Teardown,
         TeardownStep,
@@ -58,9 +59,10 @@ def stop_reason(state: JobState, timed_out: bool = False) -> str:
 class PromptStop:
     """Stops one job's prompt on its pool and keeps `status.teardown` true to what happened."""
 
-    def __init__(self, book: JobBook, policy: JobPolicy) -> None:
+    def __init__(self, book: JobBook, policy: JobPolicy, output: OutputSpec | None = None) -> None:
         self._book = book
         self._policy = policy
+        self._output = output or OutputSpec()
         self._freed = False
 
     @property
@@ -100,6 +102,8 @@ class PromptStop:
                     free_memory=free_memory and not self._freed,
                     submitted=submitted,
                     final=final,
+                    provider_job_id=self._provider_job_id(prompt_id),
+                    output=self._output,
                 )
             )
             record.checks += 1
@@ -146,6 +150,12 @@ class PromptStop:
                     summary=f"stop check {record.checks + 1}",
                 )
             attempt += 1
+
+    def _provider_job_id(self, prompt_id: str) -> str | None:
+        checkpoint = self._book.status.checkpoint
+        if checkpoint is None or checkpoint.prompt_id != prompt_id:
+            return None
+        return checkpoint.provider_job_id
 
     async def _check(self, req: StopInput) -> StopCheck | None:
         try:
@@ -248,9 +258,9 @@ class ConfirmedStop:
     the GPU at once; the settled pass confirms, and alone may say "never queued".
     """
 
-    def __init__(self, book: JobBook, policy: JobPolicy) -> None:
+    def __init__(self, book: JobBook, policy: JobPolicy, output: OutputSpec | None = None) -> None:
         self._book = book
-        self._stop = PromptStop(book, policy)
+        self._stop = PromptStop(book, policy, output)
         self._early: asyncio.Task[None] | None = None
 
     def begin(

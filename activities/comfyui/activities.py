@@ -8,8 +8,6 @@ submitted and stops were confirmed check by check.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import re
 from datetime import UTC, datetime
 from typing import Any, Literal
@@ -21,8 +19,9 @@ from activities.comfyui.client import ComfyClient, ComfyError
 from activities.comfyui.events import ending_of
 from activities.comfyui.graph import available_input_files, output_nodes, registry_problems
 from activities.comfyui.pools import ComfyPools, PoolHealth
-from activities.errors import fatal, from_comfy, from_storage, retryable
-from activities.storage import ArtifactStore, ObjectMissing, StorageError
+from activities.errors import fatal, from_comfy, retryable
+from activities.inputs import input_bytes
+from activities.storage import ArtifactStore
 from workflows.activity_io import (
     PreparedJob,
     PrepareInput,
@@ -33,7 +32,7 @@ from workflows.activity_io import (
     TeardownInput,
     TeardownResult,
 )
-from workflows.contracts import MAX_INLINE_INPUT_BYTES, InlineInput, InputRef, S3Input, Teardown
+from workflows.contracts import Teardown
 from workflows.graph import GraphFormatError, apply_overrides, bind_files, load_node_files
 from workflows.graph import sampler_steps as graph_sampler_steps
 from workflows.shared import (
@@ -85,7 +84,7 @@ class ComfyActivities:
                     input=file_name,
                 )
             if file_name not in bound:
-                data = await self._input_bytes(file_name, ref)
+                data = await input_bytes(self._store, file_name, ref, limit=MAX_INPUT_BYTES)
                 stored_as = upload_name(req.job_id, file_name)
                 try:
                     bound[file_name] = await client.upload_image(stored_as, data)
@@ -100,33 +99,6 @@ class ComfyActivities:
             sampler_steps=graph_sampler_steps(graph),
             nodes_total=len(graph),
             output_nodes=output_nodes(graph, object_info),
-        )
-
-    async def _input_bytes(self, name: str, ref: InputRef) -> bytes:
-        if isinstance(ref, InlineInput):
-            try:
-                data = base64.b64decode(ref.data_b64, validate=True)
-            except binascii.Error as exc:
-                raise fatal(ErrorType.MISSING_INPUT, f"input {name!r} is not valid base64") from exc
-            if len(data) > MAX_INLINE_INPUT_BYTES:
-                raise fatal(
-                    ErrorType.INVALID_REQUEST,
-                    f"input {name!r} is {len(data)} bytes inline; inline inputs are limited to "
-                    f"{MAX_INLINE_INPUT_BYTES}: pass an s3:// reference instead",
-                )
-            return data
-        if isinstance(ref, S3Input):
-            bucket, _, key = ref.uri.removeprefix("s3://").partition("/")
-            try:
-                return await self._store.read_bytes(key, bucket=bucket, limit=MAX_INPUT_BYTES)
-            except ObjectMissing as exc:
-                raise fatal(ErrorType.MISSING_INPUT, f"input {name!r}: {exc}") from exc
-            except StorageError as exc:
-                raise from_storage(exc, f"reading input {name!r}") from exc
-        raise fatal(
-            ErrorType.INVALID_REQUEST,
-            f"input {name!r}: https inputs are not supported yet; upload it and pass s3:// "
-            "or inline data",
         )
 
     @activity.defn(name=ACTIVITY_SUBMIT)
