@@ -1,0 +1,39 @@
+"""durable-comfy's RunPod serverless simulator: a stand-in for RunPod's control plane, so the
+orchestrator's RunPod backend and the `endpoint/` handler run end to end without an account or a
+GPU. It is a simulator, not RunPod: ids end in "-sim", worker ids start with "sim-worker-",
+/sim/health says so, and logs are tagged [runpod-sim].
+
+Run it with `python -m devstack.runpod_sim --port P --api-key KEY --endpoint-id ID
+[--worker-command "..."] [--clock-speed N] ...`, or build the aiohttp application in-process
+with `create_app(SimSettings(...))`.
+
+What it simulates (PROTOCOLS.md, "RunPod serverless"):
+- The public API under /v2/{endpoint_id}/: run, runsync (?wait=), status, stream, cancel, retry,
+  purge-queue, health; Bearer auth (401); IN_QUEUE -> IN_PROGRESS -> COMPLETED / FAILED /
+  CANCELLED / TIMED_OUT with delayTime, executionTime and workerId; the latest progress update as
+  `output` while IN_PROGRESS; policy.executionTimeout (exceeding it fails the job and stops the
+  worker) and policy.ttl (from submission, whatever the state; then 404); results kept 30 min
+  (run) or 1 min (runsync) after the end; body limits (run 10 MB, runsync 20 MB: 413); 1 MB stream
+  chunks; per-10-s rate limits (429 with Retry-After); webhooks.
+- The worker-facing API of runpod 1.12.0's `runpod.serverless.start` loop (job-take, job-stop,
+  job-done, job-stream, ping; routes_worker.py), driven by real, unmodified worker processes.
+- Workers on demand: scale from zero, max workers, cold start, idle timeout, replacement after
+  refresh_worker, the job of a dead worker (TIMED_OUT, re-delivered, or stuck until the execution
+  timeout). Every platform timer runs on a simulator clock `--clock-speed` times faster than real.
+- A ledger (GET /sim/ledger, ledger.py) and fault injection (POST /sim/faults, faults.py).
+
+What it does not: GPUs, regions, network volumes, FlashBoot, active/min workers, lowPriority
+(accepted, no effect), concurrency modifiers beyond what the SDK does itself, the GraphQL and REST
+management APIs, per-account limits, the exact wording of RunPod's error bodies (ours are
+`{"error": "..."}`), and a 413/400 exactly where RunPod draws the line (limits are MiB here). What
+happens to a dead worker's job is undocumented at RunPod: the simulator offers the three
+behaviours seen in the wild. Pings are recorded, never used to judge a worker: the simulator owns
+the processes and sees them die. `health.workers.ready` counts idle plus running workers (the
+simulator's reading of a field RunPod does not define), `throttled` and `unhealthy` stay 0.
+"""
+
+from .ledger import Ledger
+from .server import create_app
+from .settings import SIM_VERSION, SimSettings
+
+__all__ = ["SIM_VERSION", "Ledger", "SimSettings", "create_app"]

@@ -1,0 +1,258 @@
+"""Worker processes: one subprocess per RunPod worker, running the configured command under the
+unmodified `runpod.serverless.start` loop with the platform's variables pointing here.
+
+A worker is billed from the moment it is launched (its cold start included) until the platform
+decides to stop it (idle, refresh, execution timeout, shutdown) or, when it dies on its own, until
+it is found dead. Stopping is SIGTERM to the worker (the SDK finishes its in-flight job, then
+exits), SIGKILL to its process group after the grace period.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import structlog
+
+from .clock import Changes, SimClock
+from .env_factories import WorkerEnvFactory, WorkerSlot
+from .procs import ChildProcess
+from .settings import DeathOutcome, SimSettings
+
+log = structlog.get_logger("runpod_sim.workers")
+
+WorkerState = Literal["initializing", "idle", "running", "stopping", "stopped"]
+# Any GPU query string will do: the SDK appends its own parameters with "&".
+GPU_QUERY = "gpu=SIMULATED"
+# Real seconds a stopping worker is given to collect its job-stop signals before SIGTERM: the SDK
+# re-polls job-stop at least every second (its floor delay after an empty answer).
+STOP_SIGNAL_WAIT_S = 2.0
+
+
+@dataclass
+class Worker:
+    id: str
+    index: int
+    slot: WorkerSlot
+    started_at: float
+    cold_start_s: float
+    log_path: Path
+    state: WorkerState = "initializing"
+    process: ChildProcess | None = None
+    ready_at: float | None = None
+    idle_since: float | None = None
+    jobs: set[str] = field(default_factory=set)
+    job_history: list[str] = field(default_factory=list)
+    last_job_end_at: float | None = None
+    to_stop: list[str] = field(default_factory=list)
+    stop_requested_at: float | None = None
+    exited_at: float | None = None
+    stop_reason: str | None = None
+    exit_code: int | None = None
+    crash_outcome: DeathOutcome | None = None
+    pings: int = 0
+    last_ping_at: float | None = None
+    last_ping_jobs: list[str] = field(default_factory=list)
+    fitness_failures: list[dict[str, str]] = field(default_factory=list)
+    env_keys: list[str] = field(default_factory=list)
+
+    @property
+    def alive(self) -> bool:
+        return self.state in ("initializing", "idle", "running")
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process else None
+
+    def billing_end(self) -> float | None:
+        return self.stop_requested_at if self.stop_requested_at is not None else self.exited_at
+
+    def billed_s(self, now: float) -> float:
+        end = self.billing_end()
+        return (end if end is not None else now) - self.started_at
+
+
+class WorkerPool:
+    def __init__(
+        self,
+        settings: SimSettings,
+        clock: SimClock,
+        factories: list[WorkerEnvFactory],
+        work_dir: Path,
+        changes: Changes,
+        on_exit: Callable[[Worker], None],
+    ) -> None:
+        self.settings = settings
+        self.clock = clock
+        self.factories = factories
+        self.work_dir = work_dir
+        self.changes = changes
+        self.on_exit = on_exit
+        self.workers: dict[str, Worker] = {}
+        # The workers' RUNPOD_AI_API_KEY: not the public API key, as on RunPod.
+        self.worker_key = secrets.token_hex(16)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._count = 0
+
+    def alive(self) -> list[Worker]:
+        return [w for w in self.workers.values() if w.alive]
+
+    def launch(self, extra_cold_start_s: float = 0.0) -> Worker:
+        self._count += 1
+        worker_id = f"sim-worker-{self._count}-{secrets.token_hex(3)}"
+        folder = self.work_dir / "workers" / worker_id
+        worker = Worker(
+            id=worker_id,
+            index=self._count,
+            slot=WorkerSlot(worker_id, self._count, folder),
+            started_at=self.clock.now(),
+            cold_start_s=self.settings.cold_start_s + extra_cold_start_s,
+            log_path=folder / "worker.log",
+        )
+        self.workers[worker_id] = worker
+        log.info("worker launched", worker_id=worker_id, cold_start_s=worker.cold_start_s)
+        task = asyncio.create_task(self._run(worker), name=f"runpod-sim-{worker_id}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        self.changes.notify()
+        return worker
+
+    def _runpod_env(self, worker: Worker) -> dict[str, str]:
+        s = self.settings
+        host = "127.0.0.1" if s.host in ("", "0.0.0.0", "::") else s.host
+        v2 = f"http://{host}:{s.port}/v2/{s.endpoint_id}"
+        pythonpath = os.pathsep.join(
+            p for p in (str(s.worker_cwd), os.environ.get("PYTHONPATH")) if p
+        )
+        return {
+            "RUNPOD_POD_ID": worker.id,
+            "RUNPOD_POD_HOSTNAME": worker.id,
+            "RUNPOD_ENDPOINT_ID": s.endpoint_id,
+            "RUNPOD_AI_API_KEY": self.worker_key,
+            # The templates as the platform gives them: the SDK substitutes $ID (job-take: the
+            # worker id; job-done/job-stream: the job id) and $RUNPOD_POD_ID itself.
+            "RUNPOD_WEBHOOK_GET_JOB": f"{v2}/job-take/$ID?{GPU_QUERY}",
+            "RUNPOD_WEBHOOK_POST_OUTPUT": f"{v2}/job-done/$RUNPOD_POD_ID/$ID?{GPU_QUERY}",
+            "RUNPOD_WEBHOOK_POST_STREAM": f"{v2}/job-stream/$RUNPOD_POD_ID/$ID?{GPU_QUERY}",
+            "RUNPOD_WEBHOOK_PING": f"{v2}/ping/$RUNPOD_POD_ID?{GPU_QUERY}",
+            "RUNPOD_PING_INTERVAL": str(s.ping_interval_ms),
+            "RUNPOD_SKIP_GPU_CHECK": "true",
+            "RUNPOD_SKIP_AUTO_SYSTEM_CHECKS": "true",
+            "RUNPOD_LOG_LEVEL": s.runpod_log_level,
+            "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": pythonpath,
+        }
+
+    async def _start_process(self, worker: Worker) -> ChildProcess | None:
+        await self.clock.sleep(worker.cold_start_s)
+        extra: dict[str, str] = {}
+        for factory in self.factories:
+            if worker.state != "initializing":
+                return None
+            extra.update(await factory.start(worker.slot))
+        if worker.state != "initializing":
+            return None
+        # The platform's variables win over the factories' and the simulator's own environment.
+        env = {**os.environ, **extra, **self._runpod_env(worker)}
+        worker.env_keys = sorted(extra)
+        worker.slot.work_dir.mkdir(parents=True, exist_ok=True)
+        with worker.log_path.open("ab") as out:
+            out.write(f"=== {worker.id}: {' '.join(self.settings.worker_command)}\n".encode())
+        return await ChildProcess.spawn(
+            self.settings.worker_command,
+            env=env,
+            cwd=self.settings.worker_cwd,
+            log_path=worker.log_path,
+        )
+
+    async def _run(self, worker: Worker) -> None:
+        code: int | None = None
+        try:
+            worker.process = await self._start_process(worker)
+            if worker.process is not None:
+                log.info("worker process started", worker_id=worker.id, pid=worker.process.pid)
+                if worker.state == "stopping":  # stopped while its process was being spawned
+                    await worker.process.terminate(self.settings.stop_grace_s)
+                code = await worker.process.wait()
+        except Exception as exc:  # a factory or the spawn failed: the worker never came up
+            log.error("worker failed to start", worker_id=worker.id, error=repr(exc))
+            worker.stop_reason = worker.stop_reason or "start_failed"
+        finally:
+            if worker.process is not None:
+                worker.process.kill_group()
+            worker.exited_at = self.clock.now()
+            worker.exit_code = code
+            if worker.stop_reason is None:
+                worker.stop_reason = "crash" if code != 0 else "exited"
+            worker.state = "stopped"
+            for factory in self.factories:
+                with contextlib.suppress(Exception):
+                    await factory.stop(worker.slot)
+            log.info(
+                "worker stopped",
+                worker_id=worker.id,
+                reason=worker.stop_reason,
+                exit_code=code,
+                billed_s=round(worker.billed_s(self.clock.now()), 3),
+            )
+            self.on_exit(worker)
+            self.changes.notify()
+
+    def _mark_stopping(self, worker: Worker, reason: str) -> bool:
+        """Synchronously, so no job-take can hand the worker a job once it is being stopped."""
+        if not worker.alive:
+            return False
+        worker.state = "stopping"
+        worker.stop_requested_at = self.clock.now()
+        worker.stop_reason = reason
+        log.info("stopping worker", worker_id=worker.id, reason=reason)
+        self.changes.notify()  # wakes its long-polls, which now answer at once
+        return True
+
+    async def _terminate(self, worker: Worker) -> None:
+        # A job-stop signal waiting for this worker goes out first: after SIGTERM the SDK polls
+        # job-stop no more, and its handler would run on until the SIGKILL.
+        deadline = time.monotonic() + STOP_SIGNAL_WAIT_S
+        while worker.to_stop and worker.process is not None and time.monotonic() < deadline:
+            await self.changes.wait(deadline - time.monotonic())
+        if worker.process is not None:
+            await worker.process.terminate(self.settings.stop_grace_s)
+
+    async def stop(self, worker: Worker, reason: str) -> None:
+        """The platform stops a worker; billing ends now."""
+        if self._mark_stopping(worker, reason):
+            await self._terminate(worker)
+
+    def stop_soon(self, worker: Worker, reason: str) -> None:
+        if not self._mark_stopping(worker, reason):
+            return
+        task = asyncio.create_task(self._terminate(worker))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def crash(self, worker: Worker, outcome: DeathOutcome) -> None:
+        """kill -9 the worker's whole process group (the crash fault)."""
+        if worker.process is None or not worker.alive:
+            return
+        log.warning("fault: killing worker", worker_id=worker.id, pid=worker.process.pid)
+        worker.crash_outcome = outcome
+        worker.process.kill_group()
+
+    async def shutdown(self) -> None:
+        await asyncio.gather(
+            *(self.stop(w, "shutdown") for w in list(self.workers.values())),
+            return_exceptions=True,
+        )
+        # Each worker's own task does the final sweep and stops its factories.
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    def pids(self) -> list[dict[str, Any]]:
+        return [{"worker_id": w.id, "pid": w.pid} for w in self.workers.values() if w.pid]
