@@ -1,0 +1,168 @@
+"""Start and stop the RunPod simulator for tests: `python -m devstack.runpod_sim` as a subprocess
+on a free 127.0.0.1 port, stopped by PID afterwards (SIGTERM, then SIGKILL), with a check that
+none of its workers outlived it.
+
+    async with run_runpod_sim(tmp_path, "--clock-speed", "10", handler=test_handler("echo")) as sim:
+        httpx.post(f"{sim.api_url}/run", headers=sim.headers, json={"input": {...}})
+        ledger = await sim.ledger()
+
+Plain helpers, no pytest fixtures here. Worker processes run in .venv-endpoint (the app venv
+cannot import runpod): check `ENDPOINT_VENV_MISSING` and skip when it is set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from devstack.runpod_sim import Ledger
+from tests.comfy_sim_support import free_port
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+ENDPOINT_PYTHON = REPO_ROOT / ".venv-endpoint" / "bin" / "python"
+ENDPOINT_VENV_MISSING: str | None = (
+    None
+    if ENDPOINT_PYTHON.exists()
+    else f"{ENDPOINT_PYTHON} is missing: `make install` builds the endpoint's venv (runpod SDK)"
+)
+
+
+def handler_command(script: str) -> str:
+    """The --worker-command running `script` (relative to the repo) in the endpoint's venv."""
+    return f"{ENDPOINT_PYTHON} {script}"
+
+
+def test_handler(name: str) -> str:
+    """One of tests/runpod_handlers/ (echo, scripted, stream)."""
+    return f"tests/runpod_handlers/{name}.py"
+
+
+test_handler.__test__ = False  # type: ignore[attr-defined]  # not a test, despite its name
+
+
+@dataclass
+class RunpodSim:
+    base_url: str
+    api_key: str
+    endpoint_id: str
+    pid: int
+    work_dir: Path
+    log_path: Path
+    # Every worker process group the simulator reported, for the leak check at the end.
+    seen_worker_pids: set[int] = field(default_factory=set)
+
+    @property
+    def api_url(self) -> str:
+        """The public API's base: `{base_url}/v2/{endpoint_id}`."""
+        return f"{self.base_url}/v2/{self.endpoint_id}"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"}
+
+    async def _sim(self, method: str, path: str, body: Any = None) -> Any:
+        async with httpx.AsyncClient(timeout=10, trust_env=False) as http:
+            response = await http.request(method, f"{self.base_url}{path}", json=body)
+        response.raise_for_status()
+        return response.json()
+
+    async def ledger(self) -> Ledger:
+        ledger = Ledger.model_validate(await self._sim("GET", "/sim/ledger"))
+        self.seen_worker_pids.update(w.pid for w in ledger.workers if w.pid)
+        return ledger
+
+    async def faults(self, **faults: Any) -> dict[str, Any]:
+        """POST /sim/faults (see devstack/runpod_sim/faults.py)."""
+        answer: dict[str, Any] = await self._sim("POST", "/sim/faults", faults)
+        return answer
+
+    async def reset_faults(self) -> None:
+        await self._sim("POST", "/sim/reset", {})
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+async def _wait_ready(sim: RunpodSim, proc: asyncio.subprocess.Process, within_s: float) -> None:
+    deadline = time.monotonic() + within_s
+    async with httpx.AsyncClient(timeout=1, trust_env=False) as http:
+        while time.monotonic() < deadline:
+            if proc.returncode is not None:
+                raise RuntimeError(f"RunPod simulator exited early:\n{sim.log_path.read_text()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if (await http.get(f"{sim.base_url}/sim/health")).status_code == 200:
+                    return
+            await asyncio.sleep(0.05)
+    raise RuntimeError(f"RunPod simulator did not come up:\n{sim.log_path.read_text()}")
+
+
+async def _stop(proc: asyncio.subprocess.Process, within_s: float) -> None:
+    if proc.returncode is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(proc.wait(), timeout=within_s)
+        except TimeoutError:
+            proc.kill()
+    await asyncio.wait_for(proc.wait(), timeout=5)
+
+
+def _log_file(work_dir: Path) -> Path:
+    work_dir.mkdir(parents=True, exist_ok=True)
+    return work_dir / "runpod_sim.log"
+
+
+@contextlib.asynccontextmanager
+async def run_runpod_sim(
+    work_dir: Path,
+    *args: str,
+    handler: str | None = None,
+    api_key: str = "test-api-key",
+    endpoint_id: str = "test-endpoint",
+    check_leaks: bool = True,
+) -> AsyncIterator[RunpodSim]:
+    """The simulator on a free port; `handler` (a script path relative to the repo) becomes the
+    --worker-command in the endpoint's venv; `args` are more CLI flags. On exit the simulator gets
+    SIGTERM (it stops its workers) and, if it lingers, SIGKILL; a worker process group still alive
+    afterwards is killed and, with `check_leaks`, fails the test."""
+    log_path = _log_file(work_dir)
+    port = free_port()
+    argv = [
+        sys.executable, "-m", "devstack.runpod_sim", "--host", "127.0.0.1", "--port", str(port),
+        "--api-key", api_key, "--endpoint-id", endpoint_id, "--work-dir", str(work_dir),
+        *(("--worker-command", handler_command(handler)) if handler else ()), *args,
+    ]  # fmt: skip
+    with log_path.open("wb") as log_file:
+        proc = await asyncio.create_subprocess_exec(
+            *argv, cwd=REPO_ROOT, stdout=log_file, stderr=asyncio.subprocess.STDOUT
+        )
+    sim = RunpodSim(f"http://127.0.0.1:{port}", api_key, endpoint_id, proc.pid, work_dir, log_path)
+    try:
+        await _wait_ready(sim, proc, within_s=20)
+        yield sim
+    finally:
+        with contextlib.suppress(Exception):
+            await sim.ledger()  # the last word on which workers exist
+        await _stop(proc, within_s=30)
+        leaked = sorted(pgid for pgid in sim.seen_worker_pids if _group_alive(pgid))
+        for pgid in leaked:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, signal.SIGKILL)
+    if leaked and check_leaks:
+        raise AssertionError(f"worker process groups left running after shutdown: {leaked}")
