@@ -12,25 +12,28 @@ import argparse
 import asyncio
 import signal
 import sys
+from collections.abc import Mapping
 from datetime import timedelta
 from typing import Annotated
 
 import httpx
 import structlog
 import typer
-from pydantic import ValidationError
+from pydantic import SecretStr, ValidationError
 from pydantic_settings import SettingsError
 from temporalio.client import Client
 from temporalio.runtime import Runtime
 from temporalio.worker import Worker
 
-from activities.backend import Backends, JobActivities
+from activities.backend import Backend, Backends, JobActivities
 from activities.comfyui.backend import ComfyBackend
 from activities.comfyui.pools import ComfyPools
 from activities.log_setup import configure_logging
 from activities.metrics import count_swept, prometheus_runtime
 from activities.orphans import OrphanSweeper
-from activities.settings import WorkerSettings
+from activities.runpod.backend import RunPodBackend
+from activities.runpod.client import RunPodClient
+from activities.settings import WorkerSettings, runpod_api_keys
 from activities.storage import ArtifactStore, S3Settings, StorageConfigError
 from starter.connection import TemporalSettings, connect_temporal, forwarded_core_logs
 from starter.exit import exit_without_finalizing
@@ -48,12 +51,15 @@ async def run_worker(
     stop: asyncio.Event | None = None,
     client: Client | None = None,
     temporal: TemporalSettings | None = None,
+    runpod_keys: Mapping[str, SecretStr] | None = None,
 ) -> None:
     """Serve InferenceJob until `stop` is set (by default: SIGTERM or SIGINT).
 
     Without `client` it connects where `temporal` says (None: Temporal's own environment
-    configuration alone).
+    configuration alone). `runpod_keys`: each runpod pool's API key (None: read them from the
+    environment now).
     """
+    keys = runpod_api_keys(settings.pools) if runpod_keys is None else runpod_keys
     stop = stop or _stop_on_signals()
     if client is None:
         runtime = None
@@ -70,8 +76,9 @@ async def run_worker(
     ):
         pools = ComfyPools(settings, http)
         comfy = ComfyBackend(pools, store)
-        backends = Backends(settings.pools, settings.default_pool, {"comfyui": comfy})
-        jobs = JobActivities(backends)
+        runpod = RunPodBackend(settings.pools, runpod_clients(settings, keys, http), store)
+        by_kind: dict[str, Backend] = {"comfyui": comfy, "runpod": runpod}
+        jobs = JobActivities(Backends(settings.pools, settings.default_pool, by_kind))
         worker = Worker(
             client,
             task_queue=settings.task_queue,
@@ -116,6 +123,17 @@ async def run_worker(
     log.info("worker_stopped")
 
 
+def runpod_clients(
+    settings: WorkerSettings, keys: Mapping[str, SecretStr], http: httpx.AsyncClient
+) -> dict[str, RunPodClient]:
+    """One client per runpod pool, on the worker's shared HTTP client."""
+    return {
+        name: RunPodClient.for_pool(pool, keys[name], http)
+        for name, pool in settings.pools.items()
+        if pool.kind == "runpod"
+    }
+
+
 def _stop_on_signals() -> asyncio.Event:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -141,10 +159,11 @@ def main(argv: list[str] | None = None) -> None:
             settings = WorkerSettings(metrics_port=args.metrics_port)
         s3 = S3Settings.from_env()
         temporal = TemporalSettings()
+        runpod_keys = runpod_api_keys(settings.pools)
     except (ValidationError, SettingsError, StorageConfigError) as exc:
         sys.exit(f"worker: invalid settings: {exc}")
     configure_logging(settings.log_level)
-    asyncio.run(run_worker(settings, s3, temporal=temporal))
+    asyncio.run(run_worker(settings, s3, temporal=temporal, runpod_keys=runpod_keys))
     exit_without_finalizing(0)
 
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 import ast
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, cast
 
 import pytest
-from pydantic import ValidationError
+from pydantic import SecretStr, ValidationError
 from pydantic_settings import BaseSettings, SettingsError
 from temporalio.client import Client
 from typer.testing import CliRunner
@@ -240,9 +240,13 @@ def test_the_worker_builds_its_settings_once_with_the_option_winning(
     seen: dict[str, Any] = {}
 
     async def fake_run_worker(
-        settings: WorkerSettings, s3: S3Settings, *, temporal: TemporalSettings
+        settings: WorkerSettings,
+        s3: S3Settings,
+        *,
+        temporal: TemporalSettings,
+        runpod_keys: Mapping[str, SecretStr],
     ) -> None:
-        seen.update(settings=settings, s3=s3, temporal=temporal)
+        seen.update(settings=settings, s3=s3, temporal=temporal, runpod_keys=runpod_keys)
 
     monkeypatch.setattr(worker, "run_worker", fake_run_worker)
     monkeypatch.setattr(worker, "exit_without_finalizing", lambda code: None)
@@ -254,6 +258,7 @@ def test_the_worker_builds_its_settings_once_with_the_option_winning(
         "ns",
         "INFO",
     )
+    assert seen["runpod_keys"] == {}, "no runpod pool, no key to read"
 
 
 # --- bad values name their variable ------------------------------------------------------------

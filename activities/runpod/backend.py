@@ -1,0 +1,236 @@
+"""The `runpod` kind of pool: a RunPod serverless endpoint running ComfyUI (our handler in
+endpoint/, or a stock worker-comfyui image).
+
+    prepare   check the overrides, stage input files in the job's bucket folder
+    follow    activities/runpod/follow.py: submit once, poll to the end, keep the outputs
+    offload   outputs are stored by then (by the handler, or by follow for inline ones):
+              verify them; after a failure, keep what the claim says was stored
+    stop      cancel the RunPod job unless it has ended, read its state back and, with claims,
+              wait for the handler to record that its prompt stopped
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from typing import Literal
+
+import structlog
+
+from activities.errors import fatal, retryable
+from activities.inputs import input_bytes
+from activities.keys import content_type_for, job_folder, safe_component
+from activities.runpod.claims import claim_target, lease_running, read_claim
+from activities.runpod.client import MAX_RUN_BYTES, RunPodClient
+from activities.runpod.errors import RunPodError, RunPodJobGone
+from activities.runpod.failures import from_runpod
+from activities.runpod.follow import RunPodFollower, job_cost, one_chunk
+from activities.runpod.models import RunPodJob, RunPodState
+from activities.settings import PoolConfig
+from activities.storage import ArtifactStore
+from endpoint.contract import Claim, InputImage
+from workflows.activity_io import (
+    FollowInput,
+    FollowResult,
+    OffloadInput,
+    OffloadResult,
+    PreparedJob,
+    PrepareInput,
+    StopCheck,
+    StopInput,
+)
+from workflows.contracts import Artifact
+from workflows.graph import (
+    GraphFormatError,
+    apply_overrides,
+    load_node_files,
+)
+from workflows.graph import sampler_steps as graph_sampler_steps
+from workflows.shared import ErrorType
+
+log = structlog.get_logger(__name__)
+
+# Inputs travel base64 in `/run` (4/3 of their size) beside the graph: keep room for both.
+MAX_STAGED_INPUT_BYTES = MAX_RUN_BYTES * 7 // 10
+INPUTS_FOLDER = "_inputs"
+
+StopAction = Literal["none", "dequeued", "interrupt_sent"]
+Position = Literal["pending", "running"]
+Ended = Literal["success", "interrupted", "error", "unknown"]
+_ENDED: dict[RunPodState, Ended] = {
+    RunPodState.COMPLETED: "success",
+    RunPodState.CANCELLED: "interrupted",
+    RunPodState.FAILED: "error",
+    RunPodState.TIMED_OUT: "error",
+}
+
+
+class RunPodBackend:
+    """`activities.backend.Backend` for RunPod pools."""
+
+    def __init__(
+        self,
+        pools: Mapping[str, PoolConfig],
+        clients: Mapping[str, RunPodClient],
+        store: ArtifactStore,
+    ) -> None:
+        self._pools = pools
+        self._clients = clients
+        self._store = store
+
+    async def prepare(self, req: PrepareInput, pool: str) -> PreparedJob:
+        """No node registry to ask (the worker's ComfyUI is not up before a job reaches it):
+        check what can be checked here and stage the input files; ComfyUI's own validation on
+        the worker refuses the rest before anything runs."""
+        for index, overrides in enumerate(req.segments):
+            try:
+                apply_overrides(req.graph, overrides)
+            except GraphFormatError as exc:
+                raise fatal(ErrorType.INVALID_REQUEST, f"segment {index}: {exc}") from exc
+        bucket = req.output.bucket or self._store.settings.bucket
+        folder = f"{job_folder(req.output.prefix, req.job_id)}/{INPUTS_FOLDER}"
+        staged: dict[str, str] = {}
+        total = 0
+        for _node, _input, name in load_node_files(req.graph):
+            ref = req.inputs.get(name)
+            if ref is None or name in staged:
+                continue  # a file the worker's image may hold; its ComfyUI says if not
+            data = await input_bytes(self._store, name, ref, limit=MAX_STAGED_INPUT_BYTES)
+            total += len(data)
+            if total > MAX_STAGED_INPUT_BYTES:
+                raise fatal(
+                    ErrorType.INVALID_REQUEST,
+                    f"the inputs add up to more than {MAX_STAGED_INPUT_BYTES} bytes, which "
+                    "does not fit RunPod's 10 MB /run body: send smaller inputs",
+                )
+            key = f"{folder}/{safe_component(name)}"
+
+            await self._store.upload_stream(
+                key, one_chunk(data), content_type=content_type_for(name), bucket=bucket
+            )
+            staged[name] = key
+        log.info("prepared", job_id=req.job_id, pool=pool, inputs=len(staged))
+        return PreparedJob(
+            pool=pool,
+            kind="runpod",
+            graph=req.graph,
+            sampler_steps=graph_sampler_steps(req.graph),
+            nodes_total=len(req.graph),
+            staged_inputs=staged,
+        )
+
+    async def follow(self, req: FollowInput) -> FollowResult:
+        pool, client = self._pools[req.pool], self._clients[req.pool]
+        inputs = await self._inputs(req) if req.graph is not None else []
+        return await RunPodFollower(req, pool, client, self._store, inputs).run()
+
+    async def _inputs(self, req: FollowInput) -> list[InputImage]:
+        bucket = req.output.bucket or self._store.settings.bucket
+        images = []
+        for name, key in req.staged_inputs.items():
+            data = await self._store.read_bytes(key, limit=MAX_STAGED_INPUT_BYTES, bucket=bucket)
+            images.append(InputImage(name=name, image=base64.b64encode(data).decode()))
+        return images
+
+    async def offload(self, req: OffloadInput) -> OffloadResult:
+        """Every output is in S3 by now: verify what the job holds, and after a failure add
+        what the claim says the handler stored before it stopped."""
+        kept = {a.key: a for a in req.stored}
+        if req.partial and self._pools[req.pool].claims:
+            target = claim_target(req.output, self._store.settings.bucket)
+            claim = await read_claim(self._store, target, req.job_id, req.prompt_id)
+            records = claim.outcome.images if claim is not None and claim.outcome else []
+            for record in records:
+                if record.key and record.size is not None and record.sha256:
+                    kept.setdefault(
+                        record.key,
+                        Artifact(
+                            key=record.key,
+                            uri=f"s3://{target.bucket}/{record.key}",
+                            size=record.size,
+                            sha256=record.sha256,
+                            content_type=record.content_type,
+                            node_id=record.node_id or "output",
+                            segment=req.segment,
+                        ),
+                    )
+        verified = []
+        folder = job_folder(req.output.prefix, req.job_id) + "/"
+        for artifact in kept.values():
+            bucket = artifact.uri.removeprefix("s3://").split("/", 1)[0]
+            head = await self._store.head(artifact.key, bucket=bucket)
+            ok = (
+                artifact.key.startswith(folder)
+                and head is not None
+                and head.size == artifact.size
+                and head.sha256 == artifact.sha256
+            )
+            if ok:
+                verified.append(artifact)
+            elif not req.partial:
+                raise retryable(
+                    ErrorType.STORAGE_ERROR,
+                    f"{artifact.uri} is not stored as stated (size {artifact.size}, "
+                    f"sha256 {artifact.sha256[:12]}...)",
+                )
+        return OffloadResult(artifacts=sorted(verified, key=lambda a: a.key))
+
+    async def stop(self, req: StopInput) -> StopCheck:
+        """One check: cancel the RunPod job unless it ended, then say where the work is."""
+        pool, client = self._pools[req.pool], self._clients[req.pool]
+        now = datetime.now(UTC)
+        target = claim_target(req.output, self._store.settings.bucket)
+        claim = (
+            await read_claim(self._store, target, req.job_id, req.prompt_id)
+            if pool.claims
+            else None
+        )
+        job_id = req.provider_job_id or (claim.holder if claim is not None else None)
+        if job_id is None:
+            # No RunPod job is known for the prompt: it never reached RunPod, as far as anyone
+            # can tell (the workflow's settled pass decides what that means).
+            return StopCheck(at=now, position="gone", ended="unknown")
+        try:
+            job = await client.status(job_id)
+            action: StopAction = "none"
+            if job.state is not None and not job.state.terminal:
+                action = "dequeued" if job.state is RunPodState.IN_QUEUE else "interrupt_sent"
+                await client.cancel(job_id)
+                job = await client.status(job_id)
+        except RunPodJobGone:
+            return StopCheck(at=now, position="gone", ended="unknown", message="unknown to RunPod")
+        except RunPodError as exc:
+            error = from_runpod(exc, f"stopping RunPod job {job_id}")
+            return StopCheck(at=now, position="unreachable", message=error.message)
+        return self._check(job, pool, claim, action, now)
+
+    def _check(
+        self,
+        job: RunPodJob,
+        pool: PoolConfig,
+        claim: Claim | None,
+        action: StopAction,
+        now: datetime,
+    ) -> StopCheck:
+        state = job.state
+        if state is None or not state.terminal:
+            where: Position = "pending" if state is RunPodState.IN_QUEUE else "running"
+            return StopCheck(at=now, position=where, action=action)
+        # RunPod says the job is over; with claims the handler also records when its prompt
+        # really stopped on the GPU (a cancel is cooperative there, as on any ComfyUI).
+        if claim is not None and claim.holder == job.id and lease_running(claim):
+            return StopCheck(
+                at=now,
+                position="running",
+                action=action,
+                message=f"RunPod job {job.id} is {job.status}; its worker is still stopping",
+            )
+        return StopCheck(
+            at=now,
+            position="gone",
+            action=action,
+            ended=_ENDED.get(state, "unknown"),
+            message=f"RunPod job {job.id}: {job.status}",
+            cost=job_cost(job, pool),
+        )

@@ -1,0 +1,445 @@
+"""Following one submission on a RunPod endpoint: submit it once, poll it to its end, keep what
+it stored.
+
+The submission token is the workflow's prompt id: the same on every attempt and on every
+resubmission of the same prompt, so our handler's claim runs it at most once. RunPod's `/run`
+has no idempotency key, so where the answer to `/run` is lost:
+
+- with claims (our handler), the claim object says which RunPod job holds the submission; if
+  none does yet, submitting again is safe (a second delivery of a claimed token runs nothing);
+- without claims (a stock worker-comfyui endpoint), nobody can tell: `SubmissionAmbiguous`, and
+  the job's `on_ambiguous_submit` decides.
+
+Every poll heartbeats the checkpoint (with RunPod's job id as `provider_job_id`), so a worker
+that dies mid-job is replaced by one that polls the same RunPod job instead of paying again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from typing import Any, Literal, NoReturn
+
+import structlog
+from temporalio import activity
+from temporalio.exceptions import ApplicationError
+
+from activities.errors import fatal, retryable
+from activities.follow_common import restore_checkpoint, send_progress, worker_identity
+from activities.keys import artifact_key, content_type_for, job_folder
+from activities.runpod.artifacts import (
+    UnusableArtifact,
+    artifact_source,
+    inline_bytes,
+    s3_location,
+)
+from activities.runpod.claims import claim_target, lease_running, read_claim
+from activities.runpod.client import RunPodClient
+from activities.runpod.errors import RunPodError, RunPodJobGone, RunPodSubmissionAmbiguous
+from activities.runpod.failures import from_failure, from_runpod
+from activities.runpod.models import RunPodJob, RunPodState, RunPolicy
+from activities.runpod.outcome import (
+    ClaimedElsewhere,
+    Failed,
+    Queued,
+    Running,
+    Succeeded,
+    read_gone,
+    read_job,
+)
+from activities.settings import PoolConfig
+from activities.storage import ArtifactStore
+from endpoint.contract import ArtifactRecord, EndpointInput, InputImage, Orchestration
+from workflows.activity_io import FollowHeartbeat, FollowInput, FollowResult
+from workflows.contracts import Artifact, Checkpoint, JobCost, ProgressReport
+from workflows.shared import ErrorType
+
+log = structlog.get_logger(__name__)
+
+Stage = Literal["queued", "running", "uploading", "finished"]
+
+# How often `/status` is asked (RunPod allows 2000 per 10 s per endpoint).
+POLL_S = 1.0
+# A job's default limit when neither the pool nor the job sets one (RunPod's own default).
+DEFAULT_EXECUTION_TIMEOUT_S = 600.0
+# What a worker keeps billing after its last job when the pool does not say (RunPod's default
+# idle timeout).
+DEFAULT_IDLE_TIMEOUT_S = 5.0
+
+
+class RunPodFollower:
+    """One attempt at following one submission to its end."""
+
+    def __init__(
+        self,
+        req: FollowInput,
+        pool: PoolConfig,
+        client: RunPodClient,
+        store: ArtifactStore,
+        inputs: list[InputImage],
+        *,
+        poll_s: float = POLL_S,
+    ) -> None:
+        self.req = req
+        self.pool = pool
+        self.client = client
+        self.store = store
+        self.inputs = inputs
+        self.poll_s = poll_s
+        heartbeat = FollowHeartbeat.from_details(activity.info().heartbeat_details)
+        self.checkpoint = restore_checkpoint(heartbeat, req)
+        # A `/run` was sent by an earlier attempt that never heard the answer.
+        self.sent_unanswered = heartbeat is not None and heartbeat.submitting
+        stored = list(req.stored) + (heartbeat.artifacts if heartbeat is not None else [])
+        self.artifacts: dict[str, Artifact] = {a.key: a for a in stored}
+        self.submission = req.prompt_id
+        self.target = claim_target(req.output, store.settings.bucket)
+        execution_s = (
+            pool.execution_timeout_s or req.execution_timeout_s or DEFAULT_EXECUTION_TIMEOUT_S
+        )
+        self.policy = RunPolicy.for_job(execution_s, req.queue_timeout_s)
+        self.last_state: RunPodState | None = None
+        self.best_seq = -1
+        self.stage: Stage | None = None
+        self.node: str | None = None
+        self.last_signal = 0.0
+        self.worker_id = worker_identity()
+        self.log = log.bind(job_id=req.job_id, prompt_id=req.prompt_id, segment=req.segment)
+
+    # -- the attempt -------------------------------------------------------------------------
+
+    async def run(self) -> FollowResult:
+        try:
+            job_id = self.checkpoint.provider_job_id or await self._submit_or_find()
+            return await self._follow(job_id)
+        except RunPodError as exc:
+            raise self._with_progress(from_runpod(exc, "following the RunPod job")) from None
+        except ApplicationError as exc:
+            raise self._with_progress(exc) from None
+
+    async def _submit_or_find(self) -> str:
+        """RunPod's job id for this submission: found by its claim, or a fresh `/run`."""
+        if self.pool.claims:
+            claim = await read_claim(self.store, self.target, self.req.job_id, self.submission)
+            if claim is not None:
+                self.log.info("runpod_found_by_claim", runpod_job_id=claim.holder)
+                return self._known_as(claim.holder)
+        elif self.sent_unanswered:
+            raise fatal(
+                ErrorType.SUBMISSION_AMBIGUOUS,
+                f"an earlier attempt sent prompt {self.submission} to RunPod and never heard "
+                "back; this endpoint keeps no claims, so whether a job exists is unknown",
+            )
+        if self.req.graph is None:
+            raise fatal(
+                ErrorType.PROMPT_LOST,
+                f"no RunPod job is known for prompt {self.submission} and nothing to submit",
+            )
+        # Recorded before sending: an attempt that dies waiting for the answer leaves word.
+        self.sent_unanswered = True
+        self._heartbeat()
+        try:
+            job = await self.client.run(self._run_input(self.req.graph), self.policy)
+        except RunPodSubmissionAmbiguous:
+            if not self.pool.claims:
+                raise
+            # Safe to send again: a second delivery of a claimed submission runs nothing.
+            self.log.warning("runpod_run_answer_lost_resubmitting")
+            raise retryable(
+                ErrorType.BACKEND_UNAVAILABLE,
+                f"RunPod's answer to /run for prompt {self.submission} was lost; with claims, "
+                "submitting again is safe",
+            ) from None
+        self.log.info("runpod_submitted", runpod_job_id=job.id)
+        return self._known_as(job.id)
+
+    def _known_as(self, job_id: str) -> str:
+        self.sent_unanswered = False
+        self.checkpoint = self.checkpoint.model_copy(
+            update={"provider_job_id": job_id, "submitted_at": datetime.now(UTC)}
+        )
+        self._heartbeat()
+        return job_id
+
+    def _run_input(self, graph: dict[str, Any]) -> EndpointInput:
+        req = self.req
+        return EndpointInput(
+            workflow=graph,
+            images=self.inputs,
+            durable_comfy=Orchestration(
+                job_id=req.job_id,
+                submission=self.submission,
+                segment=req.segment,
+                prompt_id=req.prompt_id,
+                client_id=req.client_id,
+                run_tag=req.run_tag,
+                output=self.target,
+                sampler_steps=req.sampler_steps,
+                nodes_total=req.nodes_total,
+                progress_interval_s=req.progress_interval_s,
+                claims=bool(self.pool.claims),
+            ),
+        )
+
+    async def _follow(self, job_id: str) -> FollowResult:
+        while True:
+            job = await self._status(job_id)
+            outcome = read_job(job, submission=self.submission, policy=self.policy)
+            if isinstance(outcome, Queued):
+                await self._report("queued")
+            elif isinstance(outcome, Running):
+                await self._running(outcome)
+            elif isinstance(outcome, ClaimedElsewhere):
+                job_id = await self._holder(outcome)
+                continue
+            elif isinstance(outcome, Succeeded):
+                return await self._succeeded(job, outcome)
+            else:
+                await self._failed(outcome)
+            if activity.is_worker_shutdown():
+                raise retryable(ErrorType.CONNECTION_LOST, "worker shutting down")
+            self._heartbeat()
+            await asyncio.sleep(self.poll_s)
+
+    async def _status(self, job_id: str) -> RunPodJob:
+        try:
+            job = await self.client.status(job_id)
+        except RunPodJobGone:
+            await self._failed(read_gone(job_id, self.last_state))
+        self.last_state = job.state
+        return job
+
+    async def _holder(self, outcome: ClaimedElsewhere) -> str:
+        """This delivery found the submission claimed: follow the job that holds it."""
+        holder = outcome.holder
+        if holder is None:
+            claim = await read_claim(self.store, self.target, self.req.job_id, self.submission)
+            holder = claim.holder if claim is not None else None
+        if holder is None or holder == self.checkpoint.provider_job_id:
+            raise retryable(
+                ErrorType.BACKEND_UNAVAILABLE,
+                f"RunPod job {outcome.job_id} found prompt {self.submission} claimed, but the "
+                "claim names no other job yet",
+            )
+        self.log.info("runpod_following_claim_holder", runpod_job_id=holder)
+        self.last_state = None
+        return self._known_as(holder)
+
+    async def _running(self, outcome: Running) -> None:
+        update = outcome.progress
+        if update is None or update.seq < self.best_seq:
+            await self._report("running")  # a stock worker says nothing more
+            return
+        self.best_seq = update.seq
+        self.checkpoint = self.checkpoint.model_copy(
+            update={
+                "step": update.step,
+                "total_steps": update.total_steps or self.checkpoint.total_steps,
+                "node_steps": dict(update.node_steps),
+                "nodes_done": list(update.nodes_done),
+            }
+        )
+        self.node = update.node
+        fresh = [r for r in update.artifacts if self._key_of(r) not in self.artifacts]
+        for record in fresh:
+            artifact = await self._keep(record, verifiable=True)
+            self._heartbeat()
+            await self._report("uploading", artifact=artifact, force=True)
+        waiting = update.stage in ("queued", "claiming", "starting")
+        await self._report("queued" if waiting else "running", position=update.queue_position)
+
+    async def _succeeded(self, job: RunPodJob, outcome: Succeeded) -> FollowResult:
+        for record in outcome.output.images:
+            if self._key_of(record) not in self.artifacts:
+                await self._keep(record, verifiable=not outcome.stock)
+        if not self.artifacts:
+            raise fatal(
+                ErrorType.OUTPUT_MISSING,
+                f"RunPod job {job.id} completed without any stored output (add a SaveImage node?)",
+            )
+        self._heartbeat()
+        await self._report("finished", force=True)
+        return FollowResult(
+            prompt_id=self.req.prompt_id,
+            outcome="success",
+            artifacts=list(self.artifacts.values()),
+            checkpoint=self._checkpoint(),
+            cost=self.cost_of(job),
+        )
+
+    async def _failed(self, failed: Failed) -> NoReturn:
+        """Raise the failure; a worker crash on a claimed submission first waits until the
+        crashed holder's lease has run out, so the resubmission may take the claim over."""
+        for record in failed.artifacts:
+            if self._key_of(record) not in self.artifacts:
+                try:
+                    await self._keep(record, verifiable=True)
+                except ApplicationError as exc:  # what failed to verify is not kept
+                    self.log.warning("runpod_partial_output_unusable", error=exc.message)
+        if failed.resubmit and self.pool.claims:
+            await self._wait_out_lease()
+        raise from_failure(failed)
+
+    async def _wait_out_lease(self) -> None:
+        while True:
+            claim = await read_claim(self.store, self.target, self.req.job_id, self.submission)
+            if claim is None or not lease_running(claim):
+                return
+            self._heartbeat()
+            wait = (claim.lease_until - datetime.now(UTC)).total_seconds()
+            await asyncio.sleep(min(max(wait, 0.1), self.poll_s * 5))
+
+    # -- outputs -----------------------------------------------------------------------------
+
+    def _key_of(self, record: ArtifactRecord) -> str:
+        if record.type == "s3_url" and record.key:
+            return record.key
+        return artifact_key(
+            self.req.output.prefix,
+            self.req.job_id,
+            self.req.segment,
+            record.node_id or "output",
+            record.filename,
+        )
+
+    async def _keep(self, record: ArtifactRecord, *, verifiable: bool) -> Artifact:
+        """An output as a verified `Artifact` in our bucket, under this job's folder only."""
+        try:
+            source = artifact_source(record, verifiable=verifiable)
+            if source == "s3":
+                return await self._verified(record)
+            if source == "inline":
+                return await self._stored(record, inline_bytes(record))
+        except UnusableArtifact as exc:
+            raise fatal(ErrorType.OUTPUT_MISSING, str(exc)) from None
+        raise fatal(
+            ErrorType.OUTPUT_MISSING,
+            f"output {record.filename!r} is a URL ({record.data[:60]!r}); fetching outputs by URL "
+            "is not supported yet: give the endpoint a bucket (BUCKET_ENDPOINT_URL)",
+        )
+
+    async def _verified(self, record: ArtifactRecord) -> Artifact:
+        bucket, key = s3_location(record)
+        folder = job_folder(self.req.output.prefix, self.req.job_id) + "/"
+        if bucket != self.target.bucket or not key.startswith(folder):
+            raise fatal(
+                ErrorType.OUTPUT_MISSING,
+                f"output {record.filename!r} points at s3://{bucket}/{key}, outside this job's "
+                f"folder s3://{self.target.bucket}/{folder}: refused",
+            )
+        head = await self.store.head(key, bucket=bucket)
+        if head is None or head.size != record.size or head.sha256 != record.sha256:
+            raise retryable(
+                ErrorType.STORAGE_ERROR,
+                f"s3://{bucket}/{key} is not stored as the worker says (size {record.size}, "
+                f"sha256 {(record.sha256 or '')[:12]}...)",
+            )
+        return self._remember(record, head.uri, key, head.size, head.sha256, head.content_type)
+
+    async def _stored(self, record: ArtifactRecord, data: bytes) -> Artifact:
+        key = self._key_of(record)
+
+        stored = await self.store.upload_stream(
+            key,
+            one_chunk(data),
+            content_type=content_type_for(record.filename),
+            bucket=self.target.bucket,
+        )
+        return self._remember(
+            record, stored.uri, key, stored.size, stored.sha256, stored.content_type
+        )
+
+    def _remember(
+        self, record: ArtifactRecord, uri: str, key: str, size: int, sha256: str, content_type: str
+    ) -> Artifact:
+        artifact = Artifact(
+            key=key,
+            uri=uri,
+            size=size,
+            sha256=sha256,
+            content_type=content_type,
+            node_id=record.node_id or "output",
+            segment=self.req.segment,
+        )
+        self.artifacts[key] = artifact
+        self.log.info("artifact_kept", key=key, size=size)
+        return artifact
+
+    # -- reporting ---------------------------------------------------------------------------
+
+    def cost_of(self, job: RunPodJob) -> JobCost:
+        return job_cost(job, self.pool)
+
+    def _checkpoint(self) -> Checkpoint:
+        return self.checkpoint.model_copy(
+            update={"uploaded": sorted(self.artifacts), "updated_at": datetime.now(UTC)}
+        )
+
+    def _resume_point(self) -> FollowHeartbeat:
+        return FollowHeartbeat(
+            checkpoint=self._checkpoint(),
+            artifacts=list(self.artifacts.values()),
+            submitting=self.sent_unanswered,
+        )
+
+    def _heartbeat(self) -> None:
+        activity.heartbeat(self._resume_point().model_dump(mode="json"))
+
+    def _with_progress(self, error: ApplicationError) -> ApplicationError:
+        """A retryable failure carries the checkpoint, so the workflow re-attaches from it."""
+        if error.non_retryable:
+            return error
+        return ApplicationError(
+            error.message,
+            self._resume_point().model_dump(mode="json"),
+            type=error.type,
+            non_retryable=False,
+            next_retry_delay=error.next_retry_delay,
+        )
+
+    async def _report(
+        self,
+        stage: Stage,
+        *,
+        position: int | None = None,
+        artifact: Artifact | None = None,
+        force: bool = False,
+    ) -> None:
+        now = time.monotonic()
+        changed = stage != self.stage
+        if not (force or changed or now - self.last_signal >= self.req.progress_interval_s):
+            return
+        self.stage, self.last_signal = stage, now
+        checkpoint = self._checkpoint()
+        report = ProgressReport(
+            attempt_client_id=self.req.client_id,
+            stage=stage,
+            queue_position=position if stage == "queued" else None,
+            step=checkpoint.step,
+            total_steps=checkpoint.total_steps,
+            node=self.node,
+            artifact=artifact,
+            checkpoint=checkpoint,
+            worker_id=self.worker_id,
+        )
+        await send_progress(self.req.job_id, report, self.log)
+
+
+async def one_chunk(data: bytes) -> AsyncIterator[bytes]:
+    yield data
+
+
+def job_cost(job: RunPodJob, pool: PoolConfig) -> JobCost:
+    """What RunPod job `job` cost, from its own figures; the idle time a worker bills after its
+    last job is the pool's `idle_timeout_s` (RunPod's default 5 s when unset)."""
+    finished = job.state is not None and job.state.terminal and job.execution_time_ms is not None
+    idle = pool.idle_timeout_s
+    return JobCost(
+        provider_job_id=job.id,
+        queue_s=(job.delay_time_ms or 0.0) / 1000,
+        execution_s=(job.execution_time_ms or 0.0) / 1000,
+        billed_after_end_s=(DEFAULT_IDLE_TIMEOUT_S if idle is None else idle) if finished else 0.0,
+        usd_per_second=pool.usd_per_second,
+    )
