@@ -25,7 +25,7 @@ from activities.runpod.claims import claim_target, lease_running, read_claim
 from activities.runpod.client import MAX_RUN_BYTES, RunPodClient
 from activities.runpod.errors import RunPodError, RunPodJobGone
 from activities.runpod.failures import from_runpod
-from activities.runpod.follow import RunPodFollower, job_cost, one_chunk
+from activities.runpod.follow import POLL_S, RunPodFollower, job_cost, one_chunk
 from activities.runpod.models import RunPodJob, RunPodState
 from activities.settings import PoolConfig
 from activities.storage import ArtifactStore
@@ -74,10 +74,13 @@ class RunPodBackend:
         pools: Mapping[str, PoolConfig],
         clients: Mapping[str, RunPodClient],
         store: ArtifactStore,
+        *,
+        poll_s: float = POLL_S,
     ) -> None:
         self._pools = pools
         self._clients = clients
         self._store = store
+        self._poll_s = poll_s
 
     async def prepare(self, req: PrepareInput, pool: str) -> PreparedJob:
         """No node registry to ask (the worker's ComfyUI is not up before a job reaches it):
@@ -123,7 +126,8 @@ class RunPodBackend:
     async def follow(self, req: FollowInput) -> FollowResult:
         pool, client = self._pools[req.pool], self._clients[req.pool]
         inputs = await self._inputs(req) if req.graph is not None else []
-        return await RunPodFollower(req, pool, client, self._store, inputs).run()
+        follower = RunPodFollower(req, pool, client, self._store, inputs, poll_s=self._poll_s)
+        return await follower.run()
 
     async def _inputs(self, req: FollowInput) -> list[InputImage]:
         bucket = req.output.bucket or self._store.settings.bucket

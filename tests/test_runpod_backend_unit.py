@@ -1,0 +1,381 @@
+"""The RunPod backend's follow and stop against a scripted RunPod (httpx.MockTransport) and an
+in-memory bucket, inside `ActivityEnvironment`: no server. What each test guards is named in it:
+submitting once, finding a job by its claim after a lost answer, following a claim's holder,
+refusing outputs outside the job's folder, stopping and reading the cost back."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import AsyncIterable, Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import httpx
+import pytest
+from pydantic import SecretStr
+from temporalio.exceptions import ApplicationError
+from temporalio.testing import ActivityEnvironment
+
+from activities.runpod.backend import RunPodBackend
+from activities.runpod.client import RunPodClient
+from activities.runpod.retry import RetryPolicy
+from activities.settings import PoolConfig, S3Settings
+from activities.storage import StoredObject
+from activities.storage_errors import ObjectMissing
+from endpoint.contract import Claim, ClaimOutcome, S3Target, claim_key
+from workflows.activity_io import FollowHeartbeat, FollowInput, StopInput
+from workflows.contracts import Checkpoint, OutputSpec
+from workflows.shared import ErrorType
+
+BUCKET = "artifacts"
+PROMPT = "7d7c6a1e-51b1-4a49-9d4c-5b1d3c6e2a10"
+JOB_ID = "job-1"
+RUNPOD_JOB = "c80ffee4-f315-4e25-a146-0f3d98cf024b-u1"
+HOLDER = "0ddba11a-0000-4000-8000-000000000000-u1"
+GRAPH = {"1": {"class_type": "SaveImage", "inputs": {"filename_prefix": "t"}}}
+PNG = b"\x89PNG fake image bytes"
+
+
+class MemoryStore:
+    """What the RunPod backend uses of `ArtifactStore`, over a dict."""
+
+    def __init__(self) -> None:
+        self.settings = S3Settings(bucket=BUCKET)
+        self.objects: dict[tuple[str, str], tuple[bytes, str]] = {}
+
+    def put(self, key: str, data: bytes, *, sha256: str | None = None) -> None:
+        self.objects[(BUCKET, key)] = (data, sha256 or hashlib.sha256(data).hexdigest())
+
+    async def read_bytes(self, key: str, *, limit: int, bucket: str | None = None) -> bytes:
+        found = self.objects.get((bucket or BUCKET, key))
+        if found is None:
+            raise ObjectMissing(f"s3://{bucket}/{key} does not exist")
+        return found[0]
+
+    async def head(self, key: str, *, bucket: str | None = None) -> StoredObject | None:
+        found = self.objects.get((bucket or BUCKET, key))
+        if found is None:
+            return None
+        return StoredObject(
+            bucket=bucket or BUCKET,
+            key=key,
+            uri=f"s3://{bucket or BUCKET}/{key}",
+            size=len(found[0]),
+            sha256=found[1],
+            content_type="image/png",
+        )
+
+    async def upload_stream(
+        self,
+        key: str,
+        chunks: AsyncIterable[bytes],
+        *,
+        content_type: str,
+        bucket: str | None = None,
+        metadata: Any = None,
+    ) -> StoredObject:
+        data = b"".join([chunk async for chunk in chunks])
+        self.put(key, data)
+        head = await self.head(key, bucket=bucket)
+        assert head is not None
+        return head
+
+
+@dataclass
+class ScriptedRunPod:
+    """RunPod's answers, in order, per route; what was asked, in order."""
+
+    statuses: list[dict[str, Any]] = field(default_factory=list)
+    run_answer: Callable[[], httpx.Response] | None = None
+    requests: list[tuple[str, str]] = field(default_factory=list)
+    bodies: list[dict[str, Any]] = field(default_factory=list)
+
+    def handle(self, request: httpx.Request) -> httpx.Response:
+        route = request.url.path.split("/")[3]
+        self.requests.append((request.method, route))
+        if route == "run":
+            self.bodies.append(json.loads(request.content))
+            if self.run_answer is not None:
+                return self.run_answer()
+            return httpx.Response(200, json={"id": RUNPOD_JOB, "status": "IN_QUEUE"})
+        if route == "cancel":
+            return httpx.Response(200, json={"id": RUNPOD_JOB, "status": "CANCELLED"})
+        answer = self.statuses.pop(0) if len(self.statuses) > 1 else self.statuses[0]
+        return httpx.Response(200, json=answer)
+
+
+def record(key: str, data: bytes = PNG) -> dict[str, Any]:
+    return {
+        "filename": "t_00001_.png",
+        "type": "s3_url",
+        "data": f"s3://{BUCKET}/{key}",
+        "bucket": BUCKET,
+        "key": key,
+        "node_id": "1",
+        "size": len(data),
+        "sha256": hashlib.sha256(data).hexdigest(),
+        "content_type": "image/png",
+    }
+
+
+OUR_KEY = f"jobs/{JOB_ID}/0/1/t_00001_.png"
+
+
+def progress(step: int, seq: int, artifacts: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {
+        "kind": "durable_comfy.progress",
+        "submission": PROMPT,
+        "prompt_id": PROMPT,
+        "stage": "running",
+        "seq": seq,
+        "step": step,
+        "total_steps": 10,
+        "artifacts": artifacts or [],
+        "at": datetime.now(UTC).isoformat(),
+    }
+
+
+def completed(images: list[dict[str, Any]], job: str = RUNPOD_JOB) -> dict[str, Any]:
+    output = {"images": images, "submission": PROMPT, "prompt_id": PROMPT}
+    return {
+        "id": job,
+        "status": "COMPLETED",
+        "delayTime": 1500,
+        "executionTime": 4200,
+        "workerId": "w1",
+        "output": output,
+    }
+
+
+def backend(runpod: ScriptedRunPod, store: MemoryStore, *, claims: bool = True) -> RunPodBackend:
+    pool = PoolConfig(kind="runpod", endpoint_id="ep1", claims=claims, usd_per_second=0.001)
+    http = httpx.AsyncClient(transport=httpx.MockTransport(runpod.handle))
+    client = RunPodClient.for_pool(
+        pool, SecretStr("k"), http, retry=RetryPolicy(attempts=1), sleep=_no_sleep
+    )
+    return RunPodBackend({"cloud": pool}, {"cloud": client}, store, poll_s=0.0)  # type: ignore[arg-type]
+
+
+async def _no_sleep(_seconds: float) -> None:
+    return None
+
+
+def follow_input(*, submit: bool = True, checkpoint: Checkpoint | None = None) -> FollowInput:
+    return FollowInput(
+        job_id=JOB_ID,
+        pool="cloud",
+        prompt_id=PROMPT,
+        client_id="dc-client",
+        run_tag="tag",
+        output=OutputSpec(),
+        progress_interval_s=0.0,
+        checkpoint=checkpoint,
+        graph=GRAPH if submit else None,
+        execution_timeout_s=60,
+    )
+
+
+def env(heartbeats: list[Any], details: list[Any] | None = None) -> ActivityEnvironment:
+    environment = ActivityEnvironment()
+    environment.on_heartbeat = lambda *d: heartbeats.append(d[0])
+    environment.info = dataclasses.replace(environment.info, heartbeat_details=details or [])
+    return environment
+
+
+async def test_submits_once_follows_progress_and_keeps_verified_outputs() -> None:
+    store = MemoryStore()
+    store.put(OUR_KEY, PNG)
+    runpod = ScriptedRunPod(
+        statuses=[
+            {"id": RUNPOD_JOB, "status": "IN_QUEUE"},
+            {"id": RUNPOD_JOB, "status": "IN_PROGRESS", "output": progress(4, 1)},
+            {
+                "id": RUNPOD_JOB,
+                "status": "IN_PROGRESS",
+                "output": progress(10, 2, [record(OUR_KEY)]),
+            },
+            completed([record(OUR_KEY)]),
+        ]
+    )
+    heartbeats: list[Any] = []
+    result = await env(heartbeats).run(backend(runpod, store).follow, follow_input())
+    assert [r for r in runpod.requests if r[1] == "run"] == [("POST", "run")]
+    body = runpod.bodies[0]
+    assert body["input"]["durable_comfy"]["submission"] == PROMPT
+    assert body["input"]["durable_comfy"]["output"] == {"bucket": BUCKET, "prefix": "jobs"}
+    assert body["policy"]["executionTimeout"] == 60_000
+    assert [a.key for a in result.artifacts] == [OUR_KEY]
+    assert result.checkpoint.provider_job_id == RUNPOD_JOB and result.checkpoint.step == 10
+    assert result.cost is not None
+    assert (result.cost.queue_s, result.cost.execution_s) == (1.5, 4.2)
+    assert result.cost.usd_estimate == pytest.approx((4.2 + 5.0) * 0.001)
+    # The job id is heartbeated before the first poll: a replacement polls, never re-submits.
+    first = FollowHeartbeat.model_validate(heartbeats[1])
+    assert first.checkpoint.provider_job_id == RUNPOD_JOB and not first.submitting
+
+
+async def test_a_retry_follows_the_job_it_knows_without_submitting() -> None:
+    store = MemoryStore()
+    store.put(OUR_KEY, PNG)
+    runpod = ScriptedRunPod(statuses=[completed([record(OUR_KEY)])])
+    known = Checkpoint(job_id=JOB_ID, prompt_id=PROMPT, provider_job_id=RUNPOD_JOB)
+    await env([]).run(backend(runpod, store).follow, follow_input(checkpoint=known))
+    assert ("POST", "run") not in runpod.requests
+
+
+async def test_a_lost_run_answer_is_safe_to_resend_with_claims_but_asks_without() -> None:
+    def lost() -> httpx.Response:
+        raise httpx.ReadTimeout("answer lost")
+
+    store = MemoryStore()
+    heartbeats: list[Any] = []
+    runpod = ScriptedRunPod(statuses=[completed([])], run_answer=lost)
+    with pytest.raises(ApplicationError) as retried:
+        await env(heartbeats).run(backend(runpod, store).follow, follow_input())
+    assert retried.value.type == ErrorType.BACKEND_UNAVAILABLE and not retried.value.non_retryable
+    assert FollowHeartbeat.model_validate(heartbeats[0]).submitting, "word of the /run in flight"
+
+    runpod = ScriptedRunPod(statuses=[completed([])], run_answer=lost)
+    with pytest.raises(ApplicationError) as ambiguous:
+        await env([]).run(backend(runpod, store, claims=False).follow, follow_input())
+    assert ambiguous.value.type == ErrorType.SUBMISSION_AMBIGUOUS and ambiguous.value.non_retryable
+
+    # The next attempt of a claims-less pool, told by the heartbeat, does not send it again.
+    runpod = ScriptedRunPod(statuses=[completed([])])
+    sent = FollowHeartbeat(checkpoint=Checkpoint(job_id=JOB_ID, prompt_id=PROMPT), submitting=True)
+    with pytest.raises(ApplicationError) as asked:
+        await env([], [sent.model_dump(mode="json")]).run(
+            backend(runpod, store, claims=False).follow, follow_input()
+        )
+    assert asked.value.type == ErrorType.SUBMISSION_AMBIGUOUS
+    assert runpod.requests == []
+
+
+async def test_the_claim_finds_the_job_whose_answer_was_lost() -> None:
+    store = MemoryStore()
+    store.put(OUR_KEY, PNG)
+    claim = Claim(
+        submission=PROMPT,
+        job_id=JOB_ID,
+        prompt_id=PROMPT,
+        holder=HOLDER,
+        lease_until=datetime.now(UTC) + timedelta(minutes=1),
+        renewed_at=datetime.now(UTC),
+    )
+    key = claim_key(S3Target(bucket=BUCKET), JOB_ID, PROMPT)
+    store.put(key, claim.model_dump_json().encode())
+    runpod = ScriptedRunPod(statuses=[completed([record(OUR_KEY)], job=HOLDER)])
+    result = await env([]).run(backend(runpod, store).follow, follow_input())
+    assert ("POST", "run") not in runpod.requests
+    assert result.checkpoint.provider_job_id == HOLDER
+
+
+async def test_a_delivery_that_found_the_claim_taken_follows_the_holder() -> None:
+    store = MemoryStore()
+    store.put(OUR_KEY, PNG)
+    elsewhere = {
+        "id": RUNPOD_JOB,
+        "status": "COMPLETED",
+        "output": {
+            "status": "claimed_elsewhere",
+            "claim_holder": HOLDER,
+            "submission": PROMPT,
+            "prompt_id": PROMPT,
+        },
+    }
+    runpod = ScriptedRunPod(statuses=[elsewhere, completed([record(OUR_KEY)], job=HOLDER)])
+    result = await env([]).run(backend(runpod, store).follow, follow_input())
+    assert result.checkpoint.provider_job_id == HOLDER
+    assert [a.key for a in result.artifacts] == [OUR_KEY]
+
+
+@pytest.mark.parametrize(
+    ("key", "why"),
+    [
+        ("jobs/other-job/0/1/x.png", "another job's folder"),
+        ("elsewhere/x.png", "outside the prefix"),
+    ],
+)
+async def test_outputs_outside_the_jobs_folder_are_refused(key: str, why: str) -> None:
+    store = MemoryStore()
+    store.put(key, PNG)
+    runpod = ScriptedRunPod(statuses=[completed([record(key)])])
+    with pytest.raises(ApplicationError) as refused:
+        await env([]).run(backend(runpod, store).follow, follow_input())
+    assert refused.value.type == ErrorType.OUTPUT_MISSING, why
+    assert "outside this job's folder" in refused.value.message
+
+
+async def test_an_output_whose_bytes_differ_from_the_record_is_not_kept() -> None:
+    store = MemoryStore()
+    store.put(OUR_KEY, b"something else")
+    runpod = ScriptedRunPod(statuses=[completed([record(OUR_KEY)])])
+    with pytest.raises(ApplicationError) as failed:
+        await env([]).run(backend(runpod, store).follow, follow_input())
+    assert failed.value.type == ErrorType.STORAGE_ERROR and not failed.value.non_retryable
+
+
+async def test_a_job_that_expires_in_the_queue_is_a_queue_timeout() -> None:
+    store = MemoryStore()
+
+    class Gone(ScriptedRunPod):
+        def handle(self, request: httpx.Request) -> httpx.Response:
+            if "/status/" in request.url.path and self.requests:
+                self.requests.append(("GET", "status"))
+                return httpx.Response(404, json={"error": "job not found"})
+            return super().handle(request)
+
+    runpod = Gone(statuses=[{"id": RUNPOD_JOB, "status": "IN_QUEUE"}])
+    known = Checkpoint(job_id=JOB_ID, prompt_id=PROMPT, provider_job_id=RUNPOD_JOB)
+    with pytest.raises(ApplicationError) as expired:
+        await env([]).run(backend(runpod, store).follow, follow_input(checkpoint=known))
+    assert expired.value.type == ErrorType.QUEUE_TIMEOUT
+
+
+def stop_input(provider_job_id: str | None = RUNPOD_JOB) -> StopInput:
+    return StopInput(
+        job_id=JOB_ID,
+        pool="cloud",
+        prompt_id=PROMPT,
+        reason="after cancel",
+        provider_job_id=provider_job_id,
+    )
+
+
+async def test_stop_cancels_a_running_job_and_waits_for_its_worker() -> None:
+    store = MemoryStore()
+    claim = Claim(
+        submission=PROMPT,
+        job_id=JOB_ID,
+        prompt_id=PROMPT,
+        holder=RUNPOD_JOB,
+        lease_until=datetime.now(UTC) + timedelta(minutes=1),
+        renewed_at=datetime.now(UTC),
+    )
+    key = claim_key(S3Target(bucket=BUCKET), JOB_ID, PROMPT)
+    store.put(key, claim.model_dump_json().encode())
+    cancelled = {"id": RUNPOD_JOB, "status": "CANCELLED", "executionTime": 3000}
+    runpod = ScriptedRunPod(statuses=[{"id": RUNPOD_JOB, "status": "IN_PROGRESS"}, cancelled])
+    first = await env([]).run(backend(runpod, store).stop, stop_input())
+    assert ("POST", "cancel") in runpod.requests
+    assert (first.position, first.action) == ("running", "interrupt_sent"), "its GPU is not free"
+
+    finished = claim.model_copy(
+        update={"outcome": ClaimOutcome(state="cancelled", at=datetime.now(UTC))}
+    )
+    store.put(key, finished.model_dump_json().encode())
+    runpod = ScriptedRunPod(statuses=[cancelled])
+    second = await env([]).run(backend(runpod, store).stop, stop_input())
+    assert (second.position, second.ended) == ("gone", "interrupted")
+    assert ("POST", "cancel") not in runpod.requests, "an ended job is not cancelled again"
+    assert second.cost is not None and second.cost.execution_s == 3.0
+
+
+async def test_stop_without_a_known_job_reports_nothing_on_the_backend() -> None:
+    runpod = ScriptedRunPod(statuses=[{"id": RUNPOD_JOB, "status": "IN_QUEUE"}])
+    check = await env([]).run(backend(runpod, MemoryStore()).stop, stop_input(None))
+    assert (check.position, check.ended) == ("gone", "unknown")
+    assert runpod.requests == []
