@@ -1,0 +1,210 @@
+"""At-most-once execution per submission token: the claim object in S3 (contract.Claim).
+
+The protocol, with only S3 conditional writes (no lock service):
+
+- create: `PutObject If-None-Match: *` of the Claim at `claim_key(...)`; exactly one creator
+  gets 200, the others 412 (or 409 on AWS under a race) and read who won;
+- renew: `PutObject If-Match: <etag of our last write>` every lease_s/3; a 412 means someone
+  took the claim over after our lease ran out, so we no longer hold it;
+- take over: a claim whose lease expired (and that has no outcome) is replaced with
+  `If-Match: <etag read>`; of several takers exactly one wins;
+- finish: the holder writes the outcome (`If-Match` again); a claim with an outcome is never
+  written again by anyone, so its artifact records are final.
+
+Expiry is judged by the S3 server's clock, not the worker's: the claim's age is the response's
+`Date` minus the object's `Last-Modified`, and its lease length is `lease_until - renewed_at`
+(both stamped by the holder, so only their difference matters). Two workers with skewed clocks
+therefore agree on who may take over.
+
+A conditional write whose answer was lost is retried by botocore and then fails with 412
+against our own write; `_write` reads the object back and accepts it when it is exactly the
+claim we wrote.
+"""
+
+from __future__ import annotations
+
+import email.utils
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from botocore.exceptions import BotoCoreError, ClientError
+
+from endpoint.contract import Claim, ClaimOutcome
+from endpoint.s3 import S3, S3_FAILURES, error_code, is_conflict, is_missing
+
+# Date and Last-Modified have a resolution of one second.
+CLOCK_RESOLUTION_S = 1.0
+# Reads and conditional writes before `acquire` gives up on a claim that keeps changing.
+ACQUIRE_ROUNDS = 5
+
+
+class ClaimError(Exception):
+    """S3 could not be read or written (not a lost race): worth retrying later."""
+
+
+class ClaimConflict(Exception):
+    """A conditional write lost: someone else wrote the claim since we read it."""
+
+
+@dataclass(frozen=True)
+class StoredClaim:
+    """A claim as stored, with the ETag to write it conditionally."""
+
+    claim: Claim
+    etag: str
+    # Seconds since the object was last written, by the S3 server's clock (0 for our writes).
+    age_s: float = 0.0
+
+    @property
+    def lease_s(self) -> float:
+        return max(0.0, (self.claim.lease_until - self.claim.renewed_at).total_seconds())
+
+    @property
+    def expired(self) -> bool:
+        return self.claim.outcome is None and self.age_s > self.lease_s + CLOCK_RESOLUTION_S
+
+    @property
+    def expires_in_s(self) -> float:
+        return max(0.0, self.lease_s + CLOCK_RESOLUTION_S - self.age_s)
+
+
+@dataclass(frozen=True)
+class Acquired:
+    held: StoredClaim
+    # The claim we replaced: an expired lease, or our own job's earlier handler on this worker.
+    took_over: Claim | None = None
+
+
+@dataclass(frozen=True)
+class HeldElsewhere:
+    current: StoredClaim
+
+
+@dataclass(frozen=True)
+class Finished:
+    current: StoredClaim
+
+
+Decision = Acquired | HeldElsewhere | Finished
+
+
+def fresh_claim(template: Claim, lease_s: float, *, now: datetime | None = None) -> Claim:
+    """`template` with a lease of `lease_s` from now."""
+    now = now or datetime.now(UTC)
+    return template.model_copy(
+        update={"renewed_at": now, "lease_until": now + timedelta(seconds=lease_s)}
+    )
+
+
+class ClaimStore:
+    """Reads and conditionally writes claim objects in one bucket."""
+
+    def __init__(self, s3: S3, bucket: str) -> None:
+        self._s3 = s3
+        self.bucket = bucket
+
+    async def read(self, key: str) -> StoredClaim | None:
+        try:
+            resp = await self._s3.call("get_object", Bucket=self.bucket, Key=key)
+            body = resp["Body"].read()
+        except ClientError as exc:
+            if is_missing(exc):
+                return None
+            raise ClaimError(f"reading s3://{self.bucket}/{key}: {error_code(exc)}") from exc
+        except BotoCoreError as exc:
+            raise ClaimError(f"reading s3://{self.bucket}/{key}: {exc}") from exc
+        try:
+            claim = Claim.model_validate_json(body)
+        except ValueError as exc:
+            # Never overwrite what we cannot read: it may be a newer handler's claim.
+            raise ClaimError(f"s3://{self.bucket}/{key} is not a claim: {exc}") from exc
+        return StoredClaim(claim, str(resp["ETag"]), _age_s(resp))
+
+    async def create(self, key: str, claim: Claim) -> StoredClaim:
+        """Write a new claim; ClaimConflict when one exists already."""
+        return await self._write(key, claim, IfNoneMatch="*")
+
+    async def replace(self, key: str, claim: Claim, etag: str) -> StoredClaim:
+        """Overwrite the claim last seen with `etag`; ClaimConflict when it changed since."""
+        return await self._write(key, claim, IfMatch=etag)
+
+    async def acquire(self, key: str, template: Claim, lease_s: float) -> Decision:
+        """Claim the submission for `template.holder`, unless someone else lawfully holds it.
+
+        A claim is ours to take over when its lease expired, or when it is held by the same
+        RunPod job on the same worker: the platform runs one handler per worker, so that holder
+        is this job's earlier handler process, which died (a restarted handler re-attaches).
+        """
+        for _ in range(ACQUIRE_ROUNDS):
+            current = await self.read(key)
+            if current is None:
+                try:
+                    return Acquired(await self.create(key, fresh_claim(template, lease_s)))
+                except ClaimConflict:
+                    continue  # someone created it meanwhile: read who
+            if current.claim.outcome is not None:
+                return Finished(current)
+            if not (current.expired or _same_handler(current.claim, template)):
+                return HeldElsewhere(current)
+            update = {"takeovers": current.claim.takeovers + 1}
+            taken = fresh_claim(template.model_copy(update=update), lease_s)
+            try:
+                held = await self.replace(key, taken, current.etag)
+            except ClaimConflict:
+                continue  # renewed, finished or taken by another meanwhile
+            return Acquired(held, took_over=current.claim)
+        raise ClaimError(f"s3://{self.bucket}/{key} kept changing while being claimed")
+
+    async def renew(self, key: str, held: StoredClaim, lease_s: float) -> StoredClaim:
+        """Extend our lease; ClaimConflict when the claim is no longer ours."""
+        return await self.replace(key, fresh_claim(held.claim, lease_s), held.etag)
+
+    async def finish(self, key: str, held: StoredClaim, outcome: ClaimOutcome) -> StoredClaim:
+        """Record the outcome; from then on nobody writes this claim again."""
+        now = datetime.now(UTC)
+        done = held.claim.model_copy(
+            update={"outcome": outcome, "renewed_at": now, "lease_until": now}
+        )
+        return await self.replace(key, done, held.etag)
+
+    async def _write(self, key: str, claim: Claim, **condition: str) -> StoredClaim:
+        body = claim.model_dump_json().encode()
+        try:
+            resp = await self._s3.call(
+                "put_object",
+                Bucket=self.bucket,
+                Key=key,
+                Body=body,
+                ContentType="application/json",
+                **condition,
+            )
+        except S3_FAILURES as exc:
+            if not is_conflict(exc):
+                raise ClaimError(f"writing s3://{self.bucket}/{key}: {error_code(exc)}") from exc
+            # botocore retries a request whose answer was lost: the 412 may be against our own
+            # first attempt. It is ours exactly when the stored claim is the one we wrote.
+            current = await self.read(key)
+            if current is not None and current.claim == claim:
+                return StoredClaim(claim, current.etag)
+            raise ClaimConflict(f"s3://{self.bucket}/{key} changed: {error_code(exc)}") from exc
+        return StoredClaim(claim, str(resp["ETag"]))
+
+
+def _same_handler(current: Claim, template: Claim) -> bool:
+    return current.holder == template.holder and current.worker_id == template.worker_id
+
+
+def _age_s(resp: dict[str, Any]) -> float:
+    """Now minus Last-Modified, both by the S3 server's clock (the local one as a fallback)."""
+    modified = resp.get("LastModified")
+    if not isinstance(modified, datetime):
+        return 0.0
+    headers = resp.get("ResponseMetadata", {}).get("HTTPHeaders", {})
+    now = datetime.now(UTC)
+    if isinstance(headers.get("date"), str):
+        try:
+            now = email.utils.parsedate_to_datetime(headers["date"])
+        except (TypeError, ValueError):
+            pass
+    return max(0.0, (now - modified).total_seconds())

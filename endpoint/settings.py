@@ -1,0 +1,108 @@
+"""The handler's settings, read once from the worker's environment.
+
+Bucket credentials come only from here (worker-comfyui's `BUCKET_*` names), never from a job.
+Plain pydantic rather than pydantic-settings: the endpoint's venv keeps to its four requirements.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
+
+DEFAULT_COMFY_URL = "http://127.0.0.1:8188"
+
+
+class SettingsError(ValueError):
+    """The environment is not usable; the message names the variable to fix."""
+
+
+class BucketSettings(BaseModel):
+    """The S3-compatible bucket service the handler writes artifacts and claims to."""
+
+    model_config = ConfigDict(frozen=True)
+
+    endpoint_url: str
+    access_key_id: SecretStr
+    secret_access_key: SecretStr
+    region: str | None = None
+    # SeaweedFS, MinIO and R2 want path-style; AWS accepts it too.
+    addressing_style: Literal["path", "virtual", "auto"] = "path"
+    # Only for stock inputs (no `durable_comfy` block, so no bucket in the job): without it they
+    # get base64 results, as with worker-comfyui and no bucket.
+    default_bucket: str | None = None
+    stock_prefix: str = "runpod"
+
+
+class EndpointSettings(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    comfy_url: str = DEFAULT_COMFY_URL
+    # ComfyUI's process: while it lives the handler waits for it without a cap (a cold start of a
+    # large model image can take many minutes); without it, `comfy_start_timeout_s` applies.
+    comfy_pid: int | None = Field(None, gt=0)
+    comfy_start_timeout_s: float = Field(900.0, gt=0)
+    bucket: BucketSettings | None = None
+    # The RunPod worker (pod) running this handler; recorded in claims.
+    worker_id: str = Field(default_factory=socket.gethostname)
+    # How long the socket may stay silent before /queue and /history are asked.
+    silence_check_s: float = Field(5.0, gt=0)
+    # How long ComfyUI may stay unreachable mid-job before the worker is given up.
+    comfy_lost_after_s: float = Field(60.0, gt=0)
+    # worker-comfyui's REFRESH_WORKER: replace the worker after every job.
+    refresh_worker: bool = False
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> EndpointSettings:
+        env = os.environ if environ is None else environ
+        values: dict[str, object] = {}
+        optional = {
+            "COMFY_URL": "comfy_url",
+            "COMFY_PID": "comfy_pid",
+            "COMFY_START_TIMEOUT_S": "comfy_start_timeout_s",
+            "COMFY_SILENCE_CHECK_S": "silence_check_s",
+            "COMFY_LOST_AFTER_S": "comfy_lost_after_s",
+            "RUNPOD_POD_ID": "worker_id",
+        }
+        for variable, field in optional.items():
+            if env.get(variable):
+                values[field] = env[variable]
+        values["refresh_worker"] = env.get("REFRESH_WORKER", "false").lower() == "true"
+        values["bucket"] = _bucket_from_env(env)
+        try:
+            return cls.model_validate(values)
+        except ValidationError as exc:
+            names = {field: variable for variable, field in optional.items()}
+            problems = "; ".join(
+                f"{names.get(str(err['loc'][0]), err['loc'][0])}: {err['msg']}"
+                for err in exc.errors()
+            )
+            raise SettingsError(f"bad handler environment: {problems}") from exc
+
+
+def _bucket_from_env(env: Mapping[str, str]) -> BucketSettings | None:
+    endpoint = env.get("BUCKET_ENDPOINT_URL", "")
+    key_id = env.get("BUCKET_ACCESS_KEY_ID", "")
+    secret = env.get("BUCKET_SECRET_ACCESS_KEY", "")
+    if not endpoint:
+        return None
+    if not (key_id and secret):
+        raise SettingsError(
+            "BUCKET_ENDPOINT_URL is set but BUCKET_ACCESS_KEY_ID / BUCKET_SECRET_ACCESS_KEY "
+            "are not: set both, or unset BUCKET_ENDPOINT_URL for base64 results"
+        )
+    style = env.get("BUCKET_ADDRESSING_STYLE", "path")
+    if style not in ("path", "virtual", "auto"):
+        raise SettingsError("BUCKET_ADDRESSING_STYLE must be path, virtual or auto")
+    return BucketSettings(
+        endpoint_url=endpoint,
+        access_key_id=SecretStr(key_id),
+        secret_access_key=SecretStr(secret),
+        region=env.get("BUCKET_REGION") or None,
+        addressing_style=style,
+        default_bucket=env.get("BUCKET_NAME") or None,
+        stock_prefix=env.get("BUCKET_PREFIX") or "runpod",
+    )

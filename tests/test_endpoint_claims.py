@@ -1,0 +1,233 @@
+"""The claim protocol (endpoint/claims.py, endpoint/lease.py) against a real S3: SeaweedFS with
+its real conditional writes (If-None-Match / If-Match, 412)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
+
+import pytest
+import pytest_asyncio
+
+from endpoint.claims import (
+    Acquired,
+    ClaimConflict,
+    ClaimStore,
+    Finished,
+    HeldElsewhere,
+    fresh_claim,
+)
+from endpoint.contract import Claim, ClaimOutcome, S3Target, claim_key
+from endpoint.lease import Lease
+from endpoint.s3 import S3
+from tests.endpoint_support import Bucket, seaweedfs
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def bucket(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Bucket]:
+    async with seaweedfs(tmp_path_factory.mktemp("claims_s3")) as running:
+        yield running
+
+
+@pytest.fixture
+def store(bucket: Bucket) -> ClaimStore:
+    return ClaimStore(S3(bucket.settings), bucket.name)
+
+
+def new_key() -> str:
+    return claim_key(S3Target(bucket="unused"), f"job-{uuid.uuid4().hex[:8]}", "sub-12345678")
+
+
+def template(holder: str, worker: str = "worker-a") -> Claim:
+    now = datetime.now(UTC)
+    return Claim(
+        submission="sub-12345678",
+        job_id="job-1",
+        prompt_id="prompt-1",
+        holder=holder,
+        worker_id=worker,
+        lease_until=now,
+        renewed_at=now,
+    )
+
+
+def outcome(state: str = "completed") -> ClaimOutcome:
+    return ClaimOutcome.model_validate({"state": state, "at": datetime.now(UTC)})
+
+
+async def wait_expired(store: ClaimStore, key: str, within: float = 8.0) -> None:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        current = await store.read(key)
+        assert current is not None
+        if current.expired:
+            return
+        await asyncio.sleep(0.25)
+    raise AssertionError(f"{key} did not expire within {within}s")
+
+
+def test_claim_key_sits_in_the_jobs_folder() -> None:
+    key = claim_key(S3Target(bucket="b", prefix="jobs/x"), "job/1", "sub-1.2_3")
+    assert key == f"jobs/x/{claim_key(S3Target(bucket='b', prefix=''), 'job/1', 'sub-1.2_3')}"
+    assert key.endswith("/_claims/sub-1.2_3.json") and "job/1" not in key
+
+
+async def test_first_claimer_creates_and_a_second_gets_412(store: ClaimStore) -> None:
+    key = new_key()
+    first = await store.acquire(key, template("rp-A"), lease_s=30)
+    assert isinstance(first, Acquired) and first.took_over is None
+    assert first.held.claim.holder == "rp-A"
+    assert first.held.claim.lease_until - first.held.claim.renewed_at == timedelta(seconds=30)
+
+    with pytest.raises(ClaimConflict):  # the raw conditional create: If-None-Match: * -> 412
+        await store.create(key, fresh_claim(template("rp-B"), 30))
+    second = await store.acquire(key, template("rp-B", worker="worker-b"), lease_s=30)
+    assert isinstance(second, HeldElsewhere)
+    assert second.current.claim.holder == "rp-A" and not second.current.expired
+    assert second.current.etag == first.held.etag
+
+
+async def test_renewal_moves_the_lease_and_a_stale_etag_is_refused(store: ClaimStore) -> None:
+    key = new_key()
+    acquired = await store.acquire(key, template("rp-A"), lease_s=30)
+    assert isinstance(acquired, Acquired)
+    renewed = await store.renew(key, acquired.held, lease_s=30)
+    assert renewed.etag != acquired.held.etag
+    assert renewed.claim.renewed_at > acquired.held.claim.renewed_at
+    current = await store.read(key)
+    assert current is not None and current.claim == renewed.claim
+    with pytest.raises(ClaimConflict):  # If-Match with the etag before the renewal -> 412
+        await store.renew(key, acquired.held, lease_s=30)
+
+
+async def test_an_expired_lease_is_taken_over_once(store: ClaimStore) -> None:
+    key = new_key()
+    old = await store.acquire(key, template("rp-A"), lease_s=1)
+    assert isinstance(old, Acquired)
+    live = await store.acquire(key, template("rp-B", worker="worker-b"), lease_s=30)
+    assert isinstance(live, HeldElsewhere)  # not before it expired
+
+    await wait_expired(store, key)
+    taken = await store.acquire(key, template("rp-B", worker="worker-b"), lease_s=30)
+    assert isinstance(taken, Acquired)
+    assert taken.took_over is not None and taken.took_over.holder == "rp-A"
+    assert taken.held.claim.holder == "rp-B" and taken.held.claim.takeovers == 1
+    # The old holder's next renewal learns it lost the claim.
+    with pytest.raises(ClaimConflict):
+        await store.renew(key, old.held, lease_s=1)
+
+
+async def test_expiry_is_judged_by_the_servers_clock_not_the_holders(store: ClaimStore) -> None:
+    key = new_key()
+    # A holder whose clock is an hour behind: by its stamps the lease ended long ago, yet the
+    # object was written just now, so by the S3 server's clock it is live.
+    skewed = datetime.now(UTC) - timedelta(hours=1)
+    await store.create(key, fresh_claim(template("rp-A"), 30, now=skewed))
+    current = await store.read(key)
+    assert current is not None and not current.expired and current.lease_s == 30
+    assert isinstance(await store.acquire(key, template("rp-B", "w-b"), 30), HeldElsewhere)
+
+
+async def test_the_same_job_on_the_same_worker_rejoins_a_live_claim(store: ClaimStore) -> None:
+    key = new_key()
+    first = await store.acquire(key, template("rp-A"), lease_s=30)
+    assert isinstance(first, Acquired)
+    # A restarted handler process: same RunPod job, same worker. It takes the claim over at once.
+    again = await store.acquire(key, template("rp-A"), lease_s=30)
+    assert isinstance(again, Acquired) and again.held.claim.takeovers == 1
+    # The same job re-delivered to another worker is not the same handler: it must wait.
+    other = await store.acquire(key, template("rp-A", worker="worker-b"), lease_s=30)
+    assert isinstance(other, HeldElsewhere)
+
+
+async def test_an_outcome_is_final(store: ClaimStore, bucket: Bucket) -> None:
+    key = new_key()
+    acquired = await store.acquire(key, template("rp-A"), lease_s=1)
+    assert isinstance(acquired, Acquired)
+    done = await store.finish(key, acquired.held, outcome("completed"))
+    body_before, _ = bucket.read(key)
+
+    with pytest.raises(ClaimConflict):
+        await store.renew(key, acquired.held, lease_s=1)
+    with pytest.raises(ClaimConflict):
+        await store.finish(key, acquired.held, outcome("failed"))
+    await asyncio.sleep(2.5)  # far past the 1 s lease: an outcome never expires
+    for holder, worker in (("rp-B", "worker-b"), ("rp-A", "worker-a")):
+        decision = await store.acquire(key, template(holder, worker), lease_s=30)
+        assert isinstance(decision, Finished)
+        assert decision.current.claim.outcome is not None
+        assert decision.current.claim.outcome.state == "completed"
+        assert not decision.current.expired
+    body_after, _ = bucket.read(key)
+    current = await store.read(key)
+    assert body_after == body_before and current is not None and current.etag == done.etag
+
+
+async def test_concurrent_claimers_exactly_one_wins(store: ClaimStore, bucket: Bucket) -> None:
+    key = new_key()
+    stores = [ClaimStore(S3(bucket.settings), bucket.name) for _ in range(8)]
+    decisions = await asyncio.gather(
+        *(s.acquire(key, template(f"rp-{i}", f"w-{i}"), 1) for i, s in enumerate(stores))
+    )
+    winners = [d for d in decisions if isinstance(d, Acquired)]
+    assert len(winners) == 1
+    winner = winners[0].held.claim.holder
+    assert all(
+        isinstance(d, HeldElsewhere) and d.current.claim.holder == winner
+        for d in decisions
+        if not isinstance(d, Acquired)
+    )
+
+    # And once it expired, of many takers exactly one takes it over.
+    await wait_expired(store, key)
+    decisions = await asyncio.gather(
+        *(s.acquire(key, template(f"rp-t{i}", f"wt-{i}"), 30) for i, s in enumerate(stores))
+    )
+    takers = [d for d in decisions if isinstance(d, Acquired)]
+    assert len(takers) == 1 and takers[0].took_over is not None
+    assert takers[0].took_over.holder == winner
+
+
+async def test_a_retried_write_that_had_landed_counts_as_ours(store: ClaimStore) -> None:
+    """botocore retries a PUT whose answer was lost; the retry's 412 is against our own write."""
+    key = new_key()
+    claim = fresh_claim(template("rp-A"), 30)
+    first = await store.create(key, claim)
+    again = await store.create(key, claim)  # the "retry": same claim, 412, read back: ours
+    assert again.etag == first.etag and again.claim == claim
+
+
+async def test_the_lease_renews_and_notices_a_takeover(store: ClaimStore) -> None:
+    key = new_key()
+    acquired = await store.acquire(key, template("rp-A"), lease_s=30)
+    assert isinstance(acquired, Acquired)
+    async with Lease(store, key, acquired.held, lease_s=0.6) as lease:
+        await asyncio.sleep(0.7)  # renewals every 0.2 s
+        renewed = lease.held
+        assert renewed.etag != acquired.held.etag
+        assert renewed.lease_s == pytest.approx(0.6)
+        # Someone takes it over (as after an expiry): the next renewal's If-Match fails.
+        current = await store.read(key)
+        assert current is not None
+        await store.replace(key, fresh_claim(template("rp-B", "w-b"), 30), current.etag)
+        await asyncio.wait_for(lease.lost.wait(), timeout=3)
+    assert lease.lost_to is not None and lease.lost_to.claim.holder == "rp-B"
+    with pytest.raises(ClaimConflict):
+        await lease.finish(outcome())
+
+
+async def test_the_lease_finishes_with_the_outcome(store: ClaimStore) -> None:
+    key = new_key()
+    acquired = await store.acquire(key, template("rp-A"), lease_s=30)
+    assert isinstance(acquired, Acquired)
+    async with Lease(store, key, acquired.held, lease_s=0.3) as lease:
+        await asyncio.sleep(0.35)
+        finished = await lease.finish(outcome("cancelled"))
+        await asyncio.sleep(0.3)  # no renewal after the outcome
+    current = await store.read(key)
+    assert current is not None and current.etag == finished.etag
+    assert current.claim.outcome is not None and current.claim.outcome.state == "cancelled"
+    assert not lease.lost.is_set()
