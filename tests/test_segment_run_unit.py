@@ -1,0 +1,586 @@
+"""`workflows/segment_run.py` on its own: one segment's submit, follow, re-attach and offload.
+
+The activities and the workflow runtime are stand-ins that record what the segment asked for
+and play a script of outcomes, so each path (re-attach, resubmit, ask a person, give up) is
+checked step by step without a server.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from temporalio import workflow
+from temporalio.exceptions import ActivityError, ApplicationError, CancelledError
+
+from workflows import activity_calls
+from workflows.activity_io import (
+    FollowHeartbeat,
+    FollowInput,
+    FollowResult,
+    OffloadInput,
+    OffloadResult,
+    PreparedJob,
+    SubmitInput,
+    SubmitResult,
+)
+from workflows.contracts import (
+    Artifact,
+    Checkpoint,
+    JobError,
+    JobPolicy,
+    JobRequest,
+    JobState,
+    JobStatus,
+    ReconnectPolicy,
+    ResumeRequest,
+)
+from workflows.job_book import JobBook
+from workflows.job_controls import JobControls, StopOrder
+from workflows.segment_run import SegmentRun
+from workflows.shared import ErrorType
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+# The workflow's metrics, as a metrics backend lists them (name and help text).
+RECONNECTS = "durable_comfy_reconnects: Durable reconnect timers"
+RESUBMISSIONS = "durable_comfy_resubmissions: Prompts submitted again after the backend lost them"
+PROMPT = "0f0f0f0f-0000-4000-8000-000000000001"
+GRAPH: dict[str, Any] = {
+    "1": {"class_type": "KSampler", "inputs": {"seed": 1, "steps": 20}},
+    "2": {"class_type": "SaveImage", "inputs": {"images": ["1", 0], "filename_prefix": "t"}},
+}
+PREPARED = PreparedJob(
+    pool="gpu", kind="comfyui", graph=GRAPH, sampler_steps={"1": 20}, nodes_total=2
+)
+
+
+def artifact(key: str, segment: int = 0) -> Artifact:
+    return Artifact(
+        key=key,
+        uri=f"s3://b/{key}",
+        size=1,
+        sha256="0" * 64,
+        content_type="image/png",
+        node_id="2",
+        segment=segment,
+    )
+
+
+def failed(cause: BaseException) -> ActivityError:
+    error = ActivityError(
+        "activity failed",
+        scheduled_event_id=5,
+        started_event_id=6,
+        identity="1@worker",
+        activity_type="follow_prompt",
+        activity_id="1",
+        retry_state=None,
+    )
+    error.__cause__ = cause
+    return error
+
+
+def connection_lost(
+    checkpoint: Checkpoint | None = None, artifacts: list[Artifact] | None = None
+) -> ActivityError:
+    details = []
+    if checkpoint is not None:
+        heartbeat = FollowHeartbeat(checkpoint=checkpoint, artifacts=artifacts or [])
+        details = [heartbeat.model_dump(mode="json")]
+    return failed(ApplicationError("socket closed", *details, type=ErrorType.CONNECTION_LOST))
+
+
+def prompt_lost() -> ActivityError:
+    return failed(ApplicationError("not in queue nor history", type=ErrorType.PROMPT_LOST))
+
+
+class FakeRandom:
+    def random(self) -> float:
+        return 0.5
+
+
+class FakeCounter:
+    def __init__(self, counts: dict[str, int], name: str, description: str) -> None:
+        self.counts, self.key = counts, f"{name}: {description}"
+
+    def add(self, value: int) -> None:
+        self.counts[self.key] = self.counts.get(self.key, 0) + value
+
+
+@dataclass
+class Backend:
+    """The workflow runtime and the activities, as the segment sees them."""
+
+    now: datetime = T0
+    follow_outcomes: list[FollowResult | BaseException | Callable[[FollowInput], Any]] = field(
+        default_factory=list
+    )
+    offload_artifacts: list[Artifact] = field(default_factory=list)
+    follows: list[FollowInput] = field(default_factory=list)
+    states_at_follow: list[JobState] = field(default_factory=list)
+    offloads: list[OffloadInput] = field(default_factory=list)
+    submits: list[SubmitInput] = field(default_factory=list)
+    sleeps: list[tuple[float, str | None]] = field(default_factory=list)
+    during_sleep: list[tuple[JobState, JobError | None, int]] = field(default_factory=list)
+    on_wait: Callable[[], None] = lambda: None
+    counts: dict[str, int] = field(default_factory=dict)
+    book: JobBook | None = None
+
+    async def follow(self, req: FollowInput, policy: JobPolicy) -> FollowResult:
+        assert self.book is not None
+        self.follows.append(req)
+        self.states_at_follow.append(self.book.status.state)
+        outcome = self.follow_outcomes.pop(0)
+        if callable(outcome):
+            outcome = outcome(req)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    async def offload(self, req: OffloadInput) -> OffloadResult:
+        self.offloads.append(req)
+        return OffloadResult(artifacts=self.offload_artifacts)
+
+    async def submit(self, req: SubmitInput, policy: JobPolicy) -> SubmitResult:
+        self.submits.append(req)
+        return SubmitResult(prompt_id=req.prompt_id, outcome="submitted")
+
+    async def sleep(self, duration: timedelta, *, summary: str | None = None) -> None:
+        assert self.book is not None
+        status = self.book.status
+        self.sleeps.append((duration.total_seconds(), summary))
+        self.during_sleep.append((status.state, status.error, status.reconnects))
+        self.now += duration
+
+    async def wait_condition(self, fn: Callable[[], bool]) -> None:
+        assert not fn()
+        self.on_wait()
+        assert fn()
+
+    def meter(self) -> Any:
+        counts = self.counts
+
+        class Meter:
+            def create_counter(self, name: str, description: str) -> FakeCounter:
+                return FakeCounter(counts, name, description)
+
+        return Meter()
+
+
+@pytest.fixture
+def backend(monkeypatch: pytest.MonkeyPatch) -> Backend:
+    fake = Backend()
+    monkeypatch.setattr(workflow, "now", lambda: fake.now)
+    monkeypatch.setattr(workflow, "uuid4", lambda: uuid.UUID(PROMPT))
+    monkeypatch.setattr(workflow, "upsert_search_attributes", lambda updates: None)
+    monkeypatch.setattr(workflow, "set_current_details", lambda details: None)
+    monkeypatch.setattr(workflow, "logger", logging.getLogger("segment_run_test"))
+    monkeypatch.setattr(workflow, "sleep", fake.sleep)
+    monkeypatch.setattr(workflow, "wait_condition", fake.wait_condition)
+    monkeypatch.setattr(workflow, "random", FakeRandom)
+    monkeypatch.setattr(workflow, "metric_meter", fake.meter)
+    monkeypatch.setattr(activity_calls, "follow", fake.follow)
+    monkeypatch.setattr(activity_calls, "offload", fake.offload)
+    monkeypatch.setattr(activity_calls, "submit", fake.submit)
+    return fake
+
+
+def policy(**kw: Any) -> JobPolicy:
+    return JobPolicy(
+        reconnect=ReconnectPolicy(base_delay_s=2.0, max_delay_s=30.0, horizon_s=100.0), **kw
+    )
+
+
+def segment(
+    backend: Backend,
+    *,
+    segment_no: int = 0,
+    legacy: bool = False,
+    controls: JobControls | None = None,
+    **request: Any,
+) -> tuple[SegmentRun, JobBook, JobControls]:
+    book = JobBook(JobStatus(job_id="j1", state=JobState.PREPARING))
+    book.prepared_on("gpu", "comfyui")
+    backend.book = book
+    controls = controls or JobControls()
+    job = JobRequest(graph=GRAPH, **({"policy": policy()} | request))
+    run = SegmentRun(book, controls, job, PREPARED, segment_no, legacy_submit=legacy)
+    return run, book, controls
+
+
+def sent(req: FollowInput) -> Checkpoint:
+    """The checkpoint a follow attempt started from (the segment always sends one)."""
+    assert req.checkpoint is not None
+    return req.checkpoint
+
+
+def done(req: FollowInput, *keys: str, step: int = 20) -> FollowResult:
+    checkpoint = sent(req).model_copy(
+        update={"step": step, "submitted_at": sent(req).submitted_at or T0}
+    )
+    return FollowResult(
+        prompt_id=req.prompt_id,
+        outcome="success",
+        artifacts=[artifact(k, req.segment) for k in keys],
+        checkpoint=checkpoint,
+    )
+
+
+def at_step(step: int, *, submitted: bool = True, prompt: str = PROMPT) -> Checkpoint:
+    return Checkpoint(
+        job_id="j1",
+        prompt_id=prompt,
+        client_id=f"dc-{PROMPT}",
+        step=step,
+        total_steps=20,
+        submitted_at=T0 if submitted else None,
+    )
+
+
+# -- a segment that runs through ------------------------------------------------------------
+
+
+async def test_a_segment_submits_follows_offloads_and_ends(backend: Backend) -> None:
+    backend.follow_outcomes = [lambda req: done(req, "a")]
+    backend.offload_artifacts = [artifact("a"), artifact("b")]
+    run, book, _ = segment(backend, labels={"x": "y"})
+    await run.run()
+    tag = f"dc_j1_0_{PROMPT[:8]}"
+    [follow] = backend.follows
+    assert follow == FollowInput(
+        job_id="j1",
+        pool="gpu",
+        prompt_id=PROMPT,
+        client_id=f"dc-{PROMPT}",
+        segment=0,
+        segments=1,
+        run_tag=tag,
+        sampler_steps={"1": 20},
+        nodes_total=2,
+        output=run._request.output,
+        progress_interval_s=2.0,
+        checkpoint=sent(follow),
+        stored=[],
+        graph=follow.graph,
+    )
+    assert follow.graph is not None
+    assert follow.graph["2"]["inputs"]["filename_prefix"].startswith(f"{tag}/")
+    assert sent(follow).prompt_id == PROMPT and sent(follow).submitted_at is None
+    assert backend.states_at_follow == [JobState.SUBMITTING]
+    assert backend.offloads == [
+        OffloadInput(
+            job_id="j1",
+            pool="gpu",
+            prompt_id=PROMPT,
+            segment=0,
+            run_tag=tag,
+            output=run._request.output,
+            stored=[artifact("a")],
+        )
+    ]
+    assert [a.key for a in book.status.artifacts] == ["a", "b"]
+    assert book.status.checkpoint is not None and book.status.checkpoint.step == 20
+    assert book.status.state == JobState.UPLOADING
+    progress = book.status.progress
+    assert (progress.step, progress.total_steps, progress.fraction) == (20, 20, 1.0)
+    assert backend.sleeps == [] and backend.submits == []
+
+
+async def test_each_segment_runs_its_own_overrides(backend: Backend) -> None:
+    segments = [{"1": {"seed": 10}}, {"1": {"seed": 11}}]
+    backend.follow_outcomes = [lambda req: done(req, "b", step=20)]
+    run, book, _ = segment(backend, segment_no=1, segments=segments)
+    book.merge_artifacts([artifact("a", 0)])
+    await run.run()
+    [follow] = backend.follows
+    assert follow.graph is not None and follow.graph["1"]["inputs"]["seed"] == 11
+    assert (follow.segment, follow.segments) == (1, 2)
+    assert follow.run_tag == f"dc_j1_1_{PROMPT[:8]}"
+    [offload] = backend.offloads
+    assert [a.key for a in offload.stored] == ["b"] and offload.segment == 1
+    assert book.status.progress.fraction == 1.0
+    assert book.status.progress.segment == 1
+
+
+async def test_a_graph_without_samplers_counts_nodes(backend: Backend) -> None:
+    backend.follow_outcomes = [lambda req: done(req, "a", step=2)]
+    run, book, _ = segment(backend)
+    run._prepared = PREPARED.model_copy(update={"sampler_steps": {}})
+    await run.run()
+    assert sent(backend.follows[0]).total_steps == 2
+    assert (book.status.progress.unit, book.status.progress.total_steps) == ("nodes", 2)
+
+
+async def test_a_segment_without_saved_output_fails(backend: Backend) -> None:
+    backend.follow_outcomes = [lambda req: done(req)]
+    run, book, _ = segment(backend, segment_no=1, segments=[{}, {}])
+    book.merge_artifacts([artifact("a", 0)])  # the segment before saved one; this one none
+    with pytest.raises(ApplicationError) as raised:
+        await run.run()
+    assert raised.value.type == ErrorType.OUTPUT_MISSING and raised.value.non_retryable
+    assert raised.value.message == (
+        "segment 1 finished without any saved output (add a SaveImage node?)"
+    )
+
+
+# -- re-attaching -------------------------------------------------------------------------
+
+
+async def test_a_broken_path_backs_off_then_re_attaches_from_the_checkpoint(
+    backend: Backend,
+) -> None:
+    backend.follow_outcomes = [
+        connection_lost(at_step(5), [artifact("a")]),
+        connection_lost(),
+        lambda req: done(req, "a"),
+    ]
+    run, book, _ = segment(backend, policy=policy(progress_interval_s=0.5))
+    await run.run()
+    assert backend.sleeps == [(1.5, "reconnect 1"), (3.0, "reconnect 2")]
+    lost = JobError(type=ErrorType.CONNECTION_LOST, message="socket closed", retryable=True)
+    assert backend.during_sleep == [
+        (JobState.RECONNECTING, lost, 1),
+        (JobState.RECONNECTING, lost, 2),
+    ]
+    assert book.status.error is None
+    assert backend.counts == {RECONNECTS: 2}
+    first, second, third = backend.follows
+    assert first.graph is not None
+    # Acknowledged by the backend: re-attach, never submit again.
+    assert second.graph is None and third.graph is None
+    assert sent(second).step == 5 and sent(second).submitted_at == T0
+    # What the failed attempt stored is never uploaded twice.
+    assert first.stored == [] and second.stored == third.stored == [artifact("a")]
+    assert {req.progress_interval_s for req in backend.follows} == {0.5}
+    assert third.checkpoint == sent(second)
+    assert backend.states_at_follow == [JobState.SUBMITTING, JobState.RUNNING, JobState.RUNNING]
+
+
+async def test_a_backend_that_never_took_the_prompt_is_still_submitting(
+    backend: Backend,
+) -> None:
+    backend.follow_outcomes = [connection_lost(), lambda req: done(req, "a")]
+    run, _, _ = segment(backend)
+    await run.run()
+    assert [state for state, _, _ in backend.during_sleep] == [JobState.SUBMITTING]
+    assert backend.states_at_follow == [JobState.SUBMITTING, JobState.SUBMITTING]
+    assert all(req.graph is not None for req in backend.follows)
+
+
+async def test_the_furthest_checkpoint_of_this_prompt_wins(backend: Backend) -> None:
+    run, book, _ = segment(backend)
+    current = at_step(3, submitted=False)
+    book.status.checkpoint = at_step(8, submitted=False)
+    recovered = at_step(6)  # less far, but it knows the backend took the prompt
+    best = run._furthest(current, recovered)
+    assert best.step == 8 and best.submitted_at == T0
+    assert book.status.checkpoint == best
+    assert book.last_progress_at == T0
+    # Another prompt's checkpoints do not count.
+    backend.now += timedelta(seconds=5)
+    book.status.checkpoint = None
+    other = at_step(15, prompt="other")
+    assert run._furthest(current, other) == current
+    assert book.last_progress_at == T0  # no further: the reconnect horizon keeps counting
+    uploaded = current.model_copy(update={"uploaded": ["x"]})
+    assert run._furthest(current, uploaded) == uploaded  # an upload is progress too
+    assert book.last_progress_at == T0 + timedelta(seconds=5)
+
+
+async def test_the_furthest_checkpoint_keeps_its_own_submission_time(backend: Backend) -> None:
+    run, book, _ = segment(backend)
+    later = T0 + timedelta(seconds=9)
+    book.status.checkpoint = at_step(8).model_copy(update={"submitted_at": later})
+    assert run._furthest(at_step(3), at_step(6)).submitted_at == later
+    legacy, book, _ = segment(backend, legacy=True)
+    book.status.checkpoint = at_step(8, submitted=False)
+    assert legacy._furthest(at_step(3, submitted=False), at_step(6)).submitted_at is None
+
+
+async def test_a_step_further_marks_progress(backend: Backend) -> None:
+    run, book, _ = segment(backend)
+    book.status.checkpoint = None
+    backend.now += timedelta(seconds=5)
+    assert run._furthest(at_step(3), at_step(4)).step == 4
+    assert book.last_progress_at == T0 + timedelta(seconds=5)
+
+
+def idle_for(backend: Backend, seconds: float) -> Callable[[FollowInput], Any]:
+    """The follow attempt fails after `seconds` without any progress."""
+
+    def outcome(req: FollowInput) -> ActivityError:
+        backend.now += timedelta(seconds=seconds)
+        return connection_lost()
+
+    return outcome
+
+
+async def test_no_progress_past_the_reconnect_horizon_gives_up(backend: Backend) -> None:
+    backend.follow_outcomes = [idle_for(backend, 101)]
+    run, _, _ = segment(backend)
+    with pytest.raises(ApplicationError) as raised:
+        await run.run()
+    assert raised.value.type == ErrorType.CONNECTION_LOST and raised.value.non_retryable
+    assert raised.value.message == (
+        "no progress for 101 s (reconnect horizon 100 s) after 0 reconnect attempt(s); "
+        "last error: socket closed"
+    )
+    assert backend.sleeps == []
+
+
+async def test_the_horizon_is_counted_from_the_last_progress(backend: Backend) -> None:
+    backend.follow_outcomes = [
+        idle_for(backend, 100),  # exactly the horizon: not past it
+        connection_lost(at_step(1)),  # 101.5 s after the submission, but a step further
+        idle_for(backend, 95),
+        idle_for(backend, 2),
+    ]
+    run, _, _ = segment(backend)
+    with pytest.raises(ApplicationError) as raised:
+        await run.run()
+    assert [summary for _, summary in backend.sleeps] == [f"reconnect {i}" for i in (1, 2, 3)]
+    assert raised.value.message.startswith("no progress for 106 s (reconnect horizon 100 s)")
+    assert "after 3 reconnect attempt(s)" in raised.value.message
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        failed(ApplicationError("bad graph", type=ErrorType.PROMPT_REJECTED, non_retryable=True)),
+        failed(CancelledError()),
+    ],
+)
+async def test_fatal_and_cancelled_failures_end_the_segment(
+    backend: Backend, error: BaseException
+) -> None:
+    backend.follow_outcomes = [error]
+    run, _, _ = segment(backend)
+    with pytest.raises(ActivityError):
+        await run.run()
+    assert backend.sleeps == [] and len(backend.follows) == 1
+
+
+async def test_a_failure_after_a_stop_order_ends_the_segment(backend: Backend) -> None:
+    backend.follow_outcomes = [connection_lost()]
+    stop = StopOrder(state=JobState.CANCELLED, error=JobError(type="Cancelled", message="c"))
+    run, _, _ = segment(backend, controls=JobControls(stop=stop))
+    with pytest.raises(ActivityError):
+        await run.run()
+    assert backend.sleeps == []
+
+
+# -- a lost prompt --------------------------------------------------------------------------
+
+
+async def test_a_lost_prompt_is_submitted_again_from_its_first_step(backend: Backend) -> None:
+    backend.follow_outcomes = [
+        connection_lost(at_step(5)),
+        prompt_lost(),
+        connection_lost(),
+        lambda req: done(req, "a"),
+    ]
+    run, _, controls = segment(backend)
+    await run.run()
+    assert controls.resubmits == 1
+    assert backend.counts == {RECONNECTS: 2, RESUBMISSIONS: 1}
+    third = backend.follows[2]
+    # The same prompt id, not yet acknowledged: the graph goes again, from step 0.
+    assert third.prompt_id == PROMPT and third.graph is not None
+    assert sent(third).submitted_at is None and sent(third).step == 0
+    assert sent(third).total_steps == 20
+    # The reconnect count starts over for the new submission.
+    assert [summary for _, summary in backend.sleeps] == ["reconnect 1", "reconnect 1"]
+    assert backend.states_at_follow[2] == JobState.SUBMITTING
+
+
+async def test_a_second_loss_fails_when_the_policy_says_fail(backend: Backend) -> None:
+    backend.follow_outcomes = [prompt_lost()]
+    run, _, _ = segment(
+        backend,
+        controls=JobControls(resubmits=1),
+        policy=policy(on_ambiguous_submit="fail"),
+    )
+    with pytest.raises(ApplicationError) as raised:
+        await run.run()
+    assert raised.value.message == "ComfyUI lost the prompt twice"
+    assert raised.value.type == ErrorType.PROMPT_LOST and raised.value.non_retryable
+
+
+async def test_a_second_loss_is_resubmitted_when_the_policy_says_so(backend: Backend) -> None:
+    backend.follow_outcomes = [prompt_lost(), lambda req: done(req, "a")]
+    run, _, controls = segment(
+        backend,
+        controls=JobControls(resubmits=1),
+        policy=policy(on_ambiguous_submit="resubmit"),
+    )
+    await run.run()
+    assert controls.resubmits == 2
+    assert backend.follows[1].graph is not None
+
+
+@pytest.mark.parametrize("resubmit", [True, False])
+async def test_a_second_loss_asks_a_person_when_the_policy_says_pause(
+    backend: Backend, resubmit: bool
+) -> None:
+    backend.follow_outcomes = [connection_lost(at_step(7)), prompt_lost(), lambda r: done(r, "a")]
+    controls = JobControls(resubmits=1, resume=ResumeRequest())
+    run, book, _ = segment(backend, controls=controls, policy=policy(on_ambiguous_submit="pause"))
+    seen: list[Any] = []
+
+    def answer() -> None:
+        seen.append((book.status.state, book.status.decision))
+        controls.resume = ResumeRequest(resubmit=resubmit)
+
+    backend.on_wait = answer
+    backend.now += timedelta(seconds=1)
+    await run.run()
+    [(state, decision)] = seen
+    assert state == JobState.NEEDS_DECISION
+    assert decision.reason == (
+        f"the backend lost prompt {PROMPT} again after 2 submission(s): it is neither queued, "
+        "running nor in its history (a ComfyUI restart forgets both)"
+    )
+    assert decision.options == {
+        "resume --resubmit": (
+            "submit it once more: it runs again from the start (20 steps), paid for again; "
+            "outputs already stored are kept"
+        ),
+        "cancel": "end the job as CANCELLED; outputs already stored are kept",
+    }
+    assert not decision.reattach_possible
+    assert decision.since == T0 + timedelta(seconds=2.5)  # after a 1.5 s backoff
+    last = backend.follows[-1]
+    if resubmit:
+        assert controls.resubmits == 2
+        assert last.graph is not None and sent(last).submitted_at is None
+    else:  # re-attach to what the backend may still have
+        assert controls.resubmits == 1
+        assert last.graph is None and sent(last).step == 7
+
+
+async def test_the_decision_counts_nodes_when_there_are_no_steps(backend: Backend) -> None:
+    run, book, _ = segment(backend)
+    book.begin_segment(0, 1, 0, 4)
+    checkpoint = Checkpoint(job_id="j1", prompt_id=PROMPT)
+    options = run._lost_prompt_decision(checkpoint).options
+    assert "(4 nodes)" in options["resume --resubmit"]
+
+
+# -- runs started before the follow activity submitted ---------------------------------------
+
+
+async def test_a_legacy_run_submits_with_its_own_activity_then_follows(backend: Backend) -> None:
+    backend.follow_outcomes = [connection_lost(), lambda req: done(req, "a")]
+    run, _, _ = segment(backend, legacy=True)
+    await run.run()
+    [submit] = backend.submits
+    assert (submit.prompt_id, submit.client_id, submit.pool) == (PROMPT, f"dc-{PROMPT}", "gpu")
+    assert all(req.graph is None for req in backend.follows)
+    assert backend.states_at_follow == [JobState.RUNNING, JobState.RUNNING]
+    # Never acknowledged in a checkpoint, yet submitted: the path broke, it is reconnecting.
+    assert [state for state, _, _ in backend.during_sleep] == [JobState.RECONNECTING]
