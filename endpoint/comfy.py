@@ -1,0 +1,110 @@
+"""The worker's own ComfyUI: waiting for it to come up, staging input files, and stopping our
+prompt. The HTTP calls themselves are `activities.comfyui.client.ComfyClient`'s."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Callable
+from typing import Literal
+
+import structlog
+
+from activities.comfyui.client import ComfyClient, ComfyError
+from endpoint.contract import InputImage
+from endpoint.inputs import decode_image
+
+log = structlog.get_logger(__name__)
+
+POLL_S = 0.5
+# How long a cancelled job spends making sure its prompt is gone (dequeued or interrupted).
+STOP_CONFIRM_S = 5.0
+STOP_POLL_S = 0.2
+# Interrupts are cooperative and a prompt may start between our checks: ask again this often.
+STOP_REPEAT_S = 1.0
+
+
+class ComfyGone(Exception):
+    """ComfyUI's process exited or never answered: this worker cannot run anything."""
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    return True
+
+
+async def wait_for_comfy(
+    client: ComfyClient,
+    *,
+    pid: int | None,
+    timeout_s: float,
+    on_waiting: Callable[[], None] | None = None,
+) -> None:
+    """Return once ComfyUI answers `/system_stats`.
+
+    While its process (`pid`) lives there is no cap: a cold start that loads custom nodes or
+    large models can take many minutes, and the platform's executionTimeout bounds the job.
+    Without a pid, `timeout_s` does.
+    """
+    started = time.monotonic()
+    told = False
+    while True:
+        try:
+            await client.system_stats()
+            if told:
+                log.info("comfy_ready", waited_s=round(time.monotonic() - started, 1))
+            return
+        except ComfyError as exc:
+            reason = str(exc)
+        if pid is not None and not process_alive(pid):
+            raise ComfyGone(f"ComfyUI (pid {pid}) exited before answering: {reason}")
+        if pid is None and time.monotonic() - started > timeout_s:
+            raise ComfyGone(f"ComfyUI did not answer within {timeout_s:.0f} s: {reason}")
+        if not told:
+            told = True
+            log.info("comfy_waiting", url=client.base_url, pid=pid, reason=reason)
+            if on_waiting is not None:
+                on_waiting()
+        await asyncio.sleep(POLL_S)
+
+
+async def stage_images(client: ComfyClient, images: list[InputImage]) -> None:
+    """Upload the job's input files to ComfyUI's input folder under their own names."""
+    for index, image in enumerate(images):
+        data = decode_image(index, image)
+        stored = await client.upload_image(image.name, data, overwrite=True)
+        log.info("input_staged", name=image.name, stored_as=stored, size=len(data))
+
+
+StopResult = Literal["dequeued", "interrupted", "not_queued", "still_running"]
+
+
+async def stop_prompt(client: ComfyClient, prompt_id: str) -> StopResult:
+    """Take our prompt off this ComfyUI: dequeue it if pending, interrupt it (prompt-scoped) if
+    running, and check until it is gone or STOP_CONFIRM_S passed."""
+    deadline = time.monotonic() + STOP_CONFIRM_S
+    did: StopResult = "not_queued"
+    asked_at = float("-inf")
+    while True:
+        place = await client.queue_place(prompt_id)
+        if place.where is None:
+            return did
+        if time.monotonic() > deadline:
+            log.warning("prompt_still_running", prompt_id=prompt_id, where=place.where)
+            return "still_running"
+        if time.monotonic() - asked_at >= STOP_REPEAT_S:
+            asked_at = time.monotonic()
+            if place.where == "pending":
+                await client.delete_pending(prompt_id)
+                did = "dequeued" if did == "not_queued" else did
+            else:
+                await client.interrupt(prompt_id)
+                did = "interrupted"
+            log.info("prompt_stop_sent", prompt_id=prompt_id, action=did)
+        await asyncio.sleep(STOP_POLL_S)

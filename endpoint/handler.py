@@ -1,0 +1,58 @@
+"""The RunPod serverless entry point: `python endpoint/handler.py` (in the worker image, or
+`.venv-endpoint/bin/python endpoint/handler.py` against the local RunPod simulator).
+
+Thin on purpose: the SDK's worker loop (`runpod.serverless.start`), its `progress_update`, and
+`refresh_worker`. Everything else is in endpoint/job.py, which never imports `runpod`, so the
+tests drive it from the app's venv. An `async` handler: the SDK cancels its task when the
+platform stops the job (`CancelledError`), which job.py turns into dequeue/interrupt of the
+prompt and a cancelled claim.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+from typing import Any
+
+# Run as a script, Python puts endpoint/ (not the repository or image root) on sys.path; the
+# handler imports `endpoint.*` and the shared `activities.*` modules from that root.
+_ROOT = str(Path(__file__).resolve().parent.parent)
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+import runpod  # type: ignore[import-not-found,unused-ignore]  # noqa: E402
+
+from endpoint.job import run_job  # noqa: E402
+from endpoint.logs import configure_logging  # noqa: E402
+from endpoint.settings import EndpointSettings  # noqa: E402
+
+
+@functools.cache
+def settings() -> EndpointSettings:
+    """Read once, at the first job (or at start-up from main)."""
+    return EndpointSettings.from_env()
+
+
+async def handler(job: dict[str, Any]) -> dict[str, Any]:
+    """One job: `{"id", "input"}` in, the contract's EndpointOutput / EndpointError out."""
+
+    def progress(update: dict[str, Any]) -> None:
+        runpod.serverless.progress_update(job, update)
+
+    return await run_job(job, settings(), progress)
+
+
+def main() -> None:
+    configure_logging()
+    runpod.serverless.start(
+        {
+            "handler": handler,
+            # worker-comfyui's REFRESH_WORKER: a fresh worker after every job.
+            "refresh_worker": settings().refresh_worker,
+        }
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,450 @@
+"""One RunPod job, start to end: read the input, claim the submission, run the graph, return
+the result. Everything the handler does, without the `runpod` SDK: `handler.py` passes the
+job and the SDK's `progress_update`, tests pass a list's `append`.
+
+Two kinds of input (contract.EndpointInput):
+- stock (worker-comfyui 5.x clients): no `durable_comfy` block; answered as worker-comfyui does
+  (`images: [{filename, type, data}]`, `errors`, `status: success_no_images`), base64 unless the
+  endpoint has a bucket and `BUCKET_NAME`;
+- orchestrated (`durable_comfy` block): the prompt and client IDs are the orchestrator's, progress
+  updates carry the checkpoint, outputs go to the job's S3 folder as each node finishes, and with
+  `claims` the submission token runs the graph at most once (claims.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+import httpx
+import structlog
+
+from activities.comfyui.client import ComfyClient
+from activities.keys import artifact_key
+from activities.progress import ProgressTracker
+from endpoint.claims import (
+    ClaimConflict,
+    ClaimError,
+    ClaimStore,
+    Decision,
+    Finished,
+    HeldElsewhere,
+)
+from endpoint.contract import (
+    ArtifactRecord,
+    Claim,
+    ClaimOutcome,
+    EndpointError,
+    EndpointInput,
+    EndpointOutput,
+    Orchestration,
+    claim_key,
+)
+from endpoint.execution import STOP_BUDGET_S, Execution, ExecutionResult, settle
+from endpoint.failures import failure_of, failure_of_end
+from endpoint.inputs import InputProblem, read_input
+from endpoint.lease import Lease
+from endpoint.outputs import Base64Sink, OutputSink, S3Sink
+from endpoint.reporting import ProgressReporter, ProgressSink
+from endpoint.s3 import S3
+from endpoint.settings import EndpointSettings
+
+log = structlog.get_logger(__name__)
+
+# The tag in ComfyUI's extra_data: whose prompt this is (not the orchestrator's orphan-sweep tag,
+# which this ComfyUI is not swept by).
+PROMPT_TAG = "durable_comfy_runpod"
+# How long a re-delivery of our own job waits for the earlier delivery's lease to run out.
+WAIT_OUT_FACTOR = 2.0
+FINISH_BUDGET_S = 30.0
+
+
+async def run_job(
+    job: Mapping[str, Any],
+    settings: EndpointSettings,
+    progress: ProgressSink | None = None,
+) -> dict[str, Any]:
+    """Run one RunPod job (`{"id", "input"}`) and return the handler's result."""
+    job_id = str(job.get("id") or "")
+    structlog.contextvars.bind_contextvars(runpod_job=job_id)
+    try:
+        try:
+            request = read_input(job.get("input"))
+        except InputProblem as exc:
+            log.info("input_rejected", error=str(exc))
+            return _dump(failure_of(exc))
+        # Local ComfyUI only: a proxy from the environment must not get in between.
+        timeout = httpx.Timeout(60.0, connect=5.0)
+        async with httpx.AsyncClient(timeout=timeout, trust_env=False) as http:
+            client = ComfyClient(settings.comfy_url, http)
+            s3 = S3(settings.bucket) if settings.bucket is not None else None
+            if request.durable_comfy is None:
+                return await StockJob(job_id, request, client, s3, settings).run()
+            return await OrchestratedJob(
+                job_id, request, request.durable_comfy, client, s3, settings, progress
+            ).run()
+    finally:
+        structlog.contextvars.unbind_contextvars("runpod_job")
+
+
+class StockJob:
+    """worker-comfyui's contract, so one endpoint serves stock clients too."""
+
+    def __init__(
+        self,
+        job_id: str,
+        request: EndpointInput,
+        client: ComfyClient,
+        s3: S3 | None,
+        settings: EndpointSettings,
+    ) -> None:
+        self.job_id = job_id
+        self.request = request
+        self.client = client
+        self.s3 = s3
+        self.settings = settings
+
+    async def run(self) -> dict[str, Any]:
+        prompt_id = str(uuid.uuid4())
+        execution = Execution(
+            self.client,
+            self.settings,
+            graph=self.request.workflow,
+            images=self.request.images,
+            prompt_id=prompt_id,
+            client_id=str(uuid.uuid4()),
+            extra_data=_extra_data(self.request, {"runpod_job_id": self.job_id}),
+            sink=self._sink(),
+            tracker=ProgressTracker({}, 0),
+            reporter=None,  # worker-comfyui sends no progress
+        )
+        try:
+            result = await execution.run()
+        except Exception as exc:
+            return _dump(failure_of(exc))
+        failure = failure_of_end(result.end)
+        if failure is None:
+            return _stock_output(result.records, [])
+        if result.records and not failure.refresh_worker:
+            # worker-comfyui returns what was produced, with the error as a non-fatal one.
+            return _stock_output(result.records, failure.details or [failure.error])
+        failed = failure.model_copy(update={"error": "Job processing failed"})
+        failed.details = failure.details or [failure.error]
+        return _dump(failed)
+
+    def _sink(self) -> OutputSink:
+        bucket = self.settings.bucket
+        if self.s3 is None or bucket is None or bucket.default_bucket is None:
+            return Base64Sink()
+        prefix, job_id = bucket.stock_prefix, self.job_id or "local"
+        return S3Sink(
+            self.s3,
+            bucket.default_bucket,
+            lambda node, filename: artifact_key(prefix, job_id, 0, node, filename),
+            presign=True,
+        )
+
+
+class OrchestratedJob:
+    """A job with the orchestrator's `durable_comfy` block."""
+
+    def __init__(
+        self,
+        job_id: str,
+        request: EndpointInput,
+        orchestration: Orchestration,
+        client: ComfyClient,
+        s3: S3 | None,
+        settings: EndpointSettings,
+        progress: ProgressSink | None,
+    ) -> None:
+        self.job_id = job_id
+        self.request = request
+        self.o = orchestration
+        self.client = client
+        self.s3 = s3
+        self.settings = settings
+        self.tracker = ProgressTracker(
+            orchestration.sampler_steps,
+            orchestration.nodes_total,
+            min_interval_s=orchestration.progress_interval_s,
+        )
+        self.reporter = ProgressReporter(
+            progress or _discard,
+            self.tracker,
+            submission=orchestration.submission,
+            prompt_id=orchestration.prompt_id,
+            worker_id=settings.worker_id,
+        )
+        self.log = log.bind(
+            job_id=orchestration.job_id,
+            submission=orchestration.submission,
+            prompt_id=orchestration.prompt_id,
+        )
+
+    async def run(self) -> dict[str, Any]:
+        o = self.o
+        if o.claims and self.s3 is None:
+            return self._error(
+                EndpointError(
+                    error="this job asks for claims (at-most-once execution) but the endpoint "
+                    "has no bucket: set BUCKET_ENDPOINT_URL, BUCKET_ACCESS_KEY_ID and "
+                    "BUCKET_SECRET_ACCESS_KEY on the endpoint, or send claims: false",
+                    error_type="BackendError",
+                )
+            )
+        if not o.claims:
+            return await self._run_unclaimed()
+        assert self.s3 is not None
+        store = ClaimStore(self.s3, o.output.bucket)
+        key = claim_key(o.output, o.job_id, o.submission)
+        try:
+            decision = await self._acquire(store, key)
+        except ClaimError as exc:
+            return self._error(failure_of(exc))
+        if isinstance(decision, Finished):
+            return self._replay(decision.current.claim)
+        if isinstance(decision, HeldElsewhere):
+            holder = decision.current.claim
+            self.log.info("claimed_elsewhere", holder=holder.holder, worker=holder.worker_id)
+            return self._output(
+                EndpointOutput(
+                    status="claimed_elsewhere",
+                    claim_holder=holder.holder,
+                    prompt_id=holder.prompt_id,
+                )
+            )
+        if decision.took_over is not None:
+            previous = decision.took_over
+            self.log.info("claim_taken_over", previous=previous.holder, worker=previous.worker_id)
+        async with Lease(store, key, decision.held, o.lease_s) as lease:
+            return await self._run_claimed(lease)
+
+    async def _acquire(self, store: ClaimStore, key: str) -> Decision:
+        """Claim the token. A claim held by this same RunPod job on another worker is an
+        earlier delivery the platform gave up on: wait for its lease to run out (it may still
+        be running somewhere), then take over; if it keeps being renewed, it is alive."""
+        template = Claim(
+            submission=self.o.submission,
+            job_id=self.o.job_id,
+            segment=self.o.segment,
+            prompt_id=self.o.prompt_id,
+            holder=self.job_id,
+            worker_id=self.settings.worker_id,
+            lease_until=datetime.now(UTC),
+            renewed_at=datetime.now(UTC),
+        )
+        decision = await store.acquire(key, template, self.o.lease_s)
+        give_up = asyncio.get_running_loop().time() + WAIT_OUT_FACTOR * self.o.lease_s
+        while (
+            isinstance(decision, HeldElsewhere)
+            and decision.current.claim.holder == self.job_id
+            and asyncio.get_running_loop().time() < give_up
+        ):
+            self.log.info("claim_wait_out", expires_in_s=round(decision.current.expires_in_s, 1))
+            self.reporter.set_stage("claiming")
+            await asyncio.sleep(min(max(decision.current.expires_in_s, 0.5), 5.0))
+            decision = await store.acquire(key, template, self.o.lease_s)
+        return decision
+
+    async def _run_unclaimed(self) -> dict[str, Any]:
+        execution = self._execution()
+        try:
+            result = await execution.run()
+        except Exception as exc:
+            return self._error(failure_of(exc), execution.records())
+        return self._result(result)[0]
+
+    async def _run_claimed(self, lease: Lease) -> dict[str, Any]:
+        execution = self._execution()
+        work = asyncio.create_task(execution.run(), name=f"run {self.o.prompt_id}")
+        lost = asyncio.create_task(lease.lost.wait(), name="claim lost")
+        try:
+            await asyncio.wait({work, lost}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            # The platform stopped the job (cancel, executionTimeout): stop the prompt, then
+            # record the claim as cancelled so no other delivery runs it.
+            self.log.info("job_cancelled")
+            work.cancel()
+            await settle(asyncio.gather(work, return_exceptions=True), STOP_BUDGET_S + 5)
+            outcome = _outcome("cancelled", images=execution.records(), error="cancelled")
+            await settle(lease.finish(outcome), FINISH_BUDGET_S)
+            raise
+        finally:
+            lost.cancel()
+        if not work.done():
+            # Our lease lapsed and another delivery took the submission over: it runs now.
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+            holder = lease.lost_to.claim if lease.lost_to is not None else None
+            return self._output(
+                EndpointOutput(
+                    status="claimed_elsewhere",
+                    claim_holder=holder.holder if holder else None,
+                    prompt_id=self.o.prompt_id,
+                    errors=["this delivery's claim lapsed and was taken over; it stopped"],
+                )
+            )
+        try:
+            answer, outcome = self._result(work.result())
+        except Exception as exc:
+            failure = failure_of(exc)
+            answer = self._error(failure, execution.records())
+            outcome = _outcome(
+                "failed",
+                images=execution.records(),
+                error=failure.error,
+                error_type=failure.error_type,
+            )
+        await self._finish(lease, outcome)
+        return answer
+
+    async def _finish(self, lease: Lease, outcome: ClaimOutcome) -> None:
+        """Record the outcome in the claim. A failure to do so is logged, not returned: the
+        job's own result stands (the orchestrator verifies its records in S3 either way), and
+        `errors` in a result would make it read as a failed job."""
+        task = asyncio.ensure_future(lease.finish(outcome))
+        try:
+            await asyncio.shield(task)  # a cancel now must not leave the claim half-written
+        except (ClaimConflict, ClaimError) as exc:
+            self.log.warning("claim_outcome_not_recorded", state=outcome.state, error=str(exc))
+
+    def _execution(self) -> Execution:
+        return Execution(
+            self.client,
+            self.settings,
+            graph=self.request.workflow,
+            images=self.request.images,
+            prompt_id=self.o.prompt_id,
+            client_id=self.o.client_id,
+            extra_data=_extra_data(
+                self.request,
+                {
+                    "job_id": self.o.job_id,
+                    "segment": self.o.segment,
+                    "submission": self.o.submission,
+                    "runpod_job_id": self.job_id,
+                },
+            ),
+            sink=self._sink(),
+            tracker=self.tracker,
+            reporter=self.reporter,
+        )
+
+    def _sink(self) -> OutputSink:
+        if self.s3 is None:
+            # claims: false on an endpoint without a bucket: the orchestrator stores them.
+            return Base64Sink()
+        output, job_id, segment = self.o.output, self.o.job_id, self.o.segment
+        return S3Sink(
+            self.s3,
+            output.bucket,
+            lambda node, filename: artifact_key(output.prefix, job_id, segment, node, filename),
+        )
+
+    def _result(self, result: ExecutionResult) -> tuple[dict[str, Any], ClaimOutcome]:
+        failure = failure_of_end(result.end)
+        if failure is not None:
+            outcome = _outcome(
+                "failed",
+                images=result.records,
+                error=failure.error,
+                error_type=failure.error_type,
+            )
+            return self._error(failure, result.records), outcome
+        self.tracker.complete()
+        status = "success" if result.records else "success_no_images"
+        answer = self._output(EndpointOutput(images=result.records, status=status))
+        return answer, _outcome("completed", images=result.records)
+
+    def _replay(self, claim: Claim) -> dict[str, Any]:
+        """A delivery of a submission that already ran returns what the claim recorded."""
+        outcome = claim.outcome
+        assert outcome is not None
+        self.log.info("claim_replayed", state=outcome.state, holder=claim.holder)
+        common = {"claim_holder": claim.holder, "prompt_id": claim.prompt_id, "replayed": True}
+        if outcome.state == "completed":
+            status = "success" if outcome.images else "success_no_images"
+            return self._output(EndpointOutput(images=outcome.images, status=status, **common))
+        if outcome.state == "cancelled":
+            error = (
+                f"submission {claim.submission} was cancelled (RunPod job {claim.holder}) and "
+                "will not run again: submit with a new submission token"
+            )
+            return self._error(
+                EndpointError(error=error, error_type="Cancelled", **common), outcome.images
+            )
+        return self._error(
+            EndpointError(
+                error=outcome.error or "failed",
+                error_type=outcome.error_type or "ExecutionError",
+                **common,
+            ),
+            outcome.images,
+        )
+
+    def _output(self, output: EndpointOutput) -> dict[str, Any]:
+        output.submission = self.o.submission
+        output.prompt_id = output.prompt_id or self.o.prompt_id
+        if output.status != "claimed_elsewhere":
+            output.claim_holder = output.claim_holder or (self.job_id if self.o.claims else None)
+        return _dump(output)
+
+    def _error(
+        self, error: EndpointError, images: list[ArtifactRecord] | None = None
+    ) -> dict[str, Any]:
+        error.submission = self.o.submission
+        error.prompt_id = error.prompt_id or self.o.prompt_id
+        error.images = images or error.images
+        self.log.info("job_failed", error_type=error.error_type, error=error.error)
+        return _dump(error)
+
+
+def _outcome(
+    state: str,
+    *,
+    images: list[ArtifactRecord],
+    error: str | None = None,
+    error_type: str | None = None,
+) -> ClaimOutcome:
+    return ClaimOutcome.model_validate(
+        {
+            "state": state,
+            "images": images,
+            "error": error,
+            "error_type": error_type,
+            "at": datetime.now(UTC),
+        }
+    )
+
+
+def _extra_data(request: EndpointInput, tag: dict[str, Any]) -> dict[str, Any]:
+    extra: dict[str, Any] = {PROMPT_TAG: tag}
+    # worker-comfyui's Comfy.org key for API nodes: per request, else the endpoint's.
+    key = request.api_key_comfy_org or os.environ.get("COMFY_ORG_API_KEY")
+    if key:
+        extra["api_key_comfy_org"] = key
+    return extra
+
+
+def _stock_output(records: list[ArtifactRecord], errors: list[str]) -> dict[str, Any]:
+    """worker-comfyui 5.x's shape: `images`, `errors` only when any, `status` only when empty."""
+    images = [r.model_dump(mode="json", exclude_none=True) for r in records]
+    result: dict[str, Any] = {"images": images}
+    if errors:
+        result["errors"] = errors
+    if not records:
+        result["status"] = "success_no_images"
+    return result
+
+
+def _dump(model: EndpointOutput | EndpointError) -> dict[str, Any]:
+    return model.model_dump(mode="json", exclude_none=True)
+
+
+def _discard(_update: Mapping[str, Any]) -> None:
+    pass

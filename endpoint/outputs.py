@@ -1,0 +1,193 @@
+"""A prompt's output files as ArtifactRecords: streamed into S3 as each node finishes, or
+base64-encoded into the result when no bucket is configured (worker-comfyui's fallback).
+
+`OutputCollector` starts one upload per saved output file the moment an event or the history
+names it, each file once, at most MAX_PARALLEL at a time; previews (`type: temp`) are skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any, Protocol
+
+import structlog
+
+from activities.comfyui.client import ComfyClient
+from activities.comfyui.events import output_files
+from activities.keys import content_type_for
+from endpoint.contract import ArtifactRecord
+from endpoint.s3 import S3
+from endpoint.upload import stream_to_s3
+
+log = structlog.get_logger(__name__)
+
+MAX_PARALLEL = 2
+# Base64 results travel in RunPod's job-done body, which loses results past ~19 MB (base64):
+# beyond this many raw bytes in total the job fails, naming the fix, instead of vanishing.
+MAX_BASE64_BYTES = 12 * 1024 * 1024
+# Stock clients get a presigned GET URL for S3 outputs, as from worker-comfyui.
+PRESIGN_TTL_S = 7 * 24 * 3600
+
+
+class OutputTooLarge(Exception):
+    """Base64 outputs would not fit in a RunPod result."""
+
+
+class OutputSink(Protocol):
+    def identity(self, node_id: str, item: Mapping[str, str]) -> str:
+        """What makes two output items the same stored artifact."""
+        ...
+
+    async def store(
+        self, node_id: str, item: Mapping[str, str], chunks: AsyncIterator[bytes]
+    ) -> ArtifactRecord: ...
+
+
+class S3Sink:
+    """Each output streamed to `key_for(node_id, filename)` in `bucket`."""
+
+    def __init__(
+        self,
+        s3: S3,
+        bucket: str,
+        key_for: Callable[[str, str], str],
+        *,
+        presign: bool = False,
+    ) -> None:
+        self._s3 = s3
+        self._bucket = bucket
+        self._key_for = key_for
+        self._presign = presign
+
+    def identity(self, node_id: str, item: Mapping[str, str]) -> str:
+        return self._key_for(node_id, item["filename"])
+
+    async def store(
+        self, node_id: str, item: Mapping[str, str], chunks: AsyncIterator[bytes]
+    ) -> ArtifactRecord:
+        key = self.identity(node_id, item)
+        content_type = content_type_for(item["filename"])
+        stored = await stream_to_s3(
+            self._s3, bucket=self._bucket, key=key, chunks=chunks, content_type=content_type
+        )
+        data = f"s3://{stored.bucket}/{stored.key}"
+        if self._presign:
+            data = await self._s3.call(
+                "generate_presigned_url",
+                ClientMethod="get_object",
+                Params={"Bucket": stored.bucket, "Key": stored.key},
+                ExpiresIn=PRESIGN_TTL_S,
+            )
+        return ArtifactRecord(
+            filename=item["filename"],
+            subfolder=item.get("subfolder", ""),
+            type="s3_url",
+            data=data,
+            node_id=node_id,
+            size=stored.size,
+            sha256=stored.sha256,
+            content_type=content_type,
+            bucket=stored.bucket,
+            key=stored.key,
+        )
+
+
+class Base64Sink:
+    """Each output read whole and returned in the result (no bucket configured)."""
+
+    def __init__(self, max_total_bytes: int = MAX_BASE64_BYTES) -> None:
+        self._left = max_total_bytes
+        self._limit = max_total_bytes
+
+    def identity(self, node_id: str, item: Mapping[str, str]) -> str:
+        return f"{node_id}/{item.get('subfolder', '')}/{item['filename']}"
+
+    async def store(
+        self, node_id: str, item: Mapping[str, str], chunks: AsyncIterator[bytes]
+    ) -> ArtifactRecord:
+        body = bytearray()
+        async for chunk in chunks:
+            body += chunk
+            self._left -= len(chunk)
+            if self._left < 0:
+                raise OutputTooLarge(
+                    f"outputs exceed {self._limit // 2**20} MiB, too much for a base64 result: "
+                    "configure a bucket (BUCKET_ENDPOINT_URL, BUCKET_ACCESS_KEY_ID, "
+                    "BUCKET_SECRET_ACCESS_KEY) so outputs go to S3"
+                )
+        return ArtifactRecord(
+            filename=item["filename"],
+            subfolder=item.get("subfolder", ""),
+            type="base64",
+            data=base64.b64encode(body).decode("ascii"),
+            node_id=node_id,
+            size=len(body),
+            sha256=hashlib.sha256(body).hexdigest(),
+            content_type=content_type_for(item["filename"]),
+        )
+
+
+OnStored = Callable[[ArtifactRecord], None]
+
+
+class OutputCollector:
+    """Stores every saved output of one prompt once; `records()` in the order they appeared."""
+
+    def __init__(self, client: ComfyClient, sink: OutputSink, on_stored: OnStored) -> None:
+        self._client = client
+        self._sink = sink
+        self._on_stored = on_stored
+        self._order: list[str] = []
+        self._stored: dict[str, ArtifactRecord] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._failures: list[BaseException] = []
+        self._limit = asyncio.Semaphore(MAX_PARALLEL)
+
+    def add(self, outputs: Mapping[str, Any]) -> None:
+        """Start storing what `outputs` ({node_id: node output}) names that is new."""
+        for node_id, item in output_files(dict(outputs)):
+            if item.get("type", "output") != "output":
+                continue  # previews are not artifacts
+            identity = self._sink.identity(node_id, item)
+            if identity in self._tasks:
+                continue
+            self._order.append(identity)
+            self._tasks[identity] = asyncio.create_task(
+                self._store(identity, node_id, item), name=f"store {identity}"
+            )
+
+    def failure(self) -> BaseException | None:
+        """The first upload that failed so far, if any."""
+        return self._failures[0] if self._failures else None
+
+    async def drain(self) -> None:
+        """Wait for every upload started so far."""
+        while pending := [t for t in self._tasks.values() if not t.done()]:
+            await asyncio.wait(pending)
+
+    async def cancel(self) -> None:
+        for task in self._tasks.values():
+            task.cancel()
+        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+
+    def records(self) -> list[ArtifactRecord]:
+        return [self._stored[i] for i in self._order if i in self._stored]
+
+    async def _store(self, identity: str, node_id: str, item: Mapping[str, str]) -> None:
+        try:
+            async with self._limit:
+                async with self._client.view(
+                    item["filename"], item.get("subfolder", ""), item.get("type", "output")
+                ) as chunks:
+                    record = await self._sink.store(node_id, item, chunks)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.warning("output_not_stored", node_id=node_id, item=dict(item), error=str(exc))
+            self._failures.append(exc)
+            return
+        self._stored[identity] = record
+        self._on_stored(record)

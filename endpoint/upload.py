@@ -1,0 +1,227 @@
+"""Streaming one byte stream into one S3 object with constant memory, its sha256 computed on the
+way and stamped on the object as user metadata `sha256` (where `activities.storage` reads it).
+
+Below PART_SIZE: one PutObject. Above: a multipart upload with PART_SIZE parts and at most
+MAX_IN_FLIGHT of them sending, so memory stays about (MAX_IN_FLIGHT + 1) x PART_SIZE whatever the
+file's size. The digest is known only after the last byte, but S3 fixes metadata when the upload
+starts, so a finished multipart object is copied onto itself with the digest, pinned to the
+object we completed (`CopySourceIfMatch`). Any failure or cancellation aborts the upload.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from endpoint.s3 import S3, S3_FAILURES, error_code
+
+log = structlog.get_logger(__name__)
+
+PART_SIZE = 8 * 1024 * 1024
+MAX_IN_FLIGHT = 2
+MAX_PARTS = 10_000
+# CopyObject refuses sources above 5 GiB; bigger objects get their metadata through part copies.
+COPY_OBJECT_LIMIT = 5 * 1024**3
+COPY_PART_SIZE = 1024**3
+
+
+class UploadError(Exception):
+    """The object could not be stored, or is not stored as streamed."""
+
+
+@dataclass(frozen=True)
+class Stored:
+    bucket: str
+    key: str
+    size: int
+    sha256: str
+    content_type: str
+
+
+async def stream_to_s3(
+    s3: S3, *, bucket: str, key: str, chunks: AsyncIterator[bytes], content_type: str
+) -> Stored:
+    """Upload `chunks` to `bucket/key`, then check the stored size and sha256."""
+    upload = _Upload(s3, bucket, key, content_type)
+    try:
+        size, digest = await upload.run(chunks)
+        head = await s3.call("head_object", Bucket=bucket, Key=key)
+    except S3_FAILURES as exc:
+        raise UploadError(f"storing s3://{bucket}/{key}: {error_code(exc)}: {exc}") from exc
+    stored_sha = head.get("Metadata", {}).get("sha256", "")
+    if head.get("ContentLength") != size or stored_sha != digest:
+        raise UploadError(
+            f"s3://{bucket}/{key} is stored with {head.get('ContentLength')} bytes / sha256 "
+            f"{stored_sha or '-'}, streamed {size} / {digest}"
+        )
+    log.info("artifact_stored", bucket=bucket, key=key, size=size, parts=upload.parts_sent)
+    return Stored(bucket, key, size, digest, content_type)
+
+
+class _Upload:
+    def __init__(self, s3: S3, bucket: str, key: str, content_type: str) -> None:
+        self.s3 = s3
+        self.bucket = bucket
+        self.key = key
+        self.content_type = content_type
+        self.upload_id: str | None = None
+        self.parts: dict[int, str] = {}
+        self.parts_sent = 0
+        self.in_flight: set[asyncio.Task[None]] = set()
+
+    async def run(self, chunks: AsyncIterator[bytes]) -> tuple[int, str]:
+        hasher = hashlib.sha256()
+        size = 0
+        buffer = bytearray()
+        try:
+            async for chunk in chunks:
+                hasher.update(chunk)
+                size += len(chunk)
+                buffer += chunk
+                while len(buffer) >= PART_SIZE:
+                    part = bytes(buffer[:PART_SIZE])
+                    del buffer[:PART_SIZE]
+                    await self._send_part(part)
+            digest = hasher.hexdigest()
+            if self.upload_id is None:
+                await self.s3.call(
+                    "put_object",
+                    Bucket=self.bucket,
+                    Key=self.key,
+                    Body=bytes(buffer),
+                    ContentType=self.content_type,
+                    Metadata={"sha256": digest},
+                )
+                return size, digest
+            if buffer:
+                await self._send_part(bytes(buffer))
+            await self._wait_parts(until=0)
+            etag = await self._complete()
+        except BaseException:
+            await self._abort()
+            raise
+        await self._stamp(etag, size, digest)
+        return size, digest
+
+    async def _send_part(self, body: bytes) -> None:
+        if self.upload_id is None:
+            created = await self.s3.call(
+                "create_multipart_upload",
+                Bucket=self.bucket,
+                Key=self.key,
+                ContentType=self.content_type,
+            )
+            self.upload_id = str(created["UploadId"])
+        self.parts_sent += 1
+        number = self.parts_sent
+        if number > MAX_PARTS:
+            raise UploadError(f"{self.key}: more than {MAX_PARTS} parts of {PART_SIZE} bytes")
+        await self._wait_parts(until=MAX_IN_FLIGHT - 1)
+        self.in_flight.add(asyncio.create_task(self._put_part(number, body)))
+
+    async def _put_part(self, number: int, body: bytes) -> None:
+        resp = await self.s3.call(
+            "upload_part",
+            Bucket=self.bucket,
+            Key=self.key,
+            UploadId=self.upload_id,
+            PartNumber=number,
+            Body=body,
+        )
+        self.parts[number] = str(resp["ETag"])
+
+    async def _wait_parts(self, *, until: int) -> None:
+        """Wait until at most `until` parts are in flight; a failed part fails the upload."""
+        while len(self.in_flight) > until:
+            done, _ = await asyncio.wait(self.in_flight, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                self.in_flight.discard(task)
+                task.result()
+
+    async def _complete(self) -> str:
+        parts = [{"PartNumber": n, "ETag": self.parts[n]} for n in sorted(self.parts)]
+        done = await self.s3.call(
+            "complete_multipart_upload",
+            Bucket=self.bucket,
+            Key=self.key,
+            UploadId=self.upload_id,
+            MultipartUpload={"Parts": parts},
+        )
+        self.upload_id = None  # nothing to abort from here on
+        return str(done["ETag"])
+
+    async def _stamp(self, etag: str, size: int, digest: str) -> None:
+        source = {"Bucket": self.bucket, "Key": self.key}
+        common: dict[str, Any] = {"Bucket": self.bucket, "Key": self.key}
+        if size <= COPY_OBJECT_LIMIT:
+            await self.s3.call(
+                "copy_object",
+                **common,
+                CopySource=source,
+                CopySourceIfMatch=etag,
+                MetadataDirective="REPLACE",
+                Metadata={"sha256": digest},
+                ContentType=self.content_type,
+            )
+            return
+        created = await self.s3.call(
+            "create_multipart_upload",
+            **common,
+            ContentType=self.content_type,
+            Metadata={"sha256": digest},
+        )
+        upload_id = str(created["UploadId"])
+        try:
+            parts = []
+            for number, start in enumerate(range(0, size, COPY_PART_SIZE), start=1):
+                end = min(start + COPY_PART_SIZE, size) - 1
+                resp = await self.s3.call(
+                    "upload_part_copy",
+                    **common,
+                    UploadId=upload_id,
+                    PartNumber=number,
+                    CopySource=source,
+                    CopySourceIfMatch=etag,
+                    CopySourceRange=f"bytes={start}-{end}",
+                )
+                parts.append({"PartNumber": number, "ETag": resp["CopyPartResult"]["ETag"]})
+            await self.s3.call(
+                "complete_multipart_upload",
+                **common,
+                UploadId=upload_id,
+                MultipartUpload={"Parts": parts},
+            )
+        except BaseException:
+            self.upload_id = upload_id
+            await self._abort()
+            raise
+
+    async def _abort(self) -> None:
+        """Abort an unfinished upload; never raises, and runs to its end even when cancelled
+        (a leaked upload keeps its parts, and their cost, until a lifecycle rule removes it)."""
+        for task in self.in_flight:
+            task.cancel()
+        self.in_flight.clear()
+        upload_id, self.upload_id = self.upload_id, None
+        if upload_id is None:
+            return
+        aborting = asyncio.ensure_future(
+            self.s3.call(
+                "abort_multipart_upload", Bucket=self.bucket, Key=self.key, UploadId=upload_id
+            )
+        )
+        try:
+            await asyncio.shield(aborting)
+        except asyncio.CancelledError:
+            # We are cancelled again: the abort goes on in its thread; say so and pass it on.
+            log.warning("multipart_abort_left_running", key=self.key, upload_id=upload_id)
+            raise
+        except S3_FAILURES as exc:
+            log.warning("multipart_abort_failed", key=self.key, error=error_code(exc))
+        else:
+            log.info("multipart_aborted", key=self.key, upload_id=upload_id)
