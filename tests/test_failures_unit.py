@@ -58,6 +58,16 @@ def heartbeat_timeout() -> TimeoutError:
             ),
             FailureKind.LOST,
         ),
+        (
+            after_activity(ApplicationError("answer lost", type=ErrorType.SUBMISSION_AMBIGUOUS)),
+            FailureKind.AMBIGUOUS,
+        ),
+        (
+            after_activity(
+                ApplicationError("lost", type=ErrorType.SUBMISSION_AMBIGUOUS, non_retryable=True)
+            ),
+            FailureKind.AMBIGUOUS,
+        ),
         (after_activity(ApplicationError("socket", type="ConnectionLost")), FailureKind.RECONNECT),
         (ApplicationError("socket", type="ConnectionLost"), FailureKind.RECONNECT),
         (

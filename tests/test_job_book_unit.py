@@ -20,6 +20,7 @@ from workflows.contracts import (
     BackendInfo,
     Checkpoint,
     Decision,
+    JobCost,
     JobError,
     JobState,
     JobStatus,
@@ -203,6 +204,18 @@ def test_ask_waits_for_a_person(wf: FakeWorkflow) -> None:
     assert book.status.decision == decision
     assert book.status.state == JobState.NEEDS_DECISION
     assert wf.upserts[-1][SA_JOB_STATE] == "NEEDS_DECISION"
+
+
+def test_a_cost_per_provider_job_the_latest_reading_wins(wf: FakeWorkflow) -> None:
+    book = _book()
+    book.add_cost(JobCost(provider_job_id="rp-1", execution_s=5.0))
+    book.add_cost(JobCost(provider_job_id="rp-2", execution_s=7.0))
+    book.add_cost(JobCost(provider_job_id="rp-1", execution_s=9.0))
+    assert book.status.cost == [
+        JobCost(provider_job_id="rp-2", execution_s=7.0),
+        JobCost(provider_job_id="rp-1", execution_s=9.0),
+    ]
+    assert book.status.seq == 3
 
 
 def test_teardown_and_contact(wf: FakeWorkflow) -> None:

@@ -32,6 +32,7 @@ from workflows.activity_io import (
 from workflows.contracts import (
     Artifact,
     Checkpoint,
+    JobCost,
     JobError,
     JobPolicy,
     JobRequest,
@@ -55,7 +56,12 @@ GRAPH: dict[str, Any] = {
     "2": {"class_type": "SaveImage", "inputs": {"images": ["1", 0], "filename_prefix": "t"}},
 }
 PREPARED = PreparedJob(
-    pool="gpu", kind="comfyui", graph=GRAPH, sampler_steps={"1": 20}, nodes_total=2
+    pool="gpu",
+    kind="comfyui",
+    graph=GRAPH,
+    sampler_steps={"1": 20},
+    nodes_total=2,
+    staged_inputs={"in.png": "s3://b/in.png"},
 )
 
 
@@ -97,6 +103,12 @@ def connection_lost(
 
 def prompt_lost() -> ActivityError:
     return failed(ApplicationError("not in queue nor history", type=ErrorType.PROMPT_LOST))
+
+
+def ambiguous() -> ActivityError:
+    return failed(
+        ApplicationError("the submission's answer was lost", type=ErrorType.SUBMISSION_AMBIGUOUS)
+    )
 
 
 class FakeRandom:
@@ -246,9 +258,12 @@ def at_step(step: int, *, submitted: bool = True, prompt: str = PROMPT) -> Check
 
 
 async def test_a_segment_submits_follows_offloads_and_ends(backend: Backend) -> None:
-    backend.follow_outcomes = [lambda req: done(req, "a")]
+    cost = JobCost(provider_job_id="rp-1", execution_s=12.0)
+    backend.follow_outcomes = [
+        lambda req: done(req, "a").model_copy(update={"cost": cost}),
+    ]
     backend.offload_artifacts = [artifact("a"), artifact("b")]
-    run, book, _ = segment(backend, labels={"x": "y"})
+    run, book, _ = segment(backend, policy=policy(execution_timeout_s=600.0, queue_timeout_s=120.0))
     await run.run()
     tag = f"dc_j1_0_{PROMPT[:8]}"
     [follow] = backend.follows
@@ -267,6 +282,9 @@ async def test_a_segment_submits_follows_offloads_and_ends(backend: Backend) -> 
         checkpoint=sent(follow),
         stored=[],
         graph=follow.graph,
+        execution_timeout_s=600.0,
+        queue_timeout_s=120.0,
+        staged_inputs={"in.png": "s3://b/in.png"},
     )
     assert follow.graph is not None
     assert follow.graph["2"]["inputs"]["filename_prefix"].startswith(f"{tag}/")
@@ -289,6 +307,7 @@ async def test_a_segment_submits_follows_offloads_and_ends(backend: Backend) -> 
     progress = book.status.progress
     assert (progress.step, progress.total_steps, progress.fraction) == (20, 20, 1.0)
     assert backend.sleeps == [] and backend.submits == []
+    assert book.status.cost == [cost]
 
 
 async def test_each_segment_runs_its_own_overrides(backend: Backend) -> None:
@@ -561,6 +580,80 @@ async def test_a_second_loss_asks_a_person_when_the_policy_says_pause(
     else:  # re-attach to what the backend may still have
         assert controls.resubmits == 1
         assert last.graph is None and sent(last).step == 7
+
+
+async def test_an_ambiguous_submission_fails_when_the_policy_says_fail(backend: Backend) -> None:
+    backend.follow_outcomes = [ambiguous()]
+    run, _, controls = segment(backend, policy=policy(on_ambiguous_submit="fail"))
+    with pytest.raises(ApplicationError) as raised:
+        await run.run()
+    assert raised.value.message == (
+        "the submission's answer was lost (on_ambiguous_submit is 'fail')"
+    )
+    assert raised.value.type == ErrorType.SUBMISSION_AMBIGUOUS and raised.value.non_retryable
+    assert controls.resubmits == 0
+
+
+async def test_an_ambiguous_submission_is_sent_again_when_the_policy_says_so(
+    backend: Backend,
+) -> None:
+    backend.follow_outcomes = [
+        connection_lost(),
+        ambiguous(),
+        connection_lost(),
+        lambda req: done(req, "a"),
+    ]
+    run, book, controls = segment(backend, policy=policy(on_ambiguous_submit="resubmit"))
+    await run.run()
+    assert controls.resubmits == 1
+    assert backend.counts == {RECONNECTS: 2, RESUBMISSIONS: 1}
+    # Submitted again under the same prompt id, from its first step; the backoff starts over.
+    assert [sent(req).prompt_id for req in backend.follows] == [PROMPT] * 4
+    assert all(req.graph is not None for req in backend.follows)
+    assert [summary for _, summary in backend.sleeps] == ["reconnect 1", "reconnect 1"]
+    assert book.status.decision is None
+
+
+async def test_an_ambiguous_submission_waits_for_a_resume_with_resubmit(
+    backend: Backend,
+) -> None:
+    backend.follow_outcomes = [connection_lost(at_step(4)), ambiguous(), lambda r: done(r, "a")]
+    run, book, controls = segment(backend, policy=policy(on_ambiguous_submit="pause"))
+    controls.resume = ResumeRequest(resubmit=True)  # an answer to an earlier question
+    answers = [ResumeRequest(resubmit=False), ResumeRequest(resubmit=True)]
+    seen: list[Any] = []
+
+    def answer() -> None:
+        seen.append((book.status.state, book.status.decision, len(book.status.notices)))
+        controls.resume = answers.pop(0)
+
+    backend.on_wait = answer
+    await run.run()
+    assert answers == [] and controls.resubmits == 1
+    (state, decision, notices), again = seen
+    assert state == JobState.NEEDS_DECISION and notices == 0
+    assert again[2] == 1
+    assert [n.message for n in book.status.notices] == [
+        "resume: nothing to re-attach to; resume with resubmit=true"
+    ]
+    assert decision.reason == (
+        f"the backend may or may not have prompt {PROMPT}: the submission's answer was lost; "
+        "this pool cannot tell (no claims), and submitting again may run it twice"
+    )
+    assert decision.options == {
+        "resume --resubmit": (
+            "submit it again: if the first submission did arrive, it runs and is paid for "
+            "twice; outputs already stored are kept"
+        ),
+        "cancel": (
+            "end the job as CANCELLED; a first submission that did arrive is not stopped "
+            "(its job ID on the backend is unknown)"
+        ),
+    }
+    assert not decision.reattach_possible
+    assert decision.since == T0 + timedelta(seconds=1.5)
+    last = backend.follows[-1]
+    assert last.graph is not None and sent(last).step == 0 and sent(last).total_steps == 20
 
 
 async def test_the_decision_counts_nodes_when_there_are_no_steps(backend: Backend) -> None:
