@@ -233,7 +233,10 @@ class PromptFollower:
     async def _next_event(self, ws: websockets.ClientConnection) -> bool:
         """Handle the next frame; True only for an event routed to our client_id."""
         try:
-            frame = await asyncio.wait_for(ws.recv(), timeout=self.poll_s)
+            # Not asyncio.wait_for: on Python 3.11 it swallows a cancel (Temporal's, the stop's)
+            # that lands while a frame arrives, and a busy socket then hides it for good.
+            async with asyncio.timeout(self.poll_s):
+                frame = await ws.recv()
         except TimeoutError:
             self._heartbeat()
             # A silent socket on a live prompt is not a failure: ask the source of truth.
