@@ -113,6 +113,7 @@ class PromptFollower:
         self.last_routed = time.monotonic()
         self.succeeded = False
         self.uploads: set[asyncio.Task[Artifact]] = set()
+        self.scheduled: set[str] = set()  # keys of uploads started by this attempt
         self.log = log.bind(job_id=req.job_id, prompt_id=req.prompt_id, segment=req.segment)
         self.worker_id = worker_identity()
 
@@ -327,7 +328,11 @@ class PromptFollower:
 
     def _start_uploads(self, outputs: dict[str, Any]) -> None:
         for node_id, item in output_files(outputs):
-            if self.uploader.wanted(node_id, item):
+            key = self.uploader.key_for(node_id, item)
+            # Marked when scheduled, not when the task first runs: frames already buffered
+            # (a repeated `executed`) are handled before any new task gets to start.
+            if self.uploader.wanted(node_id, item) and key not in self.scheduled:
+                self.scheduled.add(key)
                 task = asyncio.create_task(self._upload(node_id, item))
                 self.uploads.add(task)
 
