@@ -17,19 +17,22 @@ What it simulates (PROTOCOLS.md, "RunPod serverless"):
   chunks; per-10-s rate limits (429 with Retry-After); webhooks.
 - The worker-facing API of runpod 1.12.0's `runpod.serverless.start` loop (job-take, job-stop,
   job-done, job-stream, ping; routes_worker.py), driven by real, unmodified worker processes.
-- Workers on demand: scale from zero, max workers, cold start, idle timeout, replacement after
-  refresh_worker, the job of a dead worker (TIMED_OUT, re-delivered, or stuck until the execution
-  timeout). Every platform timer runs on a simulator clock `--clock-speed` times faster than real.
+- Workers on demand: scale from zero, max workers, active (min) workers, cold start, idle
+  timeout, replacement after refresh_worker, the job of a dead worker (TIMED_OUT, re-delivered,
+  or stuck until the execution timeout). Every platform timer runs on a simulator clock
+  `--clock-speed` times faster than real.
 - A ledger (GET /sim/ledger, ledger.py) and fault injection (POST /sim/faults, faults.py).
 
-What it does not: GPUs, regions, network volumes, FlashBoot, active/min workers, lowPriority
-(accepted, no effect), concurrency modifiers beyond what the SDK does itself, the GraphQL and REST
-management APIs, per-account limits, the exact wording of RunPod's error bodies (ours are
-`{"error": "..."}`), and a 413/400 exactly where RunPod draws the line (limits are MiB here). What
-happens to a dead worker's job is undocumented at RunPod: the simulator offers the three
-behaviours seen in the wild. Pings are recorded, never used to judge a worker: the simulator owns
-the processes and sees them die. `health.workers.ready` counts idle plus running workers (the
-simulator's reading of a field RunPod does not define), `throttled` and `unhealthy` stay 0.
+What it does not: GPUs, regions, network volumes, FlashBoot, the active workers' discount,
+lowPriority (accepted, no effect), concurrency modifiers beyond what the SDK does itself, the
+GraphQL and REST management APIs, per-account limits, the exact wording of RunPod's error bodies
+(ours are `{"error": "..."}`), and a 413/400 exactly where RunPod draws the line (limits are MiB
+here). What happens to a dead worker's job is undocumented at RunPod: the simulator offers the
+three behaviours seen in the wild. Pings are recorded, never used to judge a worker: the
+simulator owns the processes and sees them die. `health.workers.ready` counts idle plus running
+workers (the simulator's reading of a field RunPod does not define), `throttled` and `unhealthy`
+stay 0. A simulator killed with SIGKILL cannot stop its workers (each runs in its own session):
+stop it with SIGTERM or SIGINT and give it --stop-grace plus a few seconds.
 """
 
 from .ledger import Ledger

@@ -62,6 +62,10 @@ def _parser() -> argparse.ArgumentParser:
         help="simulated seconds per real second for the platform's timers",
     )  # fmt: skip
     p.add_argument("--max-workers", type=int, default=d.max_workers)
+    p.add_argument(
+        "--min-workers", type=int, default=d.min_workers,
+        help="active workers: always running, never idle-stopped",
+    )  # fmt: skip
     p.add_argument("--idle-timeout", type=float, default=d.idle_timeout_s, help="simulated s")
     p.add_argument("--cold-start", type=float, default=d.cold_start_s, help="simulated s")
     p.add_argument("--stop-grace", type=float, default=d.stop_grace_s, help="real s")
@@ -113,6 +117,7 @@ def parse_args(argv: list[str] | None = None) -> SimSettings:
         work_dir=args.work_dir,
         clock_speed=args.clock_speed,
         max_workers=args.max_workers,
+        min_workers=args.min_workers,
         idle_timeout_s=args.idle_timeout,
         cold_start_s=args.cold_start,
         stop_grace_s=args.stop_grace,

@@ -98,6 +98,7 @@ class Ledger(BaseModel):
     started_at_unix: float
     idle_timeout_s: float
     max_workers: int
+    min_workers: int
     jobs: list[LedgerJob]
     workers: list[LedgerWorker]
     totals: LedgerTotals
@@ -186,6 +187,7 @@ def build_ledger(
         started_at_unix=clock.started_at_unix,
         idle_timeout_s=settings.idle_timeout_s,
         max_workers=settings.max_workers,
+        min_workers=settings.min_workers,
         jobs=jobs,
         workers=workers,
         totals=LedgerTotals(

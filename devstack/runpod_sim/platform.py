@@ -172,16 +172,19 @@ class Platform:
             # refresh_worker: the SDK keeps running; the platform replaces the worker.
             self.pool.stop_soon(worker, "refresh")
 
-    def lose_result(self, worker: Worker, job: Job, why: str) -> None:
+    def lose_result(self, worker: Worker, job: Job, why: str, stop_pod: bool = False) -> None:
         """A refused job-done: RunPod reports the job COMPLETED without output."""
         log.warning("job-done refused, job completes without output", job_id=job.id, why=why)
         self.table.finish(job, "COMPLETED", outcome="result_lost", note=why)
         self._job_left(worker, job.id)
+        if stop_pod:
+            self.pool.stop_soon(worker, "refresh")
 
     def _job_left(self, worker: Worker, job_id: str) -> None:
         if job_id not in worker.jobs:
             return
         worker.jobs.discard(job_id)
+        worker.to_stop.pop(job_id, None)
         now = self.clock.now()
         worker.last_job_end_at = now
         if not worker.jobs and worker.state == "running":
@@ -193,7 +196,7 @@ class Platform:
         """Queue a job-stop signal for the worker (`{"jobsToStop": [...]}` on its next poll)."""
         worker = self.pool.workers.get(worker_id)
         if worker is not None and worker.alive and job_id in worker.jobs:
-            worker.to_stop.append(job_id)
+            worker.to_stop.setdefault(job_id, None)
             self.table.changes.notify()
 
     def _crash(self, job: Job) -> None:
@@ -266,10 +269,7 @@ class Platform:
             if delivery and delivery.crash and delivery.crash.at is not None:
                 if now >= delivery.crash.at:
                     self._crash(job)
-        for worker in self.pool.alive():
-            if worker.state == "idle" and worker.idle_since is not None:
-                if now - worker.idle_since >= self.settings.idle_timeout_s:
-                    self.pool.stop_soon(worker, "idle")
+        self._scale_down_idle(now)
         self.autoscale()
 
     def _execution_timeout(self, job: Job) -> None:
@@ -285,15 +285,28 @@ class Platform:
         if worker is not None and worker.alive and job.id in worker.jobs:
             self._stop_job_on(worker.id, job.id)
             self.pool.stop_soon(worker, "execution_timeout")
-            self._job_left(worker, job.id)
+            worker.jobs.discard(job.id)  # its stop signal stays due: the worker is going anyway
+            worker.last_job_end_at = self.clock.now()
+
+    def _scale_down_idle(self, now: float) -> None:
+        """Stop workers idle for the idle timeout, keeping the active (min) workers."""
+        alive = len(self.pool.alive())
+        for worker in self.pool.alive():
+            if alive <= self.settings.min_workers:
+                return
+            if worker.state == "idle" and worker.idle_since is not None:
+                if now - worker.idle_since >= self.settings.idle_timeout_s:
+                    self.pool.stop_soon(worker, "idle")
+                    alive -= 1
 
     def autoscale(self) -> None:
-        """Start workers for queued jobs that no idle or booting worker will take."""
+        """Start workers for queued jobs that no idle or booting worker will take, and up to
+        the active (min) workers."""
         if self.shutting_down or time.monotonic() < self.launch_not_before:
             return
         alive = self.pool.alive()
         available = sum(1 for w in alive if w.state in ("initializing", "idle"))
-        needed = len(self.table.queue) - available
+        needed = max(len(self.table.queue) - available, self.settings.min_workers - len(alive))
         room = self.settings.max_workers - len(alive)
         for _ in range(max(0, min(needed, room))):
             self.pool.launch(self.faults.take_cold_start_extra())

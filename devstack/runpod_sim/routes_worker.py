@@ -31,6 +31,8 @@ V2 = "/v2/{endpoint_id}"
 # A worker being stopped gets its empty answers after this pause, so a loop that re-polls at
 # once (the SDK does after a 204) does not spin until the SIGTERM lands.
 STOPPING_PAUSE_S = 0.1
+# Real seconds before a stop signal the worker has not acted on goes out again.
+STOP_RESEND_S = 1.5
 
 
 def _job_view(job: Job) -> dict[str, Any]:
@@ -79,15 +81,21 @@ async def job_stop(request: web.Request, worker: Worker) -> web.StreamResponse:
     rt = runtime_of(request)
     deadline = time.monotonic() + rt.settings.stop_poll_s
     while True:
-        if worker.to_stop:
-            job_ids, worker.to_stop = worker.to_stop, []
-            log.info("job-stop sent", worker_id=worker.id, job_ids=job_ids)
+        now = time.monotonic()
+        due = [
+            j for j, sent in worker.to_stop.items() if sent is None or now - sent >= STOP_RESEND_S
+        ]
+        if due:
+            for job_id in due:
+                worker.to_stop[job_id] = now
+            log.info("job-stop sent", worker_id=worker.id, job_ids=due)
             rt.table.changes.notify()  # a worker being stopped waits for this
-            return web.json_response({"jobsToStop": job_ids})
-        left = deadline - time.monotonic()
+            return web.json_response({"jobsToStop": due})
+        left = deadline - now
         if left <= 0 or not worker.alive or rt.platform.shutting_down:
             return web.Response(status=204)
-        await rt.table.changes.wait(left)
+        resends = [sent + STOP_RESEND_S - now for sent in worker.to_stop.values() if sent]
+        await rt.table.changes.wait(min([left, *resends]))
 
 
 async def _json_object(request: web.Request) -> tuple[bytes, dict[str, Any] | None]:
@@ -129,11 +137,12 @@ async def job_done(request: web.Request, worker: Worker) -> web.StreamResponse:
         return web.json_response({})
     if job is None:
         return _late(rt, job_id)
+    refresh = bool(body.get("stopPod"))
     if too_big:
-        rt.platform.lose_result(worker, job, f"result of {len(raw)} bytes refused")
+        rt.platform.lose_result(worker, job, f"result of {len(raw)} bytes refused", refresh)
         return error(400, "result too large")
     if rt.faults.take_lost_result():
-        rt.platform.lose_result(worker, job, "result lost (simulated fault)")
+        rt.platform.lose_result(worker, job, "result lost (simulated fault)", refresh)
         return error(400, "result refused (simulated fault)")
     rt.platform.result(worker, job, body)
     return web.json_response({})

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 SIM_VERSION = "sim-0.1 (durable-comfy RunPod serverless simulator)"
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -55,6 +55,9 @@ class SimSettings(BaseModel):
     clock_speed: float = Field(default=1.0, gt=0)
 
     max_workers: int = Field(default=3, ge=0)  # RunPod's default for a new endpoint
+    # RunPod's "active" workers: kept running (and billed) without jobs, never idle-stopped,
+    # replaced when they die.
+    min_workers: int = Field(default=0, ge=0)
     idle_timeout_s: float = Field(default=5.0, ge=0)
     cold_start_s: float = Field(default=0.0, ge=0)
     # Real seconds between SIGTERM (the SDK finishes its in-flight job) and SIGKILL.
@@ -88,6 +91,12 @@ class SimSettings(BaseModel):
     @property
     def base_url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+    @model_validator(mode="after")
+    def _workers_range(self) -> SimSettings:
+        if self.min_workers > self.max_workers:
+            raise ValueError("min_workers cannot exceed max_workers")
+        return self
 
     def limit_bytes(self, megabytes: float) -> int:
         return round(megabytes * MB)

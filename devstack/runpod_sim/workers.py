@@ -51,7 +51,10 @@ class Worker:
     jobs: set[str] = field(default_factory=set)
     job_history: list[str] = field(default_factory=list)
     last_job_end_at: float | None = None
-    to_stop: list[str] = field(default_factory=list)
+    # Jobs the worker must stop -> when the signal last went out (real time; None: not yet).
+    # Re-sent until the worker lets go of the job: runpod 1.12.0 drops a stop for a job it has
+    # taken but not started yet (it sits in the SDK's own queue for up to 0.1 s).
+    to_stop: dict[str, float | None] = field(default_factory=dict)
     stop_requested_at: float | None = None
     exited_at: float | None = None
     stop_reason: str | None = None
@@ -151,7 +154,10 @@ class WorkerPool:
         }
 
     async def _start_process(self, worker: Worker) -> ChildProcess | None:
-        await self.clock.sleep(worker.cold_start_s)
+        # The cold start, cut short when the worker is stopped meanwhile.
+        deadline = time.monotonic() + self.clock.real_seconds(worker.cold_start_s)
+        while worker.state == "initializing" and (left := deadline - time.monotonic()) > 0:
+            await self.changes.wait(left)
         extra: dict[str, str] = {}
         for factory in self.factories:
             if worker.state != "initializing":
@@ -220,7 +226,9 @@ class WorkerPool:
         # A job-stop signal waiting for this worker goes out first: after SIGTERM the SDK polls
         # job-stop no more, and its handler would run on until the SIGKILL.
         deadline = time.monotonic() + STOP_SIGNAL_WAIT_S
-        while worker.to_stop and worker.process is not None and time.monotonic() < deadline:
+        while worker.process is not None and time.monotonic() < deadline:
+            if all(sent is not None for sent in worker.to_stop.values()):
+                break
             await self.changes.wait(deadline - time.monotonic())
         if worker.process is not None:
             await worker.process.terminate(self.settings.stop_grace_s)
