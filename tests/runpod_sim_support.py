@@ -18,7 +18,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -135,22 +135,29 @@ async def run_runpod_sim(
     handler: str | None = None,
     api_key: str = "test-api-key",
     endpoint_id: str = "test-endpoint",
+    env: Mapping[str, str] | None = None,
     check_leaks: bool = True,
 ) -> AsyncIterator[RunpodSim]:
     """The simulator on a free port; `handler` (a script path relative to the repo) becomes the
-    --worker-command in the endpoint's venv; `args` are more CLI flags. On exit the simulator gets
-    SIGTERM (it stops its workers) and, if it lingers, SIGKILL; a worker process group still alive
-    afterwards is killed and, with `check_leaks`, fails the test."""
+    --worker-command in the endpoint's venv; `args` are more CLI flags; `env` is added to the
+    simulator's environment (secrets go there, and reach workers with `--worker-env NAME`). On
+    exit the simulator gets SIGTERM (it stops its workers) and, if it lingers, SIGKILL; a worker
+    process group still alive afterwards is killed and, with `check_leaks`, fails the test."""
     log_path = _log_file(work_dir)
     port = free_port()
     argv = [
         sys.executable, "-m", "devstack.runpod_sim", "--host", "127.0.0.1", "--port", str(port),
-        "--api-key", api_key, "--endpoint-id", endpoint_id, "--work-dir", str(work_dir),
+        "--endpoint-id", endpoint_id, "--work-dir", str(work_dir),
         *(("--worker-command", handler_command(handler)) if handler else ()), *args,
     ]  # fmt: skip
     with log_path.open("wb") as log_file:
         proc = await asyncio.create_subprocess_exec(
-            *argv, cwd=REPO_ROOT, stdout=log_file, stderr=asyncio.subprocess.STDOUT
+            *argv,
+            cwd=REPO_ROOT,
+            # The key by environment, not argv: a command line is readable by any local user.
+            env={**os.environ, **(env or {}), "RUNPOD_SIM_API_KEY": api_key},
+            stdout=log_file,
+            stderr=asyncio.subprocess.STDOUT,
         )
     sim = RunpodSim(f"http://127.0.0.1:{port}", api_key, endpoint_id, proc.pid, work_dir, log_path)
     try:

@@ -594,18 +594,25 @@ async def test_idle_scale_down_cold_start_and_billing(tmp_path: Path) -> None:
     async with run_runpod_sim(
         tmp_path, "--clock-speed", "20", "--idle-timeout", "20", "--cold-start", "2",
         "--comfy-sim-per-worker", "--comfy-sim-args", "--step-delay-ms 5",
+        "--worker-env", "SIM_SECRET_FOR_WORKERS", "--worker-env", "PLAIN=1",
         handler=test_handler("scripted"),
+        env={"SIM_SECRET_FOR_WORKERS": "s3cret", "SIM_PRIVATE": "not for workers"},
     ) as sim:  # fmt: skip
         await sim.faults(slow_cold_start_s=3)
         assert (await sim.ledger()).workers == []
         async with client(sim) as http:
-            job_id = await submit(sim, {"env": ["COMFY_URL", "COMFY_HOST"]})
+            names = ["COMFY_URL", "COMFY_HOST", "SIM_SECRET_FOR_WORKERS", "PLAIN", "SIM_PRIVATE"]
+            job_id = await submit(sim, {"env": names})
             # Scale from zero: a worker is launched on submission, not at a later tick.
             assert (await http.get("/health")).json()["workers"]["initializing"] == 1
             body = await wait_status(sim, job_id, TERMINAL)
             assert body["status"] == "COMPLETED", body
-            comfy_url = body["output"]["env"]["COMFY_URL"]
-            assert comfy_url.endswith(body["output"]["env"]["COMFY_HOST"])
+            env = body["output"]["env"]
+            comfy_url = env["COMFY_URL"]
+            assert comfy_url.endswith(env["COMFY_HOST"])
+            # A worker sees the platform's variables and what it is given, not the simulator's.
+            assert env["SIM_SECRET_FOR_WORKERS"] == "s3cret" and env["PLAIN"] == "1"
+            assert env["SIM_PRIVATE"] is None
             # The worker's own ComfyUI simulator is up while the worker lives...
             async with httpx.AsyncClient(trust_env=False) as comfy:
                 assert (await comfy.get(f"{comfy_url}/system_stats")).status_code == 200
@@ -626,7 +633,9 @@ async def test_idle_scale_down_cold_start_and_billing(tmp_path: Path) -> None:
         assert worker.started_at - job.submitted_at < 0.1
         assert worker.cold_start_s == 5  # --cold-start 2 + the slow cold start fault's 3
         assert worker.ready_at is not None and worker.ready_at - worker.started_at >= 5
-        assert sorted(worker.env_keys) == ["COMFY_HOST", "COMFY_PID", "COMFY_URL"]
+        assert worker.env_keys == [
+            "COMFY_HOST", "COMFY_PID", "COMFY_URL", "PLAIN", "SIM_SECRET_FOR_WORKERS"
+        ]  # fmt: skip
         # Billed from launch (cold start included) to the idle stop; never past the idle timeout.
         assert worker.stop_requested_at is not None
         assert worker.billed_s == pytest.approx(

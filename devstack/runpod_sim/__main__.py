@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import shlex
 import sys
 from collections.abc import Mapping, MutableMapping
@@ -16,11 +17,19 @@ from aiohttp import web
 from .server import create_app
 from .settings import SIM_VERSION, RateLimits, SimSettings
 
+API_KEY_VARIABLE = "RUNPOD_SIM_API_KEY"
+
 
 def _env_pair(text: str) -> tuple[str, str]:
+    """KEY=VALUE, or KEY alone for the simulator's own value (a secret stays off the command
+    line, which any local user can read)."""
     key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    if not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE or KEY, got {text!r}")
+    if not sep:
+        if key not in os.environ:
+            raise argparse.ArgumentTypeError(f"{key} is not set in the simulator's environment")
+        value = os.environ[key]
     return key, value
 
 
@@ -32,7 +41,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--host", default=d.host)
     p.add_argument("--port", type=int, default=d.port)
-    p.add_argument("--api-key", default=d.api_key, help="the public API's Bearer key")
+    p.add_argument(
+        "--api-key", default=os.environ.get(API_KEY_VARIABLE, d.api_key),
+        help=f"the public API's Bearer key (default: ${API_KEY_VARIABLE}, else {d.api_key})",
+    )  # fmt: skip
     p.add_argument("--endpoint-id", default=d.endpoint_id)
     p.add_argument(
         "--worker-command",
@@ -42,8 +54,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--worker-cwd", type=Path, default=d.worker_cwd)
     p.add_argument(
-        "--worker-env", type=_env_pair, action="append", default=[], metavar="KEY=VALUE",
-        help="an extra variable for every worker (repeatable)",
+        "--worker-env", type=_env_pair, action="append", default=[], metavar="KEY[=VALUE]",
+        help="a variable for every worker; KEY alone passes the simulator's own (repeatable)",
     )  # fmt: skip
     p.add_argument(
         "--worker-env-factory", default=None, metavar="MODULE:ATTR",

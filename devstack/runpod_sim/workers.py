@@ -31,6 +31,10 @@ log = structlog.get_logger("runpod_sim.workers")
 WorkerState = Literal["initializing", "idle", "running", "stopping", "stopped"]
 # Any GPU query string will do: the SDK appends its own parameters with "&".
 GPU_QUERY = "gpu=SIMULATED"
+# What a worker inherits from the simulator's environment; everything else it gets from the
+# platform (RUNPOD_*), --worker-env and the env factories, as a container gets only its
+# endpoint's variables. A handler cannot come to depend on the developer's shell by accident.
+INHERITED_ENV = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "LC_CTYPE", "TMPDIR", "TZ")
 # Real seconds a stopping worker is given to collect its job-stop signals before SIGTERM: the SDK
 # re-polls job-stop at least every second (its floor delay after an empty answer).
 STOP_SIGNAL_WAIT_S = 2.0
@@ -131,9 +135,9 @@ class WorkerPool:
         s = self.settings
         host = "127.0.0.1" if s.host in ("", "0.0.0.0", "::") else s.host
         v2 = f"http://{host}:{s.port}/v2/{s.endpoint_id}"
-        pythonpath = os.pathsep.join(
-            p for p in (str(s.worker_cwd), os.environ.get("PYTHONPATH")) if p
-        )
+        # The worker's directory is the image's root: `python endpoint/handler.py` imports
+        # `endpoint.*` from it.
+        pythonpath = str(s.worker_cwd)
         return {
             "RUNPOD_POD_ID": worker.id,
             "RUNPOD_POD_HOSTNAME": worker.id,
@@ -166,7 +170,8 @@ class WorkerPool:
         if worker.state != "initializing":
             return None
         # The platform's variables win over the factories' and the simulator's own environment.
-        env = {**os.environ, **extra, **self._runpod_env(worker)}
+        inherited = {k: os.environ[k] for k in INHERITED_ENV if k in os.environ}
+        env = {**inherited, **extra, **self._runpod_env(worker)}
         worker.env_keys = sorted(extra)
         worker.slot.work_dir.mkdir(parents=True, exist_ok=True)
         with worker.log_path.open("ab") as out:
