@@ -214,7 +214,7 @@ async def test_submits_once_follows_progress_and_keeps_verified_outputs() -> Non
     assert result.cost.usd_estimate == pytest.approx((4.2 + 5.0) * 0.001)
     # The job id is heartbeated before the first poll: a replacement polls, never re-submits.
     first = FollowHeartbeat.model_validate(heartbeats[1])
-    assert first.checkpoint.provider_job_id == RUNPOD_JOB and not first.submitting
+    assert first.checkpoint.provider_job_id == RUNPOD_JOB
 
 
 async def test_a_retry_follows_the_job_it_knows_without_submitting() -> None:
@@ -236,19 +236,22 @@ async def test_a_lost_run_answer_is_safe_to_resend_with_claims_but_asks_without(
     with pytest.raises(ApplicationError) as retried:
         await env(heartbeats).run(backend(runpod, store).follow, follow_input())
     assert retried.value.type == ErrorType.BACKEND_UNAVAILABLE and not retried.value.non_retryable
-    assert FollowHeartbeat.model_validate(heartbeats[0]).submitting, "word of the /run in flight"
+    sent = FollowHeartbeat.model_validate(heartbeats[0]).checkpoint
+    assert sent.submit_sent_at is not None, "word of the /run in flight"
+    assert retried.value.details, "and the workflow gets it with the failure"
 
     runpod = ScriptedRunPod(statuses=[completed([])], run_answer=lost)
     with pytest.raises(ApplicationError) as ambiguous:
         await env([]).run(backend(runpod, store, claims=False).follow, follow_input())
     assert ambiguous.value.type == ErrorType.SUBMISSION_AMBIGUOUS and ambiguous.value.non_retryable
 
-    # The next attempt of a claims-less pool, told by the heartbeat, does not send it again.
+    # The next attempt of a claims-less pool (a worker died waiting for the answer), told by
+    # the workflow's checkpoint, does not send it again.
     runpod = ScriptedRunPod(statuses=[completed([])])
-    sent = FollowHeartbeat(checkpoint=Checkpoint(job_id=JOB_ID, prompt_id=PROMPT), submitting=True)
+    unanswered = Checkpoint(job_id=JOB_ID, prompt_id=PROMPT, submit_sent_at=datetime.now(UTC))
     with pytest.raises(ApplicationError) as asked:
-        await env([], [sent.model_dump(mode="json")]).run(
-            backend(runpod, store, claims=False).follow, follow_input()
+        await env([]).run(
+            backend(runpod, store, claims=False).follow, follow_input(checkpoint=unanswered)
         )
     assert asked.value.type == ErrorType.SUBMISSION_AMBIGUOUS
     assert runpod.requests == []

@@ -106,9 +106,6 @@ class FollowHeartbeat(StrictModel):
     checkpoint: Checkpoint
     # Artifacts of this segment stored so far: never uploaded twice.
     artifacts: list[Artifact] = Field(default_factory=list)
-    # The submission was sent and its answer not heard yet (a RunPod `/run` in flight): the
-    # next attempt must find out whether it arrived before sending it again.
-    submitting: bool = False
 
     @classmethod
     def from_details(cls, details: Sequence[Any] | None) -> FollowHeartbeat | None:

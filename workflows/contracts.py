@@ -193,6 +193,9 @@ class Checkpoint(StrictModel):
     # When the backend was known to hold the prompt (accepted or found queued): from then on a
     # prompt it no longer knows is lost, never "not submitted yet".
     submitted_at: datetime | None = None
+    # When a submission was sent whose answer may not have been heard (a RunPod `/run`): with
+    # no `provider_job_id` beside it, whether the backend has the prompt is unknown.
+    submit_sent_at: datetime | None = None
     updated_at: datetime | None = None
 
 

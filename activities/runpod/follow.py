@@ -90,8 +90,6 @@ class RunPodFollower:
         self.poll_s = poll_s
         heartbeat = FollowHeartbeat.from_details(activity.info().heartbeat_details)
         self.checkpoint = restore_checkpoint(heartbeat, req)
-        # A `/run` was sent by an earlier attempt that never heard the answer.
-        self.sent_unanswered = heartbeat is not None and heartbeat.submitting
         stored = list(req.stored) + (heartbeat.artifacts if heartbeat is not None else [])
         self.artifacts: dict[str, Artifact] = {a.key: a for a in stored}
         self.submission = req.prompt_id
@@ -126,7 +124,7 @@ class RunPodFollower:
             if claim is not None:
                 self.log.info("runpod_found_by_claim", runpod_job_id=claim.holder)
                 return self._known_as(claim.holder)
-        elif self.sent_unanswered:
+        elif self.checkpoint.submit_sent_at is not None:
             raise fatal(
                 ErrorType.SUBMISSION_AMBIGUOUS,
                 f"an earlier attempt sent prompt {self.submission} to RunPod and never heard "
@@ -138,7 +136,8 @@ class RunPodFollower:
                 f"no RunPod job is known for prompt {self.submission} and nothing to submit",
             )
         # Recorded before sending: an attempt that dies waiting for the answer leaves word.
-        self.sent_unanswered = True
+        sent = datetime.now(UTC)
+        self.checkpoint = self.checkpoint.model_copy(update={"submit_sent_at": sent})
         self._heartbeat()
         try:
             job = await self.client.run(self._run_input(self.req.graph), self.policy)
@@ -156,7 +155,6 @@ class RunPodFollower:
         return self._known_as(job.id)
 
     def _known_as(self, job_id: str) -> str:
-        self.sent_unanswered = False
         self.checkpoint = self.checkpoint.model_copy(
             update={"provider_job_id": job_id, "submitted_at": datetime.now(UTC)}
         )
@@ -381,7 +379,6 @@ class RunPodFollower:
         return FollowHeartbeat(
             checkpoint=self._checkpoint(),
             artifacts=list(self.artifacts.values()),
-            submitting=self.sent_unanswered,
         )
 
     def _heartbeat(self) -> None:
