@@ -13,6 +13,7 @@ from typing import Any
 
 import structlog
 from aiohttp import web
+from pydantic import ValidationError
 
 from .server import create_app
 from .settings import SIM_VERSION, RateLimits, SimSettings
@@ -114,7 +115,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str] | None = None) -> SimSettings:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return _settings(args)
+    except ValidationError as exc:
+        parser.error(str(exc))
+
+
+def _settings(args: argparse.Namespace) -> SimSettings:
     return SimSettings(
         host=args.host,
         port=args.port,

@@ -33,7 +33,8 @@ class SimSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     host: str = "127.0.0.1"
-    port: int = Field(default=8000, ge=0, le=65535)
+    # A real port: the workers are told this address (no ephemeral port 0).
+    port: int = Field(default=8000, ge=1, le=65535)
     api_key: str = Field(default="sim-api-key", min_length=1)
     endpoint_id: str = Field(default="sim-endpoint", pattern=r"^[A-Za-z0-9_-]+$")
 
