@@ -20,10 +20,13 @@ from temporalio.exceptions import ApplicationError
 from workflows import activity_calls
 from workflows.activity_io import StopCheck, StopInput
 from workflows.contracts import (
+    Checkpoint,
+    JobCost,
     JobError,
     JobPolicy,
     JobState,
     JobStatus,
+    OutputSpec,
     ReconnectPolicy,
     StopAction,
     Teardown,
@@ -64,6 +67,7 @@ class World:
     published: Teardown | None = None
     was_submitted: bool = True
     states: list[JobState] = field(default_factory=list)
+    costs: list[JobCost] = field(default_factory=list)
 
     # calls.stop
     async def stop(self, req: StopInput) -> StopCheck:
@@ -106,6 +110,9 @@ class World:
 
     def submitted(self) -> bool:
         return self.was_submitted
+
+    def add_cost(self, cost: JobCost) -> None:
+        self.costs.append(cost)
 
     @property
     def book(self) -> JobBook:
@@ -558,3 +565,40 @@ async def test_a_completed_job_confirms_without_entering_stopping(world: World) 
     assert world.states == []
     assert [(r.reason, r.free_memory) for r in world.requests] == [("after completion", False)]
     assert world.record.detail == "after completion: had already finished"
+
+
+@pytest.mark.parametrize(
+    ("checkpoint", "provider_job_id"),
+    [
+        (None, None),
+        (Checkpoint(job_id="job-1", prompt_id="p1", provider_job_id="rp-9"), "rp-9"),
+        (Checkpoint(job_id="job-1", prompt_id="p0", provider_job_id="rp-8"), None),
+    ],
+)
+async def test_each_check_names_the_backends_own_job_id_when_it_is_this_prompts(
+    world: World, checkpoint: Checkpoint | None, provider_job_id: str | None
+) -> None:
+    world.status.checkpoint = checkpoint
+    world.answers = [RUNNING, INTERRUPTED]
+    await confirm(world, PromptStop(world.book, policy()))
+    assert [r.provider_job_id for r in world.requests] == [provider_job_id] * 2
+
+
+async def test_each_check_carries_the_jobs_output_spec(world: World) -> None:
+    output = OutputSpec(bucket="b", prefix="tenant-1")
+    world.answers = [RUNNING, INTERRUPTED]
+    await confirm(world, PromptStop(world.book, policy(), output))
+    stop = ConfirmedStop(world.book, policy(), output)
+    await stop.settle("gpu", "p1", JobState.CANCELLED, None)
+    await confirm(world, PromptStop(world.book, policy()))
+    assert [r.output for r in world.requests] == [output] * 3 + [OutputSpec()]
+
+
+async def test_what_the_provider_job_cost_goes_into_the_book(world: World) -> None:
+    cost = JobCost(provider_job_id="rp-9", execution_s=12.5)
+    world.answers = [
+        {"position": "unreachable", "message": "socket closed", "cost": cost},
+        {**INTERRUPTED, "cost": cost},
+    ]
+    await confirm(world, PromptStop(world.book, policy()))
+    assert world.costs == [cost, cost]
