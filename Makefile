@@ -61,6 +61,15 @@ mutate: $(STAMP)
 	$(BIN)/mutmut run --max-children 2
 	$(BIN)/mutmut results
 
+## mutate-module: the same for one module's mutants only, e.g. MODULE=workflows/graph.py (each
+## mutant runs only the configured fast tests that call the function it changed, fastest first)
+.PHONY: mutate-module
+mutate-module: $(STAMP)
+	@test -f "$(MODULE)" || { echo "usage: make mutate-module MODULE=workflows/graph.py" >&2; exit 2; }
+	rm -rf mutants
+	$(BIN)/mutmut run --max-children 2 '$(subst /,.,$(MODULE:.py=)).*'
+	@$(BIN)/mutmut results | grep -F '$(subst /,.,$(MODULE:.py=)).' || echo "no surviving mutants"
+
 ## lint: ruff (format + check) and mypy
 lint: $(STAMP)
 	$(BIN)/ruff format --check .
