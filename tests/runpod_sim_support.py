@@ -2,9 +2,9 @@
 on a free 127.0.0.1 port, stopped by PID afterwards (SIGTERM, then SIGKILL), with a check that
 none of its workers outlived it.
 
-    async with run_runpod_sim(tmp_path, "--clock-speed", "10", handler=test_handler("echo")) as sim:
-        httpx.post(f"{sim.api_url}/run", headers=sim.headers, json={"input": {...}})
-        ledger = await sim.ledger()
+    async with run_runpod_sim(tmp_path, "--clock-speed", "10", handler=handler_script("echo")) as s:
+        httpx.post(f"{s.api_url}/run", headers=s.headers, json={"input": {...}})
+        ledger = await s.ledger()
 
 Plain helpers, no pytest fixtures here. Worker processes run in .venv-endpoint (the app venv
 cannot import runpod): check `ENDPOINT_VENV_MISSING` and skip when it is set.
@@ -42,12 +42,9 @@ def handler_command(script: str) -> str:
     return f"{ENDPOINT_PYTHON} {script}"
 
 
-def test_handler(name: str) -> str:
+def handler_script(name: str) -> str:
     """One of tests/runpod_handlers/ (echo, scripted, stream)."""
     return f"tests/runpod_handlers/{name}.py"
-
-
-test_handler.__test__ = False  # type: ignore[attr-defined]  # not a test, despite its name
 
 
 @dataclass

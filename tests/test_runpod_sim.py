@@ -28,8 +28,8 @@ from tests.comfy_sim_support import free_port
 from tests.runpod_sim_support import (
     ENDPOINT_VENV_MISSING,
     RunpodSim,
+    handler_script,
     run_runpod_sim,
-    test_handler,
 )
 
 needs_endpoint_venv = pytest.mark.skipif(
@@ -336,7 +336,7 @@ async def worker_sim(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[
         # next test does not wait for a boot.
         "--clock-speed", "10", "--min-workers", "2", "--max-workers", "3",
         "--ping-interval-ms", "1000", "--stop-grace", "2", "--take-poll", "1", "--stop-poll", "2",
-        "--max-result-mb", "1", handler=test_handler("scripted"),
+        "--max-result-mb", "1", handler=handler_script("scripted"),
     ) as sim:  # fmt: skip
         yield sim
 
@@ -566,7 +566,7 @@ async def test_a_worker_that_dies_by_itself(worker_sim: RunpodSim) -> None:
 async def test_stream_chunks_and_the_1_mb_chunk_limit(tmp_path: Path) -> None:
     async with run_runpod_sim(
         tmp_path, "--clock-speed", "10", "--idle-timeout", "600", "--take-poll", "1",
-        handler=test_handler("stream"),
+        handler=handler_script("stream"),
     ) as sim:  # fmt: skip
         job_id = await submit(sim, {"chunks": 3, "gap_s": 0.1})
         chunks: list[Any] = []
@@ -595,7 +595,7 @@ async def test_idle_scale_down_cold_start_and_billing(tmp_path: Path) -> None:
         tmp_path, "--clock-speed", "20", "--idle-timeout", "20", "--cold-start", "2",
         "--comfy-sim-per-worker", "--comfy-sim-args", "--step-delay-ms 5",
         "--worker-env", "SIM_SECRET_FOR_WORKERS", "--worker-env", "PLAIN=1",
-        handler=test_handler("scripted"),
+        handler=handler_script("scripted"),
         env={"SIM_SECRET_FOR_WORKERS": "s3cret", "SIM_PRIVATE": "not for workers"},
     ) as sim:  # fmt: skip
         await sim.faults(slow_cold_start_s=3)
