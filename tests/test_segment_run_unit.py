@@ -603,9 +603,13 @@ async def test_an_ambiguous_submission_is_sent_again_when_the_policy_says_so(
         connection_lost(),
         lambda req: done(req, "a"),
     ]
-    run, book, controls = segment(backend, policy=policy(on_ambiguous_submit="resubmit"))
+    run, book, controls = segment(
+        backend,
+        controls=JobControls(resubmits=1),  # a prompt lost earlier in the job
+        policy=policy(on_ambiguous_submit="resubmit"),
+    )
     await run.run()
-    assert controls.resubmits == 1
+    assert controls.resubmits == 2
     assert backend.counts == {RECONNECTS: 2, RESUBMISSIONS: 1}
     # Submitted again under the same prompt id, from its first step; the backoff starts over.
     assert [sent(req).prompt_id for req in backend.follows] == [PROMPT] * 4
