@@ -19,6 +19,13 @@ from devstack.config import PoolConfig, StackConfig, load_stack_config
 from devstack.models import RunningStack
 from devstack.stack import start_stack, stop_stack
 
+# The RunPod integration fixtures (the simulator with our handler, a worker with a runpod pool).
+from tests.runpod_e2e_support import (  # noqa: F401 (fixtures)
+    nothing_left_running,
+    runpod_sim,
+    runpod_worker,
+)
+
 ROOT = Path(__file__).resolve().parent.parent
 DEV_CONFIG = ROOT / "temporal-dev.yaml"
 HOST = "127.0.0.1"
