@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from pydantic import BaseModel, ConfigDict, Field
 
 from workflows.contracts import CancelRequest, ResumeRequest
 from workflows.messages import lenient_message, strict_message
@@ -72,3 +73,67 @@ def test_strict_messages_refuse_with_what_to_send(payload: object, expected: str
 
 def test_strict_messages_take_a_valid_object() -> None:
     assert strict_message(ResumeRequest, {"resubmit": True}, what="resume").resubmit is True
+
+
+class _Pair(BaseModel):
+    """Two fields (and a nested one): how notes join several names and problems."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field("", max_length=5)
+    count: int = 0
+    inner: _Inner = Field(default_factory=lambda: _Inner())
+
+
+class _Inner(BaseModel):
+    size: int = 0
+
+
+_Pair.model_rebuild()
+
+
+def test_every_known_field_is_named_and_each_unknown_one_noted() -> None:
+    message, notes = lenient_message(_Pair, {"nme": "x", "cnt": 1, "count": 2})
+    assert message.count == 2
+    assert notes == [
+        "ignored unknown field 'nme' (known: name, count, inner)",
+        "ignored unknown field 'cnt' (known: name, count, inner)",
+    ]
+
+
+def test_a_long_unknown_field_name_is_shown_to_its_first_60_characters() -> None:
+    key = "k" * 61
+    _message, notes = lenient_message(_Pair, {key: 1})
+    assert notes == [f"ignored unknown field {'k' * 60!r} (known: name, count, inner)"]
+
+
+def test_a_cut_string_does_not_stop_the_fields_after_it_being_read() -> None:
+    message, notes = lenient_message(_Pair, {"name": "abcdefg", "count": "many", "bogus": 1})
+    assert message == _Pair(name="abcde")
+    assert notes[0] == "name cut to its first 5 characters (of 7)"
+    assert notes[1].startswith("ignored count='many': ")
+    assert notes[2] == "ignored unknown field 'bogus' (known: name, count, inner)"
+
+
+def test_a_rejected_value_of_exactly_60_characters_is_shown_whole() -> None:
+    value = "x" * 58  # its repr, quotes included, is 60 characters
+    _message, notes = lenient_message(_Pair, {"count": value})
+    assert notes[0].startswith(f"ignored count={value!r}: ")
+    longer = "x" * 59
+    _message, notes = lenient_message(_Pair, {"count": longer})
+    assert notes[0].startswith(f"ignored count={repr(longer)[:60]}...: ")
+
+
+def test_strict_messages_name_every_unknown_field_and_every_problem() -> None:
+    with pytest.raises(ValueError) as unknown:
+        strict_message(_Pair, {"nme": 1, "cnt": 2}, what="pair")
+    assert str(unknown.value) == (
+        "pair: unknown field(s) 'nme', 'cnt'; send an object such as "
+        '{"name":"","count":0,"inner":{"size":0}}'
+    )
+    with pytest.raises(ValueError) as invalid:
+        strict_message(_Pair, {"count": "many", "inner": {"size": "big"}}, what="pair")
+    assert str(invalid.value) == (
+        "pair: count: Input should be a valid integer, unable to parse string as an integer; "
+        "inner.size: Input should be a valid integer, unable to parse string as an integer"
+    )
