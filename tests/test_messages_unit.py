@@ -137,3 +137,13 @@ def test_strict_messages_name_every_unknown_field_and_every_problem() -> None:
         "pair: count: Input should be a valid integer, unable to parse string as an integer; "
         "inner.size: Input should be a valid integer, unable to parse string as an integer"
     )
+
+
+class _Tags(BaseModel):
+    tags: list[str] = Field(default_factory=list, max_length=2)
+
+
+def test_only_a_too_long_string_is_cut_a_too_long_list_is_dropped() -> None:
+    message, notes = lenient_message(_Tags, {"tags": ["a", "b", "c"]})
+    assert message.tags == []
+    assert notes[0].startswith("ignored tags=['a', 'b', 'c']: List should have at most 2 items")
