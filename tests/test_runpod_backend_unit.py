@@ -382,3 +382,146 @@ async def test_stop_without_a_known_job_reports_nothing_on_the_backend() -> None
     check = await env([]).run(backend(runpod, MemoryStore()).stop, stop_input(None))
     assert (check.position, check.ended) == ("gone", "unknown")
     assert runpod.requests == []
+
+
+# -- a dead claim holder, re-deliveries, a ttl before the first poll -----------------------------
+
+
+def put_claim(store: MemoryStore, *, lease_left_s: float, holder: str = HOLDER) -> Claim:
+    """A claim without an outcome whose lease ends `lease_left_s` from now (negative: ended)."""
+    now = datetime.now(UTC)
+    claim = Claim(
+        submission=PROMPT,
+        job_id=JOB_ID,
+        prompt_id=PROMPT,
+        holder=holder,
+        lease_until=now + timedelta(seconds=lease_left_s),
+        renewed_at=now + timedelta(seconds=lease_left_s - 60),
+    )
+    store.put(claim_key(S3Target(bucket=BUCKET), JOB_ID, PROMPT), claim.model_dump_json().encode())
+    return claim
+
+
+async def test_a_claim_left_by_a_dead_holder_is_submitted_again_not_followed() -> None:
+    """A resubmission after a worker crash finds the crashed holder's claim, lease run out and
+    no outcome: following that job would find it dead again (and ask a person); the submission
+    goes out once more and the new delivery takes the claim over."""
+    store = MemoryStore()
+    store.put(OUR_KEY, PNG)
+    put_claim(store, lease_left_s=-30)
+    runpod = ScriptedRunPod(statuses=[completed([record(OUR_KEY)])])
+    result = await env([]).run(backend(runpod, store).follow, follow_input())
+    assert runpod.requests[0] == ("POST", "run")
+    assert ("GET", "status") in runpod.requests and HOLDER not in str(runpod.requests)
+    assert result.checkpoint.provider_job_id == RUNPOD_JOB
+
+
+async def test_a_delivery_refused_for_a_dead_holders_claim_is_sent_again() -> None:
+    """The handler judges a lease by the S3 server's whole seconds and may refuse a takeover
+    the orchestrator thought due (`claimed_elsewhere`, naming the dead holder): the attempt
+    submits again instead of following the dead job."""
+    store = MemoryStore()
+    store.put(OUR_KEY, PNG)
+    put_claim(store, lease_left_s=-30)
+    elsewhere = {
+        "id": RUNPOD_JOB,
+        "status": "COMPLETED",
+        "output": {"status": "claimed_elsewhere", "claim_holder": HOLDER, "submission": PROMPT},
+    }
+    runpod = ScriptedRunPod(statuses=[elsewhere, completed([record(OUR_KEY)])])
+    result = await env([]).run(backend(runpod, store).follow, follow_input())
+    assert [r for r in runpod.requests if r[1] == "run"] == [("POST", "run")] * 2
+    assert result.checkpoint.provider_job_id == RUNPOD_JOB
+
+
+async def test_a_live_holder_is_still_followed_after_a_refused_delivery() -> None:
+    store = MemoryStore()
+    store.put(OUR_KEY, PNG)
+    elsewhere = {
+        "id": RUNPOD_JOB,
+        "status": "COMPLETED",
+        "output": {"status": "claimed_elsewhere", "claim_holder": HOLDER, "submission": PROMPT},
+    }
+
+    def claimed_meanwhile() -> httpx.Response:
+        # Another delivery (whose /run answer was lost) claims it while ours is sent.
+        put_claim(store, lease_left_s=30)
+        return httpx.Response(200, json={"id": RUNPOD_JOB, "status": "IN_QUEUE"})
+
+    runpod = ScriptedRunPod(
+        statuses=[elsewhere, completed([record(OUR_KEY)], job=HOLDER)],
+        run_answer=claimed_meanwhile,
+    )
+    result = await env([]).run(backend(runpod, store).follow, follow_input())
+    assert [r for r in runpod.requests if r[1] == "run"] == [("POST", "run")]
+    assert result.checkpoint.provider_job_id == HOLDER
+
+
+async def test_a_crashed_holder_is_resubmitted_only_after_its_lease_and_a_margin(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from activities.runpod import follow as runpod_follow
+
+    monkeypatch.setattr(runpod_follow, "TAKEOVER_MARGIN_S", 0.3)
+    store = MemoryStore()
+    put_claim(store, lease_left_s=0.2, holder=RUNPOD_JOB)
+    crashed = {
+        "id": RUNPOD_JOB,
+        "status": "TIMED_OUT",
+        "workerId": "w1",
+        "executionTime": 4000,
+    }
+    runpod = ScriptedRunPod(statuses=[crashed])
+    known = Checkpoint(job_id=JOB_ID, prompt_id=PROMPT, provider_job_id=RUNPOD_JOB)
+    began = datetime.now(UTC)
+    with pytest.raises(ApplicationError) as lost:
+        await env([]).run(backend(runpod, store).follow, follow_input(checkpoint=known))
+    assert lost.value.type == ErrorType.PROMPT_LOST, "submitted again by the workflow"
+    assert (datetime.now(UTC) - began).total_seconds() >= 0.5 - 0.05
+
+
+async def test_a_redelivered_jobs_progress_is_read_from_its_new_workers_first_update() -> None:
+    """Each delivery numbers its updates from 0: after a re-delivery to another worker, its
+    updates are not ignored for being below the dead worker's."""
+    store = MemoryStore()
+    store.put(OUR_KEY, PNG)
+
+    def running(worker: str, step: int, seq: int) -> dict[str, Any]:
+        return {
+            "id": RUNPOD_JOB,
+            "status": "IN_PROGRESS",
+            "workerId": worker,
+            "output": progress(step, seq),
+        }
+
+    runpod = ScriptedRunPod(
+        statuses=[
+            running("w1", 7, 12),
+            {"id": RUNPOD_JOB, "status": "IN_QUEUE"},
+            running("w2", 2, 1),
+            completed([record(OUR_KEY)]),
+        ]
+    )
+    heartbeats: list[Any] = []
+    known = Checkpoint(job_id=JOB_ID, prompt_id=PROMPT, provider_job_id=RUNPOD_JOB)
+    await env(heartbeats).run(backend(runpod, store).follow, follow_input(checkpoint=known))
+    steps = [FollowHeartbeat.model_validate(h).checkpoint.step for h in heartbeats]
+    assert 7 in steps and steps.index(2, steps.index(7)) > steps.index(7), steps
+
+
+async def test_a_job_whose_ttl_ends_before_the_first_poll_expired_in_the_queue() -> None:
+    """`/run` answered IN_QUEUE: a 404 at the first poll is the ttl running out in the queue
+    (QueueTimeout), not a job RunPod lost (which would be submitted again)."""
+    store = MemoryStore()
+
+    class Gone(ScriptedRunPod):
+        def handle(self, request: httpx.Request) -> httpx.Response:
+            if "/status/" in request.url.path:
+                self.requests.append(("GET", "status"))
+                return httpx.Response(404, json={"error": "job not found"})
+            return super().handle(request)
+
+    runpod = Gone()
+    with pytest.raises(ApplicationError) as expired:
+        await env([]).run(backend(runpod, store).follow, follow_input())
+    assert expired.value.type == ErrorType.QUEUE_TIMEOUT

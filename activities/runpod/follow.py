@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, Literal, NoReturn
 
 import structlog
@@ -51,7 +51,13 @@ from activities.runpod.outcome import (
 )
 from activities.settings import PoolConfig
 from activities.storage import ArtifactStore
-from endpoint.contract import ArtifactRecord, EndpointInput, InputImage, Orchestration
+from endpoint.contract import (
+    DEFAULT_LEASE_S,
+    ArtifactRecord,
+    EndpointInput,
+    InputImage,
+    Orchestration,
+)
 from workflows.activity_io import FollowHeartbeat, FollowInput, FollowResult
 from workflows.contracts import Artifact, Checkpoint, JobCost, ProgressReport
 from workflows.shared import ErrorType
@@ -67,6 +73,17 @@ DEFAULT_EXECUTION_TIMEOUT_S = 600.0
 # What a worker keeps billing after its last job when the pool does not say (RunPod's default
 # idle timeout).
 DEFAULT_IDLE_TIMEOUT_S = 5.0
+# The claim lease our handler is asked to hold (and renew every third of it) while it runs a
+# submission: how long a crashed holder blocks a takeover. Read at each submission.
+CLAIM_LEASE_S = DEFAULT_LEASE_S
+# How long after a dead holder's `lease_until` a new delivery is sent to take its claim over.
+# The handler judges expiry by the S3 server's clock in whole seconds (`Last-Modified`, `Date`)
+# and adds a second of its own, so a takeover sent at `lease_until` would often be refused.
+TAKEOVER_MARGIN_S = 3.0
+# Submissions one attempt sends after finding the claim held by a dead holder (each one a
+# delivery that may find the lease not yet out by the S3 server's clock); then the workflow
+# decides.
+MAX_TAKEOVER_SUBMITS = 3
 
 
 class RunPodFollower:
@@ -99,7 +116,12 @@ class RunPodFollower:
         )
         self.policy = RunPolicy.for_job(execution_s, req.queue_timeout_s)
         self.last_state: RunPodState | None = None
+        # The highest progress `seq` of the delivery reporting now (RunPod job, worker): each
+        # delivery counts from 0, so a re-delivered job's progress is not compared with the
+        # dead worker's.
+        self.delivery: tuple[str, str | None] | None = None
         self.best_seq = -1
+        self.takeover_submits = 0
         self.stage: Stage | None = None
         self.node: str | None = None
         self.last_signal = 0.0
@@ -118,12 +140,21 @@ class RunPodFollower:
             raise self._with_progress(exc) from None
 
     async def _submit_or_find(self) -> str:
-        """RunPod's job id for this submission: found by its claim, or a fresh `/run`."""
+        """RunPod's job id for this submission: found by its claim, or a fresh `/run`.
+
+        A claim names the job to follow while its holder runs (its lease is being renewed) or
+        once it recorded an outcome. A claim with neither was left by a holder that died (a
+        crashed worker): following that job would only find it dead again, so the submission is
+        sent once more, after the lease has run out, and the new delivery takes the claim over.
+        """
         if self.pool.claims:
             claim = await read_claim(self.store, self.target, self.req.job_id, self.submission)
-            if claim is not None:
+            if claim is not None and (claim.outcome is not None or lease_running(claim)):
                 self.log.info("runpod_found_by_claim", runpod_job_id=claim.holder)
                 return self._known_as(claim.holder)
+            if claim is not None:
+                self.log.info("runpod_claim_holder_dead", runpod_job_id=claim.holder)
+                await self._wait_out_lease()
         elif self.checkpoint.submit_sent_at is not None:
             raise fatal(
                 ErrorType.SUBMISSION_AMBIGUOUS,
@@ -152,6 +183,9 @@ class RunPodFollower:
                 "submitting again is safe",
             ) from None
         self.log.info("runpod_submitted", runpod_job_id=job.id)
+        # What `/run` answered (IN_QUEUE) counts as seen: a job whose ttl runs out before the
+        # first poll expired in the queue, it was not lost.
+        self.last_state = job.state
         return self._known_as(job.id)
 
     def _known_as(self, job_id: str) -> str:
@@ -178,6 +212,7 @@ class RunPodFollower:
                 nodes_total=req.nodes_total,
                 progress_interval_s=req.progress_interval_s,
                 claims=bool(self.pool.claims),
+                lease_s=CLAIM_LEASE_S,
             ),
         )
 
@@ -210,11 +245,22 @@ class RunPodFollower:
         return job
 
     async def _holder(self, outcome: ClaimedElsewhere) -> str:
-        """This delivery found the submission claimed: follow the job that holds it."""
-        holder = outcome.holder
-        if holder is None:
-            claim = await read_claim(self.store, self.target, self.req.job_id, self.submission)
-            holder = claim.holder if claim is not None else None
+        """This delivery found the submission claimed: follow the job that holds it, unless
+        the holder is dead (no outcome, lease out: its delivery came before the lease had run
+        out by the S3 server's clock), in which case the submission goes out again."""
+        claim = await read_claim(self.store, self.target, self.req.job_id, self.submission)
+        holder = outcome.holder or (claim.holder if claim is not None else None)
+        dead = (
+            claim is not None
+            and claim.holder == holder
+            and claim.outcome is None
+            and not lease_running(claim)
+        )
+        if dead and self.req.graph is not None and self.takeover_submits < MAX_TAKEOVER_SUBMITS:
+            self.takeover_submits += 1
+            self.log.info("runpod_claim_holder_dead", runpod_job_id=holder)
+            self.last_state = None
+            return await self._submit_or_find()
         if holder is None or holder == self.checkpoint.provider_job_id:
             raise retryable(
                 ErrorType.BACKEND_UNAVAILABLE,
@@ -227,6 +273,9 @@ class RunPodFollower:
 
     async def _running(self, outcome: Running) -> None:
         update = outcome.progress
+        delivery = (outcome.job_id, outcome.worker_id)
+        if delivery != self.delivery:
+            self.delivery, self.best_seq = delivery, -1
         if update is None or update.seq < self.best_seq:
             await self._report("running")  # a stock worker says nothing more
             return
@@ -281,12 +330,18 @@ class RunPodFollower:
         raise from_failure(failed)
 
     async def _wait_out_lease(self) -> None:
+        """Until a new delivery may take the claim over: its holder's lease ran out, with
+        `TAKEOVER_MARGIN_S` for the handler's stricter reading. A renewal meanwhile (the holder
+        is alive after all) moves the end; an outcome ends the wait."""
         while True:
             claim = await read_claim(self.store, self.target, self.req.job_id, self.submission)
-            if claim is None or not lease_running(claim):
+            if claim is None or claim.outcome is not None:
+                return
+            free_at = claim.lease_until + timedelta(seconds=TAKEOVER_MARGIN_S)
+            wait = (free_at - datetime.now(UTC)).total_seconds()
+            if wait <= 0:
                 return
             self._heartbeat()
-            wait = (claim.lease_until - datetime.now(UTC)).total_seconds()
             await asyncio.sleep(min(max(wait, 0.1), self.poll_s * 5))
 
     # -- outputs -----------------------------------------------------------------------------
