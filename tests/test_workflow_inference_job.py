@@ -20,7 +20,8 @@ from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Replayer, Worker
 
 from tests.workflow_fakes import GRAPH, FakeBackend, Script, start_time_skipping
-from workflows.contracts import JobRequest, JobState, JobStatus
+from workflows.activity_io import PrepareInput
+from workflows.contracts import JobRequest, JobState, JobStatus, OutputSpec, S3Input
 from workflows.inference_job import InferenceJob
 from workflows.shared import (
     QUERY_STATUS,
@@ -83,6 +84,30 @@ async def test_happy_path_completes_with_artifacts_and_confirmed_teardown(
     prefix = submitted.graph["2"]["inputs"]["filename_prefix"]
     assert prefix.endswith("/t") and prefix != "t", "save prefix must be unique per run"
     assert status.backend is not None and status.backend.provider_job_id == submitted.prompt_id
+
+
+async def test_prepare_is_sent_the_whole_request(time_env: WorkflowEnvironment) -> None:
+    backend = FakeBackend()
+    request = JobRequest(
+        graph=GRAPH,
+        pool="gpu-a",
+        inputs={"in.png": S3Input(uri="s3://inputs/in.png")},
+        segments=[{"1": {"width": 32}}],
+        output=OutputSpec(prefix="renders"),
+    )
+    job_id, status, error = await run_job(time_env.client, backend, request)
+    assert error is None
+    assert backend.prepared == [
+        PrepareInput(
+            job_id=job_id,
+            pool="gpu-a",
+            graph=GRAPH,
+            inputs=request.inputs,
+            segments=request.segments,
+            output=request.output,
+        )
+    ]
+    assert status.backend is not None and status.backend.pool == "gpu-a"
 
 
 async def test_search_attributes_follow_the_state(time_env: WorkflowEnvironment) -> None:

@@ -124,6 +124,7 @@ class FakeBackend:
     def __init__(self, script: Script | None = None) -> None:
         self.script = script or Script()
         self.calls: list[str] = []
+        self.prepared: list[PrepareInput] = []
         self.submitted: list[SubmitInput] = []
         self.followed: list[FollowInput] = []
         self.offloaded: list[OffloadInput] = []
@@ -153,6 +154,7 @@ class FakeBackend:
 
     @activity.defn(name="prepare_prompt")
     async def prepare(self, req: PrepareInput) -> PreparedJob:
+        self.prepared.append(req)
         await self._enter("prepare_prompt")
         return PreparedJob(
             pool=req.pool or "comfyui",
