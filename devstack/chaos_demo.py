@@ -116,7 +116,9 @@ async def _run_job(
     request.graph[SAMPLER_NODE]["inputs"]["steps"] = STEPS
     # A seed of its own: an unchanged graph would be answered from the simulator's cache.
     request.graph[SAMPLER_NODE]["inputs"]["seed"] = fresh_seed()
-    request = request.model_copy(update={"policy": POLICY})
+    # The comfyui pool by name: the stack's default pool is the RunPod simulator, and the
+    # faults armed here are the ComfyUI simulator's.
+    request = request.model_copy(update={"policy": POLICY, "pool": "comfyui"})
     async with (
         httpx.AsyncClient(trust_env=False) as http,
         stack_job_client(stack, TASK_QUEUE) as client,

@@ -22,10 +22,13 @@ from pydantic import ValidationError
 from devstack.config import CONFIG_ENV, DEFAULT_CONFIG_PATH, StackConfig, load_stack_config
 from devstack.errors import PortInUseError, StackError
 from devstack.models import RunningStack, ServiceState, StackStatus
+from devstack.services import endpoint_venv_missing
 from devstack.stack import stack_status, start_stack, stop_stack
 from devstack.worker_process import stop_worker
 
-app = typer.Typer(help="The local stack: Temporal dev server, SeaweedFS S3, ComfyUI simulator.")
+app = typer.Typer(
+    help="The local stack: Temporal dev server, SeaweedFS S3, ComfyUI and RunPod simulators."
+)
 
 T = TypeVar("T")
 
@@ -103,8 +106,9 @@ def _service_line(state: ServiceState) -> str:
     what = state.action or state.state
     pid = f"pid {state.pid}" if state.pid is not None else "no pid"
     ready = f", ready in {state.ready_s:.1f} s" if state.ready_s is not None else ""
+    note = f"  {state.note}" if state.note else ""
     detail = f"  ({state.detail})" if state.detail else ""
-    return f"  {state.name:<12} {what:<16} {pid}{ready:<18} {state.url}{detail}"
+    return f"  {state.name:<12} {what:<16} {pid}{ready:<18} {state.url}{note}{detail}"
 
 
 def _print_stack(stack: RunningStack) -> None:
@@ -116,6 +120,10 @@ def _print_stack(stack: RunningStack) -> None:
     typer.echo(f"  Temporal UI   {stack.temporal_ui}")
     typer.echo(f"  S3            {stack.s3_endpoint}  (bucket {stack.bucket})")
     typer.echo(f"  ComfyUI sim   {stack.comfyui_url}")
+    typer.echo(
+        f"  RunPod sim    runpod_url {stack.runpod_url}  endpoint {stack.runpod_endpoint_id}"
+        "  (key: RUNPOD_API_KEY in the env file)"
+    )
     typer.echo("")
     typer.echo(f"Environment for workers and the CLI: . {stack.env_file}")
     typer.echo(
@@ -132,6 +140,8 @@ def up(
     _configure_logging(verbose)
     stack_config, base_dir, config_file = _load_or_fail(config, json_, verbose)
     stack = _run(start_stack(stack_config, base_dir, config_file), json_, verbose)
+    if (missing := endpoint_venv_missing()) is not None:
+        typer.echo(f"warning: the RunPod simulator's workers cannot start: {missing}", err=True)
     if json_:
         typer.echo(json.dumps(stack.public_view()))
     else:

@@ -150,12 +150,54 @@ class ComfySimSection(_Section):
         return f"http://{self.host}:{self.port}"
 
 
+class RunpodSimSection(_Section):
+    """The RunPod serverless simulator (devstack/runpod_sim): RunPod's API and worker loop, with
+    our handler (endpoint/) in a worker process per RunPod worker, each with a ComfyUI simulator
+    of its own on a free port the simulator picks."""
+
+    host: str = "127.0.0.1"
+    port: Port = 8288  # the public API (/v2/...), the workers' API and /sim/ (ledger, faults)
+    endpoint_id: str = Field("local-sim", pattern=r"^[A-Za-z0-9_-]+$")
+    # Seconds a worker stays up (and billed) after its last job, as on a RunPod endpoint.
+    idle_timeout_s: float = Field(5.0, ge=0)
+    max_workers: int = Field(2, ge=1)
+    # The per-worker ComfyUI simulator's time per sampler step.
+    comfyui_step_delay_ms: int = Field(100, ge=0)
+    # Worker logs and each worker's ComfyUI files.
+    work_dir: str = "runpod-sim"
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def api_url(self) -> str:
+        """What a runpod pool's `url` is: RunPod's `https://api.runpod.ai/v2`, here."""
+        return f"{self.base_url}/v2"
+
+
 class StackConfig(_Section):
     state_dir: str = ".devstack"
     temporal: TemporalSection = Field(default_factory=TemporalSection)
     s3: S3Section = Field(default_factory=S3Section)
     comfyui_sim: ComfySimSection = Field(default_factory=ComfySimSection)
+    runpod_sim: RunpodSimSection = Field(default_factory=RunpodSimSection)
     worker: WorkerSection = Field(default_factory=WorkerSection)
+
+    @model_validator(mode="after")
+    def _runpod_pools_match_the_simulator(self) -> StackConfig:
+        """A runpod pool on the simulator's URL must name the endpoint the simulator serves (a
+        copy with the port moved in one place only would otherwise fail job by job)."""
+        sim = self.runpod_sim
+        for name, pool in self.worker.pools.items():
+            if pool.kind == "runpod" and pool.url == sim.api_url:
+                if pool.endpoint_id != sim.endpoint_id:
+                    raise ValueError(
+                        f"worker.pools.{name} points at the RunPod simulator ({sim.api_url}) but "
+                        f"names endpoint {pool.endpoint_id!r}; runpod_sim.endpoint_id is "
+                        f"{sim.endpoint_id!r}"
+                    )
+        return self
 
     def path(self, base: Path, relative: str) -> Path:
         """Resolve a path from this file against the state dir (itself relative to `base`)."""

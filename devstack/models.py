@@ -18,6 +18,8 @@ class ServiceState(BaseModel):
     action: Literal["started", "already running", "stopped", "was not running"] | None = None
     pid: int | None = None
     url: str
+    # What the URL alone does not say (the RunPod simulator's endpoint id).
+    note: str | None = None
     log_file: Path
     # Seconds from spawn until the health probe passed, for services this call started.
     ready_s: float | None = None
@@ -34,7 +36,7 @@ class StackStatus(BaseModel):
         return all(s.state == "running" for s in self.services.values())
 
 
-_SECRET_FIELDS = frozenset({"access_key_id", "secret_access_key"})
+_SECRET_FIELDS = frozenset({"access_key_id", "secret_access_key", "runpod_api_key"})
 
 
 class RunningStack(BaseModel):
@@ -47,6 +49,11 @@ class RunningStack(BaseModel):
     access_key_id: str
     secret_access_key: SecretStr
     comfyui_url: str
+    # The RunPod simulator's API base (a runpod pool's `url`; RunPod's is
+    # https://api.runpod.ai/v2), its endpoint, and the key its public API wants.
+    runpod_url: str
+    runpod_endpoint_id: str
+    runpod_api_key: SecretStr
     state_dir: Path
     env_file: Path
     temporal_config_file: Path
@@ -72,11 +79,15 @@ class RunningStack(BaseModel):
             "AWS_DEFAULT_REGION": self.region,
             # botocore >= 1.31 sends S3 calls here even when the code names no endpoint.
             "AWS_ENDPOINT_URL_S3": self.s3_endpoint,
+            # The RunPod simulator's key, for the stack file's runpod pool (its api_key_env).
+            "RUNPOD_API_KEY": self.runpod_api_key.get_secret_value(),
         }
 
     def env_file_text(self) -> str:
         lines = [
-            "# Written by `durable-comfy dev up`. Contains the local S3 secret: keep it 0600.",
+            "# Written by `durable-comfy dev up`. Contains the local S3 secret and the RunPod",
+            "# simulator's API key: keep it 0600. Sourcing it sets RUNPOD_API_KEY to the",
+            "# simulator's key in that shell (a real one there is replaced).",
             f"# Use: . {shlex.quote(str(self.env_file))}",
         ]
         lines += [f"export {k}={shlex.quote(v)}" for k, v in self.worker_env().items()]

@@ -4,26 +4,45 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
+import shlex
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Literal, get_args
 
+from pydantic import SecretStr
+
 from devstack.config import StackConfig
-from devstack.errors import ServiceStartError
+from devstack.errors import ServiceStartError, StackError
+from devstack.files import write_atomic
 from devstack.probes import Probe, ProbeFailed, http_get_ok
 from devstack.processes import PidRecord, is_alive, log_tail
 
-ServiceName = Literal["temporal", "s3", "comfyui_sim"]
+ServiceName = Literal["temporal", "s3", "comfyui_sim", "runpod_sim"]
 # Start order matters: the Temporal dev server grabs a few random ports for its internal services,
 # so it goes last, when every explicitly configured port is already bound by its owner.
-SERVICE_NAMES: tuple[ServiceName, ...] = ("s3", "comfyui_sim", "temporal")
+SERVICE_NAMES: tuple[ServiceName, ...] = ("s3", "comfyui_sim", "runpod_sim", "temporal")
 assert set(SERVICE_NAMES) == set(get_args(ServiceName))
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
+# The RunPod simulator's workers run our handler in the endpoint's own venv (`make install`
+# builds it from endpoint/requirements.txt: the runpod SDK cannot share the app's venv).
+ENDPOINT_PYTHON = PROJECT_ROOT / ".venv-endpoint" / "bin" / "python"
+ENDPOINT_HANDLER = "endpoint/handler.py"
+# Where the RunPod simulator reads its API key from (never from its command line, which any
+# local user can read), and the name the stack's env file gives it for workers and clients.
+RUNPOD_SIM_KEY_VAR = "RUNPOD_SIM_API_KEY"
+RUNPOD_KEY_VAR = "RUNPOD_API_KEY"
+# The bucket settings our handler reads (worker-comfyui's names), handed to every simulated
+# worker by name (`--worker-env NAME`) with the values in the simulator's environment.
+BUCKET_VARS = ("BUCKET_ENDPOINT_URL", "BUCKET_ACCESS_KEY_ID", "BUCKET_SECRET_ACCESS_KEY")
+BUCKET_REGION_VAR = "BUCKET_REGION"
+# Real seconds the simulator gives each worker between SIGTERM and SIGKILL when it stops one.
+RUNPOD_WORKER_STOP_GRACE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -70,6 +89,10 @@ class StackPaths:
         return self.state_dir / "seaweedfs-config"
 
     @property
+    def runpod_api_key(self) -> Path:
+        return self.state_dir / "runpod-sim-api-key"
+
+    @property
     def effective_config(self) -> Path:
         return self.state_dir / "temporal-dev.effective.yaml"
 
@@ -102,6 +125,12 @@ class ServiceSpec:
     stop_grace_s: float = 15.0
     env: dict[str, str] = field(default_factory=dict)
     unset_env: tuple[str, ...] = ()
+    # Shown after the URL (`dev up`, `dev status`): what the URL alone does not say.
+    note: str | None = None
+    # The service starts children in sessions of their own (the RunPod simulator's workers),
+    # which a signal to its process group misses: it stops them itself on SIGTERM, and whatever
+    # outlives it is killed by group once it is gone.
+    reap_child_groups: bool = False
 
 
 def comfy_sim_argv(config: StackConfig, base_dir: Path) -> tuple[str, ...]:
@@ -145,6 +174,107 @@ def comfy_sim_spec(config: StackConfig, base_dir: Path, paths: StackPaths) -> Se
         env={"PYTHONPATH": pythonpath},
         prepare=partial(_make_dirs, config, base_dir, (sim.output_dir, sim.input_dir)),
     )
+
+
+def load_or_create_runpod_key(path: Path) -> SecretStr:
+    """The RunPod simulator's API key: made at the first `up`, kept 0600 in the state dir."""
+    if path.exists():
+        path.chmod(0o600)
+        key = path.read_text().strip()
+        if key:
+            return SecretStr(key)
+    key = f"sim-{secrets.token_hex(24)}"
+    write_atomic(path, key + "\n", mode=0o600)
+    return SecretStr(key)
+
+
+def endpoint_venv_missing() -> str | None:
+    """Why the RunPod simulator's workers could not start, or None."""
+    if ENDPOINT_PYTHON.exists():
+        return None
+    return f"{ENDPOINT_PYTHON} is missing: `make install` builds the endpoint's venv"
+
+
+def runpod_sim_argv(config: StackConfig, base_dir: Path) -> tuple[str, ...]:
+    sim = config.runpod_sim
+    # Names only: the values (the bucket's keys among them) are in the simulator's environment.
+    worker_env = [f"--worker-env={name}" for name in (*BUCKET_VARS, BUCKET_REGION_VAR)]
+    return (
+        sys.executable,
+        "-m",
+        "devstack.runpod_sim",
+        "--host",
+        sim.host,
+        "--port",
+        str(sim.port),
+        "--endpoint-id",
+        sim.endpoint_id,
+        "--worker-command",
+        shlex.join((str(ENDPOINT_PYTHON), ENDPOINT_HANDLER)),
+        "--worker-cwd",
+        str(PROJECT_ROOT),
+        *worker_env,
+        "--comfy-sim-per-worker",
+        f"--comfy-sim-args=--step-delay-ms {sim.comfyui_step_delay_ms}",
+        "--work-dir",
+        str(config.path(base_dir, sim.work_dir).resolve()),
+        "--idle-timeout",
+        str(sim.idle_timeout_s),
+        "--max-workers",
+        str(sim.max_workers),
+        "--stop-grace",
+        str(RUNPOD_WORKER_STOP_GRACE_S),
+    )
+
+
+def runpod_sim_spec(
+    config: StackConfig,
+    base_dir: Path,
+    paths: StackPaths,
+    bucket_env: Mapping[str, str] | None,
+    api_key: SecretStr | None,
+) -> ServiceSpec:
+    """`bucket_env` (BUCKET_*) and `api_key` are needed only to start it: `status` and `down`
+    pass None."""
+    sim = config.runpod_sim
+    pythonpath = os.pathsep.join(p for p in (str(PROJECT_ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = {"PYTHONPATH": pythonpath, **(bucket_env or {})}
+    if api_key is not None:
+        env[RUNPOD_SIM_KEY_VAR] = api_key.get_secret_value()
+    return ServiceSpec(
+        name="runpod_sim",
+        host=sim.host,
+        # The per-worker ComfyUI simulators take free ports of the simulator's choosing (below
+        # the kernel's ephemeral range), each only while its worker lives.
+        ports=(("runpod_sim.port", sim.port),),
+        build_argv=partial(runpod_sim_argv, config, base_dir),
+        cwd=paths.state_dir,
+        log_file=paths.log_file("runpod_sim"),
+        pid_file=paths.pid_file("runpod_sim"),
+        probe=partial(http_get_ok, f"{sim.base_url}/sim/health"),
+        url=sim.api_url,
+        note=f"endpoint {sim.endpoint_id}",
+        startup_timeout_s=30.0,
+        # On SIGTERM it stops every worker: up to 2 s for job-stop signals to go out, the
+        # worker's grace, then its ComfyUI simulator's (5 s); SIGKILL would leave them running.
+        stop_grace_s=30.0,
+        env=env,
+        # A real key in the caller's shell is none of the simulator's business.
+        unset_env=(RUNPOD_KEY_VAR,),
+        prepare=partial(_prepare_runpod_sim, config, base_dir, bucket_env, api_key),
+        reap_child_groups=True,
+    )
+
+
+def _prepare_runpod_sim(
+    config: StackConfig,
+    base_dir: Path,
+    bucket_env: Mapping[str, str] | None,
+    api_key: SecretStr | None,
+) -> None:
+    if bucket_env is None or api_key is None:
+        raise StackError("no S3 credentials or RunPod API key to start the RunPod simulator with")
+    config.path(base_dir, config.runpod_sim.work_dir).mkdir(parents=True, exist_ok=True)
 
 
 def _make_dirs(config: StackConfig, base_dir: Path, relative: tuple[str, ...]) -> None:

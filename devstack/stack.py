@@ -1,4 +1,5 @@
-"""Start, stop and inspect the local stack: Temporal dev server, SeaweedFS S3, ComfyUI simulator.
+"""Start, stop and inspect the local stack: Temporal dev server, SeaweedFS S3, the ComfyUI
+simulator and the RunPod simulator.
 
 Services run detached (own session, logs in STATE/logs, PIDs in STATE/pids), so they outlive the
 process that started them; `down` stops exactly the recorded PIDs and keeps the data.
@@ -7,14 +8,18 @@ process that started them; `down` stops exactly the recorded PIDs and keeps the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import signal
+import time
 from pathlib import Path
 
 import structlog
 import yaml
+from pydantic import SecretStr
 
 from devstack.config import StackConfig
-from devstack.errors import StackError
+from devstack.errors import ServiceStopError, StackError
 from devstack.files import write_atomic
 from devstack.models import RunningStack, ServiceState, StackStatus
 from devstack.processes import (
@@ -37,7 +42,9 @@ from devstack.services import (
     ServiceSpec,
     StackPaths,
     comfy_sim_spec,
+    load_or_create_runpod_key,
     probe_once,
+    runpod_sim_spec,
     wait_ready,
 )
 from devstack.temporal_server import PROFILE_NAME, temporal_spec, write_temporal_toml
@@ -57,13 +64,29 @@ __all__ = [
 log = structlog.get_logger(__name__)
 
 
+def _bucket_env(config: StackConfig, creds: S3Credentials) -> dict[str, str]:
+    """The stack's bucket, in the names our RunPod handler reads (worker-comfyui's)."""
+    return {
+        "BUCKET_ENDPOINT_URL": config.s3.endpoint_url,
+        "BUCKET_ACCESS_KEY_ID": creds.access_key_id,
+        "BUCKET_SECRET_ACCESS_KEY": creds.secret_access_key.get_secret_value(),
+        "BUCKET_REGION": config.s3.region,
+    }
+
+
 def _specs(
-    config: StackConfig, base_dir: Path, creds: S3Credentials | None
+    config: StackConfig,
+    base_dir: Path,
+    creds: S3Credentials | None,
+    runpod_key: SecretStr | None = None,
 ) -> dict[ServiceName, ServiceSpec]:
+    """Every service; `creds` and `runpod_key` are needed only to start them."""
     paths = StackPaths.of(config, base_dir)
+    bucket_env = _bucket_env(config, creds) if creds is not None else None
     return {
         "s3": seaweed_spec(config, base_dir, paths, creds),
         "comfyui_sim": comfy_sim_spec(config, base_dir, paths),
+        "runpod_sim": runpod_sim_spec(config, base_dir, paths, bucket_env, runpod_key),
         "temporal": temporal_spec(config, base_dir, paths),
     }
 
@@ -160,6 +183,7 @@ async def _ensure(
             action="started" if name in started else "already running",
             pid=records[name].pid,
             url=spec.url,
+            note=spec.note,
             log_file=spec.log_file,
             ready_s=round(ready_s, 3) if name in started else None,
         )
@@ -167,15 +191,83 @@ async def _ensure(
     return states
 
 
-async def _stop(spec: ServiceSpec, record: PidRecord, sig: signal.Signals) -> None:
+def _stat_fields(pid_dir: Path) -> list[str] | None:
+    try:
+        raw = (pid_dir / "stat").read_text()
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces and parentheses; fields resume after the last ")".
+    return raw[raw.rindex(")") + 2 :].split()
+
+
+def _child_groups(record: PidRecord) -> list[int]:
+    """The process groups led by the service's children outside its own group (from /proc;
+    none off Linux): a signal to the service's group does not reach them."""
+    groups: list[int] = []
+    for pid_dir in Path("/proc").iterdir():
+        if not pid_dir.name.isdigit():
+            continue
+        fields = _stat_fields(pid_dir)
+        if fields is None:
+            continue
+        pid, ppid, pgrp = int(pid_dir.name), int(fields[1]), int(fields[2])
+        if ppid == record.pid and pgrp == pid and pgrp != record.pgid:
+            groups.append(pgrp)
+    return groups
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of the group."""
+    members: list[int] = []
+    for pid_dir in Path("/proc").iterdir():
+        if pid_dir.name.isdigit():
+            fields = _stat_fields(pid_dir)
+            if fields is not None and int(fields[2]) == pgid and fields[0] != "Z":
+                members.append(int(pid_dir.name))
+    return members
+
+
+async def _wait_groups_gone(groups: list[int], within_s: float) -> list[int]:
+    """The groups that still have live members after `within_s`."""
+    deadline = time.monotonic() + within_s
+    while True:
+        left = [pgid for pgid in groups if _group_members(pgid)]
+        if not left or time.monotonic() >= deadline:
+            return left
+        await asyncio.sleep(0.05)
+
+
+async def _stop(spec: ServiceSpec, record: PidRecord, sig: signal.Signals) -> str | None:
+    """Stop the service; for one with child groups, what became of them (None: it had none)."""
+    children = _child_groups(record) if spec.reap_child_groups else []
     await terminate(record, sig, grace_s=spec.stop_grace_s)
     spec.pid_file.unlink(missing_ok=True)
     if spec.cleanup is not None:
         spec.cleanup()
+    if not children:
+        return None
+    # The service stops them itself on SIGTERM (a group's last members may take a moment to
+    # go); whatever outlives that (after a SIGKILL of the service, say) is killed here by group,
+    # never by name.
+    leftovers = await _wait_groups_gone(children, within_s=5.0)
+    for pgid in leftovers:
+        log.warning("child group outlived its service, killing", service=spec.name, pgid=pgid)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+    if await _wait_groups_gone(leftovers, within_s=5.0):
+        raise ServiceStopError(f"{spec.name}: child process groups survived SIGKILL")
+    detail = f"{len(children)} child process group(s) stopped with it"
+    if leftovers:
+        detail += f", {len(leftovers)} of them killed after it was gone"
+    return detail
 
 
 def _write_client_files(
-    config: StackConfig, base_dir: Path, creds: S3Credentials, config_file: Path | None
+    config: StackConfig,
+    base_dir: Path,
+    creds: S3Credentials,
+    runpod_key: SecretStr,
+    config_file: Path | None,
 ) -> RunningStack:
     paths = StackPaths.of(config, base_dir)
     if config_file is None:
@@ -197,6 +289,9 @@ def _write_client_files(
         access_key_id=creds.access_key_id,
         secret_access_key=creds.secret_access_key,
         comfyui_url=config.comfyui_sim.url,
+        runpod_url=config.runpod_sim.api_url,
+        runpod_endpoint_id=config.runpod_sim.endpoint_id,
+        runpod_api_key=runpod_key,
         state_dir=paths.state_dir,
         env_file=paths.env_file,
         temporal_config_file=paths.temporal_toml,
@@ -218,8 +313,9 @@ async def start_stack(
     paths = StackPaths.of(config, base_dir)
     paths.state_dir.mkdir(parents=True, exist_ok=True)
     creds = load_or_create_credentials(paths.s3_credentials)
-    states = await _ensure(_specs(config, base_dir, creds), SERVICE_NAMES)
-    stack = _write_client_files(config, base_dir, creds, config_file)
+    runpod_key = load_or_create_runpod_key(paths.runpod_api_key)
+    states = await _ensure(_specs(config, base_dir, creds, runpod_key), SERVICE_NAMES)
+    stack = _write_client_files(config, base_dir, creds, runpod_key, config_file)
     return stack.model_copy(update={"services": states})
 
 
@@ -236,7 +332,8 @@ async def start_service(config: StackConfig, base_dir: Path, name: ServiceName) 
     paths = StackPaths.of(config, base_dir)
     paths.state_dir.mkdir(parents=True, exist_ok=True)
     creds = load_or_create_credentials(paths.s3_credentials)
-    states = await _ensure(_specs(config, base_dir, creds), (name,))
+    runpod_key = load_or_create_runpod_key(paths.runpod_api_key)
+    states = await _ensure(_specs(config, base_dir, creds, runpod_key), (name,))
     return states[name]
 
 
@@ -249,8 +346,9 @@ async def stop_service(
     """Send `sig` to the service's process group, SIGKILL after its grace period if need be."""
     spec = _specs(config, base_dir, None)[name]
     record = _running_record(spec)
+    detail = None
     if record is not None:
-        await _stop(spec, record, sig)
+        detail = await _stop(spec, record, sig)
         log.info("service stopped", service=name, pid=record.pid, signal=sig.name)
     return ServiceState(
         name=name,
@@ -258,7 +356,9 @@ async def stop_service(
         action="stopped" if record is not None else "was not running",
         pid=record.pid if record is not None else None,
         url=spec.url,
+        note=spec.note,
         log_file=spec.log_file,
+        detail=detail,
     )
 
 
@@ -270,13 +370,16 @@ async def stack_status(config: StackConfig, base_dir: Path) -> StackStatus:
         spec = specs[name]
         record = _running_record(spec)
         if record is None:
-            return ServiceState(name=name, state="stopped", url=spec.url, log_file=spec.log_file)
+            return ServiceState(
+                name=name, state="stopped", url=spec.url, note=spec.note, log_file=spec.log_file
+            )
         problem = await probe_once(spec, timeout_s=3.0)
         return ServiceState(
             name=name,
             state="running" if problem is None else "unhealthy",
             pid=record.pid,
             url=spec.url,
+            note=spec.note,
             log_file=spec.log_file,
             detail=problem,
         )

@@ -107,7 +107,15 @@ def make_stack_config(state_dir: Path, step_delay_ms: int = 20) -> StackConfig:
     sim = base.comfyui_sim.model_copy(
         update={"host": HOST, "port": free_port(), "step_delay_ms": step_delay_ms}
     )
-    pools = dict(base.worker.pools)
+    rp_sim = base.runpod_sim.model_copy(
+        update={"host": HOST, "port": free_port(), "comfyui_step_delay_ms": step_delay_ms}
+    )
+    pools = {
+        name: pool.model_copy(update={"url": rp_sim.api_url})
+        if pool.kind == "runpod" and pool.url == base.runpod_sim.api_url
+        else pool
+        for name, pool in base.worker.pools.items()
+    }
     pools["comfyui"] = PoolConfig(kind="comfyui", url=sim.url)
     worker = base.worker.model_copy(update={"pools": pools})
     return base.model_copy(
@@ -116,6 +124,7 @@ def make_stack_config(state_dir: Path, step_delay_ms: int = 20) -> StackConfig:
             "temporal": temporal,
             "s3": s3,
             "comfyui_sim": sim,
+            "runpod_sim": rp_sim,
             "worker": worker,
         }
     )

@@ -33,6 +33,7 @@ from devstack.config import S3Section, StackConfig, TemporalSection, load_stack_
 from devstack.errors import PortInUseError, ServiceStartError
 from devstack.models import RunningStack
 from devstack.processes import find_binary
+from devstack.runpod_sim import Ledger
 from devstack.seaweed import (
     UNUSED_PORT_FLAGS,
     S3Credentials,
@@ -43,13 +44,15 @@ from devstack.seaweed import (
 from devstack.services import StackPaths
 from devstack.stack import stack_ports, start_service, start_stack, stop_service
 from devstack.temporal_server import temporal_argv
+from tests.cli_support import example
+from tests.runpod_sim_support import ENDPOINT_VENV_MISSING
 
 ROOT = Path(__file__).resolve().parent.parent
 DEV_CONFIG = ROOT / "temporal-dev.yaml"
 StackConfigFactory = Callable[[str], StackConfig]
 
-ENDPOINT_KEYS = {"temporal_address", "temporal_ui", "s3_endpoint", "comfyui_url"}
-SERVICES = {"temporal", "s3", "comfyui_sim"}
+ENDPOINT_KEYS = {"temporal_address", "temporal_ui", "s3_endpoint", "comfyui_url", "runpod_url"}
+SERVICES = {"temporal", "s3", "comfyui_sim", "runpod_sim"}
 
 
 @dataclass
@@ -94,6 +97,41 @@ def pid_alive(pid: int) -> bool:
 
 def pid_files(state_dir: Path) -> list[Path]:
     return sorted((state_dir / "pids").glob("*.pid"))
+
+
+def runpod_api_key(state_dir: Path) -> str:
+    """The RunPod simulator's key, as the stack keeps it (0600, in the state dir)."""
+    path = StackPaths(state_dir).runpod_api_key
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    return path.read_text().strip()
+
+
+def group_alive(pgid: int) -> bool:
+    """Some process of the group is alive (zombies, waiting for init to reap them, are not)."""
+    for proc in Path("/proc").iterdir():
+        try:
+            raw = (proc / "stat").read_text() if proc.name.isdigit() else ""
+        except OSError:
+            continue
+        fields = raw[raw.rindex(")") + 2 :].split() if raw else []
+        if fields and int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """PIDs (not zombies) whose command line contains `text`."""
+    found: list[int] = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if text in cmdline and pid_alive(int(proc.name)):
+            found.append(int(proc.name))
+    return found
 
 
 def leftover_weed_sockets(config: StackConfig) -> list[Path]:
@@ -148,15 +186,27 @@ async def test_up_prints_one_json_object_and_every_endpoint_answers(cli_stack: C
     assert creds is not None
     secret = creds.secret_access_key.get_secret_value()
     assert secret not in result.out and secret not in result.err
+    runpod_key = runpod_api_key(Path(info["state_dir"]))
+    assert runpod_key not in result.out and runpod_key not in result.err
 
     client = await Client.connect(info["temporal_address"], namespace=info["namespace"])
     assert await client.service_client.check_health()
     await client.workflow_service.describe_namespace(
         DescribeNamespaceRequest(namespace=info["namespace"])
     )
-    async with httpx.AsyncClient(timeout=5) as http:
+    sim = cli_stack.config.runpod_sim
+    assert info["runpod_url"] == f"http://127.0.0.1:{sim.port}/v2"
+    assert info["runpod_endpoint_id"] == sim.endpoint_id
+    endpoint = f"{info['runpod_url']}/{sim.endpoint_id}"
+    async with httpx.AsyncClient(timeout=5, trust_env=False) as http:
         assert (await http.get(info["temporal_ui"])).status_code == 200
         assert (await http.get(f"{info['comfyui_url']}/system_stats")).status_code == 200
+        # The RunPod simulator on its configured port, its public API behind the stack's key.
+        health = await http.get(f"http://127.0.0.1:{sim.port}/sim/health")
+        assert health.status_code == 200 and health.json()["endpoint_id"] == sim.endpoint_id
+        bearer = {"Authorization": f"Bearer {runpod_key}"}
+        assert (await http.get(f"{endpoint}/health", headers=bearer)).status_code == 200
+        assert (await http.get(f"{endpoint}/health")).status_code == 401
     async with s3_client(cli_stack.config, creds) as s3:
         await s3.head_bucket(Bucket=info["bucket"])
 
@@ -177,6 +227,10 @@ async def test_up_twice_reports_already_running_and_starts_no_new_process(
     assert {name: s["pid"] for name, s in services.items()} == {
         name: s["pid"] for name, s in first["services"].items()
     }
+    assert services["runpod_sim"]["url"] == first["runpod_url"]
+    assert services["runpod_sim"]["note"] == f"endpoint {first['runpod_endpoint_id']}"
+    human = await run_cli("status", config=cli_stack.config_file)
+    assert f"{first['runpod_url']}  endpoint {first['runpod_endpoint_id']}" in human.out
 
 
 async def test_up_with_changed_settings_refuses_instead_of_reporting_stale_endpoints(
@@ -281,6 +335,56 @@ async def test_down_stops_exactly_those_pids_and_up_again_keeps_data(cli_stack: 
     async with s3_client(cli_stack.config, creds) as s3:
         body = await (await s3.get_object(Bucket=info["bucket"], Key="kept.txt"))["Body"].read()
     assert body == b"kept"
+
+
+@pytest.mark.skipif(ENDPOINT_VENV_MISSING is not None, reason=str(ENDPOINT_VENV_MISSING))
+async def test_down_stops_the_runpod_simulator_with_its_busy_worker_and_its_comfyui(
+    cli_stack: CliStack,
+) -> None:
+    """A RunPod job mid-run on a simulated worker (our handler under the real runpod loop,
+    beside a ComfyUI simulator of its own): `dev down` leaves none of them running."""
+    info = await cli_up(cli_stack)
+    sim = cli_stack.config.runpod_sim
+    endpoint = f"{info['runpod_url']}/{sim.endpoint_id}"
+    bearer = {"Authorization": f"Bearer {runpod_api_key(Path(info['state_dir']))}"}
+    work_dir = str(cli_stack.config.path(cli_stack.base_dir, sim.work_dir).resolve())
+    # 1500 steps at 20 ms: a job still running when the stack goes down (a stock, base64 job).
+    graph = example(steps=1500)
+    graph["3"]["inputs"]["seed"] = uuid.uuid4().int % 2**32
+    async with httpx.AsyncClient(timeout=10, trust_env=False) as http:
+        run = await http.post(
+            f"{endpoint}/run", headers=bearer, json={"input": {"workflow": graph}}
+        )
+        assert run.status_code == 200, run.text
+        job_id = run.json()["id"]
+        async with asyncio.timeout(60):
+            while True:
+                answer = await http.get(f"http://127.0.0.1:{sim.port}/sim/ledger")
+                ledger = Ledger.model_validate(answer.json())
+                job = ledger.job(job_id)
+                if job.status == "IN_PROGRESS" and job.deliveries:
+                    break
+                assert job.status == "IN_QUEUE", job.model_dump()
+                await asyncio.sleep(0.2)
+    workers = [w for w in ledger.workers if w.exited_at is None]
+    assert [w.state for w in workers] == ["running"], [w.model_dump() for w in workers]
+    worker_groups = [w.pid for w in workers if w.pid]
+    assert worker_groups and all(group_alive(pgid) for pgid in worker_groups)
+    assert processes_mentioning(work_dir), "the worker's ComfyUI simulator is not running"
+
+    down = await run_cli("down", "--json", config=cli_stack.config_file)
+    assert down.code == 0, down.err
+    stopped = down.json()["services"]["runpod_sim"]
+    assert stopped["pid"] == info["services"]["runpod_sim"]["pid"]
+    # It stopped its worker and that worker's ComfyUI itself: nothing had to be killed after it.
+    assert stopped["detail"] == "2 child process group(s) stopped with it", stopped
+    assert not pid_alive(stopped["pid"])
+    assert [pgid for pgid in worker_groups if group_alive(pgid)] == []
+    assert processes_mentioning(work_dir) == []
+    assert processes_mentioning(f"--port {sim.port} ") == []
+    async with httpx.AsyncClient(timeout=2, trust_env=False) as http:
+        with pytest.raises(httpx.ConnectError):
+            await http.get(f"http://127.0.0.1:{sim.port}/sim/health")
 
 
 async def test_a_taken_port_is_named_and_nothing_starts(
@@ -446,12 +550,19 @@ async def test_env_file_is_private_and_exports_worker_env(local_stack: RunningSt
         "DURABLE_COMFY_CONFIG",
         "TEMPORAL_CONFIG_FILE",
         "TEMPORAL_PROFILE",
+        "RUNPOD_API_KEY",
     }
+    assert expected["RUNPOD_API_KEY"] == runpod_api_key(local_stack.state_dir)
     worker_config = load_stack_config(Path(expected["DURABLE_COMFY_CONFIG"]))
     assert worker_config.worker.pools["comfyui"].url == local_stack.comfyui_url
-    assert local_stack.secret_access_key.get_secret_value() not in json.dumps(
-        local_stack.public_view()
-    )
+    # The default pool is the stack's RunPod simulator, with the key the env file exports.
+    default = worker_config.worker.pools[worker_config.worker.default_pool]
+    assert (default.kind, default.url) == ("runpod", local_stack.runpod_url)
+    assert default.endpoint_id == local_stack.runpod_endpoint_id
+    assert default.api_key_env == "RUNPOD_API_KEY"
+    public = json.dumps(local_stack.public_view())
+    assert local_stack.secret_access_key.get_secret_value() not in public
+    assert local_stack.runpod_api_key.get_secret_value() not in public
 
 
 # ---------------------------------------------------------------------------------------------
@@ -464,8 +575,9 @@ BINARY_DEFAULT_PORTS = {
     8181: "weed mini -s3.port.iceberg",
     9101: "weed mini -s3.port.lance",
     6060: "weed mini -debug.port",
+    8000: "python -m devstack.runpod_sim --port",
 }
-PORT_SECTIONS = ("temporal", "s3", "comfyui_sim")
+PORT_SECTIONS = ("temporal", "s3", "comfyui_sim", "runpod_sim")
 
 
 def is_port_key(key: str) -> bool:
@@ -633,6 +745,7 @@ async def test_a_copy_with_every_port_moved_binds_none_of_the_defaults(
                     assert raw[section][key] != moved_raw[section][key]
                     raw[section][key] = moved_raw[section][key]
         raw["worker"]["pools"]["comfyui"]["url"] = moved.comfyui_sim.url
+        raw["worker"]["pools"]["runpod"]["url"] = moved.runpod_sim.api_url
         raw["state_dir"] = moved.state_dir
         config_file = Path(moved.state_dir).parent / "moved.yaml"
         config_file.write_text(yaml.safe_dump(raw, sort_keys=False))
