@@ -52,12 +52,14 @@ async def start_demo_stack(console: Console, config_file: Path) -> DemoStack:
     """Start what is not running and show each service. `config_file` is absolute."""
     config = load_stack_config(config_file)
     console.print(
-        "[bold]Starting the local stack[/] (Temporal dev server, SeaweedFS, ComfyUI sim)"
-        f" from {config_file}"
+        "[bold]Starting the local stack[/] (Temporal dev server, SeaweedFS, ComfyUI sim,"
+        f" RunPod sim) from {config_file}",
+        soft_wrap=True,
     )
     running = await start_stack(config, config_file.parent, config_file=config_file)
     for name, service in running.services.items():
-        console.print(f"  {name:<12} {service.state:<8} {service.url or ''}")
+        note = f"  ({service.note})" if service.note else ""
+        console.print(f"  {name:<12} {service.state:<8} {service.url or ''}{note}")
     return DemoStack(config, config_file, config_file.parent, running)
 
 

@@ -7,6 +7,8 @@ rest (its PID file sits beside theirs).
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import sys
 import time
 from collections.abc import Mapping
@@ -14,8 +16,9 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from devstack.config import StackConfig
+from devstack.config import CONFIG_ENV, StackConfig
 from devstack.errors import ServiceStartError
+from devstack.files import write_atomic
 from devstack.processes import is_alive, log_tail, read_pid_file, spawn_detached, terminate
 from devstack.services import StackPaths
 
@@ -28,6 +31,8 @@ class DetachedWorker(BaseModel):
     pid: int
     log_file: Path
     started: bool
+    # A worker of ours was running with other settings and was replaced.
+    restarted: bool = False
 
 
 def _paths(config: StackConfig, base_dir: Path) -> tuple[Path, Path]:
@@ -35,18 +40,47 @@ def _paths(config: StackConfig, base_dir: Path) -> tuple[Path, Path]:
     return paths.pids / "worker.pid", paths.logs / "worker.log"
 
 
+def _settings_file(pid_file: Path) -> Path:
+    return pid_file.with_suffix(".settings")
+
+
+def settings_fingerprint(env: Mapping[str, str]) -> str:
+    """A digest of what the worker reads once at start: the environment it is given and the
+    stack file that environment names (its `worker:` section). No secret is stored, only this."""
+    digest = hashlib.sha256(json.dumps(sorted(env.items())).encode())
+    config_file = env.get(CONFIG_ENV)
+    if config_file:
+        try:
+            digest.update(Path(config_file).read_bytes())
+        except OSError:
+            pass  # the worker itself says what is wrong with it
+    return digest.hexdigest()
+
+
 async def ensure_worker(
     config: StackConfig, base_dir: Path, env: Mapping[str, str]
 ) -> DetachedWorker:
-    """Start `python worker.py` unless one of ours runs; wait until it polls its task queue."""
+    """Start `python worker.py` unless one of ours runs with these settings (one started with
+    other settings, e.g. before the stack file changed, is stopped first); wait until it polls
+    its task queue."""
     pid_file, log_file = _paths(config, base_dir)
+    fingerprint = settings_fingerprint(env)
     record = read_pid_file(pid_file)
+    restarted = False
     if record is not None and is_alive(record):
-        return DetachedWorker(pid=record.pid, log_file=log_file, started=False)
+        try:
+            running_with = _settings_file(pid_file).read_text().strip()
+        except OSError:
+            running_with = None
+        if running_with == fingerprint:
+            return DetachedWorker(pid=record.pid, log_file=log_file, started=False)
+        await stop_worker(config, base_dir)
+        restarted = True
     offset = log_file.stat().st_size if log_file.exists() else 0
     record = spawn_detached(
         [sys.executable, str(WORKER_PY)], log_file, base_dir, pid_file, env=dict(env)
     )
+    write_atomic(_settings_file(pid_file), fingerprint + "\n", mode=0o600)
     deadline = time.monotonic() + START_DEADLINE_S
     while time.monotonic() < deadline:
         if not is_alive(record):
@@ -56,7 +90,9 @@ async def ensure_worker(
         with log_file.open("rb") as f:
             f.seek(offset)
             if READY_MARK.encode() in f.read():
-                return DetachedWorker(pid=record.pid, log_file=log_file, started=True)
+                return DetachedWorker(
+                    pid=record.pid, log_file=log_file, started=True, restarted=restarted
+                )
         await asyncio.sleep(0.2)
     raise ServiceStartError(
         "worker", f"not ready after {START_DEADLINE_S:.0f} s", str(log_file), log_tail(log_file)
@@ -72,4 +108,5 @@ async def stop_worker(config: StackConfig, base_dir: Path) -> int | None:
     if is_alive(record):
         await terminate(record)
     pid_file.unlink(missing_ok=True)
+    _settings_file(pid_file).unlink(missing_ok=True)
     return record.pid
