@@ -5,6 +5,7 @@ refusing outputs outside the job's folder, stopping and reading the cost back.""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hashlib
 import json
@@ -150,9 +151,15 @@ def completed(images: list[dict[str, Any]], job: str = RUNPOD_JOB) -> dict[str, 
     }
 
 
-def backend(runpod: ScriptedRunPod, store: MemoryStore, *, claims: bool = True) -> RunPodBackend:
+def backend(
+    runpod: ScriptedRunPod,
+    store: MemoryStore,
+    *,
+    claims: bool = True,
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> RunPodBackend:
     pool = PoolConfig(kind="runpod", endpoint_id="ep1", claims=claims, usd_per_second=0.001)
-    http = httpx.AsyncClient(transport=httpx.MockTransport(runpod.handle))
+    http = httpx.AsyncClient(transport=transport or httpx.MockTransport(runpod.handle))
     client = RunPodClient.for_pool(
         pool, SecretStr("k"), http, retry=RetryPolicy(attempts=1), sleep=_no_sleep
     )
@@ -525,3 +532,30 @@ async def test_a_job_whose_ttl_ends_before_the_first_poll_expired_in_the_queue()
     with pytest.raises(ApplicationError) as expired:
         await env([]).run(backend(runpod, store).follow, follow_input())
     assert expired.value.type == ErrorType.QUEUE_TIMEOUT
+
+
+async def test_an_attempt_heartbeats_while_a_runpod_call_waits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The client may wait out a 429 burst for longer than the heartbeat timeout: the attempt
+    keeps heartbeating meanwhile, or Temporal would start its replacement beside it (which, on
+    the 429 burst of tests/test_runpod_e2e.py, sent a second /run for the same submission)."""
+    from activities.runpod import follow as runpod_follow
+
+    monkeypatch.setattr(runpod_follow, "KEEPALIVE_S", 0.05)
+    store = MemoryStore()
+    store.put(OUR_KEY, PNG)
+    runpod = ScriptedRunPod(statuses=[completed([record(OUR_KEY)])])
+
+    async def slow_run(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/run"):
+            await asyncio.sleep(0.5)
+        return runpod.handle(request)
+
+    heartbeats: list[Any] = []
+    await env(heartbeats).run(
+        backend(runpod, store, transport=httpx.MockTransport(slow_run)).follow, follow_input()
+    )
+    points = [FollowHeartbeat.model_validate(h).checkpoint for h in heartbeats]
+    waiting = [p for p in points if p.submit_sent_at is not None and p.provider_job_id is None]
+    assert len(waiting) >= 4, "heartbeats while /run was waiting for its answer"

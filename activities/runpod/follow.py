@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from datetime import UTC, datetime, timedelta
-from typing import Any, Literal, NoReturn
+from typing import Any, Literal, NoReturn, TypeVar
 
 import structlog
 from temporalio import activity
@@ -84,6 +84,11 @@ TAKEOVER_MARGIN_S = 3.0
 # delivery that may find the lease not yet out by the S3 server's clock); then the workflow
 # decides.
 MAX_TAKEOVER_SUBMITS = 3
+# How often the attempt heartbeats while a RunPod call is under way (Temporal's SDK sends at
+# most one heartbeat per 0.8 heartbeat timeouts, so this costs nothing).
+KEEPALIVE_S = 1.0
+
+T = TypeVar("T")
 
 
 class RunPodFollower:
@@ -171,7 +176,9 @@ class RunPodFollower:
         self.checkpoint = self.checkpoint.model_copy(update={"submit_sent_at": sent})
         self._heartbeat()
         try:
-            job = await self.client.run(self._run_input(self.req.graph), self.policy)
+            job = await self._alive_while(
+                self.client.run(self._run_input(self.req.graph), self.policy)
+            )
         except RunPodSubmissionAmbiguous:
             if not self.pool.claims:
                 raise
@@ -238,7 +245,7 @@ class RunPodFollower:
 
     async def _status(self, job_id: str) -> RunPodJob:
         try:
-            job = await self.client.status(job_id)
+            job = await self._alive_while(self.client.status(job_id))
         except RunPodJobGone:
             await self._failed(read_gone(job_id, self.last_state))
         self.last_state = job.state
@@ -438,6 +445,25 @@ class RunPodFollower:
 
     def _heartbeat(self) -> None:
         activity.heartbeat(self._resume_point().model_dump(mode="json"))
+
+    async def _alive_while(self, call: Coroutine[Any, Any, T]) -> T:
+        """`call`, heartbeating every `KEEPALIVE_S` while it lasts.
+
+        The client waits out 429 / 5xx bursts by itself, up to its retry budget (10 s), which
+        may be longer than the job's heartbeat timeout. Silent that long, this attempt would be
+        timed out while it still runs, and the workflow's next attempt would poll, or send
+        `/run`, beside it: two RunPod jobs for one submission.
+        """
+        task = asyncio.ensure_future(call)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=KEEPALIVE_S)
+                if done:
+                    return task.result()
+                self._heartbeat()
+        finally:
+            if not task.done():
+                task.cancel()
 
     def _with_progress(self, error: ApplicationError) -> ApplicationError:
         """A retryable failure carries the checkpoint, so the workflow re-attaches from it."""
