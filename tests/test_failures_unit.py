@@ -17,8 +17,8 @@ from temporalio.exceptions import (
     TimeoutType,
 )
 
-from workflows.contracts import JobError
-from workflows.failures import FailureKind, classify, job_error
+from workflows.contracts import JobCost, JobError
+from workflows.failures import FailureKind, classify, failure_cost, job_error
 from workflows.shared import ErrorType
 
 
@@ -112,3 +112,18 @@ def test_anything_else_is_an_execution_error() -> None:
     assert job_error(after_activity(None)) == JobError(
         type=ErrorType.EXECUTION_ERROR, message="activity failed", retryable=False
     )
+
+
+def test_the_cost_of_a_failed_provider_job_is_read_from_the_failure() -> None:
+    cost = JobCost(provider_job_id="rp-1", queue_s=1.0, execution_s=4.5, usd_per_second=0.001)
+    details = {"provider_job_id": "rp-1", "cost": cost.model_dump(mode="json")}
+    failed = ApplicationError("crashed", details, type=ErrorType.PROMPT_LOST, non_retryable=True)
+    assert failure_cost(after_activity(failed)) == cost
+    assert (
+        failure_cost(after_activity(ApplicationError("no cost", {"provider_job_id": "x"}))) is None
+    )
+    assert (
+        failure_cost(after_activity(ApplicationError("unreadable", {"cost": {"queue_s": "?"}})))
+        is None
+    )
+    assert failure_cost(heartbeat_timeout()) is None

@@ -485,6 +485,10 @@ async def test_a_crashed_holder_is_resubmitted_only_after_its_lease_and_a_margin
         await env([]).run(backend(runpod, store).follow, follow_input(checkpoint=known))
     assert lost.value.type == ErrorType.PROMPT_LOST, "submitted again by the workflow"
     assert (datetime.now(UTC) - began).total_seconds() >= 0.5 - 0.05
+    # The crashed job was paid for: its cost goes to the workflow with the failure.
+    [details] = lost.value.details
+    assert details["cost"]["provider_job_id"] == RUNPOD_JOB
+    assert details["cost"]["execution_s"] == 4.0
 
 
 async def test_a_redelivered_jobs_progress_is_read_from_its_new_workers_first_update() -> None:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from enum import StrEnum
 from typing import Any
 
+from pydantic import ValidationError
 from temporalio.exceptions import (
     ActivityError,
     ApplicationError,
@@ -14,7 +15,7 @@ from temporalio.exceptions import (
 )
 
 from workflows.activity_io import FollowHeartbeat
-from workflows.contracts import Artifact, Checkpoint, JobError
+from workflows.contracts import Artifact, Checkpoint, JobCost, JobError
 from workflows.shared import ErrorType
 
 
@@ -56,6 +57,22 @@ def job_error(err: BaseException) -> JobError:
     if isinstance(cause, TimeoutError):
         return JobError(type=ErrorType.TIMEOUT, message=str(cause), retryable=True)
     return JobError(type=ErrorType.EXECUTION_ERROR, message=str(cause), retryable=False)
+
+
+def failure_cost(err: BaseException) -> JobCost | None:
+    """What the provider job of a failed attempt cost, when the failure says (a RunPod job
+    that failed or whose worker crashed: the job may go on under another provider job, and
+    this one is paid for all the same). None when it does not say or cannot be read."""
+    cause = err.cause if isinstance(err, ActivityError) else err
+    if not isinstance(cause, ApplicationError) or not cause.details:
+        return None
+    first = cause.details[0]
+    if not isinstance(first, Mapping) or not isinstance(first.get("cost"), Mapping):
+        return None
+    try:
+        return JobCost.model_validate(first["cost"])
+    except ValidationError:
+        return None
 
 
 def recovered_progress(err: BaseException) -> tuple[Checkpoint | None, list[Artifact]]:

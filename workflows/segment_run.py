@@ -18,7 +18,13 @@ with workflow.unsafe.imports_passed_through():
     from workflows import backoff, legacy
     from workflows.activity_io import FollowInput, FollowResult, OffloadInput, PreparedJob
     from workflows.contracts import Checkpoint, Decision, JobRequest, JobState
-    from workflows.failures import FailureKind, classify, job_error, recovered_progress
+    from workflows.failures import (
+        FailureKind,
+        classify,
+        failure_cost,
+        job_error,
+        recovered_progress,
+    )
     from workflows.graph import apply_overrides, run_tag, with_unique_save_prefixes
     from workflows.job_book import JobBook
     from workflows.job_controls import JobControls
@@ -102,6 +108,9 @@ class SegmentRun:
                 return await calls.follow(self._follow_input(checkpoint, submit), policy)
             except BaseException as err:
                 kind = classify(err)
+                cost = failure_cost(err)
+                if cost is not None:
+                    book.add_cost(cost)  # paid for, whatever happens next
                 if kind in (FailureKind.FATAL, FailureKind.CANCELLED):
                     raise
                 if not self._legacy and self._controls.stop is not None:

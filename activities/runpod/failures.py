@@ -35,6 +35,7 @@ from activities.runpod.errors import (
     RunPodUnavailable,
 )
 from activities.runpod.outcome import Failed
+from workflows.contracts import JobCost
 from workflows.shared import ErrorType
 
 
@@ -61,9 +62,11 @@ def from_runpod(exc: RunPodError, doing: str) -> ApplicationError:
     return fatal(ErrorType.BACKEND_ERROR, message)
 
 
-def from_failure(failed: Failed) -> ApplicationError:
+def from_failure(failed: Failed, cost: JobCost | None = None) -> ApplicationError:
     """A failed job as the activity's failure. A worker's failure (`resubmit`) is `PromptLost`,
-    which the workflow answers by submitting again; its own type stays in the details."""
+    which the workflow answers by submitting again; its own type stays in the details, and so
+    does `cost`, what the failed RunPod job was billed (a crashed delivery is paid for too,
+    though the job goes on under another RunPod job; `workflows.failures.failure_cost`)."""
     details: dict[str, Any] = {
         "provider_job_id": failed.job_id,
         "runpod_status": failed.state,
@@ -71,6 +74,8 @@ def from_failure(failed: Failed) -> ApplicationError:
         "refresh_worker": failed.refresh_worker,
         "worker_id": failed.worker_id,
     }
+    if cost is not None:
+        details["cost"] = cost.model_dump(mode="json")
     if failed.retryable:
         return retryable(failed.error_type, failed.message, **details)
     error_type = ErrorType.PROMPT_LOST if failed.resubmit else failed.error_type

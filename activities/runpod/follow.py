@@ -237,7 +237,7 @@ class RunPodFollower:
             elif isinstance(outcome, Succeeded):
                 return await self._succeeded(job, outcome)
             else:
-                await self._failed(outcome)
+                await self._failed(outcome, job)
             if activity.is_worker_shutdown():
                 raise retryable(ErrorType.CONNECTION_LOST, "worker shutting down")
             self._heartbeat()
@@ -323,9 +323,10 @@ class RunPodFollower:
             cost=self.cost_of(job),
         )
 
-    async def _failed(self, failed: Failed) -> NoReturn:
-        """Raise the failure; a worker crash on a claimed submission first waits until the
-        crashed holder's lease has run out, so the resubmission may take the claim over."""
+    async def _failed(self, failed: Failed, job: RunPodJob | None = None) -> NoReturn:
+        """Raise the failure, with what `job` (the failed RunPod job, when there is one to
+        read) cost; a worker crash on a claimed submission first waits until the crashed
+        holder's lease has run out, so the resubmission may take the claim over."""
         for record in failed.artifacts:
             if self._key_of(record) not in self.artifacts:
                 try:
@@ -334,7 +335,7 @@ class RunPodFollower:
                     self.log.warning("runpod_partial_output_unusable", error=exc.message)
         if failed.resubmit and self.pool.claims:
             await self._wait_out_lease()
-        raise from_failure(failed)
+        raise from_failure(failed, self.cost_of(job) if job is not None else None)
 
     async def _wait_out_lease(self) -> None:
         """Until a new delivery may take the claim over: its holder's lease ran out, with
