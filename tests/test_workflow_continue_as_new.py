@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
+import pytest
 import pytest_asyncio
+from temporalio import workflow
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import WorkflowHistory
 from temporalio.contrib.pydantic import pydantic_data_converter
@@ -22,7 +25,7 @@ from tests.workflow_fakes import (
     start_job,
     start_time_skipping,
 )
-from workflows.contracts import JobRequest, JobState, JobStatus
+from workflows.contracts import JobPolicy, JobRequest, JobState, JobStatus
 from workflows.inference_job import InferenceJob
 from workflows.job_input import JobInput
 from workflows.shared import WORKFLOW_TYPE
@@ -126,3 +129,28 @@ def test_job_input_reads_both_forms() -> None:
     bare = JobInput.model_validate(job.model_dump(mode="json"))
     assert wrapped == bare == JobInput(request=job) == JobInput.model_validate(job)
     assert bare.carry is None
+
+
+@dataclass
+class FakeInfo:
+    length: int
+    suggested: bool = False
+
+    def get_current_history_length(self) -> int:
+        return self.length
+
+    def is_continue_as_new_suggested(self) -> bool:
+        return self.suggested
+
+
+@pytest.mark.parametrize(
+    ("length", "suggested", "long"),
+    [(50, False, False), (51, False, True), (10, True, True)],
+)
+def test_a_run_continues_past_half_its_history_budget_or_when_temporal_suggests(
+    monkeypatch: pytest.MonkeyPatch, length: int, suggested: bool, long: bool
+) -> None:
+    job = InferenceJob.__new__(InferenceJob)
+    job._request = request().model_copy(update={"policy": JobPolicy(history_budget_events=100)})
+    monkeypatch.setattr(workflow, "info", lambda: FakeInfo(length, suggested))
+    assert job._history_is_long() is long

@@ -307,6 +307,24 @@ async def test_cancel_in_every_state_tears_down_and_keeps_artifacts(
         assert [a.node_id for a in status.artifacts] == ["2"]
 
 
+async def test_the_first_stop_decides_a_second_cancel_changes_nothing(
+    env: WorkflowEnvironment,
+) -> None:
+    backend = FakeBackend(Script(block_in="follow_prompt"))
+    async with job_worker(env.client, backend) as tq:
+        handle = await start_job(env.client, tq, request())
+
+        async def following() -> bool:
+            return backend.blocked.is_set()
+
+        await eventually(following, timeout_s=10, what="the job is following")
+        await handle.signal(SIGNAL_CANCEL, CancelRequest(reason="first reason"))
+        await handle.signal(SIGNAL_CANCEL, CancelRequest(reason="second reason"))
+        status, error = await outcome(handle)
+    assert error is None and status.state == JobState.CANCELLED
+    assert status.error is not None and status.error.message == "first reason"
+
+
 async def test_cancel_while_reconnecting_and_while_paused(env: WorkflowEnvironment) -> None:
     for failures, state in [
         ([ErrorType.CONNECTION_LOST] * 3, JobState.RECONNECTING),
@@ -366,6 +384,7 @@ async def test_execution_deadline_cancels_the_work_and_compensates(
     assert status.state == JobState.FAILED
     assert status.error is not None and status.error.type == ErrorType.TIMEOUT
     assert status.teardown.state == "CONFIRMED"
+    assert backend.teardowns[0].reason == "after the execution deadline"
 
 
 async def test_segments_continue_as_new_and_resume_at_the_next_segment(
