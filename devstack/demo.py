@@ -130,7 +130,9 @@ def print_runpod(console: Console, final: JobStatus) -> None:
     if job_id is None and final.cost:
         job_id = final.cost[-1].provider_job_id
     submission = checkpoint.prompt_id if checkpoint is not None else None
-    console.print(f"\n[bold]RunPod job[/] {job_id}  (submission token {submission})")
+    console.print(
+        f"\n[bold]RunPod job[/] {job_id}  (submission token {submission})", soft_wrap=True
+    )
     console.print("[bold]Cost[/] (JobStatus.cost)")
     if not final.cost:
         console.print("  (none recorded)")
