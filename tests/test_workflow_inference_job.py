@@ -140,10 +140,16 @@ async def test_failure_ends_failed_with_typed_error_after_teardown(
     _job_id, status, error = await run_job(time_env.client, backend, JobRequest(graph=GRAPH))
     assert isinstance(error, WorkflowFailureError)
     assert isinstance(error.cause, ApplicationError) and error.cause.type == error_type
+    # Not to be retried, and the failure carries the job's final status for the client.
+    assert error.cause.non_retryable
+    assert JobStatus.model_validate(error.cause.details[0]) == status
     assert status.state == JobState.FAILED
     assert status.error is not None and status.error.type == error_type
     assert status.teardown.state == teardown_state
     assert ("stop_prompt" in backend.calls) is torn_down
+    if not torn_down:
+        assert status.teardown.detail == "nothing was submitted"
+        assert status.teardown.at is not None
     if torn_down:
         assert backend.teardowns[0].prompt_id is not None
         # What teardown saw is recorded, never "already finished" for a prompt never queued.
