@@ -3,14 +3,20 @@ the real `runpod` worker loop (a ComfyUI simulator per worker, SeaweedFS for the
 of ours with a `runpod` pool, and the check that nothing is left running or billed.
 
 The fixtures are made available to every test module by tests/conftest.py; a module that
-uses them marks itself `pytest.mark.usefixtures("nothing_left_running")`.
+uses them marks itself `pytest.mark.usefixtures("nothing_left_running")`. A module with
+simulators of its own (tests/test_runpod_chaos.py) builds them from the same helpers:
+`endpoint_sim` (a simulator), `runpod_pool` (a pool on it), `serving` (a worker of ours for
+those pools) and `settled_ledger` (the nothing-left-running check on any simulator).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
+from contextlib import AbstractAsyncContextManager
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -21,6 +27,7 @@ from pydantic import SecretStr
 from activities.settings import PoolConfig, WorkerSettings
 from activities.storage import ArtifactStore
 from devstack.models import RunningStack
+from devstack.runpod_sim import Ledger
 from starter import JobClient
 from starter.connection import connect_temporal
 from tests.cli_support import example, s3_settings
@@ -30,31 +37,62 @@ from workflows.contracts import JobPolicy, JobRequest, JobState, JobStatus
 
 API_KEY = "sim-runpod-key"
 POOL = "gpu"
+IDLE_TIMEOUT_S = 2.0
+
+
+def bucket_env(stack: RunningStack) -> dict[str, str]:
+    """Our handler's bucket, under worker-comfyui's variable names."""
+    return {
+        "BUCKET_ENDPOINT_URL": stack.s3_endpoint,
+        "BUCKET_ACCESS_KEY_ID": stack.access_key_id,
+        "BUCKET_SECRET_ACCESS_KEY": stack.secret_access_key.get_secret_value(),
+        "BUCKET_REGION": stack.region,
+    }
+
+
+def endpoint_sim(
+    work_dir: Path,
+    *args: str,
+    handler: str | None = "endpoint/handler.py",
+    env: Mapping[str, str] | None = None,
+) -> AbstractAsyncContextManager[RunpodSim]:
+    """A RunPod simulator whose workers run `handler` (None: none ever starts, for
+    `--max-workers=0`) next to a ComfyUI simulator each, with the idle timeout the fixtures
+    check (`IDLE_TIMEOUT_S`) unless `args` set another. `env`'s variables reach every worker
+    by name only (what `ps` shows)."""
+    env = dict(env or {})
+    worker_env = [f"--worker-env={name}" for name in env]
+    comfy = ["--comfy-sim-per-worker", "--comfy-sim-args=--step-delay-ms 20"] if handler else []
+    return run_runpod_sim(
+        work_dir,
+        *worker_env,
+        *comfy,
+        f"--idle-timeout={IDLE_TIMEOUT_S}",
+        "--max-workers=2",
+        *args,
+        handler=handler,
+        api_key=API_KEY,
+        env=env,
+    )
+
+
+def runpod_pool(sim: RunpodSim, **fields: Any) -> PoolConfig:
+    """A `runpod` pool on `sim`'s endpoint (claims on unless `fields` say otherwise)."""
+    settings: dict[str, Any] = {
+        "kind": "runpod",
+        "url": f"{sim.base_url}/v2",
+        "endpoint_id": sim.endpoint_id,
+        "usd_per_second": 0.0004,
+        "idle_timeout_s": IDLE_TIMEOUT_S,
+    }
+    return PoolConfig.model_validate(settings | fields)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def runpod_sim(
     local_stack: RunningStack, tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[RunpodSim]:
-    bucket_env = {
-        "BUCKET_ENDPOINT_URL": local_stack.s3_endpoint,
-        "BUCKET_ACCESS_KEY_ID": local_stack.access_key_id,
-        "BUCKET_SECRET_ACCESS_KEY": local_stack.secret_access_key.get_secret_value(),
-        "BUCKET_REGION": local_stack.region,
-    }
-    # Names only on the command line (what `ps` shows); the values come from the environment.
-    args = [f"--worker-env={name}" for name in bucket_env]
-    async with run_runpod_sim(
-        tmp_path_factory.mktemp("runpod"),
-        *args,
-        "--comfy-sim-per-worker",
-        "--comfy-sim-args=--step-delay-ms 20",
-        f"--idle-timeout={IDLE_TIMEOUT_S}",
-        "--max-workers=2",
-        handler="endpoint/handler.py",
-        api_key=API_KEY,
-        env=bucket_env,
-    ) as sim:
+    async with endpoint_sim(tmp_path_factory.mktemp("runpod"), env=bucket_env(local_stack)) as sim:
         yield sim
 
 
@@ -65,40 +103,34 @@ class RunPodWorker:
         self.sim = sim
 
 
-@pytest_asyncio.fixture(loop_scope="session")
-async def runpod_worker(
-    local_stack: RunningStack, runpod_sim: RunpodSim
-) -> AsyncIterator[RunPodWorker]:
+@contextlib.asynccontextmanager
+async def serving(
+    stack: RunningStack, pools: Mapping[str, PoolConfig], default_pool: str = POOL
+) -> AsyncIterator[tuple[JobClient, ArtifactStore]]:
+    """A worker of ours, in this process, serving `pools` on a task queue of its own, and a
+    client of that queue; the worker stops at the end."""
     task_queue = f"runpod-{uuid.uuid4().hex[:8]}"
-    pool = PoolConfig(
-        kind="runpod",
-        url=f"{runpod_sim.base_url}/v2",
-        endpoint_id=runpod_sim.endpoint_id,
-        usd_per_second=0.0004,
-        idle_timeout_s=IDLE_TIMEOUT_S,
-    )
-    settings = WorkerSettings(task_queue=task_queue, default_pool=POOL, pools={POOL: pool})
-    temporal = await connect_temporal(local_stack.temporal_address, local_stack.namespace)
+    settings = WorkerSettings(task_queue=task_queue, default_pool=default_pool, pools=dict(pools))
+    temporal = await connect_temporal(stack.temporal_address, stack.namespace)
     stop = asyncio.Event()
+    keys = {name: SecretStr(API_KEY) for name, pool in pools.items() if pool.kind == "runpod"}
     task = asyncio.create_task(
-        run_worker(
-            settings,
-            s3_settings(local_stack),
-            stop=stop,
-            client=temporal,
-            runpod_keys={POOL: SecretStr(API_KEY)},
-        )
+        run_worker(settings, s3_settings(stack), stop=stop, client=temporal, runpod_keys=keys)
     )
     try:
-        async with ArtifactStore(s3_settings(local_stack)) as store:
-            client = JobClient(temporal, task_queue=task_queue, store=store)
-            yield RunPodWorker(client, store, runpod_sim)
+        async with ArtifactStore(s3_settings(stack)) as store:
+            yield JobClient(temporal, task_queue=task_queue, store=store), store
     finally:
         stop.set()
         await asyncio.wait_for(task, timeout=30)
 
 
-IDLE_TIMEOUT_S = 2.0
+@pytest_asyncio.fixture(loop_scope="session")
+async def runpod_worker(
+    local_stack: RunningStack, runpod_sim: RunpodSim
+) -> AsyncIterator[RunPodWorker]:
+    async with serving(local_stack, {POOL: runpod_pool(runpod_sim)}) as (client, store):
+        yield RunPodWorker(client, store, runpod_sim)
 
 
 @pytest_asyncio.fixture(loop_scope="session")
@@ -106,17 +138,29 @@ async def nothing_left_running(runpod_worker: RunPodWorker) -> AsyncIterator[Non
     """After each test: no RunPod job still queued or running, and once the idle timeout has
     passed, no worker billed beyond it after its last job."""
     yield
-    async with asyncio.timeout(IDLE_TIMEOUT_S + 20):
+    await settled_ledger(runpod_worker.sim)
+
+
+async def settled_ledger(sim: RunpodSim, idle_timeout_s: float = IDLE_TIMEOUT_S) -> Ledger:
+    """The ledger once no job is queued or running (a job RunPod deleted, e.g. at its ttl, is
+    neither) and every worker has exited; fails unless each worker stopped billing within the
+    idle timeout (plus a second) of its last job's end."""
+    async with asyncio.timeout(idle_timeout_s + 20):
         while True:
-            ledger = await runpod_worker.sim.ledger()
-            busy = [j.id for j in ledger.jobs if j.status in ("IN_QUEUE", "IN_PROGRESS")]
+            ledger = await sim.ledger()
+            busy = [
+                j.id
+                for j in ledger.jobs
+                if j.status in ("IN_QUEUE", "IN_PROGRESS") and j.gone is None
+            ]
             idle = [w.id for w in ledger.workers if w.exited_at is None]
             if not busy and not idle:
                 break
             await asyncio.sleep(0.25)
     for provider_worker in ledger.workers:
         after = provider_worker.billed_after_last_job_s
-        assert after is None or after <= IDLE_TIMEOUT_S + 1.0, provider_worker.model_dump()
+        assert after is None or after <= idle_timeout_s + 1.0, provider_worker.model_dump()
+    return ledger
 
 
 def job(steps: int = 20, **policy: Any) -> JobRequest:
