@@ -401,7 +401,8 @@ async def test_exit_4_when_resume_is_refused_or_the_job_has_ended(
     worker: RunningWorker, local_stack: RunningStack
 ) -> None:
     env = cli_env(local_stack, worker.task_queue)
-    submitted = await worker.client.submit(JobRequest(graph=example(steps=150)), detached=True)
+    # 30 s (it is cancelled long before): still running while CLI processes start under load.
+    submitted = await worker.client.submit(JobRequest(graph=example(steps=1500)), detached=True)
     await until_running(worker, submitted.job_id)
     code, out, err = await run_cli("resume", submitted.job_id, "--json", env=env)
     assert (code, out) == (ExitCode.CONFLICT, "")

@@ -56,8 +56,11 @@ async def test_current_details_show_the_live_progress(
         async with open_page(url, free_port(), tmp_path / "profile") as page:
             async with asyncio.timeout(60):
                 while not shown:
-                    await page.click_text("User Metadata")
+                    # Read before the click: the click makes the UI fetch the details, so what
+                    # it shows is at least this far (under load the fetch can precede a later
+                    # read).
                     before = await ui_client.status(job.job_id)
+                    await page.click_text("User Metadata")
                     text = await page.text()
                     after = await ui_client.status(job.job_id)
                     # The Markdown renderer may turn "/" into a fraction slash: match loosely.
