@@ -77,6 +77,10 @@ async def test_429_bursts_are_ridden_out(runpod_worker: RunPodWorker) -> None:
     )
     assert final.state == JobState.COMPLETED, final.error
     assert len(final.artifacts) == 1
+    assert final.checkpoint is not None
+    ledger = await runpod_worker.sim.ledger()
+    submitted = [j for j in ledger.jobs if j.submission == final.checkpoint.prompt_id]
+    assert len(submitted) == 1, "one /run for the submission, however long RunPod throttles"
 
 
 async def test_a_dropped_run_answer_is_resubmitted_and_the_graph_runs_once(
