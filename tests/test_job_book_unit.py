@@ -513,3 +513,17 @@ def test_the_eta_is_shown_in_a_readable_unit(wf: FakeWorkflow, seconds: float, s
     wf.advance(seconds / 2)  # a quarter done: the remaining half takes twice as long
     book.status.progress.fraction = 0.5
     assert book.details() == f"**RUNNING** — 50 %  \nabout {shown} to go"
+
+
+def test_the_backends_own_job_id_replaces_the_prompt_id_once_named(wf: FakeWorkflow) -> None:
+    book = _book()
+    book.prepared_on("gpu-a", "runpod")
+    book.new_submission(0, "p-1", 10)
+    assert book.status.backend is not None and book.status.backend.provider_job_id == "p-1"
+    named = Checkpoint(job_id="j1", prompt_id="p-1", provider_job_id="rp-7")
+    book.apply_progress(_report(step=1, checkpoint=named))
+    assert book.status.backend.provider_job_id == "rp-7"
+    book.set_checkpoint(named.model_copy(update={"provider_job_id": "rp-8"}))
+    assert book.status.backend.provider_job_id == "rp-8"
+    book.set_checkpoint(Checkpoint(job_id="j1", prompt_id="p-1"))
+    assert book.status.backend.provider_job_id == "rp-8", "a checkpoint naming none keeps it"

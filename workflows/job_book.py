@@ -100,7 +100,14 @@ class JobBook:
 
     def set_checkpoint(self, checkpoint: Checkpoint) -> None:
         self.status.checkpoint = checkpoint
+        self._note_provider_job(checkpoint)
         self.touch()
+
+    def _note_provider_job(self, checkpoint: Checkpoint) -> None:
+        """The backend's own job id once it names one (RunPod's); ComfyUI's is the prompt id."""
+        backend = self.status.backend
+        if backend is not None and checkpoint.provider_job_id is not None:
+            backend.provider_job_id = checkpoint.provider_job_id
 
     def restart_prompt(self) -> None:
         """The prompt runs again from its first step."""
@@ -158,6 +165,7 @@ class JobBook:
             progress.fraction = (progress.segment + within) / max(1, progress.segments)
         if report.checkpoint is not None:
             self.status.checkpoint = report.checkpoint
+            self._note_provider_job(report.checkpoint)
         if report.artifact is not None:
             self.merge_artifacts([report.artifact])
         if self.status.backend is not None and report.worker_id:
