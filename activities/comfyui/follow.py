@@ -351,7 +351,8 @@ class PromptFollower:
 
     async def _drain_uploads(self) -> None:
         while self.uploads:
-            done, _pending = await asyncio.wait(self.uploads, timeout=SILENCE_CHECK_S)
+            # Within the heartbeat timeout, however short the job set it.
+            done, _pending = await asyncio.wait(self.uploads, timeout=self.poll_s)
             self._heartbeat()
             if done:
                 self._fail_if_upload_failed()
