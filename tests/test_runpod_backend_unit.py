@@ -563,3 +563,38 @@ async def test_an_attempt_heartbeats_while_a_runpod_call_waits(
     points = [FollowHeartbeat.model_validate(h).checkpoint for h in heartbeats]
     waiting = [p for p in points if p.submit_sent_at is not None and p.provider_job_id is None]
     assert len(waiting) >= 4, "heartbeats while /run was waiting for its answer"
+
+
+async def test_a_job_left_in_progress_by_a_dead_worker_is_cancelled_and_sent_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """RunPod may keep a dead worker's job IN_PROGRESS until its execution timeout; the claim's
+    lease, no longer renewed, says nobody runs it."""
+    monkeypatch.setattr("activities.runpod.follow.CLAIM_LEASE_S", 0.0)
+    store = MemoryStore()
+    stale = Claim(
+        submission=PROMPT,
+        job_id=JOB_ID,
+        prompt_id=PROMPT,
+        holder=RUNPOD_JOB,
+        lease_until=datetime.now(UTC) - timedelta(minutes=1),
+        renewed_at=datetime.now(UTC) - timedelta(minutes=2),
+    )
+    store.put(claim_key(S3Target(bucket=BUCKET), JOB_ID, PROMPT), stale.model_dump_json().encode())
+    runpod = ScriptedRunPod(statuses=[{"id": RUNPOD_JOB, "status": "IN_PROGRESS"}])
+    known = Checkpoint(job_id=JOB_ID, prompt_id=PROMPT, provider_job_id=RUNPOD_JOB)
+    with pytest.raises(ApplicationError) as lost:
+        await env([]).run(backend(runpod, store).follow, follow_input(checkpoint=known))
+    assert lost.value.type == ErrorType.PROMPT_LOST and lost.value.non_retryable
+    assert "stopped renewing the claim" in lost.value.message
+    assert ("POST", "cancel") in runpod.requests, "the dead job stops costing its time"
+
+    # A holder still renewing is left alone.
+    live = stale.model_copy(update={"lease_until": datetime.now(UTC) + timedelta(minutes=1)})
+    store.put(claim_key(S3Target(bucket=BUCKET), JOB_ID, PROMPT), live.model_dump_json().encode())
+    runpod = ScriptedRunPod(
+        statuses=[{"id": RUNPOD_JOB, "status": "IN_PROGRESS"}, completed([record(OUR_KEY)])]
+    )
+    store.put(OUR_KEY, PNG)
+    result = await env([]).run(backend(runpod, store).follow, follow_input(checkpoint=known))
+    assert ("POST", "cancel") not in runpod.requests and result.artifacts

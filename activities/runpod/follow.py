@@ -131,6 +131,7 @@ class RunPodFollower:
         self.node: str | None = None
         self.last_signal = 0.0
         self.worker_id = worker_identity()
+        self.last_lease_check = time.monotonic()
         self.log = log.bind(job_id=req.job_id, prompt_id=req.prompt_id, segment=req.segment)
 
     # -- the attempt -------------------------------------------------------------------------
@@ -231,6 +232,7 @@ class RunPodFollower:
                 await self._report("queued")
             elif isinstance(outcome, Running):
                 await self._running(outcome)
+                await self._fail_if_holder_died(job)
             elif isinstance(outcome, ClaimedElsewhere):
                 job_id = await self._holder(outcome)
                 continue
@@ -277,6 +279,33 @@ class RunPodFollower:
         self.log.info("runpod_following_claim_holder", runpod_job_id=holder)
         self.last_state = None
         return self._known_as(holder)
+
+    async def _fail_if_holder_died(self, job: RunPodJob) -> None:
+        """RunPod may keep a job IN_PROGRESS after its worker died (until its execution
+        timeout, billing nothing but costing the job its time). Our handler renews its claim's
+        lease while it runs: a lease run out with no outcome means nobody runs the prompt.
+        The job is cancelled and the submission goes out again (it may take the claim over)."""
+        if not self.pool.claims:
+            return
+        now = time.monotonic()
+        if now - self.last_lease_check < CLAIM_LEASE_S / 3:
+            return
+        self.last_lease_check = now
+        claim = await read_claim(self.store, self.target, self.req.job_id, self.submission)
+        if claim is None or claim.holder != job.id or claim.outcome is not None:
+            return
+        free_at = claim.lease_until + timedelta(seconds=TAKEOVER_MARGIN_S)
+        if datetime.now(UTC) < free_at:
+            return
+        self.log.warning(
+            "runpod_holder_silent", runpod_job_id=job.id, lease_until=claim.lease_until
+        )
+        await self._alive_while(self.client.cancel(job.id))
+        raise fatal(
+            ErrorType.PROMPT_LOST,
+            f"RunPod job {job.id} is still IN_PROGRESS, but its worker stopped renewing the "
+            f"claim at {claim.lease_until:%H:%M:%S} UTC: the worker is gone; submitting again",
+        )
 
     async def _running(self, outcome: Running) -> None:
         update = outcome.progress
