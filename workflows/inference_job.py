@@ -331,7 +331,8 @@ class InferenceJob:
                 )
             )
         except Exception as err:
-            workflow.logger.warning("keeping finished outputs failed: %s", err)
+            # The cause, not the ActivityError's "Activity task failed": what to look at.
+            workflow.logger.warning("keeping finished outputs failed: %s", job_error(err).message)
             return
         self._book.merge_artifacts(kept.artifacts)
 
