@@ -23,9 +23,32 @@ from websockets.exceptions import ConnectionClosed
 
 from activities.storage import ArtifactStore, StoredObject
 from activities.storage_errors import StorageError
-from workflows.contracts import ProgressReport
+from workflows.activity_io import FollowInput
+from workflows.contracts import OutputSpec, ProgressReport
 
 PROMPT_ID = "prompt-1"
+CLIENT_ID = "dc-client-1"
+PNG = b"\x89PNG fake bytes"
+GRAPH: dict[str, Any] = {"3": {"class_type": "KSampler", "inputs": {}}}
+KEY = "jobs/job-1/0/9/img_00001_.png"
+
+
+def request(**changes: Any) -> FollowInput:
+    """The follow activity's input for the one prompt these fakes know, with `changes`."""
+    base: dict[str, Any] = {
+        "job_id": "job-1",
+        "pool": "comfyui",
+        "prompt_id": PROMPT_ID,
+        "client_id": CLIENT_ID,
+        "run_tag": "dc_job-1_0_prompt-1",
+        "sampler_steps": {"3": 10},
+        "nodes_total": 4,
+        "output": OutputSpec(bucket="out"),
+        "progress_interval_s": 0.0,
+    }
+    return FollowInput.model_validate(base | changes)
+
+
 RUN_TAG = "dc_job-1_0_prompt-1"
 
 Step = Callable[[ServerConnection], Awaitable[None]]

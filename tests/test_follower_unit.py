@@ -24,6 +24,10 @@ from activities.comfyui.follow import PromptFollower
 from activities.comfyui.pools import PoolHealth
 from activities.storage_errors import StorageError
 from tests.comfy_unit_fakes import (
+    CLIENT_ID,
+    GRAPH,
+    KEY,
+    PNG,
     PROMPT_ID,
     FakeComfy,
     FakeStore,
@@ -37,32 +41,13 @@ from tests.comfy_unit_fakes import (
     frame,
     image,
     pause,
+    request,
     send,
     wait_for,
 )
 from workflows.activity_io import FollowHeartbeat, FollowInput, FollowResult
-from workflows.contracts import Artifact, Checkpoint, OutputSpec
+from workflows.contracts import Artifact, Checkpoint
 from workflows.shared import ErrorType
-
-CLIENT_ID = "dc-client-1"
-PNG = b"\x89PNG fake bytes"
-GRAPH: dict[str, Any] = {"3": {"class_type": "KSampler", "inputs": {}}}
-KEY = "jobs/job-1/0/9/img_00001_.png"
-
-
-def request(**changes: Any) -> FollowInput:
-    base: dict[str, Any] = {
-        "job_id": "job-1",
-        "pool": "comfyui",
-        "prompt_id": PROMPT_ID,
-        "client_id": CLIENT_ID,
-        "run_tag": "dc_job-1_0_prompt-1",
-        "sampler_steps": {"3": 10},
-        "nodes_total": 4,
-        "output": OutputSpec(bucket="out"),
-        "progress_interval_s": 0.0,
-    }
-    return FollowInput.model_validate(base | changes)
 
 
 def a_full_run() -> list[Step]:
