@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
-from collections.abc import Mapping, MutableMapping
 from pathlib import Path
-from typing import Any
 
-import structlog
 from aiohttp import web
+
+from devstack.sim_logging import configure_sim_logging
 
 from .server import create_app
 from .settings import DEFAULT_MS_PER_MEGAPIXEL, SIM_VERSION, SimSettings
@@ -69,25 +67,9 @@ def parse_args(argv: list[str] | None = None) -> SimSettings:
     )
 
 
-def _tag(_logger: object, _method: str, event: MutableMapping[str, Any]) -> Mapping[str, Any]:
-    event["event"] = f"[comfy-sim] {event.get('event', '')}"
-    return event
-
-
 def main(argv: list[str] | None = None) -> None:
     settings = parse_args(argv)
-    # Both log streams (ours via structlog, aiohttp's via logging) go to stderr, tagged so a
-    # shared log never passes the simulator off as ComfyUI.
-    logging.basicConfig(level=logging.INFO, format="[comfy-sim] %(levelname)s %(message)s")
-    structlog.configure(
-        processors=[
-            _tag,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso"),
-            structlog.dev.ConsoleRenderer(colors=False),
-        ],
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-    )
+    configure_sim_logging("comfy-sim")
     app = create_app(settings)
     # run_app turns SIGINT/SIGTERM into a graceful shutdown (sockets closed, tasks cancelled).
     web.run_app(

@@ -6,14 +6,12 @@ import argparse
 import logging
 import os
 import shlex
-import sys
-from collections.abc import Mapping, MutableMapping
 from pathlib import Path
-from typing import Any
 
-import structlog
 from aiohttp import web
 from pydantic import ValidationError
+
+from devstack.sim_logging import configure_sim_logging
 
 from .server import create_app
 from .settings import SIM_VERSION, RateLimits, SimSettings
@@ -166,25 +164,9 @@ def _settings(args: argparse.Namespace) -> SimSettings:
     )
 
 
-def _tag(_logger: object, _method: str, event: MutableMapping[str, Any]) -> Mapping[str, Any]:
-    event["event"] = f"[runpod-sim] {event.get('event', '')}"
-    return event
-
-
 def main(argv: list[str] | None = None) -> None:
     settings = parse_args(argv)
-    # Both log streams (ours via structlog, aiohttp's via logging) go to stderr, tagged so a
-    # shared log never passes the simulator off as RunPod.
-    logging.basicConfig(level=logging.INFO, format="[runpod-sim] %(levelname)s %(message)s")
-    structlog.configure(
-        processors=[
-            _tag,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso"),
-            structlog.dev.ConsoleRenderer(colors=False),
-        ],
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-    )
+    configure_sim_logging("runpod-sim")
     app = create_app(settings)
     # run_app turns SIGINT/SIGTERM into a graceful shutdown: on_shutdown stops every worker.
     web.run_app(
