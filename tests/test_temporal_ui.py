@@ -53,13 +53,13 @@ async def test_current_details_show_the_live_progress(
         async with asyncio.timeout(60):
             while (await ui_client.status(job.job_id)).progress.fraction < 0.05:  # noqa: ASYNC110
                 await asyncio.sleep(0.2)
+        # Read before the page opens: the UI may fetch the details once, as the page loads, and
+        # only reveal them on the click, so what it shows is at least this far and at most what
+        # the status says after the text was read.
+        before = await ui_client.status(job.job_id)
         async with open_page(url, free_port(), tmp_path / "profile") as page:
             async with asyncio.timeout(60):
                 while not shown:
-                    # Read before the click: the click makes the UI fetch the details, so what
-                    # it shows is at least this far (under load the fetch can precede a later
-                    # read).
-                    before = await ui_client.status(job.job_id)
                     await page.click_text("User Metadata")
                     text = await page.text()
                     after = await ui_client.status(job.job_id)
