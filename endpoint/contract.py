@@ -22,6 +22,10 @@ from activities.keys import job_folder, safe_component
 
 # The claim of one submission token lives beside the job's artifacts; the orchestrator reads it.
 CLAIMS_FOLDER = "_claims"
+# Input files the orchestrator staged for the handler to fetch (see StagedInput).
+INPUTS_FOLDER = "_inputs"
+# ComfyUI's own --max-upload-size default: no input file can be bigger on the worker anyway.
+MAX_INPUT_FILE_BYTES = 100 * 1024 * 1024
 # How long a claim holds without renewal; the holder renews it every third of this.
 DEFAULT_LEASE_S = 60.0
 # The runpod SDK refuses bigger progress updates and job-done bodies are best kept small.
@@ -38,6 +42,17 @@ class InputImage(_Contract):
 
     name: str = Field(min_length=1, max_length=255)
     image: str
+
+
+class StagedInput(_Contract):
+    """An input file the orchestrator put in the job's bucket folder (`{prefix}/{job_id}/_inputs/`)
+    instead of the `/run` body, which RunPod caps at 10 MB. The handler fetches it with its own
+    bucket credentials, checks `size` and `sha256`, and uploads it to its ComfyUI as `name`."""
+
+    name: str = Field(min_length=1, max_length=255)
+    key: str = Field(min_length=1, max_length=1024)
+    size: int = Field(ge=0, le=MAX_INPUT_FILE_BYTES)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
 
 
 class S3Target(_Contract):
@@ -65,6 +80,8 @@ class Orchestration(_Contract):
     progress_interval_s: float = Field(2.0, ge=0.0)
     claims: bool = True
     lease_s: float = Field(DEFAULT_LEASE_S, ge=5.0)
+    # Input files by reference (in `output.bucket`), beside any inline `images`.
+    inputs: list[StagedInput] = Field(default_factory=list)
 
 
 class EndpointInput(_Contract):
@@ -152,9 +169,10 @@ class EndpointError(_Contract):
     `stopPod`) out of it; the rest stays in RunPod's `output`."""
 
     error: str
-    # workflows.shared.ErrorType's names (InvalidRequest, PromptRejected, ExecutionError,
-    # OutOfMemory, BackendFault, BackendUnavailable, BackendError, Interrupted, PromptLost,
-    # OutputMissing, StorageError, Cancelled), plus OutputTooLarge for base64 results.
+    # workflows.shared.ErrorType's names (InvalidRequest, MissingInput, PromptRejected,
+    # ExecutionError, OutOfMemory, BackendFault, BackendUnavailable, BackendError, Interrupted,
+    # PromptLost, OutputMissing, StorageError, Cancelled), plus OutputTooLarge for base64
+    # results.
     error_type: str
     details: list[str] = Field(default_factory=list)
     # The platform replaces the worker after this job (a CUDA fault, ComfyUI gone).
@@ -192,6 +210,11 @@ class Claim(_Contract):
     renewed_at: datetime
     takeovers: int = 0
     outcome: ClaimOutcome | None = None
+
+
+def inputs_folder(target: S3Target, job_id: str) -> str:
+    """Where a job's staged input files are, and the only place a handler fetches them from."""
+    return f"{job_folder(target.prefix, job_id)}/{INPUTS_FOLDER}"
 
 
 def claim_key(target: S3Target, job_id: str, submission: str) -> str:

@@ -22,6 +22,7 @@ from endpoint.follow import PromptEnd, PromptFollower, Stage
 from endpoint.outputs import OutputCollector, OutputSink
 from endpoint.reporting import ProgressReporter
 from endpoint.settings import EndpointSettings
+from endpoint.staged_inputs import StagedInputs
 
 log = structlog.get_logger(__name__)
 
@@ -51,10 +52,12 @@ class Execution:
         sink: OutputSink,
         tracker: ProgressTracker,
         reporter: ProgressReporter | None,
+        staged: StagedInputs | None = None,
     ) -> None:
         self.client = client
         self.settings = settings
         self.images = images
+        self.staged = staged
         self.prompt_id = prompt_id
         self.reporter = reporter
         self.collector = OutputCollector(client, sink, self._stored)
@@ -83,6 +86,8 @@ class Execution:
                 on_waiting=lambda: self.stage_changed("starting"),
             )
             await stage_images(self.client, self.images)
+            if self.staged is not None:
+                await self.staged.stage(self.client)
             end = await self.follower.run()
             if end.outcome == "error" and is_out_of_memory(end.error):
                 await self._free_memory()

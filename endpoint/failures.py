@@ -23,6 +23,7 @@ from endpoint.inputs import InputProblem
 from endpoint.outputs import OutputTooLarge
 from endpoint.s3 import S3_FAILURES, error_code
 from endpoint.settings import SettingsError
+from endpoint.staged_inputs import StagedInputMissing
 from endpoint.upload import UploadError
 
 log = structlog.get_logger(__name__)
@@ -32,6 +33,8 @@ def failure_of(exc: BaseException) -> EndpointError:
     """The EndpointError for an exception raised while running a job."""
     if isinstance(exc, InputProblem):
         return EndpointError(error=str(exc), error_type="InvalidRequest")
+    if isinstance(exc, StagedInputMissing):
+        return EndpointError(error=str(exc), error_type="MissingInput")
     if isinstance(exc, ComfyPromptRejected):
         return EndpointError(
             error=f"ComfyUI rejected the workflow: {exc}",

@@ -43,6 +43,7 @@ from endpoint.contract import (
     EndpointOutput,
     Orchestration,
     claim_key,
+    inputs_folder,
 )
 from endpoint.execution import STOP_BUDGET_S, Execution, ExecutionResult, settle
 from endpoint.failures import failure_of, failure_of_end
@@ -52,6 +53,7 @@ from endpoint.outputs import Base64Sink, OutputSink, S3Sink
 from endpoint.reporting import ProgressReporter, ProgressSink
 from endpoint.s3 import S3
 from endpoint.settings import EndpointSettings
+from endpoint.staged_inputs import StagedInputs
 
 log = structlog.get_logger(__name__)
 
@@ -197,6 +199,15 @@ class OrchestratedJob:
                     error_type="BackendError",
                 )
             )
+        if o.inputs and self.s3 is None:
+            return self._error(
+                EndpointError(
+                    error="this job's input files are staged in S3 but the endpoint has no "
+                    "bucket: set BUCKET_ENDPOINT_URL, BUCKET_ACCESS_KEY_ID and "
+                    "BUCKET_SECRET_ACCESS_KEY on the endpoint",
+                    error_type="BackendError",
+                )
+            )
         if not o.claims:
             return await self._run_unclaimed()
         assert self.s3 is not None
@@ -333,7 +344,14 @@ class OrchestratedJob:
             sink=self._sink(),
             tracker=self.tracker,
             reporter=self.reporter,
+            staged=self._staged(),
         )
+
+    def _staged(self) -> StagedInputs | None:
+        if not self.o.inputs or self.s3 is None:
+            return None
+        folder = inputs_folder(self.o.output, self.o.job_id)
+        return StagedInputs(self.s3, self.o.output.bucket, folder, self.o.inputs)
 
     def _sink(self) -> OutputSink:
         if self.s3 is None:

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import boto3
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
 from endpoint.settings import BucketSettings
+
+T = TypeVar("T")
 
 # Any failure talking to S3, as botocore raises them.
 S3_FAILURES = (BotoCoreError, ClientError)
@@ -49,6 +52,10 @@ class S3:
     async def call(self, operation: str, **kwargs: Any) -> Any:
         method = getattr(self.client, operation)
         return await asyncio.to_thread(functools.partial(method, **kwargs))
+
+    async def run(self, blocking: Callable[..., T], *args: Any) -> T:
+        """Other blocking work on what a call returned (reading a streamed body)."""
+        return await asyncio.to_thread(blocking, *args)
 
 
 def error_code(exc: BaseException) -> str:

@@ -16,13 +16,14 @@ from collections.abc import AsyncIterator, Iterator
 from datetime import UTC, datetime
 from typing import Any
 
+import httpx
 import pytest
 import pytest_asyncio
 
 from activities.comfyui.events import ending_of
 from activities.keys import artifact_key
 from endpoint.claims import ClaimStore, fresh_claim
-from endpoint.contract import ArtifactRecord, Claim, S3Target, claim_key
+from endpoint.contract import ArtifactRecord, Claim, S3Target, claim_key, inputs_folder
 from endpoint.job import run_job
 from endpoint.s3 import S3
 from endpoint.settings import EndpointSettings
@@ -458,6 +459,68 @@ async def test_a_rejected_workflow_returns_comfyuis_reason(sim: str, bucket: Buc
     assert result["error_type"] == "PromptRejected"
     claim = await read_claim(bucket, job_input["durable_comfy"])
     assert claim is not None and claim.outcome is not None and claim.outcome.state == "failed"
+
+
+def staged_input_job(bucket: Bucket, data: bytes, **ref: Any) -> tuple[dict[str, Any], str]:
+    """An orchestrated job whose LoadImage reads a file staged in the job's `_inputs/` folder
+    (put there now); `ref` overrides the reference the job carries."""
+    name = f"staged-{uuid.uuid4().hex[:8]}.png"
+    graph = {
+        "1": {"class_type": "LoadImage", "inputs": {"image": name}},
+        "2": {"class_type": "ImageInvert", "inputs": {"image": ["1", 0]}},
+        "3": {"class_type": "SaveImage", "inputs": {"images": ["2", 0], "filename_prefix": "in"}},
+    }
+    job_input = orchestrated_input(graph, bucket.name)
+    block = job_input["durable_comfy"]
+    key = f"{inputs_folder(S3Target.model_validate(block['output']), block['job_id'])}/{name}"
+    bucket.client().put_object(Bucket=bucket.name, Key=key, Body=data)
+    block["inputs"] = [{"name": name, "key": key, "size": len(data), "sha256": sha256(data)} | ref]
+    return job_input, name
+
+
+async def test_staged_inputs_are_fetched_checked_and_given_to_comfyui(
+    sim: str, bucket: Bucket, settings: EndpointSettings
+) -> None:
+    """Past RunPod's 10 MB body an input travels by reference: the handler fetches it with its
+    own credentials and ComfyUI gets the very bytes."""
+    data = make_png(16, 12, (10, 200, 10)) + os.urandom(12 * 1000 * 1000)
+    job_input, name = staged_input_job(bucket, data)
+
+    result = await run_job(job(job_input), settings)
+
+    assert result["status"] == "success", result
+    async with httpx.AsyncClient(base_url=sim, timeout=30) as http:
+        staged = await http.get("/view", params={"filename": name, "type": "input"})
+    assert staged.status_code == 200 and sha256(staged.content) == sha256(data)
+
+
+@pytest.mark.parametrize(
+    ("ref", "error_type", "says"),
+    [
+        ({"key": "jobs/another-job/_inputs/x.png"}, "InvalidRequest", "not in this job's inputs"),
+        ({"sha256": "0" * 64}, "InvalidRequest", "changed after it was staged"),
+        ({"size": 5}, "InvalidRequest", "changed after it was staged"),
+        ({"name": "x.png", "key": "{folder}/gone.png"}, "MissingInput", "does not exist"),
+    ],
+)
+async def test_a_staged_input_that_is_elsewhere_changed_or_gone_is_refused_before_running(
+    sim: str,
+    bucket: Bucket,
+    settings: EndpointSettings,
+    ref: dict[str, Any],
+    error_type: str,
+    says: str,
+) -> None:
+    job_input, _ = staged_input_job(bucket, make_png(8, 8, (1, 2, 3)))
+    block = job_input["durable_comfy"]
+    folder = block["inputs"][0]["key"].rsplit("/", 1)[0]
+    block["inputs"][0] |= {k: v.format(folder=folder) if k == "key" else v for k, v in ref.items()}
+
+    result = await run_job(job(job_input), settings)
+
+    assert result["error_type"] == error_type, result
+    assert says in result["error"]
+    assert await prompt_runs(sim, block["prompt_id"]) == 0
 
 
 async def test_waiting_for_comfyui_without_a_process_has_a_deadline(bucket: Bucket) -> None:

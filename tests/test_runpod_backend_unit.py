@@ -6,6 +6,7 @@ refusing outputs outside the job's folder, stopping and reading the cost back.""
 from __future__ import annotations
 
 import asyncio
+import base64
 import dataclasses
 import hashlib
 import json
@@ -21,14 +22,20 @@ from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
 from activities.runpod.backend import RunPodBackend
-from activities.runpod.client import RunPodClient
+from activities.runpod.client import MAX_RUN_BYTES, RunPodClient
 from activities.runpod.retry import RetryPolicy
 from activities.settings import PoolConfig, S3Settings
 from activities.storage import StoredObject
 from activities.storage_errors import ObjectMissing
 from endpoint.contract import Claim, ClaimOutcome, S3Target, claim_key
-from workflows.activity_io import FollowHeartbeat, FollowInput, StopInput
-from workflows.contracts import Checkpoint, OutputSpec
+from workflows.activity_io import (
+    FollowHeartbeat,
+    FollowInput,
+    PreparedJob,
+    PrepareInput,
+    StopInput,
+)
+from workflows.contracts import Checkpoint, OutputSpec, S3Input
 from workflows.shared import ErrorType
 
 BUCKET = "artifacts"
@@ -598,3 +605,91 @@ async def test_a_job_left_in_progress_by_a_dead_worker_is_cancelled_and_sent_aga
     store.put(OUR_KEY, PNG)
     result = await env([]).run(backend(runpod, store).follow, follow_input(checkpoint=known))
     assert ("POST", "cancel") not in runpod.requests and result.artifacts
+
+
+# -- input files ----------------------------------------------------------------------------------
+
+LOAD_GRAPH = {
+    "1": {"class_type": "LoadImage", "inputs": {"image": "big.png"}},
+    "2": {"class_type": "SaveImage", "inputs": {"images": ["1", 0], "filename_prefix": "t"}},
+}
+
+
+async def prepared_with(
+    store: MemoryStore, runpod: ScriptedRunPod, *, claims: bool, size: int
+) -> PreparedJob:
+    """Prepare a job whose LoadImage reads a `size`-byte file the client put in S3."""
+    store.put("uploads/big.png", b"\x89PNG" + bytes(size - 4))
+    req = PrepareInput(
+        job_id=JOB_ID,
+        pool="cloud",
+        graph=LOAD_GRAPH,
+        inputs={"big.png": S3Input(uri=f"s3://{BUCKET}/uploads/big.png")},
+    )
+    return await ActivityEnvironment().run(
+        backend(runpod, store, claims=claims).prepare, req, "cloud"
+    )
+
+
+async def test_inputs_past_the_run_limit_travel_by_reference_to_our_handler() -> None:
+    """12 MB of input is more than `/run` takes: it is staged in the job's folder and the
+    submission names it with its size and sha256, for the handler to fetch and check."""
+    store, runpod = MemoryStore(), ScriptedRunPod(statuses=[completed([record(OUR_KEY)])])
+    store.put(OUR_KEY, PNG)
+    size = 12 * 1000 * 1000
+    prepared = await prepared_with(store, runpod, claims=True, size=size)
+    key = f"jobs/{JOB_ID}/_inputs/big.png"
+    assert prepared.staged_inputs == {"big.png": key}
+    assert store.objects[(BUCKET, key)][0] == store.objects[(BUCKET, "uploads/big.png")][0]
+    req = follow_input().model_copy(
+        update={"graph": LOAD_GRAPH, "staged_inputs": prepared.staged_inputs}
+    )
+    await env([]).run(backend(runpod, store).follow, req)
+    [body] = runpod.bodies
+    assert len(json.dumps(body)) < 100_000, "the file itself did not travel"
+    assert body["input"]["images"] == []
+    [ref] = body["input"]["durable_comfy"]["inputs"]
+    data = store.objects[(BUCKET, key)][0]
+    assert ref == {
+        "name": "big.png",
+        "key": key,
+        "size": size,
+        "sha256": hashlib.sha256(data).hexdigest(),
+    }
+
+
+async def test_a_stock_endpoint_gets_input_files_inline_within_the_run_limit() -> None:
+    store, runpod = MemoryStore(), ScriptedRunPod(statuses=[completed([record(OUR_KEY)])])
+    store.put(OUR_KEY, PNG)
+    prepared = await prepared_with(store, runpod, claims=False, size=1000)
+    req = follow_input().model_copy(
+        update={"graph": LOAD_GRAPH, "staged_inputs": prepared.staged_inputs}
+    )
+    await env([]).run(backend(runpod, store, claims=False).follow, req)
+    [body] = runpod.bodies
+    [image] = body["input"]["images"]
+    assert image["name"] == "big.png"
+    assert base64.b64decode(image["image"]) == store.objects[(BUCKET, "uploads/big.png")][0]
+    assert body["input"]["durable_comfy"]["inputs"] == []
+
+
+async def test_a_stock_endpoint_refuses_inputs_too_large_for_the_run_body_before_submitting() -> (
+    None
+):
+    store, runpod = MemoryStore(), ScriptedRunPod()
+    with pytest.raises(ApplicationError) as caught:
+        await prepared_with(store, runpod, claims=False, size=MAX_RUN_BYTES)
+    assert caught.value.type == ErrorType.INVALID_REQUEST and caught.value.non_retryable
+    assert "claims: true" in caught.value.message and "10 MB" in caught.value.message
+    assert runpod.requests == []
+
+
+async def test_a_staged_input_gone_before_the_submission_is_a_missing_input() -> None:
+    store, runpod = MemoryStore(), ScriptedRunPod()
+    req = follow_input().model_copy(
+        update={"graph": LOAD_GRAPH, "staged_inputs": {"big.png": f"jobs/{JOB_ID}/_inputs/x"}}
+    )
+    with pytest.raises(ApplicationError) as caught:
+        await env([]).run(backend(runpod, store).follow, req)
+    assert caught.value.type == ErrorType.MISSING_INPUT
+    assert runpod.requests == []

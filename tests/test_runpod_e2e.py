@@ -5,10 +5,13 @@ and our worker with a `runpod` pool. What the ledger shows is what would be bill
 from __future__ import annotations
 
 import json
+import os
+import uuid
 from pathlib import Path
 
 import pytest
 
+from activities.runpod.follow import one_chunk
 from tests.runpod_e2e_support import (
     RunPodWorker,
     job,
@@ -16,7 +19,7 @@ from tests.runpod_e2e_support import (
     wait_for_state,
 )
 from tests.runpod_sim_support import ENDPOINT_VENV_MISSING
-from workflows.contracts import JobState, JobStatus
+from workflows.contracts import JobState, JobStatus, S3Input
 
 pytestmark = [
     pytest.mark.skipif(ENDPOINT_VENV_MISSING is not None, reason=str(ENDPOINT_VENV_MISSING)),
@@ -51,6 +54,28 @@ async def test_a_job_runs_on_the_runpod_endpoint_with_progress_and_a_verified_ar
     assert abs(cost.execution_s - provider_job.billed_s) <= 1.0, json.dumps(
         provider_job.model_dump(mode="json")
     )
+
+
+async def test_an_input_too_large_for_the_run_body_travels_by_reference(
+    runpod_worker: RunPodWorker,
+) -> None:
+    """12 MB of input, where RunPod's `/run` takes 10: staged in the job's folder, fetched by
+    the handler on the GPU worker, and the job completes (the simulator answers 413 to a body
+    over the limit, so the file cannot have travelled inline)."""
+    store = runpod_worker.store
+    data = b"\x89PNG\r\n\x1a\n" + os.urandom(12 * 1000 * 1000)
+    key = f"uploads/{uuid.uuid4().hex}.png"
+    await store.upload_stream(key, one_chunk(data), content_type="image/png")
+    graph = {
+        "1": {"class_type": "LoadImage", "inputs": {"image": "big.png"}},
+        "2": {"class_type": "ImageInvert", "inputs": {"image": ["1", 0]}},
+        "3": {"class_type": "SaveImage", "inputs": {"images": ["2", 0], "filename_prefix": "big"}},
+    }
+    uri = f"s3://{store.settings.bucket}/{key}"
+    request = job().model_copy(update={"graph": graph, "inputs": {"big.png": S3Input(uri=uri)}})
+    final = await runpod_worker.client.wait((await runpod_worker.client.submit(request)).job_id)
+    assert final.state == JobState.COMPLETED, final.error
+    assert len(final.artifacts) == 1
 
 
 async def test_cancel_mid_job_cancels_the_provider_job_and_frees_its_worker(

@@ -25,11 +25,17 @@ from activities.runpod.claims import claim_target, lease_running, read_claim
 from activities.runpod.client import MAX_RUN_BYTES, RunPodClient
 from activities.runpod.errors import RunPodError, RunPodJobGone
 from activities.runpod.failures import from_runpod
-from activities.runpod.follow import POLL_S, RunPodFollower, job_cost, one_chunk
+from activities.runpod.follow import POLL_S, RunInputs, RunPodFollower, job_cost, one_chunk
 from activities.runpod.models import RunPodJob, RunPodState
 from activities.settings import PoolConfig
 from activities.storage import ArtifactStore
-from endpoint.contract import Claim, InputImage
+from endpoint.contract import (
+    MAX_INPUT_FILE_BYTES,
+    Claim,
+    InputImage,
+    StagedInput,
+    inputs_folder,
+)
 from workflows.activity_io import (
     FollowInput,
     FollowResult,
@@ -51,9 +57,9 @@ from workflows.shared import ErrorType
 
 log = structlog.get_logger(__name__)
 
-# Inputs travel base64 in `/run` (4/3 of their size) beside the graph: keep room for both.
-MAX_STAGED_INPUT_BYTES = MAX_RUN_BYTES * 7 // 10
-INPUTS_FOLDER = "_inputs"
+# A stock endpoint takes input files base64 in `/run` (4/3 of their size) beside the graph: keep
+# room for both. Our handler fetches them from S3 instead, each up to ComfyUI's upload limit.
+MAX_INLINE_RUN_BYTES = MAX_RUN_BYTES * 7 // 10
 
 StopAction = Literal["none", "dequeued", "interrupt_sent"]
 Position = Literal["pending", "running"]
@@ -84,36 +90,39 @@ class RunPodBackend:
 
     async def prepare(self, req: PrepareInput, pool: str) -> PreparedJob:
         """No node registry to ask (the worker's ComfyUI is not up before a job reaches it):
-        check what can be checked here and stage the input files; ComfyUI's own validation on
-        the worker refuses the rest before anything runs."""
+        check what can be checked here and stage the input files in the job's bucket folder;
+        ComfyUI's own validation on the worker refuses the rest before anything runs."""
         for index, overrides in enumerate(req.segments):
             try:
                 apply_overrides(req.graph, overrides)
             except GraphFormatError as exc:
                 raise fatal(ErrorType.INVALID_REQUEST, f"segment {index}: {exc}") from exc
+        by_reference = bool(self._pools[pool].claims)
         bucket = req.output.bucket or self._store.settings.bucket
-        folder = f"{job_folder(req.output.prefix, req.job_id)}/{INPUTS_FOLDER}"
+        folder = inputs_folder(claim_target(req.output, bucket), req.job_id)
         staged: dict[str, str] = {}
         total = 0
         for _node, _input, name in load_node_files(req.graph):
             ref = req.inputs.get(name)
             if ref is None or name in staged:
                 continue  # a file the worker's image may hold; its ComfyUI says if not
-            data = await input_bytes(self._store, name, ref, limit=MAX_STAGED_INPUT_BYTES)
+            limit = MAX_INPUT_FILE_BYTES if by_reference else MAX_INLINE_RUN_BYTES
+            data = await input_bytes(self._store, name, ref, limit=limit)
             total += len(data)
-            if total > MAX_STAGED_INPUT_BYTES:
+            if not by_reference and total > MAX_INLINE_RUN_BYTES:
                 raise fatal(
                     ErrorType.INVALID_REQUEST,
-                    f"the inputs add up to more than {MAX_STAGED_INPUT_BYTES} bytes, which "
-                    "does not fit RunPod's 10 MB /run body: send smaller inputs",
+                    f"the inputs add up to more than {MAX_INLINE_RUN_BYTES:,} bytes: pool {pool!r} "
+                    "is a stock endpoint (claims: false), which takes input files only inside "
+                    "RunPod's 10 MB /run body; send smaller inputs, or deploy durable-comfy's "
+                    "handler (endpoint/) and set claims: true so they travel by reference",
                 )
             key = f"{folder}/{safe_component(name)}"
-
             await self._store.upload_stream(
                 key, one_chunk(data), content_type=content_type_for(name), bucket=bucket
             )
             staged[name] = key
-        log.info("prepared", job_id=req.job_id, pool=pool, inputs=len(staged))
+        log.info("prepared", job_id=req.job_id, pool=pool, inputs=len(staged), bytes=total)
         return PreparedJob(
             pool=pool,
             kind="runpod",
@@ -125,17 +134,34 @@ class RunPodBackend:
 
     async def follow(self, req: FollowInput) -> FollowResult:
         pool, client = self._pools[req.pool], self._clients[req.pool]
-        inputs = await self._inputs(req) if req.graph is not None else []
+        inputs = RunInputs()
+        if req.graph is not None:
+            inputs = await (self._by_reference(req) if pool.claims else self._inline(req))
         follower = RunPodFollower(req, pool, client, self._store, inputs, poll_s=self._poll_s)
         return await follower.run()
 
-    async def _inputs(self, req: FollowInput) -> list[InputImage]:
+    async def _inline(self, req: FollowInput) -> RunInputs:
+        """A stock endpoint: the files themselves, base64 in `input.images`."""
         bucket = req.output.bucket or self._store.settings.bucket
         images = []
         for name, key in req.staged_inputs.items():
-            data = await self._store.read_bytes(key, limit=MAX_STAGED_INPUT_BYTES, bucket=bucket)
+            data = await self._store.read_bytes(key, limit=MAX_INLINE_RUN_BYTES, bucket=bucket)
             images.append(InputImage(name=name, image=base64.b64encode(data).decode()))
-        return images
+        return RunInputs(images=images)
+
+    async def _by_reference(self, req: FollowInput) -> RunInputs:
+        """Our handler: where each file is and what it must hash to; it fetches them itself."""
+        bucket = req.output.bucket or self._store.settings.bucket
+        staged = []
+        for name, key in req.staged_inputs.items():
+            head = await self._store.head(key, bucket=bucket)
+            if head is None or not head.sha256:
+                raise fatal(
+                    ErrorType.MISSING_INPUT,
+                    f"input {name!r}: the copy staged at s3://{bucket}/{key} is gone",
+                )
+            staged.append(StagedInput(name=name, key=key, size=head.size, sha256=head.sha256))
+        return RunInputs(staged=staged)
 
     async def offload(self, req: OffloadInput) -> OffloadResult:
         """Every output is in S3 by now: verify what the job holds, and after a failure add

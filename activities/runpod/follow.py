@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Coroutine
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal, NoReturn, TypeVar
 
@@ -57,6 +58,7 @@ from endpoint.contract import (
     EndpointInput,
     InputImage,
     Orchestration,
+    StagedInput,
 )
 from workflows.activity_io import FollowHeartbeat, FollowInput, FollowResult
 from workflows.contracts import Artifact, Checkpoint, JobCost, ProgressReport
@@ -91,6 +93,15 @@ KEEPALIVE_S = 1.0
 T = TypeVar("T")
 
 
+@dataclass(frozen=True)
+class RunInputs:
+    """A submission's input files: inline (`input.images`, what stock endpoints read) or staged
+    in S3 by reference (`durable_comfy.inputs`, our handler's way past RunPod's 10 MB body)."""
+
+    images: list[InputImage] = field(default_factory=list)
+    staged: list[StagedInput] = field(default_factory=list)
+
+
 class RunPodFollower:
     """One attempt at following one submission to its end."""
 
@@ -100,7 +111,7 @@ class RunPodFollower:
         pool: PoolConfig,
         client: RunPodClient,
         store: ArtifactStore,
-        inputs: list[InputImage],
+        inputs: RunInputs,
         *,
         poll_s: float = POLL_S,
     ) -> None:
@@ -207,7 +218,7 @@ class RunPodFollower:
         req = self.req
         return EndpointInput(
             workflow=graph,
-            images=self.inputs,
+            images=self.inputs.images,
             durable_comfy=Orchestration(
                 job_id=req.job_id,
                 submission=self.submission,
@@ -221,6 +232,7 @@ class RunPodFollower:
                 progress_interval_s=req.progress_interval_s,
                 claims=bool(self.pool.claims),
                 lease_s=CLAIM_LEASE_S,
+                inputs=self.inputs.staged,
             ),
         )
 
