@@ -81,6 +81,7 @@ _RUNPOD_ONLY = (
     "usd_per_second",
     "execution_timeout_s",
     "idle_timeout_s",
+    "claim_lease_s",
 )
 
 
@@ -96,6 +97,8 @@ class PoolConfig(BaseModel):
     endpoint's price, for the job's cost estimate. `execution_timeout_s`: sent as RunPod's
     `executionTimeout` instead of the job's own. `idle_timeout_s`: the endpoint's idle timeout,
     what a worker keeps billing after its last job (RunPod's default 5 s when unset).
+    `claim_lease_s`: how long our handler's claim holds without renewal (default 60): how long a
+    crashed worker's submission waits before another delivery may take it over.
 
     After validation a runpod pool has `url`, `api_key_env` and `claims` set; a comfyui pool has
     none of the runpod fields (so its dump is what it always was).
@@ -111,6 +114,7 @@ class PoolConfig(BaseModel):
     usd_per_second: float | None = Field(None, ge=0)
     execution_timeout_s: float | None = Field(None, ge=MIN_EXECUTION_TIMEOUT_S, le=MAX_POLICY_S)
     idle_timeout_s: float | None = Field(None, ge=0)
+    claim_lease_s: float | None = Field(None, ge=5, le=3600)
 
     @model_validator(mode="before")
     @classmethod

@@ -164,8 +164,11 @@ def backend(
     *,
     claims: bool = True,
     transport: httpx.AsyncBaseTransport | None = None,
+    **pool_fields: Any,
 ) -> RunPodBackend:
-    pool = PoolConfig(kind="runpod", endpoint_id="ep1", claims=claims, usd_per_second=0.001)
+    pool = PoolConfig(
+        kind="runpod", endpoint_id="ep1", claims=claims, usd_per_second=0.001, **pool_fields
+    )
     http = httpx.AsyncClient(transport=transport or httpx.MockTransport(runpod.handle))
     client = RunPodClient.for_pool(
         pool, SecretStr("k"), http, retry=RetryPolicy(attempts=1), sleep=_no_sleep
@@ -229,6 +232,16 @@ async def test_submits_once_follows_progress_and_keeps_verified_outputs() -> Non
     # The job id is heartbeated before the first poll: a replacement polls, never re-submits.
     first = FollowHeartbeat.model_validate(heartbeats[1])
     assert first.checkpoint.provider_job_id == RUNPOD_JOB
+
+
+async def test_the_claim_lease_is_the_pools_or_a_minute() -> None:
+    leases = []
+    for lease in (None, 20.0):
+        store, runpod = MemoryStore(), ScriptedRunPod(statuses=[completed([record(OUR_KEY)])])
+        store.put(OUR_KEY, PNG)
+        await env([]).run(backend(runpod, store, claim_lease_s=lease).follow, follow_input())
+        leases.append(runpod.bodies[0]["input"]["durable_comfy"]["lease_s"])
+    assert leases == [60.0, 20.0]
 
 
 async def test_a_retry_follows_the_job_it_knows_without_submitting() -> None:

@@ -528,6 +528,8 @@ def test_a_runpod_pool_from_the_stack_file(tmp_path: Path) -> None:
         ({"kind": "runpod", "endpoint_id": "e", "api_key_env": "my key"}, "NAME of the"),
         ({"url": "http://gpu:8188", "endpoint_id": "e"}, "endpoint_id: only for pools of kind"),
         ({"url": "http://gpu:8188", "claims": False}, "claims: only for pools of kind 'runpod'"),
+        ({"url": "http://gpu:8188", "claim_lease_s": 30}, "claim_lease_s: only for pools of"),
+        ({"kind": "runpod", "endpoint_id": "e", "claim_lease_s": 1}, "greater than or equal"),
     ],
 )
 def test_a_bad_runpod_pool_is_named(pool: dict[str, Any], message: str) -> None:

@@ -76,7 +76,7 @@ DEFAULT_EXECUTION_TIMEOUT_S = 600.0
 # idle timeout).
 DEFAULT_IDLE_TIMEOUT_S = 5.0
 # The claim lease our handler is asked to hold (and renew every third of it) while it runs a
-# submission: how long a crashed holder blocks a takeover. Read at each submission.
+# submission, unless the pool sets `claim_lease_s`: how long a crashed holder blocks a takeover.
 CLAIM_LEASE_S = DEFAULT_LEASE_S
 # How long after a dead holder's `lease_until` a new delivery is sent to take its claim over.
 # The handler judges expiry by the S3 server's clock in whole seconds (`Last-Modified`, `Date`)
@@ -121,6 +121,7 @@ class RunPodFollower:
         self.store = store
         self.inputs = inputs
         self.poll_s = poll_s
+        self.lease_s = pool.claim_lease_s or CLAIM_LEASE_S
         heartbeat = FollowHeartbeat.from_details(activity.info().heartbeat_details)
         self.checkpoint = restore_checkpoint(heartbeat, req)
         stored = list(req.stored) + (heartbeat.artifacts if heartbeat is not None else [])
@@ -231,7 +232,7 @@ class RunPodFollower:
                 nodes_total=req.nodes_total,
                 progress_interval_s=req.progress_interval_s,
                 claims=bool(self.pool.claims),
-                lease_s=CLAIM_LEASE_S,
+                lease_s=self.lease_s,
                 inputs=self.inputs.staged,
             ),
         )
@@ -300,7 +301,7 @@ class RunPodFollower:
         if not self.pool.claims:
             return
         now = time.monotonic()
-        if now - self.last_lease_check < CLAIM_LEASE_S / 3:
+        if now - self.last_lease_check < self.lease_s / 3:
             return
         self.last_lease_check = now
         claim = await read_claim(self.store, self.target, self.req.job_id, self.submission)
