@@ -33,7 +33,7 @@ from starter.connection import connect_temporal
 from tests.cli_support import example, s3_settings
 from tests.runpod_sim_support import RunpodSim, run_runpod_sim
 from worker import run_worker
-from workflows.contracts import JobPolicy, JobRequest, JobState, JobStatus
+from workflows.contracts import JobCost, JobPolicy, JobRequest, JobState, JobStatus
 
 API_KEY = "sim-runpod-key"
 POOL = "gpu"
@@ -187,3 +187,17 @@ async def wait_for_state(
             if status.state in states:
                 return status
             await asyncio.sleep(0.2)
+
+
+def cost_matches(
+    costs: list[JobCost], ledger: Ledger, submission: str, *, known: set[str] | None = None
+) -> None:
+    """`cost` in the status has a reading of every RunPod job of the submission (or of those
+    `known` to the orchestrator), and each one's execution seconds match what the ledger billed
+    for that job within a second."""
+    billed = {j.id: j.billed_s for j in ledger.jobs_for(submission)}
+    expected = set(billed) if known is None else known
+    assert {c.provider_job_id for c in costs} == expected, (costs, billed)
+    for cost in costs:
+        assert cost.provider_job_id is not None
+        assert abs(cost.execution_s - billed[cost.provider_job_id]) <= 1.0, (cost, billed)

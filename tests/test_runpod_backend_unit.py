@@ -306,7 +306,7 @@ async def test_the_claim_finds_the_job_whose_answer_was_lost() -> None:
 async def test_a_delivery_that_found_the_claim_taken_follows_the_holder() -> None:
     store = MemoryStore()
     store.put(OUR_KEY, PNG)
-    elsewhere = {
+    elsewhere: dict[str, Any] = {
         "id": RUNPOD_JOB,
         "status": "COMPLETED",
         "output": {
@@ -316,10 +316,32 @@ async def test_a_delivery_that_found_the_claim_taken_follows_the_holder() -> Non
             "prompt_id": PROMPT,
         },
     }
+    elsewhere |= {"delayTime": 800, "executionTime": 350}
     runpod = ScriptedRunPod(statuses=[elsewhere, completed([record(OUR_KEY)], job=HOLDER)])
     result = await env([]).run(backend(runpod, store).follow, follow_input())
     assert result.checkpoint.provider_job_id == HOLDER
     assert [a.key for a in result.artifacts] == [OUR_KEY]
+    # Both billed: the holder that ran it, and the delivery that found it claimed.
+    assert result.cost is not None and result.cost.provider_job_id == HOLDER
+    [other] = result.other_costs
+    assert (other.provider_job_id, other.execution_s) == (RUNPOD_JOB, 0.35)
+
+
+async def test_a_replayed_outcome_reports_what_the_job_that_ran_it_cost() -> None:
+    """Our `/run` answer was lost, the job ran anyway and recorded its outcome; the resubmission
+    replays it. The lost job billed for the run: its cost is read once it has ended."""
+    store = MemoryStore()
+    store.put(OUR_KEY, PNG)
+    replayed = completed([record(OUR_KEY)])
+    replayed["output"] |= {"replayed": True, "claim_holder": HOLDER}
+    holder_running = {"id": HOLDER, "status": "IN_PROGRESS"}
+    runpod = ScriptedRunPod(
+        statuses=[replayed, holder_running, completed([record(OUR_KEY)], job=HOLDER)]
+    )
+    result = await env([]).run(backend(runpod, store).follow, follow_input())
+    assert result.cost is not None and result.cost.provider_job_id == RUNPOD_JOB
+    [other] = result.other_costs
+    assert (other.provider_job_id, other.execution_s) == (HOLDER, 4.2)
 
 
 @pytest.mark.parametrize(

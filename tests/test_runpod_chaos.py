@@ -37,6 +37,7 @@ from starter.connection import connect_temporal
 from tests.runpod_e2e_support import (
     API_KEY,
     POOL,
+    cost_matches,
     endpoint_sim,
     job,
     provider_output,
@@ -45,7 +46,7 @@ from tests.runpod_e2e_support import (
     settled_ledger,
 )
 from tests.runpod_sim_support import ENDPOINT_VENV_MISSING, RunpodSim, handler_script
-from workflows.contracts import JobCost, JobRequest, JobState, JobStatus, OutputSpec
+from workflows.contracts import JobRequest, JobState, JobStatus, OutputSpec
 from workflows.shared import ErrorType
 
 pytestmark = pytest.mark.skipif(
@@ -177,20 +178,6 @@ async def claim_of(store: ArtifactStore, final: JobStatus) -> Claim:
     claim = await read_claim(store, target, final.job_id, submission_of(final))
     assert claim is not None
     return claim
-
-
-def cost_matches(
-    costs: list[JobCost], ledger: Ledger, submission: str, *, known: set[str] | None = None
-) -> None:
-    """`cost` in the status has a reading of every RunPod job of the submission (or of those
-    `known` to the orchestrator), and each one's execution seconds match what the ledger billed
-    for that job within a second."""
-    billed = {j.id: j.billed_s for j in ledger.jobs_for(submission)}
-    expected = set(billed) if known is None else known
-    assert {c.provider_job_id for c in costs} == expected, (costs, billed)
-    for cost in costs:
-        assert cost.provider_job_id is not None
-        assert abs(cost.execution_s - billed[cost.provider_job_id]) <= 1.0, (cost, billed)
 
 
 # -- our orchestrator worker dies ----------------------------------------------------------------

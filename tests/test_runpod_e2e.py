@@ -14,6 +14,7 @@ import pytest
 from activities.runpod.follow import one_chunk
 from tests.runpod_e2e_support import (
     RunPodWorker,
+    cost_matches,
     job,
     provider_output,
     wait_for_state,
@@ -106,6 +107,7 @@ async def test_429_bursts_are_ridden_out(runpod_worker: RunPodWorker) -> None:
     ledger = await runpod_worker.sim.ledger()
     submitted = [j for j in ledger.jobs if j.submission == final.checkpoint.prompt_id]
     assert len(submitted) == 1, "one /run for the submission, however long RunPod throttles"
+    cost_matches(final.cost, ledger, final.checkpoint.prompt_id)
 
 
 async def test_a_dropped_run_answer_is_resubmitted_and_the_graph_runs_once(
@@ -127,3 +129,5 @@ async def test_a_dropped_run_answer_is_resubmitted_and_the_graph_runs_once(
     assert len(ran) == 1, outputs
     [other] = [o for o in outputs if o is not ran[0]]
     assert other.get("status") == "claimed_elsewhere" or other.get("replayed") is True, other
+    # Both are in the bill: the one whose answer was lost is found through its claim.
+    cost_matches(final.cost, ledger, final.checkpoint.prompt_id)

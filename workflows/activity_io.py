@@ -92,7 +92,11 @@ class FollowResult(StrictModel):
     outcome: Literal["success"]
     artifacts: list[Artifact] = Field(default_factory=list)
     checkpoint: Checkpoint
+    # What the provider job that produced the result cost; and other provider jobs of the same
+    # submission that billed (a delivery that found it claimed, a job whose `/run` answer was
+    # lost but which ran it).
     cost: JobCost | None = None
+    other_costs: list[JobCost] = Field(default_factory=list)
 
 
 class FollowHeartbeat(StrictModel):

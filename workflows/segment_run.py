@@ -68,8 +68,8 @@ class SegmentRun:
         followed = await self._follow(checkpoint)
         book.merge_artifacts(followed.artifacts)
         book.set_checkpoint(followed.checkpoint)
-        if followed.cost is not None:
-            book.add_cost(followed.cost)
+        for cost in [*followed.other_costs, *([followed.cost] if followed.cost else [])]:
+            book.add_cost(cost)
         book.set_state(JobState.UPLOADING)
         offloaded = await calls.offload(
             OffloadInput(

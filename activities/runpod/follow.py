@@ -78,6 +78,8 @@ DEFAULT_IDLE_TIMEOUT_S = 5.0
 # The claim lease our handler is asked to hold (and renew every third of it) while it runs a
 # submission, unless the pool sets `claim_lease_s`: how long a crashed holder blocks a takeover.
 CLAIM_LEASE_S = DEFAULT_LEASE_S
+# How long a replayed delivery waits for the holder's RunPod job to end, to read what it cost.
+HOLDER_END_WAIT_S = 15.0
 # How long after a dead holder's `lease_until` a new delivery is sent to take its claim over.
 # The handler judges expiry by the S3 server's clock in whole seconds (`Last-Modified`, `Date`)
 # and adds a second of its own, so a takeover sent at `lease_until` would often be refused.
@@ -139,6 +141,9 @@ class RunPodFollower:
         self.delivery: tuple[str, str | None] | None = None
         self.best_seq = -1
         self.takeover_submits = 0
+        # Other RunPod jobs of this submission that billed: a delivery that found it claimed,
+        # and the holder whose `/run` answer was lost (its outcome replayed to ours).
+        self.other_costs: dict[str, JobCost] = {}
         self.stage: Stage | None = None
         self.node: str | None = None
         self.last_signal = 0.0
@@ -247,6 +252,7 @@ class RunPodFollower:
                 await self._running(outcome)
                 await self._fail_if_holder_died(job)
             elif isinstance(outcome, ClaimedElsewhere):
+                self.other_costs[job.id] = self.cost_of(job)
                 job_id = await self._holder(outcome)
                 continue
             elif isinstance(outcome, Succeeded):
@@ -355,6 +361,9 @@ class RunPodFollower:
                 ErrorType.OUTPUT_MISSING,
                 f"RunPod job {job.id} completed without any stored output (add a SaveImage node?)",
             )
+        holder = outcome.output.claim_holder
+        if outcome.output.replayed and holder is not None and holder != job.id:
+            await self._read_holder_cost(holder)
         self._heartbeat()
         await self._report("finished", force=True)
         return FollowResult(
@@ -363,7 +372,28 @@ class RunPodFollower:
             artifacts=list(self.artifacts.values()),
             checkpoint=self._checkpoint(),
             cost=self.cost_of(job),
+            other_costs=[c for c in self.other_costs.values() if c.provider_job_id != job.id],
         )
+
+    async def _read_holder_cost(self, holder: str) -> None:
+        """Our delivery replayed the outcome another RunPod job recorded (one whose `/run`
+        answer was lost): that job ran the graph and billed for it. It records the outcome just
+        before it returns, so its end is seconds away at most."""
+        deadline = time.monotonic() + HOLDER_END_WAIT_S
+        try:
+            while True:
+                job = await self._alive_while(self.client.status(holder))
+                if job.state is not None and job.state.terminal:
+                    self.other_costs[holder] = self.cost_of(job)
+                    return
+                if time.monotonic() > deadline:
+                    break
+                self._heartbeat()
+                await asyncio.sleep(max(self.poll_s, 0.2))
+        except RunPodError as exc:
+            self.log.warning("runpod_holder_cost_unread", runpod_job_id=holder, error=str(exc))
+            return
+        self.log.warning("runpod_holder_cost_unread", runpod_job_id=holder, error="not ended")
 
     async def _failed(self, failed: Failed, job: RunPodJob | None = None) -> NoReturn:
         """Raise the failure, with what `job` (the failed RunPod job, when there is one to
