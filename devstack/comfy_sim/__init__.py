@@ -1,6 +1,7 @@
 """durable-comfy's ComfyUI simulator: speaks ComfyUI's HTTP + WebSocket protocol
 (docs/comfyui-protocol.md) and "renders" deterministic PNGs over simulated progress steps, with
-fault knobs under /sim/.
+fault knobs under /sim/, and `GET /sim/progress?prompt_id=ID`: when each progress event of a
+prompt was sent (epoch seconds), from which `make bench` times the way to a client.
 
 It is a simulator, not ComfyUI: /system_stats reports `sim-0.1 (durable-comfy ComfyUI
 simulator)` and no model is ever loaded. Run it with `python -m devstack.comfy_sim`, or build the

@@ -127,6 +127,7 @@ class _Run:
         self.set_progress(self.node_id, "running", value, total)
         event = {"value": value, "max": total, "prompt_id": self.prompt_id, "node": self.node_id}
         self.executor.hub.send_sync("progress", event, self.client_id)
+        self.executor.stats.record_progress(self.prompt_id, self.node_id, value, total)
         await asyncio.sleep(0)
 
 
@@ -193,6 +194,7 @@ class Executor:
         started = time.perf_counter()
         self.stats.started_at[prompt_id] = time.time()
         self.stats.ended_at.pop(prompt_id, None)
+        self.stats.progress_started(prompt_id)
         self.running_prompt_id = prompt_id
         self.interrupt_flag = False
         faults = self.faults.take_for_prompt()

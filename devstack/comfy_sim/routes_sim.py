@@ -1,4 +1,5 @@
-"""Simulator-only endpoints under /sim/ (not part of ComfyUI): counters and fault injection."""
+"""Simulator-only endpoints under /sim/ (not part of ComfyUI): counters, fault injection, and
+when each progress event was sent (for `make bench`)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,20 @@ routes = web.RouteTableDef()
 async def sim_stats(request: web.Request) -> web.Response:
     rt = runtime_of(request)
     return web.json_response(rt.stats.as_json(ws_open=len(rt.hub.sessions)))
+
+
+@routes.get("/sim/progress")
+async def sim_progress(request: web.Request) -> web.Response:
+    """?prompt_id=ID: when each `progress` event of the prompt's latest run was queued for the
+    sockets, as {"prompt_id", "events": [{"node", "value", "max", "at"}]} with `at` in epoch
+    seconds. The last 32 prompts are kept; an unknown one has no events."""
+    rt = runtime_of(request)
+    prompt_id = request.query.get("prompt_id", "")
+    events = [
+        {"node": node, "value": value, "max": maximum, "at": at}
+        for node, value, maximum, at in rt.stats.progress.get(prompt_id, [])
+    ]
+    return web.json_response({"prompt_id": prompt_id, "events": events})
 
 
 @routes.get("/sim/faults")

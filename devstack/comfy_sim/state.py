@@ -7,12 +7,16 @@ import asyncio
 import copy
 import heapq
 import itertools
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 MAXIMUM_HISTORY_SIZE = 10000
+# Prompts whose `progress` times GET /sim/progress keeps (oldest dropped first): enough for a
+# benchmark to read its prompt back, bounded so a long-running simulator does not grow.
+PROGRESS_LOG_PROMPTS = 32
 SENSITIVE_EXTRA_DATA_KEYS = ("auth_token_comfy_org", "api_key_comfy_org")
 
 # [number, prompt_id, prompt, extra_data, outputs_to_execute], as ComfyUI serialises its tuple.
@@ -127,6 +131,22 @@ class SimStats:
     # so a started prompt without `ended_at` is still in the running queue.
     started_at: dict[str, float] = field(default_factory=dict)
     ended_at: dict[str, float] = field(default_factory=dict)
+    # GET /sim/progress (not in /sim/stats: thousands of entries per prompt): per prompt_id of
+    # its latest run, [node, value, max, epoch seconds] for every `progress` event, stamped when
+    # the event is queued for the sockets, so a benchmark can time the way from here to a client.
+    progress: dict[str, list[list[Any]]] = field(default_factory=dict)
+
+    def progress_started(self, prompt_id: str) -> None:
+        """A (re-)run of the prompt starts an empty log; the oldest prompt's log is dropped."""
+        self.progress.pop(prompt_id, None)
+        while len(self.progress) >= PROGRESS_LOG_PROMPTS:
+            self.progress.pop(next(iter(self.progress)))
+        self.progress[prompt_id] = []
+
+    def record_progress(self, prompt_id: str, node: str, value: float, maximum: float) -> None:
+        log = self.progress.get(prompt_id)
+        if log is not None:
+            log.append([node, value, maximum, time.time()])
 
     def reset(self) -> None:
         fresh = SimStats()
