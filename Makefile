@@ -70,6 +70,14 @@ mutate-module: $(STAMP)
 	$(BIN)/mutmut run --max-children 2 '$(subst /,.,$(MODULE:.py=)).*'
 	@$(BIN)/mutmut results | grep -F '$(subst /,.,$(MODULE:.py=)).' || echo "no surviving mutants"
 
+## bench: the benchmarks (bench/) on a local stack of their own; writes bench/results.json and
+## bench/RESULTS.md. BENCH=overhead,history,client_latency picks some (all by default), N= the
+## repetitions where a benchmark repeats (30); more options: .venv/bin/python -m bench --help
+.PHONY: bench
+bench: $(STAMP)
+	$(BIN)/python -m bench $(if $(BENCH),--only '$(BENCH)') $(if $(N),-n $(N)) \
+		--command 'make bench$(if $(BENCH), BENCH=$(BENCH))$(if $(N), N=$(N))'
+
 ## lint: ruff (format + check) and mypy
 lint: $(STAMP)
 	$(BIN)/ruff format --check .

@@ -1,0 +1,113 @@
+"""`python -m bench` (`make bench`): start the local stack, run the benchmarks, write results.
+
+Options (make variables in brackets): `--only overhead,history` [BENCH] picks benchmarks (all by
+default), `-n 30` [N] the measured repetitions where a benchmark repeats, `--warmup`,
+`--history-steps`, `--latency-steps`, `--keep` (leave the stack's temporary state and logs).
+Writes bench/results.json and bench/RESULTS.md (or `--out DIR`). Exit code 1 when a benchmark
+failed to run (its error is printed and written to RESULTS.md); a missed target is a result,
+not a failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shlex
+import sys
+import time
+import traceback
+from datetime import UTC, datetime
+from pathlib import Path
+
+from activities.log_setup import configure_logging
+from bench.outcome import BenchOptions, Outcome, Section
+from bench.registry import PLANNED, UnknownBenchmark, select
+from bench.report import GroupReport, Run, console_text, machine, results_json, results_markdown
+from bench.stack import bench_stack
+
+HERE = Path(__file__).resolve().parent
+# Generous: on 2 busy cores the slowest benchmark takes about a minute.
+BENCHMARK_TIMEOUT_S = 300.0
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
+    parser.add_argument("--only", default=os.environ.get("BENCH", ""), help="e.g. overhead,history")
+    parser.add_argument("-n", type=int, default=30, help="measured repetitions (default 30)")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--history-steps", type=int, default=5000)
+    parser.add_argument("--latency-steps", type=int, default=5000)
+    parser.add_argument("--keep", action="store_true", help="keep the stack's state and logs")
+    parser.add_argument("--out", type=Path, default=HERE, help="where results.json/RESULTS.md go")
+    parser.add_argument("--command", default=None, help="the command to record (make passes it)")
+    return parser.parse_args(argv)
+
+
+async def bench(args: argparse.Namespace) -> int:
+    benchmarks = select(args.only)
+    options = BenchOptions(
+        n=args.n,
+        warmup=args.warmup,
+        history_steps=args.history_steps,
+        latency_steps=args.latency_steps,
+    )
+    command = args.command or shlex.join(["python", "-m", "bench", *sys.argv[1:]])
+    host = machine()
+    started = time.monotonic()
+    date = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    reports: list[GroupReport] = []
+    failed = False
+    print(
+        f"bench: starting the local stack for {', '.join(b.name for b in benchmarks)}", flush=True
+    )
+    async with bench_stack(options, keep=args.keep) as ctx:
+        for benchmark in benchmarks:
+            print(f"bench: {benchmark.name} (group {benchmark.group}) ...", flush=True)
+            began = time.monotonic()
+            try:
+                async with asyncio.timeout(BENCHMARK_TIMEOUT_S):
+                    outcome = await benchmark.run(ctx, options)
+            except Exception as exc:  # one broken benchmark must not hide the others' figures
+                failed = True
+                traceback.print_exc()
+                outcome = Outcome(
+                    results=[],
+                    sections=[Section(title=f"{benchmark.title}: FAILED", lines=[repr(exc)])],
+                )
+            print(f"bench: {benchmark.name} took {time.monotonic() - began:.0f} s", flush=True)
+            reports.append(
+                GroupReport(group=benchmark.group, title=benchmark.title, outcome=outcome)
+            )
+    host.load_after = os.getloadavg()
+    run = Run(
+        date=date,
+        command=command,
+        seconds=time.monotonic() - started,
+        machine=host,
+        selected=[b.name for b in benchmarks],
+    )
+    rows = [r for report in reports for r in report.outcome.results]
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_text(results_json(rows))
+    (args.out / "RESULTS.md").write_text(results_markdown(run, reports, PLANNED))
+    print(console_text(reports))
+    print(
+        f"bench: wrote {args.out / 'results.json'} and {args.out / 'RESULTS.md'} "
+        f"({run.seconds:.0f} s)"
+    )
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    configure_logging("WARNING")
+    try:
+        sys.exit(asyncio.run(bench(args)))
+    except UnknownBenchmark as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

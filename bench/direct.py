@@ -1,0 +1,87 @@
+"""The baseline for the overhead: the same work a job does, done directly by a script.
+
+Open ComfyUI's socket, POST /prompt, follow the socket to the end of the prompt, GET /view each
+output and put_object it to S3. No durability: no checkpoint, no verification, no retry. The
+HTTP and S3 clients stay open between runs, as the worker's do.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+import httpx
+import websockets
+from pydantic import BaseModel
+
+from activities.storage import ArtifactStore
+
+
+class DirectRun(BaseModel):
+    """Epoch seconds of each phase's end, from `started`."""
+
+    started: float
+    queued: float  # POST /prompt answered
+    executed: float  # the socket said the prompt is done
+    stored: float  # every output in S3
+    outputs: int
+
+    @property
+    def seconds(self) -> float:
+        return self.stored - self.started
+
+
+def _ws_url(comfy_url: str, client_id: str) -> str:
+    base = comfy_url.rstrip("/").replace("https://", "wss://").replace("http://", "ws://")
+    return f"{base}/ws?clientId={client_id}"
+
+
+async def run_direct(
+    http: httpx.AsyncClient, store: ArtifactStore, comfy_url: str, graph: dict[str, Any]
+) -> DirectRun:
+    started = time.time()
+    client_id = uuid.uuid4().hex
+    images: list[dict[str, Any]] = []
+    async with websockets.connect(_ws_url(comfy_url, client_id), max_size=None) as ws:
+        response = await http.post(
+            f"{comfy_url}/prompt", json={"prompt": graph, "client_id": client_id}
+        )
+        response.raise_for_status()
+        prompt_id = response.json()["prompt_id"]
+        queued = time.time()
+        async for frame in ws:
+            if not isinstance(frame, str):
+                continue  # binary previews
+            message = json.loads(frame)
+            data = message.get("data") or {}
+            if data.get("prompt_id") != prompt_id:
+                continue
+            kind = message.get("type")
+            if kind == "executed":
+                images.extend((data.get("output") or {}).get("images") or [])
+            elif kind in ("execution_error", "execution_interrupted"):
+                raise RuntimeError(f"direct prompt {prompt_id} ended with {kind}")
+            elif kind == "executing" and data.get("node") is None:
+                break
+    executed = time.time()
+    for image in images:
+        view = await http.get(
+            f"{comfy_url}/view",
+            params={
+                "filename": image["filename"],
+                "subfolder": image.get("subfolder", ""),
+                "type": image.get("type", "output"),
+            },
+        )
+        view.raise_for_status()
+        await store.client.put_object(
+            Bucket=store.settings.bucket,
+            Key=f"bench-direct/{prompt_id}/{image['filename']}",
+            Body=view.content,
+            ContentType=view.headers.get("content-type", "application/octet-stream"),
+        )
+    return DirectRun(
+        started=started, queued=queued, executed=executed, stored=time.time(), outputs=len(images)
+    )

@@ -1,0 +1,78 @@
+"""Running and watching jobs the way a user does (`JobClient`), with the times a benchmark needs."""
+
+from __future__ import annotations
+
+import inspect
+import time
+from typing import Any
+
+from pydantic import BaseModel
+
+from devstack.chaos.graphs import sampler_graph
+from starter import JobClient, JobRequest
+from workflows.contracts import JobState, JobStatus
+
+
+class BenchFailure(RuntimeError):
+    """The system under measurement did not do the work: no figure is better than a wrong one."""
+
+
+def graph(steps: int) -> dict[str, Any]:
+    """examples/txt2img.json with `steps` sampler steps and a seed no earlier prompt used (the
+    simulator, like ComfyUI, serves an unchanged node from its cache without running it)."""
+    return sampler_graph(steps)
+
+
+class Seen(BaseModel):
+    """One status a watching client was handed, and when (epoch seconds)."""
+
+    at: float
+    state: JobState
+    step: int
+    total_steps: int
+
+
+def completed(status: JobStatus) -> JobStatus:
+    if status.state != JobState.COMPLETED:
+        raise BenchFailure(f"job {status.job_id} ended {status.state.value}: {status.error}")
+    return status
+
+
+async def watch(jobs: JobClient, job_id: str) -> tuple[list[Seen], JobStatus]:
+    """Follow the job with `JobClient.watch` at its default poll interval, as the CLI does."""
+    seen: list[Seen] = []
+    last: JobStatus | None = None
+    async for status in jobs.watch(job_id):
+        seen.append(
+            Seen(
+                at=time.time(),
+                state=status.state,
+                step=status.progress.step,
+                total_steps=status.progress.total_steps,
+            )
+        )
+        last = status
+    if last is None:
+        raise BenchFailure(f"watching {job_id} yielded nothing")
+    return seen, completed(last)
+
+
+def prompt_id_of(status: JobStatus) -> str:
+    if status.backend is not None and status.backend.provider_job_id:
+        return status.backend.provider_job_id
+    if status.checkpoint is not None and status.checkpoint.prompt_id:
+        return status.checkpoint.prompt_id
+    raise BenchFailure(f"job {status.job_id} names no prompt")
+
+
+def request(steps: int, pool: str) -> JobRequest:
+    return JobRequest(graph=graph(steps), pool=pool)
+
+
+def _default_poll_s() -> float:
+    default = inspect.signature(JobClient.watch).parameters["poll_interval_s"].default
+    return float(default)
+
+
+# What `watch` (and the CLI) polls at unless told otherwise: read from the library, not copied.
+DEFAULT_POLL_S = _default_poll_s()

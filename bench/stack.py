@@ -1,0 +1,185 @@
+"""The local stack a benchmark run measures on, started and stopped by the harness.
+
+Everything binds to 127.0.0.1 on free ports, with its state in a temporary directory, exactly as
+the integration tests start it (`tests.conftest.make_stack_config` picks the ports; devstack's
+`start_stack` / `start_service` start the services and `stop_stack` / `stop_service` stop them by
+PID). On top of the stack:
+
+- a second ComfyUI simulator with a real time per step (1 ms), for the jobs whose progress must
+  be real (groups 6 and 7); the stack's own simulator runs with step delay 0;
+- the project's worker (`python worker.py`, a process of its own) serving both as pools
+  `comfyui` and `comfyui_timed`;
+- the bare baseline's worker (`python -m bench.bare`), a process of its own too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import httpx
+from temporalio.client import Client
+
+from activities.storage import ArtifactStore, S3Settings
+from bench.bare import READY_MARK
+from bench.calls import CallLog, counted_client
+from bench.outcome import BenchOptions
+from devstack.chaos.worker_proc import KillableWorker
+from devstack.config import StackConfig
+from devstack.models import RunningStack
+from devstack.processes import PidRecord, is_alive, log_tail, spawn_detached, terminate
+from devstack.stack import start_service, start_stack, stop_service, stop_stack
+from starter import JobClient
+from starter.connection import connect_temporal
+from tests.conftest import free_port, make_stack_config
+
+ROOT = Path(__file__).resolve().parent.parent
+FAST_POOL = "comfyui"  # the stack's simulator, step delay 0
+TIMED_POOL = "comfyui_timed"  # the second simulator, a real time per step
+
+
+@dataclass(frozen=True)
+class Pool:
+    name: str
+    url: str
+    step_delay_ms: int
+
+
+@dataclass
+class BenchContext:
+    """What a benchmark module gets: the running stack and clients on it."""
+
+    stack: RunningStack
+    # A plain client for the harness's own reads (histories): never counted as the job's calls.
+    temporal: Client
+    store: ArtifactStore
+    http: httpx.AsyncClient
+    task_queue: str  # the project's worker
+    bare_task_queue: str  # the bare baseline's worker
+    fast: Pool
+    timed: Pool
+    work_dir: Path
+    worker_log: Path  # the project's worker's JSON log lines (what it did, when)
+
+    def job_client(self) -> tuple[JobClient, CallLog]:
+        """A `JobClient` on the project's task queue whose Temporal calls are recorded."""
+        temporal, log = counted_client(self.temporal)
+        return JobClient(temporal, task_queue=self.task_queue, store=self.store), log
+
+
+def _timed_sim_config(config: StackConfig, state_dir: Path, step_delay_ms: int) -> StackConfig:
+    """The stack's config with only its ComfyUI simulator moved: own port, own state dir (so
+    its PID file is its own), its own time per step."""
+    sim = config.comfyui_sim.model_copy(
+        update={"port": free_port(), "step_delay_ms": step_delay_ms}
+    )
+    return config.model_copy(update={"state_dir": str(state_dir), "comfyui_sim": sim})
+
+
+def _worker_env(stack: RunningStack, task_queue: str, fast: Pool, timed: Pool) -> dict[str, str]:
+    pools = {pool.name: {"kind": "comfyui", "url": pool.url} for pool in (fast, timed)}
+    return {
+        **stack.worker_env(),
+        "DURABLE_COMFY_TASK_QUEUE": task_queue,
+        # Replaces the stack file's pools: no RunPod pool, nothing but the two simulators.
+        "DURABLE_COMFY_POOLS": json.dumps(pools),
+        "DURABLE_COMFY_DEFAULT_POOL": fast.name,
+    }
+
+
+async def _start_bare_worker(stack: RunningStack, task_queue: str, work_dir: Path) -> PidRecord:
+    log_file = work_dir / "logs" / "bare-worker.log"
+    argv = [
+        sys.executable,
+        "-m",
+        "bench.bare",
+        "--address",
+        stack.temporal_address,
+        "--namespace",
+        stack.namespace,
+        "--task-queue",
+        task_queue,
+    ]
+    record = spawn_detached(argv, log_file, ROOT, work_dir / "pids" / "bare-worker.pid")
+    deadline = time.monotonic() + 60
+    while READY_MARK not in log_file.read_text(errors="replace"):
+        if not is_alive(record) or time.monotonic() > deadline:
+            await terminate(record, grace_s=5)
+            raise RuntimeError(f"the bare worker did not start:\n{log_tail(log_file)}")
+        await asyncio.sleep(0.05)
+    return record
+
+
+@asynccontextmanager
+async def bench_stack(options: BenchOptions, keep: bool = False) -> AsyncIterator[BenchContext]:
+    """Start everything, yield the context, stop everything this started by PID (also after a
+    failure). The temporary state is removed unless `keep` (its logs say what went wrong)."""
+    work_dir = Path(tempfile.mkdtemp(prefix="durable-comfy-bench-"))
+    config = make_stack_config(work_dir / "state", step_delay_ms=0)
+    timed_config = _timed_sim_config(config, work_dir / "timed-sim", options.timed_step_delay_ms)
+    failed = True
+    async with AsyncExitStack() as cleanup:
+        cleanup.push_async_callback(stop_stack, config, work_dir)
+        stack = await start_stack(config, work_dir)
+        cleanup.push_async_callback(stop_service, timed_config, work_dir, "comfyui_sim")
+        await start_service(timed_config, work_dir, "comfyui_sim")
+        fast = Pool(FAST_POOL, config.comfyui_sim.url, 0)
+        timed = Pool(TIMED_POOL, timed_config.comfyui_sim.url, options.timed_step_delay_ms)
+
+        task_queue = f"bench-{uuid.uuid4().hex[:8]}"
+        worker_log = work_dir / "logs" / "worker.log"
+        worker = KillableWorker(_worker_env(stack, task_queue, fast, timed), worker_log)
+        cleanup.push_async_callback(worker.terminate)
+        await worker.start()
+        bare_queue = f"bench-bare-{uuid.uuid4().hex[:8]}"
+        bare = await _start_bare_worker(stack, bare_queue, work_dir)
+        cleanup.push_async_callback(terminate, bare, grace_s=10)
+
+        temporal = await connect_temporal(stack.temporal_address, stack.namespace, environ={})
+        s3 = S3Settings.from_env(stack.worker_env())
+        store = await cleanup.enter_async_context(ArtifactStore(s3))
+        http = await cleanup.enter_async_context(httpx.AsyncClient(trust_env=False, timeout=30))
+        try:
+            yield BenchContext(
+                stack,
+                temporal,
+                store,
+                http,
+                task_queue,
+                bare_queue,
+                fast,
+                timed,
+                work_dir,
+                worker_log,
+            )
+            failed = False
+        finally:
+            if failed or keep:
+                print(f"bench: the stack's state and logs are kept in {work_dir}", file=sys.stderr)
+    if not (failed or keep):
+        shutil.rmtree(work_dir, ignore_errors=True)
+
+
+def logged_at(log_file: Path, event: str) -> dict[str, float]:
+    """job_id -> epoch seconds of the worker's last `event` log line for it (JSON lines)."""
+    found: dict[str, float] = {}
+    for line in log_file.read_text(errors="replace").splitlines():
+        if f'"{event}"' not in line:
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if record.get("event") == event and "job_id" in record and "timestamp" in record:
+            found[record["job_id"]] = datetime.fromisoformat(record["timestamp"]).timestamp()
+    return found
