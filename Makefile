@@ -72,10 +72,12 @@ mutate-module: $(STAMP)
 
 ## bench: the benchmarks (bench/) on a local stack of their own; writes bench/results.json and
 ## bench/RESULTS.md. BENCH=overhead,history,client_latency picks some (all by default), N= the
-## repetitions where a benchmark repeats (30); more options: .venv/bin/python -m bench --help
+## repetitions where a benchmark repeats (30), NOTE= what else ran (into RESULTS.md); more
+## options: .venv/bin/python -m bench --help
 .PHONY: bench
 bench: $(STAMP)
 	$(BIN)/python -m bench $(if $(BENCH),--only '$(BENCH)') $(if $(N),-n $(N)) \
+		$(if $(NOTE),--note '$(NOTE)') \
 		--command 'make bench$(if $(BENCH), BENCH=$(BENCH))$(if $(N), N=$(N))'
 
 ## lint: ruff (format + check) and mypy

@@ -2,7 +2,8 @@
 
 Options (make variables in brackets): `--only overhead,history` [BENCH] picks benchmarks (all by
 default), `-n 30` [N] the measured repetitions where a benchmark repeats, `--warmup`,
-`--history-steps`, `--latency-steps`, `--keep` (leave the stack's temporary state and logs).
+`--history-steps`, `--latency-steps`, `--keep` (leave the stack's temporary state and logs),
+`--note` [NOTE] (what else ran meanwhile, recorded in RESULTS.md).
 Writes bench/results.json and bench/RESULTS.md (or `--out DIR`). Exit code 1 when a benchmark
 failed to run (its error is printed and written to RESULTS.md); a missed target is a result,
 not a failure.
@@ -41,6 +42,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--keep", action="store_true", help="keep the stack's state and logs")
     parser.add_argument("--out", type=Path, default=HERE, help="where results.json/RESULTS.md go")
     parser.add_argument("--command", default=None, help="the command to record (make passes it)")
+    parser.add_argument(
+        "--note", default="", help="circumstances to record in RESULTS.md (what else ran)"
+    )
     return parser.parse_args(argv)
 
 
@@ -86,6 +90,7 @@ async def bench(args: argparse.Namespace) -> int:
         seconds=time.monotonic() - started,
         machine=host,
         selected=[b.name for b in benchmarks],
+        note=args.note,
     )
     rows = [r for report in reports for r in report.outcome.results]
     args.out.mkdir(parents=True, exist_ok=True)

@@ -37,6 +37,7 @@ class Run(BaseModel):
     seconds: float
     machine: Machine
     selected: list[str]
+    note: str = ""  # what else ran meanwhile, as the person running it says
 
 
 class GroupReport(BaseModel):
@@ -126,6 +127,7 @@ def results_markdown(run: Run, groups: Sequence[GroupReport], planned: dict[int,
         f"- load average (1/5/15 min): {_load(m.load_before)} before, {_load(m.load_after)} "
         "after. Other work may share this machine: the figures are as noisy as its load.",
         f"- benchmarks run: {', '.join(run.selected)}",
+        *([f"- note: {run.note}"] if run.note else []),
         "",
         "## Results",
         "",

@@ -116,6 +116,7 @@ def _report() -> tuple[Run, list[GroupReport]]:
             load_after=(2.0, 1.0, 0.5),
         ),
         selected=["overhead", "history"],
+        note="a test suite ran beside it",
     )
     return run, groups
 
@@ -135,6 +136,7 @@ def test_results_markdown_has_the_table_the_run_and_a_section_per_missed_target(
     run, groups = _report()
     text = results_markdown(run, groups, {2: "Throughput: jobs per second"})
     assert "`make bench N=30`" in text
+    assert "- note: a test suite ran beside it" in text
     assert "2 cores (Some CPU), 23.4 GiB RAM, Python 3.11.7" in text
     assert "1.00 / 0.50 / 0.25 before, 2.00 / 1.00 / 0.50 after" in text
     assert "| name | value | unit | baseline | ratio | target | meets |" in text
