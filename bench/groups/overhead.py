@@ -196,7 +196,8 @@ def _where(
         f"same simulator and S3 work in {fmt(p50['direct'])} ms in all.",
         f"- **The final status query**: {fmt(query)} ms. `JobClient.wait` reads the result, then "
         "queries the closed workflow for its status, which a worker answers by replaying its "
-        f"history ({trips.events} events).",
+        f"history ({trips.events} events). The result it read first is already a `JobStatus` "
+        "(the workflow's return value).",
         f"- The job's round trips: {trips.round_trips} ({trips.workflow_tasks} workflow tasks, "
         f"{sum(trips.activities.values())} activities, {sum(trips.signals.values())} signals, "
         f"{trips.timers} timers) against the bare workflow's 3.",
