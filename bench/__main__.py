@@ -2,8 +2,9 @@
 
 Options (make variables in brackets): `--only overhead,history` [BENCH] picks benchmarks (all by
 default), `-n 30` [N] the measured repetitions where a benchmark repeats, `--warmup`,
-`--history-steps`, `--latency-steps`, `--keep` (leave the stack's temporary state and logs),
-`--note` [NOTE] (what else ran meanwhile, recorded in RESULTS.md).
+`--history-steps`, `--latency-steps`, `--step-delay-ms` (the second simulator's time per step),
+`--keep` (leave the stack's temporary state and logs), `--note` [NOTE] (what else ran meanwhile,
+recorded in RESULTS.md).
 Writes bench/results.json and bench/RESULTS.md (or `--out DIR`). Exit code 1 when a benchmark
 failed to run (its error is printed and written to RESULTS.md); a missed target is a result,
 not a failure.
@@ -33,12 +34,29 @@ BENCHMARK_TIMEOUT_S = 300.0
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     parser.add_argument("--only", default=os.environ.get("BENCH", ""), help="e.g. overhead,history")
-    parser.add_argument("-n", type=int, default=30, help="measured repetitions (default 30)")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--history-steps", type=int, default=5000)
-    parser.add_argument("--latency-steps", type=int, default=5000)
+    defaults = BenchOptions()
+    parser.add_argument("-n", type=int, default=defaults.n, help="measured repetitions")
+    parser.add_argument(
+        "--warmup", type=int, default=defaults.warmup, help="unmeasured rounds first"
+    )
+    parser.add_argument(
+        "--history-steps", type=int, default=defaults.history_steps, help="group 6's job"
+    )
+    parser.add_argument(
+        "--latency-steps", type=int, default=defaults.latency_steps, help="group 7's job"
+    )
+    parser.add_argument(
+        "--step-delay-ms",
+        type=int,
+        default=defaults.timed_step_delay_ms,
+        help="time per step of the second simulator (groups 6 and 7)",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the stack's state and logs")
     parser.add_argument("--out", type=Path, default=HERE, help="where results.json/RESULTS.md go")
     parser.add_argument("--command", default=None, help="the command to record (make passes it)")
@@ -55,6 +73,7 @@ async def bench(args: argparse.Namespace) -> int:
         warmup=args.warmup,
         history_steps=args.history_steps,
         latency_steps=args.latency_steps,
+        timed_step_delay_ms=args.step_delay_ms,
     )
     command = args.command or shlex.join(["python", "-m", "bench", *sys.argv[1:]])
     host = machine()

@@ -22,8 +22,11 @@ class BenchOptions(BaseModel):
     n: int = Field(30, ge=1)  # measured repetitions where a benchmark repeats (warm-up excluded)
     warmup: int = Field(3, ge=0)
     history_steps: int = Field(5000, ge=1)  # group 6's job
-    latency_steps: int = Field(5000, ge=1)  # group 7's job
-    timed_step_delay_ms: int = Field(1, ge=1)  # the second simulator's time per step
+    latency_steps: int = Field(500, ge=1)  # group 7's job
+    # The second simulator's time per step. Long enough that group 6's job samples for about
+    # 100 s: a `progress` signal goes out at most every 2 s, so history grows with the sampling
+    # time, and at 1 ms (7 s) the job would send a handful and say little.
+    timed_step_delay_ms: int = Field(20, ge=1)
 
 
 class Section(BaseModel):

@@ -5,8 +5,8 @@ the integration tests start it (`tests.conftest.make_stack_config` picks the por
 `start_stack` / `start_service` start the services and `stop_stack` / `stop_service` stop them by
 PID). On top of the stack:
 
-- a second ComfyUI simulator with a real time per step (1 ms), for the jobs whose progress must
-  be real (groups 6 and 7); the stack's own simulator runs with step delay 0;
+- a second ComfyUI simulator with a real time per step (20 ms by default), for the jobs whose
+  progress must be real (groups 6 and 7); the stack's own simulator runs with step delay 0;
 - the project's worker (`python worker.py`, a process of its own) serving both as pools
   `comfyui` and `comfyui_timed`;
 - the bare baseline's worker (`python -m bench.bare`), a process of its own too.

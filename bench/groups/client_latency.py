@@ -1,6 +1,6 @@
 """Group 7, client latency: from a progress event at the simulator to a client seeing it.
 
-One job of `latency_steps` steps (5,000 by default) on the `comfyui_timed` pool, followed by
+One job of `latency_steps` steps (500 by default) on the `comfyui_timed` pool, followed by
 `JobClient.watch` at its default poll interval, while a plain socket of our own on the same
 simulator receives the same steps (the baseline: what a client talking to ComfyUI directly
 would see). The simulator says when it sent each step (GET /sim/progress), so for every step:
