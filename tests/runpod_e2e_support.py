@@ -190,11 +190,12 @@ async def wait_for_state(
 
 
 def cost_matches(
-    costs: list[JobCost], ledger: Ledger, submission: str, *, known: set[str] | None = None
+    costs: list[JobCost], ledger: Ledger, submission: str | None, *, known: set[str] | None = None
 ) -> None:
     """`cost` in the status has a reading of every RunPod job of the submission (or of those
     `known` to the orchestrator), and each one's execution seconds match what the ledger billed
     for that job within a second."""
+    assert submission is not None
     billed = {j.id: j.billed_s for j in ledger.jobs_for(submission)}
     expected = set(billed) if known is None else known
     assert {c.provider_job_id for c in costs} == expected, (costs, billed)
