@@ -1,7 +1,7 @@
 """The local stack a benchmark run measures on, started and stopped by the harness.
 
 Everything binds to 127.0.0.1 on free ports, with its state in a temporary directory, exactly as
-the integration tests start it (`tests.conftest.make_stack_config` picks the ports; devstack's
+the integration tests start it (`devstack.free_ports.make_stack_config` picks the ports; devstack's
 `start_stack` / `start_service` start the services and `stop_stack` / `stop_service` stop them by
 PID). On top of the stack:
 
@@ -36,12 +36,12 @@ from bench.calls import CallLog, counted_client
 from bench.outcome import BenchOptions
 from devstack.chaos.worker_proc import KillableWorker
 from devstack.config import StackConfig
+from devstack.free_ports import free_port, make_stack_config
 from devstack.models import RunningStack
 from devstack.processes import PidRecord, is_alive, log_tail, spawn_detached, terminate
 from devstack.stack import start_service, start_stack, stop_service, stop_stack
 from starter import JobClient
 from starter.connection import connect_temporal
-from tests.conftest import free_port, make_stack_config
 
 ROOT = Path(__file__).resolve().parent.parent
 FAST_POOL = "comfyui"  # the stack's simulator, step delay 0

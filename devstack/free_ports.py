@@ -1,0 +1,117 @@
+"""Free loopback ports and a stack config that uses only them, for private local stacks.
+
+The integration tests (tests/conftest.py) and `make bench` (bench/stack.py) each start stacks of
+their own beside whatever else runs on the machine: every port is picked here, on 127.0.0.1,
+and the state goes where the caller says.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+from pathlib import Path
+
+from devstack.config import PoolConfig, StackConfig, load_stack_config
+
+ROOT = Path(__file__).resolve().parent.parent
+DEV_CONFIG = ROOT / "temporal-dev.yaml"
+HOST = "127.0.0.1"
+# `weed mini` binds its admin gRPC server at admin_port + 10000, whatever it is told.
+ADMIN_GRPC_OFFSET = 10000
+
+_handed_out: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def port_is_free(port: int, host: str = HOST) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(host: str = HOST) -> int:
+    """A port nobody listens on now, never handed out twice in this process.
+
+    Chosen below the kernel's ephemeral range: the Temporal dev server takes random ephemeral
+    ports for its internal services, and every outgoing connection takes one too, so a port picked
+    by binding to port 0 could be gone again by the time the service starts.
+    """
+    low, _ = _ephemeral_range()
+    rng = random.SystemRandom()
+    for _ in range(1000):
+        port = rng.randrange(10000, min(low, 65535 - ADMIN_GRPC_OFFSET))
+        if port not in _handed_out and port_is_free(port, host):
+            _handed_out.add(port)
+            return port
+    raise RuntimeError("no free port found")
+
+
+def _admin_port() -> int:
+    while True:
+        port = free_port()
+        if port + ADMIN_GRPC_OFFSET not in _handed_out and port_is_free(port + ADMIN_GRPC_OFFSET):
+            _handed_out.add(port + ADMIN_GRPC_OFFSET)
+            return port
+
+
+def make_stack_config(state_dir: Path, step_delay_ms: int = 20) -> StackConfig:
+    """temporal-dev.yaml with every port free and the state in `state_dir`."""
+    base = load_stack_config(DEV_CONFIG)
+    temporal = base.temporal.model_copy(
+        update={
+            "host": HOST,
+            "port": free_port(),
+            "ui_port": free_port(),
+            "http_port": free_port(),
+            "metrics_port": free_port(),
+        }
+    )
+    s3 = base.s3.model_copy(
+        update={
+            "host": HOST,
+            "s3_port": free_port(),
+            "s3_grpc_port": free_port(),
+            "master_port": free_port(),
+            "master_grpc_port": free_port(),
+            "volume_port": free_port(),
+            "volume_grpc_port": free_port(),
+            "filer_port": free_port(),
+            "filer_grpc_port": free_port(),
+            "admin_port": _admin_port(),
+            "webdav_port": free_port(),
+        }
+    )
+    sim = base.comfyui_sim.model_copy(
+        update={"host": HOST, "port": free_port(), "step_delay_ms": step_delay_ms}
+    )
+    rp_sim = base.runpod_sim.model_copy(
+        update={"host": HOST, "port": free_port(), "comfyui_step_delay_ms": step_delay_ms}
+    )
+    pools = {
+        name: pool.model_copy(update={"url": rp_sim.api_url})
+        if pool.kind == "runpod" and pool.url == base.runpod_sim.api_url
+        else pool
+        for name, pool in base.worker.pools.items()
+    }
+    pools["comfyui"] = PoolConfig(kind="comfyui", url=sim.url)
+    worker = base.worker.model_copy(update={"pools": pools})
+    return base.model_copy(
+        update={
+            "state_dir": str(state_dir),
+            "temporal": temporal,
+            "s3": s3,
+            "comfyui_sim": sim,
+            "runpod_sim": rp_sim,
+            "worker": worker,
+        }
+    )
