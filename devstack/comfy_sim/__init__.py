@@ -3,6 +3,12 @@
 fault knobs under /sim/, and `GET /sim/progress?prompt_id=ID`: when each progress event of a
 prompt was sent (epoch seconds), from which `make bench` times the way to a client.
 
+Simulator-only options beside ComfyUI's own flags (SimSettings, `python -m devstack.comfy_sim
+--help`): `--step-delay-ms` / `--ms-per-megapixel` (time per step and per image),
+`--parallel N` (N prompts run at once, standing for N GPU workers behind one API; the default 1
+is ComfyUI's one at a time) and `--progress-log-prompts N` (how many prompts /sim/progress keeps,
+32 by default).
+
 It is a simulator, not ComfyUI: /system_stats reports `sim-0.1 (durable-comfy ComfyUI
 simulator)` and no model is ever loaded. Run it with `python -m devstack.comfy_sim`, or build the
 aiohttp application in-process with `create_app(SimSettings(...))`.

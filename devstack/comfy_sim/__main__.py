@@ -12,6 +12,7 @@ from devstack.sim_logging import configure_sim_logging
 
 from .server import create_app
 from .settings import DEFAULT_MS_PER_MEGAPIXEL, SIM_VERSION, SimSettings
+from .state import PROGRESS_LOG_PROMPTS
 
 
 def parse_args(argv: list[str] | None = None) -> SimSettings:
@@ -53,6 +54,19 @@ def parse_args(argv: list[str] | None = None) -> SimSettings:
         action="store_true",
         help="never reuse node outputs between prompts, as ComfyUI's flag",
     )
+    parser.add_argument(
+        "--parallel",
+        type=int,
+        default=1,
+        help="simulator only: prompts run at once, each in an executor of its own, standing for "
+        "N GPU workers behind one API (1, the default, is ComfyUI: one at a time)",
+    )
+    parser.add_argument(
+        "--progress-log-prompts",
+        type=int,
+        default=PROGRESS_LOG_PROMPTS,
+        help="simulator only: prompts whose progress event times GET /sim/progress keeps",
+    )
     args = parser.parse_args(argv)
     return SimSettings(
         host=args.host,
@@ -64,6 +78,8 @@ def parse_args(argv: list[str] | None = None) -> SimSettings:
         ms_per_megapixel=args.ms_per_megapixel,
         max_upload_size_mb=args.max_upload_size,
         cache_none=args.cache_none,
+        parallel=args.parallel,
+        progress_log_prompts=args.progress_log_prompts,
     )
 
 

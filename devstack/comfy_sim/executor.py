@@ -1,5 +1,8 @@
 """Runs queued prompts one at a time, emitting ComfyUI's WebSocket events in ComfyUI's order
-(main.py prompt_worker + execution.PromptExecutor), and writes the history entries."""
+(main.py prompt_worker + execution.PromptExecutor), and writes the history entries.
+
+In parallel mode (simulator only, SimSettings.parallel > 1) several executors take prompts from
+the one queue, each running one at a time with its own node cache and interrupt flag."""
 
 from __future__ import annotations
 

@@ -137,9 +137,13 @@ async def post_interrupt(request: web.Request) -> web.Response:
     prompt_id = body.get("prompt_id") if isinstance(body, dict) else None
     rt.stats.interrupts.append(prompt_id or None)
     running = rt.queue.running_prompt_ids()
-    if not prompt_id or prompt_id in running:
+    if not prompt_id:
         # Global interrupts set the flag even when idle; the next prompt clears it on start.
-        rt.executor.interrupt()
+        # In parallel mode (simulator only) every executor's running prompt is hit.
+        for executor in rt.executors:
+            executor.interrupt()
+    elif prompt_id in running:
+        (rt.running_executor(prompt_id) or rt.executor).interrupt()
     else:
         log.debug("prompt not running, skipping interrupt", prompt_id=prompt_id)
     return web.Response(status=200)
@@ -156,7 +160,8 @@ async def post_free(request: web.Request) -> web.Response:
         return server_error()
     rt.stats.frees += 1
     log.info("free requested", unload_models=unload_models, free_memory=free_memory)
-    rt.executor.request_free(free_memory)
+    for executor in rt.executors:
+        executor.request_free(free_memory)
     return web.Response(status=200)
 
 

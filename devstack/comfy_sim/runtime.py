@@ -22,8 +22,17 @@ class SimRuntime:
     hub: Hub
     faults: FaultState
     stats: SimStats
-    executor: Executor
+    # One per prompt that may run at once (SimSettings.parallel; 1 is ComfyUI). `executor` is the
+    # first: the only one unless the simulator runs in parallel mode.
+    executors: list[Executor]
     number: int = 0  # PromptServer.number: the next queue number handed out
+
+    @property
+    def executor(self) -> Executor:
+        return self.executors[0]
+
+    def running_executor(self, prompt_id: str) -> Executor | None:
+        return next((e for e in self.executors if e.running_prompt_id == prompt_id), None)
 
 
 RUNTIME = web.AppKey("comfy_sim_runtime", SimRuntime)
@@ -39,9 +48,9 @@ def build_runtime(settings: SimSettings) -> SimRuntime:
 
     queue = PromptQueue(queue_updated)
     holder.append(queue)
-    faults, stats = FaultState(), SimStats()
-    executor = Executor(settings, queue, hub, faults, stats)
-    return SimRuntime(settings, queue, hub, faults, stats, executor)
+    faults, stats = FaultState(), SimStats(progress_log_prompts=settings.progress_log_prompts)
+    executors = [Executor(settings, queue, hub, faults, stats) for _ in range(settings.parallel)]
+    return SimRuntime(settings, queue, hub, faults, stats, executors)
 
 
 def runtime_of(request: web.Request) -> SimRuntime:

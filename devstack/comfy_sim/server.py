@@ -86,9 +86,9 @@ async def websocket(request: web.Request) -> web.WebSocketResponse:
     request.app[SOCKETS].add(ws)
     try:
         await rt.hub.send_now(session, "status", {"status": rt.queue.queue_info(), "sid": sid})
-        executor = rt.executor
-        if executor.client_id == sid and executor.last_node_id is not None:
-            await rt.hub.send_now(session, "executing", {"node": executor.last_node_id})
+        for executor in rt.executors:
+            if executor.client_id == sid and executor.last_node_id is not None:
+                await rt.hub.send_now(session, "executing", {"node": executor.last_node_id})
         first = True
         async for msg in ws:
             if msg.type == WSMsgType.TEXT and first:
@@ -114,9 +114,17 @@ async def _background(app: web.Application) -> AsyncIterator[None]:
         folder.mkdir(parents=True, exist_ok=True)
     tasks = [
         asyncio.create_task(rt.hub.publish_forever(), name="comfy-sim-publisher"),
-        asyncio.create_task(rt.executor.run_forever(), name="comfy-sim-worker"),
+        *(
+            asyncio.create_task(executor.run_forever(), name=f"comfy-sim-worker-{number}")
+            for number, executor in enumerate(rt.executors)
+        ),
     ]
-    log.info("ComfyUI simulator ready", version=SIM_VERSION, output_dir=str(rt.settings.output_dir))
+    log.info(
+        "ComfyUI simulator ready",
+        version=SIM_VERSION,
+        output_dir=str(rt.settings.output_dir),
+        parallel=rt.settings.parallel,
+    )
     yield
     for task in tasks:
         task.cancel()

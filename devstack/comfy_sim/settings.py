@@ -6,6 +6,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from .state import PROGRESS_LOG_PROMPTS
+
 SIM_VERSION = "sim-0.1 (durable-comfy ComfyUI simulator)"
 
 # Checkpoint names the simulator lists in /object_info and /models/checkpoints. Any string is
@@ -43,6 +45,15 @@ class SimSettings(BaseModel):
     max_upload_size_mb: float = Field(default=100, gt=0)
     # ComfyUI's --cache-none: never reuse node outputs between prompts.
     cache_none: bool = False
+    # Simulator only: how many queued prompts run at once, each in an executor of its own (own
+    # node cache, own interrupt flag), standing for N GPU workers behind one API (`make bench`'s
+    # throughput and scale groups). 1, the default, is ComfyUI: one prompt at a time, in queue
+    # order. The per-prompt faults (drop/stall/OOM, ...) are meant for 1: with more, a fault hits
+    # whichever prompt starts next.
+    parallel: int = Field(default=1, ge=1, le=10000)
+    # Simulator only: how many prompts GET /sim/progress keeps the event times of (oldest dropped
+    # first); `make bench` raises it to time every job of a large batch.
+    progress_log_prompts: int = Field(default=PROGRESS_LOG_PROMPTS, ge=1, le=100000)
     checkpoints: tuple[str, ...] = DEFAULT_CHECKPOINTS
 
     def resolved(self) -> SimSettings:

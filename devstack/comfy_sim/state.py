@@ -14,8 +14,9 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 MAXIMUM_HISTORY_SIZE = 10000
-# Prompts whose `progress` times GET /sim/progress keeps (oldest dropped first): enough for a
-# benchmark to read its prompt back, bounded so a long-running simulator does not grow.
+# Prompts whose `progress` times GET /sim/progress keeps by default (oldest dropped first): enough
+# for a benchmark to read its prompt back, bounded so a long-running simulator does not grow
+# (SimSettings.progress_log_prompts, --progress-log-prompts).
 PROGRESS_LOG_PROMPTS = 32
 SENSITIVE_EXTRA_DATA_KEYS = ("auth_token_comfy_org", "api_key_comfy_org")
 
@@ -135,11 +136,13 @@ class SimStats:
     # its latest run, [node, value, max, epoch seconds] for every `progress` event, stamped when
     # the event is queued for the sockets, so a benchmark can time the way from here to a client.
     progress: dict[str, list[list[Any]]] = field(default_factory=dict)
+    # How many prompts `progress` keeps (a setting: /sim/reset leaves it alone).
+    progress_log_prompts: int = PROGRESS_LOG_PROMPTS
 
     def progress_started(self, prompt_id: str) -> None:
         """A (re-)run of the prompt starts an empty log; the oldest prompt's log is dropped."""
         self.progress.pop(prompt_id, None)
-        while len(self.progress) >= PROGRESS_LOG_PROMPTS:
+        while len(self.progress) >= self.progress_log_prompts:
             self.progress.pop(next(iter(self.progress)))
         self.progress[prompt_id] = []
 
@@ -149,7 +152,7 @@ class SimStats:
             log.append([node, value, maximum, time.time()])
 
     def reset(self) -> None:
-        fresh = SimStats()
+        fresh = SimStats(progress_log_prompts=self.progress_log_prompts)
         for f in fields(self):
             setattr(self, f.name, getattr(fresh, f.name))
 
