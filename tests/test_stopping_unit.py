@@ -34,7 +34,7 @@ from workflows.contracts import (
 )
 from workflows.job_book import JobBook
 from workflows.shared import ErrorType
-from workflows.stopping import ConfirmedStop, PromptStop, stop_reason
+from workflows.stopping import PATCH_END_SEEN, ConfirmedStop, PromptStop, stop_reason
 
 T0 = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 # The backend answers a little after the workflow asked: steps it reports carry its time.
@@ -66,6 +66,9 @@ class World:
     status: JobStatus = field(default_factory=lambda: JobStatus(job_id="job-1"))
     published: Teardown | None = None
     was_submitted: bool = True
+    # JobBook.finished_prompt: the prompt whose successful end the follow saw.
+    finished_prompt: str | None = None
+    patches: list[str] = field(default_factory=list)
     states: list[JobState] = field(default_factory=list)
     costs: list[JobCost] = field(default_factory=list)
 
@@ -100,6 +103,11 @@ class World:
 
     def create_histogram_float(self, name: str, description: str, unit: str) -> Histogram:
         return Histogram(self, name, description, unit)
+
+    # workflow.patched: a new run takes every patch
+    def patched(self, patch_id: str) -> bool:
+        self.patches.append(patch_id)
+        return True
 
     # the job book
     def touch(self) -> None:
@@ -145,6 +153,7 @@ def world(monkeypatch: pytest.MonkeyPatch) -> Iterator[World]:
     monkeypatch.setattr(workflow, "sleep", w.sleep)
     monkeypatch.setattr(workflow, "random", w.draws)
     monkeypatch.setattr(workflow, "metric_meter", w.metric_meter)
+    monkeypatch.setattr(workflow, "patched", w.patched)
     monkeypatch.setattr(activity_calls, "stop", w.stop)
     yield w
 
@@ -565,6 +574,30 @@ async def test_a_completed_job_confirms_without_entering_stopping(world: World) 
     assert world.states == []
     assert [(r.reason, r.free_memory) for r in world.requests] == [("after completion", False)]
     assert world.record.detail == "after completion: had already finished"
+
+
+@pytest.mark.parametrize(
+    ("finished_prompt", "state", "checks"),
+    [
+        ("p1", JobState.COMPLETED, 0),  # its end was seen: nothing to ask
+        ("p0", JobState.COMPLETED, 1),  # another prompt's end says nothing of this one
+        (None, JobState.COMPLETED, 1),
+        ("p1", JobState.FAILED, 1),  # a failure after the follow still checks
+    ],
+)
+async def test_a_prompt_whose_end_the_follow_saw_needs_no_check_on_completion(
+    world: World, finished_prompt: str | None, state: JobState, checks: int
+) -> None:
+    world.finished_prompt = finished_prompt
+    world.answers = [{"position": "gone", "ended": "success"}]
+    await ConfirmedStop(world.book, policy()).settle("gpu", "p1", state, None)
+    assert len(world.requests) == checks
+    assert world.record.state == "CONFIRMED"
+    assert [s.action for s in world.record.steps] == ["finished"]
+    assert (world.patches == [PATCH_END_SEEN]) is (checks == 0)
+    if checks == 0:
+        assert world.record.detail == "after completion: had already finished"
+        assert world.record.started_at == world.record.at == T0
 
 
 @pytest.mark.parametrize(

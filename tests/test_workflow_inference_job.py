@@ -60,22 +60,23 @@ async def run_job(
     return job_id, status, error
 
 
+@pytest.mark.parametrize("offload_in_follow", [True, False])
 async def test_happy_path_completes_with_artifacts_and_confirmed_teardown(
-    time_env: WorkflowEnvironment,
+    time_env: WorkflowEnvironment, offload_in_follow: bool
 ) -> None:
-    backend = FakeBackend()
+    """Today's backends store the outputs inside the follow: prepare and follow are the job's
+    only activities. A follow result that did not (an older worker's) gets an offload."""
+    backend = FakeBackend(Script(offload_in_follow=offload_in_follow))
     job_id, status, error = await run_job(time_env.client, backend, JobRequest(graph=GRAPH))
     assert error is None
     assert status.state == JobState.COMPLETED
     assert [a.key for a in status.artifacts] == [f"jobs/{job_id}/0/2/t_00001_.png"]
+    # The follow saw the prompt finish: the teardown is confirmed without asking again.
     assert status.teardown.state == "CONFIRMED"
-    assert backend.calls == [
-        "prepare_prompt",
-        "submit_prompt",
-        "follow_prompt",
-        "offload_outputs",
-        "stop_prompt",
-    ]
+    assert [s.action for s in status.teardown.steps] == ["finished"]
+    assert "had already finished" in (status.teardown.detail or "")
+    offload = [] if offload_in_follow else ["offload_outputs"]
+    assert backend.calls == ["prepare_prompt", "submit_prompt", "follow_prompt", *offload]
     # Mid-run, the stale attempt's report (step 99) was ignored and the current one counted.
     assert backend.step_after_reports == 1
     assert status.progress.step == status.progress.total_steps

@@ -118,6 +118,9 @@ class Script:
     stop_unreachable_checks: int = 0
     # The submitted prompt waits in the backend's queue (at this place) instead of running.
     queued_at: int | None = None
+    # The follow stores and verifies the outputs itself (today's backends) instead of leaving
+    # them to an offload activity (older workers' results).
+    offload_in_follow: bool = False
 
 
 class FakeBackend:
@@ -243,6 +246,7 @@ class FakeBackend:
             outcome="success",
             artifacts=[artifact(req.job_id, req.segment)],
             checkpoint=Checkpoint(job_id=req.job_id, prompt_id=req.prompt_id, step=10),
+            offloaded=self.script.offload_in_follow,
         )
 
     @activity.defn(name="offload_outputs")

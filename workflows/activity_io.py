@@ -97,6 +97,9 @@ class FollowResult(StrictModel):
     # lost but which ran it).
     cost: JobCost | None = None
     other_costs: list[JobCost] = Field(default_factory=list)
+    # The follow already stored and verified every output (what `offload_outputs` would do):
+    # the workflow schedules no offload. False from backends, and results, that did not.
+    offloaded: bool = False
 
 
 class FollowHeartbeat(StrictModel):

@@ -45,6 +45,9 @@ class JobBook:
         checkpoint = status.checkpoint
         self.prompt_id: str | None = checkpoint.prompt_id if checkpoint else None
         self.client_id: str | None = None
+        # A prompt whose successful end the follow activity saw on the backend: nothing of it
+        # runs any more, so a completed job's teardown needs no check of its own.
+        self.finished_prompt: str | None = None
         # Messages from clients: the abandon watchdog waits for this to move.
         self.contacts = 0
 

@@ -66,23 +66,26 @@ class SegmentRun:
         )
         checkpoint = await self._submission(prompt_id, book.status.progress.total_steps)
         followed = await self._follow(checkpoint)
+        book.finished_prompt = prompt_id
         book.merge_artifacts(followed.artifacts)
         book.set_checkpoint(followed.checkpoint)
         for cost in [*followed.other_costs, *([followed.cost] if followed.cost else [])]:
             book.add_cost(cost)
-        book.set_state(JobState.UPLOADING)
-        offloaded = await calls.offload(
-            OffloadInput(
-                job_id=book.status.job_id,
-                pool=self._prepared.pool,
-                prompt_id=prompt_id,
-                segment=segment,
-                run_tag=self._tag,
-                output=self._request.output,
-                stored=book.artifacts_of(segment),
+        if not followed.offloaded:
+            # Results of older workers: the outputs are reconciled by an activity of their own.
+            book.set_state(JobState.UPLOADING)
+            offloaded = await calls.offload(
+                OffloadInput(
+                    job_id=book.status.job_id,
+                    pool=self._prepared.pool,
+                    prompt_id=prompt_id,
+                    segment=segment,
+                    run_tag=self._tag,
+                    output=self._request.output,
+                    stored=book.artifacts_of(segment),
+                )
             )
-        )
-        book.merge_artifacts(offloaded.artifacts)
+            book.merge_artifacts(offloaded.artifacts)
         if not book.artifacts_of(segment):
             raise ApplicationError(
                 f"segment {segment} finished without any saved output (add a SaveImage node?)",

@@ -37,6 +37,9 @@ with workflow.unsafe.imports_passed_through():
     from workflows.job_book import JobBook
     from workflows.shared import ErrorType
 
+# v7: a completed job whose follow saw its prompt finish records the teardown without a check.
+PATCH_END_SEEN = "teardown-from-follow"
+
 # Checks never wait longer than this apart: a prompt that stopped should not keep its job
 # waiting for long, and the horizon still bounds how many checks there are.
 MAX_CHECK_INTERVAL_S = 15.0
@@ -150,6 +153,13 @@ class PromptStop:
                     summary=f"stop check {record.checks + 1}",
                 )
             attempt += 1
+
+    def seen_finished(self, prompt_id: str, reason: str) -> None:
+        """The record of a stop that needed no check: the prompt's end was already seen."""
+        record = self.record
+        record.started_at = record.started_at or workflow.now()
+        self._add("finished", detail=f"prompt {prompt_id}: its end was seen by the follow")
+        self._end("CONFIRMED", f"{reason}: {self.summary()}")
 
     def _provider_job_id(self, prompt_id: str) -> str | None:
         checkpoint = self._book.status.checkpoint
@@ -281,6 +291,16 @@ class ConfirmedStop:
     async def settle(
         self, pool: str, prompt_id: str, state: JobState, error: JobError | None
     ) -> None:
+        if (
+            state == JobState.COMPLETED
+            and self._early is None
+            and self._book.finished_prompt == prompt_id
+            and workflow.patched(PATCH_END_SEEN)
+        ):
+            # The follow saw the prompt end successfully on the backend: there is nothing left
+            # to stop, and asking again would cost the job a round trip.
+            self._stop.seen_finished(prompt_id, stop_reason(state))
+            return
         if state != JobState.COMPLETED:
             self._book.set_state(JobState.STOPPING)
         if self._early is not None:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from temporalio import activity
+
 from activities.comfyui.activities import ComfyActivities
 from activities.comfyui.follow import FollowActivities
 from activities.comfyui.offload import OffloadActivities
 from activities.comfyui.pools import ComfyPools
 from activities.storage import ArtifactStore
 from workflows.activity_io import (
+    FollowHeartbeat,
     FollowInput,
     FollowResult,
     OffloadInput,
@@ -32,7 +35,24 @@ class ComfyBackend:
         return await self.comfy.prepare_prompt(req.model_copy(update={"pool": pool}))
 
     async def follow(self, req: FollowInput) -> FollowResult:
-        return await self._follow.follow_prompt(req)
+        """Follow the prompt to its end, then reconcile its outputs with `/history` in the same
+        activity: one round trip to the workflow fewer than a separate offload."""
+        followed = await self._follow.follow_prompt(req)
+        resume_point = FollowHeartbeat(checkpoint=followed.checkpoint, artifacts=followed.artifacts)
+        offloaded = await self._offload.offload_outputs(
+            OffloadInput(
+                job_id=req.job_id,
+                pool=req.pool,
+                prompt_id=req.prompt_id,
+                segment=req.segment,
+                run_tag=req.run_tag,
+                output=req.output,
+                stored=followed.artifacts,
+            ),
+            # A retry after a failure here re-attaches from where the follow ended.
+            beat=lambda: activity.heartbeat(resume_point.model_dump(mode="json")),
+        )
+        return followed.model_copy(update={"artifacts": offloaded.artifacts, "offloaded": True})
 
     async def offload(self, req: OffloadInput) -> OffloadResult:
         return await self._offload.offload_outputs(req)

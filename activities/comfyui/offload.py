@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import structlog
@@ -121,8 +121,14 @@ class OffloadActivities:
         self._pools = pools
         self._store = store
 
-    async def offload_outputs(self, req: OffloadInput) -> OffloadResult:
-        """Store every saved output the history lists and verify all of them in S3."""
+    async def offload_outputs(
+        self, req: OffloadInput, *, beat: Callable[[], None] | None = None
+    ) -> OffloadResult:
+        """Store every saved output the history lists and verify all of them in S3.
+
+        `beat` heartbeats between uploads (default: a bare heartbeat); the follow activity
+        passes its own, so its checkpoint stays the activity's heartbeat details."""
+        beat = beat or activity.heartbeat
         client = self._pools.client(req.pool)
         uploader = OutputUploader(
             client,
@@ -134,13 +140,13 @@ class OffloadActivities:
             run_tag=req.run_tag,
         )
         if req.partial:
-            await self._keep_finished(client, uploader, req)
+            await self._keep_finished(client, uploader, req, beat)
         else:
             entry = await _history_when_written(client, req.prompt_id)
             for node_id, item in output_files(entry.get("outputs", {})):
                 if uploader.wanted(node_id, item):
                     await uploader.upload(node_id, item)
-                    activity.heartbeat()
+                    beat()
         for artifact in uploader.artifacts.values():
             head = await self._store.head(artifact.key, bucket=req.output.bucket)
             if head is None or head.size != artifact.size or head.sha256 != artifact.sha256:
@@ -153,7 +159,7 @@ class OffloadActivities:
 
     @staticmethod
     async def _keep_finished(
-        client: ComfyClient, uploader: OutputUploader, req: OffloadInput
+        client: ComfyClient, uploader: OutputUploader, req: OffloadInput, beat: Callable[[], None]
     ) -> None:
         """After a failure or cancel: store what finished, and never fail over what did not."""
         try:
@@ -168,7 +174,7 @@ class OffloadActivities:
                 await uploader.upload(node_id, item)
             except ApplicationError as exc:
                 log.warning("keep_finished_skipped", job_id=req.job_id, error=exc.message)
-            activity.heartbeat()
+            beat()
 
 
 def _from_this_run(item: Mapping[str, str], run_tag: str) -> bool:

@@ -2,7 +2,7 @@
 
 Runs InferenceJob on the time-skipping server with the stand-in activities through its endings
 (completed, cancelled, abandoned, reconnected; from v3 also stopped_slowly and lost; from v6 a
-run continued as new) and writes each history (of the last run) as JSON beside this file.
+run continued as new; v7: the completing ones with outputs stored by the follow) and writes each history (of the last run) as JSON beside this file.
 Never overwrite a recording: after a `workflow.patched()` change, record a new set with a
 suffix (`python -m tests.histories.record -v2`) so both the old and the new paths replay.
 """
@@ -75,7 +75,9 @@ async def cancel_with_reason(handle: WorkflowHandle[Any, JobStatus]) -> None:
 
 
 SCENARIOS: dict[str, Scenario] = {
-    "completed": (Script(), {"abandon_after_s": None}, None),
+    # v7 on: the follow stores the outputs (no offload activity) and a completed job's
+    # teardown is confirmed by the follow's sight of the end (no stop check).
+    "completed": (Script(offload_in_follow=True), {"abandon_after_s": None}, None),
     "cancelled": (
         Script(follow_failures=[ErrorType.CONNECTION_LOST] * 20),
         {"abandon_after_s": None, "reconnect": {"base_delay_s": 30, "max_delay_s": 30}},
@@ -87,7 +89,7 @@ SCENARIOS: dict[str, Scenario] = {
         None,
     ),
     "reconnected": (
-        Script(follow_failures=[ErrorType.CONNECTION_LOST] * 3),
+        Script(follow_failures=[ErrorType.CONNECTION_LOST] * 3, offload_in_follow=True),
         {"abandon_after_s": None},
         None,
     ),
@@ -104,7 +106,7 @@ SCENARIOS: dict[str, Scenario] = {
     ),
     # v4 on: messages from plain clients, the resume update, a reasoned Temporal cancel.
     "decided": (
-        Script(follow_failures=[ErrorType.PROMPT_LOST] * 2),
+        Script(follow_failures=[ErrorType.PROMPT_LOST] * 2, offload_in_follow=True),
         {"abandon_after_s": None},
         decide_after_malformed_messages,
     ),
@@ -120,7 +122,7 @@ SCENARIOS: dict[str, Scenario] = {
     ),
     # v6 on (JobInput): the last run of a job that continued as new twice, carry and all.
     "continued": (
-        Script(),
+        Script(offload_in_follow=True),
         {"abandon_after_s": None, "history_budget_events": 10, SEGMENTS: [{}, {}, {}]},
         None,
     ),
