@@ -2,7 +2,8 @@
 
 Runs InferenceJob on the time-skipping server with the stand-in activities through its endings
 (completed, cancelled, abandoned, reconnected; from v3 also stopped_slowly and lost; from v6 a
-run continued as new; v7: the completing ones with outputs stored by the follow) and writes each history (of the last run) as JSON beside this file.
+run continued as new; v7: the completing ones with outputs stored by the follow) and writes each
+history (of the last run) as JSON beside this file.
 Never overwrite a recording: after a `workflow.patched()` change, record a new set with a
 suffix (`python -m tests.histories.record -v2`) so both the old and the new paths replay.
 """
