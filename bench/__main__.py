@@ -3,6 +3,8 @@
 Options (make variables in brackets): `--only overhead,history` [BENCH] picks benchmarks (all by
 default), `-n 30` [N] the measured repetitions where a benchmark repeats, `--warmup`,
 `--history-steps`, `--latency-steps`, `--step-delay-ms` (the second simulator's time per step),
+`--throughput-clients`, `--throughput-jobs`, `--recovery-heartbeat-s`, `--scale-jobs 100,300,1000`,
+`--scale-serial-jobs`, `--offload-sizes 100,1024` (MiB; `100` skips the 1 GiB upload),
 `--keep` (leave the stack's temporary state and logs), `--note` [NOTE] (what else ran meanwhile,
 recorded in RESULTS.md).
 Writes bench/results.json and bench/RESULTS.md (or `--out DIR`). Exit code 1 when a benchmark
@@ -29,8 +31,17 @@ from bench.report import GroupReport, Run, console_text, machine, results_json, 
 from bench.stack import bench_stack
 
 HERE = Path(__file__).resolve().parent
-# Generous: on 2 busy cores the slowest benchmark takes about a minute.
-BENCHMARK_TIMEOUT_S = 300.0
+
+
+def _counts(text: str) -> tuple[int, ...]:
+    """`100,300` -> (100, 300), sorted, each at least 1."""
+    try:
+        counts = tuple(sorted({int(part) for part in text.split(",") if part.strip()}))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers like 100,300, not {text!r}") from None
+    if not counts or counts[0] < 1:
+        raise argparse.ArgumentTypeError(f"expected numbers of at least 1, not {text!r}")
+    return counts
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -57,6 +68,39 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         default=defaults.timed_step_delay_ms,
         help="time per step of the second simulator (groups 6 and 7)",
     )
+    parser.add_argument(
+        "--throughput-clients", type=int, default=defaults.throughput_clients, help="group 2"
+    )
+    parser.add_argument(
+        "--throughput-jobs",
+        type=int,
+        default=defaults.throughput_jobs,
+        help="group 2: jobs each client runs, one after the other",
+    )
+    parser.add_argument(
+        "--recovery-heartbeat-s",
+        type=float,
+        default=defaults.recovery_heartbeat_s,
+        help="group 3: the killed job's policy.heartbeat_timeout_s",
+    )
+    parser.add_argument(
+        "--scale-jobs",
+        type=_counts,
+        default=defaults.scale_jobs,
+        help="group 4: batches of jobs at once on one worker, e.g. 100,300,1000",
+    )
+    parser.add_argument(
+        "--scale-serial-jobs",
+        type=int,
+        default=defaults.scale_serial_jobs,
+        help="group 4: jobs in the deep serial queue",
+    )
+    parser.add_argument(
+        "--offload-sizes",
+        type=_counts,
+        default=defaults.offload_sizes_mib,
+        help="group 5: output sizes in MiB (100 skips the 1 GiB one)",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the stack's state and logs")
     parser.add_argument("--out", type=Path, default=HERE, help="where results.json/RESULTS.md go")
     parser.add_argument("--command", default=None, help="the command to record (make passes it)")
@@ -74,6 +118,12 @@ async def bench(args: argparse.Namespace) -> int:
         history_steps=args.history_steps,
         latency_steps=args.latency_steps,
         timed_step_delay_ms=args.step_delay_ms,
+        throughput_clients=args.throughput_clients,
+        throughput_jobs=args.throughput_jobs,
+        recovery_heartbeat_s=args.recovery_heartbeat_s,
+        scale_jobs=args.scale_jobs,
+        scale_serial_jobs=args.scale_serial_jobs,
+        offload_sizes_mib=args.offload_sizes,
     )
     command = args.command or shlex.join(["python", "-m", "bench", *sys.argv[1:]])
     host = machine()
@@ -89,7 +139,7 @@ async def bench(args: argparse.Namespace) -> int:
             print(f"bench: {benchmark.name} (group {benchmark.group}) ...", flush=True)
             began = time.monotonic()
             try:
-                async with asyncio.timeout(BENCHMARK_TIMEOUT_S):
+                async with asyncio.timeout(benchmark.timeout_s):
                     outcome = await benchmark.run(ctx, options)
             except Exception as exc:  # one broken benchmark must not hide the others' figures
                 failed = True

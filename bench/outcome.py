@@ -27,6 +27,21 @@ class BenchOptions(BaseModel):
     # 100 s: a `progress` signal goes out at most every 2 s, so history grows with the sampling
     # time, and at 1 ms (7 s) the job would send a handful and say little.
     timed_step_delay_ms: int = Field(20, ge=1)
+    # Group 2: `throughput_clients` clients, each running `throughput_jobs` jobs one after the
+    # other, of `throughput_steps` steps at `throughput_step_ms` on a simulator running as many
+    # prompts at once as there are clients (and the same clients on the simulator directly).
+    throughput_clients: int = Field(50, ge=1)
+    throughput_jobs: int = Field(4, ge=1)
+    throughput_steps: int = Field(10, ge=1)
+    throughput_step_ms: int = Field(10, ge=0)
+    # Group 3: the killed job's heartbeat timeout (JobPolicy's default unless told).
+    recovery_heartbeat_s: float = Field(20.0, gt=0)
+    # Group 4: the batches of jobs submitted at once to one worker (parallel simulator), and the
+    # jobs of the deep serial queue (one prompt at a time); 20 steps x 10 ms each.
+    scale_jobs: tuple[int, ...] = (100, 300)
+    scale_serial_jobs: int = Field(60, ge=1)
+    # Group 5: output sizes in MiB (drop 1024 to skip the 1 GiB upload).
+    offload_sizes_mib: tuple[int, ...] = (100, 1024)
 
 
 class Section(BaseModel):
@@ -52,3 +67,5 @@ class Benchmark:
     group: int  # issue 10's numbering
     title: str
     run: Callable[[BenchContext, BenchOptions], Awaitable[Outcome]]
+    # The harness gives up on a benchmark after this long (its error is recorded, the rest run).
+    timeout_s: float = 300.0

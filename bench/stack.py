@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -34,12 +35,14 @@ from activities.storage import ArtifactStore, S3Settings
 from bench.bare import READY_MARK
 from bench.calls import CallLog, counted_client
 from bench.outcome import BenchOptions
-from devstack.chaos.worker_proc import KillableWorker
+from bench.worker_main import MAX_VAR
+from devstack.chaos.worker_proc import KillableWorker, clean_environ
 from devstack.config import StackConfig
 from devstack.free_ports import free_port, make_stack_config
 from devstack.models import RunningStack
 from devstack.processes import PidRecord, is_alive, log_tail, spawn_detached, terminate
 from devstack.stack import start_service, start_stack, stop_service, stop_stack
+from devstack.worker_process import READY_MARK as WORKER_READY
 from starter import JobClient
 from starter.connection import connect_temporal
 
@@ -71,10 +74,24 @@ class BenchContext:
     work_dir: Path
     worker_log: Path  # the project's worker's JSON log lines (what it did, when)
 
-    def job_client(self) -> tuple[JobClient, CallLog]:
-        """A `JobClient` on the project's task queue whose Temporal calls are recorded."""
+    def job_client(self, task_queue: str | None = None) -> tuple[JobClient, CallLog]:
+        """A `JobClient` on the project's task queue (or `task_queue`: a group's own worker's)
+        whose Temporal calls are recorded."""
         temporal, log = counted_client(self.temporal)
-        return JobClient(temporal, task_queue=self.task_queue, store=self.store), log
+        queue = task_queue or self.task_queue
+        return JobClient(temporal, task_queue=queue, store=self.store), log
+
+    @property
+    def temporal_pid(self) -> int | None:
+        """The Temporal dev server's process (its CPU time is read from /proc)."""
+        service = self.stack.services.get("temporal")
+        return None if service is None else service.pid
+
+    @property
+    def s3_pid(self) -> int | None:
+        """SeaweedFS's process (`weed mini`)."""
+        service = self.stack.services.get("s3")
+        return None if service is None else service.pid
 
 
 def _timed_sim_config(config: StackConfig, state_dir: Path, step_delay_ms: int) -> StackConfig:
@@ -183,3 +200,138 @@ def logged_at(log_file: Path, event: str) -> dict[str, float]:
         if record.get("event") == event and "job_id" in record and "timestamp" in record:
             found[record["job_id"]] = datetime.fromisoformat(record["timestamp"]).timestamp()
     return found
+
+
+@dataclass(frozen=True)
+class SimProcess:
+    pool: Pool
+    record: PidRecord
+    output_dir: Path
+    log_file: Path
+
+
+@asynccontextmanager
+async def extra_sim(
+    ctx: BenchContext,
+    name: str,
+    *,
+    step_delay_ms: float,
+    parallel: int = 1,
+    progress_log_prompts: int | None = None,
+) -> AsyncIterator[SimProcess]:
+    """One more ComfyUI simulator (`python -m devstack.comfy_sim`) for one benchmark, on a free
+    port with its own directories under the run's work dir; stopped by PID when the block ends.
+    `parallel` > 1: that many prompts run at once (the simulator's parallel mode)."""
+    base = ctx.work_dir / "sims" / name
+    port = free_port()
+    argv = [
+        sys.executable,
+        "-m",
+        "devstack.comfy_sim",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--output-dir",
+        str(base / "output"),
+        "--input-dir",
+        str(base / "input"),
+        "--step-delay-ms",
+        str(step_delay_ms),
+        "--parallel",
+        str(parallel),
+    ]
+    if progress_log_prompts is not None:
+        argv += ["--progress-log-prompts", str(progress_log_prompts)]
+    log_file = ctx.work_dir / "logs" / f"sim-{name}.log"
+    record = spawn_detached(argv, log_file, ROOT, ctx.work_dir / "pids" / f"sim-{name}.pid")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if (await ctx.http.get(f"{url}/system_stats", timeout=2)).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if not is_alive(record) or time.monotonic() > deadline:
+                raise RuntimeError(f"simulator {name} did not start:\n{log_tail(log_file)}")
+            await asyncio.sleep(0.1)
+        yield SimProcess(Pool(name, url, int(step_delay_ms)), record, base / "output", log_file)
+    finally:
+        await terminate(record, grace_s=10)
+
+
+@dataclass
+class BenchWorker:
+    """A worker process of one benchmark's own, on a task queue of its own."""
+
+    task_queue: str
+    log_file: Path
+    killable: KillableWorker | None = None  # `python worker.py` (can be kill -9'ed, restarted)
+    record: PidRecord | None = None  # `python -m bench.worker_main`
+
+    @property
+    def pid(self) -> int:
+        pid = self.killable.pid if self.killable is not None else None
+        if pid is None and self.record is not None:
+            pid = self.record.pid
+        if pid is None:
+            raise RuntimeError("the worker is not running")
+        return pid
+
+
+@asynccontextmanager
+async def extra_worker(
+    ctx: BenchContext,
+    name: str,
+    pools: list[Pool],
+    *,
+    max_concurrent_activities: int | None = None,
+) -> AsyncIterator[BenchWorker]:
+    """The project's worker serving `pools` on a task queue of its own, stopped by PID at the
+    end: `python worker.py` as it ships, or (with `max_concurrent_activities`, which no variable
+    sets) `python -m bench.worker_main`, the same `run_worker` with that one setting changed."""
+    task_queue = f"bench-{name}-{uuid.uuid4().hex[:8]}"
+    env = {
+        **ctx.stack.worker_env(),
+        "DURABLE_COMFY_TASK_QUEUE": task_queue,
+        "DURABLE_COMFY_POOLS": json.dumps(
+            {pool.name: {"kind": "comfyui", "url": pool.url} for pool in pools}
+        ),
+        "DURABLE_COMFY_DEFAULT_POOL": pools[0].name,
+    }
+    log_file = ctx.work_dir / "logs" / f"worker-{name}.log"
+    if max_concurrent_activities is None:
+        killable = KillableWorker(env, log_file, name=f"worker-{name}")
+        try:
+            await killable.start()
+            yield BenchWorker(task_queue, log_file, killable=killable)
+        finally:
+            await killable.terminate(grace_s=10)
+        return
+    argv = [sys.executable, "-m", "bench.worker_main"]
+    full_env = {
+        **clean_environ(),
+        **env,
+        "PYTHONUNBUFFERED": "1",
+        MAX_VAR: str(max_concurrent_activities),
+    }
+    foreign = [k for k in os.environ if k not in full_env]
+    record = spawn_detached(
+        argv,
+        log_file,
+        ROOT,
+        ctx.work_dir / "pids" / f"worker-{name}.pid",
+        env=full_env,
+        unset_env=foreign,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while WORKER_READY not in log_file.read_text(errors="replace"):
+            if not is_alive(record) or time.monotonic() > deadline:
+                raise RuntimeError(f"worker {name} did not start:\n{log_tail(log_file)}")
+            await asyncio.sleep(0.05)
+        yield BenchWorker(task_queue, log_file, record=record)
+    finally:
+        await terminate(record, grace_s=10)

@@ -2,7 +2,8 @@
 (main.py prompt_worker + execution.PromptExecutor), and writes the history entries.
 
 In parallel mode (simulator only, SimSettings.parallel > 1) several executors take prompts from
-the one queue, each running one at a time with its own node cache and interrupt flag."""
+the one queue, each running one at a time with its own node cache and interrupt flag, and a
+prompt's `progress_state` goes to its own client only (as from a server of its own)."""
 
 from __future__ import annotations
 
@@ -111,7 +112,13 @@ class _Run:
             }
             for nid, entry in self.node_progress.items()
         }
-        self.executor.hub.send_sync("progress_state", {"prompt_id": self.prompt_id, "nodes": nodes})
+        # In parallel mode each executor stands for a ComfyUI server of its own, whose sockets
+        # are its prompt's client: the broadcast reaches that client only (else N prompts would
+        # send every step to all N sockets, which N separate servers never do).
+        parallel = self.settings.parallel > 1 and self.client_id is not None
+        sid = self.client_id if parallel else None
+        data = {"prompt_id": self.prompt_id, "nodes": nodes}
+        self.executor.hub.send_sync("progress_state", data, sid)
 
     def check_interrupt(self) -> None:
         """comfy.model_management.throw_exception_if_processing_interrupted(): the only place an

@@ -48,8 +48,9 @@ class SimSettings(BaseModel):
     # Simulator only: how many queued prompts run at once, each in an executor of its own (own
     # node cache, own interrupt flag), standing for N GPU workers behind one API (`make bench`'s
     # throughput and scale groups). 1, the default, is ComfyUI: one prompt at a time, in queue
-    # order. The per-prompt faults (drop/stall/OOM, ...) are meant for 1: with more, a fault hits
-    # whichever prompt starts next.
+    # order. With more, a prompt's `progress_state` goes to its own client only (as from a server
+    # of its own) instead of to every socket. The per-prompt faults (drop/stall/OOM, ...) are
+    # meant for 1: with more, a fault hits whichever prompt starts next.
     parallel: int = Field(default=1, ge=1, le=10000)
     # Simulator only: how many prompts GET /sim/progress keeps the event times of (oldest dropped
     # first); `make bench` raises it to time every job of a large batch.

@@ -1,0 +1,275 @@
+"""Group 4, scale: many concurrently monitored jobs in one worker process.
+
+A worker of its own (`python -m bench.worker_main`: worker.py's `run_worker` with
+`max_concurrent_activities` raised to the largest batch, since the shipped 100 caps one worker
+at 100 followed prompts and no variable sets it), two simulators of its own at 10 ms per step:
+one in parallel mode running every prompt of a batch at once, one serial (ComfyUI's one at a
+time: the deep queue). Jobs of 20 steps.
+
+For each batch size in `--scale-jobs` (100 and 300 by default; 1,000 if asked):
+- **direct**: the same number of prompts sent at once the direct script's way (bench/direct.py);
+- **project**: that many jobs submitted at once (`JobClient.submit`), then awaited; 10 of them
+  watched with `JobClient.watch` for the lag from each progress event at the simulator
+  (GET /sim/progress) to the status the client is handed; the worker's RSS sampled every
+  0.25 s (peak), the CPU of every process read before and after.
+Then the deep serial queue: `--scale-serial-jobs` jobs at once vs the same prompts directly.
+RSS growth per job is the slope of the peak RSS over the batch sizes (a line fit); the 1,000-job
+figure is measured when 1,000 is among the batches, else extrapolated on that line (said so).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+
+from bench.direct import run_direct
+from bench.groups.client_latency import event_to_seen_ms
+from bench.jobs import Seen, completed, graph, prompt_id_of, request
+from bench.load import CpuUse, cpu_table
+from bench.outcome import Benchmark, BenchOptions, Outcome, Section
+from bench.procs import RssSampler, linear_fit, rss_bytes
+from bench.profile import profile_lines, record
+from bench.results import Result, Target, fmt, percentile, result
+from bench.sim import progress_times
+from bench.stack import BenchContext, Pool, extra_sim, extra_worker
+from starter import JobClient
+
+STEPS = 20
+STEP_MS = 10
+WATCHED = 10
+RSS_MAX_MB = 300.0
+THROUGHPUT_MIN_RATIO = 0.9
+LAG_P99_MAX_MS = 2000.0
+SCALE_TARGET_JOBS = 1000
+
+
+class Batch:
+    def __init__(self, jobs: int) -> None:
+        self.jobs = jobs
+        self.wall = 0.0
+        self.direct_wall = 0.0
+        self.rss_before = 0
+        self.rss_peak = 0
+        self.lags: list[float] = []
+        self.cpu: CpuUse | None = None
+        self.direct_cpu: CpuUse | None = None
+
+
+async def _direct_batch(ctx: BenchContext, pool: Pool, n: int) -> float:
+    limits = httpx.Limits(max_connections=n + 10, max_keepalive_connections=n + 10)
+    async with httpx.AsyncClient(trust_env=False, timeout=300, limits=limits) as http:
+        began = time.perf_counter()
+        await asyncio.gather(
+            *(run_direct(http, ctx.store, pool.url, graph(STEPS)) for _ in range(n))
+        )
+        return time.perf_counter() - began
+
+
+async def _watched(jobs: JobClient, job_id: str, pool: Pool, ctx: BenchContext) -> list[float]:
+    seen: list[Seen] = []
+    last = None
+    async for status in jobs.watch(job_id):
+        seen.append(
+            Seen(
+                at=time.time(),
+                state=status.state,
+                step=status.progress.step,
+                total_steps=status.progress.total_steps,
+            )
+        )
+        last = status
+    assert last is not None
+    final = completed(last)
+    steps = await progress_times(ctx.http, pool.url, prompt_id_of(final))
+    return event_to_seen_ms(steps, seen)
+
+
+async def _project_batch(
+    ctx: BenchContext, jobs: JobClient, pool: Pool, n: int
+) -> tuple[float, list[float]]:
+    began = time.perf_counter()
+    submitted = await asyncio.gather(*(jobs.submit(request(STEPS, pool.name)) for _ in range(n)))
+    ids = [s.job_id for s in submitted]
+    watched = [_watched(jobs, job_id, pool, ctx) for job_id in ids[:WATCHED]]
+    waited = [jobs.wait(job_id) for job_id in ids[WATCHED:]]
+    lags_each, finals = await asyncio.gather(asyncio.gather(*watched), asyncio.gather(*waited))
+    for final in finals:
+        completed(final)
+    wall = time.perf_counter() - began
+    return wall, [lag for lags in lags_each for lag in lags]
+
+
+async def run(ctx: BenchContext, options: BenchOptions) -> Outcome:
+    counts = sorted(options.scale_jobs)
+    biggest = max(*counts, options.scale_serial_jobs)
+    log_size = biggest + WATCHED + 64
+    batches: list[Batch] = []
+    profiled: list[str] = []
+    async with (
+        extra_sim(
+            ctx, "scale", step_delay_ms=STEP_MS, parallel=biggest, progress_log_prompts=log_size
+        ) as sim,
+        extra_sim(
+            ctx, "scale_serial", step_delay_ms=STEP_MS, progress_log_prompts=log_size
+        ) as serial,
+        extra_worker(
+            ctx, "scale", [sim.pool, serial.pool], max_concurrent_activities=biggest
+        ) as worker,
+    ):
+        jobs, _ = ctx.job_client(worker.task_queue)
+        pids = {
+            "Temporal server": ctx.temporal_pid,
+            "S3 (SeaweedFS)": ctx.s3_pid,
+            "worker": worker.pid,
+            "simulator": sim.record.pid,
+        }
+        await _project_batch(ctx, jobs, sim.pool, 5)  # warm-up (unmeasured)
+        await _direct_batch(ctx, sim.pool, 5)
+        idle_rss = rss_bytes(worker.pid) or 0
+        for n in counts:
+            batch = Batch(n)
+            batch.direct_cpu = CpuUse.start(pids)
+            batch.direct_wall = await _direct_batch(ctx, sim.pool, n)
+            batch.direct_cpu.stop()
+            batch.rss_before = rss_bytes(worker.pid) or 0
+            async with RssSampler(worker.pid) as rss:
+                batch.cpu = CpuUse.start(pids)
+                profiling = None
+                if n == counts[-1]:
+                    # py-spy on the worker during the largest batch's first seconds: where its
+                    # CPU goes (sampling costs little, but it is said here: it ran meanwhile).
+                    out = ctx.work_dir / "profiles" / "scale-worker.txt"
+                    profiling = asyncio.create_task(record(worker.pid, 10, out))
+                batch.wall, batch.lags = await _project_batch(ctx, jobs, sim.pool, n)
+                batch.cpu.stop()
+                if profiling is not None:
+                    profiled = profile_lines(
+                        await profiling, f"the worker, first 10 s of the {n}-job batch"
+                    )
+            batch.rss_peak = rss.peak
+            batches.append(batch)
+        serial_n = options.scale_serial_jobs
+        serial_direct = await _direct_batch(ctx, serial.pool, serial_n)
+        serial_wall, _ = await _project_batch(ctx, jobs, serial.pool, serial_n)
+
+    return _outcome(batches, idle_rss, serial_n, serial_wall, serial_direct, profiled)
+
+
+def _outcome(
+    batches: list[Batch],
+    idle_rss: int,
+    serial_n: int,
+    serial_wall: float,
+    serial_direct: float,
+    profiled: list[str],
+) -> Outcome:
+    results: list[Result] = []
+    lags = [lag for b in batches for lag in b.lags]
+    for b in batches:
+        results.append(
+            result(
+                f"scale.rss_mb_at_{b.jobs}",
+                b.rss_peak / 1e6,
+                "MB",
+                baseline=idle_rss / 1e6,
+                target=Target(limit=RSS_MAX_MB) if b.jobs == SCALE_TARGET_JOBS else None,
+            )
+        )
+        results.append(
+            result(
+                f"scale.throughput_{b.jobs}_parallel",
+                b.jobs / b.wall,
+                "jobs/s",
+                baseline=b.jobs / b.direct_wall,
+            )
+        )
+    slope = intercept = None
+    if len(batches) >= 2:
+        slope, intercept = linear_fit(
+            [b.jobs for b in batches], [float(b.rss_peak) for b in batches]
+        )
+        results.append(result("scale.rss_growth_per_job", slope / 1e3, "KB/job"))
+        if all(b.jobs != SCALE_TARGET_JOBS for b in batches):
+            results.append(
+                result(
+                    f"scale.rss_mb_at_{SCALE_TARGET_JOBS}_extrapolated",
+                    (intercept + slope * SCALE_TARGET_JOBS) / 1e6,
+                    "MB",
+                    baseline=idle_rss / 1e6,
+                    target=Target(limit=RSS_MAX_MB),
+                )
+            )
+    results.append(
+        result(
+            "scale.throughput_deep_serial_queue",
+            serial_n / serial_wall,
+            "jobs/s",
+            baseline=serial_n / serial_direct,
+            target=Target(metric="ratio", op=">=", limit=THROUGHPUT_MIN_RATIO),
+        )
+    )
+    results.append(
+        result(
+            "scale.lag_p99",
+            percentile(lags, 99),
+            "ms",
+            baseline=percentile(lags, 50),
+            target=Target(limit=LAG_P99_MAX_MS),
+        )
+    )
+    rows = []
+    for b in batches:
+        assert b.cpu is not None
+        server = b.cpu.seconds.get("Temporal server", 0.0)
+        rows.append(
+            f"| {b.jobs} | {fmt(b.wall)} | {fmt(b.direct_wall)} | {fmt(b.jobs / b.wall)} | "
+            f"{fmt(b.jobs / b.direct_wall)} | {fmt(b.rss_before / 1e6)} | "
+            f"{fmt(b.rss_peak / 1e6)} | "
+            f"{fmt((b.rss_peak - idle_rss) / b.jobs / 1e3)} | {fmt(server / b.wall)} | "
+            f"{fmt(percentile(b.lags, 50))} / {fmt(percentile(b.lags, 99))} |"
+        )
+    cpu_lines: list[str] = []
+    for b in batches:
+        assert b.cpu is not None and b.direct_cpu is not None
+        cpu_lines += [
+            f"{b.jobs} jobs:",
+            "",
+            *cpu_table(
+                {
+                    "project": (b.cpu, b.wall, b.jobs),
+                    "direct": (b.direct_cpu, b.direct_wall, b.jobs),
+                }
+            ),
+            "",
+        ]
+    summary = [
+        f"Jobs of {STEPS} steps x {STEP_MS} ms; one worker (max_concurrent_activities raised to "
+        f"the largest batch); the parallel simulator runs a whole batch at once. Worker RSS idle "
+        f"(after a warm-up): {fmt(idle_rss / 1e6)} MB.",
+        "",
+        "| jobs | project s | direct s | project jobs/s | direct jobs/s | RSS before (MB) | "
+        "RSS peak (MB) | peak - idle per job (KB) | server cores | lag p50 / p99 (ms) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+        *rows,
+        "",
+        f"- RSS line fit: {fmt(slope / 1e3) if slope else '-'} KB per job, "
+        f"{fmt(intercept / 1e6) if intercept else '-'} MB at 0 jobs",
+        f"- deep serial queue: {serial_n} jobs in {fmt(serial_wall)} s, the same prompts directly "
+        f"in {fmt(serial_direct)} s",
+        f"- lag: {len(lags)} progress events of {WATCHED} watched jobs per batch, event at the "
+        f"simulator -> status handed to `JobClient.watch`",
+    ]
+    where_lines = [*summary, "", *cpu_lines, *profiled]
+    where = {r.name: where_lines for r in results if r.meets is False}
+    sections = [
+        Section(title="Scale: batches", lines=summary),
+        Section(title="Scale: CPU by process", lines=cpu_lines, console=False),
+    ]
+    if profiled:
+        sections.append(Section(title="Scale: profile", lines=profiled, console=False))
+    return Outcome(results=results, sections=sections, where=where)
+
+
+BENCHMARK = Benchmark(name="scale", group=4, title="Scale", run=run, timeout_s=900.0)
