@@ -1,18 +1,84 @@
 """What every backend's follow activity does alike: resume from its heartbeat, say which worker
-follows, and send the workflow its `progress` signals."""
+follows, and send the workflow its `progress` signals on milestones only.
+
+Fine-grained progress travels in the activity's heartbeats: every step goes into the
+`FollowHeartbeat`'s checkpoint, which costs no history event, reaches the server at most every
+`WorkerSettings.heartbeat_throttle_s` and is read by clients from the workflow's description
+(`starter.progress`). A `progress` signal costs about four history events (the signal and the
+workflow task it wakes), so one is sent only when the workflow must hear of it (`Milestones`).
+"""
 
 from __future__ import annotations
 
+import math
 import os
 import socket
+import time
+from collections.abc import Callable
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Literal
 
 from temporalio import activity
 
 from workflows.activity_io import FollowHeartbeat, FollowInput
 from workflows.contracts import Checkpoint, ProgressReport
 from workflows.shared import SIGNAL_PROGRESS
+
+Stage = Literal["queued", "running", "uploading", "finished"]
+
+# Progress milestones: each whole tenth of a prompt's steps (10 %, 20 %, ...).
+TENTHS = 10
+
+
+def tenth(step: int, total: int) -> int:
+    """The whole tenths of `total` that `step` has reached (0-10; 0 while the total is unknown)."""
+    if total <= 0:
+        return 0
+    return max(0, min(TENTHS, step * TENTHS // total))
+
+
+class Milestones:
+    """When a follow attempt sends the workflow a `progress` signal.
+
+    Due: the attempt's first report (the workflow learns who follows, and where the prompt
+    is), a change of the prompt's stage on the backend (queued -> running), each stored
+    artifact and the end (`force`), and each whole tenth of the steps, but a tenth no sooner
+    than `min_interval_s` (the job's `progress_interval_s`) after the previous signal: a short
+    job does not pay ten signals. A tenth held back that way is due at the next call after the
+    interval, and any forced signal carries the step it got to. Everything between milestones
+    goes only into heartbeats.
+    """
+
+    def __init__(
+        self, min_interval_s: float, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._min_interval_s = min_interval_s
+        self._clock = clock
+        self._stage: str | None = None
+        self._tenth = -1
+        self._at = -math.inf
+        self.sent = 0
+
+    def due(
+        self, stage: str, step: int, total: int, *, force: bool = False, news: bool = False
+    ) -> bool:
+        """True when this report is a milestone; it is then counted as told.
+
+        `news`: something else the workflow's status carries changed (a place in the queue):
+        told like a tenth, no sooner than `min_interval_s` after the previous signal.
+        """
+        now = self._clock()
+        reached = tenth(step, total)
+        first = self.sent == 0
+        rested = now - self._at >= self._min_interval_s
+        crossed = (reached > self._tenth or news) and rested
+        if not (first or force or stage != self._stage or crossed):
+            return False
+        self._stage = stage
+        self._tenth = max(self._tenth, reached)
+        self._at = now
+        self.sent += 1
+        return True
 
 
 def restore_checkpoint(heartbeat: FollowHeartbeat | None, req: FollowInput) -> Checkpoint:

@@ -4,10 +4,11 @@
 submits the prompt when asked to (socket first, so not even the first node's events are missed),
 heartbeats a `FollowHeartbeat` (its `Checkpoint` and the artifacts stored so far) on every event,
 uploads each output as its node finishes (offload.py's `OutputUploader`), and tells the workflow
-about progress with throttled signals. A retried attempt reads the last heartbeat and re-attaches
-to the same prompt by ID; it submits only when asked to and the backend has never heard of the
-prompt. `offload_outputs` (offload.py) reconciles against `/history` (the source of truth) once
-the prompt has finished.
+about progress with `progress` signals on milestones only (follow_common's `Milestones`): the
+steps in between reach clients through the heartbeat (`starter.progress`). A retried attempt
+reads the last heartbeat and re-attaches to the same prompt by ID; it submits only when asked to
+and the backend has never heard of the prompt. `offload_outputs` (offload.py) reconciles against
+`/history` (the source of truth) once the prompt has finished.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import asyncio
 import time
 from collections.abc import Mapping
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import Any
 
 import structlog
 import websockets
@@ -39,7 +40,13 @@ from activities.errors import (
     history_failure,
     retryable,
 )
-from activities.follow_common import restore_checkpoint, send_progress, worker_identity
+from activities.follow_common import (
+    Milestones,
+    Stage,
+    restore_checkpoint,
+    send_progress,
+    worker_identity,
+)
 from activities.orphans import prompt_tag
 from activities.progress import ProgressTracker
 from activities.storage import ArtifactStore
@@ -48,8 +55,6 @@ from workflows.contracts import Artifact, Checkpoint, ProgressReport
 from workflows.shared import ErrorType
 
 log = structlog.get_logger(__name__)
-
-Stage = Literal["queued", "running", "uploading", "finished"]
 
 # How long the socket may stay silent before we ask /queue and /history what is going on.
 # A node without a progress bar can keep a healthy socket silent for minutes.
@@ -96,10 +101,9 @@ class PromptFollower:
             stored=stored,
             run_tag=req.run_tag,
         )
-        self.tracker = ProgressTracker(
-            req.sampler_steps, req.nodes_total, min_interval_s=req.progress_interval_s
-        )
+        self.tracker = ProgressTracker(req.sampler_steps, req.nodes_total)
         self.tracker.restore(self.checkpoint.node_steps, self.checkpoint.nodes_done)
+        self.milestones = Milestones(req.progress_interval_s)
         timeout = activity.info().heartbeat_timeout
         # Heartbeat well inside the timeout even while the socket is silent.
         self.poll_s = (
@@ -229,6 +233,8 @@ class PromptFollower:
         if stage != self.stage:
             self.last_routed = time.monotonic()  # silence counts from the prompt's start
         self.stage, self.queue_position = stage, position
+        # A stage change is a milestone; so is a new place in the queue, which only the
+        # workflow's status carries (at most once per silence check while queued).
         await self._signal(stage, force=True)
 
     async def _next_event(self, ws: websockets.ClientConnection) -> bool:
@@ -380,7 +386,11 @@ class PromptFollower:
     async def _signal(
         self, stage: Stage, *, artifact: Artifact | None = None, force: bool = False
     ) -> None:
-        if not self.tracker.should_signal(force=force):
+        """A `progress` signal, if this is a milestone (every step is in the heartbeats)."""
+        # Milestones follow the prompt's stage on the backend; "uploading" only labels the
+        # report of an artifact (forced), and the workflow reads it as running.
+        where = "finished" if stage == "finished" else self.stage or stage
+        if not self.milestones.due(where, self.tracker.step, self.tracker.total, force=force):
             return
         report = ProgressReport(
             attempt_client_id=self.req.client_id,

@@ -10,8 +10,10 @@ has no idempotency key, so where the answer to `/run` is lost:
 - without claims (a stock worker-comfyui endpoint), nobody can tell: `SubmissionAmbiguous`, and
   the job's `on_ambiguous_submit` decides.
 
-Every poll heartbeats the checkpoint (with RunPod's job id as `provider_job_id`), so a worker
-that dies mid-job is replaced by one that polls the same RunPod job instead of paying again.
+Every poll heartbeats the checkpoint (with RunPod's job id as `provider_job_id`, and the step our
+handler reported), so a worker that dies mid-job is replaced by one that polls the same RunPod
+job instead of paying again, and clients read the step from the heartbeat; the workflow gets a
+`progress` signal on milestones only (follow_common's `Milestones`).
 """
 
 from __future__ import annotations
@@ -21,14 +23,20 @@ import time
 from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any, Literal, NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import structlog
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.errors import fatal, retryable
-from activities.follow_common import restore_checkpoint, send_progress, worker_identity
+from activities.follow_common import (
+    Milestones,
+    Stage,
+    restore_checkpoint,
+    send_progress,
+    worker_identity,
+)
 from activities.keys import artifact_key, content_type_for, job_folder
 from activities.runpod.artifacts import (
     UnusableArtifact,
@@ -65,8 +73,6 @@ from workflows.contracts import Artifact, Checkpoint, JobCost, ProgressReport
 from workflows.shared import ErrorType
 
 log = structlog.get_logger(__name__)
-
-Stage = Literal["queued", "running", "uploading", "finished"]
 
 # How often `/status` is asked (RunPod allows 2000 per 10 s per endpoint).
 POLL_S = 1.0
@@ -144,9 +150,12 @@ class RunPodFollower:
         # Other RunPod jobs of this submission that billed: a delivery that found it claimed,
         # and the holder whose `/run` answer was lost (its outcome replayed to ours).
         self.other_costs: dict[str, JobCost] = {}
+        # Where the submission is on RunPod, as last reported: "queued" or "running".
         self.stage: Stage | None = None
+        self.queue_position: int | None = None
+        self.told_position: int | None = None  # the place in the queue last signalled
         self.node: str | None = None
-        self.last_signal = 0.0
+        self.milestones = Milestones(req.progress_interval_s)
         self.worker_id = worker_identity()
         self.last_lease_check = time.monotonic()
         self.log = log.bind(job_id=req.job_id, prompt_id=req.prompt_id, segment=req.segment)
@@ -558,16 +567,26 @@ class RunPodFollower:
         artifact: Artifact | None = None,
         force: bool = False,
     ) -> None:
-        now = time.monotonic()
-        changed = stage != self.stage
-        if not (force or changed or now - self.last_signal >= self.req.progress_interval_s):
-            return
-        self.stage, self.last_signal = stage, now
+        """A `progress` signal, if this is a milestone (every poll's step is in the heartbeat).
+
+        "uploading" only labels the report of an artifact (forced); the stage milestones follow
+        is the submission's on RunPod. A new place in the queue is news the workflow's status
+        carries: told no more often than a tenth."""
+        if stage in ("queued", "running"):
+            self.stage = stage
+            self.queue_position = position if stage == "queued" else None
+        where = "finished" if stage == "finished" else self.stage or stage
         checkpoint = self._checkpoint()
+        news = self.queue_position != self.told_position
+        if not self.milestones.due(
+            where, checkpoint.step, checkpoint.total_steps, force=force, news=news
+        ):
+            return
+        self.told_position = self.queue_position
         report = ProgressReport(
             attempt_client_id=self.req.client_id,
             stage=stage,
-            queue_position=position if stage == "queued" else None,
+            queue_position=self.queue_position if stage == "queued" else None,
             step=checkpoint.step,
             total_steps=checkpoint.total_steps,
             node=self.node,
