@@ -97,6 +97,10 @@ async def run_worker(
             # After a worker is killed its workflows' tasks wait on its sticky queue this long
             # before another worker gets them (SDK default 10 s).
             sticky_queue_schedule_to_start_timeout=STICKY_TIMEOUT,
+            # A heartbeat's details reach the server at most this long after the activity
+            # sent them (the SDK's default is 0.8 x the heartbeat timeout): clients read the
+            # running job's step from them.
+            max_heartbeat_throttle_interval=timedelta(seconds=settings.heartbeat_throttle_s),
         )
         log.info(
             "worker_started",

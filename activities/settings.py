@@ -5,7 +5,8 @@ builds them and passes them down; nothing else reads these variables):
 
     WorkerSettings  DURABLE_COMFY_CONFIG, DURABLE_COMFY_POOLS, DURABLE_COMFY_TASK_QUEUE,
                     DURABLE_COMFY_DEFAULT_POOL, DURABLE_COMFY_ORPHAN_SWEEP_S,
-                    DURABLE_COMFY_METRICS_PORT, DURABLE_COMFY_LOG_LEVEL
+                    DURABLE_COMFY_METRICS_PORT, DURABLE_COMFY_LOG_LEVEL,
+                    DURABLE_COMFY_HEARTBEAT_THROTTLE_S
     S3Settings      DURABLE_COMFY_BUCKET, DURABLE_COMFY_S3_ENDPOINT, AWS_ACCESS_KEY_ID,
                     AWS_SECRET_ACCESS_KEY, AWS_REGION (else AWS_DEFAULT_REGION)
 
@@ -371,6 +372,14 @@ class WorkerSettings(EnvSettings):
     )
     # Unknown names fall back to INFO (activities.log_setup).
     log_level: str = Field("INFO", validation_alias="DURABLE_COMFY_LOG_LEVEL")
+    # The longest the SDK holds an activity's newest heartbeat before sending it (the Worker's
+    # `max_heartbeat_throttle_interval`; without it, 0.8 x the heartbeat timeout: 16 s by
+    # default). Clients read a running job's step from the follow activity's heartbeat, so this
+    # bounds how stale the step they see is; each send is one call to the server per running
+    # activity.
+    heartbeat_throttle_s: float = Field(
+        0.5, gt=0, le=60, validation_alias="DURABLE_COMFY_HEARTBEAT_THROTTLE_S"
+    )
 
     @field_validator("pools", mode="before")
     @classmethod

@@ -9,9 +9,11 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 from temporalio.testing import ActivityEnvironment
 
 from activities.follow_common import Milestones, tenth
+from activities.settings import WorkerSettings
 from tests.comfy_unit_fakes import (
     PNG,
     PROMPT_ID,
@@ -189,3 +191,13 @@ async def test_the_runpod_follower_heartbeats_every_poll_and_signals_milestones(
     assert [step for stage, step in told[2:] if stage == "running"] == list(range(5, 51, 5))
     assert told[-1] == ("finished", 50)
     assert len(told) == 13
+
+
+def test_the_heartbeat_throttle_is_a_worker_setting() -> None:
+    # Without it the SDK holds heartbeats for 0.8 x the heartbeat timeout (16 s by default),
+    # and clients would see a running job's step that late.
+    assert WorkerSettings.from_env({}).heartbeat_throttle_s == 0.5
+    variable = "DURABLE_COMFY_HEARTBEAT_THROTTLE_S"
+    assert WorkerSettings.from_env({variable: "0.25"}).heartbeat_throttle_s == 0.25
+    with pytest.raises(ValidationError, match=variable):
+        WorkerSettings.from_env({variable: "0"})
