@@ -5,7 +5,10 @@ client (this one after a restart, another machine, the Temporal UI) sees the sam
 
 The job answers the `status` query itself. Temporal's own record of the execution is read as
 well when the job cannot say how it ended: a workflow terminated or timed out from outside never
-runs its own ending, so its last answer stays non-terminal forever.
+runs its own ending, so its last answer stays non-terminal forever. While a prompt is followed,
+the same record (the workflow's description) carries the follow activity's latest heartbeat,
+whose step is laid over the job's answer (`starter.progress`): the job itself hears of progress
+only on milestones.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import structlog
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 from temporalio.client import (
     Client,
     RPCTimeoutOrCancelledError,
@@ -58,6 +61,7 @@ from starter.errors import (
     TemporalUnreachable,
 )
 from starter.execution import bare_status, ended_from_outside
+from starter.progress import FOLLOW_STATES, follow_heartbeats, overlaid
 from starter.requests import check_segment_overrides
 from workflows.backoff import reconnect_delay
 from workflows.contracts import (
@@ -248,11 +252,25 @@ class JobClient:
 
     async def status(self, job_id: str) -> JobStatus:
         """The job's status, from the job itself, corrected by Temporal's record when the
-        workflow was ended from outside (TERMINATED, TIMED_OUT)."""
+        workflow was ended from outside (TERMINATED, TIMED_OUT), and with the follow activity's
+        latest step laid over it while a prompt is followed (two calls: the query, and the
+        describe that serves both)."""
         status = await self._query(job_id)
         if status.terminal:
             return status
-        return await self._reconciled(job_id, status) or status
+        return await self._described(job_id, status, await self._describe(job_id))
+
+    @staticmethod
+    async def _described(
+        job_id: str, status: JobStatus, description: WorkflowExecutionDescription
+    ) -> JobStatus:
+        """`status` as Temporal's record corrects it: ended from outside, or further along by
+        the follow activity's heartbeat."""
+        ended = ended_from_outside(job_id, description, status)
+        if ended is not None:
+            return ended
+        beats = await follow_heartbeats(description) if status.state in FOLLOW_STATES else []
+        return overlaid(status, beats)
 
     async def _query(self, job_id: str) -> JobStatus:
         handle = self.handle(job_id)
@@ -301,10 +319,6 @@ class JobClient:
             if exc.status == RPCStatusCode.NOT_FOUND:
                 raise JobNotFound(job_id) from exc
             raise
-
-    async def _reconciled(self, job_id: str, last: JobStatus) -> JobStatus | None:
-        """`last` corrected when Temporal ended the workflow from outside; None otherwise."""
-        return ended_from_outside(job_id, await self._describe(job_id), last)
 
     async def _ended_status(self, job_id: str) -> JobStatus | None:
         """The final status when the job has ended, None while it runs (or raise not found)."""
@@ -393,37 +407,58 @@ class JobClient:
         reconnect: ReconnectPolicy | None = None,
         describe_after_s: float = 5.0,
     ) -> AsyncIterator[JobStatus]:
-        """Yield the job's status whenever it changes, the last one terminal.
+        """Yield the job's status whenever it changes (its `seq`, or the step it got to), the
+        last one terminal.
 
         Polls the `status` query and, for attached jobs, sends `client_seen` about four times
-        per abandonment horizon so the job knows someone is still listening. While the answer
-        stays the same for `describe_after_s`, Temporal's record is read too (at most that
-        often), so a workflow terminated from outside ends the watch as TERMINATED. Transport
-        errors are retried with the same bounded, jittered backoff the workflow uses; past the
-        horizon without an answer `ContactLost` is raised, while the job runs on server-side.
+        per abandonment horizon so the job knows someone is still listening. While a prompt is
+        followed (SUBMITTING, WAITING, RUNNING), each poll reads the workflow's description
+        instead: its follow activity's heartbeat gives the step (`starter.progress`), and the
+        query is asked again only when the history has grown since the last answer (the job's
+        status changes only in workflow tasks, which write events), so one call per poll
+        suffices between milestones. Otherwise, while the answer stays the same for
+        `describe_after_s`, Temporal's record is read too (at most that often), so a workflow
+        terminated from outside ends the watch as TERMINATED. Transport errors are retried with
+        the same bounded, jittered backoff the workflow uses; past the horizon without an answer
+        `ContactLost` is raised, while the job runs on server-side.
         """
         policy = reconnect or ReconnectPolicy()
+        last_shown: tuple[object, ...] | None = None
         last_seq = -1
         last_seen = float("-inf")
         changed_at = time.monotonic()
         described_at: float | None = None  # None: not yet, so the first answer is checked
+        # The last answer to the query, and the history (run, length) it was read after.
+        answered: JobStatus | None = None
+        answered_at: tuple[str | None, int] | None = None
         failures = 0
         lost_since: float | None = None
         while True:
             try:
                 if failures:
                     # Back after a gap: one update both records contact and reads the state.
-                    status = await self._attach_or_final(job_id)
+                    status = answered = await self._attach_or_final(job_id)
+                    answered_at = None
                     last_seen = time.monotonic()
+                elif answered is not None and answered.state in FOLLOW_STATES:
+                    # Described first: an answer read after it is at least that recent.
+                    description = await self._describe(job_id)
+                    history = (description.run_id, description.history_length)
+                    if history != answered_at:
+                        answered, answered_at = await self._query(job_id), history
+                    described_at = time.monotonic()
+                    status = await self._described(job_id, answered, description)
                 else:
-                    status = await self._query(job_id)
+                    status = answered = await self._query(job_id)
+                    answered_at = None
                 now = time.monotonic()
                 if status.seq != last_seq:
                     changed_at = now
+                last_seq = status.seq
                 quiet_s = now - max(changed_at, described_at or changed_at)
                 if not status.terminal and (described_at is None or quiet_s >= describe_after_s):
                     described_at = now
-                    status = await self._reconciled(job_id, status) or status
+                    status = await self._described(job_id, status, await self._describe(job_id))
                 interval = keepalive_s if keepalive_s is not None else _keepalive_interval(status)
                 if not status.terminal and not status.detached and now - last_seen >= interval:
                     await self.client_seen(job_id)
@@ -445,8 +480,9 @@ class JobClient:
                 await asyncio.sleep(delay)
                 continue
             failures, lost_since = 0, None
-            if status.seq != last_seq or status.terminal:
-                last_seq = status.seq
+            shown = _shown(status)
+            if shown != last_shown or status.terminal:
+                last_shown = shown
                 yield status
             if status.terminal:
                 return
@@ -464,15 +500,26 @@ class JobClient:
             return ended
 
     async def wait(self, job_id: str) -> JobStatus:
-        """Wait for the job to end; return its final status whatever the outcome."""
+        """Wait for the job to end; return its final status whatever the outcome.
+
+        The job's result is its final status, and so are the details of the error a FAILED job
+        ends with: read from there, without asking a worker to replay the closed workflow. Only
+        an ending that carries no status (a cancel through Temporal, a workflow terminated or
+        timed out from outside) is asked with a status query.
+        """
+        handle = self.temporal.get_workflow_handle(checked_job_id(job_id))
         try:
-            await self.handle(job_id).result()
-        except WorkflowFailureError:
-            pass
+            final = _final_status(await handle.result())
+        except WorkflowFailureError as exc:
+            cause = exc.cause
+            details = cause.details if isinstance(cause, ApplicationError) else ()
+            final = _final_status(details[0] if details else None)
         except RPCError as exc:
             if exc.status == RPCStatusCode.NOT_FOUND:
                 raise JobNotFound(job_id) from exc
             raise
+        if final is not None and final.job_id == job_id:
+            return final
         return await self.status(job_id)
 
     async def result(self, job_id: str, *, presign: bool = True) -> JobStatus:
@@ -539,6 +586,23 @@ def checked_job_id(job_id: str) -> str:
         return validate_job_id(job_id)
     except ValueError as exc:
         raise InvalidJobId(str(exc)) from None
+
+
+def _final_status(value: object) -> JobStatus | None:
+    """A final `JobStatus` as a job ends with it (its result, its error's first detail)."""
+    if value is None:
+        return None
+    try:
+        status = JobStatus.model_validate(value)
+    except ValidationError:
+        return None
+    return status if status.terminal else None
+
+
+def _shown(status: JobStatus) -> tuple[object, ...]:
+    """What `watch` compares: the job's own changes, and the progress a heartbeat moves."""
+    progress = status.progress
+    return (status.seq, progress.step, progress.total_steps, progress.fraction)
 
 
 def _short(exc: Exception) -> str:

@@ -1,0 +1,111 @@
+"""A running job's latest step, from the follow activity's heartbeat.
+
+The job's own status (its `status` query) hears of progress only on milestones: the follow
+activity signals the workflow at stage changes, each stored artifact and each whole tenth of the
+steps, because each signal costs history events. Every step in between is in the activity's
+heartbeat (a `FollowHeartbeat`, whose checkpoint holds the step), which the server keeps with
+the pending activity and returns in the workflow's description at no history cost. The worker
+sends it at most every `WorkerSettings.heartbeat_throttle_s` (0.5 s by default).
+
+`overlaid` lays that checkpoint over the queried status when it belongs to the job's current
+submission (same segment, prompt id and client id) and is newer: never backwards, so a stale
+heartbeat (an earlier attempt's, an earlier submission's) changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from temporalio.client import WorkflowExecutionDescription
+
+from workflows.activity_io import FollowHeartbeat
+from workflows.contracts import Checkpoint, JobState, JobStatus
+from workflows.shared import ACTIVITY_FOLLOW
+
+# The states in which a follow activity runs (and heartbeats): worth a describe per poll.
+FOLLOW_STATES = frozenset({JobState.SUBMITTING, JobState.WAITING, JobState.RUNNING})
+# The states in which the status's own checkpoint may be ahead of its progress (a failed
+# attempt's last heartbeat, recovered by the workflow before it re-attaches).
+_CHECKPOINT_STATES = FOLLOW_STATES | {JobState.RECONNECTING}
+
+
+async def follow_heartbeats(description: WorkflowExecutionDescription) -> list[FollowHeartbeat]:
+    """The heartbeats of the workflow's pending follow activities (normally one), as the
+    server last got them; those that cannot be read are left out."""
+    beats: list[FollowHeartbeat] = []
+    for pending in description.raw_description.pending_activities:
+        if pending.activity_type.name != ACTIVITY_FOLLOW:
+            continue
+        payloads = list(pending.heartbeat_details.payloads)
+        if not payloads:
+            continue
+        try:
+            details = await description.data_converter.decode(payloads)
+        except Exception:  # advisory: an unreadable heartbeat is no heartbeat
+            continue
+        beat = FollowHeartbeat.from_details(details)
+        if beat is not None:
+            beats.append(beat)
+    return beats
+
+
+def overlaid(status: JobStatus, heartbeats: Iterable[FollowHeartbeat] = ()) -> JobStatus:
+    """`status` with the furthest checkpoint of its current submission laid over its progress:
+    the heartbeats', or its own (ahead of its progress after a failed attempt). Unchanged when
+    none is ahead, or the job is not following a prompt."""
+    if status.state not in _CHECKPOINT_STATES or status.checkpoint is None:
+        return status
+    candidates = [status.checkpoint]
+    if status.state in FOLLOW_STATES:
+        candidates += [beat.checkpoint for beat in heartbeats]
+    best: Checkpoint | None = None
+    for checkpoint in candidates:
+        if _of_submission(status, checkpoint) and _ahead(status, checkpoint, best):
+            best = checkpoint
+    if best is None:
+        return status
+    progress = status.progress
+    total = best.total_steps or progress.total_steps
+    within = min(1.0, best.step / total) if total else 0.0
+    moved = progress.model_copy(
+        update={
+            "step": best.step,
+            "total_steps": total,
+            "fraction": min(1.0, (progress.segment + within) / max(1, progress.segments)),
+        }
+    )
+    update: dict[str, object] = {"progress": moved, "checkpoint": best}
+    if best.updated_at is not None and (
+        status.updated_at is None or best.updated_at > status.updated_at
+    ):
+        update["updated_at"] = best.updated_at
+    return status.model_copy(update=update)
+
+
+def _of_submission(status: JobStatus, checkpoint: Checkpoint) -> bool:
+    """Of the prompt the job follows now: a resubmission keeps the prompt id but not the
+    client id, and restarts from step 0."""
+    current = status.checkpoint
+    assert current is not None
+    if checkpoint.segment != status.progress.segment or checkpoint.prompt_id is None:
+        return False
+    if checkpoint.prompt_id != current.prompt_id:
+        return False
+    return current.client_id is None or checkpoint.client_id == current.client_id
+
+
+def _ahead(status: JobStatus, checkpoint: Checkpoint, best: Checkpoint | None) -> bool:
+    """Further than the status's progress (and than `best`): more steps, or as many and newer
+    (what else it carries, the outputs uploaded, may have moved)."""
+    step = status.progress.step if best is None else best.step
+    if checkpoint.step != step:
+        return checkpoint.step > step
+    reference = status.checkpoint if best is None else best
+    assert reference is not None
+    if checkpoint is reference:
+        return False
+    return (
+        checkpoint.updated_at is not None
+        and reference.updated_at is not None
+        and checkpoint.updated_at > reference.updated_at
+    )

@@ -1,0 +1,334 @@
+"""`JobClient`'s reading of a running job's step from the follow activity's heartbeat, and of a
+final status from the job's result, without a server: descriptions built from the proto the
+server answers, a fake Temporal client for `wait`.
+
+- `overlaid`: a newer heartbeat of the current submission moves the step; a stale one (fewer
+  steps, an earlier submission, another prompt or segment) and a job not following a prompt
+  change nothing;
+- `follow_heartbeats`: read from the description's pending activities, only the follow's;
+- `watch`: between milestones one describe per poll, the query only when the history grew, and
+  a heartbeat-only change is yielded;
+- `wait`: the result (or a FAILED job's error details) is the final status; a cancel through
+  Temporal falls back to the status query.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Any, cast
+
+import pytest
+from temporalio.api.enums.v1 import WorkflowExecutionStatus as RawStatus
+from temporalio.api.workflowservice.v1 import DescribeWorkflowExecutionResponse
+from temporalio.client import Client, WorkflowExecutionDescription, WorkflowFailureError
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.exceptions import ApplicationError, CancelledError
+
+from starter import JobClient
+from starter.progress import follow_heartbeats, overlaid
+from workflows.activity_io import FollowHeartbeat
+from workflows.contracts import Checkpoint, JobError, JobState, JobStatus, Progress
+from workflows.shared import ACTIVITY_FOLLOW
+
+JOB = "job-overlay"
+PROMPT = "prompt-1"
+CLIENT = "dc-client-1"
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def checkpoint(step: int, *, at: float = 0.0, **changes: Any) -> Checkpoint:
+    base: dict[str, Any] = {
+        "job_id": JOB,
+        "prompt_id": PROMPT,
+        "client_id": CLIENT,
+        "step": step,
+        "total_steps": 5000,
+        "updated_at": T0 + timedelta(seconds=at),
+    }
+    return Checkpoint.model_validate(base | changes)
+
+
+def running(step: int, *, state: JobState = JobState.RUNNING, seq: int = 7) -> JobStatus:
+    """The job's own answer: step `step` told at its last milestone (at t=step/100 s)."""
+    return JobStatus(
+        job_id=JOB,
+        state=state,
+        seq=seq,
+        progress=Progress(step=step, total_steps=5000, fraction=step / 5000),
+        checkpoint=checkpoint(step, at=step / 100),
+        updated_at=T0 + timedelta(seconds=step / 100),
+    )
+
+
+def beat(step: int, *, at: float | None = None, **changes: Any) -> FollowHeartbeat:
+    return FollowHeartbeat(
+        checkpoint=checkpoint(step, at=step / 100 if at is None else at, **changes)
+    )
+
+
+# -- overlaid ---------------------------------------------------------------------------------
+
+
+def test_a_newer_heartbeat_of_the_submission_moves_the_step() -> None:
+    status = overlaid(running(1000), [beat(1234)])
+    assert status.progress.step == 1234 and status.progress.fraction == pytest.approx(0.2468)
+    assert status.checkpoint is not None and status.checkpoint.step == 1234
+    assert status.updated_at == T0 + timedelta(seconds=12.34)
+    assert status.seq == 7, "seq stays the job's own"
+
+
+def test_the_fraction_counts_the_segments() -> None:
+    base = running(0)
+    base.progress = Progress(segment=1, segments=4, step=0, total_steps=100, fraction=0.25)
+    base.checkpoint = checkpoint(0, segment=1, total_steps=100)
+    moved = overlaid(base, [beat(50, segment=1, total_steps=100)]).progress
+    assert moved.step == 50 and moved.fraction == pytest.approx(0.375)
+
+
+def test_a_stale_heartbeat_never_moves_progress_backwards() -> None:
+    status = running(2000)
+    assert overlaid(status, [beat(1500)]) == status
+    assert overlaid(status, [beat(2000, at=5.0)]) == status, "as far, and older"
+
+
+def test_the_furthest_of_several_heartbeats_wins() -> None:
+    assert overlaid(running(100), [beat(300), beat(200), beat(250)]).progress.step == 300
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        {"prompt_id": "prompt-0"},  # an earlier prompt's follow
+        {"client_id": "dc-client-0"},  # the same prompt's earlier submission (restarts at 0)
+        {"segment": 1},  # the next segment's
+        {"prompt_id": None},
+    ],
+)
+def test_a_heartbeat_of_another_submission_is_ignored(other: dict[str, Any]) -> None:
+    status = running(100)
+    assert overlaid(status, [beat(4000, **other)]) == status
+
+
+def test_no_pending_activity_leaves_the_answer_as_it_is() -> None:
+    status = running(100)
+    assert overlaid(status, []) == status
+
+
+@pytest.mark.parametrize(
+    "state", [JobState.UPLOADING, JobState.STOPPING, JobState.NEEDS_DECISION, JobState.COMPLETED]
+)
+def test_only_a_job_following_its_prompt_is_overlaid(state: JobState) -> None:
+    status = running(100, state=state)
+    assert overlaid(status, [beat(4000)]) == status
+
+
+def test_reconnecting_shows_the_checkpoint_the_job_recovered() -> None:
+    # The workflow took the failed attempt's last heartbeat as its checkpoint: further than its
+    # last milestone. No follow runs meanwhile, so heartbeats are not asked for, nor used.
+    status = running(1000, state=JobState.RECONNECTING)
+    status.checkpoint = checkpoint(1400, at=20.0)
+    shown = overlaid(status, [beat(4000)])
+    assert shown.progress.step == 1400 and shown.state == JobState.RECONNECTING
+
+
+def test_a_job_without_a_checkpoint_is_left_alone() -> None:
+    status = running(0)
+    status.checkpoint = None
+    assert overlaid(status, [beat(10)]) == status
+
+
+# -- follow_heartbeats --------------------------------------------------------------------------
+
+
+async def description(
+    *beats: tuple[str, FollowHeartbeat | None],
+    history_length: int = 10,
+    status: RawStatus.ValueType = RawStatus.WORKFLOW_EXECUTION_STATUS_RUNNING,
+    run_id: str = "run-1",
+) -> WorkflowExecutionDescription:
+    """What `describe()` returns, built from the server's answer: pending activities (type,
+    heartbeat) and the history's length."""
+    raw = DescribeWorkflowExecutionResponse()
+    info = raw.workflow_execution_info
+    info.execution.workflow_id, info.execution.run_id = JOB, run_id
+    info.type.name = "InferenceJob"
+    info.status = status
+    info.history_length = history_length
+    for activity_type, heartbeat in beats:
+        pending = raw.pending_activities.add()
+        pending.activity_type.name = activity_type
+        if heartbeat is not None:
+            payloads = await pydantic_data_converter.encode([heartbeat.model_dump(mode="json")])
+            pending.heartbeat_details.payloads.extend(payloads)
+    return await WorkflowExecutionDescription._from_raw_description(
+        raw, namespace="default", converter=pydantic_data_converter
+    )
+
+
+async def test_heartbeats_are_read_from_the_pending_follow_activity_only() -> None:
+    described = await description(
+        (ACTIVITY_FOLLOW, beat(42)), ("stop_prompt", beat(99)), (ACTIVITY_FOLLOW, None)
+    )
+    assert [b.checkpoint.step for b in await follow_heartbeats(described)] == [42]
+    assert await follow_heartbeats(await description()) == []
+
+
+async def test_an_unreadable_heartbeat_is_no_heartbeat() -> None:
+    described = await description((ACTIVITY_FOLLOW, None))
+    pending = described.raw_description.pending_activities[0]
+    pending.heartbeat_details.payloads.extend(await pydantic_data_converter.encode(["junk"]))
+    assert await follow_heartbeats(described) == []
+
+
+# -- watch ----------------------------------------------------------------------------------------
+
+
+class Calls:
+    """A JobClient whose query and describe are scripted, and what it asked."""
+
+    def __init__(self, answers: list[JobStatus], descriptions: list[WorkflowExecutionDescription]):
+        self.answers, self.descriptions = answers, descriptions
+        self.asked: list[str] = []
+        self.client = JobClient(cast(Client, object()))
+
+        async def query(job_id: str) -> JobStatus:
+            self.asked.append("query")
+            return self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+
+        async def describe(job_id: str) -> WorkflowExecutionDescription:
+            self.asked.append("describe")
+            found = self.descriptions
+            return found.pop(0) if len(found) > 1 else found[0]
+
+        async def client_seen(job_id: str) -> None:
+            self.asked.append("client_seen")
+
+        self.client._query = query  # type: ignore[method-assign]
+        self.client._describe = describe  # type: ignore[method-assign]
+        self.client.client_seen = client_seen  # type: ignore[method-assign]
+
+
+async def test_watch_reads_steps_from_heartbeats_and_queries_only_when_history_grew() -> None:
+    done = running(5000, seq=12)
+    done.state = JobState.COMPLETED
+    calls = Calls(
+        answers=[running(1000), running(1000), done],
+        descriptions=[
+            await description((ACTIVITY_FOLLOW, beat(1000)), history_length=40),  # reconcile
+            await description((ACTIVITY_FOLLOW, beat(1100)), history_length=40),
+            await description((ACTIVITY_FOLLOW, beat(1200)), history_length=40),
+            await description((ACTIVITY_FOLLOW, beat(1200)), history_length=40),
+            await description((ACTIVITY_FOLLOW, beat(1300)), history_length=40),
+            await description(
+                history_length=52, status=RawStatus.WORKFLOW_EXECUTION_STATUS_COMPLETED
+            ),
+        ],
+    )
+    seen = [
+        (s.state, s.progress.step)
+        async for s in calls.client.watch(JOB, poll_interval_s=0, keepalive_s=3600)
+    ]
+    assert seen == [
+        (JobState.RUNNING, 1000),
+        (JobState.RUNNING, 1100),
+        (JobState.RUNNING, 1200),
+        (JobState.RUNNING, 1300),  # nothing new at 1200 twice: not yielded twice
+        (JobState.COMPLETED, 5000),
+    ]
+    # The first answer, once more when the watch first describes (history 40), then only
+    # when the history grew: the job's end.
+    assert calls.asked.count("query") == 3
+    assert calls.asked.count("describe") == 6
+
+
+async def test_watch_ends_a_job_terminated_from_outside_while_it_followed() -> None:
+    calls = Calls(
+        answers=[running(1000)],
+        descriptions=[
+            await description((ACTIVITY_FOLLOW, beat(1000))),
+            await description(status=RawStatus.WORKFLOW_EXECUTION_STATUS_TERMINATED),
+        ],
+    )
+    seen = [s async for s in calls.client.watch(JOB, poll_interval_s=0, keepalive_s=3600)]
+    assert seen[-1].state == JobState.TERMINATED
+
+
+async def test_status_overlays_the_heartbeat_from_the_describe_it_makes_anyway() -> None:
+    calls = Calls(
+        answers=[running(1000)], descriptions=[await description((ACTIVITY_FOLLOW, beat(1700)))]
+    )
+    status = await calls.client.status(JOB)
+    assert status.progress.step == 1700
+    assert calls.asked == ["query", "describe"]
+
+
+# -- wait ---------------------------------------------------------------------------------------
+
+
+class FakeHandle:
+    def __init__(self, outcome: Any) -> None:
+        self.outcome = outcome
+
+    async def result(self) -> Any:
+        if isinstance(outcome := self.outcome, BaseException):
+            raise outcome
+        return outcome
+
+
+class FakeTemporal:
+    def __init__(self, outcome: Any) -> None:
+        self.outcome = outcome
+
+    def get_workflow_handle(self, job_id: str, **_: Any) -> FakeHandle:
+        return FakeHandle(self.outcome)
+
+
+def waiting_client(outcome: Any) -> tuple[JobClient, list[str]]:
+    asked: list[str] = []
+    client = JobClient(cast(Client, FakeTemporal(outcome)))
+
+    async def status(job_id: str) -> JobStatus:
+        asked.append("status")
+        return JobStatus(job_id=job_id, state=JobState.CANCELLED)
+
+    client.status = status  # type: ignore[method-assign]
+    return client, asked
+
+
+def final(state: JobState, **changes: Any) -> dict[str, Any]:
+    status = JobStatus(job_id=JOB, state=state, seq=30, **changes)
+    return status.model_dump(mode="json")
+
+
+async def test_wait_returns_the_result_without_asking_again() -> None:
+    client, asked = waiting_client(final(JobState.COMPLETED))
+    status = await client.wait(JOB)
+    assert (status.state, status.seq) == (JobState.COMPLETED, 30)
+    assert asked == []
+
+
+async def test_wait_reads_a_failed_jobs_status_from_its_error() -> None:
+    error = JobError(type="InvalidGraph", message="no such node")
+    failure = ApplicationError(
+        "no such node", final(JobState.FAILED, error=error), type="InvalidGraph"
+    )
+    client, asked = waiting_client(WorkflowFailureError(cause=failure))
+    status = await client.wait(JOB)
+    assert status.state == JobState.FAILED and status.error == error
+    assert asked == []
+
+
+@pytest.mark.parametrize(
+    "outcome",
+    [
+        WorkflowFailureError(cause=CancelledError("cancelled through Temporal")),
+        WorkflowFailureError(cause=ApplicationError("no status in it")),
+        {"not": "a status"},
+        final(JobState.RUNNING),  # never a job's end
+        JobStatus(job_id="another-job", state=JobState.COMPLETED).model_dump(mode="json"),
+    ],
+)
+async def test_wait_asks_the_job_when_its_ending_carries_no_status(outcome: Any) -> None:
+    client, asked = waiting_client(outcome)
+    status = await client.wait(JOB)
+    assert status.state == JobState.CANCELLED and asked == ["status"]
