@@ -376,9 +376,9 @@ class WorkerSettings(EnvSettings):
     # `max_heartbeat_throttle_interval`; without it, 0.8 x the heartbeat timeout: 16 s by
     # default). Clients read a running job's step from the follow activity's heartbeat, so this
     # bounds how stale the step they see is; each send is one call to the server per running
-    # activity.
+    # activity. Below the CLI's 0.5 s poll, so each poll finds a newer step than the last.
     heartbeat_throttle_s: float = Field(
-        0.5, gt=0, le=60, validation_alias="DURABLE_COMFY_HEARTBEAT_THROTTLE_S"
+        0.4, gt=0, le=60, validation_alias="DURABLE_COMFY_HEARTBEAT_THROTTLE_S"
     )
 
     @field_validator("pools", mode="before")

@@ -5,7 +5,7 @@ activity signals the workflow at stage changes, each stored artifact and each wh
 steps, because each signal costs history events. Every step in between is in the activity's
 heartbeat (a `FollowHeartbeat`, whose checkpoint holds the step), which the server keeps with
 the pending activity and returns in the workflow's description at no history cost. The worker
-sends it at most every `WorkerSettings.heartbeat_throttle_s` (0.5 s by default).
+sends it at most every `WorkerSettings.heartbeat_throttle_s` (0.4 s by default).
 
 `overlaid` lays that checkpoint over the queried status when it belongs to the job's current
 submission (same segment, prompt id and client id) and is newer: never backwards, so a stale

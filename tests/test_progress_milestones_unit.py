@@ -196,7 +196,7 @@ async def test_the_runpod_follower_heartbeats_every_poll_and_signals_milestones(
 def test_the_heartbeat_throttle_is_a_worker_setting() -> None:
     # Without it the SDK holds heartbeats for 0.8 x the heartbeat timeout (16 s by default),
     # and clients would see a running job's step that late.
-    assert WorkerSettings.from_env({}).heartbeat_throttle_s == 0.5
+    assert WorkerSettings.from_env({}).heartbeat_throttle_s == 0.4
     variable = "DURABLE_COMFY_HEARTBEAT_THROTTLE_S"
     assert WorkerSettings.from_env({variable: "0.25"}).heartbeat_throttle_s == 0.25
     with pytest.raises(ValidationError, match=variable):
