@@ -440,11 +440,12 @@ class JobClient:
                     status = answered = await self._attach_or_final(job_id)
                     answered_at = None
                     last_seen = time.monotonic()
-                elif answered is not None and answered.state in FOLLOW_STATES:
-                    # Described first: an answer read after it is at least that recent.
+                elif answered is None or answered.state in FOLLOW_STATES:
+                    # The first poll, or a prompt is followed. Described first: an answer read
+                    # after it is at least as recent as the history it counts.
                     description = await self._describe(job_id)
                     history = (description.run_id, description.history_length)
-                    if history != answered_at:
+                    if answered is None or history != answered_at:
                         answered, answered_at = await self._query(job_id), history
                     described_at = time.monotonic()
                     status = await self._described(job_id, answered, description)
