@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import time
 
+from activities.settings import WorkerSettings
 from bench.jobs import DEFAULT_POLL_S, Seen, prompt_id_of, request, watch
 from bench.outcome import Benchmark, BenchOptions, Outcome, Section
 from bench.results import fmt, percentile, result
 from bench.sim import ObserverSocket, SimProgress, progress_times
 from bench.stack import TIMED_POOL, BenchContext
-from workflows.contracts import JobPolicy
+
+# The worker's default `max_heartbeat_throttle_interval` (DURABLE_COMFY_HEARTBEAT_THROTTLE_S).
+THROTTLE_S = float(WorkerSettings.model_fields["heartbeat_throttle_s"].default)
 
 
 def event_to_seen_ms(steps: list[SimProgress], seen: list[Seen]) -> list[float]:
@@ -99,10 +102,12 @@ async def run(ctx: BenchContext, options: BenchOptions) -> Outcome:
                 f"- shown step's age when handed over: p50 {fmt(percentile(ages, 50))} ms, p95 "
                 f"{fmt(percentile(ages, 95))} ms",
                 f"- Temporal calls: {len(calls)} ({by_method}), {fmt(calls_per_s)} per s",
-                f"- why: a step reaches the workflow only in a `progress` signal, sent at most "
-                f"every `policy.progress_interval_s` ({fmt(JobPolicy().progress_interval_s)} s "
-                "by default), and the watcher sees it at its next poll: the lag is about half "
-                "the throttle plus half the poll interval on average, at most both.",
+                "- why: the watcher reads the step from the follow activity's heartbeat (the "
+                "workflow's description, each poll while a prompt is followed; the query only "
+                "when the history grew), which the worker sends at most every "
+                f"`heartbeat_throttle_s` ({fmt(THROTTLE_S)}"
+                " s by default): the lag is about half the throttle plus half the poll interval "
+                "on average, at most both (plus the calls' own time).",
             ],
         )
     ]

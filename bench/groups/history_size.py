@@ -12,13 +12,13 @@ from __future__ import annotations
 import itertools
 import time
 
+from activities.settings import WorkerSettings
 from bench.histories import job_history, round_trips
 from bench.jobs import DEFAULT_POLL_S, Seen, completed, prompt_id_of, request, watch
 from bench.outcome import Benchmark, BenchOptions, Outcome, Section
 from bench.results import Target, fmt, result
 from bench.sim import progress_times
 from bench.stack import TIMED_POOL, BenchContext
-from workflows.contracts import JobPolicy
 
 EVENTS_MAX = 150
 GAP_MAX_S = 1.0
@@ -89,20 +89,22 @@ async def run(ctx: BenchContext, options: BenchOptions) -> Outcome:
         f"{progress_signals} `progress` signals over {fmt(sampling_s)} s of sampling "
         f"({fmt(progress_signals / sampling_s if sampling_s else 0)} per s), each about "
         f"{fmt(per_signal)} events (the signal, and the workflow task it wakes: scheduled, "
-        "started, completed), plus any search-attribute upserts it makes.",
+        "started, completed), plus any search-attribute upserts it makes. The follow "
+        "activity signals on milestones only (first report, stage changes, artifacts, each "
+        "tenth of the steps, the end): more than about 14 means more stages or artifacts, "
+        "or a tenth per `progress_interval_s`.",
         "Events by type: "
         + ", ".join(f"{kind} x{count}" for kind, count in trips.by_type.items())
         + ".",
     ]
-    throttle = JobPolicy().progress_interval_s
+    throttle = WorkerSettings.model_fields["heartbeat_throttle_s"].default
     gap_where = [
-        f"The client polls every {fmt(DEFAULT_POLL_S)} s, but a step reaches the workflow "
-        f"only with a `progress` signal ({progress_signals} in {fmt(sampling_s)} s of "
-        f"sampling): the activity sends one at most every `policy.progress_interval_s` "
-        f"({fmt(throttle)} s by default), so the step a client sees stays put that long, plus "
-        f"up to a poll interval: longest {fmt(gap)} s. Fine-grained progress without history "
-        "events would come from the running activity's heartbeat details (the workflow's "
-        "description), not from more signals.",
+        f"The client polls every {fmt(DEFAULT_POLL_S)} s and reads the step from the follow "
+        "activity's heartbeat in the workflow's description, which the worker sends at most "
+        f"every `heartbeat_throttle_s` ({fmt(throttle)} s by default; the workflow itself "
+        f"hears {progress_signals} `progress` signals in {fmt(sampling_s)} s of sampling): "
+        f"longest {fmt(gap)} s. A gap past the throttle plus a poll is the machine's load "
+        "(a late heartbeat, a slow describe) or a heartbeat that was not sent.",
     ]
     return Outcome(
         results=results,
