@@ -140,12 +140,13 @@ async def test_the_comfyui_follower_heartbeats_every_step_and_signals_milestones
     beaten = {beat.checkpoint.step for beat in rig.heartbeats()}
     assert set(range(1, 101)) <= beaten, "every step is heartbeated"
     told = [(r.stage, r.step) for r in rig.signals.reports]
-    # The first report (running), each tenth (progress_interval_s is 0 here), the artifact,
-    # the end: never one per step or per node.
+    # The first report (running) and each tenth (progress_interval_s is 0 here): never one per
+    # step or per node. The artifact stored after the prompt ended, and the end itself, are
+    # told by the result, not by signals.
     assert told[0] == ("running", 0)
     assert [step for stage, step in told if stage == "running"][1:] == list(range(10, 101, 10))
-    assert [stage for stage, _ in told[-2:]] == ["uploading", "finished"]
-    assert len(told) == 13
+    assert len(told) == 11
+    assert [a.node_id for a in result.artifacts] == ["9"]
 
 
 def _progress(step: int, seq: int, total: int) -> dict[str, Any]:
@@ -189,8 +190,8 @@ async def test_the_runpod_follower_heartbeats_every_poll_and_signals_milestones(
     assert told[0] == ("queued", 0), "the first report; more queued polls tell nothing new"
     assert told[1] == ("running", 1), "queued -> running"
     assert [step for stage, step in told[2:] if stage == "running"] == list(range(5, 51, 5))
-    assert told[-1] == ("finished", 50)
-    assert len(told) == 13
+    assert told[-1] == ("running", 50), "the end is told by the result"
+    assert len(told) == 12
 
 
 def test_the_heartbeat_throttle_is_a_worker_setting() -> None:

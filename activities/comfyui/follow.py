@@ -145,7 +145,7 @@ class PromptFollower:
                 task.cancel()
         self.tracker.complete()
         self._heartbeat()
-        await self._signal("finished", force=True)
+        # No "finished" signal: the result tells the workflow the same, a round trip sooner.
         return FollowResult(
             prompt_id=self.req.prompt_id,
             outcome="success",
@@ -386,7 +386,13 @@ class PromptFollower:
     async def _signal(
         self, stage: Stage, *, artifact: Artifact | None = None, force: bool = False
     ) -> None:
-        """A `progress` signal, if this is a milestone (every step is in the heartbeats)."""
+        """A `progress` signal, if this is a milestone (every step is in the heartbeats).
+
+        Once the prompt has ended, the activity's result is the next thing the workflow hears:
+        an artifact stored meanwhile is told there, not by a signal on the job's critical path
+        (one that could also land after the result)."""
+        if self.succeeded:
+            return
         # Milestones follow the prompt's stage on the backend; "uploading" only labels the
         # report of an artifact (forced), and the workflow reads it as running.
         where = "finished" if stage == "finished" else self.stage or stage

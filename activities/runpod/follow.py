@@ -374,7 +374,7 @@ class RunPodFollower:
         if outcome.output.replayed and holder is not None and holder != job.id:
             await self._read_holder_cost(holder)
         self._heartbeat()
-        await self._report("finished", force=True)
+        # No "finished" signal: the result tells the workflow the same, a round trip sooner.
         return FollowResult(
             prompt_id=self.req.prompt_id,
             outcome="success",
