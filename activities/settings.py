@@ -361,7 +361,11 @@ class WorkerSettings(EnvSettings):
     default_pool: str = Field("comfyui", validation_alias="DURABLE_COMFY_DEFAULT_POOL")
     # JSON `{name: {kind, url}}` from the variable; replaces the config file's pools.
     pools: dict[str, PoolConfig] = Field(default_factory=dict, validation_alias=POOLS_VAR)
-    max_concurrent_activities: int = 100
+    # Each running job holds one activity slot for its whole follow: this is how many prompts
+    # one worker process follows at once (about 0.3 MB of memory each; `make bench` group 4).
+    max_concurrent_activities: int = Field(
+        100, ge=1, validation_alias="DURABLE_COMFY_MAX_CONCURRENT_ACTIVITIES"
+    )
     # How often each worker looks for prompts whose job is over (0: never).
     orphan_sweep_interval_s: float = Field(
         60.0, ge=0, validation_alias="DURABLE_COMFY_ORPHAN_SWEEP_S"

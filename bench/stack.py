@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -35,14 +34,12 @@ from activities.storage import ArtifactStore, S3Settings
 from bench.bare import READY_MARK
 from bench.calls import CallLog, counted_client
 from bench.outcome import BenchOptions
-from bench.worker_main import MAX_VAR
-from devstack.chaos.worker_proc import KillableWorker, clean_environ
+from devstack.chaos.worker_proc import KillableWorker
 from devstack.config import StackConfig
 from devstack.free_ports import free_port, make_stack_config
 from devstack.models import RunningStack
 from devstack.processes import PidRecord, is_alive, log_tail, spawn_detached, terminate
 from devstack.stack import start_service, start_stack, stop_service, stop_stack
-from devstack.worker_process import READY_MARK as WORKER_READY
 from starter import JobClient
 from starter.connection import connect_temporal
 
@@ -268,14 +265,11 @@ class BenchWorker:
 
     task_queue: str
     log_file: Path
-    killable: KillableWorker | None = None  # `python worker.py` (can be kill -9'ed, restarted)
-    record: PidRecord | None = None  # `python -m bench.worker_main`
+    killable: KillableWorker  # `python worker.py` (can be kill -9'ed, restarted)
 
     @property
     def pid(self) -> int:
-        pid = self.killable.pid if self.killable is not None else None
-        if pid is None and self.record is not None:
-            pid = self.record.pid
+        pid = self.killable.pid
         if pid is None:
             raise RuntimeError("the worker is not running")
         return pid
@@ -289,9 +283,9 @@ async def extra_worker(
     *,
     max_concurrent_activities: int | None = None,
 ) -> AsyncIterator[BenchWorker]:
-    """The project's worker serving `pools` on a task queue of its own, stopped by PID at the
-    end: `python worker.py` as it ships, or (with `max_concurrent_activities`, which no variable
-    sets) `python -m bench.worker_main`, the same `run_worker` with that one setting changed."""
+    """The project's worker (`python worker.py` as it ships) serving `pools` on a task queue of
+    its own, stopped by PID at the end; `max_concurrent_activities` sets
+    DURABLE_COMFY_MAX_CONCURRENT_ACTIVITIES (how many prompts it follows at once)."""
     task_queue = f"bench-{name}-{uuid.uuid4().hex[:8]}"
     env = {
         **ctx.stack.worker_env(),
@@ -301,37 +295,12 @@ async def extra_worker(
         ),
         "DURABLE_COMFY_DEFAULT_POOL": pools[0].name,
     }
+    if max_concurrent_activities is not None:
+        env["DURABLE_COMFY_MAX_CONCURRENT_ACTIVITIES"] = str(max_concurrent_activities)
     log_file = ctx.work_dir / "logs" / f"worker-{name}.log"
-    if max_concurrent_activities is None:
-        killable = KillableWorker(env, log_file, name=f"worker-{name}")
-        try:
-            await killable.start()
-            yield BenchWorker(task_queue, log_file, killable=killable)
-        finally:
-            await killable.terminate(grace_s=10)
-        return
-    argv = [sys.executable, "-m", "bench.worker_main"]
-    full_env = {
-        **clean_environ(),
-        **env,
-        "PYTHONUNBUFFERED": "1",
-        MAX_VAR: str(max_concurrent_activities),
-    }
-    foreign = [k for k in os.environ if k not in full_env]
-    record = spawn_detached(
-        argv,
-        log_file,
-        ROOT,
-        ctx.work_dir / "pids" / f"worker-{name}.pid",
-        env=full_env,
-        unset_env=foreign,
-    )
+    killable = KillableWorker(env, log_file, name=f"worker-{name}")
     try:
-        deadline = time.monotonic() + 60
-        while WORKER_READY not in log_file.read_text(errors="replace"):
-            if not is_alive(record) or time.monotonic() > deadline:
-                raise RuntimeError(f"worker {name} did not start:\n{log_tail(log_file)}")
-            await asyncio.sleep(0.05)
-        yield BenchWorker(task_queue, log_file, record=record)
+        await killable.start()
+        yield BenchWorker(task_queue, log_file, killable=killable)
     finally:
-        await terminate(record, grace_s=10)
+        await killable.terminate(grace_s=10)

@@ -572,3 +572,11 @@ def test_the_runpod_keys_are_read_once_from_the_variables_the_pools_name() -> No
     assert "pool 'team': RUNPOD_KEY_TEAM is not set" in str(caught.value)
     assert "'rp'" not in str(caught.value) and RUNPOD_KEY not in str(caught.value)
     assert runpod_api_keys({"local": pools["local"]}, {}) == {}, "no runpod pool, no key needed"
+
+
+def test_how_many_prompts_a_worker_follows_at_once_is_a_setting() -> None:
+    variable = "DURABLE_COMFY_MAX_CONCURRENT_ACTIVITIES"
+    assert WorkerSettings.from_env({}).max_concurrent_activities == 100
+    assert WorkerSettings.from_env({variable: "1000"}).max_concurrent_activities == 1000
+    with pytest.raises(ValidationError, match=variable):
+        WorkerSettings.from_env({variable: "0"})

@@ -1,10 +1,9 @@
 """Group 4, scale: many concurrently monitored jobs in one worker process.
 
-A worker of its own (`python -m bench.worker_main`: worker.py's `run_worker` with
-`max_concurrent_activities` raised to the largest batch, since the shipped 100 caps one worker
-at 100 followed prompts and no variable sets it), two simulators of its own at 10 ms per step:
-one in parallel mode running every prompt of a batch at once, one serial (ComfyUI's one at a
-time: the deep queue). Jobs of 20 steps.
+A worker of its own (`python worker.py` with DURABLE_COMFY_MAX_CONCURRENT_ACTIVITIES raised to
+the largest batch, since the default 100 caps one worker at 100 followed prompts), two
+simulators of its own at 10 ms per step: one in parallel mode running every prompt of a batch
+at once, one serial (ComfyUI's one at a time: the deep queue). Jobs of 20 steps.
 
 For each batch size in `--scale-jobs` (100 and 300 by default; 1,000 if asked):
 - **direct**: the same number of prompts sent at once the direct script's way (bench/direct.py);
