@@ -42,20 +42,7 @@ QUICK_RETRY = RetryPolicy(
 ONE_ATTEMPT = RetryPolicy(maximum_attempts=1)
 
 
-async def prepare(req: PrepareInput, *, local: bool = False) -> PreparedJob:
-    """`local`: run it in the workflow's own task (a local activity): the job's first task
-    then schedules the follow too, one workflow task and one dispatch fewer. Prepare is short
-    and idempotent, which is what local activities are for."""
-    if local:
-        prepared: PreparedJob = await workflow.execute_local_activity(
-            ACTIVITY_PREPARE,
-            req,
-            result_type=PreparedJob,
-            start_to_close_timeout=timedelta(minutes=2),
-            retry_policy=QUICK_RETRY,
-            summary="prepare",
-        )
-        return prepared
+async def prepare(req: PrepareInput) -> PreparedJob:
     result: PreparedJob = await workflow.execute_activity(
         ACTIVITY_PREPARE,
         req,

@@ -59,8 +59,6 @@ PATCH_SHIELDED_FINISH = "shielded-finish"
 # v3: the follow activity submits (socket first), and a stop is confirmed on durable timers
 # until the prompt is gone. Asked once at the start of a run; older runs take workflows/legacy.py.
 PATCH_CONFIRMED_STOP = "submit-in-follow-confirmed-stop"
-# v7: prepare runs as a local activity, in the job's first workflow task.
-PATCH_LOCAL_PREPARE = "prepare-local"
 
 
 @workflow.defn(name=WORKFLOW_TYPE, failure_exception_types=[ValidationError])
@@ -226,8 +224,7 @@ class InferenceJob:
                     inputs=request.inputs,
                     segments=request.segments,
                     output=request.output,
-                ),
-                local=workflow.patched(PATCH_LOCAL_PREPARE),
+                )
             )
             book.prepared_on(self._prepared.pool, self._prepared.kind)
         first = self._carry.next_segment if self._carry else 0
