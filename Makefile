@@ -39,7 +39,7 @@ demo-chaos: $(STAMP)
 
 ## test: unit, workflow (time-skipping), integration (real Temporal + SeaweedFS + simulator)
 test: $(STAMP) $(EP_STAMP)
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --durations=15
 
 ## test-real-comfyui: the conformance suite and an end-to-end subset against a real ComfyUI
 test-real-comfyui: $(STAMP)
