@@ -189,15 +189,32 @@ def _where(
         f"{bare_tasks}), each about {fmt(dispatch_each)} ms from the server to the worker and "
         f"{fmt(code_each)} ms of workflow code (bare: {fmt(bare_dispatch_each)} + "
         f"{fmt(bare_code_each)} ms): {fmt(share.get(WT_CODE, 0) + share.get(WT_DISPATCH, 0))} "
-        "ms. One per activity boundary: prepare → follow → offload → stop each waits for a "
-        "workflow task to schedule the next. Fewer tasks (prepare and submit merged, offload "
-        "inside follow, local activities for the short calls) cut this directly.",
+        "ms. A completed job's tasks: the start (schedules prepare), prepare done (schedules "
+        "follow), follow done (the follow stored and verified the outputs and saw the prompt "
+        "end, so no offload or stop check follows); signals during the follow add tasks beside "
+        "the path. The workflow code per task is above the bare workflow's: the job's status "
+        "(a pydantic model) is rewritten, Current Details rendered and search attributes "
+        "upserted on each change.",
         f"- **Activities** (p50 of each piece): {activity_text}. The direct script does the "
-        f"same simulator and S3 work in {fmt(p50['direct'])} ms in all.",
-        f"- **The final status query**: {fmt(query)} ms. `JobClient.wait` reads the result, then "
-        "queries the closed workflow for its status, which a worker answers by replaying its "
-        f"history ({trips.events} events). The result it read first is already a `JobStatus` "
-        "(the workflow's return value).",
+        f"same simulator and S3 work in {fmt(p50['direct'])} ms in all; the follow adds a HEAD "
+        "of each stored object (size and sha256 checked) and a /history read at the end.",
+        *(
+            [
+                f"- **The final status query**: {fmt(query)} ms. `JobClient.wait` queried the "
+                "closed workflow after reading its result."
+            ]
+            if query > 0
+            else []
+        ),
+        "- **What would cut the rest**: (1) the prepare round trip (a workflow task and a "
+        "dispatch, ~20 ms): as a local activity it ran inside the first task, but a local "
+        "activity holds the task open, so while it staged inputs no status query or cancel was "
+        "answered (reverted); doing it locally only for graphs with no input files, or letting "
+        "the follow's first attempt prepare, would keep the saving without that; (2) workflow "
+        "code per task: fewer status rewrites and one search-attribute upsert per task "
+        "instead of one per change; (3) the follow's own path to S3: the HEAD after each put "
+        "could be replaced by checking the put's answer (ETag/checksum) where the store "
+        "supports it.",
         f"- The job's round trips: {trips.round_trips} ({trips.workflow_tasks} workflow tasks, "
         f"{sum(trips.activities.values())} activities, {sum(trips.signals.values())} signals, "
         f"{trips.timers} timers) against the bare workflow's 3.",
