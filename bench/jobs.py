@@ -38,9 +38,12 @@ def completed(status: JobStatus) -> JobStatus:
     return status
 
 
-async def watch(jobs: JobClient, job_id: str) -> tuple[list[Seen], JobStatus]:
-    """Follow the job with `JobClient.watch` at its default poll interval, as the CLI does."""
-    seen: list[Seen] = []
+async def watch(
+    jobs: JobClient, job_id: str, seen: list[Seen] | None = None
+) -> tuple[list[Seen], JobStatus]:
+    """Follow the job with `JobClient.watch` at its default poll interval, as the CLI does;
+    each status is appended to `seen` (readable while the job runs) as it arrives."""
+    seen = [] if seen is None else seen
     last: JobStatus | None = None
     async for status in jobs.watch(job_id):
         seen.append(

@@ -25,7 +25,7 @@ import time
 from typing import Any
 
 from bench.histories import event_time, job_history, labels
-from bench.jobs import BenchFailure, Seen, completed, graph, prompt_id_of
+from bench.jobs import BenchFailure, Seen, graph, prompt_id_of, watch
 from bench.outcome import Benchmark, BenchOptions, Outcome, Section
 from bench.recovery_parts import Mark, parts, step_gaps, step_seen_after, timeline
 from bench.results import Target, fmt, percentile, result
@@ -45,20 +45,7 @@ async def _prompts(ctx: BenchContext) -> int:
 
 
 async def _watch(jobs: JobClient, job_id: str, seen: list[Seen]) -> JobStatus:
-    last: JobStatus | None = None
-    async for status in jobs.watch(job_id):
-        seen.append(
-            Seen(
-                at=time.time(),
-                state=status.state,
-                step=status.progress.step,
-                total_steps=status.progress.total_steps,
-            )
-        )
-        last = status
-    if last is None:
-        raise BenchFailure(f"watching {job_id} yielded nothing")
-    return completed(last)
+    return (await watch(jobs, job_id, seen))[1]
 
 
 async def run(ctx: BenchContext, options: BenchOptions) -> Outcome:

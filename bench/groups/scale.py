@@ -25,7 +25,7 @@ import httpx
 
 from bench.direct import run_direct
 from bench.groups.client_latency import event_to_seen_ms
-from bench.jobs import Seen, completed, graph, prompt_id_of, request
+from bench.jobs import completed, graph, prompt_id_of, request, watch
 from bench.load import CpuUse, cpu_table
 from bench.outcome import Benchmark, BenchOptions, Outcome, Section
 from bench.procs import RssSampler, linear_fit, rss_bytes
@@ -67,20 +67,7 @@ async def _direct_batch(ctx: BenchContext, pool: Pool, n: int) -> float:
 
 
 async def _watched(jobs: JobClient, job_id: str, pool: Pool, ctx: BenchContext) -> list[float]:
-    seen: list[Seen] = []
-    last = None
-    async for status in jobs.watch(job_id):
-        seen.append(
-            Seen(
-                at=time.time(),
-                state=status.state,
-                step=status.progress.step,
-                total_steps=status.progress.total_steps,
-            )
-        )
-        last = status
-    assert last is not None
-    final = completed(last)
+    seen, final = await watch(jobs, job_id)
     steps = await progress_times(ctx.http, pool.url, prompt_id_of(final))
     return event_to_seen_ms(steps, seen)
 
