@@ -2,10 +2,10 @@
 move about once a second (issue 10, group 6).
 
 The follow activity signals the workflow only on milestones (its first report, stage changes,
-each tenth of the steps, an artifact stored while the prompt runs); every step in between is in its heartbeat,
-which `JobClient.watch` reads from the workflow's description. No timing is asserted: the
-events are counted, and so are the distinct steps the watcher was handed, against what
-milestones alone could show.
+each tenth of the steps, an artifact stored while the prompt runs); every step in between is in
+its heartbeat, which `JobClient.watch` reads from the workflow's description. No timing is
+asserted: the events are counted, and so are the distinct steps the watcher was handed, against
+what milestones alone could show.
 """
 
 from __future__ import annotations
