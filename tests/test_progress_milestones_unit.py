@@ -5,7 +5,6 @@ followers' in-process rigs (scripted ComfyUI socket, scripted RunPod) for the re
 from __future__ import annotations
 
 import dataclasses
-from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -30,13 +29,13 @@ from tests.comfy_unit_fakes import (
 from tests.test_follower_unit import Rig
 from tests.test_runpod_backend_unit import (
     OUR_KEY,
-    PROMPT,
     RUNPOD_JOB,
     MemoryStore,
     ScriptedRunPod,
     backend,
     completed,
     follow_input,
+    progress,
     record,
 )
 from tests.test_runpod_backend_unit import PNG as RUNPOD_PNG
@@ -149,21 +148,6 @@ async def test_the_comfyui_follower_heartbeats_every_step_and_signals_milestones
     assert [a.node_id for a in result.artifacts] == ["9"]
 
 
-def _progress(step: int, seq: int, total: int) -> dict[str, Any]:
-    return {
-        "kind": "durable_comfy.progress",
-        "submission": PROMPT,
-        "prompt_id": PROMPT,
-        "stage": "running",
-        "seq": seq,
-        "step": step,
-        "total_steps": total,
-        "node": "3",
-        "artifacts": [],
-        "at": datetime.now(UTC).isoformat(),
-    }
-
-
 @pytest.mark.parametrize("queued_polls", [1, 3])
 async def test_the_runpod_follower_heartbeats_every_poll_and_signals_milestones(
     queued_polls: int,
@@ -172,7 +156,11 @@ async def test_the_runpod_follower_heartbeats_every_poll_and_signals_milestones(
     store.put(OUR_KEY, RUNPOD_PNG)
     statuses: list[dict[str, Any]] = [{"id": RUNPOD_JOB, "status": "IN_QUEUE"}] * queued_polls
     statuses += [
-        {"id": RUNPOD_JOB, "status": "IN_PROGRESS", "output": _progress(step, step, 50)}
+        {
+            "id": RUNPOD_JOB,
+            "status": "IN_PROGRESS",
+            "output": progress(step, step, total=50, node="3"),
+        }
         for step in range(1, 51)
     ]
     statuses.append(completed([record(OUR_KEY)]))

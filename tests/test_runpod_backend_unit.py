@@ -132,7 +132,14 @@ def record(key: str, data: bytes = PNG) -> dict[str, Any]:
 OUR_KEY = f"jobs/{JOB_ID}/0/1/t_00001_.png"
 
 
-def progress(step: int, seq: int, artifacts: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+def progress(
+    step: int,
+    seq: int,
+    artifacts: list[dict[str, Any]] | None = None,
+    *,
+    total: int = 10,
+    node: str | None = None,
+) -> dict[str, Any]:
     return {
         "kind": "durable_comfy.progress",
         "submission": PROMPT,
@@ -140,7 +147,8 @@ def progress(step: int, seq: int, artifacts: list[dict[str, Any]] | None = None)
         "stage": "running",
         "seq": seq,
         "step": step,
-        "total_steps": 10,
+        "total_steps": total,
+        "node": node,
         "artifacts": artifacts or [],
         "at": datetime.now(UTC).isoformat(),
     }
