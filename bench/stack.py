@@ -70,6 +70,7 @@ class BenchContext:
     timed: Pool
     work_dir: Path
     worker_log: Path  # the project's worker's JSON log lines (what it did, when)
+    worker_pid: int | None = None  # the project's worker's process (for py-spy)
 
     def job_client(self, task_queue: str | None = None) -> tuple[JobClient, CallLog]:
         """A `JobClient` on the project's task queue (or `task_queue`: a group's own worker's)
@@ -175,6 +176,7 @@ async def bench_stack(options: BenchOptions, keep: bool = False) -> AsyncIterato
                 timed,
                 work_dir,
                 worker_log,
+                worker.pid,
             )
             failed = False
         finally:

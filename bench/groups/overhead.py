@@ -16,6 +16,7 @@ between its events: where the added latency goes.
 
 from __future__ import annotations
 
+import asyncio
 import statistics
 import time
 import uuid
@@ -40,6 +41,7 @@ from bench.histories import (
 )
 from bench.jobs import completed, graph, prompt_id_of, request
 from bench.outcome import Benchmark, BenchOptions, Outcome, Section
+from bench.profile import parse_collapsed, profile_lines, record
 from bench.results import Target, fmt, percentile, result
 from bench.stack import FAST_POOL, BenchContext, logged_at
 from starter import JobClient
@@ -112,6 +114,35 @@ def _job_marks(sample: JobSample) -> list[tuple[str, float]]:
     ]
 
 
+PROFILE_S = 6.0
+PROFILE_RATE = 250
+
+
+async def _profile_worker(ctx: BenchContext, jobs: JobClient, log: CallLog) -> list[str]:
+    """py-spy on the worker while jobs run one after another, as in the measured rounds
+    (unmeasured): which of the worker's own code the job's time goes through."""
+    if ctx.worker_pid is None:
+        return ["(no profile: the worker's process is not known)"]
+    out = ctx.work_dir / "profiles" / "overhead-worker.txt"
+    recording = asyncio.create_task(record(ctx.worker_pid, PROFILE_S, out, rate=PROFILE_RATE))
+    count = 0
+    while not recording.done():
+        await _job(jobs, log)
+        count += 1
+    text = await recording
+    lines = profile_lines(text, f"the worker during {count} more jobs, one at a time")
+    if text is None:
+        return lines
+    busy = parse_collapsed(text).samples / (PROFILE_RATE * PROFILE_S)
+    return [
+        f"The worker was on CPU about {fmt(100 * busy)} % of one core meanwhile ({count} jobs "
+        f"in {fmt(PROFILE_S)} s): most of a job's time it waits on the server, not on its own "
+        "CPU.",
+        "",
+        *lines,
+    ]
+
+
 FOLLOW = "activity follow_prompt running"
 
 
@@ -151,6 +182,7 @@ def _where(
     bare_paths: list[list[Step]],
     p50: dict[str, float],
     trips: RoundTrips,
+    profiled: list[str],
 ) -> list[str]:
     rows = shares(job_paths)
     share = {row.category: row.p50_ms for row in rows}
@@ -174,6 +206,7 @@ def _where(
         for name, ms in sorted(totals.items(), key=lambda kv: -kv[1])
     )
     query = share.get("client: final status query answered", 0.0)
+    prepare_trip = dispatch_each + code_each + totals.get("prepare_prompt", 0.0)
     return [
         f"Job p50 {fmt(p50['job'])} ms, direct script {fmt(p50['direct'])} ms, bare workflow "
         f"{fmt(p50['bare'])} ms. Each job's critical path (its history's event times and the "
@@ -206,11 +239,14 @@ def _where(
             if query > 0
             else []
         ),
-        "- **What would cut the rest**: (1) the prepare round trip (a workflow task and a "
-        "dispatch, ~20 ms): as a local activity it ran inside the first task, but a local "
-        "activity holds the task open, so while it staged inputs no status query or cancel was "
-        "answered (reverted); doing it locally only for graphs with no input files, or letting "
-        "the follow's first attempt prepare, would keep the saving without that; (2) workflow "
+        "- **What would cut the rest**: (1) the prepare round trip: one workflow task "
+        f"({fmt(dispatch_each + code_each)} ms) and the prepare activity "
+        f"({fmt(totals.get('prepare_prompt', 0.0))} ms), about {fmt(prepare_trip)} ms, which "
+        f"would leave {fmt(p50['job'] - p50['direct'] - prepare_trip)} ms added. As a local "
+        "activity it ran inside the first task, but a local activity holds the task open, so "
+        "while it staged inputs no status query or cancel was answered (reverted); doing it "
+        "locally only for graphs with no input files, or letting the follow's first attempt "
+        "prepare, would keep the saving without that; (2) workflow "
         "code per task: fewer status rewrites and one search-attribute upsert per task "
         "instead of one per change; (3) the follow's own path to S3: the HEAD after each put "
         "could be replaced by checking the put's answer (ETag/checksum) where the store "
@@ -218,6 +254,7 @@ def _where(
         f"- The job's round trips: {trips.round_trips} ({trips.workflow_tasks} workflow tasks, "
         f"{sum(trips.activities.values())} activities, {sum(trips.signals.values())} signals, "
         f"{trips.timers} timers) against the bare workflow's 3.",
+        *(["", *profiled] if profiled else []),
     ]
 
 
@@ -251,6 +288,12 @@ async def run(ctx: BenchContext, options: BenchOptions) -> Outcome:
     direct_p50, direct_p95 = _p(ms["direct"])
     bare_p50, bare_p95 = _p(ms["bare"])
     added_p50, added_p95 = job_p50 - direct_p50, job_p95 - direct_p95
+    missed = (
+        added_p50 > ADDED_P50_MAX_MS
+        or added_p50 > ADDED_VS_BARE_MAX * bare_p50
+        or added_p95 > ADDED_P95_MAX_MS
+    )
+    profiled = await _profile_worker(ctx, jobs, log) if missed else []
 
     # Outside the timed part: every job's and bare workflow's history.
     job_events = [await job_history(ctx.temporal, s.job_id) for s in job_samples]
@@ -393,6 +436,7 @@ async def run(ctx: BenchContext, options: BenchOptions) -> Outcome:
         bare_paths,
         {"job": job_p50, "direct": direct_p50, "bare": bare_p50},
         typical,
+        profiled,
     )
     return Outcome(
         results=results,
