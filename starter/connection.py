@@ -9,18 +9,31 @@ serves the `temporal` CLI, so both see the same server.
 the UI's URL); the worker and the CLI build it once at start-up and pass its address and namespace
 to `connect_temporal`, where, as in Temporal's own rules, they win over the profile's. Everything
 else (API key, TLS, the profile) stays with the SDK's environment configuration.
+
+Payload encryption (`starter.codec`) is configured the same way for every caller:
+`connect_temporal` reads DURABLE_COMFY_CODEC_KEYS / DURABLE_COMFY_CODEC_KEYS_FILE and, when a key
+is set, encrypts every payload it sends and decrypts every one it reads. `TemporalSettings`
+checks the same variables when it is built, so a bad key stops the worker and the CLI at
+start-up, naming the variable.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping
 from functools import cache
+from typing import Self
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.converter import (
+    DataConverter,
+    DefaultFailureConverterWithEncodedAttributes,
+    PayloadCodec,
+)
 from temporalio.envconfig import ClientConfig
 from temporalio.runtime import (
     LogForwardingConfig,
@@ -29,6 +42,8 @@ from temporalio.runtime import (
     TelemetryConfig,
     TelemetryFilter,
 )
+
+from starter.codec import CodecSettings, CodecSettingsError, codec_from_environ
 
 DEFAULT_ADDRESS = "127.0.0.1:7233"
 DEFAULT_UI_URL = "http://127.0.0.1:8233"
@@ -60,6 +75,16 @@ class TemporalSettings(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         return (init_settings, env_settings)
 
+    @model_validator(mode="after")
+    def _codec_keys_usable(self) -> Self:
+        """The payload codec's keys are read by `connect_temporal`; checked here as well so a
+        bad one is a settings error at start-up. The error text never holds key material."""
+        try:
+            CodecSettings().key_ring()
+        except CodecSettingsError as exc:
+            raise ValueError(str(exc)) from None
+        return self
+
     def ui_namespace(self) -> str:
         """The namespace the UI's links name (Temporal's default unless TEMPORAL_NAMESPACE)."""
         return self.namespace or "default"
@@ -90,12 +115,16 @@ async def connect_temporal(
     environ: Mapping[str, str] | None = None,
     *,
     runtime: Runtime | None = None,
+    codec: PayloadCodec | None = None,
 ) -> Client:
     """Connect with the pydantic data converter every durable-comfy payload needs.
 
     `runtime` defaults to `sdk_runtime()`; build your own with `forwarded_core_logs()` to keep
-    the core's log lines off stdout.
+    the core's log lines off stdout. Payloads are encrypted with `codec`, else with the codec
+    the environment configures (`environ`, else the process's; `starter.codec`), else not at all.
+    A configured key that is unusable raises `CodecSettingsError` before anything connects.
     """
+    codec = codec or codec_from_environ(environ)
     config = ClientConfig.load_client_connect_config(override_env_vars=environ)
     if address:
         config["target_host"] = address
@@ -103,5 +132,20 @@ async def connect_temporal(
         config["namespace"] = namespace
     config.setdefault("target_host", DEFAULT_ADDRESS)
     return await Client.connect(
-        **config, data_converter=pydantic_data_converter, runtime=runtime or sdk_runtime()
+        **config, data_converter=data_converter(codec), runtime=runtime or sdk_runtime()
+    )
+
+
+def data_converter(codec: PayloadCodec | None) -> DataConverter:
+    """The pydantic data converter, with `codec` over every payload when there is one.
+
+    With a codec, failures' messages and stack traces move into their encoded attributes as
+    well: an error from ComfyUI can quote the graph's inputs.
+    """
+    if codec is None:
+        return pydantic_data_converter
+    return dataclasses.replace(
+        pydantic_data_converter,
+        payload_codec=codec,
+        failure_converter_class=DefaultFailureConverterWithEncodedAttributes,
     )
