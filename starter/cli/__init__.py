@@ -9,7 +9,7 @@ from typing import Any
 import typer
 
 from activities.log_setup import configure_logging
-from starter.cli import control, jobs, submit
+from starter.cli import codec, control, jobs, submit
 from starter.cli.common import load_config
 from starter.exit import exit_without_finalizing
 
@@ -36,6 +36,8 @@ def build_app() -> typer.Typer:
     app.callback()(_start)
     for name, command in JOB_COMMANDS.items():
         app.command(name)(command)
+    app.command("codec-server")(codec.codec_server)
+    app.command("codec-key")(codec.codec_key)
     _add_plugins(app)
     return app
 
@@ -46,7 +48,8 @@ def _start(ctx: typer.Context) -> None:
     Logs go to stderr only; stdout is the commands' output. Quiet unless something is off.
     """
     if ctx.invoked_subcommand not in JOB_COMMANDS:
-        # `worker` and `dev` read their own settings and configure their own logging on top.
+        # `worker`, `dev` and `codec-server` read their own settings and configure their own
+        # logging on top.
         configure_logging("WARNING")
         return
     config = load_config()
