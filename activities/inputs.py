@@ -1,19 +1,40 @@
-"""A request's input file as bytes: inline base64 or an s3:// object, with what to fix when
-it cannot be read."""
+"""A request's input file as bytes: inline base64, an s3:// object or a public https URL, with
+what to fix when it cannot be read.
+
+URL inputs go through `activities.url_fetch` (public addresses only, pinned connections, bounded
+size); its refusals become `InvalidRequest` (the request asked for something it may not have)
+and its failures `MissingInput` (the file is not to be had there; retryable when a later attempt
+may find it).
+"""
 
 from __future__ import annotations
 
 import base64
 import binascii
 
-from activities.errors import fatal, from_storage
+import structlog
+from temporalio.exceptions import ApplicationError
+
+from activities.errors import fatal, from_storage, retryable
 from activities.storage import ArtifactStore
 from activities.storage_errors import ObjectMissing, StorageError
-from workflows.contracts import MAX_INLINE_INPUT_BYTES, InlineInput, InputRef, S3Input
+from activities.url_fetch import FetchFailed, UrlFetcher, UrlFetchError, default_fetcher
+from workflows.contracts import MAX_INLINE_INPUT_BYTES, InlineInput, InputRef, S3Input, UrlInput
 from workflows.shared import ErrorType
 
+log = structlog.get_logger(__name__)
 
-async def input_bytes(store: ArtifactStore, name: str, ref: InputRef, *, limit: int) -> bytes:
+
+async def input_bytes(
+    store: ArtifactStore,
+    name: str,
+    ref: InputRef,
+    *,
+    limit: int,
+    fetcher: UrlFetcher | None = None,
+) -> bytes:
+    """`limit` is what the caller's backend accepts for one file; a URL input is also held to
+    the fetcher's own cap. `fetcher` defaults to the worker-wide one (`default_fetcher`)."""
     if isinstance(ref, InlineInput):
         try:
             data = base64.b64decode(ref.data_b64, validate=True)
@@ -34,8 +55,31 @@ async def input_bytes(store: ArtifactStore, name: str, ref: InputRef, *, limit: 
             raise fatal(ErrorType.MISSING_INPUT, f"input {name!r}: {exc}") from exc
         except StorageError as exc:
             raise from_storage(exc, f"reading input {name!r}") from exc
-    raise fatal(
-        ErrorType.INVALID_REQUEST,
-        f"input {name!r}: https inputs are not supported yet; upload it and pass s3:// "
-        "or inline data",
+    if isinstance(ref, UrlInput):
+        try:
+            fetched = await (fetcher or default_fetcher()).fetch(ref.url, limit=limit)
+        except UrlFetchError as exc:
+            raise from_url_fetch(exc, name) from exc
+        return fetched.data
+    raise fatal(ErrorType.INVALID_REQUEST, f"input {name!r}: unknown input kind")
+
+
+def from_url_fetch(exc: UrlFetchError, name: str) -> ApplicationError:
+    """The one place URL-input failures become activity failures; details name the rule."""
+    message = f"input {name!r}: {exc}"
+    log.warning(
+        "url_input.refused",
+        input=name,
+        reason=exc.reason,
+        host=exc.host,
+        address=exc.address,
+        retryable=exc.retryable,
     )
+    if isinstance(exc, FetchFailed) and exc.retryable:
+        return retryable(
+            ErrorType.MISSING_INPUT, message, reason=exc.reason, host=exc.host, address=exc.address
+        )
+    error_type = (
+        ErrorType.MISSING_INPUT if isinstance(exc, FetchFailed) else ErrorType.INVALID_REQUEST
+    )
+    return fatal(error_type, message, reason=exc.reason, host=exc.host, address=exc.address)
