@@ -15,6 +15,8 @@ the graph. The rules, applied per component:
   and leave the job unable to complete). The mapping is deterministic: a retry computes the same
   key, which is what lets it skip artifacts it already uploaded.
 - An empty component becomes `PLACEHOLDER` (plus the digest).
+
+`shown` quotes an untrusted name for an error message or a log line.
 """
 
 from __future__ import annotations
@@ -105,6 +107,15 @@ def content_type_for(filename: str) -> str:
     if dot < 0:
         return DEFAULT_CONTENT_TYPE
     return _CONTENT_TYPES.get(filename[dot:].lower(), DEFAULT_CONTENT_TYPE)
+
+
+def shown(value: str, limit: int = 80) -> str:
+    """An untrusted name as it may appear in a message: ASCII-escaped (no control characters or
+    newlines to forge log lines, no look-alike characters), at most `limit` characters of it, in
+    a Markdown code span (error messages reach the Temporal UI's details, which render Markdown:
+    a name must not become a link)."""
+    cut = value[:limit] + ("..." if len(value) > limit else "")
+    return "`" + ascii(cut)[1:-1].replace("`", "\\x60") + "`"
 
 
 def _flatten_filename(filename: str) -> str:

@@ -6,15 +6,21 @@ Exceptions (translated from httpx at this edge):
     ├── ComfyPromptRejected   400 from /prompt: the graph is wrong, retrying cannot help
     └── ComfyHTTPError        any other unexpected status
 The client never retries on its own: Temporal owns retries.
+
+`UnsafeOutputName` (a `ValueError`, not a `ComfyError`: no retry changes a name) is raised before
+any request when an output record asks `/view` for something outside ComfyUI's output and temp
+folders (`check_view_request`).
 """
 
 from __future__ import annotations
 
+import re
+import unicodedata
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlencode, urlsplit, urlunsplit
+from urllib.parse import unquote, urlencode, urlsplit, urlunsplit
 
 import httpx
 
@@ -31,6 +37,109 @@ class ComfyHTTPError(ComfyError):
     def __init__(self, message: str, status_code: int) -> None:
         super().__init__(message)
         self.status_code = status_code
+
+
+class UnsafeOutputName(ValueError):
+    """An output record this client will not ask `/view` for (see `check_view_request`)."""
+
+    def __init__(self, filename: str, subfolder: str, kind: str, reason: str) -> None:
+        self.filename = filename
+        self.subfolder = subfolder
+        self.kind = kind
+        self.reason = reason
+        super().__init__(
+            f"output {_quoted(filename)} (subfolder {_quoted(subfolder)}, type {_quoted(kind)}) "
+            f"refused, not fetched: {reason}"
+        )
+
+
+# ComfyUI's folder types are output, input and temp; `input` holds what clients uploaded (other
+# jobs' files on a shared server), never an output of ours.
+VIEW_TYPES = frozenset({"output", "temp"})
+MAX_NAME_BYTES = 255  # NAME_MAX: no real file has a longer name
+MAX_SUBFOLDER_BYTES = 1024
+_SEPARATORS = re.compile(r"[\\/]")
+_DRIVE = re.compile(r"^[A-Za-z]:")
+# Control, format (bidi overrides, zero-width), surrogate, line and paragraph separators.
+_UNSAFE_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
+
+
+def check_view_request(filename: str, subfolder: str, kind: str) -> None:
+    """Refuse (`UnsafeOutputName`) a `/view` request that could read outside the output folders.
+
+    The names come from ComfyUI's events and history, which a custom node or a hostile backend
+    writes: ComfyUI's own `/view` guards traversal, but ours must not depend on it. `kind` must
+    be output or temp. `filename` is one name: no separator, not dots only, at most 255 bytes.
+    `subfolder` is relative: not absolute (`/x`, `\\x`, `C:`), no dots-only level, at most 1024
+    bytes. Neither may hold NUL, control, format or line-separator characters. Each value is also
+    checked percent-decoded and NFKC-normalised, so `%2e%2e` or fullwidth dots that a proxy or a
+    filesystem would turn into `..` are refused too.
+    """
+    if kind not in VIEW_TYPES:
+        raise UnsafeOutputName(filename, subfolder, kind, "type must be output or temp")
+    reason = _filename_problem(filename) or _subfolder_problem(subfolder)
+    if reason is not None:
+        raise UnsafeOutputName(filename, subfolder, kind, reason)
+
+
+def _filename_problem(filename: str) -> str | None:
+    if not filename:
+        return "empty filename"
+    if len(filename.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
+        return f"filename longer than {MAX_NAME_BYTES} bytes"
+    for form in _readings(filename):
+        if problem := _character_problem(form):
+            return problem
+        if _SEPARATORS.search(form):
+            return "a path separator in the filename"
+        if _dots_only(form):
+            return "the filename is a `.` or `..` level"
+    return None
+
+
+def _subfolder_problem(subfolder: str) -> str | None:
+    if len(subfolder.encode("utf-8", "surrogatepass")) > MAX_SUBFOLDER_BYTES:
+        return f"subfolder longer than {MAX_SUBFOLDER_BYTES} bytes"
+    for form in _readings(subfolder):
+        if problem := _character_problem(form):
+            return problem
+        if form[:1] in ("/", "\\") or _DRIVE.match(form):
+            return "an absolute subfolder"
+        if any(_dots_only(level) for level in _SEPARATORS.split(form)):
+            return "a `.` or `..` level in the subfolder"
+    return None
+
+
+def _dots_only(level: str) -> bool:
+    # Windows drops trailing dots and spaces, so `... ` can mean `..` there.
+    return bool(level) and not level.strip(". ")
+
+
+def _readings(value: str) -> list[str]:
+    """`value` as given, percent-decoded (repeatedly), and each NFKC-normalised."""
+    forms = [value]
+    for _ in range(3):
+        decoded = unquote(forms[-1], errors="replace")
+        if decoded == forms[-1]:
+            break
+        forms.append(decoded)
+    return forms + [unicodedata.normalize("NFKC", form) for form in forms]
+
+
+def _character_problem(value: str) -> str | None:
+    for ch in value:
+        if unicodedata.category(ch) in _UNSAFE_CATEGORIES:
+            return f"a control or format character ({ch!a})"
+    return None
+
+
+def _quoted(value: str, limit: int = 80) -> str:
+    """An untrusted name for a message: ASCII-escaped (no control characters, no newlines, no
+    look-alikes), bounded, inside a Markdown code span (the Temporal UI's details render
+    Markdown, where a name could otherwise be a link). `activities.keys.shown` does the same;
+    this module imports nothing of the project."""
+    cut = value[:limit] + ("..." if len(value) > limit else "")
+    return "`" + ascii(cut)[1:-1].replace("`", "\\x60") + "`"
 
 
 class ComfyPromptRejected(ComfyError):
@@ -217,7 +326,9 @@ class ComfyClient:
     async def view(
         self, filename: str, subfolder: str, kind: str
     ) -> AsyncIterator[AsyncIterator[bytes]]:
-        """Stream an output file's bytes without holding it in memory."""
+        """Stream an output file's bytes without holding it in memory; `UnsafeOutputName`, with
+        nothing sent, for a name `check_view_request` refuses."""
+        check_view_request(filename, subfolder, kind)
         params = {"filename": filename, "subfolder": subfolder, "type": kind}
         try:
             async with self._http.stream("GET", self.base_url + "/view", params=params) as response:
@@ -225,7 +336,7 @@ class ComfyClient:
                     raise ComfyUnavailable(f"GET /view: HTTP {response.status_code}")
                 if response.status_code != 200:
                     raise ComfyHTTPError(
-                        f"GET /view {filename!r}: HTTP {response.status_code}",
+                        f"GET /view {_quoted(filename)}: HTTP {response.status_code}",
                         response.status_code,
                     )
                 yield response.aiter_bytes(1024 * 1024)

@@ -3,11 +3,23 @@
 `OutputUploader` is shared by `follow_prompt` (uploads as each node finishes) and
 `offload_outputs` (reconciles against `/history`, the source of truth, once the prompt ended;
 with `partial`, keeps what finished after a failure or cancel).
+
+Output records are untrusted (a custom node or a hostile backend writes them). Only `type:
+output` records are artifacts; previews (`temp`) and anything else are never fetched. Before
+`/view` is asked, a record is refused (`OutputMissing`, non-retryable, naming it) when its names
+could leave ComfyUI's output folder (`client.check_view_request`), or when its subfolder is
+another run's folder (`dc_<job>_<segment>_<prompt>`, `workflows.graph.run_tag`): every literal
+save prefix is rewritten into this run's folder, and a saving node whose prefix differs never
+hits another run's cache, so no record of ours points there; following it would read another
+job's output. A record outside every run folder is kept: a prefix we could not rewrite (linked
+from a `PrimitiveString`) saves there, and a cache hit then names an earlier identical run's
+file. Whatever the names, the S3 key is `activities.keys.artifact_key`, inside the job's folder.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -16,11 +28,11 @@ import structlog
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from activities.comfyui.client import ComfyClient, ComfyError
+from activities.comfyui.client import ComfyClient, ComfyError, UnsafeOutputName, check_view_request
 from activities.comfyui.events import output_files
 from activities.comfyui.pools import ComfyPools
-from activities.errors import from_comfy, from_storage, history_failure, retryable
-from activities.keys import artifact_key, content_type_for
+from activities.errors import fatal, from_comfy, from_storage, history_failure, retryable
+from activities.keys import artifact_key, content_type_for, shown
 from activities.metrics import count_offloaded
 from activities.storage import ArtifactStore, StorageError
 from workflows.activity_io import OffloadInput, OffloadResult
@@ -28,6 +40,10 @@ from workflows.contracts import Artifact, OutputSpec
 from workflows.shared import ErrorType
 
 log = structlog.get_logger(__name__)
+
+# A run's folder: `dc_<job>_<segment>_<prompt id's first 8>` (`workflows.graph.run_tag`; the
+# job part is `safe_tag`'s: letters, digits, `-`, `_`, at most 48 of them).
+RUN_FOLDER = re.compile(r"^dc_[A-Za-z0-9_-]{1,48}_[0-9]+_[A-Za-z0-9-]{1,8}$")
 
 MAX_PARALLEL_UPLOADS = 2
 
@@ -74,8 +90,11 @@ class OutputUploader:
         Whatever named the file (a literal prefix rewritten to the run tag, a linked
         `PrimitiveString`, a custom node's own input) the record is the prompt's, so the file
         is its output. One outside the run's folder was served from ComfyUI's cache: an
-        earlier identical run's file, which is this graph's result all the same.
+        earlier identical run's file, which is this graph's result all the same. One in
+        another run's folder, or whose names could leave the output folder, is refused before
+        anything is fetched (module docstring).
         """
+        self._refuse_unsafe(node_id, item)
         if not _from_this_run(item, self._run_tag):
             log.info(
                 "output_outside_run_folder",
@@ -96,7 +115,7 @@ class OutputUploader:
                         key, chunks, content_type=content_type, bucket=self._output.bucket
                     )
         except ComfyError as exc:
-            raise from_comfy(exc, f"fetching output {item['filename']!r}") from exc
+            raise from_comfy(exc, f"fetching output {shown(item['filename'])}") from exc
         except StorageError as exc:
             raise from_storage(exc, f"storing {key}") from exc
         finally:
@@ -114,6 +133,22 @@ class OutputUploader:
         count_offloaded(stored.size)
         log.info("artifact_stored", job_id=self._job_id, key=key, size=stored.size)
         return artifact
+
+    def _refuse_unsafe(self, node_id: str, item: Mapping[str, str]) -> None:
+        subfolder = item.get("subfolder", "")
+        try:
+            check_view_request(item["filename"], subfolder, item.get("type", "output"))
+        except UnsafeOutputName as exc:
+            reason = str(exc)
+        else:
+            if not _in_another_run(subfolder, self._run_tag):
+                return
+            reason = (
+                f"output {shown(item['filename'])} is in another run's folder "
+                f"{shown(subfolder)}, not this run's {shown(self._run_tag)}: refused, not fetched"
+            )
+        log.warning("output_refused", job_id=self._job_id, node_id=node_id, reason=reason)
+        raise fatal(ErrorType.OUTPUT_MISSING, f"node {shown(node_id)}: {reason}")
 
 
 class OffloadActivities:
@@ -180,6 +215,11 @@ class OffloadActivities:
 def _from_this_run(item: Mapping[str, str], run_tag: str) -> bool:
     subfolder = item.get("subfolder", "")
     return subfolder == run_tag or subfolder.startswith(run_tag + "/")
+
+
+def _in_another_run(subfolder: str, run_tag: str) -> bool:
+    top = re.split(r"[\\/]", subfolder, maxsplit=1)[0]
+    return top != run_tag and RUN_FOLDER.match(top) is not None
 
 
 async def _history_when_written(client: ComfyClient, prompt_id: str) -> dict[str, Any]:

@@ -9,8 +9,13 @@ Three shapes reach the orchestrator in `output.images`:
     "inline"  stock worker-comfyui without a bucket: base64 (or a data URI) in the answer; the
               orchestrator decodes it and streams it to S3 itself
 
-Filenames in records come from the worker and are untrusted: keys are built by
-`activities.keys`, never from a record's own path.
+Records come from the worker and are untrusted. Keys for what the orchestrator stores itself
+("url", "inline") are built by `activities.keys` from the record's filename, never from a path
+the record gives. An "s3" record's key is refused (`UnusableArtifact`, before anything reads it)
+unless it is a key `activities.keys` could have built: non-empty levels that are each already a
+safe component, so no absolute key, no `.`/`..` level, no control character, backslash or `%`.
+Whether its bucket and folder are this job's is checked where the job is known, before any
+read (`activities.runpod.follow`).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import binascii
 import re
 from typing import Literal
 
+from activities.keys import MAX_KEY_BYTES, safe_component, shown
 from endpoint.contract import ArtifactRecord
 
 ArtifactSource = Literal["s3", "url", "inline"]
@@ -38,33 +44,48 @@ def artifact_source(record: ArtifactRecord, *, verifiable: bool) -> ArtifactSour
     `verifiable`: the record comes from our handler, which promises size and sha256 for what it
     stored: a record without them could be a truncated upload nobody could tell apart.
     """
-    name = record.filename or "(no filename)"
+    name = shown(record.filename or "(no filename)")
     if record.type == "base64":
         if not record.data:
-            raise UnusableArtifact(f"output {name!r}: empty base64 data")
+            raise UnusableArtifact(f"output {name}: empty base64 data")
         return "inline"
     if record.data.startswith("s3://") or (record.bucket and record.key):
         if not (record.bucket and record.key) and not _s3_parts(record.data):
-            raise UnusableArtifact(f"output {name!r}: no bucket and key in {record.data[:100]!r}")
+            raise UnusableArtifact(f"output {name}: no bucket and key in {shown(record.data)}")
+        s3_location(record)
         if verifiable and (record.size is None or not _SHA256.match(record.sha256 or "")):
             raise UnusableArtifact(
-                f"output {name!r}: stored in S3 without its size and sha256, so it cannot be "
-                "verified"
+                f"output {name}: stored in S3 without its size and sha256, so it cannot be verified"
             )
         return "s3"
     if record.data.startswith("https://") or record.data.startswith("http://"):
         return "url"
-    raise UnusableArtifact(f"output {name!r}: unrecognised reference {record.data[:40]!r}")
+    raise UnusableArtifact(f"output {name}: unrecognised reference {shown(record.data, 40)}")
 
 
 def s3_location(record: ArtifactRecord) -> tuple[str, str]:
-    """(bucket, key) of an "s3" record: the explicit fields, else parsed from `data`."""
-    if record.bucket and record.key:
-        return record.bucket, record.key
+    """(bucket, key) of an "s3" record: the explicit fields, else parsed from `data`; refused
+    when the two disagree or the key is not one `activities.keys` builds (module docstring)."""
     parts = _s3_parts(record.data)
+    if record.bucket and record.key:
+        if parts is not None and parts != (record.bucket, record.key):
+            raise UnusableArtifact(
+                f"output {shown(record.filename)}: its bucket and key "
+                f"({shown(record.bucket)}, {shown(record.key)}) are not its data "
+                f"{shown(record.data)}"
+            )
+        parts = record.bucket, record.key
     if parts is None:
-        raise UnusableArtifact(f"output {record.filename!r}: not an s3:// reference")
-    return parts
+        raise UnusableArtifact(f"output {shown(record.filename)}: not an s3:// reference")
+    bucket, key = parts
+    # Bucket names are lower case, digits, dots and hyphens: never anything the sanitising changes.
+    problem = _key_problem(key) or (None if safe_component(bucket) == bucket else "not a bucket")
+    if problem is not None:
+        raise UnusableArtifact(
+            f"output {shown(record.filename)} points at {shown(f's3://{bucket}/{key}', 160)}: "
+            f"{problem}; refused, not read"
+        )
+    return bucket, key
 
 
 def inline_bytes(record: ArtifactRecord) -> bytes:
@@ -73,7 +94,24 @@ def inline_bytes(record: ArtifactRecord) -> bytes:
     try:
         return base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError) as exc:
-        raise UnusableArtifact(f"output {record.filename!r}: not valid base64 ({exc})") from None
+        raise UnusableArtifact(
+            f"output {shown(record.filename)}: not valid base64 ({exc})"
+        ) from None
+
+
+def _key_problem(key: str) -> str | None:
+    if len(key.encode("utf-8", "surrogatepass")) > MAX_KEY_BYTES:
+        return f"a key longer than {MAX_KEY_BYTES} bytes"
+    if key.startswith("/"):
+        return "an absolute key"
+    for level in key.split("/"):
+        if not level:
+            return "an empty level in the key"
+        if safe_component(level) != level:
+            # Our handler's keys are built by `artifact_key`, whose levels are left as they are
+            # by the same sanitising: anything else is not a key of ours.
+            return f"a key level ({shown(level, 40)}) that is not a sanitised name"
+    return None
 
 
 def _s3_parts(data: str) -> tuple[str, str] | None:

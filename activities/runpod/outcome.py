@@ -11,7 +11,7 @@
         COMPLETED with `output.error`           handler's error_type, else ExecutionError
         COMPLETED with `output.errors`          OutputMissing (some outputs never arrived)
         COMPLETED without output                OutputMissing (the result was lost on the way)
-        COMPLETED with unusable records         OutputMissing
+        COMPLETED with unusable records         OutputMissing, with the usable ones (kept)
         FAILED                                  handler's error_type, else read from the text:
                                                 OutOfMemory, BackendFault, ExecutionError
         CANCELLED                               Cancelled
@@ -246,11 +246,24 @@ def _completed(job: RunPodJob, submission: str | None) -> Outcome:
             f"COMPLETED with the output of submission {parsed.submission!r}, not {submission!r}",
         )
     ours = parsed.submission is not None
+    usable: list[ArtifactRecord] = []
+    refused: list[str] = []
     for record in parsed.images:
         try:
             artifact_source(record, verifiable=ours)
         except UnusableArtifact as exc:
-            return _failure(job, ErrorType.OUTPUT_MISSING, f"COMPLETED, but {exc}")
+            refused.append(str(exc))
+        else:
+            usable.append(record)
+    if refused:
+        # The usable records go with the failure, so the job still keeps them (verified like
+        # any other); the refused ones are never read.
+        return _failure(
+            job,
+            ErrorType.OUTPUT_MISSING,
+            f"COMPLETED, but {len(refused)} output(s) refused: {'; '.join(refused)}",
+            artifacts=usable,
+        )
     return Succeeded(job.id, parsed, job.worker_id, job.delay_time_ms, job.execution_time_ms)
 
 
