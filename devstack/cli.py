@@ -126,10 +126,21 @@ def _print_stack(stack: RunningStack) -> None:
     )
     typer.echo("")
     typer.echo(f"Environment for workers and the CLI: . {stack.env_file}")
+    if stack.codec_endpoint is not None:
+        typer.echo(
+            f"  Codec server  {stack.codec_endpoint}  (payloads are encrypted; keys in"
+            f" {stack.codec_keys_file})"
+        )
     typer.echo(
         f"temporal CLI: temporal --config-file {stack.temporal_config_file}"
         f" --profile {stack.temporal_profile} workflow list"
     )
+    if stack.codec_endpoint is not None:
+        # The profile names the codec server too; said here for other ways of connecting.
+        typer.echo(
+            f"  decoded: temporal --address {stack.temporal_address}"
+            f" --codec-endpoint {stack.codec_endpoint} workflow show -w JOB_ID"
+        )
 
 
 @app.command()

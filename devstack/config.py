@@ -176,12 +176,34 @@ class RunpodSimSection(_Section):
         return f"{self.base_url}/v2"
 
 
+class CodecSection(_Section):
+    """Payload encryption for the stack (docs/security.md), off unless `enabled`.
+
+    On, `up` makes a key file in the state dir (once, 0600), exports it to workers and the CLI
+    through the env file (DURABLE_COMFY_CODEC_KEYS_FILE), starts `durable-comfy codec-server`
+    on `port` for the UI's origin, and gives the Temporal UI that endpoint.
+    """
+
+    enabled: bool = False
+    host: str = "127.0.0.1"
+    port: Port = 8234
+    keys_file: str = "codec-keys"
+    # The variable holding a bearer token the codec server then requires (the UI must send it:
+    # its codec settings' "pass access token"); None: no auth on loopback.
+    auth_token_env: str | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
 class StackConfig(_Section):
     state_dir: str = ".devstack"
     temporal: TemporalSection = Field(default_factory=TemporalSection)
     s3: S3Section = Field(default_factory=S3Section)
     comfyui_sim: ComfySimSection = Field(default_factory=ComfySimSection)
     runpod_sim: RunpodSimSection = Field(default_factory=RunpodSimSection)
+    codec: CodecSection = Field(default_factory=CodecSection)
     worker: WorkerSection = Field(default_factory=WorkerSection)
 
     @model_validator(mode="after")

@@ -60,6 +60,9 @@ class RunningStack(BaseModel):
     temporal_profile: str
     config_file: Path
     services: dict[ServiceName, ServiceState] = Field(default_factory=dict)
+    # With the stack file's `codec.enabled`: the payload keys and the codec server for the UI.
+    codec_keys_file: Path | None = None
+    codec_endpoint: str | None = None
 
     def worker_env(self) -> dict[str, str]:
         """The environment a worker or CLI needs to use this stack (what STATE/env exports)."""
@@ -81,7 +84,12 @@ class RunningStack(BaseModel):
             "AWS_ENDPOINT_URL_S3": self.s3_endpoint,
             # The RunPod simulator's key, for the stack file's runpod pool (its api_key_env).
             "RUNPOD_API_KEY": self.runpod_api_key.get_secret_value(),
-        }
+        } | self._codec_env()
+
+    def _codec_env(self) -> dict[str, str]:
+        if self.codec_keys_file is None:
+            return {}
+        return {"DURABLE_COMFY_CODEC_KEYS_FILE": str(self.codec_keys_file)}
 
     def env_file_text(self) -> str:
         lines = [
@@ -90,6 +98,11 @@ class RunningStack(BaseModel):
             "# simulator's key in that shell (a real one there is replaced).",
             f"# Use: . {shlex.quote(str(self.env_file))}",
         ]
+        if self.codec_endpoint is not None:
+            lines += [
+                "# Payloads are encrypted; the temporal CLI decodes them through the codec server:",
+                f"#   temporal --codec-endpoint {self.codec_endpoint} workflow show -w JOB_ID",
+            ]
         lines += [f"export {k}={shlex.quote(v)}" for k, v in self.worker_env().items()]
         return "\n".join(lines) + "\n"
 

@@ -18,6 +18,7 @@ import structlog
 import yaml
 from pydantic import SecretStr
 
+from devstack.codec_server import keys_file, start_codec_server, stop_codec_server
 from devstack.config import StackConfig
 from devstack.errors import ServiceStopError, StackError
 from devstack.files import write_atomic
@@ -278,7 +279,8 @@ def _write_client_files(
             yaml.safe_dump(effective.model_dump(mode="json"), sort_keys=False),
         )
         config_file = paths.effective_config
-    write_temporal_toml(paths.temporal_toml, config.temporal)
+    codec = config.codec if config.codec.enabled else None
+    write_temporal_toml(paths.temporal_toml, config.temporal, codec.url if codec else None)
     stack = RunningStack(
         temporal_address=config.temporal.address,
         namespace=config.temporal.namespace,
@@ -297,6 +299,8 @@ def _write_client_files(
         temporal_config_file=paths.temporal_toml,
         temporal_profile=PROFILE_NAME,
         config_file=config_file.resolve(),
+        codec_keys_file=keys_file(config, base_dir) if codec else None,
+        codec_endpoint=codec.url if codec else None,
     )
     write_atomic(paths.env_file, stack.env_file_text(), mode=0o600)
     return stack
@@ -315,12 +319,16 @@ async def start_stack(
     creds = load_or_create_credentials(paths.s3_credentials)
     runpod_key = load_or_create_runpod_key(paths.runpod_api_key)
     states = await _ensure(_specs(config, base_dir, creds, runpod_key), SERVICE_NAMES)
+    if config.codec.enabled:
+        pid, action = await start_codec_server(config, base_dir)
+        log.info("codec server ready", pid=pid, action=action, url=config.codec.url)
     stack = _write_client_files(config, base_dir, creds, runpod_key, config_file)
     return stack.model_copy(update={"services": states})
 
 
 async def stop_stack(config: StackConfig, base_dir: Path) -> dict[ServiceName, ServiceState]:
     """SIGTERM (then SIGKILL) exactly the recorded PIDs; data, credentials and logs stay."""
+    await stop_codec_server(config, base_dir)
     states = await asyncio.gather(
         *(stop_service(config, base_dir, name) for name in reversed(SERVICE_NAMES))
     )

@@ -49,6 +49,10 @@ def temporal_argv(config: StackConfig, base_dir: Path) -> tuple[str, ...]:
         "--log-format",
         "json",
     ]
+    if config.codec.enabled:
+        # The UI decodes payloads through the stack's codec server (only when it is on: the
+        # default argv stays what a running stack was started with).
+        argv += ["--ui-codec-endpoint", config.codec.url]
     for key, kind in t.search_attributes.items():
         argv += ["--search-attribute", f"{key}={kind}"]
     for key, value in t.dynamic_config.items():
@@ -107,8 +111,11 @@ def db_file(config: StackConfig, base_dir: Path) -> Path:
     return config.path(base_dir, config.temporal.db_filename).resolve()
 
 
-def write_temporal_toml(path: Path, t: TemporalSection) -> None:
-    """An env-config client profile, read alike by the `temporal` CLI and `temporalio.envconfig`."""
+def write_temporal_toml(path: Path, t: TemporalSection, codec_endpoint: str | None = None) -> None:
+    """An env-config client profile, read alike by the `temporal` CLI and `temporalio.envconfig`.
+
+    With `codec_endpoint` the `temporal` CLI decodes payloads through it (the SDK ignores it).
+    """
     body = [
         "# Written by `durable-comfy dev up` (rewritten on every `up`). Use with:",
         f"#   temporal --config-file {path} --profile {PROFILE_NAME} workflow list",
@@ -122,4 +129,6 @@ def write_temporal_toml(path: Path, t: TemporalSection) -> None:
             f"namespace = {json.dumps(t.namespace)}",
             "",
         ]
+        if codec_endpoint is not None:
+            body += [f"[profile.{profile}.codec]", f"endpoint = {json.dumps(codec_endpoint)}", ""]
     write_atomic(path, "\n".join(body))
