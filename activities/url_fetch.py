@@ -8,7 +8,7 @@ could be steered somewhere private is checked:
 - the host: resolved once, and every address it resolves to must be public
   (`activities.public_address`); the connection then goes to one of exactly those addresses.
   No second lookup happens between the check and the connect: the connection pool's network
-  backend (`_PinnedBackend`) dials the checked address, and TLS still verifies the certificate
+  backend (`PinnedBackend`) dials the checked address, and TLS still verifies the certificate
   against the host name (SNI), so pinning the address does not weaken verification;
 - redirects: followed here, one hop at a time (each is a new URL, checked like the first), at
   most `max_redirects`;
@@ -258,7 +258,7 @@ class UrlFetcher:
         """One hop: the file, or the (checked) URL a redirect points to."""
         host, port = _host(url), url.port or 443
         addresses = await self._addresses(host, port)
-        backend = _PinnedBackend(host, addresses, self._dial)
+        backend = PinnedBackend(host, addresses, self._dial)
         op_timeout = min(self.settings.timeout_s, 30.0)
         request = httpcore.Request(
             "GET",
@@ -292,7 +292,7 @@ class UrlFetcher:
         self,
         url: httpx.URL,
         response: httpcore.Response,
-        backend: _PinnedBackend,
+        backend: PinnedBackend,
         limit: int,
         hop: int,
     ) -> Fetched | httpx.URL:
@@ -347,7 +347,7 @@ class UrlFetcher:
         return Fetched(b"".join(chunks), media, host, address or "", hop)
 
 
-class _PinnedBackend(httpcore.AsyncNetworkBackend):
+class PinnedBackend(httpcore.AsyncNetworkBackend):
     """The pool's network: connects `host` to its checked addresses and nothing else."""
 
     def __init__(self, host: str, addresses: Sequence[str], dial: Dialer) -> None:
@@ -431,11 +431,14 @@ def _too_large(url: httpx.URL, address: str | None, limit: int, what: str) -> Un
 
 def _connection_failure(url: httpx.URL, address: str | None, exc: Exception) -> FetchFailed:
     host = _host(url)
-    if isinstance(exc.__cause__, ssl.SSLCertVerificationError):
+    cause: BaseException | None = exc
+    while cause is not None and not isinstance(cause, ssl.SSLCertVerificationError):
+        cause = cause.__cause__ or cause.__context__
+    if isinstance(cause, ssl.SSLCertVerificationError):
         return FetchFailed(
             "tls",
             f"{_shown(url)}: the server's certificate does not verify for {host}: "
-            f"{exc.__cause__.verify_message}",
+            f"{cause.verify_message}",
             host=host,
             address=address,
         )
