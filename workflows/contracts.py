@@ -9,7 +9,14 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from workflows.shared import JOB_ID_PATTERN
 
@@ -166,13 +173,65 @@ class JobRequest(StrictModel):
         """How many times the graph runs: once per segment, once when there are none."""
         return max(1, len(self.segments))
 
+    # Every check below raises a ValueError subclass that names the node or field
+    # (workflows/graph.py, workflows/request_checks.py); pydantic reports it under the field,
+    # with the error itself in the error's `ctx`.
+
     @field_validator("graph")
     @classmethod
-    def _api_format(cls, graph: dict[str, Any]) -> dict[str, Any]:
-        from workflows.graph import check_api_format
+    def _api_format(cls, graph: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        from workflows.graph import check_api_format, check_graph
+        from workflows.request_checks import legacy
 
-        check_api_format(graph)
+        if legacy(info.context):
+            check_api_format(graph)
+        else:
+            check_graph(graph)
         return graph
+
+    @field_validator("inputs")
+    @classmethod
+    def _declared_inputs(cls, inputs: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        """Load nodes may name declared inputs only (checked here: the graph comes first)."""
+        from workflows.graph import check_input_files
+        from workflows.request_checks import check_input_names, legacy
+
+        if legacy(info.context):
+            return inputs
+        check_input_names(inputs)
+        graph = info.data.get("graph")
+        if graph is not None:
+            check_input_files(graph, inputs)
+        return inputs
+
+    @field_validator("segments")
+    @classmethod
+    def _bounded_segments(
+        cls, segments: list[dict[str, Any]], info: ValidationInfo
+    ) -> list[dict[str, Any]]:
+        from workflows.request_checks import check_segments, legacy
+
+        if not legacy(info.context):
+            check_segments(segments)
+        return segments
+
+    @field_validator("labels")
+    @classmethod
+    def _bounded_labels(cls, labels: dict[str, str], info: ValidationInfo) -> dict[str, str]:
+        from workflows.request_checks import check_labels, legacy
+
+        if not legacy(info.context):
+            check_labels(labels)
+        return labels
+
+    @field_validator("policy")
+    @classmethod
+    def _bounded_policy(cls, policy: JobPolicy, info: ValidationInfo) -> JobPolicy:
+        from workflows.request_checks import check_policy, legacy
+
+        if not legacy(info.context):
+            check_policy(policy)
+        return policy
 
 
 class Checkpoint(StrictModel):

@@ -7,7 +7,10 @@ backend's node registry (`/object_info`) live in `activities/comfyui/graph.py`.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator, Mapping
+import json
+import unicodedata
+from collections.abc import Collection, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 # Nodes whose `steps` input drives `progress` events (one per step).
@@ -22,39 +25,429 @@ EDITOR_FORMAT_HINT = (
 
 
 class GraphFormatError(ValueError):
-    """The graph is not a ComfyUI API-format prompt. The message says what to fix."""
+    """The graph is not a ComfyUI API-format prompt. The message says what to fix.
+
+    Subclasses (all `GraphRefused`) carry the problems one by one, each naming its node and
+    field, so a caller can point at them (`JobError` details, an editor):
+
+        GraphRefused
+        ├── GraphShapeError        not `{node_id: {class_type, inputs}}`, or a dangling link
+        ├── GraphTooLarge          over a size bound: bytes, nodes, inputs, a string, nesting
+        ├── GraphNameError         a node id or class_type too long or with control characters
+        ├── GraphLinkError         a link's output index is not a small whole number
+        ├── GraphCycleError        the links go round in a circle
+        ├── UndeclaredInputFile    a load node names a file that is not a declared input
+        └── NodeClassNotAllowed    a class outside the pool's allow-list
+    """
+
+
+@dataclass(frozen=True)
+class GraphProblem:
+    """One thing wrong with a graph. `node` is None for the graph as a whole; `field` is
+    `graph`, `class_type`, `inputs` or `inputs.<name>`."""
+
+    node: str | None
+    field: str
+    message: str
+
+    def as_dict(self) -> dict[str, str | None]:
+        return {"node": self.node, "field": self.field, "message": self.message}
+
+
+class GraphRefused(GraphFormatError):
+    """One or more `GraphProblem`s of one kind; the message lists them (at most
+    `SHOWN_PROBLEMS`, then how many more)."""
+
+    summary = "invalid API-format graph"
+
+    def __init__(self, problems: Sequence[GraphProblem], *, summary: str | None = None) -> None:
+        if not problems:
+            raise ValueError("a refusal needs at least one problem")
+        self.problems = list(problems)
+        summary = summary if summary is not None else self.summary
+        shown = "; ".join(p.message for p in self.problems[:SHOWN_PROBLEMS])
+        more = len(self.problems) - SHOWN_PROBLEMS
+        if more > 0:
+            shown += f"; and {more} more"
+        super().__init__(f"{summary}: {shown}" if summary else shown)
+
+    @property
+    def node(self) -> str | None:
+        """The node of the first problem (None: the graph as a whole)."""
+        return self.problems[0].node
+
+    @property
+    def field(self) -> str:
+        return self.problems[0].field
+
+
+class GraphShapeError(GraphRefused):
+    pass
+
+
+class GraphTooLarge(GraphRefused):
+    summary = "graph too large"
+
+
+class GraphNameError(GraphRefused):
+    summary = "invalid node id or class_type"
+
+
+class GraphLinkError(GraphRefused):
+    summary = "invalid link"
+
+
+class GraphCycleError(GraphRefused):
+    summary = "the graph has a cycle (ComfyUI cannot run it)"
+
+
+class UndeclaredInputFile(GraphRefused):
+    summary = "input file not declared"
+
+
+class NodeClassNotAllowed(GraphRefused):
+    summary = "node class not allowed"
+
+
+# -- bounds ----------------------------------------------------------------------------------
+# Generous for real graphs (examples/, exported SDXL/video workflows run to ~300 nodes and tens
+# of kB), tight enough that a hostile graph cannot make the client, the workflow or ComfyUI
+# spend long on it. A job's whole request is one history payload (2 MiB by default), so the
+# graph gets half of it and inline inputs and the rest the other half.
+MAX_GRAPH_BYTES = 1024 * 1024
+MAX_NODES = 2000
+MAX_INPUTS_PER_NODE = 256
+MAX_STRING_CHARS = 100_000  # a prompt text; one string, after JSON decoding
+MAX_NODE_ID_CHARS = 64
+MAX_CLASS_TYPE_CHARS = 200
+MAX_INPUT_NAME_CHARS = 200
+MAX_OUTPUT_INDEX = 255  # without the registry; with it, the class's real outputs
+MAX_VALUE_DEPTH = 32  # lists and objects inside one input value
+SHOWN_PROBLEMS = 20
 
 
 def check_api_format(graph: Mapping[str, Any]) -> None:
     """Reject anything that is not `{node_id: {class_type, inputs}}`, saying what to fix."""
     if "nodes" in graph and "links" in graph:
-        raise GraphFormatError(EDITOR_FORMAT_HINT)
+        raise GraphShapeError([GraphProblem(None, "graph", EDITOR_FORMAT_HINT)], summary="")
     if "prompt" in graph and isinstance(graph["prompt"], dict) and len(graph) <= 3:
-        raise GraphFormatError(
-            "this looks like a /prompt request body; pass only its 'prompt' object as the graph"
+        raise GraphShapeError(
+            [
+                GraphProblem(
+                    None,
+                    "graph",
+                    "this looks like a /prompt request body; pass only its 'prompt' object as "
+                    "the graph",
+                )
+            ],
+            summary="",
         )
     if not graph:
-        raise GraphFormatError("the graph is empty: it needs at least one node")
-    problems: list[str] = []
+        raise GraphShapeError(
+            [GraphProblem(None, "graph", "the graph is empty: it needs at least one node")],
+            summary="",
+        )
+    problems: list[GraphProblem] = []
     for node_id, node in graph.items():
         if not isinstance(node, dict):
-            problems.append(f"node {node_id!r} is not an object")
+            problems.append(
+                GraphProblem(str(node_id), "graph", f"node {node_id!r} is not an object")
+            )
             continue
         class_type = node.get("class_type")
         if not isinstance(class_type, str) or not class_type:
-            problems.append(f"node {node_id!r} has no 'class_type'")
+            problems.append(
+                GraphProblem(str(node_id), "class_type", f"node {node_id!r} has no 'class_type'")
+            )
         inputs = node.get("inputs", {})
         if not isinstance(inputs, dict):
-            problems.append(f"node {node_id!r}: 'inputs' must be an object")
+            problems.append(
+                GraphProblem(
+                    str(node_id), "inputs", f"node {node_id!r}: 'inputs' must be an object"
+                )
+            )
             continue
         for name, value in inputs.items():
             if is_link(value) and str(value[0]) not in graph:
                 problems.append(
-                    f"node {node_id!r} input {name!r} links to node {value[0]!r}, "
-                    "which is not in the graph"
+                    GraphProblem(
+                        str(node_id),
+                        f"inputs.{name}",
+                        f"node {node_id!r} input {name!r} links to node {value[0]!r}, "
+                        "which is not in the graph",
+                    )
                 )
     if problems:
-        raise GraphFormatError("invalid API-format graph: " + "; ".join(problems))
+        raise GraphShapeError(problems)
+
+
+def check_graph(graph: Mapping[str, Any]) -> None:
+    """Everything that can be checked without the backend, cheapest first; raises the first
+    kind of `GraphRefused` found, with all its problems.
+
+    Size (bytes, nodes, inputs, strings, nesting), then the API format and dangling links,
+    then ids and class names, links' output indexes, and cycles. Runs in the client (through
+    `JobRequest` validation), in the workflow (which validates its input again) and in the
+    prepare activity, so a client that skips it is refused all the same.
+    """
+    _check_size(graph)
+    check_api_format(graph)
+    _check_names(graph)
+    _check_link_indexes(graph)
+    check_acyclic(graph)
+
+
+def _check_size(graph: Mapping[str, Any]) -> None:
+    if len(graph) > MAX_NODES:
+        raise GraphTooLarge(
+            [GraphProblem(None, "graph", f"{len(graph):,} nodes; at most {MAX_NODES:,}")]
+        )
+    problems: list[GraphProblem] = []
+    for node_id, node in graph.items():
+        inputs = node.get("inputs") if isinstance(node, dict) else None
+        if not isinstance(inputs, dict):
+            continue
+        if len(inputs) > MAX_INPUTS_PER_NODE:
+            problems.append(
+                GraphProblem(
+                    str(node_id),
+                    "inputs",
+                    f"node {_shown(node_id)} has {len(inputs):,} inputs; at most "
+                    f"{MAX_INPUTS_PER_NODE}",
+                )
+            )
+            continue
+        for name, value in inputs.items():
+            problem = value_problem(value)
+            if problem is not None:
+                problems.append(
+                    GraphProblem(
+                        str(node_id),
+                        f"inputs.{_clip(name)}",
+                        f"node {_shown(node_id)} input {_shown(name)}: {problem}",
+                    )
+                )
+    if problems:
+        raise GraphTooLarge(problems)
+    # Only now is json.dumps safe: nesting is bounded and every value is JSON.
+    size = len(json.dumps(graph, separators=(",", ":"), ensure_ascii=False).encode())
+    if size > MAX_GRAPH_BYTES:
+        raise GraphTooLarge(
+            [
+                GraphProblem(
+                    None,
+                    "graph",
+                    f"{size:,} bytes of JSON; at most {MAX_GRAPH_BYTES:,} (a job's request is "
+                    "one Temporal history payload)",
+                )
+            ]
+        )
+
+
+def value_problem(value: Any) -> str | None:
+    """Why an input value cannot travel (too deep, too long a string, not JSON); None if it can.
+
+    Iterative, so a hostile nesting cannot exhaust the stack.
+    """
+    pending: list[tuple[Any, int]] = [(value, 0)]
+    while pending:
+        item, depth = pending.pop()
+        if depth > MAX_VALUE_DEPTH:
+            return f"nested more than {MAX_VALUE_DEPTH} levels deep"
+        if isinstance(item, str):
+            if len(item) > MAX_STRING_CHARS:
+                return f"a string of {len(item):,} characters; at most {MAX_STRING_CHARS:,}"
+        elif isinstance(item, list | tuple):
+            pending.extend((child, depth + 1) for child in item)
+        elif isinstance(item, dict):
+            for key, child in item.items():
+                if not isinstance(key, str):
+                    return f"an object key {_shown(key)} that is not a string"
+                if len(key) > MAX_STRING_CHARS:
+                    return f"an object key of {len(key):,} characters"
+                pending.append((child, depth + 1))
+        elif isinstance(item, float):
+            if item != item or item in (float("inf"), float("-inf")):
+                return f"{item} is not a JSON number"
+        elif item is not None and not isinstance(item, bool | int):
+            return f"a {type(item).__name__}, which is not JSON"
+    return None
+
+
+def _check_names(graph: Mapping[str, Any]) -> None:
+    problems: list[GraphProblem] = []
+    for node_id, node in graph.items():
+        shown = _shown(node_id)
+        if not isinstance(node_id, str | int) or isinstance(node_id, bool):
+            problems.append(GraphProblem(_clip(node_id), "graph", f"node id {shown} is no string"))
+            continue
+        problem = name_problem(str(node_id), MAX_NODE_ID_CHARS)
+        if problem:
+            problems.append(GraphProblem(_clip(node_id), "graph", f"node id {shown}: {problem}"))
+        problem = name_problem(node["class_type"], MAX_CLASS_TYPE_CHARS)
+        if problem:
+            problems.append(
+                GraphProblem(_clip(node_id), "class_type", f"node {shown} class_type: {problem}")
+            )
+        for name in node.get("inputs", {}):
+            problem = name_problem(name, MAX_INPUT_NAME_CHARS)
+            if problem:
+                problems.append(
+                    GraphProblem(
+                        _clip(node_id),
+                        "inputs",
+                        f"node {shown} input name {_shown(name)}: {problem}",
+                    )
+                )
+    if problems:
+        raise GraphNameError(problems)
+
+
+def name_problem(name: Any, limit: int) -> str | None:
+    """Why a node id, class or input name cannot be used (empty, long, control characters)."""
+    if not isinstance(name, str) or not name:
+        return "must be a non-empty string"
+    if len(name) > limit:
+        return f"{len(name):,} characters; at most {limit}"
+    if any(unicodedata.category(c).startswith("C") for c in name):
+        return "contains control or unassigned characters"
+    return None
+
+
+def _check_link_indexes(graph: Mapping[str, Any]) -> None:
+    problems: list[GraphProblem] = []
+    for node_id, _class_type, inputs in iter_nodes(graph):
+        for name, value in inputs.items():
+            problem = link_index_problem(value)
+            if problem:
+                problems.append(
+                    GraphProblem(
+                        node_id,
+                        f"inputs.{name}",
+                        f"node {node_id!r} input {name!r} links to node {value[0]!r} {problem}",
+                    )
+                )
+    if problems:
+        raise GraphLinkError(problems)
+
+
+def link_index_problem(value: Any) -> str | None:
+    """What is wrong with a link's output index, if `value` is (or ComfyUI takes it for) a link.
+
+    ComfyUI takes `[str, float]` for a link too, so a fractional index is refused here rather
+    than passed as a widget value that ComfyUI would follow.
+    """
+    if is_link(value):
+        index = value[1]
+        if index < 0:
+            return f"output {index}: an output index is 0 or more"
+        if index > MAX_OUTPUT_INDEX:
+            return f"output {index}: at most {MAX_OUTPUT_INDEX}"
+        return None
+    if (
+        isinstance(value, list)
+        and len(value) == 2
+        and isinstance(value[0], str)
+        and isinstance(value[1], float)
+    ):
+        return f"output {value[1]!r}: an output index is a whole number"
+    return None
+
+
+def check_acyclic(graph: Mapping[str, Any]) -> None:
+    """Kahn's algorithm over the links (no recursion: a 2,000-node chain is fine)."""
+    nodes = {node_id: inputs for node_id, _class_type, inputs in iter_nodes(graph)}
+    waiting_on: dict[str, int] = {}
+    feeds: dict[str, list[str]] = {}
+    for node_id, inputs in nodes.items():
+        sources = {str(v[0]) for v in inputs.values() if is_link(v) and str(v[0]) in nodes}
+        waiting_on[node_id] = len(sources)
+        for source in sources:
+            feeds.setdefault(source, []).append(node_id)
+    ready = [node_id for node_id, count in waiting_on.items() if count == 0]
+    while ready:
+        for target in feeds.get(ready.pop(), []):
+            waiting_on[target] -= 1
+            if waiting_on[target] == 0:
+                ready.append(target)
+    # Left over: the nodes in a cycle and those it feeds. Peel off the ones that feed no other
+    # left-over node (the same algorithm backwards), so only the cycles are named.
+    stuck = {node_id for node_id, count in waiting_on.items() if count > 0}
+    feeding = {node_id: {t for t in feeds.get(node_id, []) if t in stuck} for node_id in stuck}
+    fed_by: dict[str, set[str]] = {node_id: set() for node_id in stuck}
+    for node_id, targets in feeding.items():
+        for target in targets:
+            fed_by[target].add(node_id)
+    leaves = [node_id for node_id, targets in feeding.items() if not targets]
+    while leaves:
+        leaf = leaves.pop()
+        stuck.discard(leaf)
+        for source in fed_by[leaf]:
+            feeding[source].discard(leaf)
+            if not feeding[source]:
+                leaves.append(source)
+    problems = []
+    for node_id in sorted(stuck, key=list(nodes).index):
+        name = next(n for n, v in nodes[node_id].items() if is_link(v) and str(v[0]) in stuck)
+        problems.append(
+            GraphProblem(
+                node_id,
+                f"inputs.{name}",
+                f"node {node_id!r} input {name!r} links to node {nodes[node_id][name][0]!r}, "
+                "which depends on it",
+            )
+        )
+    if problems:
+        raise GraphCycleError(problems)
+
+
+def check_input_files(graph: Mapping[str, Any], declared: Collection[str]) -> None:
+    """Every file a load node names must be one of the request's `inputs`.
+
+    A name that is not declared would read whatever the backend's input folder holds under it:
+    another job's upload, or a file left there. Refused, naming the node and its input.
+    """
+    listed = ", ".join(_shown(name) for name in sorted(declared)) or "none declared"
+    problems = [
+        GraphProblem(
+            node_id,
+            f"inputs.{input_name}",
+            f"node {node_id!r} ({class_type}) input {input_name!r} loads {_shown(file_name)}, "
+            f"which is not one of the request's inputs ({listed}): pass the file as an input "
+            f"of that name (CLI: --input NAME=PATH)",
+        )
+        for node_id, class_type, inputs in iter_nodes(graph)
+        if (input_name := LOAD_NODE_INPUTS.get(class_type))
+        and isinstance(file_name := inputs.get(input_name), str)
+        and file_name not in declared
+    ]
+    if problems:
+        raise UndeclaredInputFile(problems)
+
+
+def check_node_classes(graph: Mapping[str, Any], allowed: Collection[str], pool: str) -> None:
+    """Every node's class must be on the pool's allow-list (`PoolConfig.allowed_node_classes`)."""
+    problems = [
+        GraphProblem(
+            node_id,
+            "class_type",
+            f"node {node_id!r} class_type {class_type!r} is not allowed on pool {pool!r}",
+        )
+        for node_id, class_type, _inputs in iter_nodes(graph)
+        if class_type not in allowed
+    ]
+    if problems:
+        raise NodeClassNotAllowed(problems)
+
+
+def _clip(value: Any) -> str:
+    return str(value)[:MAX_NODE_ID_CHARS]
+
+
+def _shown(value: Any) -> str:
+    """A name as a message shows it: repr, cut short (a hostile name can be a megabyte)."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def is_link(value: Any) -> bool:
