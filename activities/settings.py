@@ -100,6 +100,9 @@ class PoolConfig(BaseModel):
     what a worker keeps billing after its last job (RunPod's default 5 s when unset).
     `claim_lease_s`: how long our handler's claim holds without renewal (default 60): how long a
     crashed worker's submission waits before another delivery may take it over.
+    `allowed_node_classes` (any kind): when set, the only node classes a graph may use on this
+    pool; the prepare activity refuses any other class (`InvalidGraph`, naming the node) before
+    anything reaches the backend. Unset: any class the backend has.
 
     After validation a runpod pool has `url`, `api_key_env` and `claims` set; a comfyui pool has
     none of the runpod fields (so its dump is what it always was).
@@ -116,6 +119,14 @@ class PoolConfig(BaseModel):
     execution_timeout_s: float | None = Field(None, ge=MIN_EXECUTION_TIMEOUT_S, le=MAX_POLICY_S)
     idle_timeout_s: float | None = Field(None, ge=0)
     claim_lease_s: float | None = Field(None, ge=5, le=3600)
+    allowed_node_classes: list[str] | None = None
+
+    @field_validator("allowed_node_classes")
+    @classmethod
+    def _class_names(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and not all(name.strip() for name in value):
+            raise ValueError("node class names must be non-empty (e.g. [KSampler, SaveImage])")
+        return value
 
     @model_validator(mode="before")
     @classmethod

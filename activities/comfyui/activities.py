@@ -17,7 +17,7 @@ from temporalio import activity
 
 from activities.comfyui.client import ComfyClient, ComfyError
 from activities.comfyui.events import ending_of
-from activities.comfyui.graph import available_input_files, output_nodes, registry_problems
+from activities.comfyui.graph import output_nodes, refuse_hostile_graph, registry_problems
 from activities.comfyui.pools import ComfyPools, PoolHealth
 from activities.errors import fatal, from_comfy, retryable
 from activities.inputs import input_bytes
@@ -54,6 +54,8 @@ class ComfyActivities:
     async def prepare_prompt(self, req: PrepareInput) -> PreparedJob:
         """Check the graph against the pool's node registry and bind input files to it."""
         pool = self._pools.resolve(req.pool)
+        # (ComfyPools keeps the pool settings; it has no accessor for one pool's yet.)
+        refuse_hostile_graph(req, pool, self._pools._settings.pools[pool].allowed_node_classes)
         client = self._pools.client(pool)
         for index, overrides in enumerate(req.segments):
             try:
@@ -72,16 +74,13 @@ class ComfyActivities:
         for node_id, input_name, file_name in load_node_files(req.graph):
             ref = req.inputs.get(file_name)
             if ref is None:
-                class_type = req.graph[node_id]["class_type"]
-                if file_name in available_input_files(object_info, class_type, input_name):
-                    continue
+                # Unreachable after refuse_hostile_graph: a load node reads declared inputs
+                # only, never whatever the backend's input folder holds (another job's upload).
                 raise fatal(
                     ErrorType.MISSING_INPUT,
-                    f"node {node_id} ({class_type}) loads {file_name!r}, which is neither in "
-                    f"the request's inputs nor on the backend: pass it as an input named "
-                    f"{file_name!r} (CLI: --input {file_name}=PATH)",
+                    f"node {node_id} loads {file_name!r}, which is not in the request's inputs",
                     node_id=node_id,
-                    input=file_name,
+                    input=input_name,
                 )
             if file_name not in bound:
                 data = await input_bytes(self._store, file_name, ref, limit=MAX_INPUT_BYTES)

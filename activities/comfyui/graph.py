@@ -1,4 +1,6 @@
-"""Checking a graph against the backend's node registry (`GET /object_info`) before any prompt.
+"""Checking a graph before any prompt: the checks every prepare activity runs again
+(`refuse_hostile_graph`, both kinds of pool), and the check against a ComfyUI backend's node
+registry (`GET /object_info`).
 
 Every problem is found and reported at once, in words that say which node and what to change,
 so a bad graph costs no GPU time.
@@ -9,7 +11,47 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from workflows.graph import is_link, iter_nodes
+from temporalio.exceptions import ApplicationError
+
+from activities.errors import fatal
+from workflows.activity_io import PrepareInput
+from workflows.graph import (
+    GraphFormatError,
+    GraphRefused,
+    UndeclaredInputFile,
+    check_graph,
+    check_input_files,
+    check_node_classes,
+    is_link,
+    iter_nodes,
+)
+from workflows.shared import ErrorType
+
+
+def refuse_hostile_graph(req: PrepareInput, pool: str, allowed: list[str] | None) -> None:
+    """The client's and the workflow's graph checks once more, where the pool is known, and
+    the pool's allow-list of node classes: an `ApplicationError` (non-retryable) before the
+    backend is asked anything. A job started by a client that skipped the checks, or by an
+    older worker's workflow, is refused here all the same."""
+    try:
+        check_graph(req.graph)
+        check_input_files(req.graph, req.inputs)
+        if allowed is not None:
+            check_node_classes(req.graph, frozenset(allowed), pool)
+    except GraphFormatError as exc:
+        raise graph_refusal(exc) from exc
+
+
+def graph_refusal(exc: GraphFormatError) -> ApplicationError:
+    """A refused graph as the activity failure: `MissingInput` for an undeclared file,
+    `InvalidGraph` otherwise; details name each problem's node and field."""
+    error_type = (
+        ErrorType.MISSING_INPUT if isinstance(exc, UndeclaredInputFile) else ErrorType.INVALID_GRAPH
+    )
+    if not isinstance(exc, GraphRefused):
+        return fatal(error_type, str(exc))
+    problems = [problem.as_dict() for problem in exc.problems]
+    return fatal(error_type, str(exc), kind=type(exc).__name__, problems=problems)
 
 
 def registry_problems(graph: Mapping[str, Any], object_info: Mapping[str, Any]) -> list[str]:
@@ -32,7 +74,12 @@ def registry_problems(graph: Mapping[str, Any], object_info: Mapping[str, Any]) 
             source_id = str(value[0])
             source = graph.get(source_id)
             source_spec = object_info.get(source.get("class_type", "")) if source else None
-            if source_spec is not None and value[1] >= len(source_spec.get("output", [])):
+            if value[1] < 0:
+                problems.append(
+                    f"node {node_id} ({class_type}): input {name!r} uses output {value[1]} of "
+                    f"node {source_id}; an output index is 0 or more"
+                )
+            elif source_spec is not None and value[1] >= len(source_spec.get("output", [])):
                 problems.append(
                     f"node {node_id} ({class_type}): input {name!r} uses output {value[1]} of "
                     f"node {source_id}, which has only {len(source_spec.get('output', []))}"

@@ -18,6 +18,7 @@ from typing import Literal
 
 import structlog
 
+from activities.comfyui.graph import refuse_hostile_graph
 from activities.errors import fatal, retryable
 from activities.inputs import input_bytes
 from activities.keys import content_type_for, job_folder, safe_component
@@ -92,6 +93,7 @@ class RunPodBackend:
         """No node registry to ask (the worker's ComfyUI is not up before a job reaches it):
         check what can be checked here and stage the input files in the job's bucket folder;
         ComfyUI's own validation on the worker refuses the rest before anything runs."""
+        refuse_hostile_graph(req, pool, self._pools[pool].allowed_node_classes)
         for index, overrides in enumerate(req.segments):
             try:
                 apply_overrides(req.graph, overrides)
@@ -105,7 +107,7 @@ class RunPodBackend:
         for _node, _input, name in load_node_files(req.graph):
             ref = req.inputs.get(name)
             if ref is None or name in staged:
-                continue  # a file the worker's image may hold; its ComfyUI says if not
+                continue  # (undeclared names were refused above) already staged
             limit = MAX_INPUT_FILE_BYTES if by_reference else MAX_INLINE_RUN_BYTES
             data = await input_bytes(self._store, name, ref, limit=limit)
             total += len(data)
