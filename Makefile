@@ -38,8 +38,10 @@ demo-chaos: $(STAMP)
 	$(BIN)/python -m devstack.chaos_demo
 
 ## test: unit, workflow (time-skipping), integration (real Temporal + SeaweedFS + simulator)
+## (TEST_WORKERS=N: pytest-xdist processes, each with its own local stack; 1 runs them in one)
+TEST_WORKERS ?= 2
 test: $(STAMP) $(EP_STAMP)
-	$(BIN)/pytest -q --durations=15
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --durations=15
 
 ## test-real-comfyui: the conformance suite and an end-to-end subset against a real ComfyUI
 test-real-comfyui: $(STAMP)
