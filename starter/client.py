@@ -63,6 +63,7 @@ from starter.errors import (
 from starter.execution import bare_status, ended_from_outside
 from starter.progress import FOLLOW_STATES, follow_heartbeats, overlaid
 from starter.requests import check_segment_overrides
+from starter.staging import stage_inputs
 from workflows.backoff import reconnect_delay
 from workflows.contracts import (
     Artifact,
@@ -128,7 +129,8 @@ class JobClient:
     """Async client for durable-comfy jobs.
 
     `store` (an open `activities.storage.ArtifactStore`) is optional: with it, `result` adds
-    presigned download URLs; without S3 credentials you still get `s3://` URIs.
+    presigned download URLs and `start` stages inputs too large for a request to S3; without
+    S3 credentials you still get `s3://` URIs, and such inputs are refused.
     `query_timeout_s` bounds how long a status query waits for a worker to answer.
     """
 
@@ -184,12 +186,19 @@ class JobClient:
         `JobConflict`. Requests compare by content (`request_sha256`), not by how the job is
         followed: `detached` is not part of the comparison.
 
+        An inline input over `MAX_INLINE_INPUT_BYTES` is uploaded to S3 first and sent by
+        reference (`starter.staging`); that needs `store`, and raises `InputNeedsStaging`
+        without it.
+
         An attached job (the default) expects to hear from a client: `watch` keeps it alive, and
         after `policy.abandon_after_s` without contact it is abandoned and its GPU work is
         stopped. A detached job runs to the end whoever is listening.
         """
         job_id = checked_job_id(job_id or f"job-{uuid.uuid4().hex[:16]}")
         check_segment_overrides(request.graph, request.segments)
+        # Before the fingerprint: the job holds (and a resubmission compares) the staged form,
+        # whose keys are content hashes, so the same file gives the same request every time.
+        request = await stage_inputs(request, self.store)
         fingerprint = request_sha256(request)
         if detached:
             policy = request.policy.model_copy(update={"abandon_after_s": None})

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from starter.errors import InputFileError, InvalidOverride
-from workflows.contracts import MAX_INLINE_INPUT_BYTES, InlineInput, InputRef, JobRequest, S3Input
+from workflows.contracts import InlineInput, InputRef, JobRequest, S3Input, UrlInput
 from workflows.graph import GraphFormatError
 
 S3_URI = re.compile(r"^s3://[^/]+/.+")
@@ -33,30 +33,32 @@ def parse_input_option(option: str) -> tuple[str, str]:
     name, sep, source = option.partition("=")
     if not sep or not name or not source:
         raise InputFileError(
-            f"--input {option!r}: use NAME=PATH or NAME=s3://BUCKET/KEY, "
+            f"--input {option!r}: use NAME=PATH, NAME=s3://BUCKET/KEY or NAME=https://URL, "
             "e.g. --input face.png=./face.png"
         )
     return name, source
 
 
 def input_ref(name: str, source: str) -> InputRef:
-    """An `s3://` source travels as a reference (the worker reads it); a path is sent inline."""
+    """An `s3://` or `https://` source travels as a reference (the worker reads it); a path is
+    read inline, and `JobClient.start` stages a file over `MAX_INLINE_INPUT_BYTES` to S3
+    (`starter.staging`)."""
     if source.startswith("s3://"):
         if not S3_URI.match(source):
             raise InputFileError(f"input {name!r}: {source!r} is not s3://BUCKET/KEY")
         return S3Input(uri=source)
+    if source.startswith("https://"):
+        return UrlInput(url=source)  # fetched by the worker, public addresses only
+    if source.startswith("http://"):
+        raise InputFileError(f"input {name!r}: URL inputs must be https, not {source!r}")
     return inline_input(name, Path(source))
 
 
 def inline_input(name: str, path: Path) -> InlineInput:
+    """The file's bytes, whatever their size: one too large for a request is staged to S3 when
+    the request is started (`starter.staging`), or refused there without S3 access."""
     if not path.is_file():
         raise InputFileError(f"input {name!r}: file not found: {path}")
-    size = path.stat().st_size
-    if size > MAX_INLINE_INPUT_BYTES:
-        raise InputFileError(
-            f"input {name!r}: {path} is {size} bytes; inline inputs are limited to "
-            f"{MAX_INLINE_INPUT_BYTES} bytes: upload it to S3 and pass --input {name}=s3://BUCKET/KEY"
-        )
     return InlineInput(filename=path.name, data_b64=base64.b64encode(path.read_bytes()).decode())
 
 

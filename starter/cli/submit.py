@@ -17,6 +17,7 @@ from starter.cli.settings import CliConfig
 from starter.cli.ui import workflow_url
 from starter.client import SubmitOutcome, checked_job_id
 from starter.requests import request_from_files
+from starter.staging import oversized_inputs, require_staging
 
 log = structlog.get_logger("durable_comfy.cli")
 
@@ -32,8 +33,10 @@ def submit(
         list[str] | None,
         typer.Option(
             "--input",
-            help="NAME=PATH (sent inline, up to 1 MiB) or NAME=s3://BUCKET/KEY: a file a "
-            "LoadImage node names. Repeatable.",
+            help="NAME=PATH (sent inline up to 1 MiB; a larger file is uploaded to the "
+            "bucket's _staged/ folder and sent by reference), NAME=s3://BUCKET/KEY or "
+            "NAME=https://URL (fetched by the worker): a file a LoadImage node names. "
+            "Repeatable.",
         ),
     ] = None,
     segments: Annotated[
@@ -50,11 +53,18 @@ def submit(
         if job_id is not None:
             checked_job_id(job_id)
         request = request_from_files(graph, inputs=inputs, segments_path=segments, pool=pool)
+        # Refused here, before connecting, when a file needs staging and S3 is not configured.
+        staging = bool(oversized_inputs(request))
+        require_staging(
+            request, can_stage=not staging or config.artifact_store_settings() is not None
+        )
     followed = Followed(job_id)
 
     async def go() -> int:
-        # Presigned URLs only matter to the human summary at the end of --watch.
-        async with job_client(config, with_store=watch and not as_json) as client:
+        # Presigned URLs only matter to the human summary at the end of --watch; files over
+        # the inline limit are uploaded by the client before the job starts.
+        with_store = staging or (watch and not as_json)
+        async with job_client(config, with_store=with_store) as client:
             outcome = await client.start(request, job_id=job_id, detached=not watch)
             followed.seen(outcome.status)
             if outcome.existed:
