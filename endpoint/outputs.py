@@ -6,7 +6,7 @@ names it, each file once, at most MAX_PARALLEL at a time; previews (`type: temp`
 
 Output names are untrusted (any custom node writes them). Files are read through ComfyUI's
 `/view`, never opened by name here, and a record whose names could leave the output folder is
-refused before it is asked for (`UnsafeOutputName`, `client.check_view_request`): the job fails
+refused before it is asked for (`ComfyClient.view` raises `UnsafeOutputName`): the job fails
 naming it and keeps what was stored. Keys are built by the job's `key_for`
 (`activities.keys.artifact_key`): inside the job's folder whatever the name.
 """
@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import structlog
 
-from activities.comfyui.client import ComfyClient, UnsafeOutputName, check_view_request
+from activities.comfyui.client import ComfyClient
 from activities.comfyui.events import output_files
 from activities.keys import content_type_for
 from endpoint.contract import ArtifactRecord
@@ -183,14 +183,6 @@ class OutputCollector:
         return [self._stored[i] for i in self._order if i in self._stored]
 
     async def _store(self, identity: str, node_id: str, item: Mapping[str, str]) -> None:
-        try:
-            check_view_request(
-                item["filename"], item.get("subfolder", ""), item.get("type", "output")
-            )
-        except UnsafeOutputName as exc:
-            log.warning("output_refused", node_id=node_id, reason=str(exc))
-            self._failures.append(exc)
-            return
         try:
             async with self._limit:
                 async with self._client.view(

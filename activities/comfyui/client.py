@@ -60,6 +60,8 @@ MAX_NAME_BYTES = 255  # NAME_MAX: no real file has a longer name
 MAX_SUBFOLDER_BYTES = 1024
 _SEPARATORS = re.compile(r"[\\/]")
 _DRIVE = re.compile(r"^[A-Za-z]:")
+# ComfyUI reads `name [input]` from the input folder whatever `type` says (annotated_filepath).
+_ANNOTATION = re.compile(r"\[(input|output|temp)\]\s*$", re.IGNORECASE)
 # Control, format (bidi overrides, zero-width), surrogate, line and paragraph separators.
 _UNSAFE_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
 
@@ -69,7 +71,8 @@ def check_view_request(filename: str, subfolder: str, kind: str) -> None:
 
     The names come from ComfyUI's events and history, which a custom node or a hostile backend
     writes: ComfyUI's own `/view` guards traversal, but ours must not depend on it. `kind` must
-    be output or temp. `filename` is one name: no separator, not dots only, at most 255 bytes.
+    be output or temp. `filename` is one name: no separator, not dots only, no `[input]`-style
+    annotation (ComfyUI would take the folder from it, not from `kind`), at most 255 bytes.
     `subfolder` is relative: not absolute (`/x`, `\\x`, `C:`), no dots-only level, at most 1024
     bytes. Neither may hold NUL, control, format or line-separator characters. Each value is also
     checked percent-decoded and NFKC-normalised, so `%2e%2e` or fullwidth dots that a proxy or a
@@ -94,6 +97,8 @@ def _filename_problem(filename: str) -> str | None:
             return "a path separator in the filename"
         if _dots_only(form):
             return "the filename is a `.` or `..` level"
+        if _ANNOTATION.search(form):
+            return "a folder annotation (`[input]`) that would override the type"
     return None
 
 
