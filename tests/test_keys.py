@@ -46,6 +46,8 @@ def test_plain_names_pass_through_unchanged() -> None:
         ".hidden",
         "a/../../b.png",
         "\uff0e\uff0e\uff0fetc\uff0fpasswd",  # fullwidth "../etc/passwd"
+        "%2e%2e/%2e%2e/x",  # percent-encoded "../../x", should anything decode it
+        "%2e%2e",
         "a\x00b.png",
         "line\nbreak\r.png",
         "tab\there\x7f.png",
