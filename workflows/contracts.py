@@ -18,6 +18,14 @@ from pydantic import (
     model_validator,
 )
 
+from workflows.graph import check_api_format, check_graph, check_input_files
+from workflows.request_checks import (
+    check_input_names,
+    check_labels,
+    check_policy,
+    check_segments,
+    legacy,
+)
 from workflows.shared import JOB_ID_PATTERN
 
 
@@ -180,9 +188,6 @@ class JobRequest(StrictModel):
     @field_validator("graph")
     @classmethod
     def _api_format(cls, graph: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
-        from workflows.graph import check_api_format, check_graph
-        from workflows.request_checks import legacy
-
         if legacy(info.context):
             check_api_format(graph)
         else:
@@ -193,9 +198,6 @@ class JobRequest(StrictModel):
     @classmethod
     def _declared_inputs(cls, inputs: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
         """Load nodes may name declared inputs only (checked here: the graph comes first)."""
-        from workflows.graph import check_input_files
-        from workflows.request_checks import check_input_names, legacy
-
         if legacy(info.context):
             return inputs
         check_input_names(inputs)
@@ -209,8 +211,6 @@ class JobRequest(StrictModel):
     def _bounded_segments(
         cls, segments: list[dict[str, Any]], info: ValidationInfo
     ) -> list[dict[str, Any]]:
-        from workflows.request_checks import check_segments, legacy
-
         if not legacy(info.context):
             check_segments(segments)
         return segments
@@ -218,8 +218,6 @@ class JobRequest(StrictModel):
     @field_validator("labels")
     @classmethod
     def _bounded_labels(cls, labels: dict[str, str], info: ValidationInfo) -> dict[str, str]:
-        from workflows.request_checks import check_labels, legacy
-
         if not legacy(info.context):
             check_labels(labels)
         return labels
@@ -227,8 +225,6 @@ class JobRequest(StrictModel):
     @field_validator("policy")
     @classmethod
     def _bounded_policy(cls, policy: JobPolicy, info: ValidationInfo) -> JobPolicy:
-        from workflows.request_checks import check_policy, legacy
-
         if not legacy(info.context):
             check_policy(policy)
         return policy

@@ -15,6 +15,7 @@ from typing import Any
 
 from pydantic import ValidationError
 from temporalio import workflow
+from temporalio.common import RawValue
 from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
@@ -32,7 +33,8 @@ with workflow.unsafe.imports_passed_through():
         Teardown,
     )
     from workflows.failures import job_error
-    from workflows.graph import run_tag
+    from workflows.graph import GraphFormatError, run_tag
+    from workflows.input_refusal import Refusal, read_job_input
     from workflows.job_book import JobBook
     from workflows.job_controls import JobControls, StopOrder
     from workflows.job_input import JobCarry, JobInput
@@ -59,12 +61,21 @@ PATCH_SHIELDED_FINISH = "shielded-finish"
 # v3: the follow activity submits (socket first), and a stop is confirmed on durable timers
 # until the prompt is gone. Asked once at the start of a run; older runs take workflows/legacy.py.
 PATCH_CONFIRMED_STOP = "submit-in-follow-confirmed-stop"
+# v8: an input the workflow cannot use fails the job typed (workflows/input_refusal.py), also
+# one that the checks of earlier versions let through. Asked only when the input is refused.
+PATCH_REFUSE_INPUT = "refuse-input-typed"
 
 
-@workflow.defn(name=WORKFLOW_TYPE, failure_exception_types=[ValidationError])
+# A ValueError that escapes workflow code otherwise fails the workflow *task*, which Temporal
+# retries forever: a graph the workflow cannot use (GraphFormatError) fails the workflow.
+@workflow.defn(name=WORKFLOW_TYPE, failure_exception_types=[ValidationError, GraphFormatError])
 class InferenceJob:
     @workflow.init
-    def __init__(self, input: JobInput) -> None:
+    def __init__(self, raw_input: RawValue) -> None:
+        # Raw: a typed argument that does not decode or validate would fail the workflow task
+        # (or, for ValidationError, fail it untyped); read here, a bad input is refused typed.
+        self._reading = read_job_input(raw_input)
+        input = self._reading.input
         self._request = input.request
         self._carry = input.carry
         if input.carry is not None:
@@ -188,8 +199,15 @@ class InferenceJob:
     # -- the job ----------------------------------------------------------------------------
 
     @workflow.run
-    async def run(self, input: JobInput) -> JobStatus:
+    async def run(self, raw_input: RawValue) -> JobStatus:
         """The job to its end state; every way out stops the prompt and keeps the outputs."""
+        refusal = self._reading.refusal
+        if refusal is not None:
+            if workflow.patched(PATCH_REFUSE_INPUT):
+                return await self._refuse(refusal)
+            if refusal.legacy_failure is not None:
+                raise refusal.legacy_failure  # how earlier versions failed on this input
+            # Earlier versions ran this request (its checks came later): so does its replay.
         self._legacy = not workflow.patched(PATCH_CONFIRMED_STOP)
         self._stopper = (
             TeardownStop(self._book)
@@ -210,6 +228,24 @@ class InferenceJob:
         await self._finish_uncancellable(outcome)
         await workflow.wait_condition(workflow.all_handlers_finished)
         return self._end_result()
+
+    async def _refuse(self, refusal: Refusal) -> JobStatus:
+        """Fail the job, typed, before anything ran: nothing was prepared or submitted."""
+        counter("jobs_ended", "Jobs by end state").add(1, {"state": JobState.FAILED.value})
+        book = self._book
+        book.set_error(refusal.error)
+        book.set_teardown(
+            Teardown(state="SKIPPED", at=workflow.now(), detail="nothing was submitted")
+        )
+        book.set_state(JobState.FAILED)
+        await workflow.wait_condition(workflow.all_handlers_finished)
+        raise ApplicationError(
+            refusal.error.message,
+            self._status,
+            {"problems": refusal.problems},
+            type=refusal.error.type,
+            non_retryable=True,
+        )
 
     async def _run_job(self) -> JobCarry | None:
         """Prepare, then run the segments; a carry when the history asks to continue as new."""
@@ -298,6 +334,10 @@ class InferenceJob:
             state, error = order.state, order.error
         elif outcome is None:
             state, error = JobState.COMPLETED, None
+        elif isinstance(outcome, GraphFormatError):
+            # A segment's overrides that do not fit the graph (a request prepare did not see).
+            error = JobError(type=ErrorType.INVALID_REQUEST, message=str(outcome))
+            state = JobState.FAILED
         else:
             state, error = JobState.FAILED, job_error(outcome)
         counter("jobs_ended", "Jobs by end state").add(1, {"state": state.value})

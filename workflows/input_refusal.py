@@ -1,0 +1,126 @@
+"""Reading the job's input inside the workflow, so that no input can fail a workflow task.
+
+`InferenceJob` takes its argument raw and reads it here. A client that skipped the checks
+(`temporal workflow start --input`, another SDK, an old client) may send anything: JSON nested
+a hundred thousand levels deep, a graph with a cycle, a `LoadImage` of a file it did not send.
+What cannot be read, or breaks a rule, becomes a `Refusal`: the job fails as a *workflow*
+(`InvalidGraph`, `MissingInput` or `InvalidRequest`, non-retryable, each problem's node and
+field in the details), never as a workflow task that Temporal retries forever.
+
+Requests that the checks of earlier versions accepted are also read with those checks only
+(`LEGACY_CHECKS`): a run that started before a check existed replays as it ran.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+from temporalio import workflow
+from temporalio.common import RawValue
+
+with workflow.unsafe.imports_passed_through():
+    from workflows.contracts import JobError, JobRequest
+    from workflows.graph import GraphRefused, UndeclaredInputFile
+    from workflows.job_input import JobInput
+    from workflows.request_checks import LEGACY_CHECKS, RequestRefused
+    from workflows.shared import ErrorType
+
+MAX_MESSAGE_CHARS = 4000
+MAX_DETAILED_PROBLEMS = 50
+
+
+@dataclass
+class Refusal:
+    """Why the input is refused. `error` is the job's error; `problems` name node and field."""
+
+    error: JobError
+    problems: list[dict[str, str | None]] = field(default_factory=list)
+    # What earlier versions did with this input: failed the workflow with this error while
+    # decoding it (None: they accepted it, and ran it).
+    legacy_failure: BaseException | None = None
+
+
+@dataclass
+class InputReading:
+    """The input to run (a placeholder when there is nothing readable), and any refusal."""
+
+    input: JobInput
+    refusal: Refusal | None = None
+
+
+def read_job_input(raw: Any) -> InputReading:
+    """The workflow's argument, decoded and checked; never raises."""
+    try:
+        data = (
+            workflow.payload_converter().from_payload(raw.payload)
+            if isinstance(raw, RawValue)
+            else raw
+        )
+    except Exception as exc:  # any payload: not JSON, nested past the parser's limit, ...
+        return _unreadable(f"the job's input cannot be decoded: {type(exc).__name__}: {exc}")
+    if isinstance(data, JobInput):
+        return InputReading(data)  # (tests that build the workflow object directly)
+    continued = isinstance(data, dict) and data.get("carry") is not None
+    if not continued:
+        try:
+            return InputReading(JobInput.model_validate(data))
+        except ValidationError as exc:
+            strict_error = exc
+        except Exception as exc:  # a validator that broke on a hostile value: still a refusal
+            return _unreadable(f"the job's input cannot be read: {type(exc).__name__}: {exc}")
+    # A continued run's request was accepted by the run before it; the checks of earlier
+    # versions are what old runs replay with.
+    try:
+        legacy_input = JobInput.model_validate(data, context={LEGACY_CHECKS: True})
+    except ValidationError as exc:
+        refusal = refusal_of(exc)
+        refusal.legacy_failure = exc
+        return InputReading(_placeholder(), refusal)
+    except Exception as exc:
+        return _unreadable(f"the job's input cannot be read: {type(exc).__name__}: {exc}")
+    if continued:
+        return InputReading(legacy_input)
+    return InputReading(legacy_input, refusal_of(strict_error))
+
+
+def refusal_of(exc: ValidationError) -> Refusal:
+    """The job's error for a request that failed validation: its type from the first problem
+    (an undeclared input file, a bad graph, anything else), every problem in the message."""
+    error_type = ErrorType.INVALID_REQUEST
+    problems: list[dict[str, str | None]] = []
+    lines: list[str] = []
+    for index, error in enumerate(exc.errors(include_url=False, include_input=False)):
+        loc = ".".join(str(part) for part in error["loc"])
+        loc = loc.removeprefix("request.") if loc != "request" else loc
+        cause = (error.get("ctx") or {}).get("error")
+        if isinstance(cause, GraphRefused):
+            if index == 0:
+                missing = isinstance(cause, UndeclaredInputFile)
+                error_type = ErrorType.MISSING_INPUT if missing else ErrorType.INVALID_GRAPH
+            problems += [problem.as_dict() for problem in cause.problems]
+            lines.append(f"{loc}: {cause}")
+        elif isinstance(cause, RequestRefused):
+            problems.append({"node": None, "field": cause.field, "message": str(cause)})
+            lines.append(str(cause))
+        else:
+            problems.append({"node": None, "field": loc, "message": error["msg"]})
+            lines.append(f"{loc}: {error['msg']}")
+    message = "the request was refused before anything ran: " + "; ".join(lines)
+    if len(message) > MAX_MESSAGE_CHARS:
+        message = message[: MAX_MESSAGE_CHARS - 3] + "..."
+    return Refusal(JobError(type=error_type, message=message), problems[:MAX_DETAILED_PROBLEMS])
+
+
+def _unreadable(message: str) -> InputReading:
+    error = JobError(type=ErrorType.INVALID_REQUEST, message=message[:MAX_MESSAGE_CHARS])
+    return InputReading(
+        _placeholder(), Refusal(error, legacy_failure=RuntimeError("Failed decoding arguments"))
+    )
+
+
+def _placeholder() -> JobInput:
+    """An input for a job that has none worth the name: the status needs one, and the run
+    refuses the job before anything reads it. Built without validation on purpose."""
+    return JobInput.model_construct(request=JobRequest.model_construct(graph={}), carry=None)
