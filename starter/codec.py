@@ -36,13 +36,15 @@ from pathlib import Path
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, create_model
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 from temporalio.api.common.v1 import Payload
 from temporalio.converter import PayloadCodec
 
 KEYS_ENV = "DURABLE_COMFY_CODEC_KEYS"
 KEYS_FILE_ENV = "DURABLE_COMFY_CODEC_KEYS_FILE"
+# The codec server's bearer token unless `--auth-token-env` names another variable.
+TOKEN_ENV = "DURABLE_COMFY_CODEC_AUTH_TOKEN"
 
 ENCODING = b"binary/encrypted"
 KEY_ID_METADATA = "encryption-key-id"
@@ -189,6 +191,40 @@ class CodecSettings(BaseSettings):
                 f"{KEYS_FILE_ENV}: cannot read {self.keys_file}: {exc.strerror}"
             ) from None
         return KeyRing.parse(text, f"{KEYS_FILE_ENV} ({self.keys_file})")
+
+
+class CodecServerSettings(BaseSettings):
+    """`durable-comfy codec-server`'s own variables: its log level and its bearer token."""
+
+    model_config = SettingsConfigDict(
+        extra="forbid", frozen=True, case_sensitive=True, env_ignore_empty=True
+    )
+
+    log_level: str = Field("INFO", validation_alias="DURABLE_COMFY_LOG_LEVEL")
+    auth_token: SecretStr | None = Field(None, validation_alias=TOKEN_ENV)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, env_settings)
+
+    @classmethod
+    def load(cls, token_env: str | None = None) -> CodecServerSettings:
+        """With `token_env`, the token is read from that variable instead of TOKEN_ENV."""
+        if token_env is None:
+            return cls()
+        named = create_model(
+            "CodecServerSettings",
+            __base__=cls,
+            auth_token=(SecretStr | None, Field(None, validation_alias=token_env)),
+        )
+        return named()
 
 
 class EncryptionCodec(PayloadCodec):

@@ -18,7 +18,14 @@ from google.protobuf import json_format
 from pydantic import SecretStr
 from temporalio.api.common.v1 import Payload
 
-from starter.codec import KEYS_ENV, EncryptionCodec, KeyRing, new_entry
+from starter.codec import (
+    KEYS_ENV,
+    TOKEN_ENV,
+    CodecServerSettings,
+    EncryptionCodec,
+    KeyRing,
+    new_entry,
+)
 from starter.codec_server import build_codec_app
 from tests.cli_support import ROOT
 
@@ -182,3 +189,16 @@ async def test_cli_refuses_to_start_without_keys_or_with_bad_ones_never_echoing_
     # The job commands stop at start-up the same way, before any connection.
     code, out = await run_module("status", "some-job", env=bad)
     assert code == 2 and KEYS_ENV in out and material not in out and "Traceback" not in out
+
+
+def test_the_token_comes_from_the_named_variable_or_the_default_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    assert CodecServerSettings.load().auth_token is None
+    monkeypatch.setenv(TOKEN_ENV, "default-token")
+    monkeypatch.setenv("MY_CODEC_TOKEN", "named-token")
+    assert CodecServerSettings.load().auth_token == SecretStr("default-token")
+    named = CodecServerSettings.load("MY_CODEC_TOKEN")
+    assert named.auth_token == SecretStr("named-token")
+    assert "named-token" not in repr(named)

@@ -4,7 +4,6 @@ and `durable-comfy codec-key` (a fresh key ring entry)."""
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 from typing import TYPE_CHECKING, Annotated
 
@@ -17,6 +16,8 @@ from starter.cli.common import ExitCode, fail, problems
 from starter.codec import (
     KEYS_ENV,
     KEYS_FILE_ENV,
+    TOKEN_ENV,
+    CodecServerSettings,
     CodecSettings,
     CodecSettingsError,
     EncryptionCodec,
@@ -30,7 +31,6 @@ if TYPE_CHECKING:
 log = structlog.get_logger("codec_server")
 
 DEFAULT_PORT = 8234
-DEFAULT_TOKEN_ENV = "DURABLE_COMFY_CODEC_AUTH_TOKEN"
 
 
 def codec_server(
@@ -44,13 +44,14 @@ def codec_server(
         str | None,
         typer.Option(
             help="Require `Authorization: Bearer TOKEN`, TOKEN read from this variable "
-            f"(default: {DEFAULT_TOKEN_ENV} when it is set, else no auth)."
+            f"(default: {TOKEN_ENV} when it is set, else no auth)."
         ),
     ] = None,
 ) -> None:
     """Decode (and encode) payloads for the Temporal UI and CLI with the configured keys."""
-    configure_logging(os.environ.get("DURABLE_COMFY_LOG_LEVEL", "INFO"))
     try:
+        server = CodecServerSettings.load(auth_token_env)
+        configure_logging(server.log_level)
         ring = CodecSettings().key_ring()
         origin = ui_origin or TemporalSettings().ui_url
     except (CodecSettingsError, ValidationError) as exc:
@@ -64,7 +65,9 @@ def codec_server(
     # Imported here: every other command starts without aiohttp.
     from starter.codec_server import build_codec_app
 
-    token = _token(auth_token_env)
+    token = server.auth_token
+    if token is None and auth_token_env is not None:
+        fail(f"--auth-token-env names {auth_token_env}, which is not set", "export the token in it")
     app = build_codec_app(EncryptionCodec(ring), origin, token)
     log.info("codec_keys", active_key_id=ring.active_id, key_ids=ring.ids)
     asyncio.run(_serve(app, host, port, origin, token_env=_token_env(auth_token_env, token)))
@@ -80,17 +83,8 @@ def codec_key(
         fail(str(exc))
 
 
-def _token(name: str | None) -> SecretStr | None:
-    value = os.environ.get(name or DEFAULT_TOKEN_ENV, "")
-    if value:
-        return SecretStr(value)
-    if name is not None:
-        fail(f"--auth-token-env names {name}, which is not set", "export the token in it")
-    return None
-
-
 def _token_env(name: str | None, token: SecretStr | None) -> str | None:
-    return None if token is None else (name or DEFAULT_TOKEN_ENV)
+    return None if token is None else (name or TOKEN_ENV)
 
 
 async def _serve(
