@@ -8,8 +8,8 @@ could be steered somewhere private is checked:
 - the host: resolved once, and every address it resolves to must be public
   (`activities.public_address`); the connection then goes to one of exactly those addresses.
   No second lookup happens between the check and the connect: the connection pool's network
-  backend (`PinnedBackend`) dials the checked address, and TLS still verifies the certificate
-  against the host name (SNI), so pinning the address does not weaken verification;
+  backend (`activities.pinned_connection.PinnedBackend`) dials the checked address, and TLS
+  still verifies the certificate against the host name (SNI);
 - redirects: followed here, one hop at a time (each is a new URL, checked like the first), at
   most `max_redirects`;
 - the answer: status 200, a content type from the allow-list, no content encoding (nothing is
@@ -36,7 +36,7 @@ import asyncio
 import functools
 import socket
 import ssl
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
@@ -46,6 +46,7 @@ import structlog
 from pydantic import Field, field_validator
 
 from activities import public_address
+from activities.pinned_connection import Dialer, PinnedBackend, Resolver, dial, resolve
 from activities.settings import EnvSettings
 
 log = structlog.get_logger(__name__)
@@ -66,11 +67,6 @@ Reason = Literal[
     "connect",
     "timeout",
 ]
-
-# (host, port) -> the addresses it resolves to, as text.
-Resolver = Callable[[str, int], Awaitable[Sequence[str]]]
-# (address, port, connect timeout) -> an open TCP stream to that address.
-Dialer = Callable[[str, int, float | None], Awaitable[httpcore.AsyncNetworkStream]]
 
 _REDIRECTS: Final = frozenset({301, 302, 303, 307, 308})
 _USER_AGENT: Final = "durable-comfy-url-input"
@@ -146,19 +142,6 @@ class Fetched:
     host: str  # where the bytes came from, after redirects
     address: str
     redirects: int
-
-
-async def resolve(host: str, port: int) -> list[str]:
-    """The event loop's getaddrinfo: every address, in the resolver's order, each once."""
-    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    return list(dict.fromkeys(str(info[4][0]) for info in infos))
-
-
-async def dial(
-    address: str, port: int, connect_timeout: float | None
-) -> httpcore.AsyncNetworkStream:
-    """A TCP connection to an address (never a name: nothing is resolved here)."""
-    return await httpcore.AnyIOBackend().connect_tcp(address, port, timeout=connect_timeout)
 
 
 class UrlFetcher:
@@ -304,7 +287,12 @@ class UrlFetcher:
                 raise FetchFailed(
                     "status", f"{_shown(url)}: redirect without a Location", host=host
                 )
-            return self._checked_url(url.join(location.strip()))
+            try:
+                return self._checked_url(url.join(location.strip()))
+            except httpx.InvalidURL as exc:
+                raise FetchFailed(
+                    "status", f"{_shown(url)}: redirect to an invalid URL: {exc}", host=host
+                ) from exc
         if response.status != 200:
             raise FetchFailed(
                 "status",
@@ -345,48 +333,6 @@ class UrlFetcher:
             "url_input.fetched", host=host, address=address, size=size, type=media, redirects=hop
         )
         return Fetched(b"".join(chunks), media, host, address or "", hop)
-
-
-class PinnedBackend(httpcore.AsyncNetworkBackend):
-    """The pool's network: connects `host` to its checked addresses and nothing else."""
-
-    def __init__(self, host: str, addresses: Sequence[str], dial: Dialer) -> None:
-        self._host = host
-        self._addresses = list(addresses)
-        self._dial = dial
-        self.dialed: str | None = None
-
-    async def connect_tcp(
-        self,
-        host: str,
-        port: int,
-        timeout: float | None = None,  # noqa: ASYNC109 (httpcore's interface)
-        local_address: str | None = None,
-        socket_options: Iterable[Any] | None = None,
-    ) -> httpcore.AsyncNetworkStream:
-        if host != self._host:
-            raise httpcore.ConnectError(f"this connection is pinned to {self._host}, not {host}")
-        failure: Exception | None = None
-        for address in self._addresses:
-            try:
-                stream = await self._dial(address, port, timeout)
-            except (httpcore.ConnectError, httpcore.ConnectTimeout, OSError) as exc:
-                failure = exc
-                continue
-            self.dialed = address
-            return stream
-        raise httpcore.ConnectError(f"no address of {host} accepted a connection: {failure}")
-
-    async def connect_unix_socket(
-        self,
-        path: str,
-        timeout: float | None = None,  # noqa: ASYNC109 (httpcore's interface)
-        socket_options: Iterable[Any] | None = None,
-    ) -> httpcore.AsyncNetworkStream:
-        raise httpcore.ConnectError("URL inputs never use unix sockets")
-
-    async def sleep(self, seconds: float) -> None:
-        await asyncio.sleep(seconds)
 
 
 @functools.cache

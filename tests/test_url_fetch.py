@@ -21,11 +21,11 @@ import trustme
 from temporalio.exceptions import ApplicationError
 
 from activities.inputs import input_bytes
+from activities.pinned_connection import PinnedBackend
 from activities.public_address import parse, refusal
 from activities.storage import ArtifactStore
 from activities.url_fetch import (
     FetchFailed,
-    PinnedBackend,
     UnacceptableBody,
     UnsafeUrl,
     UrlFetcher,
@@ -246,6 +246,14 @@ async def test_a_redirect_to_a_public_name_is_followed_and_checked_again(
     assert (fetched.data, fetched.host, fetched.redirects) == (PNG, "cdn.example.test", 1)
     assert net.lookups == [NAME, "cdn.example.test"]
     assert net.dialed == [(PUBLIC, 443), (PUBLIC_V6, 443)]
+
+
+async def test_a_redirect_to_an_invalid_url_fails_typed(ca: trustme.CA, server: Server) -> None:
+    server.routes["/moved"] = Route(302, {"Location": "https://[::1/x"})
+    net = network(server, images_example_test=[PUBLIC])
+    with pytest.raises(FetchFailed, match="redirect to an invalid URL") as failed:
+        await fetcher(ca, net).fetch(f"https://{NAME}/moved", limit=1 << 20)
+    assert failed.value.retryable is False and len(net.dialed) == 1
 
 
 async def test_redirects_are_bounded(ca: trustme.CA, server: Server) -> None:
