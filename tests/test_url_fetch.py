@@ -471,3 +471,11 @@ def test_non_public_addresses_are_refused_by_name(address: str, rule: str) -> No
 )
 def test_public_addresses_pass(address: str) -> None:
     assert refusal(parse(address)) is None
+
+
+async def test_the_production_resolver_is_checked_too() -> None:
+    """`localhost` comes from /etc/hosts through the event loop's getaddrinfo: refused."""
+    production = UrlFetcher(UrlFetchSettings.from_env({}))
+    with pytest.raises(UnsafeUrl, match=r"localhost resolves to .*loopback") as refused:
+        await production.fetch("https://localhost/face.png", limit=1 << 20)
+    assert refused.value.reason == "address"
