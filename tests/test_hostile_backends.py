@@ -2,8 +2,9 @@
 
 Every name a backend hands us (ComfyUI's `filename`, `subfolder` and `type`; a RunPod worker's
 records) is refused before anything is asked for or read, or ends up in a key inside the job's
-folder. No server: ComfyUI and RunPod answer on httpx mock transports, S3 is a dict that records
-every call.
+folder. The unit tests need no server: ComfyUI and RunPod answer on httpx mock transports, S3 is
+a dict that records every call. The last test runs one job on the local stack (the ComfyUI
+simulator, a real worker) whose graph saves into another run's folder.
 """
 
 from __future__ import annotations
@@ -29,9 +30,12 @@ from activities.keys import job_folder
 from activities.runpod.models import RunPodJob
 from activities.runpod.outcome import Failed, read_job
 from activities.storage import StoredObject
+from devstack.models import RunningStack
 from endpoint.contract import EndpointInput, Orchestration, S3Target
 from endpoint.job import OrchestratedJob
 from endpoint.outputs import OutputCollector
+from starter import JobRequest, JobState
+from tests.cli_support import example, running_worker
 from tests.comfy_unit_fakes import PROMPT_ID, RUN_TAG, FakeComfy, image
 from tests.endpoint_support import endpoint_settings
 from tests.test_runpod_backend_unit import (
@@ -454,3 +458,32 @@ def test_log_renderers_escape_what_a_backend_puts_in_a_name(renderer: Any) -> No
     line = renderer(None, "warning", {"event": "output_refused", "filename": forged})
     assert isinstance(line, str)
     assert "\n" not in line and "\r" not in line and "\x1b" not in line and "\x00" not in line
+
+
+# --- end to end: the local stack's ComfyUI simulator, a real worker -----------------------------
+
+
+async def test_a_job_whose_output_lands_in_another_runs_folder_fails_and_keeps_its_others(
+    local_stack: RunningStack,
+) -> None:
+    """A save prefix linked from a PrimitiveString is not rewritten, so a graph can make ComfyUI
+    save into another run's folder; that record is refused (never fetched), the job fails
+    naming it, and the output of the graph's other SaveImage is kept."""
+    graph = example(steps=2)
+    graph["30"] = {
+        "class_type": "PrimitiveString",
+        "inputs": {"value": "dc_other-job_0_0123abcd/stolen"},
+    }
+    graph["31"] = {
+        "class_type": "SaveImage",
+        "inputs": {"images": ["8", 0], "filename_prefix": ["30", 0]},
+    }
+    async with running_worker(local_stack, "hostile") as worker:
+        submitted = await worker.client.submit(JobRequest(graph=graph))
+        final = await worker.client.wait(submitted.job_id)
+    assert final.state == JobState.FAILED
+    assert final.error is not None and final.error.type == ErrorType.OUTPUT_MISSING
+    assert "node `31`" in final.error.message and "another run's folder" in final.error.message
+    assert [a.node_id for a in final.artifacts] == ["9"], "the other output is kept"
+    folder = job_folder("jobs", submitted.job_id)
+    assert_inside(final.artifacts[0].key, folder)
