@@ -89,10 +89,10 @@ class OutputUploader:
 
         Whatever named the file (a literal prefix rewritten to the run tag, a linked
         `PrimitiveString`, a custom node's own input) the record is the prompt's, so the file
-        is its output. One outside the run's folder was served from ComfyUI's cache: an
-        earlier identical run's file, which is this graph's result all the same. One in
-        another run's folder, or whose names could leave the output folder, is refused before
-        anything is fetched (module docstring).
+        is its output, in the run's folder or outside every run's folder (a linked prefix, or a
+        cache hit naming an earlier identical run's file). One in another run's folder, or whose
+        names could leave the output folder, is refused before anything is fetched (module
+        docstring).
         """
         self._refuse_unsafe(node_id, item)
         if not _from_this_run(item, self._run_tag):
