@@ -61,6 +61,7 @@ from starter.errors import (
     TemporalUnreachable,
 )
 from starter.execution import bare_status, ended_from_outside
+from starter.pending_query import PendingQuery
 from starter.progress import FOLLOW_STATES, follow_heartbeats, overlaid
 from starter.requests import check_segment_overrides
 from starter.staging import stage_inputs
@@ -425,7 +426,9 @@ class JobClient:
         instead: its follow activity's heartbeat gives the step (`starter.progress`), and the
         query is asked again only when the history has grown since the last answer (the job's
         status changes only in workflow tasks, which write events), so one call per poll
-        suffices between milestones. Otherwise, while the answer stays the same for
+        suffices between milestones; and it is asked in the background, so a worker too busy to
+        answer at once does not hold up the heartbeat's steps (the last answer is shown with
+        them meanwhile). Otherwise, while the answer stays the same for
         `describe_after_s`, Temporal's record is read too (at most that often), so a workflow
         terminated from outside ends the watch as TERMINATED. Transport errors are retried with
         the same bounded, jittered backoff the workflow uses; past the horizon without an answer
@@ -442,61 +445,79 @@ class JobClient:
         answered_at: tuple[str | None, int] | None = None
         failures = 0
         lost_since: float | None = None
-        while True:
-            try:
-                if failures:
-                    # Back after a gap: one update both records contact and reads the state.
-                    status = answered = await self._attach_or_final(job_id)
-                    answered_at = None
-                    last_seen = time.monotonic()
-                elif answered is None or answered.state in FOLLOW_STATES:
-                    # The first poll, or a prompt is followed. Described first: an answer read
-                    # after it is at least as recent as the history it counts.
-                    description = await self._describe(job_id)
-                    history = (description.run_id, description.history_length)
-                    if answered is None or history != answered_at:
-                        answered, answered_at = await self._query(job_id), history
-                    described_at = time.monotonic()
-                    status = await self._described(job_id, answered, description)
-                else:
-                    status = answered = await self._query(job_id)
-                    answered_at = None
-                now = time.monotonic()
-                if status.seq != last_seq:
-                    changed_at = now
-                last_seq = status.seq
-                quiet_s = now - max(changed_at, described_at or changed_at)
-                if not status.terminal and (described_at is None or quiet_s >= describe_after_s):
-                    described_at = now
-                    status = await self._described(job_id, status, await self._describe(job_id))
-                interval = keepalive_s if keepalive_s is not None else _keepalive_interval(status)
-                if not status.terminal and not status.detached and now - last_seen >= interval:
-                    await self.client_seen(job_id)
-                    last_seen = time.monotonic()
-            except (
-                RPCError,
-                RPCTimeoutOrCancelledError,
-                RuntimeError,
-                WorkflowUpdateFailedError,
-                JobUnanswered,
-            ) as exc:
-                lost_since = lost_since if lost_since is not None else time.monotonic()
-                if time.monotonic() - lost_since > policy.horizon_s:
-                    raise ContactLost(job_id, failures, exc) from exc
-                delay = reconnect_delay(
-                    failures, policy.base_delay_s, policy.max_delay_s, random.random()
-                )
-                failures += 1
-                await asyncio.sleep(delay)
-                continue
-            failures, lost_since = 0, None
-            shown = _shown(status)
-            if shown != last_shown or status.terminal:
-                last_shown = shown
-                yield status
-            if status.terminal:
-                return
-            await asyncio.sleep(poll_interval_s)
+        query: PendingQuery[JobStatus, tuple[str | None, int]] = PendingQuery(
+            lambda: self._query(job_id)
+        )
+        try:
+            while True:
+                try:
+                    if failures:
+                        # Back after a gap: one update both records contact and reads the state.
+                        query.cancel()
+                        status = answered = await self._attach_or_final(job_id)
+                        answered_at = None
+                        last_seen = time.monotonic()
+                    elif answered is None or answered.state in FOLLOW_STATES:
+                        # The first poll, or a prompt is followed. Described first: an answer read
+                        # after it is at least as recent as the history it counts.
+                        description = await self._describe(job_id)
+                        history = (description.run_id, description.history_length)
+                        if answered is None or history != answered_at:
+                            query.ask(history)
+                        # A busy worker answers late: meanwhile the last answer is shown with the
+                        # heartbeat's newer step (the first answer is awaited: nothing to show yet).
+                        got = await query.answer(None if answered is None else poll_interval_s / 2)
+                        if got is not None:
+                            answered, answered_at = got
+                        assert answered is not None
+                        described_at = time.monotonic()
+                        status = await self._described(job_id, answered, description)
+                    else:
+                        query.cancel()
+                        status = answered = await self._query(job_id)
+                        answered_at = None
+                    now = time.monotonic()
+                    if status.seq != last_seq:
+                        changed_at = now
+                    last_seq = status.seq
+                    quiet_s = now - max(changed_at, described_at or changed_at)
+                    if not status.terminal and (
+                        described_at is None or quiet_s >= describe_after_s
+                    ):
+                        described_at = now
+                        status = await self._described(job_id, status, await self._describe(job_id))
+                    interval = (
+                        keepalive_s if keepalive_s is not None else _keepalive_interval(status)
+                    )
+                    if not status.terminal and not status.detached and now - last_seen >= interval:
+                        await self.client_seen(job_id)
+                        last_seen = time.monotonic()
+                except (
+                    RPCError,
+                    RPCTimeoutOrCancelledError,
+                    RuntimeError,
+                    WorkflowUpdateFailedError,
+                    JobUnanswered,
+                ) as exc:
+                    lost_since = lost_since if lost_since is not None else time.monotonic()
+                    if time.monotonic() - lost_since > policy.horizon_s:
+                        raise ContactLost(job_id, failures, exc) from exc
+                    delay = reconnect_delay(
+                        failures, policy.base_delay_s, policy.max_delay_s, random.random()
+                    )
+                    failures += 1
+                    await asyncio.sleep(delay)
+                    continue
+                failures, lost_since = 0, None
+                shown = _shown(status)
+                if shown != last_shown or status.terminal:
+                    last_shown = shown
+                    yield status
+                if status.terminal:
+                    return
+                await asyncio.sleep(poll_interval_s)
+        finally:
+            query.cancel()
 
     async def _attach_or_final(self, job_id: str) -> JobStatus:
         try:

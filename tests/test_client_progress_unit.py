@@ -14,6 +14,7 @@ server answers, a fake Temporal client for `wait`.
 
 from __future__ import annotations
 
+import asyncio
 from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
@@ -333,3 +334,43 @@ async def test_wait_asks_the_job_when_its_ending_carries_no_status(outcome: Any)
     client, asked = waiting_client(outcome)
     status = await client.wait(JOB)
     assert status.state == JobState.CANCELLED and asked == ["status"]
+
+
+async def test_a_late_query_answer_does_not_hold_up_the_heartbeats_steps() -> None:
+    """A worker busy with other jobs answers the status query late: meanwhile the watch shows
+    the last answer with each newer heartbeat, then the answer when it comes."""
+    released = asyncio.Event()
+    done = running(5000, seq=12)
+    done.state = JobState.COMPLETED
+    answers = [running(1000), done]
+    descriptions = [
+        await description((ACTIVITY_FOLLOW, beat(1000)), history_length=40),
+        # The history grew (a milestone): the query is asked again, and hangs.
+        *[await description((ACTIVITY_FOLLOW, beat(s)), history_length=44) for s in (1100, 1200)],
+        await description((ACTIVITY_FOLLOW, beat(1300)), history_length=44),
+    ]
+    calls = Calls(answers=answers, descriptions=descriptions)
+    asked = 0
+
+    async def slow_query(job_id: str) -> JobStatus:
+        nonlocal asked
+        asked += 1
+        if asked > 1:
+            await released.wait()
+        return answers[min(asked, len(answers)) - 1]
+
+    calls.client._query = slow_query  # type: ignore[method-assign]
+    seen: list[tuple[JobState, int]] = []
+    async with asyncio.timeout(10):  # a watch stuck on the query would never see 1300
+        async for status in calls.client.watch(JOB, poll_interval_s=0.02, keepalive_s=3600):
+            seen.append((status.state, status.progress.step))
+            if status.progress.step == 1300:
+                released.set()
+    assert seen == [
+        (JobState.RUNNING, 1000),
+        (JobState.RUNNING, 1100),
+        (JobState.RUNNING, 1200),
+        (JobState.RUNNING, 1300),
+        (JobState.COMPLETED, 5000),
+    ]
+    assert asked == 2  # one query in flight at a time, however many polls it took
