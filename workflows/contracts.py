@@ -169,7 +169,8 @@ class JobRequest(StrictModel):
     """What a client asks for. Names a pool, never a URL or a credential."""
 
     graph: dict[str, Any]
-    inputs: dict[str, InputRef] = Field(default_factory=dict)
+    # Validated when absent too: `_declared_inputs` checks the graph's load nodes against it.
+    inputs: dict[str, InputRef] = Field(default_factory=dict, validate_default=True)
     segments: list[dict[str, Any]] = Field(default_factory=list)
     pool: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     output: OutputSpec = Field(default_factory=OutputSpec)

@@ -51,7 +51,14 @@ class GraphProblem:
     message: str
 
     def as_dict(self) -> dict[str, str | None]:
-        return {"node": self.node, "field": self.field, "message": self.message}
+        """JSON-safe: a lone surrogate in a hostile name would fail the payload's encoding."""
+        node = None if self.node is None else safe_text(self.node)
+        return {"node": node, "field": safe_text(self.field), "message": safe_text(self.message)}
+
+
+def safe_text(text: str) -> str:
+    """`text` with anything that has no UTF-8 form (lone surrogates) escaped."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class GraphRefused(GraphFormatError):
@@ -230,7 +237,8 @@ def _check_size(graph: Mapping[str, Any]) -> None:
     if problems:
         raise GraphTooLarge(problems)
     # Only now is json.dumps safe: nesting is bounded and every value is JSON.
-    size = len(json.dumps(graph, separators=(",", ":"), ensure_ascii=False).encode())
+    text = json.dumps(graph, separators=(",", ":"), ensure_ascii=False)
+    size = len(text.encode("utf-8", "surrogatepass"))  # (node ids are checked after this)
     if size > MAX_GRAPH_BYTES:
         raise GraphTooLarge(
             [
@@ -257,14 +265,16 @@ def value_problem(value: Any) -> str | None:
         if isinstance(item, str):
             if len(item) > MAX_STRING_CHARS:
                 return f"a string of {len(item):,} characters; at most {MAX_STRING_CHARS:,}"
+            if not is_unicode(item):
+                return "a string with a lone surrogate (not Unicode text)"
         elif isinstance(item, list | tuple):
             pending.extend((child, depth + 1) for child in item)
         elif isinstance(item, dict):
             for key, child in item.items():
                 if not isinstance(key, str):
                     return f"an object key {_shown(key)} that is not a string"
-                if len(key) > MAX_STRING_CHARS:
-                    return f"an object key of {len(key):,} characters"
+                if len(key) > MAX_STRING_CHARS or not is_unicode(key):
+                    return f"an object key {_shown(key)} that is too long or not Unicode text"
                 pending.append((child, depth + 1))
         elif isinstance(item, float):
             if item != item or item in (float("inf"), float("-inf")):
@@ -272,6 +282,16 @@ def value_problem(value: Any) -> str | None:
         elif item is not None and not isinstance(item, bool | int):
             return f"a {type(item).__name__}, which is not JSON"
     return None
+
+
+def is_unicode(text: str) -> bool:
+    """False for a string with a lone surrogate (JSON's `"\\ud800"` decodes to one): it has no
+    UTF-8 form, so it cannot be sent on to Temporal or ComfyUI."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _check_names(graph: Mapping[str, Any]) -> None:

@@ -22,7 +22,7 @@ from temporalio.common import RawValue
 
 with workflow.unsafe.imports_passed_through():
     from workflows.contracts import JobError, JobRequest
-    from workflows.graph import GraphRefused, UndeclaredInputFile
+    from workflows.graph import GraphRefused, UndeclaredInputFile, safe_text
     from workflows.job_input import JobInput
     from workflows.request_checks import LEGACY_CHECKS, RequestRefused
     from workflows.shared import ErrorType
@@ -102,19 +102,21 @@ def refusal_of(exc: ValidationError) -> Refusal:
             problems += [problem.as_dict() for problem in cause.problems]
             lines.append(f"{loc}: {cause}")
         elif isinstance(cause, RequestRefused):
-            problems.append({"node": None, "field": cause.field, "message": str(cause)})
+            problems.append(
+                {"node": None, "field": safe_text(cause.field), "message": safe_text(str(cause))}
+            )
             lines.append(str(cause))
         else:
-            problems.append({"node": None, "field": loc, "message": error["msg"]})
+            problems.append({"node": None, "field": safe_text(loc), "message": error["msg"]})
             lines.append(f"{loc}: {error['msg']}")
-    message = "the request was refused before anything ran: " + "; ".join(lines)
+    message = safe_text("the request was refused before anything ran: " + "; ".join(lines))
     if len(message) > MAX_MESSAGE_CHARS:
         message = message[: MAX_MESSAGE_CHARS - 3] + "..."
     return Refusal(JobError(type=error_type, message=message), problems[:MAX_DETAILED_PROBLEMS])
 
 
 def _unreadable(message: str) -> InputReading:
-    error = JobError(type=ErrorType.INVALID_REQUEST, message=message[:MAX_MESSAGE_CHARS])
+    error = JobError(type=ErrorType.INVALID_REQUEST, message=safe_text(message[:MAX_MESSAGE_CHARS]))
     return InputReading(
         _placeholder(), Refusal(error, legacy_failure=RuntimeError("Failed decoding arguments"))
     )

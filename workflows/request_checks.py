@@ -14,7 +14,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from workflows.graph import MAX_NODE_ID_CHARS, MAX_STRING_CHARS, name_problem, value_problem
+from workflows.graph import (
+    MAX_NODE_ID_CHARS,
+    MAX_STRING_CHARS,
+    is_unicode,
+    name_problem,
+    value_problem,
+)
 
 # Validation context key: `{LEGACY_CHECKS: True}` reads a request with only the checks of
 # earlier versions (the API format), for runs that started before the others existed.
@@ -92,6 +98,8 @@ def check_labels(labels: Mapping[str, str]) -> None:
             raise RequestRefused(
                 field, f"{len(value):,} characters; at most {MAX_LABEL_VALUE_CHARS}"
             )
+        if not is_unicode(value):
+            raise RequestRefused(field, "a lone surrogate (not Unicode text)")
 
 
 def check_policy(policy: Any) -> None:

@@ -24,6 +24,7 @@ from workflows.graph import (
     check_node_classes,
     is_link,
     iter_nodes,
+    safe_text,
 )
 from workflows.shared import ErrorType
 
@@ -48,10 +49,11 @@ def graph_refusal(exc: GraphFormatError) -> ApplicationError:
     error_type = (
         ErrorType.MISSING_INPUT if isinstance(exc, UndeclaredInputFile) else ErrorType.INVALID_GRAPH
     )
+    message = safe_text(str(exc))
     if not isinstance(exc, GraphRefused):
-        return fatal(error_type, str(exc))
+        return fatal(error_type, message)
     problems = [problem.as_dict() for problem in exc.problems]
-    return fatal(error_type, str(exc), kind=type(exc).__name__, problems=problems)
+    return fatal(error_type, message, kind=type(exc).__name__, problems=problems)
 
 
 def registry_problems(graph: Mapping[str, Any], object_info: Mapping[str, Any]) -> list[str]:
