@@ -44,7 +44,7 @@ FIXED = settings(
 )
 
 # Printable names: no control, format, private-use, surrogate or unassigned characters.
-NAME_CHARS = st.characters(exclude_categories=("C",))
+NAME_CHARS = st.characters(exclude_categories=["C"])
 # Node ids that would make a valid graph look like something else (the editor format, a
 # /prompt body) are not drawn for valid graphs; mutations make those on purpose.
 _SPECIAL_IDS = {"nodes", "links", "prompt"}
