@@ -26,11 +26,13 @@ import httpx
 import pytest
 from google.protobuf import json_format
 from temporalio.api.common.v1 import Payload
+from temporalio.exceptions import ApplicationError
 
 from devstack.free_ports import free_port
 from devstack.models import RunningStack
 from devstack.processes import find_binary
 from starter.codec import KEYS_ENV, EncryptionCodec, KeyRing, UnknownKeyId, new_entry
+from tests import test_runpod_backend_unit as runpod_unit
 from tests.cli_support import ROOT, cli_env, example
 
 MARKER = f"audit-marker-{uuid.uuid4().hex[:12]}"
@@ -359,3 +361,22 @@ def assert_search_attributes_plain(description: str) -> None:
         if not name.startswith(("Temporal", "Build"))
     }
     assert values == {"JobState": "COMPLETED", "JobProgress": 100, "JobPool": "comfyui"}
+
+
+async def test_a_presigned_output_url_is_not_quoted_with_its_query_in_the_jobs_error() -> None:
+    """A stock worker-comfyui answers with presigned URLs; refusing one must not copy its
+    credential query into the failure (history, status)."""
+    # S3 takes the query in any order (and a SigV2 URL starts with AWSAccessKeyId=).
+    presigned = (
+        "https://s3.x.io/b/o.png?X-Amz-Credential=AKIAEXAMPLE%2F20261130"
+        "&X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Signature=" + "ab" * 32
+    )
+    image = {"filename": "o.png", "type": "s3_url", "data": presigned}
+    runpod = runpod_unit.ScriptedRunPod(statuses=[runpod_unit.completed([image])])
+    store = runpod_unit.MemoryStore()
+    follow = runpod_unit.backend(runpod, store, claims=False).follow
+    with pytest.raises(ApplicationError) as caught:
+        await runpod_unit.env([]).run(follow, runpod_unit.follow_input())
+    assert "https://s3.x.io/b/o.png" in caught.value.message
+    assert SIGNATURE.search(caught.value.message) is None, caught.value.message
+    assert "AKIAEXAMPLE" not in caught.value.message

@@ -456,9 +456,12 @@ class RunPodFollower:
                 return await self._stored(record, inline_bytes(record))
         except UnusableArtifact as exc:
             raise fatal(ErrorType.OUTPUT_MISSING, str(exc)) from None
+        # Without its query: a presigned URL's query (X-Amz-Credential, X-Amz-Signature) is a
+        # credential, and this message lands in the job's history and status.
+        where = record.data.split("?", 1)[0][:80]
         raise fatal(
             ErrorType.OUTPUT_MISSING,
-            f"output {record.filename!r} is a URL ({record.data[:60]!r}); fetching outputs by URL "
+            f"output {record.filename!r} is a URL ({where!r}); fetching outputs by URL "
             "is not supported yet: give the endpoint a bucket (BUCKET_ENDPOINT_URL)",
         )
 
