@@ -24,6 +24,7 @@ from devstack.config import StackConfig, load_stack_config
 from devstack.models import RunningStack
 from devstack.stack import start_stack
 from starter.client import JobClient
+from starter.codec import codec_from_environ
 from starter.connection import connect_temporal
 from workflows.contracts import JobStatus
 
@@ -70,8 +71,12 @@ def print_worker(console: Console, pid: int | None, log_file: Path) -> None:
 @asynccontextmanager
 async def stack_job_client(stack: RunningStack, task_queue: str) -> AsyncIterator[JobClient]:
     """A JobClient on the stack's Temporal with the stack's artifact store (for presigning)."""
-    s3 = S3Settings.from_env(stack.worker_env())
-    temporal = await connect_temporal(stack.temporal_address, stack.namespace)
+    env = stack.worker_env()
+    s3 = S3Settings.from_env(env)
+    # The stack's payload key too (codec.enabled): the demo must read what its worker wrote.
+    temporal = await connect_temporal(
+        stack.temporal_address, stack.namespace, codec=codec_from_environ(env)
+    )
     async with ArtifactStore(s3) as store:
         yield JobClient(temporal, task_queue=task_queue, store=store)
 
