@@ -259,8 +259,9 @@ async def test_exit_0_for_the_same_request_under_an_id_and_4_for_another(
 ) -> None:
     env = cli_env(local_stack, worker.task_queue)
     job_id = unique_id("idem")
-    # 8 s: still running while three CLI processes (slow to start on a loaded machine) submit.
-    graph = example(steps=400)
+    # 30 s: still running while three CLI processes (slow to start on a loaded machine: a few
+    # seconds each) submit; cancelled once they have answered.
+    graph = example(steps=1500)
     same = write_graph(tmp_path, graph, "same.json")
     graph["3"]["inputs"]["seed"] = 1
     other = write_graph(tmp_path, graph, "other.json")
@@ -282,12 +283,13 @@ async def test_exit_0_for_the_same_request_under_an_id_and_4_for_another(
     assert (c_code, c_out) == (ExitCode.CONFLICT, "")
     assert f"job ID {job_id!r} is already used by a different request" in c_err
 
+    await worker.client.cancel(job_id)
     final = await worker.client.wait(job_id)
-    assert final.state == JobState.COMPLETED
+    assert final.state == JobState.CANCELLED
     code, out, err = await run_cli("submit", str(same), "--job-id", job_id, "--json", env=env)
     assert code == ExitCode.OK, err
     [ended] = json_lines(out)
-    assert ended["existed"] is True and ended["state"] == "COMPLETED"
+    assert ended["existed"] is True and ended["state"] == "CANCELLED"
 
 
 async def test_exit_1_when_the_job_ends_otherwise_than_completed(
