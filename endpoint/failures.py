@@ -13,6 +13,7 @@ from activities.comfyui.client import (
     ComfyHTTPError,
     ComfyPromptRejected,
     ComfyUnavailable,
+    UnsafeOutputName,
 )
 from activities.comfyui.events import is_fatal_device_error, is_out_of_memory
 from endpoint.claims import ClaimConflict, ClaimError
@@ -53,6 +54,9 @@ def failure_of(exc: BaseException) -> EndpointError:
         return EndpointError(error=str(exc), error_type="OutputMissing")
     if isinstance(exc, OutputTooLarge):
         return EndpointError(error=str(exc), error_type="OutputTooLarge")
+    if isinstance(exc, UnsafeOutputName):
+        # A name ComfyUI gave that /view must not be asked for: that output is not stored.
+        return EndpointError(error=str(exc), error_type="OutputMissing")
     if isinstance(exc, (UploadError, ClaimError, ClaimConflict, *S3_FAILURES)):
         text = error_code(exc) if isinstance(exc, S3_FAILURES) else str(exc)
         return EndpointError(error=f"storage: {text}", error_type="StorageError")

@@ -32,6 +32,7 @@ from activities.runpod.outcome import Failed, read_job
 from activities.storage import StoredObject
 from devstack.models import RunningStack
 from endpoint.contract import EndpointInput, Orchestration, S3Target
+from endpoint.failures import failure_of
 from endpoint.job import OrchestratedJob
 from endpoint.outputs import OutputCollector
 from starter import JobRequest, JobState
@@ -487,3 +488,11 @@ async def test_a_job_whose_output_lands_in_another_runs_folder_fails_and_keeps_i
     assert [a.node_id for a in final.artifacts] == ["9"], "the other output is kept"
     folder = job_folder("jobs", submitted.job_id)
     assert_inside(final.artifacts[0].key, folder)
+
+
+def test_our_handler_reports_a_refused_output_name_as_output_missing() -> None:
+    """Not an unexpected handler error (a BackendError with a traceback): the job's other
+    outputs are kept and the orchestrator knows which output is missing, and why."""
+    error = failure_of(UnsafeOutputName("../../x.png", "", "output", "traversal"))
+    assert error.error_type == "OutputMissing"
+    assert "refused, not fetched: traversal" in error.error
