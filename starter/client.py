@@ -22,7 +22,7 @@ import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
 from datetime import timedelta
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
 import structlog
@@ -59,6 +59,7 @@ from starter.errors import (
     ResumeRefused,
     StorageNotConfigured,
     TemporalUnreachable,
+    UnsafeArtifactKey,
 )
 from starter.execution import bare_status, ended_from_outside
 from starter.pending_query import PendingQuery
@@ -602,7 +603,7 @@ class JobClient:
         paths: list[Path] = []
         for artifact in status.artifacts:
             bucket = artifact.uri.removeprefix("s3://").split("/", 1)[0]
-            dest = directory / artifact.key
+            dest = directory / _relative_download_path(artifact.key, directory)
             dest.parent.mkdir(parents=True, exist_ok=True)
             paths.append(
                 await store.download(
@@ -610,6 +611,20 @@ class JobClient:
                 )
             )
         return paths
+
+
+def _relative_download_path(key: str, directory: Path) -> PurePosixPath:
+    """Where under the download directory an artifact goes: its key, which must stay there.
+
+    Keys are built inside the job's folder, but a status is only data (a query answer, a
+    result): a second guard costs nothing.
+    """
+    path = PurePosixPath(key)
+    if path.is_absolute() or any(p == ".." for p in path.parts) or any(c in key for c in "\\\0"):
+        raise UnsafeArtifactKey(
+            f"artifact key {key[:200]!r} would be written outside {directory}: not downloaded"
+        )
+    return path
 
 
 def checked_job_id(job_id: str) -> str:

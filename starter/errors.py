@@ -64,6 +64,10 @@ class StorageNotConfigured(ClientError):
     """Downloading needs S3 access; URIs and sha256s are available without it."""
 
 
+class UnsafeArtifactKey(ClientError):
+    """An artifact whose key would be written outside the download directory."""
+
+
 class JobNotFound(ClientError):
     def __init__(self, job_id: str) -> None:
         super().__init__(f"no job {job_id!r} in this namespace")

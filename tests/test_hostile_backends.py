@@ -15,7 +15,8 @@ import ntpath
 import posixpath
 import unicodedata
 from collections.abc import AsyncIterable, AsyncIterator
-from typing import Any
+from pathlib import Path
+from typing import Any, cast
 from urllib.parse import unquote
 
 import httpx
@@ -23,19 +24,21 @@ import pytest
 import structlog
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from temporalio.client import Client
 from temporalio.exceptions import ApplicationError
 
 from activities.comfyui.client import ComfyClient, UnsafeOutputName, check_view_request
 from activities.keys import job_folder
 from activities.runpod.models import RunPodJob
 from activities.runpod.outcome import Failed, read_job
-from activities.storage import StoredObject
+from activities.storage import ArtifactStore, StoredObject
 from devstack.models import RunningStack
 from endpoint.contract import EndpointInput, Orchestration, S3Target
 from endpoint.failures import failure_of
 from endpoint.job import OrchestratedJob
 from endpoint.outputs import OutputCollector
-from starter import JobRequest, JobState
+from starter import JobClient, JobRequest, JobState
+from starter.errors import UnsafeArtifactKey
 from tests.cli_support import example, running_worker
 from tests.comfy_unit_fakes import PROMPT_ID, RUN_TAG, FakeComfy, image
 from tests.endpoint_support import endpoint_settings
@@ -53,6 +56,7 @@ from tests.test_runpod_backend_unit import (
     record,
 )
 from tests.test_uploader_unit import Offload
+from workflows.contracts import Artifact, JobStatus
 from workflows.shared import ErrorType
 
 BASE_URL = "http://127.0.0.1:1"  # never dialled: the mock transports answer
@@ -496,3 +500,34 @@ def test_our_handler_reports_a_refused_output_name_as_output_missing() -> None:
     error = failure_of(UnsafeOutputName("../../x.png", "", "output", "traversal"))
     assert error.error_type == "OutputMissing"
     assert "refused, not fetched: traversal" in error.error
+
+
+class DownloadRecorder:
+    def __init__(self) -> None:
+        self.downloads: list[str] = []
+
+    async def download(self, key: str, dest: Any, **_: Any) -> Any:
+        self.downloads.append(key)
+        return dest
+
+
+@pytest.mark.parametrize(
+    "key", ["../../x.png", "jobs/j/../../../etc/x", "/etc/passwd", "jobs\\..\\x", "jobs/a\x00b"]
+)
+async def test_the_client_downloads_nothing_outside_its_directory(key: str, tmp_path: Path) -> None:
+    """The status is data: a key that would leave the download directory stops the download
+    before anything is fetched or written."""
+    store = DownloadRecorder()
+    client = JobClient(cast(Client, object()), store=cast(ArtifactStore, store))
+    good = Artifact(
+        key="jobs/j/0/9/a.png",
+        uri="s3://b/jobs/j/0/9/a.png",
+        size=1,
+        sha256="0" * 64,
+        content_type="image/png",
+        node_id="9",
+    )
+    status = JobStatus(job_id="j", artifacts=[good, good.model_copy(update={"key": key})])
+    with pytest.raises(UnsafeArtifactKey, match="outside"):
+        await client.download(status, tmp_path / "out")
+    assert store.downloads == ["jobs/j/0/9/a.png"]
