@@ -527,3 +527,22 @@ def test_the_backends_own_job_id_replaces_the_prompt_id_once_named(wf: FakeWorkf
     assert book.status.backend.provider_job_id == "rp-8"
     book.set_checkpoint(Checkpoint(job_id="j1", prompt_id="p-1"))
     assert book.status.backend.provider_job_id == "rp-8", "a checkpoint naming none keeps it"
+
+
+def test_details_show_backend_text_as_text_never_as_markup(wf: FakeWorkflow) -> None:
+    """An error message or a node's name comes from a backend: in the UI's Markdown it must
+    not become a link, an image or a new line of its own."""
+    book = _book(
+        state=JobState.RUNNING,
+        backend=BackendInfo(pool="gpu"),
+        error=JobError(
+            type="Net", message="see [here](https://evil.example)\n# owned " + "x" * 400
+        ),
+        progress=Progress(node="![img](https://evil.example/p.png)"),
+    )
+    details = book.details()
+    assert "[here](" not in details and "![img](" not in details
+    assert "\\[here\\]\\(https://evil.example\\)" in details
+    assert "\n#" not in details
+    error_line = next(line for line in details.split("  \n") if line.startswith("error"))
+    assert len(error_line) < 350 and error_line.endswith("…")

@@ -258,21 +258,21 @@ class JobBook:
         if status.backend:
             where = f"pool `{status.backend.pool}`"
             if progress.node and status.state == JobState.RUNNING:
-                where += f", node {progress.node}"
+                where += f", node {_plain(progress.node)}"
             lines.append(where)
         if status.reconnects:
             lines.append(f"{status.reconnects} reconnect(s)")
         if status.error:
-            lines.append(f"error `{status.error.type}`: {status.error.message}")
+            lines.append(f"error `{status.error.type}`: {_plain(status.error.message)}")
         if status.decision and status.state == JobState.NEEDS_DECISION:
-            lines.append(f"waiting for a decision: {status.decision.reason}")
+            lines.append(f"waiting for a decision: {_plain(status.decision.reason)}")
             lines.extend(
                 f"- `{choice}`: {what}" for choice, what in status.decision.options.items()
             )
         if status.artifacts:
             lines.append(f"{len(status.artifacts)} artifact(s) stored")
         if status.teardown.state != "PENDING":
-            lines.append(f"teardown {status.teardown.state}: {status.teardown.detail}")
+            lines.append(f"teardown {status.teardown.state}: {_plain(status.teardown.detail)}")
         return "  \n".join(lines)
 
     def _eta_s(self) -> float | None:
@@ -298,3 +298,15 @@ def _duration(seconds: float) -> str:
     if seconds < 5400:
         return f"{seconds / 60:.0f} min"
     return f"{seconds / 3600:.1f} h"
+
+
+# Characters Markdown gives a meaning to: escaped, so text from a backend (an error, a node's
+# name) renders as text in the UI, never as a link, an image or markup.
+_MARKDOWN = frozenset("\\`*_{}[]()<>#+!|~")
+MAX_SHOWN_CHARS = 300
+
+
+def _plain(text: str) -> str:
+    """`text` as plain text inside Markdown: one line, escaped, at most MAX_SHOWN_CHARS."""
+    cut = text if len(text) <= MAX_SHOWN_CHARS else text[: MAX_SHOWN_CHARS - 1] + "…"
+    return "".join("\\" + ch if ch in _MARKDOWN else ch if ch.isprintable() else " " for ch in cut)
