@@ -43,7 +43,7 @@ def refusal_of(error: ValidationError) -> GraphRefused:
     return cause
 
 
-@settings(FIXED, max_examples=300)
+@settings(FIXED, max_examples=200)
 @given(valid_cases())
 def test_every_valid_graph_is_accepted_by_the_checks_and_by_a_request(case: Case) -> None:
     check_graph(case.graph)
@@ -54,7 +54,7 @@ def test_every_valid_graph_is_accepted_by_the_checks_and_by_a_request(case: Case
     assert JobRequest.model_validate_json(request.model_dump_json()) == request
 
 
-@settings(FIXED, max_examples=600)
+@settings(FIXED, max_examples=400)
 @given(near_valid_cases())
 def test_one_mutation_is_refused_typed_naming_its_node_and_field(case: Case) -> None:
     data = request_data(case)
@@ -85,7 +85,7 @@ def test_one_mutation_is_refused_typed_naming_its_node_and_field(case: Case) -> 
         assert repr(case.field.removeprefix("inputs.")) in text
 
 
-@settings(FIXED, max_examples=400)
+@settings(FIXED, max_examples=300)
 @given(json_values())
 def test_garbage_is_refused_with_a_validation_error_and_nothing_else(garbage: Any) -> None:
     for data in (garbage, {"graph": garbage}, {"graph": {"1": garbage}}):
@@ -95,7 +95,7 @@ def test_garbage_is_refused_with_a_validation_error_and_nothing_else(garbage: An
             continue
 
 
-@settings(FIXED, max_examples=300)
+@settings(FIXED, max_examples=200)
 @given(json_values(max_leaves=40))
 def test_arbitrary_json_graphs_are_accepted_or_refused_typed(graph: Any) -> None:
     """The checks themselves on anything JSON: a GraphFormatError or nothing, never a crash."""

@@ -27,7 +27,7 @@ PAYLOADS = st.one_of(
 )
 
 
-@settings(FIXED, max_examples=600)
+@settings(FIXED, max_examples=400)
 @given(MESSAGES, PAYLOADS, st.sampled_from([None, "reason", "resubmit"]))
 def test_a_signal_reading_never_raises_and_keeps_only_valid_values(
     model: type[CancelRequest] | type[ResumeRequest], payload: Any, scalar: str | None
@@ -38,7 +38,7 @@ def test_a_signal_reading_never_raises_and_keeps_only_valid_values(
     assert all(isinstance(note, str) and len(note) < 600 for note in notes)
 
 
-@settings(FIXED, max_examples=600)
+@settings(FIXED, max_examples=300)
 @given(MESSAGES, PAYLOADS)
 def test_an_update_validator_refuses_only_with_a_value_error(
     model: type[CancelRequest] | type[ResumeRequest], payload: Any
@@ -50,7 +50,7 @@ def test_an_update_validator_refuses_only_with_a_value_error(
         assert str(refused).startswith("resume")
 
 
-@settings(FIXED, max_examples=400)
+@settings(FIXED, max_examples=300)
 @given(json_values())
 def test_a_progress_report_of_garbage_is_a_validation_error_and_nothing_else(
     payload: Any,

@@ -86,7 +86,7 @@ def mutated_requests(draw: st.DrawFn) -> tuple[dict[str, Any], str, tuple[Any, .
     return data, mutation, ("inputs", "face.png"), None
 
 
-@settings(FIXED, max_examples=500)
+@settings(FIXED, max_examples=300)
 @given(mutated_requests())
 def test_a_request_with_one_bad_field_is_refused_naming_that_field(
     mutated: tuple[dict[str, Any], str, tuple[Any, ...], str | None],
@@ -106,7 +106,7 @@ def test_a_request_with_one_bad_field_is_refused_naming_that_field(
 DOCUMENTED = (ValidationError, ClientError, GraphFormatError)
 
 
-@settings(FIXED, max_examples=300)
+@settings(FIXED, max_examples=200)
 @given(
     st.one_of(
         valid_cases().map(lambda c: c.graph),
@@ -162,7 +162,7 @@ def accepted_requests(draw: st.DrawFn) -> JobRequest:
     return JobRequest.model_validate(data)
 
 
-@settings(FIXED, max_examples=150)
+@settings(FIXED, max_examples=100)
 @given(accepted_requests(), st.booleans())
 async def test_what_the_client_starts_the_workflow_reads_without_refusal(
     request: JobRequest, detached: bool
