@@ -13,10 +13,17 @@ import pytest
 
 from workflows.graph import (
     EDITOR_FORMAT_HINT,
+    GraphCycleError,
     GraphFormatError,
+    GraphLinkError,
+    GraphNameError,
+    GraphRefused,
+    UndeclaredInputFile,
     apply_overrides,
     bind_files,
     check_api_format,
+    check_graph,
+    check_input_files,
     is_link,
     iter_nodes,
     load_node_files,
@@ -219,3 +226,71 @@ def test_files_are_bound_in_a_copy_and_unknown_names_stay() -> None:
         "2": node("LoadImageMask", image="other.png"),
     }
     assert graph == before
+
+
+# -- the hostile-input checks (check_graph): one message each, compared whole ---------------
+
+
+def graph_refusal(graph: dict[str, Any]) -> GraphRefused:
+    with pytest.raises(GraphRefused) as refused:
+        check_graph(graph)
+    return refused.value
+
+
+def test_a_cycle_names_only_the_nodes_on_it() -> None:
+    refused = graph_refusal(
+        {
+            "1": node(a=["2", 0]),
+            "2": node(b=["1", 0]),
+            "3": node(c=["2", 0]),
+        }
+    )
+    assert isinstance(refused, GraphCycleError)
+    assert str(refused) == (
+        "the graph has a cycle (ComfyUI cannot run it): "
+        "node '1' input 'a' links to node '2', which depends on it; "
+        "node '2' input 'b' links to node '1', which depends on it"
+    )
+    assert [(p.node, p.field) for p in refused.problems] == [("1", "inputs.a"), ("2", "inputs.b")]
+
+
+@pytest.mark.parametrize(
+    ("value", "words"),
+    [
+        (["1", -1], "output -1: an output index is 0 or more"),
+        (["1", 256], "output 256: at most 255"),
+        (["1", 0.5], "output 0.5: an output index is a whole number"),
+    ],
+)
+def test_a_link_output_index_is_a_small_whole_number(value: list[Any], words: str) -> None:
+    refused = graph_refusal({"1": node(), "2": node(x=value)})
+    assert isinstance(refused, GraphLinkError)
+    assert str(refused) == f"invalid link: node '2' input 'x' links to node '1' {words}"
+    assert (refused.node, refused.field) == ("2", "inputs.x")
+
+
+def test_names_with_control_characters_are_refused_shown_escaped() -> None:
+    refused = graph_refusal({"1\n": node("Save\x00Image")})
+    assert isinstance(refused, GraphNameError)
+    assert str(refused) == (
+        "invalid node id or class_type: "
+        "node id '1\\n': contains control or unassigned characters; "
+        "node '1\\n' class_type: contains control or unassigned characters"
+    )
+
+
+def test_more_problems_than_shown_are_counted() -> None:
+    graph = {str(i): node(x=[str(i), 0]) for i in range(25)}
+    assert str(graph_refusal(graph)).endswith("; and 5 more")
+
+
+def test_an_undeclared_file_is_named_with_the_declared_ones() -> None:
+    graph = {"7": node("LoadImageMask", image="mask.png"), "8": node("LoadImage", image="a.png")}
+    check_input_files(graph, {"mask.png", "a.png"})
+    with pytest.raises(UndeclaredInputFile) as refused:
+        check_input_files(graph, {"a.png", "b.png"})
+    assert str(refused.value) == (
+        "input file not declared: node '7' (LoadImageMask) input 'image' loads 'mask.png', "
+        "which is not one of the request's inputs ('a.png', 'b.png'): pass the file as an "
+        "input of that name (CLI: --input NAME=PATH)"
+    )
