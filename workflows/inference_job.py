@@ -11,7 +11,7 @@ state lives in its status (workflows/job_book.py); clients read it with the `sta
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, NoReturn
 
 from pydantic import ValidationError
 from temporalio import workflow
@@ -204,7 +204,7 @@ class InferenceJob:
         refusal = self._reading.refusal
         if refusal is not None:
             if workflow.patched(PATCH_REFUSE_INPUT):
-                return await self._refuse(refusal)
+                await self._refuse(refusal)
             if refusal.legacy_failure is not None:
                 raise refusal.legacy_failure  # how earlier versions failed on this input
             # Earlier versions ran this request (its checks came later): so does its replay.
@@ -229,7 +229,7 @@ class InferenceJob:
         await workflow.wait_condition(workflow.all_handlers_finished)
         return self._end_result()
 
-    async def _refuse(self, refusal: Refusal) -> JobStatus:
+    async def _refuse(self, refusal: Refusal) -> NoReturn:
         """Fail the job, typed, before anything ran: nothing was prepared or submitted."""
         counter("jobs_ended", "Jobs by end state").add(1, {"state": JobState.FAILED.value})
         book = self._book

@@ -81,8 +81,21 @@ def read_job_input(raw: Any) -> InputReading:
     except Exception as exc:
         return _unreadable(f"the job's input cannot be read: {type(exc).__name__}: {exc}")
     if continued:
+        if workflow.info().continued_run_id is None:
+            # A carry skips prepare (its graph goes straight to the backend): only the job's
+            # own continue-as-new may hand one over, never a client's start.
+            return InputReading(legacy_input, _carry_from_a_client())
         return InputReading(legacy_input)
     return InputReading(legacy_input, refusal_of(strict_error))
+
+
+def _carry_from_a_client() -> Refusal:
+    message = (
+        "the request was refused before anything ran: carry is what a job hands to its own "
+        "continuation; start a job with the request alone"
+    )
+    problem = {"node": None, "field": "carry", "message": message}
+    return Refusal(JobError(type=ErrorType.INVALID_REQUEST, message=message), [problem])
 
 
 def refusal_of(exc: ValidationError) -> Refusal:
