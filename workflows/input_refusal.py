@@ -60,8 +60,6 @@ def read_job_input(raw: Any) -> InputReading:
         )
     except Exception as exc:  # any payload: not JSON, nested past the parser's limit, ...
         return _unreadable(f"the job's input cannot be decoded: {type(exc).__name__}: {exc}")
-    if isinstance(data, JobInput):
-        return InputReading(data)  # (tests that build the workflow object directly)
     continued = isinstance(data, dict) and data.get("carry") is not None
     if not continued:
         try:
