@@ -68,8 +68,8 @@ def read_job_input(raw: Any) -> InputReading:
             strict_error = exc
         except Exception as exc:  # a validator that broke on a hostile value: still a refusal
             return _unreadable(f"the job's input cannot be read: {type(exc).__name__}: {exc}")
-    # A continued run's request was accepted by the run before it; the checks of earlier
-    # versions are what old runs replay with.
+    # The checks of earlier versions only: what a continued run reads (its first run checked
+    # the request), and what tells whether an old run, replaying, ran this input or failed it.
     try:
         legacy_input = JobInput.model_validate(data, context={LEGACY_CHECKS: True})
     except ValidationError as exc:
