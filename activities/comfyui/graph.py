@@ -99,11 +99,3 @@ def output_nodes(graph: Mapping[str, Any], object_info: Mapping[str, Any]) -> li
         for node_id, class_type, _inputs in iter_nodes(graph)
         if object_info.get(class_type, {}).get("output_node")
     ]
-
-
-def available_input_files(object_info: Mapping[str, Any], class_type: str, name: str) -> set[str]:
-    """Files the backend already has for a load node's input (its choice list)."""
-    spec = object_info.get(class_type, {}).get("input", {}).get("required", {}).get(name)
-    if isinstance(spec, list) and spec and isinstance(spec[0], list):
-        return {str(choice) for choice in spec[0]}
-    return set()
