@@ -95,3 +95,20 @@ def test_a_bad_job_id_is_refused_saying_what_is_allowed() -> None:
     assert str(refused.value) == (
         "job id 'job/1' is not valid: use 1-200 characters from A-Z a-z 0-9 _ . : -"
     )
+
+
+@pytest.mark.parametrize(
+    ("policy", "field"),
+    [
+        ({"execution_timeout_s": True}, "execution_timeout_s"),
+        ({"heartbeat_timeout_s": "20"}, "heartbeat_timeout_s"),
+        ({"abandon_after_s": False}, "abandon_after_s"),
+        ({"history_budget_events": 2000.5}, "history_budget_events"),
+        ({"reconnect": {"horizon_s": True}}, "horizon_s"),
+    ],
+)
+def test_policy_numbers_are_numbers(policy: dict[str, Any], field: str) -> None:
+    """`true` is not one second, nor "20" twenty: a sloppy client is told, not guessed at."""
+    with pytest.raises(ValidationError, match=field):
+        JobRequest.model_validate({"graph": {"1": {"class_type": "X"}}, "policy": policy})
+    assert JobPolicy.model_validate({"execution_timeout_s": 60, "reconnect": {"horizon_s": 9.5}})

@@ -138,7 +138,9 @@ async def test_bad_input_fails_typed_before_any_prompt(
     error_type: str,
 ) -> None:
     before = await sim_prompts(local_stack)
-    submitted = await worker.client.submit(JobRequest(graph=graph, pool=pool))
+    # Unchecked (the client would refuse an undeclared input file itself): the job must refuse
+    # it too, for a client that skips the checks.
+    submitted = await worker.client.submit(JobRequest.model_construct(graph=graph, pool=pool))
     final = await worker.client.wait(submitted.job_id)
     assert final.state == JobState.FAILED
     assert final.error is not None and final.error.type == error_type, final.error

@@ -90,10 +90,11 @@ TERMINAL_STATES = frozenset(
 )
 
 
+# Numbers in policies are strict: `true` or "30" is refused, never read as 1 or 30 seconds.
 class ReconnectPolicy(StrictModel):
-    base_delay_s: float = Field(1.0, gt=0)
-    max_delay_s: float = Field(30.0, gt=0)
-    horizon_s: float = Field(300.0, gt=0)
+    base_delay_s: float = Field(1.0, gt=0, strict=True)
+    max_delay_s: float = Field(30.0, gt=0, strict=True)
+    horizon_s: float = Field(300.0, gt=0, strict=True)
 
     @model_validator(mode="after")
     def _max_not_below_base(self) -> ReconnectPolicy:
@@ -103,19 +104,19 @@ class ReconnectPolicy(StrictModel):
 
 
 class JobPolicy(StrictModel):
-    execution_timeout_s: float = Field(1800.0, gt=0)
-    queue_timeout_s: float | None = Field(None, gt=0)
-    heartbeat_timeout_s: float = Field(20.0, gt=0)
+    execution_timeout_s: float = Field(1800.0, gt=0, strict=True)
+    queue_timeout_s: float | None = Field(None, gt=0, strict=True)
+    heartbeat_timeout_s: float = Field(20.0, gt=0, strict=True)
     reconnect: ReconnectPolicy = Field(default_factory=ReconnectPolicy)
     # Unset means "the reconnect horizon"; an explicit null makes a detached job.
-    abandon_after_s: float | None = Field(default=300.0, gt=0)
-    progress_interval_s: float = Field(2.0, gt=0)
+    abandon_after_s: float | None = Field(default=300.0, gt=0, strict=True)
+    progress_interval_s: float = Field(2.0, gt=0, strict=True)
     on_ambiguous_submit: Literal["pause", "fail", "resubmit"] = "pause"
     # How long a stop keeps confirming that the prompt left the backend's queue. ComfyUI
     # interrupts cooperatively: a node without a progress hook runs to its end first.
-    teardown_horizon_s: float = Field(900.0, gt=0)
+    teardown_horizon_s: float = Field(900.0, gt=0, strict=True)
     # Continue-as-new at a segment boundary once history passes half of this many events.
-    history_budget_events: int = Field(2000, ge=10)
+    history_budget_events: int = Field(2000, ge=10, strict=True)
 
     @model_validator(mode="before")
     @classmethod
