@@ -24,6 +24,8 @@ def load_graph(path: Path) -> dict[str, Any]:
         raise InputFileError(f"graph file not found: {path}") from exc
     except json.JSONDecodeError as exc:
         raise InputFileError(f"{path} is not JSON: {exc}") from exc
+    except RecursionError:
+        raise InputFileError(f"{path}: its JSON is nested too deeply to be a graph") from None
     if not isinstance(raw, dict):
         raise GraphFormatError(f"{path}: a graph is a JSON object of nodes")
     return raw

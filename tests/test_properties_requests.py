@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from temporalio.contrib.pydantic import pydantic_data_converter
 
 from starter.client import JobClient
-from starter.errors import ClientError
+from starter.errors import ClientError, InputFileError
 from starter.requests import request_from_files
 from tests.properties_support import (
     FIXED,
@@ -178,16 +178,10 @@ async def test_what_the_client_starts_the_workflow_reads_without_refusal(
     assert JobInput.model_validate(sent).request.segments == request.segments
 
 
-@pytest.mark.xfail(
-    raises=RecursionError,
-    strict=True,
-    reason="starter/requests.py load_graph catches json.JSONDecodeError only: a graph file "
-    "nested past Python's JSON parser limit escapes as RecursionError (not ours to edit)",
-)
 def test_a_graph_file_nested_past_the_json_parser_limit_is_an_input_file_error(
     tmp_path: Path,
 ) -> None:
     graph_path = tmp_path / "deep.json"
     graph_path.write_text('{"1": ' + "[" * 100_000 + "]" * 100_000 + "}")
-    with pytest.raises(DOCUMENTED):
+    with pytest.raises(InputFileError, match="nested too deeply"):
         request_from_files(graph_path)
