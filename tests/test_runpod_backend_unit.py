@@ -27,10 +27,11 @@ from activities.runpod.retry import RetryPolicy
 from activities.settings import PoolConfig, S3Settings
 from activities.storage import StoredObject
 from activities.storage_errors import ObjectMissing
-from endpoint.contract import Claim, ClaimOutcome, S3Target, claim_key
+from endpoint.contract import ArtifactRecord, Claim, ClaimOutcome, S3Target, claim_key
 from workflows.activity_io import (
     FollowHeartbeat,
     FollowInput,
+    OffloadInput,
     PreparedJob,
     PrepareInput,
     StopInput,
@@ -736,3 +737,45 @@ async def test_a_staged_input_gone_before_the_submission_is_a_missing_input() ->
         await env([]).run(backend(runpod, store).follow, req)
     assert caught.value.type == ErrorType.MISSING_INPUT
     assert runpod.requests == []
+
+
+class HeadRecorder(MemoryStore):
+    def __init__(self) -> None:
+        super().__init__()
+        self.heads: list[str] = []
+
+    async def head(self, key: str, *, bucket: str | None = None) -> StoredObject | None:
+        self.heads.append(key)
+        return await super().head(key, bucket=bucket)
+
+
+async def test_after_a_failure_only_the_claims_records_inside_the_jobs_folder_are_looked_at() -> (
+    None
+):
+    """The claim's records come from a worker: one naming another job's folder, or a key our
+    handler could not have built, is neither kept nor even asked about (no HEAD)."""
+    store = HeadRecorder()
+    hostile = [f"jobs/{JOB_ID}/../other-job/0/1/x.png", "jobs/other-job/0/1/x.png"]
+    for key in [OUR_KEY, *hostile]:
+        store.put(key, PNG)
+    claim = put_claim(store, lease_left_s=-30)
+    outcome = ClaimOutcome(
+        state="failed",
+        images=[ArtifactRecord.model_validate(record(k)) for k in [OUR_KEY, *hostile]],
+        at=datetime.now(UTC),
+    )
+    store.put(
+        claim_key(S3Target(bucket=BUCKET), JOB_ID, PROMPT),
+        claim.model_copy(update={"outcome": outcome}).model_dump_json().encode(),
+    )
+    req = OffloadInput(
+        job_id=JOB_ID,
+        pool="cloud",
+        prompt_id=PROMPT,
+        run_tag="t",
+        output=OutputSpec(),
+        partial=True,
+    )
+    result = await env([]).run(backend(ScriptedRunPod(statuses=[]), store).offload, req)
+    assert [a.key for a in result.artifacts] == [OUR_KEY]
+    assert store.heads == [OUR_KEY]

@@ -79,7 +79,7 @@ def s3_location(record: ArtifactRecord) -> tuple[str, str]:
         raise UnusableArtifact(f"output {shown(record.filename)}: not an s3:// reference")
     bucket, key = parts
     # Bucket names are lower case, digits, dots and hyphens: never anything the sanitising changes.
-    problem = _key_problem(key) or (None if safe_component(bucket) == bucket else "not a bucket")
+    problem = key_problem(key) or (None if safe_component(bucket) == bucket else "not a bucket")
     if problem is not None:
         raise UnusableArtifact(
             f"output {shown(record.filename)} points at {shown(f's3://{bucket}/{key}', 160)}: "
@@ -99,7 +99,8 @@ def inline_bytes(record: ArtifactRecord) -> bytes:
         ) from None
 
 
-def _key_problem(key: str) -> str | None:
+def key_problem(key: str) -> str | None:
+    """Why `key` cannot be a key our handler stored (None: it can)."""
     if len(key.encode("utf-8", "surrogatepass")) > MAX_KEY_BYTES:
         return f"a key longer than {MAX_KEY_BYTES} bytes"
     if key.startswith("/"):

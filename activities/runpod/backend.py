@@ -22,6 +22,7 @@ from activities.comfyui.graph import refuse_hostile_graph
 from activities.errors import fatal, retryable
 from activities.inputs import input_bytes
 from activities.keys import content_type_for, job_folder, safe_component
+from activities.runpod.artifacts import key_problem
 from activities.runpod.claims import claim_target, lease_running, read_claim
 from activities.runpod.client import MAX_RUN_BYTES, RunPodClient
 from activities.runpod.errors import RunPodError, RunPodJobGone
@@ -193,9 +194,12 @@ class RunPodBackend:
         folder = job_folder(req.output.prefix, req.job_id) + "/"
         for artifact in kept.values():
             bucket = artifact.uri.removeprefix("s3://").split("/", 1)[0]
-            head = await self._store.head(artifact.key, bucket=bucket)
+            # The claim's records come from a worker: a key outside the job's folder (or not one
+            # our handler could have built) is not even looked at.
+            ours = artifact.key.startswith(folder) and key_problem(artifact.key) is None
+            head = await self._store.head(artifact.key, bucket=bucket) if ours else None
             ok = (
-                artifact.key.startswith(folder)
+                ours
                 and head is not None
                 and head.size == artifact.size
                 and head.sha256 == artifact.sha256
