@@ -34,6 +34,9 @@ if TYPE_CHECKING:
 log = structlog.get_logger("durable_comfy.staging")
 
 STAGING_FOLDER: Final = "_staged"
+# What may stay inline in one request, all inputs together: with the graph it must fit in the
+# workflow's start payload (2 MiB), and base64 grows bytes by a third.
+MAX_INLINE_TOTAL_BYTES: Final = MAX_INLINE_INPUT_BYTES
 _PART: Final = 8 * 1024 * 1024
 _UNSAFE: Final = re.compile(r"[^A-Za-z0-9._-]")
 
@@ -42,8 +45,13 @@ class InputNeedsStaging(ClientError):
     """An input is too large to send inline, and the client has no S3 access to stage it."""
 
     def __init__(self, name: str, size: int) -> None:
+        why = (
+            f"inputs over {MAX_INLINE_INPUT_BYTES:,} bytes do"
+            if size > MAX_INLINE_INPUT_BYTES
+            else f"inline inputs together over {MAX_INLINE_TOTAL_BYTES:,} bytes do"
+        )
         super().__init__(
-            f"input {name!r} is {size:,} bytes: inputs over {MAX_INLINE_INPUT_BYTES:,} bytes do "
+            f"input {name!r} is {size:,} bytes: {why} "
             "not fit in a job's request and are staged to S3 by the client, which needs the "
             "bucket: set DURABLE_COMFY_BUCKET (and DURABLE_COMFY_S3_ENDPOINT off AWS) with "
             "credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or a profile); or upload it "
@@ -73,12 +81,26 @@ class StagingStore(Protocol):
 
 
 def oversized_inputs(request: JobRequest) -> dict[str, int]:
-    """The inline inputs too large for a request, with their sizes in bytes."""
-    return {
-        name: size
+    """The inline inputs to stage, with their sizes in bytes: each one over
+    `MAX_INLINE_INPUT_BYTES`, then the largest of the rest until those left inline fit in
+    `MAX_INLINE_TOTAL_BYTES` together (several files under the limit can still overflow the
+    request's payload)."""
+    sizes = {
+        name: _decoded_size(ref)
         for name, ref in request.inputs.items()
-        if isinstance(ref, InlineInput) and (size := _decoded_size(ref)) > MAX_INLINE_INPUT_BYTES
+        if isinstance(ref, InlineInput)
     }
+    chosen = {name: size for name, size in sizes.items() if size > MAX_INLINE_INPUT_BYTES}
+    left = sorted(
+        ((size, name) for name, size in sizes.items() if name not in chosen), reverse=True
+    )
+    total = sum(size for size, _name in left)
+    for size, name in left:
+        if total <= MAX_INLINE_TOTAL_BYTES:
+            break
+        chosen[name] = size
+        total -= size
+    return chosen
 
 
 def require_staging(request: JobRequest, *, can_stage: bool) -> None:

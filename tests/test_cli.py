@@ -316,7 +316,7 @@ async def test_exit_2_for_a_missing_job_a_request_too_large_or_downloads_without
     no_s3 = {k: v for k, v in env.items() if not k.startswith("AWS_")}
     no_s3.pop("DURABLE_COMFY_BUCKET", None)
     inputs = []
-    for name in ("a.png", "b.png"):  # each under the inline limit, together over 2 MiB
+    for name in ("a.png", "b.png"):  # each under the inline limit, together over it
         (tmp_path / name).write_bytes(os.urandom(1024 * 1024))
         inputs += ["--input", f"{name}={tmp_path / name}"]
     missing = unique_id("missing")
@@ -325,7 +325,7 @@ async def test_exit_2_for_a_missing_job_a_request_too_large_or_downloads_without
         run_cli("status", missing, "--json", env=env),
         run_cli("watch", missing, env=env),
         run_cli("cancel", missing, env=env),
-        run_cli("submit", str(EXAMPLE), *inputs, "--json", env=env),
+        run_cli("submit", str(EXAMPLE), *inputs, "--json", env=no_s3),  # nowhere to stage
         run_cli("result", done.job_id, "--download", str(tmp_path / "dl"), "--json", env=no_s3),
     )
     for code, out, _err in results:
@@ -333,18 +333,19 @@ async def test_exit_2_for_a_missing_job_a_request_too_large_or_downloads_without
     errors = [err for _code, _out, err in results]
     for err in errors[:3]:
         assert err == f"error: no job {missing!r} in this namespace\n"
-    assert "over Temporal's limit of 2,097,152 bytes" in errors[3]
-    assert "--input NAME=s3://BUCKET/KEY" in errors[3]
+    assert "inline inputs together over 1,048,576 bytes do not fit" in errors[3]
+    assert "DURABLE_COMFY_BUCKET" in errors[3] and "=s3://BUCKET/KEY" in errors[3]
     assert errors[4].startswith("error: downloading needs the artifact bucket")
     assert errors[4].count("\n") == 1
 
-    # Past the client's own check, the server's rejection reads the same.
+    # Past the client's own size check, the server's rejection reads the same. (Inputs no
+    # longer make a request that large: the client stages them. Thousands of long segment
+    # overrides still can.)
+    segments = tmp_path / "segments.json"
+    segments.write_text(json.dumps([{"6": {"text": f"{i} " + "x" * 300}} for i in range(8000)]))
+    request = request_from_files(EXAMPLE, segments_path=segments)
     worker.client.max_request_bytes = 10 * 2**20
     try:
-        request = request_from_files(EXAMPLE, inputs=[f"a.png={tmp_path / 'a.png'}"])
-        request.inputs["b.png"] = request_from_files(
-            EXAMPLE, inputs=[f"b.png={tmp_path / 'b.png'}"]
-        ).inputs["b.png"]
         with pytest.raises(RequestTooLarge, match="over the server's limit"):
             await worker.client.submit(request)
     finally:

@@ -158,3 +158,22 @@ def test_the_cli_sends_https_sources_as_url_inputs_and_refuses_plain_http() -> N
     assert built.inputs["face.png"] == UrlInput(url="https://images.example.test/f.png")
     with pytest.raises(InputFileError, match="must be https"):
         request_from_files(EXAMPLE, inputs=["face.png=http://images.example.test/f.png"])
+
+
+async def test_inputs_each_under_the_limit_but_too_large_together_stage_the_largest() -> None:
+    """Several files under the per-file limit can still overflow the request: the largest are
+    staged until the rest fit inline together, and no more."""
+    a, b, c = os.urandom(700_000), os.urandom(500_000), os.urandom(300_000)
+    sent = request(
+        **{"a.png": inline(a, "a.png"), "b.png": inline(b, "b.png"), "c.png": inline(c, "c.png")}
+    )
+    assert oversized_inputs(sent) == {"a.png": len(a)}
+    store = MemoryStore()
+    staged = await stage_inputs(sent, store)
+    assert isinstance(staged.inputs["a.png"], S3Input)
+    assert staged.inputs["b.png"] == sent.inputs["b.png"]
+    assert staged.inputs["c.png"] == sent.inputs["c.png"]
+    assert store.uploads == 1 and oversized_inputs(staged) == {}
+    with pytest.raises(InputNeedsStaging, match="together over 1,048,576 bytes") as refused:
+        await stage_inputs(sent, None)
+    assert refused.value.name == "a.png"
