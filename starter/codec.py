@@ -37,9 +37,10 @@ from pathlib import Path
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from pydantic import Field, SecretStr, create_model
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 from temporalio.api.common.v1 import Payload
 from temporalio.converter import PayloadCodec
+
+from starter.variables import VariablesOnly
 
 KEYS_ENV = "DURABLE_COMFY_CODEC_KEYS"
 KEYS_FILE_ENV = "DURABLE_COMFY_CODEC_KEYS_FILE"
@@ -147,26 +148,11 @@ class KeyRing:
         return cls(active_id=next(iter(keys)), keys=keys)
 
 
-class CodecSettings(BaseSettings):
+class CodecSettings(VariablesOnly):
     """DURABLE_COMFY_CODEC_KEYS or DURABLE_COMFY_CODEC_KEYS_FILE; neither: no encryption."""
-
-    model_config = SettingsConfigDict(
-        extra="forbid", frozen=True, case_sensitive=True, env_ignore_empty=True
-    )
 
     keys: SecretStr | None = Field(None, validation_alias=KEYS_ENV)
     keys_file: Path | None = Field(None, validation_alias=KEYS_FILE_ENV)
-
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings, env_settings)
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> CodecSettings:
@@ -193,26 +179,11 @@ class CodecSettings(BaseSettings):
         return KeyRing.parse(text, f"{KEYS_FILE_ENV} ({self.keys_file})")
 
 
-class CodecServerSettings(BaseSettings):
+class CodecServerSettings(VariablesOnly):
     """`durable-comfy codec-server`'s own variables: its log level and its bearer token."""
-
-    model_config = SettingsConfigDict(
-        extra="forbid", frozen=True, case_sensitive=True, env_ignore_empty=True
-    )
 
     log_level: str = Field("INFO", validation_alias="DURABLE_COMFY_LOG_LEVEL")
     auth_token: SecretStr | None = Field(None, validation_alias=TOKEN_ENV)
-
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings, env_settings)
 
     @classmethod
     def load(cls, token_env: str | None = None) -> CodecServerSettings:

@@ -26,7 +26,6 @@ from functools import cache
 from typing import Self
 
 from pydantic import Field, model_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.converter import (
@@ -44,36 +43,22 @@ from temporalio.runtime import (
 )
 
 from starter.codec import CodecSettings, CodecSettingsError, codec_from_environ
+from starter.variables import VariablesOnly
 
 DEFAULT_ADDRESS = "127.0.0.1:7233"
 DEFAULT_UI_URL = "http://127.0.0.1:8233"
 
 
-class TemporalSettings(BaseSettings):
+class TemporalSettings(VariablesOnly):
     """TEMPORAL_ADDRESS, TEMPORAL_NAMESPACE and TEMPORAL_UI_URL, read once at start-up.
 
     Unset (or empty), the address and namespace are None: the profile's, else the SDK's defaults.
     Fields are read only from their variables (case-sensitive) and set in code by those names.
     """
 
-    model_config = SettingsConfigDict(
-        extra="forbid", frozen=True, case_sensitive=True, env_ignore_empty=True
-    )
-
     address: str | None = Field(None, validation_alias="TEMPORAL_ADDRESS")
     namespace: str | None = Field(None, validation_alias="TEMPORAL_NAMESPACE")
     ui_url: str = Field(DEFAULT_UI_URL, validation_alias="TEMPORAL_UI_URL")
-
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings, env_settings)
 
     @model_validator(mode="after")
     def _codec_keys_usable(self) -> Self:

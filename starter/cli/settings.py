@@ -17,38 +17,23 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pydantic import Field
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from starter.connection import TemporalSettings
+from starter.variables import VariablesOnly
 from workflows.shared import DEFAULT_TASK_QUEUE
 
 if TYPE_CHECKING:
     from activities.storage import S3Settings
 
 
-class CliSettings(BaseSettings):
+class CliSettings(VariablesOnly):
     """The CLI's own variables. Empty counts as unset; read only under these names."""
-
-    model_config = SettingsConfigDict(
-        extra="forbid", frozen=True, case_sensitive=True, env_ignore_empty=True
-    )
 
     task_queue: str = Field(DEFAULT_TASK_QUEUE, validation_alias="DURABLE_COMFY_TASK_QUEUE")
     # How long a status query waits for a worker to answer.
     query_timeout_s: float = Field(10.0, gt=0, validation_alias="DURABLE_COMFY_QUERY_TIMEOUT_S")
     # Quiet unless something is off; unknown names fall back to INFO (activities.log_setup).
     log_level: str = Field("WARNING", validation_alias="DURABLE_COMFY_LOG_LEVEL")
-
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings, env_settings)
 
 
 @dataclass(frozen=True)
