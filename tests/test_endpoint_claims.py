@@ -169,8 +169,12 @@ async def test_an_outcome_is_final(store: ClaimStore, bucket: Bucket) -> None:
 async def test_concurrent_claimers_exactly_one_wins(store: ClaimStore, bucket: Bucket) -> None:
     key = new_key()
     stores = [ClaimStore(S3(bucket.settings), bucket.name) for _ in range(8)]
+    # Each store's S3 client made first: made inside the race (a few hundred ms of CPU each on
+    # a busy machine), the last claimers came late enough to find the first claim's lease run
+    # out, and took it over lawfully.
+    assert [await s.read(key) for s in stores] == [None] * len(stores)
     decisions = await asyncio.gather(
-        *(s.acquire(key, template(f"rp-{i}", f"w-{i}"), 1) for i, s in enumerate(stores))
+        *(s.acquire(key, template(f"rp-{i}", f"w-{i}"), 2) for i, s in enumerate(stores))
     )
     winners = [d for d in decisions if isinstance(d, Acquired)]
     assert len(winners) == 1
