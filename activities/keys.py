@@ -154,3 +154,16 @@ def _is_safe_char(ch: str) -> bool:
         return ch.isalnum()
     category = unicodedata.category(ch)
     return category[0] in "LN" or category in ("Mn", "Mc")
+
+
+# A run's folder on the backend: `dc_<job>_<segment>_<prompt id's first 8>`
+# (`workflows.graph.run_tag`; the job part is `safe_tag`'s: letters, digits, `-`, `_`, at most
+# 48 of them). Every literal save prefix of a run is rewritten into its own folder.
+RUN_FOLDER = re.compile(r"^dc_[A-Za-z0-9_-]{1,48}_[0-9]+_[A-Za-z0-9-]{1,8}$")
+
+
+def in_another_run(subfolder: str, run_tag: str) -> bool:
+    """Whether an output's subfolder is another run's folder: an output that is not ours (on a
+    shared or warm backend, maybe another job's, another tenant's)."""
+    top = re.split(r"[\\/]", subfolder, maxsplit=1)[0]
+    return top != run_tag and RUN_FOLDER.match(top) is not None

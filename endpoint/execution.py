@@ -53,6 +53,7 @@ class Execution:
         tracker: ProgressTracker,
         reporter: ProgressReporter | None,
         staged: StagedInputs | None = None,
+        run_tag: str = "",
     ) -> None:
         self.client = client
         self.settings = settings
@@ -60,7 +61,7 @@ class Execution:
         self.staged = staged
         self.prompt_id = prompt_id
         self.reporter = reporter
-        self.collector = OutputCollector(client, sink, self._stored)
+        self.collector = OutputCollector(client, sink, self._stored, run_tag=run_tag)
         self.follower = PromptFollower(
             client,
             prompt_id=prompt_id,

@@ -345,6 +345,7 @@ class OrchestratedJob:
             tracker=self.tracker,
             reporter=self.reporter,
             staged=self._staged(),
+            run_tag=self.o.run_tag,
         )
 
     def _staged(self) -> StagedInputs | None:

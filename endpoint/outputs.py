@@ -21,9 +21,9 @@ from typing import Any, Protocol
 
 import structlog
 
-from activities.comfyui.client import ComfyClient
+from activities.comfyui.client import ComfyClient, UnsafeOutputName
 from activities.comfyui.events import output_files
-from activities.keys import content_type_for
+from activities.keys import content_type_for, in_another_run, shown
 from endpoint.contract import ArtifactRecord
 from endpoint.s3 import S3
 from endpoint.upload import stream_to_s3
@@ -142,10 +142,16 @@ OnStored = Callable[[ArtifactRecord], None]
 class OutputCollector:
     """Stores every saved output of one prompt once; `records()` in the order they appeared."""
 
-    def __init__(self, client: ComfyClient, sink: OutputSink, on_stored: OnStored) -> None:
+    def __init__(
+        self, client: ComfyClient, sink: OutputSink, on_stored: OnStored, *, run_tag: str = ""
+    ) -> None:
         self._client = client
         self._sink = sink
         self._on_stored = on_stored
+        # The orchestrator's folder for this run (every literal save prefix was rewritten into
+        # it); empty for a stock request.
+        self._run_tag = run_tag
+        self._refused: set[str] = set()
         self._order: list[str] = []
         self._stored: dict[str, ArtifactRecord] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
@@ -158,7 +164,21 @@ class OutputCollector:
             if item.get("type", "output") != "output":
                 continue  # previews are not artifacts
             identity = self._sink.identity(node_id, item)
-            if identity in self._tasks:
+            if identity in self._tasks or identity in self._refused:
+                continue
+            subfolder = item.get("subfolder", "")
+            if self._run_tag and in_another_run(subfolder, self._run_tag):
+                # A warm worker keeps earlier jobs' outputs: another run's folder is not ours
+                # (maybe another tenant's), and is not read.
+                self._failures.append(
+                    UnsafeOutputName(
+                        item.get("filename", ""),
+                        subfolder,
+                        item.get("type", "output"),
+                        f"in another run's folder, not this run's {shown(self._run_tag)}",
+                    )
+                )
+                self._refused.add(identity)
                 continue
             self._order.append(identity)
             self._tasks[identity] = asyncio.create_task(

@@ -448,6 +448,40 @@ async def test_the_handler_writes_outputs_only_inside_the_jobs_folder_whatever_c
     assert [r.key for r in collector.records()] == [key for _, key in s3.objects]
 
 
+async def test_the_handler_reads_nothing_from_another_runs_folder() -> None:
+    """A warm RunPod worker keeps earlier jobs' outputs: a record in another run's folder (a
+    linked save prefix, a hostile node) is refused unread, and the job's own outputs are kept."""
+    comfy = ViewLog()
+    s3 = HandlerS3()
+    ours = "dc_job-7_0_7d7c6a1e"
+    block = Orchestration(
+        job_id="job-7",
+        submission="sub-0001",
+        prompt_id=PROMPT_ID,
+        client_id="c1",
+        run_tag=ours,
+        output=S3Target(bucket="out", prefix="tenants/a"),
+    )
+    request = EndpointInput(workflow={}, durable_comfy=block)
+    outputs = {
+        "9": {"images": [image("mine.png", ours), image("free.png", "")]},
+        "10": {"images": [image("theirs.png", "dc_job-6_0_0a1b2c3d/x")]},
+    }
+    async with httpx.AsyncClient(transport=httpx.MockTransport(comfy.handle)) as http:
+        client = ComfyClient(BASE_URL, http)
+        settings_ = endpoint_settings(BASE_URL, None)
+        job = OrchestratedJob("rp-1", request, block, client, s3, settings_, None)  # type: ignore[arg-type]
+        collector = OutputCollector(client, job._sink(), lambda _record: None, run_tag=ours)
+        collector.add(outputs)
+        collector.add(outputs)  # reported again: refused once, not read
+        await collector.drain()
+    assert sorted(q["filename"] for q in comfy.queries) == ["free.png", "mine.png"]
+    assert len(s3.objects) == 2
+    refused = collector.failure()
+    assert isinstance(refused, UnsafeOutputName) and "another run's folder" in str(refused)
+    assert failure_of(refused).error_type == "OutputMissing"
+
+
 # --- log lines ----------------------------------------------------------------------------------
 
 

@@ -19,7 +19,6 @@ file. Whatever the names, the S3 key is `activities.keys.artifact_key`, inside t
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -32,7 +31,7 @@ from activities.comfyui.client import ComfyClient, ComfyError, UnsafeOutputName,
 from activities.comfyui.events import output_files
 from activities.comfyui.pools import ComfyPools
 from activities.errors import fatal, from_comfy, from_storage, history_failure, retryable
-from activities.keys import artifact_key, content_type_for, shown
+from activities.keys import artifact_key, content_type_for, in_another_run, shown
 from activities.metrics import count_offloaded
 from activities.storage import ArtifactStore, StorageError
 from workflows.activity_io import OffloadInput, OffloadResult
@@ -40,10 +39,6 @@ from workflows.contracts import Artifact, OutputSpec
 from workflows.shared import ErrorType
 
 log = structlog.get_logger(__name__)
-
-# A run's folder: `dc_<job>_<segment>_<prompt id's first 8>` (`workflows.graph.run_tag`; the
-# job part is `safe_tag`'s: letters, digits, `-`, `_`, at most 48 of them).
-RUN_FOLDER = re.compile(r"^dc_[A-Za-z0-9_-]{1,48}_[0-9]+_[A-Za-z0-9-]{1,8}$")
 
 MAX_PARALLEL_UPLOADS = 2
 
@@ -141,7 +136,7 @@ class OutputUploader:
         except UnsafeOutputName as exc:
             reason = str(exc)
         else:
-            if not _in_another_run(subfolder, self._run_tag):
+            if not in_another_run(subfolder, self._run_tag):
                 return
             reason = (
                 f"output {shown(item['filename'])} is in another run's folder "
@@ -215,11 +210,6 @@ class OffloadActivities:
 def _from_this_run(item: Mapping[str, str], run_tag: str) -> bool:
     subfolder = item.get("subfolder", "")
     return subfolder == run_tag or subfolder.startswith(run_tag + "/")
-
-
-def _in_another_run(subfolder: str, run_tag: str) -> bool:
-    top = re.split(r"[\\/]", subfolder, maxsplit=1)[0]
-    return top != run_tag and RUN_FOLDER.match(top) is not None
 
 
 async def _history_when_written(client: ComfyClient, prompt_id: str) -> dict[str, Any]:
