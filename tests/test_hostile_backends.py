@@ -14,7 +14,7 @@ import hashlib
 import ntpath
 import posixpath
 import unicodedata
-from collections.abc import AsyncIterable, AsyncIterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, cast
 from urllib.parse import unquote
@@ -31,7 +31,7 @@ from activities.comfyui.client import ComfyClient, UnsafeOutputName, check_view_
 from activities.keys import job_folder
 from activities.runpod.models import RunPodJob
 from activities.runpod.outcome import Failed, read_job
-from activities.storage import ArtifactStore, StoredObject
+from activities.storage import ArtifactStore
 from devstack.models import RunningStack
 from endpoint.contract import EndpointInput, Orchestration, S3Target
 from endpoint.failures import failure_of
@@ -47,7 +47,7 @@ from tests.test_runpod_backend_unit import (
     JOB_ID,
     OUR_KEY,
     PNG,
-    MemoryStore,
+    RecordingStore,
     ScriptedRunPod,
     backend,
     completed,
@@ -291,34 +291,6 @@ async def test_odd_names_comfyui_may_serve_are_stored_under_a_key_in_the_jobs_fo
 
 
 # --- the orchestrator's RunPod backend: records ------------------------------------------------
-
-
-class RecordingStore(MemoryStore):
-    """The in-memory bucket, keeping every call as (operation, bucket, key)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[tuple[str, str, str]] = []
-
-    async def read_bytes(self, key: str, *, limit: int, bucket: str | None = None) -> bytes:
-        self.calls.append(("read", bucket or BUCKET, key))
-        return await super().read_bytes(key, limit=limit, bucket=bucket)
-
-    async def head(self, key: str, *, bucket: str | None = None) -> StoredObject | None:
-        self.calls.append(("head", bucket or BUCKET, key))
-        return await super().head(key, bucket=bucket)
-
-    async def upload_stream(
-        self,
-        key: str,
-        chunks: AsyncIterable[bytes],
-        *,
-        content_type: str,
-        bucket: str | None = None,
-        metadata: Any = None,
-    ) -> StoredObject:
-        self.calls.append(("upload", bucket or BUCKET, key))
-        return await super().upload_stream(key, chunks, content_type=content_type, bucket=bucket)
 
 
 def s3_record(bucket: str, key: str, *, data: str | None = None) -> dict[str, Any]:

@@ -739,14 +739,32 @@ async def test_a_staged_input_gone_before_the_submission_is_a_missing_input() ->
     assert runpod.requests == []
 
 
-class HeadRecorder(MemoryStore):
+class RecordingStore(MemoryStore):
+    """The in-memory bucket, keeping every call as (operation, bucket, key)."""
+
     def __init__(self) -> None:
         super().__init__()
-        self.heads: list[str] = []
+        self.calls: list[tuple[str, str, str]] = []
+
+    async def read_bytes(self, key: str, *, limit: int, bucket: str | None = None) -> bytes:
+        self.calls.append(("read", bucket or BUCKET, key))
+        return await super().read_bytes(key, limit=limit, bucket=bucket)
 
     async def head(self, key: str, *, bucket: str | None = None) -> StoredObject | None:
-        self.heads.append(key)
+        self.calls.append(("head", bucket or BUCKET, key))
         return await super().head(key, bucket=bucket)
+
+    async def upload_stream(
+        self,
+        key: str,
+        chunks: AsyncIterable[bytes],
+        *,
+        content_type: str,
+        bucket: str | None = None,
+        metadata: Any = None,
+    ) -> StoredObject:
+        self.calls.append(("upload", bucket or BUCKET, key))
+        return await super().upload_stream(key, chunks, content_type=content_type, bucket=bucket)
 
 
 async def test_after_a_failure_only_the_claims_records_inside_the_jobs_folder_are_looked_at() -> (
@@ -754,7 +772,7 @@ async def test_after_a_failure_only_the_claims_records_inside_the_jobs_folder_ar
 ):
     """The claim's records come from a worker: one naming another job's folder, or a key our
     handler could not have built, is neither kept nor even asked about (no HEAD)."""
-    store = HeadRecorder()
+    store = RecordingStore()
     hostile = [f"jobs/{JOB_ID}/../other-job/0/1/x.png", "jobs/other-job/0/1/x.png"]
     for key in [OUR_KEY, *hostile]:
         store.put(key, PNG)
@@ -778,4 +796,4 @@ async def test_after_a_failure_only_the_claims_records_inside_the_jobs_folder_ar
     )
     result = await env([]).run(backend(ScriptedRunPod(statuses=[]), store).offload, req)
     assert [a.key for a in result.artifacts] == [OUR_KEY]
-    assert store.heads == [OUR_KEY]
+    assert [key for op, _bucket, key in store.calls if op == "head"] == [OUR_KEY]
