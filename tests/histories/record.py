@@ -2,7 +2,8 @@
 
 Runs InferenceJob on the time-skipping server with the stand-in activities through its endings
 (completed, cancelled, abandoned, reconnected; from v3 also stopped_slowly and lost; from v6 a
-run continued as new; v7: the completing ones with outputs stored by the follow) and writes each
+run continued as new; v7: the completing ones with outputs stored by the follow; v8: a request
+refused for breaking a check) and writes each
 history (of the last run) as JSON beside this file.
 Never overwrite a recording: after a `workflow.patched()` change, record a new set with a
 suffix (`python -m tests.histories.record -v2`) so both the old and the new paths replay.
@@ -47,6 +48,12 @@ from workflows.shared import (
 
 HERE = Path(__file__).parent
 SEGMENTS = "segments"  # in a scenario's settings: the request's segments, not a policy field
+# In a scenario's settings: a graph sent unchecked (as a client that skips the checks would).
+UNCHECKED_GRAPH = "unchecked_graph"
+CYCLE = {
+    "1": {"class_type": "A", "inputs": {"x": ["2", 0]}},
+    "2": {"class_type": "B", "inputs": {"y": ["1", 0]}},
+}
 Scenario = tuple[
     Script, dict[str, Any], Callable[[WorkflowHandle[Any, JobStatus]], Awaitable[None]] | None
 ]
@@ -121,6 +128,9 @@ SCENARIOS: dict[str, Scenario] = {
         {"abandon_after_s": None, "queue_timeout_s": 2},
         None,
     ),
+    # v8 on: an input that breaks a check fails the workflow typed (patch refuse-input-typed),
+    # before any activity.
+    "refused": (Script(), {"abandon_after_s": None, UNCHECKED_GRAPH: CYCLE}, None),
     # v6 on (JobInput): the last run of a job that continued as new twice, carry and all.
     "continued": (
         Script(offload_in_follow=True),
@@ -139,10 +149,15 @@ async def record(suffix: str = "", only: list[str] | None = None) -> None:
             backend = FakeBackend(script)
             async with job_worker(env.client, backend) as task_queue:
                 settings = dict(policy)
-                request = JobRequest(
-                    graph=GRAPH,
-                    segments=settings.pop(SEGMENTS, []),
-                    policy=JobPolicy.model_validate({"heartbeat_timeout_s": 1} | settings),
+                unchecked = settings.pop(UNCHECKED_GRAPH, None)
+                fields = {
+                    "segments": settings.pop(SEGMENTS, []),
+                    "policy": JobPolicy.model_validate({"heartbeat_timeout_s": 1} | settings),
+                }
+                request = (
+                    JobRequest(graph=GRAPH, **fields)
+                    if unchecked is None
+                    else JobRequest.model_construct(graph=unchecked, **fields)
                 )
                 handle = await start_job(env.client, task_queue, request)
                 if action is not None:
