@@ -3,11 +3,9 @@ the UI's origin only, bearer auth; and `durable-comfy codec-server` refusing to 
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 import os
-import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -27,7 +25,7 @@ from starter.codec import (
     new_entry,
 )
 from starter.codec_server import build_codec_app
-from tests.cli_support import ROOT
+from tests.cli_support import run_cli
 
 UI = "http://127.0.0.1:8233"
 TOKEN = "tok-" + "7" * 40
@@ -163,19 +161,9 @@ async def test_no_token_configured_means_no_auth(ring: KeyRing) -> None:
 
 
 async def run_module(*args: str, env: dict[str, str]) -> tuple[int, str]:
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "starter.cli",
-        *args,
-        env=env,
-        cwd=ROOT,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-    )
-    out, _ = await asyncio.wait_for(process.communicate(), timeout=60)
-    assert process.returncode is not None
-    return process.returncode, out.decode()
+    """The CLI's exit code and everything it wrote (stdout then stderr)."""
+    code, out, err = await run_cli(*args, env=env)
+    return code, out + err
 
 
 async def test_cli_refuses_to_start_without_keys_or_with_bad_ones_never_echoing_them() -> None:
