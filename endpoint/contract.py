@@ -30,6 +30,11 @@ MAX_INPUT_FILE_BYTES = 100 * 1024 * 1024
 DEFAULT_LEASE_S = 60.0
 # The runpod SDK refuses bigger progress updates and job-done bodies are best kept small.
 MAX_UPDATE_BYTES = 512 * 1024
+# How long a handler keeps making sure a stopped job's prompt has left its ComfyUI, unless the
+# job says (`Orchestration.stop_horizon_s`): the orchestrator's teardown horizon, less a margin.
+DEFAULT_STOP_HORIZON_S = 120.0
+# Where handlers publish their ComfyUI's node registry, in the orchestrator's default bucket.
+ENDPOINTS_FOLDER = "_durable_comfy/endpoints"
 
 
 class _Contract(BaseModel):
@@ -62,6 +67,14 @@ class S3Target(_Contract):
     prefix: str = "jobs"
 
 
+class NodesTarget(_Contract):
+    """`s3://{bucket}/{key}`: where a handler publishes its ComfyUI's `/object_info`
+    (`nodes_key`), as a `PublishedNodes` document."""
+
+    bucket: str
+    key: str = Field(min_length=1, max_length=1024)
+
+
 class Orchestration(_Contract):
     """The orchestrator's block (`input.durable_comfy`). Absent for stock clients."""
 
@@ -82,6 +95,14 @@ class Orchestration(_Contract):
     lease_s: float = Field(DEFAULT_LEASE_S, ge=5.0)
     # Input files by reference (in `output.bucket`), beside any inline `images`.
     inputs: list[StagedInput] = Field(default_factory=list)
+    # How long, after the platform stops the job, the handler keeps stopping the prompt
+    # (dequeue, prompt-scoped interrupt, re-check) before it gives up on it and replaces its
+    # worker. The orchestrator sends its teardown horizon less a margin, so it reads the
+    # handler's verdict (`ClaimOutcome.stop`) before its own horizon ends.
+    stop_horizon_s: float = Field(DEFAULT_STOP_HORIZON_S, ge=1.0)
+    # Where to publish this worker's ComfyUI node registry (`/object_info`), once per handler
+    # process, so the orchestrator checks graphs before a job reaches a paid worker.
+    nodes: NodesTarget | None = None
 
 
 class EndpointInput(_Contract):
@@ -185,12 +206,47 @@ class EndpointError(_Contract):
     images: list[ArtifactRecord] = Field(default_factory=list)
 
 
+# What became of a stopped job's prompt, as the handler saw it on its own ComfyUI:
+#   never_submitted  the job was stopped before the prompt reached ComfyUI
+#   dequeued         taken out of ComfyUI's queue before it started
+#   interrupted      ended by the handler's prompt-scoped interrupt
+#   finished         it had ended on its own (success) before the stop landed
+#   failed           it had ended with an error of its own
+#   gone             no longer queued or running, and ComfyUI has no record of how it ended
+#   still_running    still running at the stop horizon: the handler replaced its worker
+PromptFate = Literal[
+    "never_submitted", "dequeued", "interrupted", "finished", "failed", "gone", "still_running"
+]
+
+
+class StopRecord(_Contract):
+    """How the handler stopped a job's prompt, written into the claim's outcome once the
+    prompt is gone (or once the handler gave up on it): the orchestrator's teardown reads
+    this, never a lease that ran out."""
+
+    prompt: PromptFate
+    started_at: datetime
+    at: datetime
+    # Queue / history checks made, and stop requests sent (dequeue or interrupt).
+    checks: int = 0
+    requests: int = 0
+    node: str | None = None
+    node_type: str | None = None
+    detail: str = ""
+    worker_id: str = ""
+    # The prompt outlived the stop horizon: the handler killed its worker's ComfyUI and ended
+    # the worker process, so no later job queues behind the prompt or pays for it.
+    worker_replaced: bool = False
+
+
 class ClaimOutcome(_Contract):
     state: Literal["completed", "failed", "cancelled"]
     error: str | None = None
     error_type: str | None = None
     images: list[ArtifactRecord] = Field(default_factory=list)
     at: datetime
+    # Set when the platform stopped the job (state "cancelled"): what became of the prompt.
+    stop: StopRecord | None = None
 
 
 class Claim(_Contract):
@@ -209,7 +265,25 @@ class Claim(_Contract):
     lease_until: datetime
     renewed_at: datetime
     takeovers: int = 0
+    # When the platform stopped the job and the handler began stopping its prompt (the lease is
+    # renewed meanwhile; the outcome, with its `stop` record, follows once the prompt is gone).
+    stopping_since: datetime | None = None
     outcome: ClaimOutcome | None = None
+
+
+class PublishedNodes(_Contract):
+    """A handler's ComfyUI node registry as published to `Orchestration.nodes`."""
+
+    endpoint_id: str = ""
+    worker_id: str = ""
+    published_at: datetime
+    # ComfyUI's `GET /object_info`, whole: {class_type: {input: {required, optional}, ...}}.
+    object_info: dict[str, Any]
+
+
+def nodes_key(endpoint_id: str) -> str:
+    """The key a handler of endpoint `endpoint_id` publishes its node registry under."""
+    return f"{ENDPOINTS_FOLDER}/{safe_component(endpoint_id)}/object_info.json"
 
 
 def inputs_folder(target: S3Target, job_id: str) -> str:

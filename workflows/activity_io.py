@@ -181,10 +181,21 @@ class StopCheck(StrictModel):
 
     at: datetime
     # "unreachable": the backend could not be asked (`message` says why); ask again later.
-    position: Literal["pending", "running", "gone", "unreachable"]
-    action: Literal["none", "dequeued", "interrupt_sent"] = "none"
-    # Once gone: how the backend's own record says the prompt ended ("unknown": no record).
-    ended: Literal["success", "interrupted", "error", "unknown"] | None = None
+    # "stuck": the backend could not stop the prompt and says so for good (our RunPod handler
+    # gave up at its stop horizon and replaced its worker): the teardown fails now.
+    position: Literal["pending", "running", "gone", "unreachable", "stuck"]
+    # "cancel_sent": the provider's job was cancelled; its worker is not known to stop the
+    # prompt (a stock worker-comfyui endpoint).
+    action: Literal["none", "dequeued", "interrupt_sent", "cancel_sent"] = "none"
+    # Once gone: how the backend's own record says the prompt ended ("unknown": no record;
+    # "never_queued": the backend refused the prompt, so it never ran).
+    ended: Literal["success", "interrupted", "error", "unknown", "never_queued"] | None = None
+    # False once gone from a backend that cannot tell whether the prompt really stopped.
+    confirmed: bool = True
+    # The backend's worker that held the prompt, where it says (a RunPod worker id).
+    worker_id: str | None = None
+    # With "stuck": the worker was replaced, so nothing runs behind the prompt.
+    worker_replaced: bool = False
     node: str | None = None
     node_type: str | None = None
     message: str = ""

@@ -305,6 +305,12 @@ StopAction = Literal[
     "freed_memory",  # POST /free, after an out-of-memory failure
     "still_running",  # still on the backend when the teardown horizon ran out
     "check_failed",  # the backend could not be asked (the check is repeated)
+    # The provider's job was cancelled, but its worker cannot be told to stop the prompt (a
+    # stock worker-comfyui endpoint): whether the prompt stopped is unknown.
+    "cancel_sent",
+    # The prompt could not be stopped, so its worker was replaced (RunPod: our handler killed
+    # its ComfyUI and ended the worker): no later job queues behind it.
+    "worker_replaced",
 ]
 
 
@@ -320,7 +326,13 @@ class TeardownStep(StrictModel):
 class Teardown(StrictModel):
     """How the job made sure its prompt no longer runs, kept across retries and stops."""
 
-    state: Literal["PENDING", "STOPPING", "CONFIRMED", "FAILED", "SKIPPED"] = "PENDING"
+    # CONFIRMED: the prompt is gone from the backend. FAILED: it was still there at the
+    # teardown horizon, or could not be stopped (`detail` says where). UNCONFIRMED: everything
+    # the backend allows was done, but it cannot tell whether the prompt stopped (a stock
+    # worker-comfyui endpoint cannot stop one). SKIPPED: nothing was ever submitted.
+    state: Literal["PENDING", "STOPPING", "CONFIRMED", "FAILED", "UNCONFIRMED", "SKIPPED"] = (
+        "PENDING"
+    )
     at: datetime | None = None
     detail: str = ""
     started_at: datetime | None = None
@@ -361,6 +373,11 @@ class JobCost(StrictModel):
     execution_s: float = 0.0
     billed_after_end_s: float = 0.0
     usd_per_second: float | None = None
+    # True when the provider's figures are known to fall short of the bill: a stock worker
+    # runs a cancelled prompt on to its end, and bills for it, after the provider stopped
+    # counting. `note` says why; `billed_s` is then what is known, at least.
+    lower_bound: bool = False
+    note: str = ""
 
     @property
     def billed_s(self) -> float:

@@ -112,8 +112,14 @@ class PromptStop:
             record.checks += 1
             if check is not None:
                 self._note(check, submitted=submitted, settled=settled)
+            if check is not None and check.position == "stuck":
+                # The backend gave up on the prompt itself: asking again would change nothing.
+                self._end("FAILED", f"{reason}: {check.message}. {self.summary()}")
+                return
             if check is not None and check.position == "gone":
-                if settled or submitted or self._acted():
+                if not check.confirmed:
+                    self._end("UNCONFIRMED", f"{reason}: {check.message}. {self.summary()}")
+                elif settled or submitted or self._acted():
                     self._end("CONFIRMED", f"{reason}: {self.summary()}")
                 else:
                     # Not on the backend yet, and the work may still be submitting it: the
@@ -187,6 +193,13 @@ class PromptStop:
             self._add("dequeued", at_check=check)
         elif check.action == "interrupt_sent":
             self._add("interrupt_sent", at_check=check)
+        elif check.action == "cancel_sent":
+            self._add("cancel_sent", at_check=check, detail=check.message)
+        if check.position == "stuck":
+            self._add("still_running", at_check=check, node=check.node, detail=check.message)
+            if check.worker_replaced:
+                self._add("worker_replaced", at_check=check, detail=check.worker_id or "")
+            return
         if check.position != "gone":
             return
         node = check.node
@@ -197,6 +210,8 @@ class PromptStop:
             self._add("finished", at_check=check)
         elif check.ended == "error":
             self._add("failed", at_check=check, node=node, detail=f"{where}: {check.message}")
+        elif check.ended == "never_queued":
+            self._add("never_queued", at_check=check, detail=check.message)
         elif self._last_action() == "dequeued":
             pass  # a dequeued prompt leaves no history: the dequeue says it all
         elif not submitted and not self._acted():
@@ -224,9 +239,11 @@ class PromptStop:
         return self.record.steps[-1].action if self.record.steps else None
 
     def _acted(self) -> bool:
-        return any(s.action in ("dequeued", "interrupt_sent") for s in self.record.steps)
+        return any(
+            s.action in ("dequeued", "interrupt_sent", "cancel_sent") for s in self.record.steps
+        )
 
-    def _end(self, state: Literal["CONFIRMED", "FAILED"], detail: str) -> None:
+    def _end(self, state: Literal["CONFIRMED", "FAILED", "UNCONFIRMED"], detail: str) -> None:
         record = self.record
         record.state = state
         record.at = workflow.now()
@@ -251,6 +268,8 @@ class PromptStop:
             "freed_memory": "memory freed",
             "still_running": "still running",
             "check_failed": "backend unreachable",
+            "cancel_sent": "provider job cancelled (the worker cannot be told to stop the prompt)",
+            "worker_replaced": "worker replaced",
         }
         parts = []
         for step in self.record.steps:
