@@ -285,6 +285,7 @@ async def test_a_segment_submits_follows_offloads_and_ends(backend: Backend) -> 
         execution_timeout_s=600.0,
         queue_timeout_s=120.0,
         staged_inputs={"in.png": "s3://b/in.png"},
+        teardown_horizon_s=900.0,
     )
     assert follow.graph is not None
     assert follow.graph["2"]["inputs"]["filename_prefix"].startswith(f"{tag}/")

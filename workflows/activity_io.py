@@ -85,6 +85,9 @@ class FollowInput(StrictModel):
     queue_timeout_s: float | None = None
     # PreparedJob.staged_inputs, for backends that send input files with the submission.
     staged_inputs: dict[str, str] = Field(default_factory=dict)
+    # The job's teardown horizon, for backends whose worker stops the prompt itself (our RunPod
+    # handler keeps at it a little less long, so the teardown still reads its verdict).
+    teardown_horizon_s: float | None = None
 
 
 class FollowResult(StrictModel):

@@ -163,6 +163,7 @@ class SegmentRun:
             execution_timeout_s=request.policy.execution_timeout_s,
             queue_timeout_s=request.policy.queue_timeout_s,
             staged_inputs=prepared.staged_inputs,
+            teardown_horizon_s=request.policy.teardown_horizon_s,
         )
 
     def _furthest(self, current: Checkpoint, recovered: Checkpoint | None) -> Checkpoint:
