@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
@@ -135,10 +136,57 @@ async def runpod_worker(
 
 @pytest_asyncio.fixture(loop_scope="session")
 async def nothing_left_running(runpod_worker: RunPodWorker) -> AsyncIterator[None]:
-    """After each test: no RunPod job still queued or running, and once the idle timeout has
-    passed, no worker billed beyond it after its last job."""
+    """After each test: no RunPod job still queued or running, once the idle timeout has
+    passed no worker billed beyond it after its last job, and every worker billed no more than
+    the `JobStatus.cost` of the jobs it ran says."""
+    started = time.time()
     yield
-    await settled_ledger(runpod_worker.sim)
+    ledger = await settled_ledger(runpod_worker.sim)
+    billing_matches(ledger, await ended_statuses(runpod_worker.client, since=started))
+
+
+async def ended_statuses(client: JobClient, *, since: float) -> list[JobStatus]:
+    """The status of every job on `client`'s task queue started at or after `since` (unix s)."""
+    query = f"TaskQueue = '{client.task_queue}'"
+    statuses = []
+    async for execution in client.temporal.list_workflows(query):
+        if execution.start_time.timestamp() < since - 1.0:
+            continue
+        statuses.append(await client.status(execution.id))
+    return statuses
+
+
+# Per RunPod job, what a worker may bill beyond its cost's reading: the simulator's clock ticks
+# every 50 ms and RunPod reports whole milliseconds; a second covers both, and the hand-over.
+BILLING_SLACK_S = 1.0
+
+
+def billing_matches(ledger: Ledger, statuses: Sequence[JobStatus]) -> None:
+    """Each worker's billed seconds, less its cold start, are no more than the `JobStatus.cost`
+    readings (execution plus the idle time billed after the end) of the RunPod jobs it ran:
+    `cost` never claims less than was billed. Workers that ran a job no status accounts for
+    (one sent by hand, or a job whose cost is only a lower bound) are not judged."""
+    costs: dict[str, JobCost] = {}
+    for status in statuses:
+        for cost in status.cost:
+            if cost.provider_job_id is not None:
+                costs[cost.provider_job_id] = cost
+    for worker in ledger.workers:
+        if not worker.jobs or any(
+            job_id not in costs or costs[job_id].lower_bound for job_id in worker.jobs
+        ):
+            continue
+        boot = (worker.ready_at if worker.ready_at is not None else worker.started_at) - (
+            worker.started_at
+        )
+        claimed = sum(costs[job_id].billed_s for job_id in worker.jobs)
+        billed = worker.billed_s - boot
+        assert billed <= claimed + BILLING_SLACK_S * len(worker.jobs), (
+            f"worker {worker.id} billed {billed:.1f} s after its boot, but the costs of its "
+            f"jobs {worker.jobs} add up to {claimed:.1f} s",
+            [costs[j].model_dump() for j in worker.jobs],
+            worker.model_dump(),
+        )
 
 
 async def settled_ledger(sim: RunpodSim, idle_timeout_s: float = IDLE_TIMEOUT_S) -> Ledger:
