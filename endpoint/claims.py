@@ -16,9 +16,11 @@ Expiry is judged by the S3 server's clock, not the worker's: the claim's age is 
 (both stamped by the holder, so only their difference matters). Two workers with skewed clocks
 therefore agree on who may take over.
 
-A conditional write whose answer was lost is retried by botocore and then fails with 412
-against our own write; `_write` reads the object back and accepts it when it is exactly the
-claim we wrote.
+Every call rides out a storage outage (`endpoint.s3`: retried with backoff for BUCKET_RETRY_S),
+except a renewal, which the lease retries on its own schedule. A conditional write whose answer
+was lost is retried and then fails with 412 against our own write; `_write` reads the object
+back and accepts it when it is exactly the claim we wrote. A 412 is otherwise an answer: someone
+else wrote the claim.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from typing import Any
 from botocore.exceptions import BotoCoreError, ClientError
 
 from endpoint.contract import Claim, ClaimOutcome
-from endpoint.s3 import S3, S3_FAILURES, error_code, is_conflict, is_missing
+from endpoint.s3 import S3, S3_FAILURES, Patience, error_code, is_conflict, is_missing
 
 # Date and Last-Modified have a resolution of one second.
 CLOCK_RESOLUTION_S = 1.0
@@ -105,9 +107,13 @@ class ClaimStore:
         self.bucket = bucket
 
     async def read(self, key: str) -> StoredClaim | None:
+        def get() -> tuple[dict[str, Any], bytes]:
+            # The body is read in the same try: a read cut midway is a failed try like any other.
+            resp = self._s3.client.get_object(Bucket=self.bucket, Key=key)
+            return resp, resp["Body"].read()
+
         try:
-            resp = await self._s3.call("get_object", Bucket=self.bucket, Key=key)
-            body = resp["Body"].read()
+            resp, body = await self._s3.attempt(get, "get_object")
         except ClientError as exc:
             if is_missing(exc):
                 return None
@@ -123,11 +129,13 @@ class ClaimStore:
 
     async def create(self, key: str, claim: Claim) -> StoredClaim:
         """Write a new claim; ClaimConflict when one exists already."""
-        return await self._write(key, claim, IfNoneMatch="*")
+        return await self._write(key, claim, None, IfNoneMatch="*")
 
-    async def replace(self, key: str, claim: Claim, etag: str) -> StoredClaim:
+    async def replace(
+        self, key: str, claim: Claim, etag: str, *, patience: Patience | None = None
+    ) -> StoredClaim:
         """Overwrite the claim last seen with `etag`; ClaimConflict when it changed since."""
-        return await self._write(key, claim, IfMatch=etag)
+        return await self._write(key, claim, patience, IfMatch=etag)
 
     async def acquire(self, key: str, template: Claim, lease_s: float) -> Decision:
         """Claim the submission for `template.holder`, unless someone else lawfully holds it.
@@ -168,11 +176,14 @@ class ClaimStore:
         )
         return await self.replace(key, done, held.etag)
 
-    async def _write(self, key: str, claim: Claim, **condition: str) -> StoredClaim:
+    async def _write(
+        self, key: str, claim: Claim, patience: Patience | None, **condition: str
+    ) -> StoredClaim:
         body = claim.model_dump_json().encode()
         try:
             resp = await self._s3.call(
                 "put_object",
+                patience=patience,
                 Bucket=self.bucket,
                 Key=key,
                 Body=body,
@@ -182,8 +193,8 @@ class ClaimStore:
         except S3_FAILURES as exc:
             if not is_conflict(exc):
                 raise ClaimError(f"writing s3://{self.bucket}/{key}: {error_code(exc)}") from exc
-            # botocore retries a request whose answer was lost: the 412 may be against our own
-            # first attempt. It is ours exactly when the stored claim is the one we wrote.
+            # A request whose answer was lost is tried again: the 412 may be against our own
+            # first try. It is ours exactly when the stored claim is the one we wrote.
             current = await self.read(key)
             if current is not None and current.claim == claim:
                 return StoredClaim(claim, current.etag)

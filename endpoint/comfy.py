@@ -1,5 +1,6 @@
-"""The worker's own ComfyUI: waiting for it to come up, staging input files, and stopping our
-prompt. The HTTP calls themselves are `activities.comfyui.client.ComfyClient`'s."""
+"""The worker's own ComfyUI: waiting for it to come up and staging input files (stopping our
+prompt is endpoint/stopping.py). The HTTP calls themselves are
+`activities.comfyui.client.ComfyClient`'s."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import asyncio
 import os
 import time
 from collections.abc import Callable
-from typing import Literal
 
 import structlog
 
@@ -18,11 +18,6 @@ from endpoint.inputs import decode_image
 log = structlog.get_logger(__name__)
 
 POLL_S = 0.5
-# How long a cancelled job spends making sure its prompt is gone (dequeued or interrupted).
-STOP_CONFIRM_S = 5.0
-STOP_POLL_S = 0.2
-# Interrupts are cooperative and a prompt may start between our checks: ask again this often.
-STOP_REPEAT_S = 1.0
 
 
 class ComfyGone(Exception):
@@ -80,31 +75,3 @@ async def stage_images(client: ComfyClient, images: list[InputImage]) -> None:
         data = decode_image(index, image)
         stored = await client.upload_image(image.name, data, overwrite=True)
         log.info("input_staged", name=image.name, stored_as=stored, size=len(data))
-
-
-StopResult = Literal["dequeued", "interrupted", "not_queued", "still_running"]
-
-
-async def stop_prompt(client: ComfyClient, prompt_id: str) -> StopResult:
-    """Take our prompt off this ComfyUI: dequeue it if pending, interrupt it (prompt-scoped) if
-    running, and check until it is gone or STOP_CONFIRM_S passed."""
-    deadline = time.monotonic() + STOP_CONFIRM_S
-    did: StopResult = "not_queued"
-    asked_at = float("-inf")
-    while True:
-        place = await client.queue_place(prompt_id)
-        if place.where is None:
-            return did
-        if time.monotonic() > deadline:
-            log.warning("prompt_still_running", prompt_id=prompt_id, where=place.where)
-            return "still_running"
-        if time.monotonic() - asked_at >= STOP_REPEAT_S:
-            asked_at = time.monotonic()
-            if place.where == "pending":
-                await client.delete_pending(prompt_id)
-                did = "dequeued" if did == "not_queued" else did
-            else:
-                await client.interrupt(prompt_id)
-                did = "interrupted"
-            log.info("prompt_stop_sent", prompt_id=prompt_id, action=did)
-        await asyncio.sleep(STOP_POLL_S)

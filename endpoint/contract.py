@@ -204,6 +204,12 @@ class EndpointError(_Contract):
     replayed: bool = False
     # Outputs stored before the failure (kept, as the ComfyUI backend keeps them).
     images: list[ArtifactRecord] = Field(default_factory=list)
+    # True when the submission's claim holds this failure as its outcome (finished "failed", or
+    # a replayed outcome): the submission never runs again. False when no claim records it:
+    # claims were off, or the claim could not be written (storage down past the handler's retry
+    # budget, BUCKET_RETRY_S), so it has no outcome and its lease lapses; a later delivery of
+    # the same submission may then take it over and run it.
+    claim_recorded: bool = False
 
 
 # What became of a stopped job's prompt, as the handler saw it on its own ComfyUI:

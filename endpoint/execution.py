@@ -1,14 +1,17 @@
 """One graph run on the worker's ComfyUI: wait for it, stage inputs, submit and follow, store
-outputs as their nodes finish. Whatever ends the run early (a cancel from the platform, a lost
-claim, a failure) takes the prompt off ComfyUI before it propagates, so no GPU time is spent on
-a result nobody will collect.
+outputs as their nodes finish. A failure of our own that ends the run early takes the prompt off
+ComfyUI before it propagates, so no GPU time is spent on a result nobody will collect; a cancel
+(the platform stopped the job, or the claim was lost) only ends the run: whoever cancelled it
+stops the prompt (`stop_subject`, endpoint/stopping.py), for as long as the job allows.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 import structlog
@@ -16,18 +19,19 @@ import structlog
 from activities.comfyui.client import ComfyClient, ComfyError
 from activities.comfyui.events import is_out_of_memory
 from activities.progress import ProgressTracker
-from endpoint.comfy import stage_images, stop_prompt, wait_for_comfy
+from endpoint.comfy import stage_images, wait_for_comfy
 from endpoint.contract import ArtifactRecord, InputImage, ProgressStage
 from endpoint.follow import PromptEnd, PromptFollower, Stage
 from endpoint.outputs import OutputCollector, OutputSink
 from endpoint.reporting import ProgressReporter
 from endpoint.settings import EndpointSettings
 from endpoint.staged_inputs import StagedInputs
+from endpoint.stopping import StopSubject, stop_prompt
 
 log = structlog.get_logger(__name__)
 
-# Bounds on clean-up work that runs while the job is being torn down.
-STOP_BUDGET_S = 15.0
+# How long a run that failed on our side keeps stopping its prompt before it gives up.
+FAILED_STOP_S = 15.0
 
 
 @dataclass(frozen=True)
@@ -54,9 +58,12 @@ class Execution:
         reporter: ProgressReporter | None,
         staged: StagedInputs | None = None,
         run_tag: str = "",
+        on_ready: Callable[[], None] | None = None,
     ) -> None:
         self.client = client
         self.settings = settings
+        self.graph = graph
+        self.on_ready = on_ready
         self.images = images
         self.staged = staged
         self.prompt_id = prompt_id
@@ -78,6 +85,21 @@ class Execution:
         """Outputs stored so far."""
         return self.collector.records()
 
+    def stop_subject(self) -> StopSubject:
+        """What a stop of this run's prompt needs to know, as of now."""
+        follower = self.follower
+        return StopSubject(
+            prompt_id=self.prompt_id,
+            maybe_queued=follower.maybe_queued,
+            post_in_flight=follower.maybe_queued and not follower.submitted,
+            current_node=lambda: follower.current_node,
+            graph=self.graph,
+        )
+
+    def cancel_outputs(self) -> None:
+        """Stop storing outputs now (uploads in flight abort); the records stay as they are."""
+        self.collector.cancel_now()
+
     async def run(self) -> ExecutionResult:
         try:
             await wait_for_comfy(
@@ -86,6 +108,8 @@ class Execution:
                 timeout_s=self.settings.comfy_start_timeout_s,
                 on_waiting=lambda: self.stage_changed("starting"),
             )
+            if self.on_ready is not None:
+                self.on_ready()
             await stage_images(self.client, self.images)
             if self.staged is not None:
                 await self.staged.stage(self.client)
@@ -98,11 +122,28 @@ class Execution:
             if failure is not None and end.outcome == "success":
                 raise failure
             return ExecutionResult(end, self.collector.records(), self.follower.attached)
+        except asyncio.CancelledError:
+            # Whoever cancelled the run stops the prompt, for as long as it allows.
+            await self.collector.cancel()
+            raise
         except BaseException:
-            # Cancelled by the platform, the claim lost, or failed: the prompt must not run on.
-            if self.follower.submitted and self.follower.ended is None:
-                await settle(stop_prompt(self.client, self.prompt_id), STOP_BUDGET_S)
-            await settle(self.collector.cancel(), STOP_BUDGET_S)
+            # Failed on our side: the prompt must not run on for nobody.
+            subject = self.stop_subject()
+            self.collector.cancel_now()
+            try:
+                if subject.maybe_queued and self.follower.ended is None:
+                    await stop_prompt(
+                        self.client,
+                        subject,
+                        horizon_s=FAILED_STOP_S,
+                        since=time.monotonic(),
+                        started_at=datetime.now(UTC),
+                        worker_id=self.settings.worker_id,
+                        comfy_pid=self.settings.comfy_pid,
+                    )
+            finally:
+                # Uploads end here, before the job's HTTP client closes.
+                await self.collector.cancel()
             raise
 
     async def _free_memory(self) -> None:
@@ -140,18 +181,3 @@ class Execution:
     def _stored(self, record: ArtifactRecord) -> None:
         if self.reporter is not None:
             self.reporter.add_artifact(record)
-
-
-async def settle(work: Awaitable[Any], timeout_s: float) -> None:
-    """Run clean-up to its end (bounded by `timeout_s`), even while our task is being
-    cancelled; failures are logged, not raised, so they never mask the original error."""
-    task = asyncio.ensure_future(asyncio.wait_for(work, timeout_s))
-    try:
-        await asyncio.shield(task)
-    except asyncio.CancelledError:
-        if not task.done():
-            # Cancelled again: the clean-up goes on by itself.
-            log.warning("cleanup_left_running")
-        raise
-    except Exception as exc:
-        log.warning("cleanup_failed", error=f"{type(exc).__name__}: {exc}")

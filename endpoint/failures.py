@@ -37,10 +37,10 @@ def failure_of(exc: BaseException) -> EndpointError:
     if isinstance(exc, StagedInputMissing):
         return EndpointError(error=str(exc), error_type="MissingInput")
     if isinstance(exc, ComfyPromptRejected):
+        # ComfyUI's reason once, per node, as the ComfyUI pool words it ("node 3 (KSampler):
+        # input 'seed': ..."); no `details`, which readers append to the error.
         return EndpointError(
-            error=f"ComfyUI rejected the workflow: {exc}",
-            error_type="PromptRejected",
-            details=[str(exc)],
+            error=f"ComfyUI rejected the graph: {exc}", error_type="PromptRejected"
         )
     if isinstance(exc, ComfyGone):
         return EndpointError(error=str(exc), error_type="BackendUnavailable", refresh_worker=True)

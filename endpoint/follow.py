@@ -111,6 +111,9 @@ class PromptFollower:
         self.lost_after_s = lost_after_s
         # True once ComfyUI has the prompt (we posted it, or found it there).
         self.submitted = False
+        # True from the moment a POST /prompt went out (or the prompt was found there): ComfyUI
+        # may hold it even if no answer came, so a stop must look for it.
+        self.maybe_queued = False
         self.attached = False  # found it there: a predecessor submitted it
         self.stage: Stage | None = None
         self.queue_position: int | None = None
@@ -161,10 +164,11 @@ class PromptFollower:
 
     async def _submit_unless_known(self) -> None:
         if await self._known():
-            self.submitted = self.attached = True
+            self.submitted = self.attached = self.maybe_queued = True
             self.log.info("prompt_reattached")
             await self._reconcile()
             return
+        self.maybe_queued = True
         answer = await self.client.post_prompt(
             self.graph,
             prompt_id=self.prompt_id,

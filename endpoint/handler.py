@@ -4,8 +4,11 @@
 Thin on purpose: the SDK's worker loop (`runpod.serverless.start`), its `progress_update`, and
 `refresh_worker`. Everything else is in endpoint/job.py, which never imports `runpod`, so the
 tests drive it from the app's venv. An `async` handler: the SDK cancels its task when the
-platform stops the job (`CancelledError`), which job.py turns into dequeue/interrupt of the
-prompt and a cancelled claim.
+platform stops the job (`CancelledError`, again on every re-sent job-stop), which job.py turns
+into dequeue/interrupt of the prompt until ComfyUI no longer holds it and a cancelled claim.
+While the handler's task runs the SDK takes no other job; a prompt that outlives the job's stop
+horizon has its worker replaced (`stopping.replace_this_worker`: SIGKILL to ComfyUI, SIGTERM to
+this process, which the SDK turns into a graceful exit once the task has returned).
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ import runpod  # type: ignore[import-not-found,unused-ignore]  # noqa: E402
 
 from endpoint.job import run_job  # noqa: E402
 from endpoint.logs import configure_logging  # noqa: E402
+from endpoint.nodes import publish_at_start  # noqa: E402
 from endpoint.settings import EndpointSettings  # noqa: E402
+from endpoint.stopping import replace_this_worker  # noqa: E402
 
 
 @functools.cache
@@ -40,11 +45,14 @@ async def handler(job: dict[str, Any]) -> dict[str, Any]:
     def progress(update: dict[str, Any]) -> None:
         runpod.serverless.progress_update(job, update)
 
-    return await run_job(job, settings(), progress)
+    replace = replace_this_worker(settings().comfy_pid)
+    return await run_job(job, settings(), progress, replace_worker=replace)
 
 
 def main() -> None:
     configure_logging()
+    # The node registry, in a daemon thread: neither the SDK nor the process waits for it.
+    publish_at_start(settings())
     runpod.serverless.start(
         {
             "handler": handler,

@@ -14,11 +14,13 @@ Two kinds of input (contract.EndpointInput):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import time
 import uuid
 from collections.abc import Mapping
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, NoReturn
 
 import httpx
 import structlog
@@ -27,6 +29,7 @@ from activities.comfyui.client import ComfyClient
 from activities.keys import artifact_key
 from activities.progress import ProgressTracker
 from endpoint.claims import (
+    Acquired,
     ClaimConflict,
     ClaimError,
     ClaimStore,
@@ -35,6 +38,7 @@ from endpoint.claims import (
     HeldElsewhere,
 )
 from endpoint.contract import (
+    DEFAULT_STOP_HORIZON_S,
     ArtifactRecord,
     Claim,
     ClaimOutcome,
@@ -42,18 +46,21 @@ from endpoint.contract import (
     EndpointInput,
     EndpointOutput,
     Orchestration,
+    StopRecord,
     claim_key,
     inputs_folder,
 )
-from endpoint.execution import STOP_BUDGET_S, Execution, ExecutionResult, settle
+from endpoint.execution import FAILED_STOP_S, Execution, ExecutionResult
 from endpoint.failures import failure_of, failure_of_end
 from endpoint.inputs import InputProblem, read_input
 from endpoint.lease import Lease
+from endpoint.nodes import PUBLISHER
 from endpoint.outputs import Base64Sink, OutputSink, S3Sink
 from endpoint.reporting import ProgressReporter, ProgressSink
 from endpoint.s3 import S3
 from endpoint.settings import EndpointSettings
 from endpoint.staged_inputs import StagedInputs
+from endpoint.stopping import WorkerReplacer, stop_prompt, wait_out
 
 log = structlog.get_logger(__name__)
 
@@ -62,15 +69,24 @@ log = structlog.get_logger(__name__)
 PROMPT_TAG = "durable_comfy_runpod"
 # How long a re-delivery of our own job waits for the earlier delivery's lease to run out.
 WAIT_OUT_FACTOR = 2.0
-FINISH_BUDGET_S = 30.0
+# Once the worker is being replaced, how long the run's own clean-up (aborting uploads) may
+# keep the process.
+REPLACED_CLEANUP_S = 10.0
 
 
 async def run_job(
     job: Mapping[str, Any],
     settings: EndpointSettings,
     progress: ProgressSink | None = None,
+    *,
+    replace_worker: WorkerReplacer | None = None,
 ) -> dict[str, Any]:
-    """Run one RunPod job (`{"id", "input"}`) and return the handler's result."""
+    """Run one RunPod job (`{"id", "input"}`) and return the handler's result.
+
+    When the platform stops the job (our task is cancelled, maybe many times), the prompt is
+    stopped until ComfyUI no longer holds it, and CancelledError is raised. `replace_worker`
+    is called when a prompt outlives the job's stop horizon (handler.py passes
+    `stopping.replace_this_worker`)."""
     job_id = str(job.get("id") or "")
     structlog.contextvars.bind_contextvars(runpod_job=job_id)
     try:
@@ -81,16 +97,117 @@ async def run_job(
             return _dump(failure_of(exc))
         # Local ComfyUI only: a proxy from the environment must not get in between.
         timeout = httpx.Timeout(60.0, connect=5.0)
+        # Every stop of the job ends inside this block: nothing runs on with a closed client.
         async with httpx.AsyncClient(timeout=timeout, trust_env=False) as http:
             client = ComfyClient(settings.comfy_url, http)
-            s3 = S3(settings.bucket) if settings.bucket is not None else None
+            s3 = None
+            if settings.bucket is not None:
+                s3 = S3(settings.bucket, retry_s=settings.bucket_retry_s)
             if request.durable_comfy is None:
-                return await StockJob(job_id, request, client, s3, settings).run()
-            return await OrchestratedJob(
+                stock = StockJob(job_id, request, client, s3, settings)
+                stock.replace_worker = replace_worker
+                return await stock.run()
+            orchestrated = OrchestratedJob(
                 job_id, request, request.durable_comfy, client, s3, settings, progress
-            ).run()
+            )
+            orchestrated.replace_worker = replace_worker
+            return await orchestrated.run()
     finally:
         structlog.contextvars.unbind_contextvars("runpod_job")
+
+
+class JobStop:
+    """The stop of one run after the platform stopped its job: the prompt stopped until
+    ComfyUI no longer holds it (or the horizon passed), the verdict in the claim when there is
+    one, and the worker replaced when the prompt would not stop."""
+
+    def __init__(
+        self,
+        client: ComfyClient,
+        settings: EndpointSettings,
+        *,
+        horizon_s: float,
+        replace_worker: WorkerReplacer | None,
+        log: Any,
+        job_id: str,
+    ) -> None:
+        self.client = client
+        self.settings = settings
+        self.horizon_s = horizon_s
+        self.replace_worker = replace_worker
+        self.log = log
+        self.job_id = job_id
+
+    async def stopped(
+        self,
+        execution: Execution,
+        work: asyncio.Task[Any],
+        lease: Lease | None = None,
+        *,
+        since: tuple[float, datetime] | None = None,
+    ) -> NoReturn:
+        """Call from our task's `except CancelledError`: the whole stop runs as one task that
+        further cancels of ours do not abort; then the job ends cancelled. `since`: when the
+        first stop came (time.monotonic(), wall clock), if not now."""
+        first = since or (time.monotonic(), datetime.now(UTC))
+        stop = asyncio.create_task(self._run(execution, work, lease, first), name="stop the prompt")
+        await wait_out(stop, "stopping the prompt")
+        if not stop.cancelled() and (problem := stop.exception()) is not None:
+            self.log.error("stop_failed", exc_info=problem)
+        raise asyncio.CancelledError
+
+    async def _run(
+        self,
+        execution: Execution,
+        work: asyncio.Task[Any],
+        lease: Lease | None,
+        first: tuple[float, datetime],
+    ) -> None:
+        since, started_at = first
+        self.log.info("job_stop_requested", horizon_s=self.horizon_s)
+        if lease is not None:
+            lease.mark_stopping(started_at)  # renewed meanwhile, as throughout the stop
+        subject = execution.stop_subject()
+        execution.cancel_outputs()
+        work.cancel()
+        record = await stop_prompt(
+            self.client,
+            subject,
+            horizon_s=self.horizon_s,
+            since=since,
+            started_at=started_at,
+            worker_id=self.settings.worker_id,
+            comfy_pid=self.settings.comfy_pid,
+        )
+        replace = record.prompt == "still_running"
+        record.worker_replaced = replace
+        if lease is not None:
+            # First the verdict, then the worker: the claim must say why the worker went.
+            await self._record(lease, execution.records(), record)
+        if not replace:
+            await asyncio.gather(work, return_exceptions=True)
+            return
+        self.log.warning(
+            "worker_replaced",
+            job_id=self.job_id,
+            prompt_id=subject.prompt_id,
+            worker_id=self.settings.worker_id,
+            node=record.node,
+            node_type=record.node_type,
+            detail=record.detail,
+        )
+        if self.replace_worker is None:
+            self.log.error("worker_not_replaced", reason="no replace_worker given")
+        else:
+            self.replace_worker()
+        await asyncio.wait({work}, timeout=REPLACED_CLEANUP_S)
+
+    async def _record(self, lease: Lease, images: list[ArtifactRecord], record: StopRecord) -> None:
+        outcome = _outcome("cancelled", images=images, error="cancelled", stop=record)
+        try:
+            await lease.finish(outcome)
+        except (ClaimConflict, ClaimError) as exc:
+            self.log.warning("claim_outcome_not_recorded", state="cancelled", error=str(exc))
 
 
 class StockJob:
@@ -109,6 +226,7 @@ class StockJob:
         self.client = client
         self.s3 = s3
         self.settings = settings
+        self.replace_worker: WorkerReplacer | None = None
 
     async def run(self) -> dict[str, Any]:
         prompt_id = str(uuid.uuid4())
@@ -124,8 +242,21 @@ class StockJob:
             tracker=ProgressTracker({}, 0),
             reporter=None,  # worker-comfyui sends no progress
         )
+        work = asyncio.create_task(execution.run(), name=f"run {prompt_id}")
         try:
-            result = await execution.run()
+            await asyncio.wait({work})
+        except asyncio.CancelledError:
+            stop = JobStop(
+                self.client,
+                self.settings,
+                horizon_s=DEFAULT_STOP_HORIZON_S,
+                replace_worker=self.replace_worker,
+                log=log.bind(prompt_id=prompt_id),
+                job_id=self.job_id,
+            )
+            await stop.stopped(execution, work)
+        try:
+            result = work.result()
         except Exception as exc:
             return _dump(failure_of(exc))
         failure = failure_of_end(result.end)
@@ -148,6 +279,7 @@ class StockJob:
             bucket.default_bucket,
             lambda node, filename: artifact_key(prefix, job_id, 0, node, filename),
             presign=True,
+            retry_s=self.settings.bucket_retry_s,
         )
 
 
@@ -187,6 +319,9 @@ class OrchestratedJob:
             submission=orchestration.submission,
             prompt_id=orchestration.prompt_id,
         )
+        self.replace_worker: WorkerReplacer | None = None
+        # Set when the platform stops the job while its claim is being taken.
+        self._stopping = asyncio.Event()
 
     async def run(self) -> dict[str, Any]:
         o = self.o
@@ -213,10 +348,13 @@ class OrchestratedJob:
         assert self.s3 is not None
         store = ClaimStore(self.s3, o.output.bucket)
         key = claim_key(o.output, o.job_id, o.submission)
+        acquiring = asyncio.create_task(self._acquire(store, key), name="claim")
         try:
-            decision = await self._acquire(store, key)
+            decision = await asyncio.shield(acquiring)
         except ClaimError as exc:
             return self._error(failure_of(exc))
+        except asyncio.CancelledError:
+            await self._stopped_while_claiming(store, key, acquiring)
         if isinstance(decision, Finished):
             return self._replay(decision.current.claim)
         if isinstance(decision, HeldElsewhere):
@@ -255,20 +393,61 @@ class OrchestratedJob:
             isinstance(decision, HeldElsewhere)
             and decision.current.claim.holder == self.job_id
             and asyncio.get_running_loop().time() < give_up
+            and not self._stopping.is_set()
         ):
             self.log.info("claim_wait_out", expires_in_s=round(decision.current.expires_in_s, 1))
             self.reporter.set_stage("claiming")
-            await asyncio.sleep(min(max(decision.current.expires_in_s, 0.5), 5.0))
+            wait = min(max(decision.current.expires_in_s, 0.5), 5.0)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), wait)
+                break
             decision = await store.acquire(key, template, self.o.lease_s)
         return decision
 
+    async def _stopped_while_claiming(
+        self, store: ClaimStore, key: str, acquiring: asyncio.Task[Decision]
+    ) -> NoReturn:
+        """Stopped while the claim was being taken: a claim we took meanwhile is finished as
+        cancelled, so no other delivery runs the submission. Its prompt was never sent, unless
+        an earlier handler of this job left it on ComfyUI: the stop looks, and stops it."""
+        since, started_at = time.monotonic(), datetime.now(UTC)
+        self._stopping.set()
+        await wait_out(acquiring, "claiming")
+        if acquiring.cancelled() or acquiring.exception() is not None:
+            raise asyncio.CancelledError
+        decision = acquiring.result()
+        if not isinstance(decision, Acquired):
+            raise asyncio.CancelledError
+        async with Lease(store, key, decision.held, self.o.lease_s) as lease:
+            never_ran = asyncio.create_task(asyncio.sleep(0))
+            stop = self._stop()
+            await stop.stopped(self._execution(), never_ran, lease, since=(since, started_at))
+
+    def _stop(self) -> JobStop:
+        return JobStop(
+            self.client,
+            self.settings,
+            horizon_s=self.o.stop_horizon_s,
+            replace_worker=self.replace_worker,
+            log=self.log,
+            job_id=self.o.job_id,
+        )
+
     async def _run_unclaimed(self) -> dict[str, Any]:
         execution = self._execution()
+        work = asyncio.create_task(execution.run(), name=f"run {self.o.prompt_id}")
         try:
-            result = await execution.run()
+            await asyncio.wait({work})
+        except asyncio.CancelledError:
+            await self._stop().stopped(execution, work)
+        try:
+            result = work.result()
         except Exception as exc:
             return self._error(failure_of(exc), execution.records())
-        return self._result(result)[0]
+        failure, records = self._verdict(result)
+        if failure is not None:
+            return self._error(failure, records)
+        return self._success(records)
 
     async def _run_claimed(self, lease: Lease) -> dict[str, Any]:
         execution = self._execution()
@@ -279,50 +458,77 @@ class OrchestratedJob:
         except asyncio.CancelledError:
             # The platform stopped the job (cancel, executionTimeout): stop the prompt, then
             # record the claim as cancelled so no other delivery runs it.
-            self.log.info("job_cancelled")
-            work.cancel()
-            await settle(asyncio.gather(work, return_exceptions=True), STOP_BUDGET_S + 5)
-            outcome = _outcome("cancelled", images=execution.records(), error="cancelled")
-            await settle(lease.finish(outcome), FINISH_BUDGET_S)
-            raise
+            lost.cancel()
+            await self._stop().stopped(execution, work, lease)
         finally:
             lost.cancel()
         if not work.done():
-            # Our lease lapsed and another delivery took the submission over: it runs now.
-            work.cancel()
-            await asyncio.gather(work, return_exceptions=True)
-            holder = lease.lost_to.claim if lease.lost_to is not None else None
-            return self._output(
-                EndpointOutput(
-                    status="claimed_elsewhere",
-                    claim_holder=holder.holder if holder else None,
-                    prompt_id=self.o.prompt_id,
-                    errors=["this delivery's claim lapsed and was taken over; it stopped"],
-                )
-            )
+            return await self._lost(execution, work, lease)
         try:
-            answer, outcome = self._result(work.result())
+            failure, records = self._verdict(work.result())
         except Exception as exc:
-            failure = failure_of(exc)
-            answer = self._error(failure, execution.records())
+            failure, records = failure_of(exc), execution.records()
+        if failure is None:
+            outcome = _outcome("completed", images=records)
+        else:
             outcome = _outcome(
-                "failed",
-                images=execution.records(),
-                error=failure.error,
-                error_type=failure.error_type,
+                "failed", images=records, error=failure.error, error_type=failure.error_type
             )
-        await self._finish(lease, outcome)
-        return answer
+        recorded = await self._finish(lease, outcome)
+        if failure is None:
+            return self._success(records)
+        return self._error(failure, records, claim_recorded=recorded)
 
-    async def _finish(self, lease: Lease, outcome: ClaimOutcome) -> None:
-        """Record the outcome in the claim. A failure to do so is logged, not returned: the
-        job's own result stands (the orchestrator verifies its records in S3 either way), and
-        `errors` in a result would make it read as a failed job."""
-        task = asyncio.ensure_future(lease.finish(outcome))
-        try:
-            await asyncio.shield(task)  # a cancel now must not leave the claim half-written
-        except (ClaimConflict, ClaimError) as exc:
-            self.log.warning("claim_outcome_not_recorded", state=outcome.state, error=str(exc))
+    async def _lost(
+        self, execution: Execution, work: asyncio.Task[ExecutionResult], lease: Lease
+    ) -> dict[str, Any]:
+        """Our lease lapsed and another delivery took the submission over: it runs now, so
+        ours stops its prompt (briefly: the new holder answers for the submission)."""
+        subject = execution.stop_subject()
+        execution.cancel_outputs()
+        work.cancel()
+
+        async def stop() -> None:
+            await stop_prompt(
+                self.client,
+                subject,
+                horizon_s=FAILED_STOP_S,
+                since=time.monotonic(),
+                started_at=datetime.now(UTC),
+                worker_id=self.settings.worker_id,
+                comfy_pid=self.settings.comfy_pid,
+            )
+            await asyncio.gather(work, return_exceptions=True)
+
+        stopping = asyncio.create_task(stop(), name="stop the prompt")
+        if await wait_out(stopping, "stopping the prompt"):
+            raise asyncio.CancelledError
+        holder = lease.lost_to.claim if lease.lost_to is not None else None
+        return self._output(
+            EndpointOutput(
+                status="claimed_elsewhere",
+                claim_holder=holder.holder if holder else None,
+                prompt_id=self.o.prompt_id,
+                errors=["this delivery's claim lapsed and was taken over; it stopped"],
+            )
+        )
+
+    async def _finish(self, lease: Lease, outcome: ClaimOutcome) -> bool:
+        """Record the outcome in the claim; True when it is recorded. A failure to do so is
+        logged, not raised: the job's own result stands (the orchestrator verifies its records
+        in S3 either way), and `errors` in a result would make it read as a failed job."""
+        task = asyncio.create_task(lease.finish(outcome), name="finish the claim")
+        # A stop now must not leave the claim half-written: it waits, then ends the job.
+        cancelled = await wait_out(task, "recording the outcome")
+        recorded = not task.cancelled() and task.exception() is None
+        if not recorded:
+            problem = None if task.cancelled() else task.exception()
+            if problem is not None and not isinstance(problem, ClaimConflict | ClaimError):
+                raise problem
+            self.log.warning("claim_outcome_not_recorded", state=outcome.state, error=str(problem))
+        if cancelled:
+            raise asyncio.CancelledError
+        return recorded
 
     def _execution(self) -> Execution:
         return Execution(
@@ -346,7 +552,13 @@ class OrchestratedJob:
             reporter=self.reporter,
             staged=self._staged(),
             run_tag=self.o.run_tag,
+            on_ready=self._publish_nodes,
         )
+
+    def _publish_nodes(self) -> None:
+        """ComfyUI answers: its node registry goes where the job says, in the background."""
+        if self.o.nodes is not None:
+            PUBLISHER.publish(self.settings, self.o.nodes)
 
     def _staged(self) -> StagedInputs | None:
         if not self.o.inputs or self.s3 is None:
@@ -363,22 +575,20 @@ class OrchestratedJob:
             self.s3,
             output.bucket,
             lambda node, filename: artifact_key(output.prefix, job_id, segment, node, filename),
+            retry_s=self.settings.bucket_retry_s,
         )
 
-    def _result(self, result: ExecutionResult) -> tuple[dict[str, Any], ClaimOutcome]:
+    def _verdict(
+        self, result: ExecutionResult
+    ) -> tuple[EndpointError | None, list[ArtifactRecord]]:
         failure = failure_of_end(result.end)
-        if failure is not None:
-            outcome = _outcome(
-                "failed",
-                images=result.records,
-                error=failure.error,
-                error_type=failure.error_type,
-            )
-            return self._error(failure, result.records), outcome
-        self.tracker.complete()
-        status = "success" if result.records else "success_no_images"
-        answer = self._output(EndpointOutput(images=result.records, status=status))
-        return answer, _outcome("completed", images=result.records)
+        if failure is None:
+            self.tracker.complete()
+        return failure, result.records
+
+    def _success(self, records: list[ArtifactRecord]) -> dict[str, Any]:
+        status = "success" if records else "success_no_images"
+        return self._output(EndpointOutput(images=records, status=status))
 
     def _replay(self, claim: Claim) -> dict[str, Any]:
         """A delivery of a submission that already ran returns what the claim recorded."""
@@ -395,7 +605,9 @@ class OrchestratedJob:
                 "will not run again: submit with a new submission token"
             )
             return self._error(
-                EndpointError(error=error, error_type="Cancelled", **common), outcome.images
+                EndpointError(error=error, error_type="Cancelled", **common),
+                outcome.images,
+                claim_recorded=True,
             )
         return self._error(
             EndpointError(
@@ -404,6 +616,7 @@ class OrchestratedJob:
                 **common,
             ),
             outcome.images,
+            claim_recorded=True,
         )
 
     def _output(self, output: EndpointOutput) -> dict[str, Any]:
@@ -414,12 +627,22 @@ class OrchestratedJob:
         return _dump(output)
 
     def _error(
-        self, error: EndpointError, images: list[ArtifactRecord] | None = None
+        self,
+        error: EndpointError,
+        images: list[ArtifactRecord] | None = None,
+        *,
+        claim_recorded: bool = False,
     ) -> dict[str, Any]:
         error.submission = self.o.submission
         error.prompt_id = error.prompt_id or self.o.prompt_id
         error.images = images or error.images
-        self.log.info("job_failed", error_type=error.error_type, error=error.error)
+        error.claim_recorded = claim_recorded
+        self.log.info(
+            "job_failed",
+            error_type=error.error_type,
+            error=error.error,
+            claim_recorded=claim_recorded,
+        )
         return _dump(error)
 
 
@@ -429,6 +652,7 @@ def _outcome(
     images: list[ArtifactRecord],
     error: str | None = None,
     error_type: str | None = None,
+    stop: StopRecord | None = None,
 ) -> ClaimOutcome:
     return ClaimOutcome.model_validate(
         {
@@ -437,6 +661,7 @@ def _outcome(
             "error": error,
             "error_type": error_type,
             "at": datetime.now(UTC),
+            "stop": stop,
         }
     )
 

@@ -9,6 +9,10 @@ Output names are untrusted (any custom node writes them). Files are read through
 refused before it is asked for (`ComfyClient.view` raises `UnsafeOutputName`): the job fails
 naming it and keeps what was stored. Keys are built by the job's `key_for`
 (`activities.keys.artifact_key`): inside the job's folder whatever the name.
+
+A finished output stays in ComfyUI's output folder until it is stored: an upload that fails in
+a way a fresh start can get past is streamed again from `/view`, within the bucket's retry
+budget (BUCKET_RETRY_S), so a storage outage costs time, not the GPU run.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import asyncio
 import base64
 import hashlib
 from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import AbstractAsyncContextManager
 from typing import Any, Protocol
 
 import structlog
@@ -25,8 +30,8 @@ from activities.comfyui.client import ComfyClient, UnsafeOutputName
 from activities.comfyui.events import output_files
 from activities.keys import content_type_for, in_another_run, shown
 from endpoint.contract import ArtifactRecord
-from endpoint.s3 import S3
-from endpoint.upload import stream_to_s3
+from endpoint.s3 import DEFAULT_RETRY_S, S3, Patience
+from endpoint.upload import UploadError, stream_to_s3
 
 log = structlog.get_logger(__name__)
 
@@ -42,13 +47,17 @@ class OutputTooLarge(Exception):
     """Base64 outputs would not fit in a RunPod result."""
 
 
+# Opens the output file's byte stream (ComfyUI's /view), once per try.
+OpenChunks = Callable[[], AbstractAsyncContextManager[AsyncIterator[bytes]]]
+
+
 class OutputSink(Protocol):
     def identity(self, node_id: str, item: Mapping[str, str]) -> str:
         """What makes two output items the same stored artifact."""
         ...
 
     async def store(
-        self, node_id: str, item: Mapping[str, str], chunks: AsyncIterator[bytes]
+        self, node_id: str, item: Mapping[str, str], open_chunks: OpenChunks
     ) -> ArtifactRecord: ...
 
 
@@ -62,23 +71,42 @@ class S3Sink:
         key_for: Callable[[str, str], str],
         *,
         presign: bool = False,
+        retry_s: float = DEFAULT_RETRY_S,
     ) -> None:
         self._s3 = s3
         self._bucket = bucket
         self._key_for = key_for
         self._presign = presign
+        self._retry_s = retry_s
 
     def identity(self, node_id: str, item: Mapping[str, str]) -> str:
         return self._key_for(node_id, item["filename"])
 
     async def store(
-        self, node_id: str, item: Mapping[str, str], chunks: AsyncIterator[bytes]
+        self, node_id: str, item: Mapping[str, str], open_chunks: OpenChunks
     ) -> ArtifactRecord:
         key = self.identity(node_id, item)
         content_type = content_type_for(item["filename"])
-        stored = await stream_to_s3(
-            self._s3, bucket=self._bucket, key=key, chunks=chunks, content_type=content_type
-        )
+        # One budget for the whole file, however many tries and calls it takes.
+        patience = Patience(self._retry_s)
+        while True:
+            try:
+                async with open_chunks() as chunks:
+                    stored = await stream_to_s3(
+                        self._s3,
+                        bucket=self._bucket,
+                        key=key,
+                        chunks=chunks,
+                        content_type=content_type,
+                        patience=patience,
+                    )
+                break
+            except UploadError as exc:
+                wait = patience.next_wait() if exc.again else None
+                if wait is None:
+                    raise
+                log.warning("output_store_again", key=key, wait_s=round(wait, 2), error=str(exc))
+                await asyncio.sleep(wait)
         data = f"s3://{stored.bucket}/{stored.key}"
         if self._presign:
             data = await self._s3.call(
@@ -112,18 +140,19 @@ class Base64Sink:
         return f"{node_id}/{item.get('subfolder', '')}/{item['filename']}"
 
     async def store(
-        self, node_id: str, item: Mapping[str, str], chunks: AsyncIterator[bytes]
+        self, node_id: str, item: Mapping[str, str], open_chunks: OpenChunks
     ) -> ArtifactRecord:
         body = bytearray()
-        async for chunk in chunks:
-            body += chunk
-            self._left -= len(chunk)
-            if self._left < 0:
-                raise OutputTooLarge(
-                    f"outputs exceed {self._limit // 2**20} MiB, too much for a base64 result: "
-                    "configure a bucket (BUCKET_ENDPOINT_URL, BUCKET_ACCESS_KEY_ID, "
-                    "BUCKET_SECRET_ACCESS_KEY) so outputs go to S3"
-                )
+        async with open_chunks() as chunks:
+            async for chunk in chunks:
+                body += chunk
+                self._left -= len(chunk)
+                if self._left < 0:
+                    raise OutputTooLarge(
+                        f"outputs exceed {self._limit // 2**20} MiB, too much for a base64 "
+                        "result: configure a bucket (BUCKET_ENDPOINT_URL, BUCKET_ACCESS_KEY_ID, "
+                        "BUCKET_SECRET_ACCESS_KEY) so outputs go to S3"
+                    )
         return ArtifactRecord(
             filename=item["filename"],
             subfolder=item.get("subfolder", ""),
@@ -157,6 +186,7 @@ class OutputCollector:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._failures: list[BaseException] = []
         self._limit = asyncio.Semaphore(MAX_PARALLEL)
+        self._closed = False
 
     def add(self, outputs: Mapping[str, Any]) -> None:
         """Start storing what `outputs` ({node_id: node output}) names that is new."""
@@ -164,7 +194,7 @@ class OutputCollector:
             if item.get("type", "output") != "output":
                 continue  # previews are not artifacts
             identity = self._sink.identity(node_id, item)
-            if identity in self._tasks or identity in self._refused:
+            if self._closed or identity in self._tasks or identity in self._refused:
                 continue
             subfolder = item.get("subfolder", "")
             if self._run_tag and in_another_run(subfolder, self._run_tag):
@@ -194,21 +224,29 @@ class OutputCollector:
         while pending := [t for t in self._tasks.values() if not t.done()]:
             await asyncio.wait(pending)
 
-    async def cancel(self) -> None:
+    def cancel_now(self) -> None:
+        """Stop every upload in flight (each aborts its multipart upload on its way out); no
+        record is added from here on."""
+        self._closed = True
         for task in self._tasks.values():
             task.cancel()
+
+    async def cancel(self) -> None:
+        self.cancel_now()
         await asyncio.gather(*self._tasks.values(), return_exceptions=True)
 
     def records(self) -> list[ArtifactRecord]:
         return [self._stored[i] for i in self._order if i in self._stored]
 
     async def _store(self, identity: str, node_id: str, item: Mapping[str, str]) -> None:
+        def open_chunks() -> AbstractAsyncContextManager[AsyncIterator[bytes]]:
+            return self._client.view(
+                item["filename"], item.get("subfolder", ""), item.get("type", "output")
+            )
+
         try:
             async with self._limit:
-                async with self._client.view(
-                    item["filename"], item.get("subfolder", ""), item.get("type", "output")
-                ) as chunks:
-                    record = await self._sink.store(node_id, item, chunks)
+                record = await self._sink.store(node_id, item, open_chunks)
         except asyncio.CancelledError:
             raise
         except Exception as exc:

@@ -54,6 +54,14 @@ class EndpointSettings(BaseModel):
     comfy_lost_after_s: float = Field(60.0, gt=0)
     # worker-comfyui's REFRESH_WORKER: replace the worker after every job.
     refresh_worker: bool = False
+    # BUCKET_RETRY_S: how long each S3 call (and each output file) keeps retrying through a
+    # storage outage, from its first failure, before the job gives up on it (StorageError).
+    bucket_retry_s: float = Field(300.0, ge=0)
+    # RUNPOD_ENDPOINT_ID: the endpoint this worker serves (set by the platform).
+    endpoint_id: str = ""
+    # DURABLE_COMFY_BUCKET: the orchestrator's default bucket; when set, the worker publishes
+    # its ComfyUI's node registry there at start (`contract.nodes_key(endpoint_id)`).
+    nodes_bucket: str | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> EndpointSettings:
@@ -66,6 +74,9 @@ class EndpointSettings(BaseModel):
             "COMFY_SILENCE_CHECK_S": "silence_check_s",
             "COMFY_LOST_AFTER_S": "comfy_lost_after_s",
             "RUNPOD_POD_ID": "worker_id",
+            "BUCKET_RETRY_S": "bucket_retry_s",
+            "RUNPOD_ENDPOINT_ID": "endpoint_id",
+            "DURABLE_COMFY_BUCKET": "nodes_bucket",
         }
         for variable, field in optional.items():
             if env.get(variable):

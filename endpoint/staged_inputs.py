@@ -4,7 +4,7 @@ holds one file at most.
 
 A reference is untrusted input like any other: only keys in the job's own `_inputs/` folder of
 the job's bucket are fetched, and a file whose size or sha256 differs from what the orchestrator
-recorded is refused rather than run.
+recorded is refused rather than run. A fetch rides out a storage outage (endpoint/s3.py).
 """
 
 from __future__ import annotations
@@ -57,9 +57,14 @@ class StagedInputs:
 
     async def _fetch(self, item: StagedInput) -> bytes:
         where = f"s3://{self.bucket}/{item.key}"
+
+        def get() -> bytes:
+            # Fetched and read in one try: a read cut midway starts again (through an outage).
+            resp = self.s3.client.get_object(Bucket=self.bucket, Key=item.key)
+            return _read_capped(resp["Body"], item.size)
+
         try:
-            resp = await self.s3.call("get_object", Bucket=self.bucket, Key=item.key)
-            data = await self.s3.run(_read_capped, resp["Body"], item.size)
+            data = await self.s3.attempt(get, "get_object")
         except S3_FAILURES as exc:
             if is_missing(exc):
                 raise StagedInputMissing(f"input {item.name!r}: {where} does not exist") from exc

@@ -6,6 +6,10 @@ MAX_IN_FLIGHT of them sending, so memory stays about (MAX_IN_FLIGHT + 1) x PART_
 file's size. The digest is known only after the last byte, but S3 fixes metadata when the upload
 starts, so a finished multipart object is copied onto itself with the digest, pinned to the
 object we completed (`CopySourceIfMatch`). Any failure or cancellation aborts the upload.
+
+Every call rides out a storage outage on the file's one `Patience` (endpoint/s3.py). A failure
+that starting over can get past (the upload vanished, a retried copy lost its condition) is an
+`UploadError` with `again`: the caller streams the file again, within the same budget.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from typing import Any
 
 import structlog
 
-from endpoint.s3 import S3, S3_FAILURES, error_code
+from endpoint.s3 import S3, S3_FAILURES, Patience, error_code, is_transient
 
 log = structlog.get_logger(__name__)
 
@@ -28,10 +32,23 @@ MAX_PARTS = 10_000
 # CopyObject refuses sources above 5 GiB; bigger objects get their metadata through part copies.
 COPY_OBJECT_LIMIT = 5 * 1024**3
 COPY_PART_SIZE = 1024**3
+# How long an abort of an unfinished upload rides out an outage.
+ABORT_BUDGET_S = 30.0
+
+
+# Answers after which a fresh upload of the same file can succeed: the multipart upload is gone
+# (aborted by a lifecycle rule, or completed by a try whose answer was lost), or the copy that
+# stamps the digest lost its condition to a retried try of its own.
+START_OVER_CODES = frozenset({"NoSuchUpload", "PreconditionFailed", "412"})
 
 
 class UploadError(Exception):
-    """The object could not be stored, or is not stored as streamed."""
+    """The object could not be stored, or is not stored as streamed. `again`: streaming the
+    file once more may succeed."""
+
+    def __init__(self, message: str, *, again: bool = False) -> None:
+        super().__init__(message)
+        self.again = again
 
 
 @dataclass(frozen=True)
@@ -44,15 +61,24 @@ class Stored:
 
 
 async def stream_to_s3(
-    s3: S3, *, bucket: str, key: str, chunks: AsyncIterator[bytes], content_type: str
+    s3: S3,
+    *,
+    bucket: str,
+    key: str,
+    chunks: AsyncIterator[bytes],
+    content_type: str,
+    patience: Patience | None = None,
 ) -> Stored:
     """Upload `chunks` to `bucket/key`, then check the stored size and sha256."""
-    upload = _Upload(s3, bucket, key, content_type)
+    upload = _Upload(s3, bucket, key, content_type, patience or s3.patience())
     try:
         size, digest = await upload.run(chunks)
-        head = await s3.call("head_object", Bucket=bucket, Key=key)
+        head = await s3.call("head_object", patience=upload.patience, Bucket=bucket, Key=key)
     except S3_FAILURES as exc:
-        raise UploadError(f"storing s3://{bucket}/{key}: {error_code(exc)}: {exc}") from exc
+        again = is_transient(exc) or error_code(exc) in START_OVER_CODES
+        raise UploadError(
+            f"storing s3://{bucket}/{key}: {error_code(exc)}: {exc}", again=again
+        ) from exc
     stored_sha = head.get("Metadata", {}).get("sha256", "")
     if head.get("ContentLength") != size or stored_sha != digest:
         raise UploadError(
@@ -64,12 +90,17 @@ async def stream_to_s3(
 
 
 class _Upload:
-    def __init__(self, s3: S3, bucket: str, key: str, content_type: str) -> None:
+    def __init__(
+        self, s3: S3, bucket: str, key: str, content_type: str, patience: Patience
+    ) -> None:
         self.s3 = s3
         self.bucket = bucket
         self.key = key
         self.content_type = content_type
+        self.patience = patience
         self.upload_id: str | None = None
+        # Uploads a retried CreateMultipartUpload may have started without telling us.
+        self.maybe_orphaned = False
         self.parts: dict[int, str] = {}
         self.parts_sent = 0
         self.in_flight: set[asyncio.Task[None]] = set()
@@ -91,6 +122,7 @@ class _Upload:
             if self.upload_id is None:
                 await self.s3.call(
                     "put_object",
+                    patience=self.patience,
                     Bucket=self.bucket,
                     Key=self.key,
                     Body=bytes(buffer),
@@ -105,18 +137,24 @@ class _Upload:
         except BaseException:
             await self._abort()
             raise
+        finally:
+            if self.maybe_orphaned:
+                await self._abort_orphans()
         await self._stamp(etag, size, digest)
         return size, digest
 
     async def _send_part(self, body: bytes) -> None:
         if self.upload_id is None:
+            failures = self.patience.failures
             created = await self.s3.call(
                 "create_multipart_upload",
+                patience=self.patience,
                 Bucket=self.bucket,
                 Key=self.key,
                 ContentType=self.content_type,
             )
             self.upload_id = str(created["UploadId"])
+            self.maybe_orphaned = self.patience.failures > failures
         self.parts_sent += 1
         number = self.parts_sent
         if number > MAX_PARTS:
@@ -127,6 +165,7 @@ class _Upload:
     async def _put_part(self, number: int, body: bytes) -> None:
         resp = await self.s3.call(
             "upload_part",
+            patience=self.patience,
             Bucket=self.bucket,
             Key=self.key,
             UploadId=self.upload_id,
@@ -147,6 +186,7 @@ class _Upload:
         parts = [{"PartNumber": n, "ETag": self.parts[n]} for n in sorted(self.parts)]
         done = await self.s3.call(
             "complete_multipart_upload",
+            patience=self.patience,
             Bucket=self.bucket,
             Key=self.key,
             UploadId=self.upload_id,
@@ -157,7 +197,11 @@ class _Upload:
 
     async def _stamp(self, etag: str, size: int, digest: str) -> None:
         source = {"Bucket": self.bucket, "Key": self.key}
-        common: dict[str, Any] = {"Bucket": self.bucket, "Key": self.key}
+        common: dict[str, Any] = {
+            "Bucket": self.bucket,
+            "Key": self.key,
+            "patience": self.patience,
+        }
         if size <= COPY_OBJECT_LIMIT:
             await self.s3.call(
                 "copy_object",
@@ -212,7 +256,12 @@ class _Upload:
             return
         aborting = asyncio.ensure_future(
             self.s3.call(
-                "abort_multipart_upload", Bucket=self.bucket, Key=self.key, UploadId=upload_id
+                "abort_multipart_upload",
+                # Bounded apart: a stopped job waits for it (a leak is a lifecycle rule's job).
+                patience=Patience(min(self.patience.budget_s, ABORT_BUDGET_S)),
+                Bucket=self.bucket,
+                Key=self.key,
+                UploadId=upload_id,
             )
         )
         try:
@@ -225,3 +274,25 @@ class _Upload:
             log.warning("multipart_abort_failed", key=self.key, error=error_code(exc))
         else:
             log.info("multipart_aborted", key=self.key, upload_id=upload_id)
+
+    async def _abort_orphans(self) -> None:
+        """Abort this key's other open uploads: a CreateMultipartUpload whose answer was lost
+        started one we never heard of, and its parts would be kept (and billed) for good. Never
+        raises."""
+        ours = self.upload_id
+        try:
+            listed = await self.s3.call(
+                "list_multipart_uploads", Bucket=self.bucket, Prefix=self.key
+            )
+            for upload in listed.get("Uploads") or []:
+                if upload.get("Key") != self.key or upload.get("UploadId") in (None, ours):
+                    continue
+                await self.s3.call(
+                    "abort_multipart_upload",
+                    Bucket=self.bucket,
+                    Key=self.key,
+                    UploadId=upload["UploadId"],
+                )
+                log.info("multipart_orphan_aborted", key=self.key, upload_id=upload["UploadId"])
+        except S3_FAILURES as exc:
+            log.warning("multipart_orphans_not_checked", key=self.key, error=error_code(exc))

@@ -1,10 +1,12 @@
-"""Helpers for the endpoint/ tests: a private SeaweedFS, settings and inputs for the handler's
-job logic, and a fake of the SDK's `progress_update`. Plain functions and context managers; the
-test modules make their own fixtures from them. Nothing here imports `runpod`.
+"""Helpers for the endpoint/ tests: a private SeaweedFS, a gate in front of it (a storage outage
+on demand), settings and inputs for the handler's job logic, and a fake of the SDK's
+`progress_update`. Plain functions and context managers; the test modules make their own
+fixtures from them. Nothing here imports `runpod`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import signal
@@ -13,6 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import boto3
 import httpx
@@ -24,6 +27,7 @@ from devstack.services import StackPaths
 from devstack.stack import start_service, stop_service
 from endpoint.contract import ProgressUpdate
 from endpoint.settings import BucketSettings, EndpointSettings
+from tests.comfy_sim_support import free_port
 from tests.conftest import make_stack_config
 
 
@@ -83,8 +87,93 @@ def endpoint_settings(
         "worker_id": "worker-a",
         "silence_check_s": 1.0,
         "comfy_start_timeout_s": 10.0,
+        # A failing test fails within a minute, not the production five.
+        "bucket_retry_s": 60.0,
     }
     return EndpointSettings.model_validate(values | overrides)
+
+
+class Gate:
+    """A loopback TCP relay in front of a server that can be shut (new connections refused,
+    open ones cut) and opened again on the same port: a storage outage on demand, the way a
+    restarted SeaweedFS looks to its clients, without the restart's seconds of start-up."""
+
+    def __init__(self, target_url: str) -> None:
+        parts = urlsplit(target_url)
+        self.target = (parts.hostname or "127.0.0.1", parts.port or 80)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        # Bytes relayed towards the server, and when to shut by itself (see shut_after).
+        self.upstream_bytes = 0
+        self.shut_at_bytes: int | None = None
+        self.shut_by_itself = asyncio.Event()
+        self._server: asyncio.Server | None = None
+        self._links: set[asyncio.StreamWriter] = set()
+
+    async def __aenter__(self) -> Gate:
+        await self.open()
+        return self
+
+    async def __aexit__(self, *_exc: object) -> None:
+        await self.shut()
+
+    @property
+    def is_open(self) -> bool:
+        return self._server is not None
+
+    async def open(self) -> None:
+        if self._server is None:
+            self._server = await asyncio.start_server(
+                self._relay, "127.0.0.1", self.port, reuse_address=True
+            )
+
+    async def shut(self) -> None:
+        server, self._server = self._server, None
+        for writer in list(self._links):
+            writer.transport.abort()
+        self._links.clear()
+        if server is not None:
+            server.close()
+            await server.wait_closed()
+
+    def shut_after(self, more_bytes: int) -> asyncio.Event:
+        """Shut once `more_bytes` more have gone towards the server (a cut mid-request)."""
+        self.shut_by_itself.clear()
+        self.shut_at_bytes = self.upstream_bytes + more_bytes
+        return self.shut_by_itself
+
+    async def _relay(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        try:
+            server_r, server_w = await asyncio.open_connection(*self.target)
+        except OSError:
+            client_w.transport.abort()
+            return
+        self._links.update((client_w, server_w))
+        try:
+            await asyncio.gather(
+                self._pipe(client_r, server_w, upstream=True),
+                self._pipe(server_r, client_w, upstream=False),
+            )
+        finally:
+            for writer in (client_w, server_w):
+                self._links.discard(writer)
+                writer.transport.abort()
+
+    async def _pipe(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, upstream: bool
+    ) -> None:
+        with contextlib.suppress(OSError, asyncio.IncompleteReadError):
+            while data := await reader.read(64 * 1024):
+                if upstream:
+                    self.upstream_bytes += len(data)
+                    if self.shut_at_bytes is not None and self.upstream_bytes >= self.shut_at_bytes:
+                        self.shut_at_bytes = None
+                        self.shut_by_itself.set()
+                        await self.shut()
+                        return
+                writer.write(data)
+                await writer.drain()
+        writer.transport.abort()  # one side ended: so does the other (no half-open HTTP)
 
 
 def orchestrated_input(

@@ -15,14 +15,16 @@ import pytest_asyncio
 from endpoint.claims import (
     Acquired,
     ClaimConflict,
+    ClaimError,
     ClaimStore,
     Finished,
     HeldElsewhere,
+    StoredClaim,
     fresh_claim,
 )
 from endpoint.contract import Claim, ClaimOutcome, S3Target, claim_key
 from endpoint.lease import Lease
-from endpoint.s3 import S3
+from endpoint.s3 import S3, Patience
 from tests.endpoint_support import Bucket, seaweedfs
 
 
@@ -235,3 +237,58 @@ async def test_the_lease_finishes_with_the_outcome(store: ClaimStore) -> None:
     assert current is not None and current.etag == finished.etag
     assert current.claim.outcome is not None and current.claim.outcome.state == "cancelled"
     assert not lease.lost.is_set()
+
+
+class LosingAnswers(ClaimStore):
+    """A store whose next conditional write lands but whose answer is lost on the way back."""
+
+    lose_next = False
+
+    async def replace(
+        self, key: str, claim: Claim, etag: str, *, patience: Patience | None = None
+    ) -> StoredClaim:
+        stored = await super().replace(key, claim, etag, patience=patience)
+        if self.lose_next:
+            self.lose_next = False
+            raise ClaimError("connection reset before the answer")
+        return stored
+
+
+async def test_a_renewal_that_landed_without_an_answer_is_still_ours(bucket: Bucket) -> None:
+    """The next renewal's 412 is against our own write: the lease goes on, not lost."""
+    store = LosingAnswers(S3(bucket.settings), bucket.name)
+    key = new_key()
+    acquired = await store.acquire(key, template("rp-A"), lease_s=30)
+    assert isinstance(acquired, Acquired)
+    async with Lease(store, key, acquired.held, lease_s=0.6) as lease:
+        store.lose_next = True
+        await asyncio.sleep(1.2)  # the lost renewal and a few after it
+        assert not lease.lost.is_set()
+        current = await store.read(key)
+        assert current is not None and current.etag == lease.held.etag
+        await lease.finish(outcome("completed"))
+    current = await store.read(key)
+    assert current is not None and current.claim.outcome is not None
+
+
+async def test_marking_the_stop_writes_stopping_since_at_once_and_keeps_it(
+    store: ClaimStore,
+) -> None:
+    key = new_key()
+    acquired = await store.acquire(key, template("rp-A"), lease_s=30)
+    assert isinstance(acquired, Acquired)
+    async with Lease(store, key, acquired.held, lease_s=30) as lease:  # renewals 10 s apart
+        since = datetime.now(UTC)
+        lease.mark_stopping(since)
+        deadline = time.monotonic() + 3
+        while (
+            current := await store.read(key)
+        ) is not None and current.claim.stopping_since is None:
+            assert time.monotonic() < deadline, "stopping_since was not written"
+            await asyncio.sleep(0.05)
+        assert current is not None and current.claim.stopping_since == since
+        assert current.claim.renewed_at > acquired.held.claim.renewed_at  # a renewal
+        await lease.finish(outcome("cancelled"))
+    current = await store.read(key)
+    assert current is not None and current.claim.stopping_since == since
+    assert current.claim.outcome is not None and current.claim.outcome.state == "cancelled"

@@ -19,12 +19,24 @@ from typing import Any
 import httpx
 import pytest
 import pytest_asyncio
+from botocore.exceptions import ClientError
+from structlog.testing import capture_logs
 
 from activities.comfyui.events import ending_of
 from activities.keys import artifact_key
 from endpoint.claims import ClaimStore, fresh_claim
-from endpoint.contract import ArtifactRecord, Claim, S3Target, claim_key, inputs_folder
+from endpoint.contract import (
+    ArtifactRecord,
+    Claim,
+    NodesTarget,
+    PublishedNodes,
+    S3Target,
+    claim_key,
+    inputs_folder,
+    nodes_key,
+)
 from endpoint.job import run_job
+from endpoint.nodes import PUBLISHER, publish_at_start
 from endpoint.s3 import S3
 from endpoint.settings import EndpointSettings
 from tests.comfy_sim_support import (
@@ -257,6 +269,8 @@ async def test_cancel_mid_run_interrupts_the_prompt_and_cancels_the_claim(
     claim = await read_claim(bucket, block)
     assert claim is not None and claim.outcome is not None
     assert claim.outcome.state == "cancelled"
+    assert claim.outcome.stop is not None and claim.outcome.stop.prompt == "interrupted"
+    assert claim.outcome.stop.node == "5" and claim.outcome.stop.node_type == "KSampler"
 
     # A re-delivery of the cancelled submission does not run it again.
     again = await run_job(job(job_input), settings, Progress())
@@ -288,6 +302,7 @@ async def test_cancel_while_queued_dequeues_the_prompt(
     claim = await read_claim(bucket, block)
     assert claim is not None and claim.outcome is not None
     assert claim.outcome.state == "cancelled"
+    assert claim.outcome.stop is not None and claim.outcome.stop.prompt == "dequeued"
     await until(lambda: _finished(sim, blocker))
 
 
@@ -456,7 +471,11 @@ async def test_a_rejected_workflow_returns_comfyuis_reason(sim: str, bucket: Buc
     assert stock["error_type"] == "PromptRejected" and "smaller than min" in stock["error"]
     job_input = orchestrated_input(graph, bucket.name)
     result = await run_job(job(job_input), endpoint_settings(sim, bucket))
-    assert result["error_type"] == "PromptRejected"
+    assert result["error_type"] == "PromptRejected" and result["claim_recorded"] is True
+    # The reason once, per node, in plain words, however a reader joins error and details.
+    told = " ".join([result["error"], *result.get("details", [])])
+    assert told.count("smaller than min") == 1, told
+    assert "node 1 (EmptyImage): input 'width'" in result["error"]
     claim = await read_claim(bucket, job_input["durable_comfy"])
     assert claim is not None and claim.outcome is not None and claim.outcome.state == "failed"
 
@@ -585,3 +604,77 @@ async def _running(sim: str, prompt_id: str) -> bool:
 
 async def _finished(sim: str, prompt_id: str) -> bool:
     return bool(await sim_get(sim, f"/history/{prompt_id}"))
+
+
+# --- the node registry -----------------------------------------------------------------------
+
+
+async def published(bucket: Bucket, key: str, within: float = 15.0) -> PublishedNodes:
+    async def look() -> PublishedNodes | None:
+        try:
+            body, _ = await asyncio.to_thread(bucket.read, key)
+        except ClientError as exc:
+            if exc.response["Error"]["Code"] != "NoSuchKey":
+                raise
+            return None
+        return PublishedNodes.model_validate_json(body)
+
+    found: PublishedNodes = await until(look, within=within, interval=0.2)
+    return found
+
+
+async def test_a_job_naming_a_nodes_target_publishes_the_registry_once_per_process(
+    sim: str, bucket: Bucket
+) -> None:
+    key = f"_durable_comfy/endpoints/ep-{uuid.uuid4().hex[:8]}/object_info.json"
+    settings = endpoint_settings(sim, bucket, endpoint_id="ep-x")
+    nodes = {"bucket": bucket.name, "key": key}
+    job_input = orchestrated_input(basic_graph(prefix()), bucket.name, nodes=nodes)
+    result = await run_job(job(job_input), settings)
+    assert result["status"] == "success", result
+
+    document = await published(bucket, key)
+    assert {"KSampler", "SaveImage", "SimSleep"} <= set(document.object_info)
+    assert document.object_info["KSampler"]["input"]["required"]["steps"][0] == "INT"
+    assert document.worker_id == "worker-a" and document.endpoint_id == "ep-x"
+
+    again = orchestrated_input(basic_graph(prefix()), bucket.name, nodes=nodes)
+    assert (await run_job(job(again), settings))["status"] == "success"
+    await asyncio.sleep(1.0)
+    assert (await published(bucket, key)).published_at == document.published_at
+
+
+async def test_a_failed_publication_leaves_the_job_alone_and_a_later_one_tries_again(
+    sim: str, bucket: Bucket
+) -> None:
+    settings = endpoint_settings(sim, bucket)
+    # A bucket name S3 refuses: the put fails at once, for good.
+    refused = {"bucket": "no such bucket!", "key": "_durable_comfy/endpoints/ep/object_info.json"}
+    with capture_logs() as logs:
+        result = await run_job(
+            job(orchestrated_input(basic_graph(prefix()), bucket.name, nodes=refused)), settings
+        )
+        assert result["status"] == "success", result
+        await until(lambda: any(e["event"] == "nodes_not_published" for e in logs))
+
+    # A failed target is not done: the next try (ComfyUI down, then up) publishes it.
+    target = NodesTarget(bucket=bucket.name, key=f"_durable_comfy/endpoints/{uuid.uuid4()}.json")
+    down = endpoint_settings("http://127.0.0.1:9", bucket, comfy_start_timeout_s=0.3)
+    first = PUBLISHER.publish(down, target)
+    assert first is not None
+    await asyncio.to_thread(first.join, 10)
+    second = PUBLISHER.publish(settings, target)
+    assert second is not None and PUBLISHER.publish(settings, target) is None
+    assert "SaveImage" in (await published(bucket, target.key)).object_info
+
+
+async def test_a_worker_with_durable_comfy_bucket_publishes_at_start(
+    sim: str, bucket: Bucket
+) -> None:
+    endpoint_id = f"ep-{uuid.uuid4().hex[:8]}"
+    settings = endpoint_settings(sim, bucket, endpoint_id=endpoint_id, nodes_bucket=bucket.name)
+    thread = publish_at_start(settings)
+    assert thread is not None and thread.daemon  # never keeps the worker's process alive
+    document = await published(bucket, nodes_key(endpoint_id))
+    assert document.endpoint_id == endpoint_id and "KSampler" in document.object_info
+    assert publish_at_start(endpoint_settings(sim, bucket)) is None  # no DURABLE_COMFY_BUCKET
