@@ -30,9 +30,10 @@ from activities.comfyui.backend import ComfyBackend
 from activities.comfyui.pools import ComfyPools
 from activities.log_setup import configure_logging
 from activities.metrics import count_swept, prometheus_runtime
-from activities.orphans import OrphanSweeper
+from activities.orphans import OrphanSweeper, RunPodSweep
 from activities.runpod.backend import RunPodBackend
 from activities.runpod.client import RunPodClient
+from activities.runpod.nodes import check_captured_registries
 from activities.settings import WorkerSettings, runpod_api_keys
 from activities.storage import ArtifactStore, S3Settings, StorageConfigError
 from starter.connection import TemporalSettings, connect_temporal, forwarded_core_logs
@@ -76,7 +77,8 @@ async def run_worker(
     ):
         pools = ComfyPools(settings, http)
         comfy = ComfyBackend(pools, store)
-        runpod = RunPodBackend(settings.pools, runpod_clients(settings, keys, http), store)
+        on_runpod = runpod_clients(settings, keys, http)
+        runpod = RunPodBackend(settings.pools, on_runpod, store)
         by_kind: dict[str, Backend] = {"comfyui": comfy, "runpod": runpod}
         jobs = JobActivities(Backends(settings.pools, settings.default_pool, by_kind))
         worker = Worker(
@@ -112,6 +114,9 @@ async def run_worker(
         sweeper = OrphanSweeper(
             client,
             pools.clients(),
+            runpod=RunPodSweep(
+                store, {name: (settings.pools[name], rp) for name, rp in on_runpod.items()}
+            ),
             on_swept=lambda orphan: count_swept(meter, orphan.pool, orphan.action),
         )
         sweeping: asyncio.Task[None] | None = None
@@ -164,6 +169,7 @@ def main(argv: list[str] | None = None) -> None:
         s3 = S3Settings.from_env()
         temporal = TemporalSettings()
         runpod_keys = runpod_api_keys(settings.pools)
+        check_captured_registries(settings.pools)
     except (ValidationError, SettingsError, StorageConfigError) as exc:
         sys.exit(f"worker: invalid settings: {exc}")
     configure_logging(settings.log_level)

@@ -1,12 +1,19 @@
-"""The orphan sweep: prompts still on a pool whose job is over.
+"""The orphan sweep: work still on a pool whose job is over.
 
 `temporal workflow terminate` (or a run timeout) ends a job without its teardown: the prompt
-keeps the GPU busy and nobody is left to stop it. Every prompt this system submits carries a tag
-in ComfyUI's `extra_data` (the job id and the Temporal namespace); each worker periodically
-lists every pool's queue and stops the tagged prompts whose workflow is closed or unknown: a
-pending one is dequeued, a running one interrupted (prompt-scoped, so nothing else is touched).
-Prompts of other namespaces or of other systems are never touched. Running it on several workers
-is harmless: dequeue and prompt-scoped interrupt are idempotent.
+keeps the GPU busy and nobody is left to stop it. Each worker periodically looks for such work
+on every pool it serves and stops what belongs to a workflow that is closed or unknown to
+Temporal; workflows still running are left alone, and so is everything of other namespaces or
+of other systems. Running it on several workers is harmless: every action is idempotent.
+
+- ComfyUI pools: every prompt this system submits carries a tag in ComfyUI's `extra_data` (the
+  job id and the Temporal namespace); the sweep lists each pool's queue and dequeues a pending
+  tagged prompt, or interrupts a running one (prompt-scoped, so nothing else is touched).
+- RunPod pools: RunPod cannot list an endpoint's jobs, so the follow records each submission in
+  the bucket (`activities/runpod/submissions.py`); the sweep reads those records, finds the
+  RunPod job (the record's id; with claims, also the claim's holder, which names the job even
+  when `/run`'s answer was lost), cancels it unless it has ended, and drops the record once
+  RunPod says it has ended or no longer knows it.
 """
 
 from __future__ import annotations
@@ -14,6 +21,8 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any, Literal
 
 import structlog
@@ -23,6 +32,14 @@ from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.service import RPCError, RPCStatusCode
 
 from activities.comfyui.client import ComfyClient, ComfyError
+from activities.runpod import submissions
+from activities.runpod.claims import read_claim
+from activities.runpod.client import RunPodClient
+from activities.runpod.errors import RunPodError, RunPodJobGone
+from activities.runpod.submissions import SubmissionRecord
+from activities.settings import PoolConfig
+from activities.storage import ArtifactStore
+from activities.storage_errors import StorageError
 
 log = structlog.get_logger(__name__)
 
@@ -35,27 +52,45 @@ def prompt_tag(job_id: str, segment: int) -> dict[str, Any]:
     return {TAG_KEY: {"job_id": job_id, "segment": segment, "namespace": namespace}}
 
 
+SweepAction = Literal["dequeued", "interrupted", "cancelled"]
+
+
 class SweptPrompt(BaseModel):
     pool: str
     prompt_id: str
     job_id: str
     job: str  # the workflow's status, or "unknown"
-    action: Literal["dequeued", "interrupted"]
+    # "cancelled": a RunPod job (`provider_job_id`), cancelled through RunPod's API.
+    action: SweepAction
+    provider_job_id: str | None = None
+
+
+@dataclass(frozen=True)
+class RunPodSweep:
+    """What the sweep needs for the RunPod pools: each pool's settings and client, and the
+    bucket its submissions are recorded in."""
+
+    store: ArtifactStore
+    pools: Mapping[str, tuple[PoolConfig, RunPodClient]]
 
 
 class OrphanSweeper:
-    """Stops the prompts of closed or unknown jobs on every ComfyUI pool of this worker."""
+    """Stops the work of closed or unknown jobs on every pool of this worker."""
 
     def __init__(
         self,
         temporal: Client,
         pools: Mapping[str, ComfyClient],
         *,
+        runpod: RunPodSweep | None = None,
         on_swept: Callable[[SweptPrompt], None] | None = None,
     ) -> None:
         self._temporal = temporal
         self._pools = pools
+        self._runpod = runpod
         self._on_swept = on_swept
+        # Records already logged as unresolvable (logged once, not every sweep).
+        self._told: set[str] = set()
 
     async def run(self, interval_s: float, stop: asyncio.Event) -> None:
         """Sweep every `interval_s` (jittered, so many workers do not sweep in step)."""
@@ -77,6 +112,12 @@ class OrphanSweeper:
                 swept += await self._sweep_pool(pool, client)
             except ComfyError as exc:
                 log.info("orphan_sweep_pool_unreachable", pool=pool, error=str(exc))
+        if self._runpod is not None:
+            for pool, (config, runpod) in self._runpod.pools.items():
+                try:
+                    swept += await self._sweep_runpod_pool(pool, config, runpod, self._runpod.store)
+                except (StorageError, RPCError) as exc:
+                    log.info("orphan_sweep_pool_unreachable", pool=pool, error=str(exc))
         return swept
 
     async def _sweep_pool(self, pool: str, client: ComfyClient) -> list[SweptPrompt]:
@@ -100,11 +141,98 @@ class OrphanSweeper:
                 orphan = SweptPrompt(
                     pool=pool, prompt_id=prompt_id, job_id=job_id, job=job, action=action
                 )
-                log.warning("orphan_swept", **orphan.model_dump())
-                if self._on_swept is not None:
-                    self._on_swept(orphan)
-                swept.append(orphan)
+                swept.append(self._swept(orphan))
         return swept
+
+    def _swept(self, orphan: SweptPrompt) -> SweptPrompt:
+        log.warning("orphan_swept", **orphan.model_dump())
+        if self._on_swept is not None:
+            self._on_swept(orphan)
+        return orphan
+
+    async def _sweep_runpod_pool(
+        self, pool: str, config: PoolConfig, client: RunPodClient, store: ArtifactStore
+    ) -> list[SweptPrompt]:
+        swept: list[SweptPrompt] = []
+        for key, job_in_key in await submissions.listed(store, pool):
+            # A live job's record is not even read: its workflow is still running.
+            job = await self._job_state(job_in_key)
+            if job == "RUNNING":
+                continue
+            try:
+                record = await submissions.read_record(store, key)
+            except ValueError as exc:
+                self._tell_once(key, "orphan_record_unreadable", record=key, error=str(exc))
+                continue
+            ours = record is not None and record.namespace == self._temporal.namespace
+            if record is None or not ours or record.endpoint_id != config.endpoint_id:
+                continue
+            if record.job_id != job_in_key:  # (an id the key had to sanitise)
+                job = await self._job_state(record.job_id)
+                if job == "RUNNING":
+                    continue
+            try:
+                swept += await self._stop_submission(pool, key, record, job, client, store)
+            except RunPodError as exc:
+                log.info("orphan_runpod_unreachable", pool=pool, key=key, error=str(exc))
+        return swept
+
+    async def _stop_submission(
+        self,
+        pool: str,
+        key: str,
+        record: SubmissionRecord,
+        job: str,
+        client: RunPodClient,
+        store: ArtifactStore,
+    ) -> list[SweptPrompt]:
+        """Cancel the RunPod job(s) of one submission whose workflow is over; drop the record
+        once none of them can still run."""
+        candidates = [record.runpod_job_id] if record.runpod_job_id else []
+        if record.claims:
+            claim = await read_claim(store, record.output, record.job_id, record.submission)
+            if claim is not None and claim.holder not in candidates:
+                candidates.append(claim.holder)
+        if not candidates:
+            # `/run`'s answer was lost and no worker has claimed it (or there are no claims):
+            # nothing names the RunPod job. Once its ttl is over none can exist.
+            if datetime.now(UTC) > record.expires_at:
+                await store.delete(key)
+            else:
+                self._tell_once(key, "orphan_runpod_job_unknown", job_id=record.job_id, record=key)
+            return []
+        swept: list[SweptPrompt] = []
+        settled = True
+        for runpod_job_id in candidates:
+            try:
+                state = (await client.status(runpod_job_id)).state
+                if state is not None and state.terminal:
+                    continue
+                await client.cancel(runpod_job_id)
+                swept.append(
+                    self._swept(
+                        SweptPrompt(
+                            pool=pool,
+                            prompt_id=record.submission,
+                            job_id=record.job_id,
+                            job=job,
+                            action="cancelled",
+                            provider_job_id=runpod_job_id,
+                        )
+                    )
+                )
+                state = (await client.status(runpod_job_id)).state
+                settled = settled and state is not None and state.terminal
+            except RunPodJobGone:
+                continue
+        if settled:
+            await store.delete(key)
+        return swept
+
+    def _tell_once(self, key: str, event: str, **fields: Any) -> None:
+        if key not in self._told:
+            self._told.add(key)
+            log.info(event, **fields)
 
     def _our_job(self, item: list[Any]) -> str | None:
         extra = item[3] if len(item) > 3 and isinstance(item[3], dict) else {}

@@ -83,6 +83,7 @@ _RUNPOD_ONLY = (
     "execution_timeout_s",
     "idle_timeout_s",
     "claim_lease_s",
+    "node_registry",
 )
 
 
@@ -100,6 +101,22 @@ class PoolConfig(BaseModel):
     what a worker keeps billing after its last job (RunPod's default 5 s when unset).
     `claim_lease_s`: how long our handler's claim holds without renewal (default 60): how long a
     crashed worker's submission waits before another delivery may take it over.
+    `node_registry`: what a runpod pool checks each graph against before any RunPod job exists
+    (a class that is not installed, a required input missing, a link to an output a node does
+    not have: `InvalidGraph`, naming node and class, teardown SKIPPED), as a comfyui pool checks
+    its server's `/object_info`. `published` (the default): the `/object_info` our handler's
+    workers publish in the orchestrator's bucket (`s3://{DURABLE_COMFY_BUCKET}/_durable_comfy/
+    endpoints/{endpoint_id}/object_info.json`): once per worker process, at start when the
+    endpoint sets DURABLE_COMFY_BUCKET, else on its first job (every durable submission names
+    where). A worker re-reads it after a minute, or at once when a graph names a class it lacks,
+    so a new image's registry is picked up as soon as one of its workers has published it. Until
+    one has (a new endpoint, or one whose workers never got a bucket), the check is skipped with
+    a log line (`node_registry_unknown`) and the job goes on: ComfyUI's own validation on the
+    worker refuses a bad graph there (`PromptRejected`), after RunPod has started, and billed,
+    a job for it. A path: a JSON file holding a captured `/object_info` (`curl
+    http://<comfyui>/object_info > nodes.json`, from the same image; absolute, or relative to
+    the worker's working directory), what a stock worker-comfyui endpoint needs, since it
+    publishes nothing; read at start-up and again after a minute. `off`: no check here.
     `allowed_node_classes` (any kind): when set, the only node classes a graph may use on this
     pool; the prepare activity refuses any other class (`InvalidGraph`, naming the node) before
     anything reaches the backend. Unset: any class the backend has.
@@ -119,6 +136,8 @@ class PoolConfig(BaseModel):
     execution_timeout_s: float | None = Field(None, ge=MIN_EXECUTION_TIMEOUT_S, le=MAX_POLICY_S)
     idle_timeout_s: float | None = Field(None, ge=0)
     claim_lease_s: float | None = Field(None, ge=5, le=3600)
+    # None means `published` (kept unset so a pool's dump is what it was given).
+    node_registry: Literal["published", "off"] | Path | None = None
     allowed_node_classes: list[str] | None = None
 
     @field_validator("allowed_node_classes")

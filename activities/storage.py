@@ -287,6 +287,40 @@ class ArtifactStore:
             raise translate(exc, "get", bucket, key) from exc
         return data
 
+    async def put_small(
+        self, key: str, data: bytes, *, content_type: str, bucket: str | None = None
+    ) -> None:
+        """One PutObject of a small document (a bookkeeping record, not an artifact: no sha256
+        metadata, no read back)."""
+        bucket = bucket or self.settings.bucket
+        _check_header_value("content_type", content_type)
+        try:
+            await self.client.put_object(
+                Bucket=bucket, Key=key, Body=data, ContentType=content_type
+            )
+        except S3_FAILURES as exc:
+            raise translate(exc, "put", bucket, key) from exc
+
+    async def list_keys(self, prefix: str, *, bucket: str | None = None) -> list[str]:
+        """Every key under `prefix`."""
+        bucket = bucket or self.settings.bucket
+        keys: list[str] = []
+        try:
+            paginator = self.client.get_paginator("list_objects_v2")
+            async for page in paginator.paginate(Bucket=bucket, Prefix=prefix):
+                keys += [item["Key"] for item in page.get("Contents", [])]
+        except S3_FAILURES as exc:
+            raise translate(exc, "list", bucket, prefix) from exc
+        return keys
+
+    async def delete(self, key: str, *, bucket: str | None = None) -> None:
+        """Remove `key`; a key that is not there is no error (S3's own rule)."""
+        bucket = bucket or self.settings.bucket
+        try:
+            await self.client.delete_object(Bucket=bucket, Key=key)
+        except S3_FAILURES as exc:
+            raise translate(exc, "delete", bucket, key) from exc
+
     async def list_multipart_uploads(self, prefix: str, *, bucket: str | None = None) -> list[str]:
         """Keys with an unfinished multipart upload under `prefix` (a leak detector)."""
         bucket = bucket or self.settings.bucket

@@ -41,6 +41,9 @@ RUNPOD_KEY_VAR = "RUNPOD_API_KEY"
 # worker by name (`--worker-env NAME`) with the values in the simulator's environment.
 BUCKET_VARS = ("BUCKET_ENDPOINT_URL", "BUCKET_ACCESS_KEY_ID", "BUCKET_SECRET_ACCESS_KEY")
 BUCKET_REGION_VAR = "BUCKET_REGION"
+# The orchestrator's bucket, where our handler publishes its ComfyUI's node registry at start
+# (activities/runpod/nodes.py reads it before a job reaches a paid worker).
+NODES_BUCKET_VAR = "DURABLE_COMFY_BUCKET"
 # Real seconds the simulator gives each worker between SIGTERM and SIGKILL when it stops one.
 RUNPOD_WORKER_STOP_GRACE_S = 5.0
 
@@ -198,7 +201,8 @@ def endpoint_venv_missing() -> str | None:
 def runpod_sim_argv(config: StackConfig, base_dir: Path) -> tuple[str, ...]:
     sim = config.runpod_sim
     # Names only: the values (the bucket's keys among them) are in the simulator's environment.
-    worker_env = [f"--worker-env={name}" for name in (*BUCKET_VARS, BUCKET_REGION_VAR)]
+    names = (*BUCKET_VARS, BUCKET_REGION_VAR, NODES_BUCKET_VAR)
+    worker_env = [f"--worker-env={name}" for name in names]
     return (
         sys.executable,
         "-m",

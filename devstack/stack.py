@@ -38,6 +38,7 @@ from devstack.seaweed import (
     seaweed_spec,
 )
 from devstack.services import (
+    NODES_BUCKET_VAR,
     SERVICE_NAMES,
     ServiceName,
     ServiceSpec,
@@ -66,12 +67,14 @@ log = structlog.get_logger(__name__)
 
 
 def _bucket_env(config: StackConfig, creds: S3Credentials) -> dict[str, str]:
-    """The stack's bucket, in the names our RunPod handler reads (worker-comfyui's)."""
+    """The stack's bucket, in the names our RunPod handler reads (worker-comfyui's), and the
+    bucket it publishes its node registry to (the orchestrator's, the same one here)."""
     return {
         "BUCKET_ENDPOINT_URL": config.s3.endpoint_url,
         "BUCKET_ACCESS_KEY_ID": creds.access_key_id,
         "BUCKET_SECRET_ACCESS_KEY": creds.secret_access_key.get_secret_value(),
         "BUCKET_REGION": config.s3.region,
+        NODES_BUCKET_VAR: config.s3.bucket,
     }
 
 

@@ -106,12 +106,15 @@ class RunPodWorker:
 
 @contextlib.asynccontextmanager
 async def serving(
-    stack: RunningStack, pools: Mapping[str, PoolConfig], default_pool: str = POOL
+    stack: RunningStack, pools: Mapping[str, PoolConfig], default_pool: str = POOL, **worker: Any
 ) -> AsyncIterator[tuple[JobClient, ArtifactStore]]:
     """A worker of ours, in this process, serving `pools` on a task queue of its own, and a
-    client of that queue; the worker stops at the end."""
+    client of that queue; the worker stops at the end. `worker`: more of its `WorkerSettings`
+    (e.g. `orphan_sweep_interval_s`)."""
     task_queue = f"runpod-{uuid.uuid4().hex[:8]}"
-    settings = WorkerSettings(task_queue=task_queue, default_pool=default_pool, pools=dict(pools))
+    settings = WorkerSettings(
+        task_queue=task_queue, default_pool=default_pool, pools=dict(pools), **worker
+    )
     temporal = await connect_temporal(stack.temporal_address, stack.namespace)
     stop = asyncio.Event()
     keys = {name: SecretStr(API_KEY) for name, pool in pools.items() if pool.kind == "runpod"}

@@ -27,7 +27,14 @@ from activities.runpod.retry import RetryPolicy
 from activities.settings import PoolConfig, S3Settings
 from activities.storage import StoredObject
 from activities.storage_errors import ObjectMissing
-from endpoint.contract import ArtifactRecord, Claim, ClaimOutcome, S3Target, claim_key
+from endpoint.contract import (
+    ArtifactRecord,
+    Claim,
+    ClaimOutcome,
+    S3Target,
+    StopRecord,
+    claim_key,
+)
 from workflows.activity_io import (
     FollowHeartbeat,
     FollowInput,
@@ -91,6 +98,19 @@ class MemoryStore:
         head = await self.head(key, bucket=bucket)
         assert head is not None
         return head
+
+    async def put_small(
+        self, key: str, data: bytes, *, content_type: str, bucket: str | None = None
+    ) -> None:
+        self.objects[(bucket or BUCKET, key)] = (data, "")
+
+    async def list_keys(self, prefix: str, *, bucket: str | None = None) -> list[str]:
+        return sorted(
+            k for b, k in self.objects if b == (bucket or BUCKET) and k.startswith(prefix)
+        )
+
+    async def delete(self, key: str, *, bucket: str | None = None) -> None:
+        self.objects.pop((bucket or BUCKET, key), None)
 
 
 @dataclass
@@ -293,6 +313,22 @@ async def test_a_lost_run_answer_is_safe_to_resend_with_claims_but_asks_without(
     assert runpod.requests == []
 
 
+async def test_a_refused_run_leaves_no_word_of_a_submission_in_flight() -> None:
+    """A `/run` refused outright (here a 400; a 429 past the client's budget alike) created no
+    job: the next attempt of a claims-less pool sends it again instead of waiting for a
+    decision on a job that cannot exist (found by `make soak`)."""
+    store = MemoryStore()
+    heartbeats: list[Any] = []
+    runpod = ScriptedRunPod(
+        statuses=[completed([])], run_answer=lambda: httpx.Response(400, json={"error": "no"})
+    )
+    with pytest.raises(ApplicationError) as refused:
+        await env(heartbeats).run(backend(runpod, store, claims=False).follow, follow_input())
+    assert refused.value.type != ErrorType.SUBMISSION_AMBIGUOUS
+    last = FollowHeartbeat.model_validate(heartbeats[-1]).checkpoint
+    assert last.submit_sent_at is None, last
+
+
 async def test_the_claim_finds_the_job_whose_answer_was_lost() -> None:
     store = MemoryStore()
     store.put(OUR_KEY, PNG)
@@ -424,15 +460,28 @@ async def test_stop_cancels_a_running_job_and_waits_for_its_worker() -> None:
     assert ("POST", "cancel") in runpod.requests
     assert (first.position, first.action) == ("running", "interrupt_sent"), "its GPU is not free"
 
+    now = datetime.now(UTC)
+    stop = StopRecord(
+        prompt="interrupted",
+        started_at=now - timedelta(seconds=4),
+        at=now,
+        node="3",
+        node_type="KSampler",
+        worker_id="w1",
+    )
     finished = claim.model_copy(
-        update={"outcome": ClaimOutcome(state="cancelled", at=datetime.now(UTC))}
+        update={"outcome": ClaimOutcome(state="cancelled", at=now, stop=stop)}
     )
     store.put(key, finished.model_dump_json().encode())
     runpod = ScriptedRunPod(statuses=[cancelled])
     second = await env([]).run(backend(runpod, store).stop, stop_input())
-    assert (second.position, second.ended) == ("gone", "interrupted")
+    assert (second.position, second.ended, second.confirmed) == ("gone", "interrupted", True)
+    assert (second.node, second.node_type) == ("3", "KSampler")
     assert ("POST", "cancel") not in runpod.requests, "an ended job is not cancelled again"
     assert second.cost is not None and second.cost.execution_s == 3.0
+    # The worker billed while the handler stopped the prompt after RunPod's cancel.
+    assert second.cost.billed_after_end_s == pytest.approx(5.0 + 4.0)
+    assert not second.cost.lower_bound
 
 
 async def test_stop_without_a_known_job_reports_nothing_on_the_backend() -> None:

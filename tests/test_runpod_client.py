@@ -417,8 +417,16 @@ def test_success_without_images_is_the_workflows_to_judge() -> None:
     [
         (
             {"error": "Workflow validation failed", "details": ["node 3: bad seed"]},
-            "ExecutionError",
+            "PromptRejected",
             "node 3: bad seed",
+        ),
+        (
+            {
+                "error": "Job processing failed",
+                "details": ["Workflow execution error: Node Type: KSampler, Node ID: 3"],
+            },
+            "ExecutionError",
+            "Node Type: KSampler, Node ID: 3",
         ),
         ({"error": "CUDA oom", "error_type": "OutOfMemory"}, "OutOfMemory", "CUDA oom"),
         (

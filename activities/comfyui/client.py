@@ -308,7 +308,13 @@ class ComfyClient:
         return state if isinstance(state, str) else None
 
     async def delete_pending(self, prompt_id: str) -> None:
-        await self._json("POST", "/queue", json={"delete": [prompt_id]})
+        # ComfyUI answers an empty 200: nothing to read as JSON.
+        response = await self._request("POST", "/queue", json={"delete": [prompt_id]})
+        if response.status_code != 200:
+            raise ComfyHTTPError(
+                f"POST /queue: HTTP {response.status_code}: {response.text[:300]}",
+                response.status_code,
+            )
 
     async def interrupt(self, prompt_id: str) -> None:
         await self._request("POST", "/interrupt", json={"prompt_id": prompt_id})

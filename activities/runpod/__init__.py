@@ -7,6 +7,9 @@
     outcome.py   pure reading of a `/status` answer: queued, running, succeeded, follow the claim
                  holder, or a typed failure
     failures.py  the one place RunPod errors and failed outcomes become `ApplicationError`s
+    nodes.py     the endpoint's node registry (published by its workers, or a captured file)
+                 that prepare checks a graph against before any RunPod job exists
+    submissions.py  the registry of live submissions in the bucket, for the orphan sweep
 
 Import from the modules themselves; this file imports nothing, like `activities.comfyui`.
 """

@@ -16,6 +16,11 @@ unless it is a key `activities.keys` could have built: non-empty levels that are
 safe component, so no absolute key, no `.`/`..` level, no control character, backslash or `%`.
 Whether its bucket and folder are this job's is checked where the job is known, before any
 read (`activities.runpod.follow`).
+
+Stock records carry no node id and no subfolder, so two saves of one name (`a/out` and `b/out`
+both write `out_00001_.png`) are told apart only by their place in the output: `record_keys`
+gives every record its own key, the same on every attempt of the same follow, and refuses
+(`KeyCollision`) what it still cannot tell apart. No output is ever skipped for its name.
 """
 
 from __future__ import annotations
@@ -23,19 +28,80 @@ from __future__ import annotations
 import base64
 import binascii
 import re
+from collections.abc import Sequence
 from typing import Literal
 
-from activities.keys import MAX_KEY_BYTES, safe_component, shown
+from activities.keys import MAX_KEY_BYTES, artifact_key, safe_component, shown
 from endpoint.contract import ArtifactRecord
 
 ArtifactSource = Literal["s3", "url", "inline"]
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _DATA_URI = re.compile(r"^data:[^,]{0,200};base64,", re.IGNORECASE)
+_EXTENSION = re.compile(r"\.[A-Za-z0-9]{1,10}$")
 
 
 class UnusableArtifact(ValueError):
     """A record that names no bytes the orchestrator can fetch, or cannot be verified."""
+
+
+class KeyCollision(UnusableArtifact):
+    """Two different outputs would be stored under one key: one would be lost."""
+
+
+def record_keys(
+    records: Sequence[ArtifactRecord], prefix: str, job_id: str, segment: int
+) -> list[str]:
+    """The key each of `records` (one answer's outputs, in its order) is kept under.
+
+    Our handler's S3 records keep the key they were stored under. The others are keyed like
+    the ComfyUI backend's outputs (node id, or "output", and the file name with its subfolder
+    where the record has one); a name already given to an earlier record of the same answer
+    gets the record's index (`out_00001_-1.png`), so a re-attempt reading the same answer maps
+    each record to the same key. Two records still on one key: `KeyCollision`.
+    """
+    keys: list[str] = []
+    for index, record in enumerate(records):
+        if _stored_by_handler(record):
+            keys.append(record.key or "")
+            continue
+        name = f"{record.subfolder}/{record.filename}" if record.subfolder else record.filename
+        key = artifact_key(prefix, job_id, segment, record.node_id or "output", name)
+        if key in keys:
+            key = artifact_key(
+                prefix, job_id, segment, record.node_id or "output", _indexed(name, index)
+            )
+        keys.append(key)
+    first: dict[str, int] = {}
+    for index, key in enumerate(keys):
+        earlier = first.setdefault(key, index)
+        if earlier != index and not same_output(records[earlier], records[index]):
+            raise KeyCollision(
+                f"outputs {earlier} ({shown(records[earlier].filename)}) and {index} "
+                f"({shown(records[index].filename)}) would both be stored as {shown(key, 160)}; "
+                "refusing to keep one in place of the other"
+            )
+    return keys
+
+
+def same_output(a: ArtifactRecord, b: ArtifactRecord) -> bool:
+    """Whether two records are one output told twice (an S3 record in a progress update and
+    again in the result): the same stored object, the same size and sha256."""
+    return (
+        _stored_by_handler(a)
+        and _stored_by_handler(b)
+        and (a.bucket, a.key, a.size, a.sha256) == (b.bucket, b.key, b.size, b.sha256)
+    )
+
+
+def _stored_by_handler(record: ArtifactRecord) -> bool:
+    return record.type == "s3_url" and bool(record.key)
+
+
+def _indexed(name: str, index: int) -> str:
+    match = _EXTENSION.search(name)
+    cut = match.start() if match and match.start() > 0 else len(name)
+    return f"{name[:cut]}-{index}{name[cut:]}"
 
 
 def artifact_source(record: ArtifactRecord, *, verifiable: bool) -> ArtifactSource:

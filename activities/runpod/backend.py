@@ -6,7 +6,7 @@ endpoint/, or a stock worker-comfyui image).
     offload   outputs are stored by then (by the handler, or by follow for inline ones):
               verify them; after a failure, keep what the claim says was stored
     stop      cancel the RunPod job unless it has ended, read its state back and, with claims,
-              wait for the handler to record that its prompt stopped
+              wait for the handler to record what became of its prompt (stop_verdict.py)
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from __future__ import annotations
 import base64
 from collections.abc import Mapping
 from datetime import UTC, datetime
-from typing import Literal
 
 import structlog
 
@@ -22,18 +21,20 @@ from activities.comfyui.graph import refuse_hostile_graph
 from activities.errors import fatal, retryable
 from activities.inputs import input_bytes
 from activities.keys import content_type_for, job_folder, safe_component
+from activities.runpod import submissions
 from activities.runpod.artifacts import key_problem
 from activities.runpod.claims import claim_target, lease_running, read_claim
 from activities.runpod.client import MAX_RUN_BYTES, RunPodClient
 from activities.runpod.errors import RunPodError, RunPodJobGone
 from activities.runpod.failures import from_runpod
-from activities.runpod.follow import POLL_S, RunInputs, RunPodFollower, job_cost, one_chunk
+from activities.runpod.follow import POLL_S, RunInputs, RunPodFollower, one_chunk
 from activities.runpod.models import RunPodJob, RunPodState
+from activities.runpod.nodes import registries_for
+from activities.runpod.stop_verdict import StopAction, stop_verdict
 from activities.settings import PoolConfig
 from activities.storage import ArtifactStore
 from endpoint.contract import (
     MAX_INPUT_FILE_BYTES,
-    Claim,
     InputImage,
     StagedInput,
     inputs_folder,
@@ -63,16 +64,6 @@ log = structlog.get_logger(__name__)
 # room for both. Our handler fetches them from S3 instead, each up to ComfyUI's upload limit.
 MAX_INLINE_RUN_BYTES = MAX_RUN_BYTES * 7 // 10
 
-StopAction = Literal["none", "dequeued", "interrupt_sent"]
-Position = Literal["pending", "running"]
-Ended = Literal["success", "interrupted", "error", "unknown"]
-_ENDED: dict[RunPodState, Ended] = {
-    RunPodState.COMPLETED: "success",
-    RunPodState.CANCELLED: "interrupted",
-    RunPodState.FAILED: "error",
-    RunPodState.TIMED_OUT: "error",
-}
-
 
 class RunPodBackend:
     """`activities.backend.Backend` for RunPod pools."""
@@ -91,15 +82,17 @@ class RunPodBackend:
         self._poll_s = poll_s
 
     async def prepare(self, req: PrepareInput, pool: str) -> PreparedJob:
-        """No node registry to ask (the worker's ComfyUI is not up before a job reaches it):
-        check what can be checked here and stage the input files in the job's bucket folder;
-        ComfyUI's own validation on the worker refuses the rest before anything runs."""
+        """Check the graph (against the endpoint's node registry when one is known:
+        activities/runpod/nodes.py) and stage the input files in the job's bucket folder, all
+        before any RunPod job exists; ComfyUI's own validation on the worker refuses the rest
+        before anything runs."""
         refuse_hostile_graph(req, pool, self._pools[pool].allowed_node_classes)
         for index, overrides in enumerate(req.segments):
             try:
                 apply_overrides(req.graph, overrides)
             except GraphFormatError as exc:
                 raise fatal(ErrorType.INVALID_REQUEST, f"segment {index}: {exc}") from exc
+        await registries_for(self._store).check(req.graph, pool, self._pools[pool])
         by_reference = bool(self._pools[pool].claims)
         bucket = req.output.bucket or self._store.settings.bucket
         folder = inputs_folder(claim_target(req.output, bucket), req.job_id)
@@ -215,7 +208,8 @@ class RunPodBackend:
         return OffloadResult(artifacts=sorted(verified, key=lambda a: a.key))
 
     async def stop(self, req: StopInput) -> StopCheck:
-        """One check: cancel the RunPod job unless it ended, then say where the work is."""
+        """One check: cancel the RunPod job unless it ended, then say where its prompt is
+        (`stop_verdict`: with claims, as the handler records it, never a lapsed lease)."""
         pool, client = self._pools[req.pool], self._clients[req.pool]
         now = datetime.now(UTC)
         target = claim_target(req.output, self._store.settings.bucket)
@@ -230,45 +224,45 @@ class RunPodBackend:
             # can tell (the workflow's settled pass decides what that means).
             return StopCheck(at=now, position="gone", ended="unknown")
         try:
-            job = await client.status(job_id)
-            action: StopAction = "none"
-            if job.state is not None and not job.state.terminal:
-                action = "dequeued" if job.state is RunPodState.IN_QUEUE else "interrupt_sent"
-                await client.cancel(job_id)
-                job = await client.status(job_id)
+            job, action = await self._cancelled(client, job_id, pool)
+            if (
+                claim is not None
+                and claim.holder != job.id
+                and job.state is not None
+                and job.state.terminal
+                and (lease_running(claim) or claim.outcome is not None)
+            ):
+                # The job the workflow knows has ended, but another RunPod job holds the
+                # submission now (a takeover the workflow has not heard of): that one runs, or
+                # ran, the prompt, so it is the one to stop and to judge. (A holder that died
+                # without an outcome is one the workflow has moved past already.)
+                log.info("runpod_stop_follows_claim_holder", job_id=req.job_id, holder=claim.holder)
+                job, holder_action = await self._cancelled(client, claim.holder, pool)
+                action = holder_action if holder_action != "none" else action
         except RunPodJobGone:
+            await submissions.ended(self._store, req.pool, req.job_id, req.prompt_id)
             return StopCheck(at=now, position="gone", ended="unknown", message="unknown to RunPod")
         except RunPodError as exc:
             error = from_runpod(exc, f"stopping RunPod job {job_id}")
             return StopCheck(at=now, position="unreachable", message=error.message)
-        return self._check(job, pool, claim, action, now)
+        if job.state is not None and job.state.terminal:
+            # Nothing left for the orphan sweep to cancel (the handler may still be stopping
+            # the prompt: that is the claim's business, not the sweep's).
+            await submissions.ended(self._store, req.pool, req.job_id, req.prompt_id)
+        return stop_verdict(job, pool, claim, action, req.prompt_id, now)
 
-    def _check(
-        self,
-        job: RunPodJob,
-        pool: PoolConfig,
-        claim: Claim | None,
-        action: StopAction,
-        now: datetime,
-    ) -> StopCheck:
-        state = job.state
-        if state is None or not state.terminal:
-            where: Position = "pending" if state is RunPodState.IN_QUEUE else "running"
-            return StopCheck(at=now, position=where, action=action)
-        # RunPod says the job is over; with claims the handler also records when its prompt
-        # really stopped on the GPU (a cancel is cooperative there, as on any ComfyUI).
-        if claim is not None and claim.holder == job.id and lease_running(claim):
-            return StopCheck(
-                at=now,
-                position="running",
-                action=action,
-                message=f"RunPod job {job.id} is {job.status}; its worker is still stopping",
-            )
-        return StopCheck(
-            at=now,
-            position="gone",
-            action=action,
-            ended=_ENDED.get(state, "unknown"),
-            message=f"RunPod job {job.id}: {job.status}",
-            cost=job_cost(job, pool),
-        )
+    async def _cancelled(
+        self, client: RunPodClient, job_id: str, pool: PoolConfig
+    ) -> tuple[RunPodJob, StopAction]:
+        """The job's state, once cancelled unless it had ended, and what the cancel was: a
+        stock handler never hears of it (it cannot stop its prompt), ours interrupts."""
+        job = await client.status(job_id)
+        action: StopAction = "none"
+        if job.state is not None and not job.state.terminal:
+            if job.state is RunPodState.IN_QUEUE:
+                action = "dequeued"
+            else:
+                action = "interrupt_sent" if pool.claims else "cancel_sent"
+            await client.cancel(job_id)
+            job = await client.status(job_id)
+        return job, action

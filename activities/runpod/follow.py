@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, NoReturn, TypeVar
@@ -37,11 +37,14 @@ from activities.follow_common import (
     send_progress,
     worker_identity,
 )
-from activities.keys import artifact_key, content_type_for, job_folder
+from activities.keys import content_type_for, job_folder
+from activities.runpod import submissions
 from activities.runpod.artifacts import (
+    KeyCollision,
     UnusableArtifact,
     artifact_source,
     inline_bytes,
+    record_keys,
     s3_location,
 )
 from activities.runpod.claims import claim_target, lease_running, read_claim
@@ -49,12 +52,14 @@ from activities.runpod.client import RunPodClient
 from activities.runpod.errors import RunPodError, RunPodJobGone, RunPodSubmissionAmbiguous
 from activities.runpod.failures import from_failure, from_runpod
 from activities.runpod.models import RunPodJob, RunPodState, RunPolicy
+from activities.runpod.nodes import published_target
 from activities.runpod.outcome import (
     ClaimedElsewhere,
     Failed,
     Queued,
     Running,
     Succeeded,
+    after_storage_failure,
     read_gone,
     read_job,
 )
@@ -62,11 +67,13 @@ from activities.settings import PoolConfig
 from activities.storage import ArtifactStore
 from endpoint.contract import (
     DEFAULT_LEASE_S,
+    DEFAULT_STOP_HORIZON_S,
     ArtifactRecord,
     EndpointInput,
     InputImage,
     Orchestration,
     StagedInput,
+    StopRecord,
 )
 from workflows.activity_io import FollowHeartbeat, FollowInput, FollowResult
 from workflows.contracts import Artifact, Checkpoint, JobCost, ProgressReport
@@ -94,6 +101,11 @@ TAKEOVER_MARGIN_S = 3.0
 # delivery that may find the lease not yet out by the S3 server's clock); then the workflow
 # decides.
 MAX_TAKEOVER_SUBMITS = 3
+# Our handler stops a cancelled job's prompt for the job's teardown horizon less a margin (a
+# tenth of it, at least STOP_MARGIN_MIN_S), so the workflow still reads its verdict in time.
+STOP_MARGIN_SHARE = 0.1
+STOP_MARGIN_MIN_S = 15.0
+MIN_STOP_HORIZON_S = 5.0
 # How often the attempt heartbeats while a RunPod call is under way (Temporal's SDK sends at
 # most one heartbeat per 0.8 heartbeat timeouts, so this costs nothing).
 KEEPALIVE_S = 1.0
@@ -198,6 +210,9 @@ class RunPodFollower:
                 ErrorType.PROMPT_LOST,
                 f"no RunPod job is known for prompt {self.submission} and nothing to submit",
             )
+        record = await self._alive_while(
+            submissions.submitting(self.store, self.req, self.pool, self.target, self.policy)
+        )
         # Recorded before sending: an attempt that dies waiting for the answer leaves word.
         sent = datetime.now(UTC)
         self.checkpoint = self.checkpoint.model_copy(update={"submit_sent_at": sent})
@@ -216,7 +231,15 @@ class RunPodFollower:
                 f"RunPod's answer to /run for prompt {self.submission} was lost; with claims, "
                 "submitting again is safe",
             ) from None
+        except RunPodError:
+            # Any other failure of `/run` is a refusal (a 429 past the client's budget, a 4xx,
+            # a connection never made): no job exists, so the next attempt may send it again.
+            # Left set, the mark would make a stock endpoint's job wait for a decision.
+            self.checkpoint = self.checkpoint.model_copy(update={"submit_sent_at": None})
+            self._heartbeat()
+            raise
         self.log.info("runpod_submitted", runpod_job_id=job.id)
+        await self._alive_while(submissions.submitted(self.store, record, job.id))
         # What `/run` answered (IN_QUEUE) counts as seen: a job whose ttl runs out before the
         # first poll expired in the queue, it was not lost.
         self.last_state = job.state
@@ -248,6 +271,8 @@ class RunPodFollower:
                 claims=bool(self.pool.claims),
                 lease_s=self.lease_s,
                 inputs=self.inputs.staged,
+                stop_horizon_s=stop_horizon(req.teardown_horizon_s),
+                nodes=published_target(self.pool, self.store.settings.bucket),
             ),
         )
 
@@ -267,7 +292,10 @@ class RunPodFollower:
             elif isinstance(outcome, Succeeded):
                 return await self._succeeded(job, outcome)
             else:
-                await self._failed(outcome, job)
+                failed = await self._recovered(outcome)
+                if not isinstance(failed, Failed):
+                    return await self._succeeded(job, None, failed)
+                await self._failed(failed, job)
             if activity.is_worker_shutdown():
                 raise retryable(ErrorType.CONNECTION_LOST, "worker shutting down")
             self._heartbeat()
@@ -353,27 +381,31 @@ class RunPodFollower:
             }
         )
         self.node = update.node
-        fresh = [r for r in update.artifacts if self._key_of(r) not in self.artifacts]
-        for record in fresh:
-            artifact = await self._keep(record, verifiable=True)
+        for record, key in self._unkept(update.artifacts):
+            artifact = await self._keep(record, key, verifiable=True)
             self._heartbeat()
             await self._report("uploading", artifact=artifact, force=True)
         waiting = update.stage in ("queued", "claiming", "starting")
         await self._report("queued" if waiting else "running", position=update.queue_position)
 
-    async def _succeeded(self, job: RunPodJob, outcome: Succeeded) -> FollowResult:
-        for record in outcome.output.images:
-            if self._key_of(record) not in self.artifacts:
-                await self._keep(record, verifiable=not outcome.stock)
+    async def _succeeded(
+        self, job: RunPodJob, outcome: Succeeded | None, claimed: Sequence[ArtifactRecord] = ()
+    ) -> FollowResult:
+        """The job's result, every output kept (verified) first. `outcome` None: `claimed` are
+        the records of a completed claim (a StorageError of the handler it recovered from)."""
+        stock = outcome is not None and outcome.stock
+        for record, key in self._unkept(outcome.output.images if outcome else list(claimed)):
+            await self._keep(record, key, verifiable=not stock)
         if not self.artifacts:
             raise fatal(
                 ErrorType.OUTPUT_MISSING,
                 f"RunPod job {job.id} completed without any stored output (add a SaveImage node?)",
             )
-        holder = outcome.output.claim_holder
-        if outcome.output.replayed and holder is not None and holder != job.id:
+        holder = outcome.output.claim_holder if outcome is not None else None
+        if outcome is not None and outcome.output.replayed and holder and holder != job.id:
             await self._read_holder_cost(holder)
         self._heartbeat()
+        await submissions.ended(self.store, self.req.pool, self.req.job_id, self.submission)
         # No "finished" signal: the result tells the workflow the same, a round trip sooner.
         return FollowResult(
             prompt_id=self.req.prompt_id,
@@ -408,15 +440,36 @@ class RunPodFollower:
         """Raise the failure, with what `job` (the failed RunPod job, when there is one to
         read) cost; a worker crash on a claimed submission first waits until the crashed
         holder's lease has run out, so the resubmission may take the claim over."""
-        for record in failed.artifacts:
-            if self._key_of(record) not in self.artifacts:
-                try:
-                    await self._keep(record, verifiable=True)
-                except ApplicationError as exc:  # what failed to verify is not kept
-                    self.log.warning("runpod_partial_output_unusable", error=exc.message)
+        if job is None or (job.state is not None and job.state.terminal):  # gone, or ended
+            await submissions.ended(self.store, self.req.pool, self.req.job_id, self.submission)
+        try:
+            unkept = self._unkept(failed.artifacts)
+        except ApplicationError as exc:  # the failure is the answer: say why none is kept
+            self.log.warning("runpod_partial_output_unusable", error=exc.message)
+            unkept = []
+        for record, key in unkept:
+            try:
+                await self._keep(record, key, verifiable=True)
+            except ApplicationError as exc:  # what failed to verify is not kept
+                self.log.warning("runpod_partial_output_unusable", error=exc.message)
         if failed.resubmit and self.pool.claims:
             await self._wait_out_lease()
         raise from_failure(failed, self.cost_of(job) if job is not None else None)
+
+    async def _recovered(self, failed: Failed) -> Failed | list[ArtifactRecord]:
+        """A StorageError of our handler is final only once its claim says so: the claim is
+        read again (the orchestrator's own S3 calls are retried by Temporal), and
+        `after_storage_failure` decides: the claim's records (a success after all), a
+        resubmission, or the failure as it is."""
+        if not (self.pool.claims and failed.error_type == ErrorType.STORAGE_ERROR):
+            return failed
+        claim = await read_claim(self.store, self.target, self.req.job_id, self.submission)
+        verdict = after_storage_failure(failed, claim)
+        if not isinstance(verdict, Failed):
+            self.log.warning("runpod_storage_failure_claim_completed", runpod_job_id=failed.job_id)
+        elif verdict.resubmit:
+            self.log.warning("runpod_storage_failure_resubmitting", runpod_job_id=failed.job_id)
+        return verdict
 
     async def _wait_out_lease(self) -> None:
         """Until a new delivery may take the claim over: its holder's lease ran out, with
@@ -435,25 +488,37 @@ class RunPodFollower:
 
     # -- outputs -----------------------------------------------------------------------------
 
-    def _key_of(self, record: ArtifactRecord) -> str:
-        if record.type == "s3_url" and record.key:
-            return record.key
-        return artifact_key(
-            self.req.output.prefix,
-            self.req.job_id,
-            self.req.segment,
-            record.node_id or "output",
-            record.filename,
-        )
+    def _unkept(self, records: list[ArtifactRecord]) -> list[tuple[ArtifactRecord, str]]:
+        """Each of one answer's records not kept yet, with its key (`record_keys`: one per
+        record, the same on every attempt). A key kept already is the same output again and is
+        skipped, except an S3 record whose object changed since (a re-run stored it again),
+        which is verified anew. Two outputs on one key fail the job rather than lose one."""
+        req = self.req
+        try:
+            keys = record_keys(records, req.output.prefix, req.job_id, req.segment)
+        except KeyCollision as exc:
+            raise fatal(ErrorType.OUTPUT_MISSING, str(exc)) from None
+        unkept: dict[str, ArtifactRecord] = {}
+        for record, key in zip(records, keys, strict=True):
+            kept = self.artifacts.get(key)
+            changed = (
+                kept is not None
+                and record.type == "s3_url"
+                and record.sha256 is not None
+                and (record.size, record.sha256) != (kept.size, kept.sha256)
+            )
+            if (kept is None or changed) and key not in unkept:
+                unkept[key] = record
+        return [(record, key) for key, record in unkept.items()]
 
-    async def _keep(self, record: ArtifactRecord, *, verifiable: bool) -> Artifact:
+    async def _keep(self, record: ArtifactRecord, key: str, *, verifiable: bool) -> Artifact:
         """An output as a verified `Artifact` in our bucket, under this job's folder only."""
         try:
             source = artifact_source(record, verifiable=verifiable)
             if source == "s3":
                 return await self._verified(record)
             if source == "inline":
-                return await self._stored(record, inline_bytes(record))
+                return await self._stored(record, key, inline_bytes(record))
         except UnusableArtifact as exc:
             raise fatal(ErrorType.OUTPUT_MISSING, str(exc)) from None
         # Without its query: a presigned URL's query (X-Amz-Credential, X-Amz-Signature) is a
@@ -483,9 +548,7 @@ class RunPodFollower:
             )
         return self._remember(record, head.uri, key, head.size, head.sha256, head.content_type)
 
-    async def _stored(self, record: ArtifactRecord, data: bytes) -> Artifact:
-        key = self._key_of(record)
-
+    async def _stored(self, record: ArtifactRecord, key: str, data: bytes) -> Artifact:
         stored = await self.store.upload_stream(
             key,
             one_chunk(data),
@@ -604,15 +667,49 @@ async def one_chunk(data: bytes) -> AsyncIterator[bytes]:
     yield data
 
 
-def job_cost(job: RunPodJob, pool: PoolConfig) -> JobCost:
-    """What RunPod job `job` cost, from its own figures; the idle time a worker bills after its
-    last job is the pool's `idle_timeout_s` (RunPod's default 5 s when unset)."""
+def stop_horizon(teardown_horizon_s: float | None) -> float:
+    """How long our handler keeps stopping a cancelled job's prompt (`Orchestration`): the
+    job's teardown horizon less a margin in which the workflow reads the handler's verdict."""
+    if teardown_horizon_s is None:
+        return DEFAULT_STOP_HORIZON_S
+    margin = max(STOP_MARGIN_MIN_S, STOP_MARGIN_SHARE * teardown_horizon_s)
+    return max(MIN_STOP_HORIZON_S, teardown_horizon_s - margin)
+
+
+def job_cost(job: RunPodJob, pool: PoolConfig, stop: StopRecord | None = None) -> JobCost:
+    """What RunPod job `job` cost, from its own figures (a later `/status` with a larger
+    executionTime is read as it comes); the idle time a worker bills after its last job is the
+    pool's `idle_timeout_s` (RunPod's default 5 s when unset).
+
+    Never less than was billed: RunPod's executionTime of a job cancelled on a worker ends at
+    the cancel, but the worker goes on. Our handler (claims) keeps stopping the prompt and
+    records how long in the claim (`stop`, added to what the worker billed after the job);
+    until it has, and on a stock endpoint, whose handler cannot stop its prompt and runs it to
+    its end, the figure is a lower bound and says so."""
     finished = job.state is not None and job.state.terminal and job.execution_time_ms is not None
     idle = pool.idle_timeout_s
+    after = (DEFAULT_IDLE_TIMEOUT_S if idle is None else idle) if finished else 0.0
+    lower_bound, note = False, ""
+    if stop is not None:
+        stopping = max(0.0, (stop.at - stop.started_at).total_seconds())
+        after += stopping
+        note = (
+            f"includes {stopping:.1f} s the handler spent stopping the prompt after RunPod's stop"
+        )
+    elif job.state is RunPodState.CANCELLED and job.worker_id:
+        lower_bound = True
+        note = "RunPod stopped counting at the cancel; " + (
+            "the handler has not yet recorded how long it took to stop the prompt"
+            if pool.claims
+            else f"a stock worker-comfyui handler cannot stop its prompt, which runs on "
+            f"worker {job.worker_id}, billing, until it ends"
+        )
     return JobCost(
         provider_job_id=job.id,
         queue_s=(job.delay_time_ms or 0.0) / 1000,
         execution_s=(job.execution_time_ms or 0.0) / 1000,
-        billed_after_end_s=(DEFAULT_IDLE_TIMEOUT_S if idle is None else idle) if finished else 0.0,
+        billed_after_end_s=after,
         usd_per_second=pool.usd_per_second,
+        lower_bound=lower_bound,
+        note=note,
     )

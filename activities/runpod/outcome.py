@@ -8,11 +8,15 @@
                       RunPod job: follow that job instead (it is ours, already paid for)
     Failed            everything else, typed with `workflows.shared.ErrorType`:
 
-        COMPLETED with `output.error`           handler's error_type, else ExecutionError
+        COMPLETED with `output.error`           handler's error_type, else PromptRejected
+                                                for a stock handler's rejection of the graph
+                                                (`rejection.stock_rejection`), else
+                                                ExecutionError
         COMPLETED with `output.errors`          OutputMissing (some outputs never arrived)
         COMPLETED without output                OutputMissing (the result was lost on the way)
         COMPLETED with unusable records         OutputMissing, with the usable ones (kept)
         FAILED                                  handler's error_type, else read from the text:
+                                                PromptRejected (a stock handler's rejection),
                                                 OutOfMemory, BackendFault, ExecutionError
         CANCELLED                               Cancelled
         TIMED_OUT, never picked up              QueueTimeout
@@ -24,12 +28,15 @@
 submission again (or `/retry` of the same job) may well succeed, and with claims it cannot run
 twice. Every other terminal failure is final for the job. `Failed.retryable` is True only when
 asking RunPod again may give another answer (an unknown state).
+
+A StorageError of our handler is not final by itself: the orchestrator re-reads the claim
+(`after_storage_failure`), which says whether the run is recoverable.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pydantic import ValidationError
@@ -37,7 +44,8 @@ from pydantic import ValidationError
 from activities.comfyui.events import is_fatal_device_error, is_out_of_memory
 from activities.runpod.artifacts import UnusableArtifact, artifact_source
 from activities.runpod.models import RunPodJob, RunPodState, RunPolicy, is_job_id
-from endpoint.contract import ArtifactRecord, EndpointOutput, ProgressUpdate
+from activities.runpod.rejection import stock_rejection
+from endpoint.contract import ArtifactRecord, Claim, EndpointOutput, ProgressUpdate
 from workflows.shared import ErrorType
 
 PROGRESS_KIND = "durable_comfy.progress"
@@ -108,6 +116,9 @@ class Failed:
     worker_id: str | None = None
     # Outputs our handler stored before it failed: kept, as the ComfyUI backend keeps them.
     artifacts: list[ArtifactRecord] = field(default_factory=list)
+    # Our handler's `EndpointError.claim_recorded`: whether the claim holds this failure as its
+    # outcome. None where the answer does not say (a stock worker, an older handler).
+    claim_recorded: bool | None = None
 
 
 Outcome = Queued | Running | Succeeded | ClaimedElsewhere | Failed
@@ -208,11 +219,16 @@ def _completed(job: RunPodJob, submission: str | None) -> Outcome:
             f"COMPLETED with an output that is not an object: {_text(output)[:200]}",
         )
     if output.get("error"):
-        error_type = _handler_type(output.get("error_type")) or ErrorType.EXECUTION_ERROR
+        error_type = _handler_type(output.get("error_type"))
+        described = _describe(output.get("error"), output.get("details"))
+        rejected = _stock_rejection(error_type, output.get("error"), output.get("details"))
+        if rejected is not None:
+            error_type, described = ErrorType.PROMPT_REJECTED, rejected
+        error_type = error_type or ErrorType.EXECUTION_ERROR
         return _failure(
             job,
             error_type,
-            f"COMPLETED with an error: {_describe(output.get('error'), output.get('details'))}",
+            f"COMPLETED with an error: {described}",
             resubmit=error_type in _WORKER_TROUBLE,
             artifacts=_records(output.get("images")),
         )
@@ -275,6 +291,9 @@ def _failed(job: RunPodJob) -> Failed:
     details = extra.get("details")
     message = _describe(text or "no error text", details)
     error_type = _handler_type(extra.get("error_type"))
+    rejected = _stock_rejection(error_type, text, details)
+    if rejected is not None:
+        error_type, message = ErrorType.PROMPT_REJECTED, rejected
     if error_type is None:
         probe = {"exception_type": sdk_type or "", "exception_message": message}
         if is_out_of_memory(probe):
@@ -332,6 +351,7 @@ def _failure(
     artifacts: list[ArtifactRecord] | None = None,
 ) -> Failed:
     worker = f" on worker {job.worker_id}" if job.worker_id else ""
+    said = job.output.get("claim_recorded") if isinstance(job.output, dict) else None
     return Failed(
         job.id,
         error_type,
@@ -341,6 +361,7 @@ def _failure(
         refresh_worker=refresh_worker,
         worker_id=job.worker_id,
         artifacts=artifacts or [],
+        claim_recorded=said if isinstance(said, bool) else None,
     )
 
 
@@ -373,12 +394,28 @@ def _error_text(error: Any) -> tuple[str, str | None]:
 
 
 def _describe(error: Any, details: Any) -> str:
+    """The error, and whichever details add to it (our handler once sent its whole reason as
+    both: "X (X)")."""
     text = _text(error)
-    if isinstance(details, list) and details:
-        text += " (" + "; ".join(_text(d) for d in details[:5]) + ")"
-    elif isinstance(details, str | dict) and details:
-        text += f" ({_text(details)})"
+    if isinstance(details, list):
+        listed = [_text(d) for d in details[:5]]
+    else:
+        listed = [_text(details)] if isinstance(details, str | dict) and details else []
+    extra = [d for d in dict.fromkeys(listed) if d and d not in text]
+    if extra:
+        text += " (" + "; ".join(extra) + ")"
     return text
+
+
+def _stock_rejection(error_type: str | None, error: Any, details: Any) -> str | None:
+    """A stock handler's rejection of the graph, in plain per-node words (None: not one). Our
+    handler types its own (`error_type`), so only an untyped text is read."""
+    if error_type is not None or not isinstance(error, str):
+        return None
+    rejected = stock_rejection(error)
+    return (
+        None if rejected is None else _describe(f"ComfyUI rejected the graph: {rejected}", details)
+    )
 
 
 def _records(value: Any) -> list[ArtifactRecord]:
@@ -401,3 +438,33 @@ def _text(value: Any) -> str:
 
 def _errors(exc: ValidationError) -> str:
     return "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()[:5])
+
+
+# --- a storage failure of our handler -----------------------------------------------------------
+
+
+def after_storage_failure(failed: Failed, claim: Claim | None) -> Failed | list[ArtifactRecord]:
+    """What our handler's StorageError (`failed`) means, given the submission's claim read
+    again by the orchestrator, whose own S3 calls are retried.
+
+    completed claim         the handler did store everything and recorded it: its records
+                            (the caller verifies them as any others)
+    failed / cancelled      finished by the handler (or its answer says it recorded the
+                            failure, `claim_recorded`): final, as it says
+    no claim, no outcome    the handler could not record how the run ended (or never got the
+                            claim): worker trouble; the same submission goes out again once
+                            the lease has run out, and the claim keeps it at most once
+    """
+    if failed.error_type != ErrorType.STORAGE_ERROR:
+        return failed
+    outcome = claim.outcome if claim is not None else None
+    if outcome is not None and outcome.state == "completed":
+        return list(outcome.images)
+    if outcome is not None or failed.claim_recorded:
+        return failed
+    why = "it holds no claim" if claim is None else "its claim records no outcome"
+    return replace(
+        failed,
+        message=f"{failed.message}; {why}, so the run is submitted again"[:_MAX_MESSAGE],
+        resubmit=True,
+    )
