@@ -7,7 +7,8 @@ none of its workers outlived it.
         ledger = await s.ledger()
 
 Plain helpers, no pytest fixtures here. Worker processes run in .venv-endpoint (the app venv
-cannot import runpod): check `ENDPOINT_VENV_MISSING` and skip when it is set.
+cannot import runpod): check `ENDPOINT_VENV_MISSING` and skip when it is set; the stock
+worker-comfyui handler runs in .venv-stock: check `STOCK_MISSING`.
 """
 
 from __future__ import annotations
@@ -37,13 +38,42 @@ ENDPOINT_VENV_MISSING: str | None = (
 )
 
 
+# The stock worker-comfyui handler (a test fixture outside the repository, AGPL-3.0) runs under
+# tests/runpod_handlers/worker_comfyui.py in a venv of its own (its runpod~=1.7.12).
+STOCK_LAUNCHER = "tests/runpod_handlers/worker_comfyui.py"
+STOCK_PYTHON = REPO_ROOT / ".venv-stock" / "bin" / "python"
+
+
+def stock_fixture_dir() -> Path:
+    """$STOCK_WORKER_COMFYUI (the Makefile's variable; relative to the repo), by default
+    ../shared/worker-comfyui."""
+    folder = Path(
+        os.environ.get("STOCK_WORKER_COMFYUI") or REPO_ROOT.parent / "shared/worker-comfyui"
+    )
+    return folder if folder.is_absolute() else (REPO_ROOT / folder).resolve()
+
+
+def _stock_missing() -> str | None:
+    folder = stock_fixture_dir()
+    if not (folder / "handler.py").is_file():
+        return f"no stock worker-comfyui handler in {folder} (set STOCK_WORKER_COMFYUI)"
+    if not STOCK_PYTHON.exists():
+        return f"{STOCK_PYTHON} is missing: `make install` builds it from {folder}/requirements.txt"
+    return None
+
+
+STOCK_MISSING: str | None = _stock_missing()
+
+
 def handler_command(script: str) -> str:
-    """The --worker-command running `script` (relative to the repo) in the endpoint's venv."""
-    return f"{ENDPOINT_PYTHON} {script}"
+    """The --worker-command running `script` (relative to the repo) in its venv: the endpoint's,
+    or .venv-stock for the stock handler's launcher."""
+    python = STOCK_PYTHON if script == STOCK_LAUNCHER else ENDPOINT_PYTHON
+    return f"{python} {script}"
 
 
 def handler_script(name: str) -> str:
-    """One of tests/runpod_handlers/ (echo, scripted, stream)."""
+    """One of tests/runpod_handlers/ (echo, scripted, stream, stock_comfyui, worker_comfyui)."""
     return f"tests/runpod_handlers/{name}.py"
 
 

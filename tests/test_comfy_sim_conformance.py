@@ -19,9 +19,11 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
+import httpx
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
+from activities.comfyui.client import ComfyClient
 from devstack.comfy_sim import SimSettings, create_app
 from devstack.comfy_sim.__main__ import parse_args
 from devstack.real_comfyui import RealComfyUI
@@ -36,6 +38,7 @@ from tests.comfy_sim_support import (
     Target,
     basic_graph,
     choices,
+    empty_node,
     finished,
     hookless_graph,
     ksampler_graph,
@@ -92,6 +95,65 @@ async def view(comfy: ComfyAPI, item: dict[str, Any]) -> tuple[int, bytes, str]:
     params = {k: item[k] for k in ("filename", "subfolder", "type")}
     async with comfy.http.get(comfy.target.url + "/view", params=params) as response:
         return response.status, await response.read(), response.content_type
+
+
+# Every route our handler and orchestrator (activities/comfyui/client.py) and the stock
+# worker-comfyui 5.8.5 handler call, with a minimal request and what ComfyUI 0.8.0 answers it
+# (status, content type), plain and under /api. "ours" / "stock": who calls it.
+ROUTES_USED: list[tuple[str, str, dict[str, Any], int, str, str]] = [
+    ("GET", "/", {}, 200, "text/html", "stock: readiness probe before each job"),
+    ("HEAD", "/", {}, 200, "text/html", "a GET route also answers HEAD"),
+    ("GET", "/system_stats", {}, 200, "application/json", "ours: readiness, liveness"),
+    ("HEAD", "/system_stats", {}, 200, "application/json", "a GET route also answers HEAD"),
+    ("GET", "/object_info", {}, 200, "application/json", "ours, stock: node registry, models"),
+    ("POST", "/prompt", {"json": {}}, 400, "application/json", "ours, stock: queue a graph"),
+    ("GET", "/queue", {}, 200, "application/json", "ours: where a prompt is"),
+    ("POST", "/queue", {"json": {"delete": ["x"]}}, 200, "application/octet-stream",
+     "ours: dequeue a pending prompt"),
+    ("GET", "/history/x", {}, 200, "application/json", "ours, stock: a prompt's outputs"),
+    ("POST", "/interrupt", {"json": {"prompt_id": "x"}}, 200, "application/octet-stream",
+     "ours: prompt-scoped interrupt"),
+    ("POST", "/free", {"json": {"unload_models": False, "free_memory": False}}, 200,
+     "application/octet-stream", "ours: free memory after an OOM"),
+    ("POST", "/upload/image", {"data": {"overwrite": "true"}}, 400, "application/octet-stream",
+     "ours, stock: input images (no image part: refused)"),
+    ("GET", "/view?filename=missing.png&subfolder=&type=output", {}, 404,
+     "application/octet-stream", "ours, stock: output bytes"),
+    ("GET", "/ws?clientId=x", {}, 400, "text/plain", "ours, stock: events (no upgrade: refused)"),
+    ("POST", "/system_stats", {}, 405, "text/plain", "a route answers only its own methods"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "request_args", "status", "content_type"),
+    [(m, p, a, s, c) for m, p, a, s, c, _ in ROUTES_USED],
+    ids=[f"{m} {p.split('?')[0]} ({who.split(':')[0]})" for m, p, _, _, _, who in ROUTES_USED],
+)
+async def test_every_route_our_clients_use_answers_as_comfyui_does(
+    comfy: ComfyAPI,
+    method: str,
+    path: str,
+    request_args: dict[str, Any],
+    status: int,
+    content_type: str,
+) -> None:
+    for route in (path, "/api" + path):
+        async with comfy.http.request(method, comfy.target.url + route, **request_args) as answer:
+            await answer.read()
+            assert (answer.status, answer.content_type) == (status, content_type), route
+    async with comfy.http.get(comfy.target.url + "/api/jobs/x") as answer:
+        assert (answer.status, answer.content_type) == (404, "application/json")  # ours
+
+
+async def test_the_front_page_is_served_uncached(comfy: ComfyAPI) -> None:
+    """The stock handler waits for `GET /` to answer 200 before its first job."""
+    for path in ("/", "/api/"):
+        async with comfy.http.get(comfy.target.url + path) as answer:
+            page = await answer.read()
+            assert answer.status == 200 and answer.content_type == "text/html", path
+            assert page.lower().startswith(b"<!doctype html"), page[:40]
+            assert answer.headers["Cache-Control"] == "no-cache"
+            assert answer.headers["Pragma"] == "no-cache" and answer.headers["Expires"] == "0"
 
 
 async def test_system_stats_and_api_aliases(comfy: ComfyAPI) -> None:
@@ -363,6 +425,63 @@ async def test_rejections_have_comfyui_shapes_and_queue_nothing(comfy: ComfyAPI)
         assert {e["type"] for e in cycle["node_errors"]["1"]["errors"]} == {"dependency_cycle"}
 
 
+async def test_a_failed_validation_body_is_comfyuis_own(comfy: ComfyAPI) -> None:
+    """The whole 400 body as ComfyUI 0.8.0 sends it (the stock handler formats its
+    `error.message` and each `node_errors` entry into its own error text)."""
+    graph = {"1": empty_node(width=-5), "2": save_node(["1", 0])}
+    status, answer = await comfy.post_prompt(graph)
+    assert status == 400
+    assert answer == {
+        "error": {
+            "type": "prompt_outputs_failed_validation",
+            "message": "Prompt outputs failed validation",
+            "details": "",
+            "extra_info": {},
+        },
+        "node_errors": {
+            "1": {
+                "errors": [
+                    {
+                        "type": "value_smaller_than_min",
+                        "message": "Value -5 smaller than min of 1",
+                        "details": "width",
+                        "extra_info": {
+                            "input_name": "width",
+                            "input_config": [
+                                "INT",
+                                {"default": 512, "min": 1, "max": 16384, "step": 1},
+                            ],
+                            "received_value": -5,
+                        },
+                    }
+                ],
+                "dependent_outputs": ["2"],
+                "class_type": "EmptyImage",
+            }
+        },
+    }
+
+
+async def test_two_save_nodes_may_write_the_same_file_name(comfy: ComfyAPI) -> None:
+    """Prefixes `.../a/out` and `.../b/out`: ComfyUI counts per folder, so both outputs are
+    `out_00001_.png`, told apart only by their subfolder (what a stock endpoint's result drops)."""
+    base = prefix()
+    graph = basic_graph(f"{base}/a/out", color=0x112233)
+    graph["4"] = {"class_type": "ImageInvert", "inputs": {"image": ["2", 0]}}
+    graph["5"] = {"class_type": "SaveImage",
+                  "inputs": {"images": ["4", 0], "filename_prefix": f"{base}/b/out"}}  # fmt: skip
+    run = await comfy.run(graph)
+
+    def saved(folder: str) -> dict[str, Any]:
+        item = {"filename": "out_00001_.png", "subfolder": f"{base}/{folder}", "type": "output"}
+        return {"images": [item]}
+
+    assert run.entry["outputs"] == {"3": saved("a"), "5": saved("b")}
+    first = await view(comfy, run.entry["outputs"]["3"]["images"][0])
+    second = await view(comfy, run.entry["outputs"]["5"]["images"][0])
+    assert first[0] == second[0] == 200 and first[1] != second[1]
+
+
 async def test_a_bad_output_does_not_stop_the_good_one(comfy: ComfyAPI) -> None:
     graph = basic_graph(prefix())
     graph["4"] = save_node(["99", 0])
@@ -386,6 +505,11 @@ async def test_queue_delete_and_clear_touch_pending_only(comfy: ComfyAPI) -> Non
         assert (await comfy.call("POST", "/queue", json={"delete": [later[0], slow]}))[0] == 200
         queue = (await comfy.call("GET", "/queue"))[1]
         assert [item[1] for item in queue["queue_pending"]] == later[1:]
+        # Our client reads the empty 200 as the answer it is (it once raised reading it as JSON).
+        async with httpx.AsyncClient(trust_env=False, timeout=10) as http:
+            await ComfyClient(comfy.target.url, http).delete_pending(later[1])
+        queue = (await comfy.call("GET", "/queue"))[1]
+        assert [item[1] for item in queue["queue_pending"]] == later[2:]
         assert queue["queue_running"][0][1] == slow
         assert (await comfy.call("POST", "/queue", json={"clear": True}))[0] == 200
         assert (await comfy.call("GET", "/queue"))[1]["queue_pending"] == []
@@ -526,6 +650,30 @@ async def test_upload_image_then_load_it(comfy: ComfyAPI) -> None:
     run = await comfy.run(graph)
     status, data, _ = await view(comfy, run.entry["outputs"]["2"]["images"][0])
     assert status == 200 and png_size(data) == (30, 12)
+
+
+async def test_upload_image_as_the_stock_handler_sends_it(comfy: ComfyAPI) -> None:
+    """worker-comfyui posts `image` (a file part, image/png) and `overwrite` ("true", a plain
+    part); a subfolder is answered back, an upload without an image part is refused."""
+    name = f"stock-{new_id()[:10]}.png"
+    data = make_png(6, 4, (1, 2, 3))
+    for subfolder in ("", f"stock/{new_id()[:6]}"):
+        form = aiohttp.FormData()
+        form.add_field("image", io.BytesIO(data), filename=name, content_type="image/png")
+        form.add_field("overwrite", "true")
+        if subfolder:
+            form.add_field("subfolder", subfolder)
+        async with comfy.http.post(comfy.target.url + "/upload/image", data=form) as answer:
+            assert answer.status == 200 and answer.content_type == "application/json"
+            assert await answer.json() == {"name": name, "subfolder": subfolder, "type": "input"}
+        status, stored, _ = await view(
+            comfy, {"filename": name, "subfolder": subfolder, "type": "input"}
+        )
+        assert status == 200 and stored == data
+    form = aiohttp.FormData()
+    form.add_field("overwrite", "true")
+    form.add_field("subfolder", "stock")
+    assert (await comfy.call("POST", "/upload/image", data=form))[0] == 400
 
 
 async def test_foreign_origin_is_refused(comfy: ComfyAPI) -> None:

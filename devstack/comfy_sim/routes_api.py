@@ -190,7 +190,7 @@ async def system_stats(request: web.Request) -> web.Response:
     ram_total, ram_free = _memory()
     stats: dict[str, Any] = {
         "system": {
-            "os": os.name,
+            "os": sys.platform,
             "ram_total": ram_total,
             "ram_free": ram_free,
             "comfyui_version": SIM_VERSION,

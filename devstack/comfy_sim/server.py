@@ -15,7 +15,7 @@ from urllib.parse import urlparse, urlsplit
 import structlog
 from aiohttp import WSCloseCode, WSMsgType, web
 
-from . import routes_api, routes_files, routes_sim
+from . import routes_api, routes_files, routes_front, routes_sim
 from .hub import Session
 from .runtime import RUNTIME, build_runtime, runtime_of
 from .settings import SIM_VERSION, SimSettings
@@ -146,11 +146,12 @@ def create_app(settings: SimSettings | None = None) -> web.Application:
     app[SOCKETS] = sockets
     table = web.RouteTableDef()
     table.get("/ws")(websocket)
-    for source in (table, routes_api.routes, routes_files.routes):
+    for source in (table, routes_front.routes, routes_api.routes, routes_files.routes):
         for route in source:
             assert isinstance(route, web.RouteDef)
-            app.router.add_route(route.method, route.path, route.handler)
-            app.router.add_route(route.method, "/api" + route.path, route.handler)
+            # Registered as ComfyUI's route table registers them: a GET also answers HEAD.
+            for path in (route.path, "/api" + route.path):
+                web.RouteDef(route.method, path, route.handler, route.kwargs).register(app.router)
     app.add_routes(routes_api.api_only_routes)
     app.add_routes(routes_sim.routes)
     app.cleanup_ctx.append(_background)

@@ -16,7 +16,12 @@ What it simulates (PROTOCOLS.md, "RunPod serverless"):
   (run) or 1 min (runsync) after the end; body limits (run 10 MB, runsync 20 MB: 413); 1 MB stream
   chunks; per-10-s rate limits (429 with Retry-After); webhooks.
 - The worker-facing API of runpod 1.12.0's `runpod.serverless.start` loop (job-take, job-stop,
-  job-done, job-stream, ping; routes_worker.py), driven by real, unmodified worker processes.
+  job-done, job-stream, ping; routes_worker.py), driven by real, unmodified worker processes;
+  runpod 1.7.x's loop (the stock worker-comfyui handler's) uses the same routes but never asks
+  for job-stop: a job cancelled under it runs on, and its late job-done is accepted, changes
+  nothing in `/status` and is counted in the ledger (`late_posts`).
+- Each worker its own temporary directory (TMPDIR, under the work dir), as a container has its
+  own /tmp; the working directory is the image's root (`--worker-cwd`), shared by every worker.
 - Workers on demand: scale from zero, max workers, active (min) workers, cold start, idle
   timeout, replacement after refresh_worker, the job of a dead worker (TIMED_OUT, re-delivered,
   or stuck until the execution timeout). Every platform timer runs on a simulator clock

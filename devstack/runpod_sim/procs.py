@@ -8,12 +8,17 @@ import asyncio
 import contextlib
 import os
 import signal
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import structlog
 
 log = structlog.get_logger("runpod_sim.procs")
+# Real seconds to wait for a killed group's last members: a child orphaned by the SIGKILL (the
+# runpod 1.7 SDK's heartbeat process) is a zombie until whoever adopts it reaps it, which can
+# take a second or more.
+GROUP_GONE_S = 5.0
 
 
 class ChildProcess:
@@ -58,6 +63,26 @@ class ChildProcess:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.pgid, signal.SIGKILL)
 
+    def group_alive(self) -> bool:
+        try:
+            os.killpg(self.pgid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+    async def group_gone(self, within_s: float = GROUP_GONE_S) -> bool:
+        """Wait until no process of the group is left (the leader must have been reaped): a
+        worker is gone once nothing of its container remains."""
+        deadline = time.monotonic() + within_s
+        while self.group_alive():
+            if time.monotonic() >= deadline:
+                log.warning("process group outlived its kill", pgid=self.pgid)
+                return False
+            await asyncio.sleep(0.05)
+        return True
+
     async def terminate(self, grace_s: float) -> None:
         """SIGTERM the leader (the runpod SDK finishes its in-flight job, then exits), SIGKILL the
         group after `grace_s`, and in any case sweep the group of whatever the leader left."""
@@ -71,3 +96,4 @@ class ChildProcess:
         self.kill_group()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.proc.wait(), timeout=5)
+            await self.group_gone()

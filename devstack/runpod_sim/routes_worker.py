@@ -1,5 +1,6 @@
-"""The worker-facing API the unmodified `runpod.serverless.start` loop (runpod 1.12.0) talks to
-through RUNPOD_WEBHOOK_GET_JOB / _POST_OUTPUT / _POST_STREAM / _PING:
+"""The worker-facing API the unmodified `runpod.serverless.start` loop (runpod 1.12.0; 1.7.x
+likewise, without job-stop) talks to through RUNPOD_WEBHOOK_GET_JOB / _POST_OUTPUT /
+_POST_STREAM / _PING:
 
 - GET  job-take/{worker}?...&job_in_progress=0|1  -> 200 {id, input} or 204 (held open briefly)
 - GET  job-take-batch/{worker}?...&batch_size=N   -> 200 [{id, input}, ...] or 204
@@ -109,8 +110,9 @@ async def _json_object(request: web.Request) -> tuple[bytes, dict[str, Any] | No
 
 
 def _late(rt: SimRuntime, job_id: str) -> web.Response:
-    # A post for a job this worker no longer runs (cancelled, timed out, re-delivered): accepted
-    # and ignored, as the platform has nothing left to update.
+    # A post for a job this worker no longer runs (cancelled, timed out, re-delivered; a stock
+    # handler under runpod 1.7.x finishing a cancelled prompt): accepted and ignored, as the
+    # platform has nothing left to update. What RunPod itself does with one is undocumented.
     known = rt.table.jobs.get(job_id)
     if known is None:
         return error(404, "unknown job")

@@ -34,7 +34,7 @@ GPU_QUERY = "gpu=SIMULATED"
 # What a worker inherits from the simulator's environment; everything else it gets from the
 # platform (RUNPOD_*), --worker-env and the env factories, as a container gets only its
 # endpoint's variables. A handler cannot come to depend on the developer's shell by accident.
-INHERITED_ENV = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "LC_CTYPE", "TMPDIR", "TZ")
+INHERITED_ENV = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "LC_CTYPE", "TZ")
 # Real seconds a stopping worker is given to collect its job-stop signals before SIGTERM: the SDK
 # re-polls job-stop at least every second (its floor delay after an empty answer).
 STOP_SIGNAL_WAIT_S = 2.0
@@ -155,6 +155,9 @@ class WorkerPool:
             "RUNPOD_LOG_LEVEL": s.runpod_log_level,
             "PYTHONUNBUFFERED": "1",
             "PYTHONPATH": pythonpath,
+            # A container's /tmp is its own: two workers (or a worker and the developer's
+            # machine) never share temporary files.
+            "TMPDIR": str(worker.slot.work_dir / "tmp"),
         }
 
     async def _start_process(self, worker: Worker) -> ChildProcess | None:
@@ -173,7 +176,7 @@ class WorkerPool:
         inherited = {k: os.environ[k] for k in INHERITED_ENV if k in os.environ}
         env = {**inherited, **extra, **self._runpod_env(worker)}
         worker.env_keys = sorted(extra)
-        worker.slot.work_dir.mkdir(parents=True, exist_ok=True)
+        (worker.slot.work_dir / "tmp").mkdir(parents=True, exist_ok=True)
         with worker.log_path.open("ab") as out:
             out.write(f"=== {worker.id}: {' '.join(self.settings.worker_command)}\n".encode())
         return await ChildProcess.spawn(
