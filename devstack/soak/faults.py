@@ -1,0 +1,401 @@
+"""The fault injector: every F seconds (jittered +-50%, seeded) one fault, drawn from a shuffled
+deck of every kind (so a short run still meets each kind), on a target drawn at random.
+
+Faults that are done by doing them (a kill -9 and restart) are over when the service answers
+again. Faults that are armed on a simulator (socket cuts and stalls on a ComfyUI simulator,
+RunPod 429/5xx bursts, dropped /run answers, RunPod worker crashes) are over when they were seen
+to happen: the simulator's log line, its `taken` counters, the ledger's crashed workers. One
+never taken by the end of the run is disarmed and recorded as such.
+
+Each fault's window goes into the evidence, which the audit compares with each failed job's
+life.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+import structlog
+
+from devstack.chaos.sim import DROP_LOGGED, STALL_LOGGED, LogWatch
+from devstack.soak.endpoints import RunpodEndpoint
+from devstack.soak.evidence import FaultRecord
+from devstack.soak.stack import RESTART_ATTEMPTS, SoakStack, SoakStackError
+
+log = structlog.get_logger("soak.faults")
+
+FaultKind = Literal[
+    "worker_kill",
+    "temporal_restart",
+    "s3_restart",
+    "comfy_socket_cut",
+    "comfy_socket_stall",
+    "runpod_429",
+    "runpod_5xx",
+    "drop_run_answer",
+    "runpod_crash_timed_out",
+    "runpod_crash_redeliver",
+    "runpod_crash_stuck",
+]
+ALL_KINDS: tuple[FaultKind, ...] = (
+    "worker_kill",
+    "temporal_restart",
+    "s3_restart",
+    "comfy_socket_cut",
+    "comfy_socket_stall",
+    "runpod_429",
+    "runpod_5xx",
+    "drop_run_answer",
+    "runpod_crash_timed_out",
+    "runpod_crash_redeliver",
+    "runpod_crash_stuck",
+)
+# The simulator's `taken` counter of each RunPod fault.
+TAKEN_NAME = {
+    "runpod_429": "burst_429",
+    "runpod_5xx": "burst_5xx",
+    "drop_run_answer": "drop_run_answer",
+}
+# A crash is armed for the next delivery and fires `after_s` into it; a delivery that ended
+# first took the plan with it. Past this long after being taken, it missed.
+CRASH_MISS_S = 60.0
+WATCH_S = 1.0
+
+
+@dataclass
+class Pending:
+    """An armed fault not seen to happen yet."""
+
+    record: FaultRecord
+    # Something took it (a prompt, a delivery, a request): it can no longer be disarmed.
+    taken: Callable[[], Awaitable[bool]]
+    check: Callable[[], Awaitable[bool]]  # True once over (it fills in the record)
+    disarm: Callable[[], Awaitable[None]]
+    # Why a fault that was taken never happened, asked at the end.
+    why_not: Callable[[], Awaitable[str]] | None = None
+
+
+@dataclass(frozen=True)
+class ComfyTarget:
+    name: str  # "comfyui" or "<pool>/<worker id>"
+    url: str
+    log_file: Path
+
+
+class FaultInjector:
+    """`run` injects until a deadline; `stop_injecting` disarms what nothing took; `close`,
+    after the drain, settles what was taken (a crash planned for a delivery still running)."""
+
+    def __init__(self, stack: SoakStack, rng: random.Random, every_s: float) -> None:
+        self.stack = stack
+        self.rng = rng
+        self.every_s = every_s
+        self.records: list[FaultRecord] = []
+        self._deck: list[FaultKind] = []
+        self._pending: list[Pending] = []
+        self._watcher: asyncio.Task[None] | None = None
+        self._http = httpx.AsyncClient(timeout=5, trust_env=False)
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    async def run(self, until: float) -> None:
+        if self._watcher is None:
+            self._watcher = asyncio.create_task(self._watch(), name="soak fault watcher")
+        while True:
+            pause = self.every_s * self.rng.uniform(0.5, 1.5)
+            if time.time() + pause >= until:
+                break
+            await asyncio.sleep(pause)
+            await self.inject_one()
+
+    async def stop_injecting(self) -> None:
+        """No new fault from now on: whatever is armed and untaken is disarmed."""
+        await self._check_pending()
+        still = []
+        for pending in self._pending:
+            try:
+                taken = await pending.taken()
+            except Exception:
+                taken = False
+            if taken:
+                still.append(pending)
+                continue
+            with contextlib.suppress(Exception):
+                await pending.disarm()
+            pending.record.fired = False
+            pending.record.detail += "; never taken (disarmed when the faults stopped)"
+        self._pending = still
+
+    async def close(self) -> None:
+        """After the drain: the last look at what was taken; the rest did not happen."""
+        if self._watcher is not None:
+            self._watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watcher
+        with contextlib.suppress(Exception):
+            await self._check_pending()
+        for pending in self._pending:
+            record = pending.record
+            if record.fired:
+                record.ended_at = record.ended_at or time.time()
+                continue
+            why = "taken, but it never happened"
+            if pending.why_not is not None:
+                with contextlib.suppress(Exception):
+                    why = await pending.why_not()
+            record.fired = False
+            record.detail += f"; {why}"
+        self._pending.clear()
+        await self._http.aclose()
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(WATCH_S)
+            with contextlib.suppress(Exception):
+                await self._check_pending()
+
+    async def _check_pending(self) -> None:
+        still = []
+        for pending in self._pending:
+            try:
+                done = await pending.check()
+            except Exception:
+                done = False
+            if not done:
+                still.append(pending)
+        self._pending = still
+
+    def _draw(self) -> FaultKind:
+        if not self._deck:
+            self._deck = list(ALL_KINDS)
+            self.rng.shuffle(self._deck)
+        return self._deck.pop()
+
+    async def inject_one(self) -> None:
+        for _ in range(len(ALL_KINDS) * 2):
+            kind = self._draw()
+            record = FaultRecord(
+                index=len(self.records) + 1, kind=kind, target="", started_at=time.time()
+            )
+            try:
+                applied = await self._apply(kind, record)
+            except SoakStackError:
+                raise  # the stack is broken: the soak cannot go on
+            except Exception as exc:
+                record.error = f"{type(exc).__name__}: {exc}"
+                applied = True
+            if applied:
+                self.records.append(record)
+                log.info(
+                    "fault",
+                    name=record.name,
+                    target=record.target,
+                    detail=record.detail,
+                    error=record.error,
+                )
+                return
+
+    # -- the faults -----------------------------------------------------------------------------
+
+    async def _apply(self, kind: FaultKind, record: FaultRecord) -> bool:
+        """Inject `kind`, filling in `record`; False when it has no target right now."""
+        if kind == "worker_kill":
+            await self._worker_kill(record)
+        elif kind == "temporal_restart":
+            await self._restart(record, "temporal", down_s=self.rng.uniform(0.5, 3.0))
+        elif kind == "s3_restart":
+            await self._restart(record, "s3", down_s=self.rng.uniform(3.0, 20.0))
+        elif kind in ("comfy_socket_cut", "comfy_socket_stall"):
+            return await self._comfy(kind, record)
+        else:
+            return await self._runpod(kind, record)
+        return True
+
+    async def _worker_kill(self, record: FaultRecord) -> None:
+        worker = self.rng.choice(self.stack.workers)
+        record.target = f"{worker.name} (pid {worker.pid})"
+        await worker.kill()
+        down_s = self.rng.uniform(0.5, 3.0)
+        record.detail = f"kill -9, restarted after {down_s:.1f} s"
+        await asyncio.sleep(down_s)
+        for attempt in range(RESTART_ATTEMPTS):
+            try:
+                await worker.start()
+                break
+            except Exception as exc:
+                if attempt == RESTART_ATTEMPTS - 1:
+                    raise SoakStackError(f"{worker.name} did not come back: {exc}") from exc
+        record.ended_at = time.time()
+
+    async def _restart(
+        self, record: FaultRecord, service: Literal["temporal", "s3"], down_s: float
+    ) -> None:
+        record.target = service
+        record.detail = f"kill -9, down {down_s:.1f} s, restarted on its data"
+        await self.stack.kill_service(service)
+        await asyncio.sleep(down_s)
+        await self.stack.start_service(service)
+        record.ended_at = time.time()
+        record.detail += f" (back after {record.ended_at - record.started_at:.1f} s)"
+
+    async def _comfy_targets(self) -> list[ComfyTarget]:
+        paths = self.stack.paths
+        targets = [ComfyTarget("comfyui", self.stack.comfy_url, paths.log_file("comfyui_sim"))]
+        for endpoint in self.stack.endpoints.values():
+            if "comfy_socket_cut" not in endpoint.spec.faults:
+                continue
+            try:
+                ledger = await endpoint.ledger()
+            except httpx.HTTPError:
+                continue
+            for worker in ledger.workers:
+                comfy = endpoint.worker_comfy(worker.id)
+                if worker.state in ("idle", "running") and comfy is not None:
+                    log_file = endpoint.worker_dir(worker.id) / "comfy_sim.log"
+                    name = f"{endpoint.spec.pool}/{worker.id}"
+                    targets.append(ComfyTarget(name, comfy.url, log_file))
+        return targets
+
+    async def _comfy(self, kind: FaultKind, record: FaultRecord) -> bool:
+        busy = {p.record.target for p in self._pending if p.record.kind == kind}
+        targets = [t for t in await self._comfy_targets() if t.name not in busy]
+        if not targets:
+            return False
+        target = self.rng.choice(targets)
+        record.target = target.name
+        watch = LogWatch(target.log_file)
+        if kind == "comfy_socket_cut":
+            events = self.rng.randint(3, 40)
+            body: dict[str, Any] = {"drop_ws_after_events": events}
+            needle, lasts_s, field = DROP_LOGGED, 0.0, "drop_ws_after_events"
+            record.detail = f"the next prompt's socket is cut after {events} events"
+        else:
+            stall_s = round(self.rng.uniform(3.0, 12.0), 1)
+            after = self.rng.randint(1, 20)
+            body = {"stall_ws_s": stall_s, "stall_after_events": after}
+            needle, lasts_s, field = STALL_LOGGED, stall_s, "stall_ws_s"
+            record.detail = f"the next prompt's events stall {stall_s} s after {after} events"
+        (await self._http.post(f"{target.url}/sim/faults", json=body)).raise_for_status()
+
+        async def check() -> bool:
+            # The simulator logs each fault as it fires (a prompt that took it may end before
+            # reaching the event count: then it never fires).
+            if not watch.seen(needle):
+                return False
+            record.fired = True
+            record.fired_at = time.time()
+            record.ended_at = record.fired_at + lasts_s
+            return True
+
+        async def taken() -> bool:
+            armed = (await self._http.get(f"{target.url}/sim/faults")).json()
+            return armed.get(field) is None
+
+        async def disarm() -> None:
+            await self._http.post(f"{target.url}/sim/faults", json={field: None})
+
+        async def why_not() -> str:
+            return "taken by a prompt that ended before it fired"
+
+        self._pending.append(Pending(record, taken, check, disarm, why_not))
+        return True
+
+    async def _runpod(self, kind: FaultKind, record: FaultRecord) -> bool:
+        endpoints = [e for e in self.stack.endpoints.values() if kind in e.spec.faults]
+        busy = {p.record.target for p in self._pending if p.record.kind.startswith("runpod_crash")}
+        if kind.startswith("runpod_crash"):
+            endpoints = [e for e in endpoints if e.spec.pool not in busy]
+        if not endpoints:
+            return False
+        endpoint = self.rng.choice(endpoints)
+        record.target = endpoint.spec.pool
+        if kind.startswith("runpod_crash"):
+            await self._crash(kind, record, endpoint)
+            return True
+        taken_name = TAKEN_NAME[kind]
+        if kind == "runpod_429":
+            count = self.rng.randint(5, 25)
+            body: dict[str, Any] = {"burst_429": count, "burst_routes": None}
+            record.detail = f"the next {count} API requests answered 429"
+        elif kind == "runpod_5xx":
+            count = self.rng.randint(3, 15)
+            routes = endpoint.spec.burst_5xx_routes
+            code = self.rng.choice([500, 502, 503])
+            body = {"burst_5xx": count, "burst_5xx_status": code, "burst_routes": routes}
+            only = f" ({', '.join(routes)} only)" if routes else ""
+            record.detail = f"the next {count} API requests{only} answered {code}"
+        else:
+            body = {"drop_run_answer": 1}
+            record.detail = "the next /run creates its job, then drops the connection"
+        baseline = int((await endpoint.fault_state()).get("taken", {}).get(taken_name, 0))
+        await endpoint.arm(body)
+
+        async def check() -> bool:
+            state = await endpoint.fault_state()
+            if int(state.get("taken", {}).get(taken_name, 0)) <= baseline:
+                return False
+            if record.fired_at is None:
+                record.fired, record.fired_at = True, time.time()
+            if int(state.get(taken_name, 0)) > 0:  # a burst still being answered
+                return False
+            record.ended_at = time.time()
+            return True
+
+        async def taken() -> bool:
+            state = await endpoint.fault_state()
+            return int(state.get("taken", {}).get(taken_name, 0)) > baseline
+
+        async def disarm() -> None:
+            await endpoint.arm({taken_name: 0})
+
+        self._pending.append(Pending(record, taken, check, disarm))
+        return True
+
+    async def _crash(self, kind: FaultKind, record: FaultRecord, endpoint: RunpodEndpoint) -> None:
+        outcome = kind.removeprefix("runpod_crash_")
+        after_s = round(self.rng.uniform(1.0, 8.0), 1)
+        record.detail = f"the next delivery's worker is kill -9ed {after_s} s in; job {outcome}"
+        crashed_before = _crashed(await endpoint.ledger())
+        baseline = int((await endpoint.fault_state()).get("taken", {}).get("crash", 0))
+        await endpoint.arm({"crash": {"on_delivery": 1, "after_s": after_s, "outcome": outcome}})
+        taken_at: list[float] = []
+
+        async def check() -> bool:
+            if not taken_at:
+                state = await endpoint.fault_state()
+                if int(state.get("taken", {}).get("crash", 0)) <= baseline:
+                    return False
+                taken_at.append(time.time())
+            if _crashed(await endpoint.ledger()) > crashed_before:
+                record.fired = True
+                record.fired_at = record.ended_at = time.time()
+                return True
+            if time.time() - taken_at[0] > CRASH_MISS_S:
+                record.fired = False
+                record.detail += f"; {await why_not()}"
+                return True
+            return False
+
+        async def taken() -> bool:
+            state = await endpoint.fault_state()
+            return int(state.get("taken", {}).get("crash", 0)) > baseline
+
+        async def disarm() -> None:
+            await endpoint.arm({"crash": None})
+
+        async def why_not() -> str:
+            return "its delivery ended before the kill"
+
+        self._pending.append(Pending(record, taken, check, disarm, why_not))
+
+
+def _crashed(ledger: Any) -> int:
+    return sum(1 for worker in ledger.workers if worker.stop_reason == "crash")
