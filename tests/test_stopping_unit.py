@@ -635,3 +635,58 @@ async def test_what_the_provider_job_cost_goes_into_the_book(world: World) -> No
     ]
     await confirm(world, PromptStop(world.book, policy()))
     assert world.costs == [cost, cost]
+
+
+# -- what a backend may end a stop with (issue 16) ------------------------------------------------
+
+
+async def test_a_backend_that_gave_up_on_the_prompt_fails_the_teardown_at_once(
+    world: World,
+) -> None:
+    """Our RunPod handler replaced its worker at its stop horizon: no further check could
+    change anything, so the stop fails now (not at the teardown horizon), naming the worker."""
+    message = "prompt p1 was still running on RunPod worker w-7 after the handler's stop horizon"
+    world.answers = [
+        RUNNING,
+        {"position": "stuck", "worker_id": "w-7", "worker_replaced": True, "node": "4",
+         "message": message},
+    ]  # fmt: skip
+    record = await confirm(world, PromptStop(world.book, policy(horizon_s=900)))
+    assert len(world.requests) == 2 and len(world.waits) == 1
+    assert record.state == "FAILED"
+    assert [(s.action, s.node, s.detail) for s in record.steps] == [
+        ("interrupt_sent", None, ""),
+        ("still_running", "4", message),
+        ("worker_replaced", None, "w-7"),
+    ]
+    assert record.detail == (
+        f"after cancel: {message}. interrupt sent, still running, worker replaced"
+    )
+    assert world.metrics[-1][-1] == {"state": "FAILED"}
+
+
+async def test_a_backend_that_cannot_tell_whether_the_prompt_stopped_is_unconfirmed(
+    world: World,
+) -> None:
+    """A stock worker-comfyui endpoint: the provider's job was cancelled, and that is all."""
+    message = "RunPod job rp-1 was cancelled; a stock worker-comfyui handler cannot stop it"
+    world.answers = [
+        {"position": "gone", "action": "cancel_sent", "ended": "unknown", "confirmed": False,
+         "message": message},
+    ]  # fmt: skip
+    record = await confirm(world, PromptStop(world.book, policy()))
+    assert record.state == "UNCONFIRMED"
+    assert [(s.action, s.detail) for s in record.steps] == [("cancel_sent", message)]
+    assert record.detail == (
+        f"after cancel: {message}. provider job cancelled (the worker cannot be told to stop "
+        "the prompt)"
+    )
+    assert "interrupt" not in " ".join(s.action for s in record.steps)
+
+
+async def test_a_prompt_the_backend_refused_was_never_queued(world: World) -> None:
+    world.answers = [{"position": "gone", "ended": "never_queued", "message": "rejected"}]
+    record = await confirm(world, PromptStop(world.book, policy()), "after failure")
+    assert record.state == "CONFIRMED"
+    assert [(s.action, s.detail) for s in record.steps] == [("never_queued", "rejected")]
+    assert record.detail == "after failure: never queued"

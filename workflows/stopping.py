@@ -202,6 +202,8 @@ class PromptStop:
             return
         if check.position != "gone":
             return
+        if not check.confirmed:
+            return  # nothing is known of how the prompt ended: the stop's detail says why
         node = check.node
         where = f"node {node} ({check.node_type})" if node else ""
         if check.ended == "interrupted":
