@@ -25,7 +25,22 @@ $(EP_STAMP): endpoint/requirements.txt
 	$(EP_VENV)/bin/pip install --quiet --disable-pip-version-check -r endpoint/requirements.txt
 	rm -f $(EP_VENV)/.installed-* && touch $@
 
-install: $(STAMP) $(EP_STAMP)
+# The stock runpod-workers/worker-comfyui handler (a test fixture, AGPL-3.0, outside the
+# repository) gets a venv of its own from its requirements (runpod~=1.7.12), for
+# tests/test_runpod_stock.py; without the folder there is nothing to build and those tests skip.
+export STOCK_WORKER_COMFYUI ?= ../shared/worker-comfyui
+STOCK_VENV  := .venv-stock
+STOCK_REQS  := $(wildcard $(STOCK_WORKER_COMFYUI)/requirements.txt)
+STOCK_STAMP := $(if $(STOCK_REQS),$(STOCK_VENV)/.installed-$(shell cat $(STOCK_REQS) | cksum | cut -d' ' -f1))
+
+ifneq ($(STOCK_STAMP),)
+$(STOCK_STAMP): $(STOCK_REQS)
+	$(PYTHON) -m venv $(STOCK_VENV)
+	$(STOCK_VENV)/bin/pip install --quiet --disable-pip-version-check -r $(STOCK_REQS)
+	rm -f $(STOCK_VENV)/.installed-* && touch $@
+endif
+
+install: $(STAMP) $(EP_STAMP) $(STOCK_STAMP)
 
 ## demo: start the local stack and a worker, run examples/txt2img.json end to end
 ## (CONFIG=path/to/stack.yaml: another stack file, e.g. a copy of temporal-dev.yaml with its ports moved)
@@ -40,15 +55,18 @@ demo-chaos: $(STAMP)
 ## test: unit, workflow (time-skipping), integration (real Temporal + SeaweedFS + simulator)
 ## (TEST_WORKERS=N: pytest-xdist processes, each with its own local stack; 1 runs them in one)
 TEST_WORKERS ?= 2
-test: $(STAMP) $(EP_STAMP)
+test: $(STAMP) $(EP_STAMP) $(STOCK_STAMP)
 	$(BIN)/pytest -q -n $(TEST_WORKERS) --durations=15
 
-## test-real-comfyui: the conformance suite and an end-to-end subset against a real ComfyUI
-test-real-comfyui: $(STAMP)
+## test-real-comfyui: the conformance suite and end-to-end tests against a real ComfyUI: on a
+## comfyui pool, and on the RunPod path (our handler, and the stock worker-comfyui handler when
+## .venv-stock has it, under the RunPod simulator with a real ComfyUI per worker)
+test-real-comfyui: $(STAMP) $(EP_STAMP) $(STOCK_STAMP)
 	@test -x $(REAL_COMFYUI) || { echo "no $(REAL_COMFYUI): set REAL_COMFYUI=path/to/real-comfyui" >&2; exit 2; }
 	$(REAL_COMFYUI) install $(REAL_COMFYUI_DIR)
-	REAL_COMFYUI_DIR=$(abspath $(REAL_COMFYUI_DIR)) $(BIN)/pytest -q \
-		tests/test_comfy_sim_conformance.py tests/test_real_comfyui.py
+	REAL_COMFYUI_DIR=$(abspath $(REAL_COMFYUI_DIR)) $(BIN)/pytest -q --durations=10 \
+		tests/test_comfy_sim_conformance.py tests/test_real_comfyui.py \
+		tests/test_real_comfyui_runpod.py
 
 ## test-ui: the Temporal UI shows a running job's live progress (headless Chromium from Debian)
 test-ui: $(STAMP)
@@ -82,6 +100,18 @@ bench: $(STAMP)
 	$(BIN)/python -m bench $(if $(BENCH),--only '$(BENCH)') $(if $(N),-n $(N)) \
 		$(if $(NOTE),--note '$(NOTE)') \
 		--command 'make bench$(if $(BENCH), BENCH=$(BENCH))$(if $(N), N=$(N))'
+
+## soak: MINUTES of mixed detached jobs on every pool kind with a random fault every FAULT_EVERY
+## seconds, on a stack of its own, then the audit (docs/reliability.md); not part of `make test`.
+## SEED= replays a run's mix and faults, JOBS_PER_MINUTE= the pace, STOCK=real|standin|off the
+## claims: false pool (default: the real stock handler when .venv-stock has it), KEEP=1 its logs.
+MINUTES     ?= 15
+FAULT_EVERY ?= 20
+.PHONY: soak
+soak: $(STAMP) $(EP_STAMP) $(STOCK_STAMP)
+	$(BIN)/python -m devstack.soak --minutes $(MINUTES) --fault-every $(FAULT_EVERY) \
+		$(if $(SEED),--seed $(SEED)) $(if $(JOBS_PER_MINUTE),--jobs-per-minute $(JOBS_PER_MINUTE)) \
+		$(if $(STOCK),--stock $(STOCK)) $(if $(KEEP),--keep)
 
 ## lint: ruff (format + check) and mypy
 lint: $(STAMP)
