@@ -96,6 +96,19 @@ class Execution:
             graph=self.graph,
         )
 
+    async def stop_briefly(self, subject: StopSubject) -> None:
+        """Stop the prompt for at most FAILED_STOP_S: a run that failed on our side, or whose
+        claim another delivery took over, has nobody waiting for the stop's verdict."""
+        await stop_prompt(
+            self.client,
+            subject,
+            horizon_s=FAILED_STOP_S,
+            since=time.monotonic(),
+            started_at=datetime.now(UTC),
+            worker_id=self.settings.worker_id,
+            comfy_pid=self.settings.comfy_pid,
+        )
+
     def cancel_outputs(self) -> None:
         """Stop storing outputs now (uploads in flight abort); the records stay as they are."""
         self.collector.cancel_now()
@@ -132,15 +145,7 @@ class Execution:
             self.collector.cancel_now()
             try:
                 if subject.maybe_queued and self.follower.ended is None:
-                    await stop_prompt(
-                        self.client,
-                        subject,
-                        horizon_s=FAILED_STOP_S,
-                        since=time.monotonic(),
-                        started_at=datetime.now(UTC),
-                        worker_id=self.settings.worker_id,
-                        comfy_pid=self.settings.comfy_pid,
-                    )
+                    await self.stop_briefly(subject)
             finally:
                 # Uploads end here, before the job's HTTP client closes.
                 await self.collector.cancel()

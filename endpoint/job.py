@@ -50,7 +50,7 @@ from endpoint.contract import (
     claim_key,
     inputs_folder,
 )
-from endpoint.execution import FAILED_STOP_S, Execution, ExecutionResult
+from endpoint.execution import Execution, ExecutionResult
 from endpoint.failures import failure_of, failure_of_end
 from endpoint.inputs import InputProblem, read_input
 from endpoint.lease import Lease
@@ -489,15 +489,7 @@ class OrchestratedJob:
         work.cancel()
 
         async def stop() -> None:
-            await stop_prompt(
-                self.client,
-                subject,
-                horizon_s=FAILED_STOP_S,
-                since=time.monotonic(),
-                started_at=datetime.now(UTC),
-                worker_id=self.settings.worker_id,
-                comfy_pid=self.settings.comfy_pid,
-            )
+            await execution.stop_briefly(subject)
             await asyncio.gather(work, return_exceptions=True)
 
         stopping = asyncio.create_task(stop(), name="stop the prompt")
