@@ -8,14 +8,16 @@ Three simulated endpoints, one each per module:
 - `gpuless_sim`: an endpoint that never gets a worker (`--max-workers=0`), its clock 10x fast,
   where jobs wait until RunPod's ttl deletes them.
 
-After every test each simulator's ledger shows no job queued or running and no worker billed
-past its idle timeout after its last job (`settled_ledger`).
+After every test each simulator's ledger shows no job queued or running, no worker billed past
+its idle timeout after its last job (`settled_ledger`), and none billed more than the
+`JobStatus.cost` of the jobs it ran says (`billing_matches`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -37,7 +39,9 @@ from starter.connection import connect_temporal
 from tests.runpod_e2e_support import (
     API_KEY,
     POOL,
+    billing_matches,
     cost_matches,
+    ended_statuses,
     endpoint_sim,
     job,
     provider_output,
@@ -107,11 +111,15 @@ async def endpoints(
         STOCK_POOL: runpod_pool(stock_sim, claims=False),
         GPULESS_POOL: runpod_pool(gpuless_sim, execution_timeout_s=5),
     }
+    started = time.time()
     async with serving(local_stack, pools) as (client, store):
         yield Endpoints(local_stack, runpod_sim, stock_sim, gpuless_sim, client, store)
-    for sim in (runpod_sim, stock_sim):
-        await settled_ledger(sim)
-    await settled_ledger(gpuless_sim, idle_timeout_s=0.0)
+        ledgers = [await settled_ledger(sim) for sim in (runpod_sim, stock_sim)]
+        ledgers.append(await settled_ledger(gpuless_sim, idle_timeout_s=0.0))
+        # While our worker still answers the status queries of the jobs the test ran.
+        statuses = await ended_statuses(client, since=started)
+    for ledger in ledgers:
+        billing_matches(ledger, statuses)
 
 
 @pytest.fixture

@@ -7,7 +7,8 @@ The handler is launched by tests/runpod_handlers/worker_comfyui.py (which only p
 worker's ComfyUI). It probes `GET /` before each job, returns base64 images named by file name
 only (no node id, no subfolder), sends no progress and never interrupts a cancelled prompt.
 After every test the simulator's ledger shows nothing queued or running and no worker billed
-past its idle timeout (`settled_ledger`).
+past its idle timeout, nor more than the `JobStatus.cost` of the jobs it ran (`settled_ledger`,
+`billing_matches`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from devstack.models import RunningStack
 from devstack.runpod_sim import Ledger
 from starter import JobClient
 from tests.runpod_e2e_support import (
+    billing_matches,
+    ended_statuses,
     endpoint_sim,
     job,
     provider_output,
@@ -73,9 +76,11 @@ async def stock_sim(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[R
 async def stock_client(local_stack: RunningStack, stock_sim: RunpodSim) -> AsyncIterator[JobClient]:
     await stock_sim.reset_faults()
     pools = {STOCK_POOL: runpod_pool(stock_sim, claims=False)}
+    started = time.time()
     async with serving(local_stack, pools, default_pool=STOCK_POOL) as (client, _store):
         yield client
-    await settled_ledger(stock_sim)
+        ledger = await settled_ledger(stock_sim)
+        billing_matches(ledger, await ended_statuses(client, since=started))
 
 
 # -- helpers -------------------------------------------------------------------------------------

@@ -439,6 +439,21 @@ def test_an_untagged_prompt_belongs_to_the_job_its_worker_held_when_it_started()
     assert [run.runpod_job_id for run in runs] == ["r1", "r2", None]
 
 
+def test_a_prompt_started_just_after_the_last_job_belongs_to_the_next_one() -> None:
+    """A busy stock worker takes its next job within a second of the last one's end: the
+    slack for clock differences must not give the new prompt to the old job (which the first
+    15-minute soak read as a duplicate execution)."""
+    runs = [PromptRun(pool="stock", sim="w1", prompt_id="y", queued=1, executions=1)]
+    snap = {"stats": {"started_at": {"y": T0 + 10.4}}}
+    held = [(T0, T0 + 10.0, "r1"), (T0 + 10.2, T0 + 20, "r2")]
+    attribute_by_time(runs, snap, held)
+    assert runs[0].runpod_job_id == "r2"
+    snap = {"stats": {"started_at": {"y": T0 + 10.1}}}  # between the two: the nearer one
+    runs[0].runpod_job_id = None
+    attribute_by_time(runs, snap, held)
+    assert runs[0].runpod_job_id == "r1"
+
+
 def test_faults_that_did_not_happen_are_listed_but_fail_nothing() -> None:
     evidence = clean()
     evidence.faults.append(

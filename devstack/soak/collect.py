@@ -220,10 +220,20 @@ def attribute_by_time(
         at = started.get(run.prompt_id)
         if run.runpod_job_id is not None or at is None:
             continue
-        for start, end, runpod_job_id in held:
-            if start - slack_s <= at <= end + slack_s:
-                run.runpod_job_id = runpod_job_id
-                break
+        # The job whose delivery holds the start; only failing that the nearest within the
+        # slack (the clocks differ a little). Jobs follow each other within milliseconds on a
+        # busy worker: the first interval within the slack may be the one before.
+        inside = [job for start, end, job in held if start <= at <= end]
+        if inside:
+            run.runpod_job_id = inside[0]
+            continue
+        near = [
+            (min(abs(at - start), abs(at - end)), job)
+            for start, end, job in held
+            if start - slack_s <= at <= end + slack_s
+        ]
+        if near:
+            run.runpod_job_id = min(near)[1]
 
 
 async def settle(endpoint: RunpodEndpoint) -> Ledger:
