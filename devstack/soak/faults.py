@@ -20,7 +20,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import httpx
 import structlog
@@ -45,19 +45,7 @@ FaultKind = Literal[
     "runpod_crash_redeliver",
     "runpod_crash_stuck",
 ]
-ALL_KINDS: tuple[FaultKind, ...] = (
-    "worker_kill",
-    "temporal_restart",
-    "s3_restart",
-    "comfy_socket_cut",
-    "comfy_socket_stall",
-    "runpod_429",
-    "runpod_5xx",
-    "drop_run_answer",
-    "runpod_crash_timed_out",
-    "runpod_crash_redeliver",
-    "runpod_crash_stuck",
-)
+ALL_KINDS: tuple[FaultKind, ...] = get_args(FaultKind)
 # The simulator's `taken` counter of each RunPod fault.
 TAKEN_NAME = {
     "runpod_429": "burst_429",
