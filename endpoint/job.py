@@ -69,6 +69,8 @@ log = structlog.get_logger(__name__)
 PROMPT_TAG = "durable_comfy_runpod"
 # How long a re-delivery of our own job waits for the earlier delivery's lease to run out.
 WAIT_OUT_FACTOR = 2.0
+# While claiming, a progress update at least this often (a fraction of the claim lease).
+CLAIMING_REPORT_FACTOR = 1 / 3
 # Once the worker is being replaced, how long the run's own clean-up (aborting uploads) may
 # keep the process.
 REPLACED_CLEANUP_S = 10.0
@@ -349,12 +351,17 @@ class OrchestratedJob:
         store = ClaimStore(self.s3, o.output.bucket)
         key = claim_key(o.output, o.job_id, o.submission)
         acquiring = asyncio.create_task(self._acquire(store, key), name="claim")
+        # Until a claim is written (its reads may ride out a storage outage for minutes), the
+        # platform's progress updates are the only sign that this handler lives.
+        keepalive = asyncio.create_task(self._report_while_claiming(), name="claiming")
         try:
             decision = await asyncio.shield(acquiring)
         except ClaimError as exc:
             return self._error(failure_of(exc))
         except asyncio.CancelledError:
             await self._stopped_while_claiming(store, key, acquiring)
+        finally:
+            keepalive.cancel()
         if isinstance(decision, Finished):
             return self._replay(decision.current.claim)
         if isinstance(decision, HeldElsewhere):
@@ -372,6 +379,14 @@ class OrchestratedJob:
             self.log.info("claim_taken_over", previous=previous.holder, worker=previous.worker_id)
         async with Lease(store, key, decision.held, o.lease_s) as lease:
             return await self._run_claimed(lease)
+
+    async def _report_while_claiming(self) -> None:
+        """A "claiming" update now and every CLAIMING_REPORT_FACTOR of the lease: the
+        orchestrator judges a delivery with neither a claim nor an update for a lease dead."""
+        self.reporter.set_stage("claiming")
+        while True:
+            await asyncio.sleep(self.o.lease_s * CLAIMING_REPORT_FACTOR)
+            self.reporter.keepalive()
 
     async def _acquire(self, store: ClaimStore, key: str) -> Decision:
         """Claim the token. A claim held by this same RunPod job on another worker is an

@@ -57,6 +57,11 @@ class ProgressReporter:
         """The tracker advanced: tell the platform when the rate allows."""
         self._emit(force=False)
 
+    def keepalive(self) -> None:
+        """An update whether or not anything moved: the orchestrator's sign that this
+        delivery's handler lives while nothing else says so (no claim written yet)."""
+        self._emit(force=True)
+
     def add_artifact(self, record: ArtifactRecord) -> None:
         self.artifacts.append(record)
         self._emit(force=True)

@@ -115,10 +115,15 @@ async def test_outages_while_claiming_and_mid_upload_cost_time_not_the_run(
     block = job_input["durable_comfy"]
     settings = behind(gate, bucket, sim)
     await gate.shut()
+    progress = Progress()
     with capture_logs() as logs:
-        task = asyncio.create_task(run_job(job(job_input), settings, Progress()))
+        task = asyncio.create_task(run_job(job(job_input), settings, progress))
         await asyncio.sleep(OUTAGE_S)
         assert not task.done() and await prompt_runs(sim, block["prompt_id"]) == 0
+        # No claim yet, so no lease: "claiming" every third of the lease says the handler
+        # lives (the orchestrator gives a delivery silent for a lease up for dead).
+        claiming = [u for u in progress.updates if u.stage == "claiming"]
+        assert len(claiming) >= OUTAGE_S // (6.0 / 3), progress.stages()
         # Back, until 3 MiB more went up: a cut in the middle of the large file's first part.
         cut = gate.shut_after(3 * MIB)
         await gate.open()

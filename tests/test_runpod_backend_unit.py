@@ -665,6 +665,37 @@ async def test_an_attempt_heartbeats_while_a_runpod_call_waits(
     assert len(waiting) >= 4, "heartbeats while /run was waiting for its answer"
 
 
+async def test_a_delivery_that_dies_before_it_claims_is_cancelled_and_sent_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A worker killed while its handler was still reading the claim (through an S3 outage,
+    say) leaves no claim and no lease: its silence is the sign (found by `make soak`, where
+    such a job stayed IN_PROGRESS until its execution timeout). A handler that keeps
+    reporting "claiming" is alive, however long its claim takes."""
+    monkeypatch.setattr("activities.runpod.follow.CLAIM_LEASE_S", 0.0)
+    monkeypatch.setattr("activities.runpod.follow.TAKEOVER_MARGIN_S", 0.3)
+    store = MemoryStore()
+    silent = {"id": RUNPOD_JOB, "status": "IN_PROGRESS", "workerId": "w-1"}
+    runpod = ScriptedRunPod(statuses=[silent])
+    known = Checkpoint(job_id=JOB_ID, prompt_id=PROMPT, provider_job_id=RUNPOD_JOB)
+    with pytest.raises(ApplicationError) as lost:
+        # Bounded: without the check the attempt would poll the dead job for ever.
+        await asyncio.wait_for(
+            env([]).run(backend(runpod, store).follow, follow_input(checkpoint=known)), 10
+        )
+    assert lost.value.type == ErrorType.PROMPT_LOST, lost.value
+    assert "neither claimed" in lost.value.message and "w-1" in lost.value.message
+    assert ("POST", "cancel") in runpod.requests
+
+    claiming = [
+        {**silent, "output": {**progress(0, seq), "stage": "claiming"}} for seq in range(1, 40)
+    ]
+    store.put(OUR_KEY, PNG)
+    runpod = ScriptedRunPod(statuses=[*claiming, completed([record(OUR_KEY)])])
+    result = await env([]).run(backend(runpod, store).follow, follow_input(checkpoint=known))
+    assert ("POST", "cancel") not in runpod.requests and result.artifacts
+
+
 async def test_a_job_left_in_progress_by_a_dead_worker_is_cancelled_and_sent_again(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -153,6 +153,21 @@ async def test_a_worker_runpod_lost_with_its_lease_lapsed_took_its_prompt_along(
     assert result.position == "running", result
 
 
+async def test_a_job_runpod_took_off_its_claims_worker_left_the_prompt_with_that_worker() -> None:
+    """The worker crashed, RunPod put the job back in its queue (no worker, no execution) and
+    the cancel found it there: the claim's worker is not the job's any more, and its lease
+    lapsed. A CANCELLED job still on the claim's worker is not judged so (defect 1)."""
+    store = MemoryStore()
+    put_claim(store, lease_left_s=-6)
+    requeued = {"id": RUNPOD_JOB, "status": "IN_QUEUE", "delayTime": 900}
+    cancelled = {"id": RUNPOD_JOB, "status": "CANCELLED", "delayTime": 900}
+    result, _ = await check(store, [requeued, cancelled])
+    assert (result.position, result.ended, result.action) == ("gone", "unknown", "dequeued")
+    assert WORKER in result.message and "off that worker" in result.message
+    result, _ = await check(store, [CANCELLED])  # on the claim's worker, with its run counted
+    assert result.position == "running", result
+
+
 @pytest.mark.parametrize(
     ("fate", "ended", "action", "node"),
     [

@@ -158,6 +158,8 @@ class RunPodFollower:
         # dead worker's.
         self.delivery: tuple[str, str | None] | None = None
         self.best_seq = -1
+        # When this delivery last gave a sign of life (it started, or sent a new update).
+        self.heard_at = time.monotonic()
         self.takeover_submits = 0
         # Other RunPod jobs of this submission that billed: a delivery that found it claimed,
         # and the holder whose `/run` answer was lost (its outcome replayed to ours).
@@ -348,7 +350,10 @@ class RunPodFollower:
             return
         self.last_lease_check = now
         claim = await read_claim(self.store, self.target, self.req.job_id, self.submission)
-        if claim is None or claim.holder != job.id or claim.outcome is not None:
+        if claim is None:
+            await self._fail_if_silent_before_claiming(job)
+            return
+        if claim.holder != job.id or claim.outcome is not None:
             return
         free_at = claim.lease_until + timedelta(seconds=TAKEOVER_MARGIN_S)
         if datetime.now(UTC) < free_at:
@@ -363,11 +368,31 @@ class RunPodFollower:
             f"claim at {claim.lease_until:%H:%M:%S} UTC: the worker is gone; submitting again",
         )
 
+    async def _fail_if_silent_before_claiming(self, job: RunPodJob) -> None:
+        """No claim yet, so no lease to judge: our handler reports "claiming" at once and then
+        every third of the lease until its claim is written (its S3 reads may ride out an outage
+        for minutes meanwhile). A delivery silent for a lease died before it claimed anything:
+        nothing ran, and the submission may go out again at once."""
+        silent_s = time.monotonic() - self.heard_at
+        if silent_s <= self.lease_s + TAKEOVER_MARGIN_S:
+            return
+        self.log.warning("runpod_delivery_silent", runpod_job_id=job.id, silent_s=round(silent_s))
+        await self._alive_while(self.client.cancel(job.id))
+        raise fatal(
+            ErrorType.PROMPT_LOST,
+            f"RunPod job {job.id} is IN_PROGRESS on worker {job.worker_id or '?'}, but its "
+            f"handler has neither claimed prompt {self.submission} nor reported for "
+            f"{silent_s:.0f} s: the worker is gone; submitting again",
+        )
+
     async def _running(self, outcome: Running) -> None:
         update = outcome.progress
         delivery = (outcome.job_id, outcome.worker_id)
         if delivery != self.delivery:
             self.delivery, self.best_seq = delivery, -1
+            self.heard_at = time.monotonic()
+        if update is not None and update.seq > self.best_seq:
+            self.heard_at = time.monotonic()
         if update is None or update.seq < self.best_seq:
             await self._report("running")  # a stock worker says nothing more
             return

@@ -76,10 +76,11 @@ def stop_verdict(
             # The handler's own answer reached RunPod, so it had returned: only recording the
             # outcome failed (a storage outage). Its answer says how the prompt ended.
             return _ended_alone(job, pool, action, now)
-        if state is RunPodState.TIMED_OUT and claim.lease_until <= now and _worker_lost(job):
-            # Two witnesses that the worker is gone: RunPod stopped hearing from it (TIMED_OUT
-            # short of the execution limit) and its handler stopped renewing the claim. A
-            # worker is one container: its ComfyUI, and the prompt, went with it.
+        given_up = _runpod_gave_up_on(job, claim)
+        if given_up and claim.lease_until <= now:
+            # Two witnesses that the worker is gone: RunPod gave up on it (below) and its
+            # handler stopped renewing the claim. A worker is one container: its ComfyUI, and
+            # the prompt, went with it.
             lost = claim.worker_id or job.worker_id or "?"
             return StopCheck(
                 at=now,
@@ -88,7 +89,7 @@ def stop_verdict(
                 ended="unknown",
                 worker_id=lost,
                 message=(
-                    f"RunPod lost worker {lost} (job {job.id} TIMED_OUT) and its handler "
+                    f"RunPod gave up on worker {lost} (job {job.id} {given_up}) and its handler "
                     f"stopped renewing the claim at {claim.lease_until:%H:%M:%S} UTC: prompt "
                     f"{prompt_id} went with its worker"
                 ),
@@ -132,10 +133,17 @@ def stop_verdict(
     )
 
 
-def _worker_lost(job: RunPodJob) -> bool:
-    """RunPod timed the job out because its worker stopped reporting, not at its limit."""
+def _runpod_gave_up_on(job: RunPodJob, claim: Claim) -> str | None:
+    """How RunPod showed it had given up on the claim holder's worker, if it did: it timed the
+    job out because the worker stopped reporting (not at its limit), or it took the job off
+    that worker (a re-delivery after a worker loss, then cancelled while queued again)."""
     read = read_job(job)
-    return isinstance(read, Failed) and read.error_type == ErrorType.PROMPT_LOST
+    if isinstance(read, Failed) and read.error_type == ErrorType.PROMPT_LOST:
+        return "TIMED_OUT"
+    moved = job.worker_id is not None or not job.execution_time_ms  # (no worker, no run: requeued)
+    if claim.worker_id and job.worker_id != claim.worker_id and moved:
+        return f"{job.status} off that worker"
+    return None
 
 
 def _still_stopping(job: RunPodJob, claim: Claim, prompt_id: str, now: datetime) -> str:
