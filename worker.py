@@ -14,6 +14,7 @@ import signal
 import sys
 from collections.abc import Mapping
 from datetime import timedelta
+from enum import StrEnum
 from typing import Annotated
 
 import httpx
@@ -36,6 +37,7 @@ from activities.runpod.client import RunPodClient
 from activities.runpod.nodes import check_captured_registries
 from activities.settings import WorkerSettings, runpod_api_keys
 from activities.storage import ArtifactStore, S3Settings, StorageConfigError
+from activities.versioning import deployment_config, settle_and_report
 from starter.connection import TemporalSettings, connect_temporal, forwarded_core_logs
 from starter.exit import exit_without_finalizing
 from workflows.inference_job import InferenceJob
@@ -103,12 +105,9 @@ async def run_worker(
             # sent them (the SDK's default is 0.8 x the heartbeat timeout): clients read the
             # running job's step from them.
             max_heartbeat_throttle_interval=timedelta(seconds=settings.heartbeat_throttle_s),
-        )
-        log.info(
-            "worker_started",
-            task_queue=settings.task_queue,
-            pools=sorted(settings.pools),
-            namespace=client.namespace,
+            # One version of a Worker Deployment; InferenceJob is pinned to the version it
+            # started on (docs/upgrading.md). None: an unversioned worker.
+            deployment_config=deployment_config(settings),
         )
         meter = (client.service_client.config.runtime or Runtime.default()).metric_meter
         sweeper = OrphanSweeper(
@@ -121,6 +120,18 @@ async def run_worker(
         )
         sweeping: asyncio.Task[None] | None = None
         async with worker:
+            # Polling has begun: the server registers the version, which may then be made
+            # current. Only then is the worker started: new jobs reach it (or the log says why
+            # not), which is what `make demo` waits for.
+            routing = await settle_and_report(client, settings)
+            log.info(
+                "worker_started",
+                task_queue=settings.task_queue,
+                pools=sorted(settings.pools),
+                namespace=client.namespace,
+                version=routing.version if routing else None,
+                current=routing.is_current if routing else None,
+            )
             if settings.orphan_sweep_interval_s > 0:
                 sweeping = asyncio.create_task(
                     sweeper.run(settings.orphan_sweep_interval_s, stop), name="orphan-sweep"
@@ -143,6 +154,14 @@ def runpod_clients(
     }
 
 
+class SetCurrentOption(StrEnum):
+    """`--set-current` for typer, which takes an Enum for a choice (`SetCurrent` is a Literal)."""
+
+    FIRST = "first"
+    ALWAYS = "always"
+    NEVER = "never"
+
+
 def _stop_on_signals() -> asyncio.Event:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -159,13 +178,29 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="serve Prometheus metrics on 127.0.0.1:PORT/metrics (env DURABLE_COMFY_METRICS_PORT)",
     )
+    parser.add_argument(
+        "--build-id",
+        default=None,
+        help="this worker's Worker Deployment Version build ID "
+        "(env DURABLE_COMFY_BUILD_ID; default: the package version)",
+    )
+    parser.add_argument(
+        "--set-current",
+        choices=["first", "always", "never"],
+        default=None,
+        help="when the worker makes its version the deployment's current one "
+        "(env DURABLE_COMFY_SET_CURRENT; default: first)",
+    )
     args = parser.parse_args(argv)
+    # An option wins over its variable; an option not given leaves the variable to decide.
+    options = {
+        name: value
+        for name in ("metrics_port", "build_id", "set_current")
+        if (value := getattr(args, name)) is not None
+    }
     # Every setting is read here, once; a bad one stops the worker naming its variable.
     try:
-        if args.metrics_port is None:
-            settings = WorkerSettings()
-        else:  # the option wins over DURABLE_COMFY_METRICS_PORT
-            settings = WorkerSettings(metrics_port=args.metrics_port)
+        settings = WorkerSettings(**options)
         s3 = S3Settings.from_env()
         temporal = TemporalSettings()
         runpod_keys = runpod_api_keys(settings.pools)
@@ -182,9 +217,27 @@ def cli_command(
         int | None,
         typer.Option(help="Serve Prometheus metrics on 127.0.0.1:PORT/metrics."),
     ] = None,
+    build_id: Annotated[
+        str | None,
+        typer.Option(help="Build ID of this worker's version (default: the package version)."),
+    ] = None,
+    set_current: Annotated[
+        SetCurrentOption | None,
+        typer.Option(
+            help="Make this worker's version current: first (only a deployment's first "
+            "version), always, never (an operator does; docs/upgrading.md)."
+        ),
+    ] = None,
 ) -> None:
     """Run the Temporal worker (pools from temporal-dev.yaml or the environment)."""
-    main([] if metrics_port is None else ["--metrics-port", str(metrics_port)])
+    argv: list[str] = []
+    if metrics_port is not None:
+        argv += ["--metrics-port", str(metrics_port)]
+    if build_id is not None:
+        argv += ["--build-id", build_id]
+    if set_current is not None:
+        argv += ["--set-current", set_current.value]
+    main(argv)
 
 
 if __name__ == "__main__":

@@ -6,14 +6,17 @@ builds them and passes them down; nothing else reads these variables):
     WorkerSettings  DURABLE_COMFY_CONFIG, DURABLE_COMFY_POOLS, DURABLE_COMFY_TASK_QUEUE,
                     DURABLE_COMFY_DEFAULT_POOL, DURABLE_COMFY_ORPHAN_SWEEP_S,
                     DURABLE_COMFY_METRICS_PORT, DURABLE_COMFY_LOG_LEVEL,
-                    DURABLE_COMFY_HEARTBEAT_THROTTLE_S
+                    DURABLE_COMFY_HEARTBEAT_THROTTLE_S, DURABLE_COMFY_VERSIONING,
+                    DURABLE_COMFY_DEPLOYMENT_NAME, DURABLE_COMFY_BUILD_ID,
+                    DURABLE_COMFY_SET_CURRENT
     S3Settings      DURABLE_COMFY_BUCKET, DURABLE_COMFY_S3_ENDPOINT, AWS_ACCESS_KEY_ID,
                     AWS_SECRET_ACCESS_KEY, AWS_REGION (else AWS_DEFAULT_REGION)
 
 and `runpod_api_keys` reads each runpod pool's API key, at start-up too, from the variable the
 pool's `api_key_env` names (default RUNPOD_API_KEY).
 
-Precedence, highest first: values passed in code (`worker --metrics-port`), the variables, the
+Precedence, highest first: values passed in code (`worker --metrics-port`, `--build-id`, ...),
+the variables, the
 `worker:` section of the stack file DURABLE_COMFY_CONFIG names (temporal-dev.yaml), the defaults.
 A field takes its value from one place only: DURABLE_COMFY_POOLS replaces the file's pools, it is
 not merged with them. An empty variable counts as unset. A bad value is a pydantic
@@ -31,8 +34,9 @@ import re
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any, Literal, Self
+from typing import Annotated, Any, Literal, Self
 from urllib.parse import urlsplit
 
 import yaml
@@ -245,6 +249,26 @@ def runpod_api_keys(
     return keys
 
 
+DEFAULT_DEPLOYMENT_NAME = "durable-comfy"
+PACKAGE = "durable-comfy"
+# A version's canonical name is `deployment.build_id`, split at the first dot: a dot in the
+# deployment's name would move part of it into the build ID.
+DeploymentName = Annotated[str, Field(min_length=1, max_length=255, pattern=r"^[^.\s]+$")]
+BuildId = Annotated[str, Field(min_length=1, max_length=255, pattern=r"^\S+$")]
+SetCurrent = Literal["first", "always", "never"]
+
+
+def package_build_id() -> str:
+    """The installed durable-comfy package's version: the default build ID."""
+    try:
+        return version(PACKAGE)
+    except PackageNotFoundError:
+        raise ValueError(
+            f"the {PACKAGE} package is not installed, so it has no version to be the build ID: "
+            "set DURABLE_COMFY_BUILD_ID (or `worker --build-id`)"
+        ) from None
+
+
 class WorkerSection(BaseModel):
     """The `worker:` section of a stack file (temporal-dev.yaml): what this worker serves."""
 
@@ -253,6 +277,12 @@ class WorkerSection(BaseModel):
     task_queue: str = DEFAULT_TASK_QUEUE
     default_pool: str = "comfyui"
     pools: dict[str, PoolConfig] = Field(default_factory=dict)
+    # Worker Versioning (see WorkerSettings). None: not in the file (the variable or the default
+    # decides); a dumped stack file keeps them None.
+    versioning: bool | None = None
+    deployment_name: DeploymentName | None = None
+    build_id: BuildId | None = None
+    set_current: SetCurrent | None = None
 
 
 def read_worker_section(path: Path) -> WorkerSection:
@@ -375,7 +405,7 @@ class _StackFileWorkerSection(PydanticBaseSettingsSource):
         return {
             name: getattr(section, name)
             for name in WorkerSection.model_fields
-            if not _taken(state, name, fields[name])
+            if not _taken(state, name, fields[name]) and getattr(section, name) is not None
         }
 
 
@@ -414,6 +444,28 @@ class WorkerSettings(EnvSettings):
     heartbeat_throttle_s: float = Field(
         0.4, gt=0, le=60, validation_alias="DURABLE_COMFY_HEARTBEAT_THROTTLE_S"
     )
+    # Worker Versioning (docs/upgrading.md): the worker polls as one version of a Worker
+    # Deployment, `deployment_name` + `build_id`, and InferenceJob is pinned to the version it
+    # started on. Off: an unversioned worker (a server without Worker Deployments).
+    versioning: bool = Field(True, validation_alias="DURABLE_COMFY_VERSIONING")
+    deployment_name: DeploymentName = Field(
+        DEFAULT_DEPLOYMENT_NAME, validation_alias="DURABLE_COMFY_DEPLOYMENT_NAME"
+    )
+    # None: this package's version. It must change with every release whose workflow code
+    # changed, or running jobs replay on code they did not start on.
+    build_id: BuildId | None = Field(None, validation_alias="DURABLE_COMFY_BUILD_ID")
+    # When the worker makes its version the deployment's current one (new jobs go to the current
+    # version). `first`: only while the deployment has none (its very first version); `always`:
+    # at every start (the dev stack); `never`: an operator runs `temporal worker deployment
+    # set-current-version`.
+    set_current: SetCurrent = Field("first", validation_alias="DURABLE_COMFY_SET_CURRENT")
+
+    @model_validator(mode="after")
+    def _build_id_from_the_package(self) -> Self:
+        if self.versioning and self.build_id is None:
+            # The model is frozen: this default is resolved once, here.
+            object.__setattr__(self, "build_id", package_build_id())
+        return self
 
     @field_validator("pools", mode="before")
     @classmethod
