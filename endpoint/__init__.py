@@ -1,6 +1,9 @@
 """The RunPod serverless handler that runs inside a GPU worker next to ComfyUI.
 
 It has its own requirements (`endpoint/requirements.txt`, the `runpod` SDK) and its own venv:
-the orchestrator's venv cannot hold `runpod` (boto3 pins). `contract.py` is shared with the
-orchestrator and needs only pydantic (and `activities/keys.py`, stdlib only).
+the orchestrator's venv cannot hold `runpod` (boto3 pins). It imports from the orchestrator only
+what needs neither Temporal nor the worker: the ComfyUI core (`activities.comfyui.client`,
+`events`, `follower`, `history`), `activities.progress`, `activities.keys`, and the wire contract
+(`activities.runpod.contract`). Nothing under `activities/` imports `endpoint/`
+(tests/test_layers.py).
 """

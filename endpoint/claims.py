@@ -32,7 +32,7 @@ from typing import Any
 
 from botocore.exceptions import BotoCoreError, ClientError
 
-from endpoint.contract import Claim, ClaimOutcome
+from activities.runpod.contract import Claim, ClaimOutcome
 from endpoint.s3 import S3, S3_FAILURES, Patience, error_code, is_conflict, is_missing
 
 # Date and Last-Modified have a resolution of one second.

@@ -12,16 +12,13 @@ from collections.abc import Callable
 import structlog
 
 from activities.comfyui.client import ComfyClient, ComfyError
-from endpoint.contract import InputImage
+from activities.comfyui.follower import ComfyGone
+from activities.runpod.contract import InputImage
 from endpoint.inputs import decode_image
 
 log = structlog.get_logger(__name__)
 
 POLL_S = 0.5
-
-
-class ComfyGone(Exception):
-    """ComfyUI's process exited or never answered: this worker cannot run anything."""
 
 
 def process_alive(pid: int) -> bool:

@@ -18,10 +18,10 @@ import structlog
 
 from activities.comfyui.client import ComfyClient, ComfyError
 from activities.comfyui.events import is_out_of_memory
+from activities.comfyui.follower import PromptEnd, PromptFollower, Stage
 from activities.progress import ProgressTracker
+from activities.runpod.contract import ArtifactRecord, InputImage, ProgressStage
 from endpoint.comfy import stage_images, wait_for_comfy
-from endpoint.contract import ArtifactRecord, InputImage, ProgressStage
-from endpoint.follow import PromptEnd, PromptFollower, Stage
 from endpoint.outputs import OutputCollector, OutputSink
 from endpoint.reporting import ProgressReporter
 from endpoint.settings import EndpointSettings
@@ -71,14 +71,17 @@ class Execution:
         self.collector = OutputCollector(client, sink, self._stored, run_tag=run_tag)
         self.follower = PromptFollower(
             client,
+            self,
             prompt_id=prompt_id,
             client_id=client_id,
+            tracker=tracker,
+            poll_s=settings.silence_check_s,
             graph=graph,
             extra_data=extra_data,
-            tracker=tracker,
-            listener=self,
-            poll_s=settings.silence_check_s,
-            lost_after_s=settings.comfy_lost_after_s,
+            # The handler rides out a ComfyUI restart itself (nobody else re-attaches), until
+            # ComfyUI has been silent this long: then the worker is broken (`ComfyGone`).
+            reconnect_for_s=settings.comfy_lost_after_s,
+            log=log.bind(prompt_id=prompt_id),
         )
 
     def records(self) -> list[ArtifactRecord]:
@@ -158,25 +161,35 @@ class Execution:
         except ComfyError as exc:
             log.warning("free_failed", error=str(exc))
 
-    # --- the follower's Listener ------------------------------------------------------------
+    # --- the follower's listener: progress to RunPod, outputs to the sink ---------------------
 
-    def stage(self, stage: Stage, position: int | None) -> None:
+    async def submitted(self) -> None:
+        pass  # the follower's own flags (maybe_queued, submitted) are what a stop reads
+
+    async def stage(self, stage: Stage, position: int | None) -> None:
         self.stage_changed(stage, position)
 
     def stage_changed(self, stage: ProgressStage, position: int | None = None) -> None:
         if self.reporter is not None:
             self.reporter.set_stage(stage, position)
 
-    def node(self, node: str | None) -> None:
+    async def node(self, node: str) -> None:
         if self.reporter is not None:
             self.reporter.set_node(node)
 
-    def moved(self) -> None:
+    async def moved(self) -> None:
         if self.reporter is not None:
             self.reporter.moved()
 
-    def outputs(self, outputs: dict[str, Any]) -> None:
+    async def executed(self, node: str, output: dict[str, Any]) -> None:
+        await self.moved()
+        self.collector.add({node: output})
+
+    async def outputs(self, outputs: dict[str, Any]) -> None:
         self.collector.add(outputs)
+
+    def beat(self) -> None:
+        pass  # the platform hears of the job through progress updates, not a heartbeat
 
     def check(self) -> None:
         failure = self.collector.failure()

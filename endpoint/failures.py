@@ -16,10 +16,10 @@ from activities.comfyui.client import (
     UnsafeOutputName,
 )
 from activities.comfyui.events import is_fatal_device_error, is_out_of_memory
+from activities.comfyui.follower import ComfyGone, PromptEnd, PromptLost
+from activities.comfyui.history import HistoryMissing
+from activities.runpod.contract import EndpointError
 from endpoint.claims import ClaimConflict, ClaimError
-from endpoint.comfy import ComfyGone
-from endpoint.contract import EndpointError
-from endpoint.follow import HistoryMissing, PromptEnd, PromptLost
 from endpoint.inputs import InputProblem
 from endpoint.outputs import OutputTooLarge
 from endpoint.s3 import S3_FAILURES, error_code

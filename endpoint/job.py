@@ -28,16 +28,7 @@ import structlog
 from activities.comfyui.client import ComfyClient
 from activities.keys import artifact_key
 from activities.progress import ProgressTracker
-from endpoint.claims import (
-    Acquired,
-    ClaimConflict,
-    ClaimError,
-    ClaimStore,
-    Decision,
-    Finished,
-    HeldElsewhere,
-)
-from endpoint.contract import (
+from activities.runpod.contract import (
     DEFAULT_STOP_HORIZON_S,
     ArtifactRecord,
     Claim,
@@ -49,6 +40,15 @@ from endpoint.contract import (
     StopRecord,
     claim_key,
     inputs_folder,
+)
+from endpoint.claims import (
+    Acquired,
+    ClaimConflict,
+    ClaimError,
+    ClaimStore,
+    Decision,
+    Finished,
+    HeldElsewhere,
 )
 from endpoint.execution import Execution, ExecutionResult
 from endpoint.failures import failure_of, failure_of_end

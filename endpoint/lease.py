@@ -20,8 +20,8 @@ from typing import Self
 
 import structlog
 
+from activities.runpod.contract import Claim, ClaimOutcome
 from endpoint.claims import ClaimConflict, ClaimError, ClaimStore, StoredClaim, fresh_claim
-from endpoint.contract import Claim, ClaimOutcome
 from endpoint.s3 import Patience
 
 log = structlog.get_logger(__name__)

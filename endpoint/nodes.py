@@ -19,8 +19,8 @@ from typing import Any
 import httpx
 import structlog
 
+from activities.runpod.contract import NodesTarget, PublishedNodes, nodes_key
 from endpoint.comfy import POLL_S, process_alive
-from endpoint.contract import NodesTarget, PublishedNodes, nodes_key
 from endpoint.s3 import S3
 from endpoint.settings import EndpointSettings
 

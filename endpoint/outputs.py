@@ -29,7 +29,7 @@ import structlog
 from activities.comfyui.client import ComfyClient, UnsafeOutputName
 from activities.comfyui.events import output_files
 from activities.keys import content_type_for, in_another_run, shown
-from endpoint.contract import ArtifactRecord
+from activities.runpod.contract import ArtifactRecord
 from endpoint.s3 import DEFAULT_RETRY_S, S3, Patience
 from endpoint.upload import UploadError, stream_to_s3
 

@@ -17,7 +17,12 @@ from typing import Any
 import structlog
 
 from activities.progress import ProgressTracker
-from endpoint.contract import MAX_UPDATE_BYTES, ArtifactRecord, ProgressStage, ProgressUpdate
+from activities.runpod.contract import (
+    MAX_UPDATE_BYTES,
+    ArtifactRecord,
+    ProgressStage,
+    ProgressUpdate,
+)
 
 log = structlog.get_logger(__name__)
 

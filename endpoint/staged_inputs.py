@@ -16,7 +16,7 @@ from typing import Any
 import structlog
 
 from activities.comfyui.client import ComfyClient
-from endpoint.contract import MAX_INPUT_FILE_BYTES, StagedInput
+from activities.runpod.contract import MAX_INPUT_FILE_BYTES, StagedInput
 from endpoint.inputs import InputProblem
 from endpoint.s3 import S3, S3_FAILURES, is_missing
 

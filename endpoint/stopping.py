@@ -29,8 +29,8 @@ import structlog
 
 from activities.comfyui.client import ComfyClient, ComfyError, QueuePlace
 from activities.comfyui.events import ending_of
+from activities.runpod.contract import PromptFate, StopRecord
 from endpoint.comfy import process_alive
-from endpoint.contract import PromptFate, StopRecord
 
 log = structlog.get_logger(__name__)
 

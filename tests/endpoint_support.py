@@ -22,10 +22,10 @@ import httpx
 from botocore.config import Config
 from pydantic import SecretStr
 
+from activities.runpod.contract import ProgressUpdate
 from devstack.seaweed import load_credentials
 from devstack.services import StackPaths
 from devstack.stack import start_service, stop_service
-from endpoint.contract import ProgressUpdate
 from endpoint.settings import BucketSettings, EndpointSettings
 from tests.comfy_sim_support import free_port
 from tests.conftest import make_stack_config

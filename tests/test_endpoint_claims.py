@@ -12,6 +12,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 import pytest_asyncio
 
+from activities.runpod.contract import Claim, ClaimOutcome, S3Target, claim_key
 from endpoint.claims import (
     Acquired,
     ClaimConflict,
@@ -22,7 +23,6 @@ from endpoint.claims import (
     StoredClaim,
     fresh_claim,
 )
-from endpoint.contract import Claim, ClaimOutcome, S3Target, claim_key
 from endpoint.lease import Lease
 from endpoint.s3 import S3, Patience
 from tests.endpoint_support import Bucket, seaweedfs

@@ -24,8 +24,7 @@ from structlog.testing import capture_logs
 
 from activities.comfyui.events import ending_of
 from activities.keys import artifact_key
-from endpoint.claims import ClaimStore, fresh_claim
-from endpoint.contract import (
+from activities.runpod.contract import (
     ArtifactRecord,
     Claim,
     NodesTarget,
@@ -35,6 +34,7 @@ from endpoint.contract import (
     inputs_folder,
     nodes_key,
 )
+from endpoint.claims import ClaimStore, fresh_claim
 from endpoint.job import run_job
 from endpoint.nodes import PUBLISHER, publish_at_start
 from endpoint.s3 import S3

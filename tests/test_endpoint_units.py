@@ -27,7 +27,7 @@ from pydantic import SecretStr
 
 from activities.comfyui.client import ComfyClient, ComfyPromptRejected
 from activities.progress import ProgressTracker
-from endpoint.contract import MAX_UPDATE_BYTES, ArtifactRecord, InputImage, ProgressUpdate
+from activities.runpod.contract import MAX_UPDATE_BYTES, ArtifactRecord, InputImage, ProgressUpdate
 from endpoint.failures import failure_of
 from endpoint.inputs import InputProblem, decode_image, read_input
 from endpoint.outputs import S3Sink

@@ -25,8 +25,9 @@ from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
 import activities.comfyui.follow as follow_module
+import activities.comfyui.follower as follower_module
 from activities.comfyui.client import ComfyClient
-from activities.comfyui.follow import FollowActivities, PromptFollower
+from activities.comfyui.follow import FollowActivities, FollowAttempt
 from activities.comfyui.pools import PoolHealth
 from activities.follow_common import process_identity
 from activities.orphans import TAG_KEY
@@ -138,7 +139,7 @@ class Rig:
         self.env.info = dataclasses.replace(self.env.info, heartbeat_details=details or [])
 
         async def follow_prompt(req: FollowInput) -> FollowResult:
-            return await PromptFollower(req, client, self.store, self.health).run()
+            return await FollowAttempt(req, client, self.store, self.health).run()
 
         async with asyncio.timeout(8):  # a follower that never ends fails here, not by hanging
             result: FollowResult = await self.env.run(follow_prompt, req)
@@ -448,7 +449,7 @@ async def test_an_interrupt_names_the_node(rig: Rig) -> None:
 async def test_a_lost_prompt_is_asked_about_twice_a_recheck_apart(
     rig: Rig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(follow_module, "LOST_RECHECK_S", 0.2)
+    monkeypatch.setattr(follower_module, "LOST_RECHECK_S", 0.2)
     asked: list[float] = []
     rig.comfy.before_queue = lambda _n: asked.append(time.monotonic())
     error = await rig.failure(request())

@@ -18,9 +18,9 @@ import pytest_asyncio
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
-import activities.comfyui.follow as follow_module
+import activities.comfyui.follower as follower_module
 from activities.comfyui.client import ComfyClient
-from activities.comfyui.follow import PromptFollower
+from activities.comfyui.follow import FollowAttempt
 from activities.comfyui.pools import PoolHealth
 from activities.storage_errors import StorageError
 from tests.comfy_unit_fakes import (
@@ -92,7 +92,7 @@ class Rig:
         client = ComfyClient(self.base_url, self.http)
 
         async def follow_prompt(req: FollowInput) -> FollowResult:
-            return await PromptFollower(req, client, self.store, PoolHealth()).run()
+            return await FollowAttempt(req, client, self.store, PoolHealth()).run()
 
         result: FollowResult = await self.env(heartbeat_details).run(follow_prompt, req)
         return result
@@ -166,10 +166,7 @@ async def test_a_socket_cut_mid_prompt_is_retryable_and_carries_the_checkpoint(r
     assert [a.key for a in left.artifacts] == [KEY]
 
 
-@pytest.mark.parametrize("form", ["one_model", "positional_before_the_model"])
-async def test_a_retry_resumes_from_its_heartbeat_and_uploads_nothing_twice(
-    rig: Rig, form: str
-) -> None:
+async def test_a_retry_resumes_from_its_heartbeat_and_uploads_nothing_twice(rig: Rig) -> None:
     rig.comfy.running.append(PROMPT_ID)
     earlier = Checkpoint(
         job_id="job-1", prompt_id=PROMPT_ID, client_id=CLIENT_ID, node_steps={"3": 7}
@@ -191,11 +188,7 @@ async def test_a_retry_resumes_from_its_heartbeat_and_uploads_nothing_twice(
             )
         ]
     ]
-    details: list[Any]
-    if form == "one_model":
-        details = [FollowHeartbeat(checkpoint=earlier, artifacts=[stored]).model_dump(mode="json")]
-    else:  # what an attempt of an earlier version heartbeated: [checkpoint, artifacts]
-        details = [earlier.model_dump(mode="json"), [stored.model_dump(mode="json")]]
+    details = [FollowHeartbeat(checkpoint=earlier, artifacts=[stored]).model_dump(mode="json")]
     result = await rig.follow(request(), heartbeat_details=details)
     assert rig.store.uploads == [], "the output the earlier attempt stored is not fetched again"
     assert [a.sha256 for a in result.artifacts] == ["b" * 64]
@@ -274,7 +267,7 @@ async def test_an_output_the_store_refuses_fails_the_job(rig: Rig) -> None:
 
 
 async def test_a_prompt_nobody_knows_is_lost(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(follow_module, "LOST_RECHECK_S", 0.01)
+    monkeypatch.setattr(follower_module, "LOST_RECHECK_S", 0.01)
     error = await rig.failure(request())
     assert error.type == ErrorType.PROMPT_LOST and error.non_retryable
     assert rig.comfy.count("GET /queue") == 2, "asked twice before calling it lost"

@@ -29,11 +29,11 @@ from temporalio.exceptions import ApplicationError
 
 from activities.comfyui.client import ComfyClient, UnsafeOutputName, check_view_request
 from activities.keys import job_folder
+from activities.runpod.contract import EndpointInput, Orchestration, S3Target
 from activities.runpod.models import RunPodJob
 from activities.runpod.outcome import Failed, read_job
 from activities.storage import ArtifactStore
 from devstack.models import RunningStack
-from endpoint.contract import EndpointInput, Orchestration, S3Target
 from endpoint.failures import failure_of
 from endpoint.job import OrchestratedJob
 from endpoint.outputs import OutputCollector

@@ -1,26 +1,51 @@
-"""Layers point one way: the product never imports the dev stack, the library never imports the
-worker, and the workflow code imports no I/O.
+"""Layers point one way, and the RunPod handler's image holds everything the handler imports.
 
-    devstack/ -> starter/, activities/, workflows/, worker.py   (the dev stack uses the product)
-    worker.py -> starter/ (connection), activities/, workflows/
-    starter/  -> workflows/                                   (a client needs no worker code)
+    bench/      -> devstack/, starter/, activities/, workflows/   (tooling uses the product)
+    devstack/   -> starter/, activities/, workflows/, endpoint/
+    worker.py   -> starter/ (connection), activities/, workflows/
+    starter/    -> workflows/, the S3 helpers of activities/      (a client needs no worker code)
+    endpoint/   -> activities/ (the ComfyUI core, progress, keys, the RunPod wire contract)
     activities/ -> workflows/
+    workflows/  -> nothing of the project
+
+Nothing in the product (workflows, activities, starter, worker.py, endpoint) imports the tooling
+(devstack, bench) or the tests, and `activities/` never imports `endpoint/`: the handler's side
+depends on the orchestrator's core, never the other way round.
+
+The handler runs in a venv of its own (`endpoint/requirements.txt`, the `runpod` SDK, no
+Temporal): every module `endpoint/handler.py` reaches, transitively, must lie in a folder that
+`endpoint/Dockerfile` copies whole, need only what the requirements install, and import in
+`.venv-endpoint` from a copy laid out as in the image.
 """
 
 from __future__ import annotations
 
 import ast
+import os
+import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+ENDPOINT = ROOT / "endpoint"
+HANDLER = ENDPOINT / "handler.py"
+EP_PYTHON = ROOT / ".venv-endpoint" / "bin" / "python"
+PROJECT = {"activities", "workflows", "starter", "devstack", "bench", "worker", "endpoint", "tests"}
+TOOLING = {"devstack", "bench", "tests"}
 
 FORBIDDEN = {
-    "workflows": {"devstack", "activities", "starter", "worker"},
-    "activities": {"devstack", "starter", "worker"},
-    "starter": {"devstack", "worker", "activities"},
-    "worker.py": {"devstack"},
+    "workflows": TOOLING | {"activities", "starter", "worker", "endpoint"},
+    "activities": TOOLING | {"starter", "worker", "endpoint"},
+    "starter": TOOLING | {"worker", "activities", "endpoint"},
+    "worker.py": TOOLING | {"endpoint"},
+    # The handler's image has no Temporal: workflows/ (which imports it) stays out too.
+    "endpoint": TOOLING | {"starter", "worker", "workflows"},
+    "devstack": {"bench", "tests"},
+    "bench": {"tests"},
 }
 # The client library may use these activity modules for S3 (downloads, presigning, logging):
 # they are I/O helpers with no worker state, imported only where a command needs them.
@@ -29,15 +54,22 @@ ALLOWED = {
     ("starter", "activities.storage_errors"),
     ("starter", "activities.log_setup"),
 }
+# Installed with runpod (runpod==1.12.0 requires boto3).
+WITH_RUNPOD = {"boto3", "botocore"}
+needs_endpoint_venv = pytest.mark.skipif(
+    not EP_PYTHON.exists(), reason="no .venv-endpoint: `make install` builds it"
+)
 
 
 def imported_modules(path: Path) -> set[str]:
+    """Absolute imports of a file, `from a import b` also as `a.b` (b may be a module)."""
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
     return found
 
 
@@ -48,10 +80,186 @@ def files_of(layer: str) -> list[Path]:
 
 @pytest.mark.parametrize("layer", sorted(FORBIDDEN))
 def test_layer_imports_point_one_way(layer: str) -> None:
-    offences = [
-        f"{path.relative_to(ROOT)} imports {module}"
-        for path in files_of(layer)
-        for module in sorted(imported_modules(path))
-        if module.split(".")[0] in FORBIDDEN[layer] and (layer, module) not in ALLOWED
-    ]
+    offences = sorted(
+        {
+            f"{path.relative_to(ROOT)} imports {module}"
+            for path in files_of(layer)
+            for module in imported_modules(path)
+            if module.split(".")[0] in FORBIDDEN[layer]
+            and (layer, module) not in ALLOWED
+            and (layer, module.rsplit(".", 1)[0]) not in ALLOWED
+        }
+    )
     assert offences == []
+
+
+# --- the handler's image ---------------------------------------------------------------------
+
+
+def project_files(module: str) -> list[Path]:
+    """The files importing `module` runs: each package's __init__.py on the way, and the
+    module's own file; none when the name is no module of the project (an attribute)."""
+    parts = module.split(".")
+    if parts[0] not in PROJECT:
+        return []
+    files: list[Path] = []
+    for depth in range(1, len(parts) + 1):
+        base = ROOT.joinpath(*parts[:depth])
+        if (base / "__init__.py").is_file():
+            files.append(base / "__init__.py")
+        elif base.with_suffix(".py").is_file():
+            files.append(base.with_suffix(".py"))
+    return files
+
+
+def reached_from(entry: Path) -> set[Path]:
+    """Every project file `entry` imports, transitively (itself included)."""
+    seen: set[Path] = set()
+    todo = [entry]
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        for module in imported_modules(path):
+            todo.extend(project_files(module))
+    return seen
+
+
+def dockerfile_copies() -> list[tuple[list[str], str]]:
+    """(sources, destination) of every COPY in endpoint/Dockerfile."""
+    text = (ENDPOINT / "Dockerfile").read_text().replace("\\\n", " ")
+    copies = []
+    for line in text.splitlines():
+        words = line.split()
+        if words and words[0] == "COPY" and not any(w.startswith("--") for w in words):
+            copies.append((words[1:-1], words[-1]))
+    return copies
+
+
+def copied_folders() -> list[Path]:
+    return [
+        ROOT / source
+        for sources, _ in dockerfile_copies()
+        for source in sources
+        if (ROOT / source).is_dir()
+    ]
+
+
+def requirement_names() -> set[str]:
+    names = set()
+    for line in (ENDPOINT / "requirements.txt").read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            names.add(re.split(r"[<>=!~\[ ;]", line, maxsplit=1)[0].lower())
+    return names
+
+
+def test_the_handler_reaches_the_core_it_is_meant_to() -> None:
+    """The walk itself: it finds the shared core and the contract, and nothing of Temporal's."""
+    reached = {str(p.relative_to(ROOT)) for p in reached_from(HANDLER)}
+    assert {
+        "activities/comfyui/follower.py",
+        "activities/comfyui/history.py",
+        "activities/runpod/contract.py",
+        "endpoint/job.py",
+    } <= reached
+    assert "activities/comfyui/follow.py" not in reached, "the orchestrator's listener"
+
+
+def test_the_dockerfile_copies_whole_folders_only() -> None:
+    """Source goes in as folders; a single file only when it is no code (requirements.txt)."""
+    files = [
+        source
+        for sources, _ in dockerfile_copies()
+        for source in sources
+        if not (ROOT / source).is_dir()
+    ]
+    assert all(not name.endswith(".py") for name in files), files
+    assert {f.name for f in copied_folders()} >= {"activities", "endpoint"}
+
+
+def test_every_module_the_handler_imports_is_in_the_image() -> None:
+    folders = copied_folders()
+    missing = sorted(
+        str(path.relative_to(ROOT))
+        for path in reached_from(HANDLER)
+        if not any(path.is_relative_to(folder) for folder in folders)
+    )
+    assert missing == []
+
+
+def test_only_the_entry_point_imports_runpod() -> None:
+    offenders = [
+        str(path.relative_to(ROOT))
+        for path in reached_from(HANDLER)
+        if path != HANDLER and any(m.split(".")[0] == "runpod" for m in imported_modules(path))
+    ]
+    assert offenders == []
+    assert "runpod" in imported_modules(HANDLER)
+
+
+def test_what_the_handler_imports_is_in_the_endpoints_requirements() -> None:
+    """Transitively: a core module that picked up temporalio (or anything the handler's venv
+    lacks) fails here, not in the GPU image."""
+    third_party = {
+        module.split(".")[0]
+        for path in reached_from(HANDLER)
+        for module in imported_modules(path)
+        if module.split(".")[0] not in sys.stdlib_module_names | PROJECT
+    }
+    missing = third_party - requirement_names() - WITH_RUNPOD
+    assert missing == set()
+
+
+def image_layout(target: Path) -> Path:
+    """The repository files the Dockerfile copies, where it puts them (under `target`)."""
+    for sources, destination in dockerfile_copies():
+        dest = target / destination.lstrip("/")
+        for source in sources:
+            src = ROOT / source
+            if src.is_dir():
+                shutil.copytree(
+                    src, dest, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__")
+                )
+            elif destination.endswith("/"):
+                dest.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(src, dest / src.name)
+            else:
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(src, dest)
+    return target / "durable_comfy"
+
+
+def clean_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+
+
+@needs_endpoint_venv
+def test_the_handler_imports_in_the_endpoints_venv() -> None:
+    """`import endpoint.handler` from the repository root, PYTHONPATH unset: the runpod SDK and
+    every module the handler needs are there, and no temporalio is asked for."""
+    done = subprocess.run(
+        [str(EP_PYTHON), "-c", "import endpoint.handler"],
+        cwd=ROOT,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+@needs_endpoint_venv
+def test_the_image_layout_imports_with_only_the_copied_files(tmp_path: Path) -> None:
+    root = image_layout(tmp_path)
+    assert not (root / "workflows").exists()
+    done = subprocess.run(
+        [str(EP_PYTHON), "-c", "import endpoint.handler, endpoint.job"],
+        cwd=root,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]

@@ -37,6 +37,7 @@ import pytest
 import pytest_asyncio
 
 from activities.runpod.claims import claim_target, read_claim
+from activities.runpod.contract import Claim, StopRecord, nodes_key
 from activities.settings import PoolConfig
 from activities.storage import ArtifactStore
 from devstack.chaos.worker_proc import WorkerFleet
@@ -44,7 +45,6 @@ from devstack.models import RunningStack
 from devstack.real_comfyui import WorkerComfyUI
 from devstack.runpod_sim import Ledger
 from devstack.runpod_sim.ledger import LedgerJob
-from endpoint.contract import Claim, StopRecord, nodes_key
 from starter import JobClient
 from starter.connection import connect_temporal
 from tests.runpod_e2e_support import (

@@ -23,11 +23,7 @@ from temporalio.testing import ActivityEnvironment
 
 from activities.runpod.backend import RunPodBackend
 from activities.runpod.client import MAX_RUN_BYTES, RunPodClient
-from activities.runpod.retry import RetryPolicy
-from activities.settings import PoolConfig, S3Settings
-from activities.storage import StoredObject
-from activities.storage_errors import ObjectMissing
-from endpoint.contract import (
+from activities.runpod.contract import (
     ArtifactRecord,
     Claim,
     ClaimOutcome,
@@ -35,6 +31,10 @@ from endpoint.contract import (
     StopRecord,
     claim_key,
 )
+from activities.runpod.retry import RetryPolicy
+from activities.settings import PoolConfig, S3Settings
+from activities.storage import StoredObject
+from activities.storage_errors import ObjectMissing
 from workflows.activity_io import (
     FollowHeartbeat,
     FollowInput,

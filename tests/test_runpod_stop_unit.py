@@ -17,8 +17,7 @@ import pytest
 from temporalio.exceptions import ApplicationError
 
 from activities.runpod import submissions
-from activities.runpod.follow import stop_horizon
-from endpoint.contract import (
+from activities.runpod.contract import (
     DEFAULT_STOP_HORIZON_S,
     Claim,
     ClaimOutcome,
@@ -27,6 +26,7 @@ from endpoint.contract import (
     StopRecord,
     claim_key,
 )
+from activities.runpod.follow import stop_horizon
 from tests.test_runpod_backend_unit import (
     BUCKET,
     HOLDER,

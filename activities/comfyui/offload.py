@@ -19,7 +19,6 @@ file. Whatever the names, the S3 key is `activities.keys.artifact_key`, inside t
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -29,6 +28,13 @@ from temporalio.exceptions import ApplicationError
 
 from activities.comfyui.client import ComfyClient, ComfyError, UnsafeOutputName, check_view_request
 from activities.comfyui.events import output_files
+from activities.comfyui.history import (
+    HistoryMissing,
+    failed_in_history,
+    history_messages,
+    history_when_written,
+    outputs_of,
+)
 from activities.comfyui.pools import ComfyPools
 from activities.errors import fatal, from_comfy, from_storage, history_failure, retryable
 from activities.keys import artifact_key, content_type_for, in_another_run, shown
@@ -172,8 +178,8 @@ class OffloadActivities:
         if req.partial:
             await self._keep_finished(client, uploader, req, beat)
         else:
-            entry = await _history_when_written(client, req.prompt_id)
-            for node_id, item in output_files(entry.get("outputs", {})):
+            entry = await _finished_history(client, req.prompt_id)
+            for node_id, item in output_files(outputs_of(entry)):
                 if uploader.wanted(node_id, item):
                     await uploader.upload(node_id, item)
                     beat()
@@ -197,7 +203,7 @@ class OffloadActivities:
         except ComfyError as exc:
             log.warning("keep_finished_no_history", job_id=req.job_id, error=str(exc))
             return
-        for node_id, item in output_files((entry or {}).get("outputs", {})):
+        for node_id, item in output_files(outputs_of(entry)):
             if not uploader.wanted(node_id, item):
                 continue
             try:
@@ -212,19 +218,14 @@ def _from_this_run(item: Mapping[str, str], run_tag: str) -> bool:
     return subfolder == run_tag or subfolder.startswith(run_tag + "/")
 
 
-async def _history_when_written(client: ComfyClient, prompt_id: str) -> dict[str, Any]:
-    """`execution_success` arrives before the history entry exists: give it a moment."""
-    deadline = time.monotonic() + 10.0
+async def _finished_history(client: ComfyClient, prompt_id: str) -> dict[str, Any]:
+    """The ended prompt's history entry (`history_when_written`), its failure typed."""
     try:
-        while True:
-            entry = await client.history(prompt_id)
-            if entry is not None:
-                status = entry.get("status", {})
-                if status.get("status_str") == "error":
-                    raise history_failure(status.get("messages", []))
-                return entry
-            if time.monotonic() > deadline:
-                raise retryable(ErrorType.OUTPUT_MISSING, f"no history for prompt {prompt_id} yet")
-            await asyncio.sleep(0.2)
+        entry = await history_when_written(client, prompt_id)
+    except HistoryMissing as exc:
+        raise retryable(ErrorType.OUTPUT_MISSING, f"no history for prompt {prompt_id} yet") from exc
     except ComfyError as exc:
         raise from_comfy(exc, "reading history") from exc
+    if failed_in_history(entry):
+        raise history_failure(history_messages(entry))
+    return entry

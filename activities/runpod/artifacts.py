@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from typing import Literal
 
 from activities.keys import MAX_KEY_BYTES, artifact_key, safe_component, shown
-from endpoint.contract import ArtifactRecord
+from activities.runpod.contract import ArtifactRecord
 
 ArtifactSource = Literal["s3", "url", "inline"]
 

@@ -25,6 +25,12 @@ from activities.runpod import submissions
 from activities.runpod.artifacts import key_problem
 from activities.runpod.claims import claim_target, lease_running, read_claim
 from activities.runpod.client import MAX_RUN_BYTES, RunPodClient
+from activities.runpod.contract import (
+    MAX_INPUT_FILE_BYTES,
+    InputImage,
+    StagedInput,
+    inputs_folder,
+)
 from activities.runpod.errors import RunPodError, RunPodJobGone
 from activities.runpod.failures import from_runpod
 from activities.runpod.follow import POLL_S, RunInputs, RunPodFollower, one_chunk
@@ -33,12 +39,6 @@ from activities.runpod.nodes import registries_for
 from activities.runpod.stop_verdict import StopAction, stop_verdict
 from activities.settings import PoolConfig
 from activities.storage import ArtifactStore
-from endpoint.contract import (
-    MAX_INPUT_FILE_BYTES,
-    InputImage,
-    StagedInput,
-    inputs_folder,
-)
 from workflows.activity_io import (
     FollowInput,
     FollowResult,

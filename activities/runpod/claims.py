@@ -12,9 +12,9 @@ from datetime import UTC, datetime
 
 from pydantic import ValidationError
 
+from activities.runpod.contract import Claim, S3Target, claim_key
 from activities.storage import ArtifactStore
 from activities.storage_errors import ObjectMissing
-from endpoint.contract import Claim, S3Target, claim_key
 from workflows.contracts import OutputSpec
 
 # A claim is a small JSON document: anything bigger is not one of ours.

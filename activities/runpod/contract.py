@@ -1,5 +1,7 @@
 """What the orchestrator and the RunPod handler exchange: the job's input, its progress updates,
-its output, and the claim object in S3. pydantic only, so both sides import this one file.
+its output, and the claim object in S3. pydantic and `activities.keys` only, so both sides
+import this one file: the orchestrator (`activities/runpod/`) and the handler (`endpoint/`, in its
+own venv, which has no Temporal).
 
 The input is a superset of runpod-workers/worker-comfyui's (`workflow`, `images`): a stock client
 sends only those and gets a stock answer (`output.images`, base64 when no bucket is configured);

@@ -49,6 +49,16 @@ from activities.runpod.artifacts import (
 )
 from activities.runpod.claims import claim_target, lease_running, read_claim
 from activities.runpod.client import RunPodClient
+from activities.runpod.contract import (
+    DEFAULT_LEASE_S,
+    DEFAULT_STOP_HORIZON_S,
+    ArtifactRecord,
+    EndpointInput,
+    InputImage,
+    Orchestration,
+    StagedInput,
+    StopRecord,
+)
 from activities.runpod.errors import RunPodError, RunPodJobGone, RunPodSubmissionAmbiguous
 from activities.runpod.failures import from_failure, from_runpod
 from activities.runpod.models import RunPodJob, RunPodState, RunPolicy
@@ -65,16 +75,6 @@ from activities.runpod.outcome import (
 )
 from activities.settings import PoolConfig
 from activities.storage import ArtifactStore
-from endpoint.contract import (
-    DEFAULT_LEASE_S,
-    DEFAULT_STOP_HORIZON_S,
-    ArtifactRecord,
-    EndpointInput,
-    InputImage,
-    Orchestration,
-    StagedInput,
-    StopRecord,
-)
 from workflows.activity_io import FollowHeartbeat, FollowInput, FollowResult
 from workflows.contracts import Artifact, Checkpoint, JobCost, ProgressReport
 from workflows.shared import ErrorType

@@ -31,9 +31,9 @@ from pydantic_settings import SettingsError
 
 from activities.comfyui.graph import registry_problems
 from activities.errors import fatal
+from activities.runpod.contract import NodesTarget, PublishedNodes, nodes_key
 from activities.settings import PoolConfig, S3Settings
 from activities.storage_errors import ObjectMissing, StorageError
-from endpoint.contract import NodesTarget, PublishedNodes, nodes_key
 from workflows.graph import iter_nodes
 from workflows.shared import ErrorType
 
