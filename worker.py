@@ -92,9 +92,6 @@ async def run_worker(
                 jobs.follow_prompt,
                 jobs.offload_outputs,
                 jobs.stop_prompt,
-                # Scheduled only by runs started before the follow activity submitted.
-                comfy.comfy.submit_prompt,
-                comfy.comfy.teardown_prompt,
             ],
             max_concurrent_activities=settings.max_concurrent_activities,
             graceful_shutdown_timeout=GRACEFUL_SHUTDOWN,

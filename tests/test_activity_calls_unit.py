@@ -25,10 +25,6 @@ from workflows.activity_io import (
     PrepareInput,
     StopCheck,
     StopInput,
-    SubmitInput,
-    SubmitResult,
-    TeardownInput,
-    TeardownResult,
 )
 from workflows.contracts import JobPolicy, ReconnectPolicy
 
@@ -93,28 +89,6 @@ async def test_prepare(recorded: Recorded) -> None:
     )
 
 
-async def test_submit_retries_on_the_reconnect_policy_until_its_horizon(
-    recorded: Recorded,
-) -> None:
-    req = only_with(SubmitInput, segment=2)
-    assert cast(object, await calls.submit(req, POLICY)) is recorded
-    assert recorded.only() == (
-        "submit_prompt",
-        req,
-        {
-            "result_type": SubmitResult,
-            "start_to_close_timeout": timedelta(seconds=60),
-            "schedule_to_close_timeout": timedelta(seconds=700),
-            "retry_policy": RetryPolicy(
-                initial_interval=timedelta(seconds=3),
-                maximum_interval=timedelta(seconds=40),
-                backoff_coefficient=2.0,
-            ),
-            "summary": "submit segment 2",
-        },
-    )
-
-
 async def test_follow_runs_once_and_waits_for_its_cancel_to_land(recorded: Recorded) -> None:
     req = only_with(FollowInput, segment=1)
     assert cast(object, await calls.follow(req, POLICY)) is recorded
@@ -147,21 +121,6 @@ async def test_offload(recorded: Recorded, partial: bool, summary: str) -> None:
             "heartbeat_timeout": timedelta(minutes=2),
             "retry_policy": QUICK,
             "summary": summary,
-        },
-    )
-
-
-async def test_teardown(recorded: Recorded) -> None:
-    req = only_with(TeardownInput, reason="after cancel")
-    assert cast(object, await calls.teardown(req)) is recorded
-    assert recorded.only() == (
-        "teardown_prompt",
-        req,
-        {
-            "result_type": TeardownResult,
-            "start_to_close_timeout": timedelta(seconds=30),
-            "retry_policy": QUICK,
-            "summary": "teardown (after cancel)",
         },
     )
 

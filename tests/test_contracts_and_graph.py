@@ -10,13 +10,10 @@ import pytest
 from pydantic import ValidationError
 
 from activities.comfyui.graph import registry_problems
-from workflows.activity_io import SubmitResult
 from workflows.contracts import (
-    Checkpoint,
     JobPolicy,
     JobRequest,
     JobStatus,
-    ProgressReport,
     validate_job_id,
 )
 from workflows.graph import (
@@ -145,22 +142,3 @@ def test_request_never_carries_a_url_as_pool() -> None:
 def test_status_round_trips_through_json() -> None:
     status = JobStatus(job_id="j1")
     assert JobStatus.model_validate_json(status.model_dump_json()) == status
-
-
-def test_retired_fields_from_recorded_histories_are_accepted_and_dropped() -> None:
-    """Histories recorded before a field retired still decode; the field is never written."""
-    checkpoint = Checkpoint.model_validate({"job_id": "j", "last_artifact_ref": "jobs/j/a.png"})
-    assert "last_artifact_ref" not in checkpoint.model_dump()
-    report = ProgressReport.model_validate(
-        {"attempt_client_id": "c", "step": 2, "nodes_done": 2, "nodes_total": 5}
-    )
-    assert report.step == 2 and "nodes_done" not in report.model_dump()
-    answer = SubmitResult.model_validate(
-        {"prompt_id": "p", "outcome": "submitted", "number": 7, "dropped_outputs": {}}
-    )
-    assert answer.model_dump() == {"prompt_id": "p", "outcome": "submitted"}
-    # Only the retired ones: any other unknown field is still an error.
-    with pytest.raises(ValidationError, match="last_artifact"):
-        Checkpoint.model_validate({"job_id": "j", "last_artifact": "x"})
-    with pytest.raises(ValidationError, match="number"):
-        Checkpoint.model_validate({"job_id": "j", "number": 3})

@@ -7,13 +7,16 @@ current details, the logger); here they are stand-ins, so each write is checked 
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
 from temporalio import workflow
 
+from workflows.activity_io import FollowResult
 from workflows.contracts import (
     MAX_NOTICES,
     Artifact,
@@ -27,6 +30,7 @@ from workflows.contracts import (
     Progress,
     ProgressReport,
     Teardown,
+    TeardownStep,
 )
 from workflows.job_book import JobBook
 from workflows.shared import SA_JOB_POOL, SA_JOB_PROGRESS, SA_JOB_STATE
@@ -244,7 +248,7 @@ def test_progress_moves_forward_only_and_sets_the_fraction(wf: FakeWorkflow) -> 
     wf.advance(1)
     book.apply_progress(_report(4, 0))  # late, from an older socket
     assert (progress.step, progress.total_steps) == (10, 20)
-    assert progress.fraction == pytest.approx(0.3)  # the fraction follows the report
+    assert progress.fraction == 0.375  # the fraction follows the kept step, never backwards
     assert book.last_progress_at == T0 + timedelta(seconds=1)  # no progress: no clock reset
     book.apply_progress(_report(10, 20))  # the same step again is no progress either
     assert book.last_progress_at == T0 + timedelta(seconds=1)
@@ -369,13 +373,106 @@ def test_artifacts_merge_by_key_and_by_segment(wf: FakeWorkflow) -> None:
 # -- status writes --------------------------------------------------------------------------
 
 
-def test_every_write_bumps_seq_and_time_and_refreshes_the_details(wf: FakeWorkflow) -> None:
-    book = _book()
+CHANGES: dict[str, Any] = {
+    "set_state": lambda b: b.set_state(JobState.RUNNING),
+    "prepared_on": lambda b: b.prepared_on("p", "comfyui"),
+    "begin_segment": lambda b: b.begin_segment(0, 1, 10, 2),
+    "new_submission": lambda b: b.new_submission(0, "p-2", 10),
+    "set_checkpoint": lambda b: b.set_checkpoint(Checkpoint(job_id="j1", prompt_id="p-1")),
+    "followed": lambda b: b.followed(
+        FollowResult(
+            prompt_id="p-1",
+            outcome="success",
+            artifacts=[_artifact("a"), _artifact("b")],
+            checkpoint=Checkpoint(job_id="j1", prompt_id="p-1", step=10),
+            cost=JobCost(provider_job_id="r-1", execution_s=2.0),
+            other_costs=[JobCost(provider_job_id="r-0", execution_s=1.0)],
+        )
+    ),
+    "restart_prompt": lambda b: b.restart_prompt(),
+    "end_segment": lambda b: b.end_segment(),
+    "reconnecting": lambda b: b.reconnecting(
+        JobError(type="ConnectionLost", message="x"), JobState.RECONNECTING
+    ),
+    "set_error": lambda b: b.set_error(None),
+    "ask": lambda b: b.ask(Decision(reason="r", since=T0)),
+    "add_cost": lambda b: b.add_cost(JobCost(provider_job_id="r-1", execution_s=2.0)),
+    "merge_artifacts": lambda b: b.merge_artifacts([_artifact("a"), _artifact("b")]),
+    "contact": lambda b: b.contact(),
+    "notice": lambda b: b.notice("n"),
+    "set_teardown": lambda b: b.set_teardown(Teardown(state="SKIPPED")),
+    "teardown_started": lambda b: b.teardown_started(),
+    "stop_checked": lambda b: b.stop_checked(),
+    "add_teardown_step": lambda b: b.add_teardown_step(TeardownStep(at=T0, action="dequeued")),
+    "teardown_waiting": lambda b: b.teardown_waiting("waiting"),
+    "end_teardown": lambda b: b.end_teardown("CONFIRMED", "done"),
+    "apply_progress": lambda b: b.apply_progress(
+        _report(3, 10, stage="queued", queue_position=1, artifact=_artifact("a")),
+        stage_changes=True,
+    ),
+}
+
+
+@pytest.mark.parametrize("change", CHANGES)
+def test_every_change_bumps_seq_once_and_refreshes_the_details(
+    wf: FakeWorkflow, change: str
+) -> None:
+    book = _book(state=JobState.SUBMITTING, backend=BackendInfo(pool="p"))
     wf.advance(7)
-    book.touch()
+    CHANGES[change](book)
     assert book.status.seq == 1
     assert book.status.updated_at == T0 + timedelta(seconds=7)
     assert wf.details == [book.details()]
+
+
+# A write to the status or to a part of it, in another workflow module: an assignment to an
+# attribute of a status-shaped name, or a list of the status grown in place.
+STATUS_WRITE = re.compile(
+    r"\b(status|record|teardown|progress|checkpoint|backend|decision)(\.\w+)+\s*[-+]?=[^=]"
+    r"|\.(steps|artifacts|notices|cost)\.(append|extend|insert)\("
+    r"|\b(book|_book)\.(finished_prompt|prompt_id|client_id|backend_state)\s*=[^=]"
+)
+
+
+def status_writes(source: str) -> list[int]:
+    return [n for n, line in enumerate(source.splitlines(), 1) if STATUS_WRITE.search(line)]
+
+
+def test_the_status_is_written_only_by_the_book() -> None:
+    """Every other workflow module reads the status and the book; none writes them (the
+    book's methods bump `seq` once per change, which clients' `watch` relies on)."""
+    root = Path(__file__).parent.parent / "workflows"
+    offenders = {
+        path.name: status_writes(path.read_text())
+        for path in sorted(root.glob("*.py"))
+        if path.name not in ("job_book.py", "contracts.py")
+    }
+    assert {name: lines for name, lines in offenders.items() if lines} == {}
+
+
+def test_the_write_check_sees_the_writes_it_looks_for() -> None:
+    source = """
+        record.state = "STOPPING"
+        record.checks += 1
+        self._book.status.teardown.detail = x
+        steps.append(step); self.record.steps.append(step)
+        book.finished_prompt = prompt_id
+        if record.state == "STOPPING": pass
+    """
+    assert status_writes(source) == [2, 3, 4, 5, 6]
+
+
+def test_a_late_report_after_a_restart_never_moves_the_fraction_back(wf: FakeWorkflow) -> None:
+    book = _book()
+    book.begin_segment(0, 2, 10, 0)
+    book.apply_progress(_report(8, 10))
+    assert book.status.progress.fraction == 0.4
+    book.restart_prompt()  # the backend lost the prompt: it runs again from step 0
+    book.apply_progress(_report(2, 10))
+    assert book.status.progress.step == 2
+    assert book.status.progress.fraction == 0.4
+    book.apply_progress(_report(9, 10))
+    assert book.status.progress.fraction == 0.45
 
 
 def test_state_changes_upsert_state_and_progress(wf: FakeWorkflow) -> None:
@@ -397,7 +494,7 @@ def test_an_unchanged_state_later_upserts_nothing(wf: FakeWorkflow) -> None:
     book = _book(seq=4, state=JobState.RUNNING)
     book.set_state(JobState.RUNNING)
     assert wf.upserts == []
-    assert len(wf.details) == 2  # touch, then after the state write
+    assert len(wf.details) == 1
 
 
 # -- the Temporal UI's current details ------------------------------------------------------
@@ -469,30 +566,32 @@ def test_details_of_a_decision_and_a_teardown(wf: FakeWorkflow) -> None:
 def test_the_eta_follows_the_pace_since_the_first_step(wf: FakeWorkflow) -> None:
     book = _book(state=JobState.RUNNING)
     progress = book.status.progress
-    assert book._eta_s() is None  # no step yet: no pace to start from
+    assert book._details.eta_s(book.status) is None  # no step yet: no pace to start from
     progress.fraction = 0.25
-    assert book._eta_s() is None  # the pace starts here
+    assert book._details.eta_s(book.status) is None  # the pace starts here
     wf.advance(30)
     progress.fraction = 0.26
-    assert book._eta_s() is None  # too little done to tell
+    assert book._details.eta_s(book.status) is None  # too little done to tell
     progress.fraction = 0.5
-    assert book._eta_s() == pytest.approx(60.0)  # a quarter in 30 s: half to go in 60 s
+    assert book._details.eta_s(book.status) == pytest.approx(
+        60.0
+    )  # a quarter in 30 s: half to go in 60 s
     assert "about 60 s to go" in book.details()
     wf.advance(30)
     progress.fraction = 1.0
-    assert book._eta_s() is None
+    assert book._details.eta_s(book.status) is None
     progress.fraction = 0.75
     book.status.state = JobState.WAITING
-    assert book._eta_s() is None
+    assert book._details.eta_s(book.status) is None
 
 
 def test_the_eta_shows_from_two_hundredths_done(wf: FakeWorkflow) -> None:
     book = _book(state=JobState.RUNNING)
     book.status.progress.fraction = 0.005
-    book._eta_s()
+    book._details.eta_s(book.status)
     wf.advance(2)
     book.status.progress.fraction = 0.025  # exactly 0.02 more, in floats too
-    assert book._eta_s() == pytest.approx(97.5)
+    assert book._details.eta_s(book.status) == pytest.approx(97.5)
 
 
 @pytest.mark.parametrize(
@@ -509,7 +608,7 @@ def test_the_eta_shows_from_two_hundredths_done(wf: FakeWorkflow) -> None:
 def test_the_eta_is_shown_in_a_readable_unit(wf: FakeWorkflow, seconds: float, shown: str) -> None:
     book = _book(state=JobState.RUNNING)
     book.status.progress.fraction = 0.25
-    book._eta_s()
+    book._details.eta_s(book.status)
     wf.advance(seconds / 2)  # a quarter done: the remaining half takes twice as long
     book.status.progress.fraction = 0.5
     assert book.details() == f"**RUNNING** — 50 %  \nabout {shown} to go"

@@ -157,21 +157,6 @@ def test_the_follow_heartbeat_is_one_detail_that_reads_back() -> None:
     assert recovered_progress(died) == (CHECKPOINT, [ARTIFACT])
 
 
-def test_the_positional_details_of_earlier_versions_still_read() -> None:
-    """Histories recorded before `FollowHeartbeat` carry `[checkpoint, artifacts]`."""
-    positional = [CHECKPOINT_JSON, [ARTIFACT_JSON]]
-    assert FollowHeartbeat.from_details(positional) == HEARTBEAT
-    assert FollowHeartbeat.from_details((CHECKPOINT_JSON,)) == FollowHeartbeat(
-        checkpoint=CHECKPOINT
-    )
-    failed = after_activity(ApplicationError("socket lost", *positional, type="ConnectionLost"))
-    assert recovered_progress(failed) == (CHECKPOINT, [ARTIFACT])
-    died = after_activity(
-        TimeoutError("heartbeat", type=TimeoutType.HEARTBEAT, last_heartbeat_details=positional)
-    )
-    assert recovered_progress(died) == (CHECKPOINT, [ARTIFACT])
-
-
 GARBAGE: list[list[Any]] = [
     [],
     [None],
@@ -185,6 +170,8 @@ GARBAGE: list[list[Any]] = [
     [HEARTBEAT.model_dump(mode="json"), HEARTBEAT.model_dump(mode="json")],
     [CHECKPOINT_JSON, "not a list"],
     [CHECKPOINT_JSON, None],
+    [CHECKPOINT_JSON, [ARTIFACT_JSON]],  # the positional form of unreleased versions
+    [CHECKPOINT_JSON],
     [CHECKPOINT_JSON, [{"key": "half an artifact"}]],
 ]
 

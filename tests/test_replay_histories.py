@@ -1,7 +1,10 @@
-"""Committed histories of real endings must replay against today's workflow code.
+"""The recorded histories (tests/histories, the 1.0 baseline) replay against today's workflow.
 
-A failure here means a change to InferenceJob is not deterministic for jobs already running:
-guard it with `workflow.patched()` instead of re-recording (tests/histories/record.py).
+A failure here means a change to InferenceJob changed the commands a recorded job issues: a job
+running when its workers upgrade would fail the same way. Running jobs stay pinned to the worker
+version they started on (docs/upgrading.md), so re-record the histories with the change
+(`python -m tests.histories.record`); a `workflow.patched()` branch is only for a change that
+must reach jobs already running.
 """
 
 from __future__ import annotations
@@ -16,39 +19,55 @@ from temporalio.client import WorkflowHistory
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Replayer
 
+from tests.histories.record import SCENARIOS
 from workflows.inference_job import InferenceJob
 
 HISTORIES = Path(__file__).parent / "histories"
+COMPLETED = "EVENT_TYPE_WORKFLOW_EXECUTION_COMPLETED"
+FAILED = "EVENT_TYPE_WORKFLOW_EXECUTION_FAILED"
+# How each recorded job's last run ended in Temporal (the job's own end state is in its status).
 ENDINGS = {
-    "completed": "EVENT_TYPE_WORKFLOW_EXECUTION_COMPLETED",
-    "cancelled": "EVENT_TYPE_WORKFLOW_EXECUTION_COMPLETED",
-    "abandoned": "EVENT_TYPE_WORKFLOW_EXECUTION_COMPLETED",
-    "reconnected": "EVENT_TYPE_WORKFLOW_EXECUTION_COMPLETED",
-    "stopped_slowly": "EVENT_TYPE_WORKFLOW_EXECUTION_COMPLETED",
-    "lost": "EVENT_TYPE_WORKFLOW_EXECUTION_COMPLETED",
-    "decided": "EVENT_TYPE_WORKFLOW_EXECUTION_COMPLETED",
+    "completed": COMPLETED,
+    "cancelled": COMPLETED,
     "canceled_with_reason": "EVENT_TYPE_WORKFLOW_EXECUTION_CANCELED",
-    "queue_timeout": "EVENT_TYPE_WORKFLOW_EXECUTION_FAILED",
-    "continued": "EVENT_TYPE_WORKFLOW_EXECUTION_COMPLETED",
-    "refused": "EVENT_TYPE_WORKFLOW_EXECUTION_FAILED",
+    "abandoned": COMPLETED,
+    "failed": FAILED,
+    "refused": FAILED,
+    "queue_timeout": FAILED,
+    "stopped_slowly": COMPLETED,
+    "lost": COMPLETED,
+    "reconnected": COMPLETED,
+    "decided": COMPLETED,
+    "continued": COMPLETED,
 }
-
-
 RECORDED = sorted(path.stem for path in HISTORIES.glob("*.json"))
 
 
-def test_every_ending_is_recorded() -> None:
-    assert set(ENDINGS) <= {name.split("-")[0] for name in RECORDED}
+def events(name: str) -> list[dict[str, Any]]:
+    return list(json.loads((HISTORIES / f"{name}.json").read_text())["events"])
+
+
+def test_one_recording_per_scenario_and_nothing_else() -> None:
+    assert RECORDED == sorted(ENDINGS) == sorted(SCENARIOS)
 
 
 @pytest.mark.parametrize("name", RECORDED)
-async def test_committed_history_replays(name: str) -> None:
-    text = (HISTORIES / f"{name}.json").read_text()
-    events = json.loads(text)["events"]
-    assert events[-1]["eventType"] == ENDINGS[name.split("-")[0]]
-    history = WorkflowHistory.from_json(f"recorded-{name}", text)
+async def test_recorded_history_replays(name: str) -> None:
+    assert events(name)[-1]["eventType"] == ENDINGS[name]
+    history = WorkflowHistory.from_json(
+        f"recorded-{name}", (HISTORIES / f"{name}.json").read_text()
+    )
     replayer = Replayer(workflows=[InferenceJob], data_converter=pydantic_data_converter)
     await replayer.replay_workflow(history)
+
+
+def test_no_recording_holds_a_patch_marker() -> None:
+    """The baseline has no open patches: a marker here is a `workflow.patched()` call."""
+    markers = {
+        name: [e for e in events(name) if e["eventType"] == "EVENT_TYPE_MARKER_RECORDED"]
+        for name in RECORDED
+    }
+    assert {name: found for name, found in markers.items() if found} == {}
 
 
 def timer_summary(event: dict[str, Any]) -> str:
@@ -57,11 +76,15 @@ def timer_summary(event: dict[str, Any]) -> str:
 
 
 def test_reconnected_history_has_bounded_jittered_reconnect_timers() -> None:
-    events = json.loads((HISTORIES / "reconnected.json").read_text())["events"]
-    timers = [e for e in events if e["eventType"] == "EVENT_TYPE_TIMER_STARTED"]
+    timers = [e for e in events("reconnected") if e["eventType"] == "EVENT_TYPE_TIMER_STARTED"]
     reconnects = [t for t in timers if timer_summary(t).startswith("reconnect")]
     assert [timer_summary(t) for t in reconnects] == ["reconnect 1", "reconnect 2", "reconnect 3"]
     for attempt, timer in enumerate(reconnects):
         seconds = float(timer["timerStartedEventAttributes"]["startToFireTimeout"].rstrip("s"))
         ceiling = min(2.0**attempt, 30.0)
         assert ceiling / 2 <= seconds <= ceiling
+
+
+def test_the_continued_history_is_a_continuation() -> None:
+    started = events("continued")[0]["workflowExecutionStartedEventAttributes"]
+    assert started.get("continuedExecutionRunId")

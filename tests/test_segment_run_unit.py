@@ -1,4 +1,4 @@
-"""`workflows/segment_run.py` on its own: one segment's submit, follow, re-attach and offload.
+"""`workflows/segment_run.py` on its own: one segment's submit, follow, re-attach, resubmit.
 
 The activities and the workflow runtime are stand-ins that record what the segment asked for
 and play a script of outcomes, so each path (re-attach, resubmit, ask a person, give up) is
@@ -26,8 +26,6 @@ from workflows.activity_io import (
     OffloadInput,
     OffloadResult,
     PreparedJob,
-    SubmitInput,
-    SubmitResult,
 )
 from workflows.contracts import (
     Artifact,
@@ -132,11 +130,9 @@ class Backend:
     follow_outcomes: list[FollowResult | BaseException | Callable[[FollowInput], Any]] = field(
         default_factory=list
     )
-    offload_artifacts: list[Artifact] = field(default_factory=list)
     follows: list[FollowInput] = field(default_factory=list)
     states_at_follow: list[JobState] = field(default_factory=list)
     offloads: list[OffloadInput] = field(default_factory=list)
-    submits: list[SubmitInput] = field(default_factory=list)
     sleeps: list[tuple[float, str | None]] = field(default_factory=list)
     during_sleep: list[tuple[JobState, JobError | None, int]] = field(default_factory=list)
     on_wait: Callable[[], None] = lambda: None
@@ -156,11 +152,7 @@ class Backend:
 
     async def offload(self, req: OffloadInput) -> OffloadResult:
         self.offloads.append(req)
-        return OffloadResult(artifacts=self.offload_artifacts)
-
-    async def submit(self, req: SubmitInput, policy: JobPolicy) -> SubmitResult:
-        self.submits.append(req)
-        return SubmitResult(prompt_id=req.prompt_id, outcome="submitted")
+        return OffloadResult(artifacts=[])
 
     async def sleep(self, duration: timedelta, *, summary: str | None = None) -> None:
         assert self.book is not None
@@ -198,7 +190,6 @@ def backend(monkeypatch: pytest.MonkeyPatch) -> Backend:
     monkeypatch.setattr(workflow, "metric_meter", fake.meter)
     monkeypatch.setattr(activity_calls, "follow", fake.follow)
     monkeypatch.setattr(activity_calls, "offload", fake.offload)
-    monkeypatch.setattr(activity_calls, "submit", fake.submit)
     return fake
 
 
@@ -212,7 +203,6 @@ def segment(
     backend: Backend,
     *,
     segment_no: int = 0,
-    legacy: bool = False,
     controls: JobControls | None = None,
     **request: Any,
 ) -> tuple[SegmentRun, JobBook, JobControls]:
@@ -221,7 +211,7 @@ def segment(
     backend.book = book
     controls = controls or JobControls()
     job = JobRequest(graph=GRAPH, **({"policy": policy()} | request))
-    run = SegmentRun(book, controls, job, PREPARED, segment_no, legacy_submit=legacy)
+    run = SegmentRun(book, controls, job, PREPARED, segment_no)
     return run, book, controls
 
 
@@ -257,12 +247,13 @@ def at_step(step: int, *, submitted: bool = True, prompt: str = PROMPT) -> Check
 # -- a segment that runs through ------------------------------------------------------------
 
 
-async def test_a_segment_submits_follows_offloads_and_ends(backend: Backend) -> None:
+async def test_a_segment_submits_follows_and_ends_with_the_follows_outputs(
+    backend: Backend,
+) -> None:
     cost = JobCost(provider_job_id="rp-1", execution_s=12.0)
     backend.follow_outcomes = [
         lambda req: done(req, "a").model_copy(update={"cost": cost}),
     ]
-    backend.offload_artifacts = [artifact("a"), artifact("b")]
     run, book, _ = segment(backend, policy=policy(execution_timeout_s=600.0, queue_timeout_s=120.0))
     await run.run()
     tag = f"dc_j1_0_{PROMPT[:8]}"
@@ -291,23 +282,14 @@ async def test_a_segment_submits_follows_offloads_and_ends(backend: Backend) -> 
     assert follow.graph["2"]["inputs"]["filename_prefix"].startswith(f"{tag}/")
     assert sent(follow).prompt_id == PROMPT and sent(follow).submitted_at is None
     assert backend.states_at_follow == [JobState.SUBMITTING]
-    assert backend.offloads == [
-        OffloadInput(
-            job_id="j1",
-            pool="gpu",
-            prompt_id=PROMPT,
-            segment=0,
-            run_tag=tag,
-            output=run._request.output,
-            stored=[artifact("a")],
-        )
-    ]
-    assert [a.key for a in book.status.artifacts] == ["a", "b"]
+    # The follow stored and verified the outputs: no offload of its own.
+    assert backend.offloads == []
+    assert [a.key for a in book.status.artifacts] == ["a"]
     assert book.status.checkpoint is not None and book.status.checkpoint.step == 20
-    assert book.status.state == JobState.UPLOADING
+    assert book.finished_prompt == PROMPT
     progress = book.status.progress
     assert (progress.step, progress.total_steps, progress.fraction) == (20, 20, 1.0)
-    assert backend.sleeps == [] and backend.submits == []
+    assert backend.sleeps == []
     assert book.status.cost == [cost]
 
 
@@ -321,8 +303,7 @@ async def test_each_segment_runs_its_own_overrides(backend: Backend) -> None:
     assert follow.graph is not None and follow.graph["1"]["inputs"]["seed"] == 11
     assert (follow.segment, follow.segments) == (1, 2)
     assert follow.run_tag == f"dc_j1_1_{PROMPT[:8]}"
-    [offload] = backend.offloads
-    assert [a.key for a in offload.stored] == ["b"] and offload.segment == 1
+    assert [a.key for a in book.artifacts_of(1)] == ["b"] and backend.offloads == []
     assert book.status.progress.fraction == 1.0
     assert book.status.progress.segment == 1
 
@@ -417,9 +398,6 @@ async def test_the_furthest_checkpoint_keeps_its_own_submission_time(backend: Ba
     later = T0 + timedelta(seconds=9)
     book.status.checkpoint = at_step(8).model_copy(update={"submitted_at": later})
     assert run._furthest(at_step(3), at_step(6)).submitted_at == later
-    legacy, book, _ = segment(backend, legacy=True)
-    book.status.checkpoint = at_step(8, submitted=False)
-    assert legacy._furthest(at_step(3, submitted=False), at_step(6)).submitted_at is None
 
 
 async def test_a_step_further_marks_progress(backend: Backend) -> None:
@@ -667,18 +645,3 @@ async def test_the_decision_counts_nodes_when_there_are_no_steps(backend: Backen
     checkpoint = Checkpoint(job_id="j1", prompt_id=PROMPT)
     options = run._lost_prompt_decision(checkpoint).options
     assert "(4 nodes)" in options["resume --resubmit"]
-
-
-# -- runs started before the follow activity submitted ---------------------------------------
-
-
-async def test_a_legacy_run_submits_with_its_own_activity_then_follows(backend: Backend) -> None:
-    backend.follow_outcomes = [connection_lost(), lambda req: done(req, "a")]
-    run, _, _ = segment(backend, legacy=True)
-    await run.run()
-    [submit] = backend.submits
-    assert (submit.prompt_id, submit.client_id, submit.pool) == (PROMPT, f"dc-{PROMPT}", "gpu")
-    assert all(req.graph is None for req in backend.follows)
-    assert backend.states_at_follow == [JobState.RUNNING, JobState.RUNNING]
-    # Never acknowledged in a checkpoint, yet submitted: the path broke, it is reconnecting.
-    assert [state for state, _, _ in backend.during_sleep] == [JobState.RECONNECTING]

@@ -267,9 +267,8 @@ async def test_detached_job_is_never_abandoned(env: WorkflowEnvironment) -> None
 
 STAGES = [
     ("prepare_prompt", JobState.PREPARING, "SKIPPED"),
-    ("submit_prompt", JobState.SUBMITTING, "CONFIRMED"),
+    ("submit", JobState.SUBMITTING, "CONFIRMED"),
     ("follow_prompt", JobState.RUNNING, "CONFIRMED"),
-    ("offload_outputs", JobState.UPLOADING, "CONFIRMED"),
 ]
 
 
@@ -353,8 +352,9 @@ async def test_cancel_while_reconnecting_and_while_paused(env: WorkflowEnvironme
     ("script", "error_type"),
     [
         (Script(fatal_in={"follow_prompt": ErrorType.OUT_OF_MEMORY}), ErrorType.OUT_OF_MEMORY),
-        (Script(fatal_in={"submit_prompt": ErrorType.PROMPT_REJECTED}), ErrorType.PROMPT_REJECTED),
-        (Script(fatal_in={"offload_outputs": ErrorType.STORAGE_ERROR}), ErrorType.STORAGE_ERROR),
+        (Script(fatal_in={"submit": ErrorType.PROMPT_REJECTED}), ErrorType.PROMPT_REJECTED),
+        # The follow stores the outputs: a storage failure is the follow's.
+        (Script(fatal_in={"follow_prompt": ErrorType.STORAGE_ERROR}), ErrorType.STORAGE_ERROR),
     ],
 )
 async def test_failures_compensate_before_failing(
@@ -405,7 +405,7 @@ async def test_segments_continue_as_new_and_resume_at_the_next_segment(
     assert error is None and status.state == JobState.COMPLETED
     assert runs.run_id != first_run, "the job continued as new"
     assert [s.segment for s in backend.submitted] == [0, 1, 2, 3]
-    assert [s.graph["1"]["inputs"]["width"] for s in backend.submitted] == [8, 16, 24, 32]
+    assert [(s.graph or {})["1"]["inputs"]["width"] for s in backend.submitted] == [8, 16, 24, 32]
     assert len({s.prompt_id for s in backend.submitted}) == 4
     assert sorted(a.segment for a in status.artifacts) == [0, 1, 2, 3]
     assert backend.calls.count("prepare_prompt") == 1, "continue-as-new carries the preparation"

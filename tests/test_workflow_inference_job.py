@@ -60,13 +60,12 @@ async def run_job(
     return job_id, status, error
 
 
-@pytest.mark.parametrize("offload_in_follow", [True, False])
 async def test_happy_path_completes_with_artifacts_and_confirmed_teardown(
-    time_env: WorkflowEnvironment, offload_in_follow: bool
+    time_env: WorkflowEnvironment,
 ) -> None:
-    """Today's backends store the outputs inside the follow: prepare and follow are the job's
-    only activities. A follow result that did not (an older worker's) gets an offload."""
-    backend = FakeBackend(Script(offload_in_follow=offload_in_follow))
+    """The follow submits, follows and stores the outputs: prepare and follow are the job's
+    only activities."""
+    backend = FakeBackend()
     job_id, status, error = await run_job(time_env.client, backend, JobRequest(graph=GRAPH))
     assert error is None
     assert status.state == JobState.COMPLETED
@@ -75,13 +74,13 @@ async def test_happy_path_completes_with_artifacts_and_confirmed_teardown(
     assert status.teardown.state == "CONFIRMED"
     assert [s.action for s in status.teardown.steps] == ["finished"]
     assert "had already finished" in (status.teardown.detail or "")
-    offload = [] if offload_in_follow else ["offload_outputs"]
-    assert backend.calls == ["prepare_prompt", "submit_prompt", "follow_prompt", *offload]
+    assert backend.calls == ["prepare_prompt", "submit", "follow_prompt"]
     # Mid-run, the stale attempt's report (step 99) was ignored and the current one counted.
     assert backend.step_after_reports == 1
     assert status.progress.step == status.progress.total_steps
     assert status.progress.fraction == 1.0
     submitted = backend.submitted[0]
+    assert submitted.graph is not None
     prefix = submitted.graph["2"]["inputs"]["filename_prefix"]
     assert prefix.endswith("/t") and prefix != "t", "save prefix must be unique per run"
     assert status.backend is not None and status.backend.provider_job_id == submitted.prompt_id
@@ -125,9 +124,8 @@ async def test_search_attributes_follow_the_state(time_env: WorkflowEnvironment)
     ("fail_in", "error_type", "teardown_state", "torn_down"),
     [
         ("prepare_prompt", ErrorType.UNKNOWN_POOL, "SKIPPED", False),
-        ("submit_prompt", ErrorType.PROMPT_REJECTED, "CONFIRMED", True),
+        ("submit", ErrorType.PROMPT_REJECTED, "CONFIRMED", True),
         ("follow_prompt", ErrorType.OUT_OF_MEMORY, "CONFIRMED", True),
-        ("offload_outputs", ErrorType.STORAGE_ERROR, "CONFIRMED", True),
     ],
 )
 async def test_failure_ends_failed_with_typed_error_after_teardown(
@@ -154,9 +152,7 @@ async def test_failure_ends_failed_with_typed_error_after_teardown(
     if torn_down:
         assert backend.teardowns[0].prompt_id is not None
         # What teardown saw is recorded, never "already finished" for a prompt never queued.
-        expected = {"submit_prompt": "never_queued", "offload_outputs": "finished"}.get(
-            fail_in, "interrupted"
-        )
+        expected = "never_queued" if fail_in == "submit" else "interrupted"
         assert [step.action for step in status.teardown.steps] == [expected]
 
 
@@ -187,7 +183,7 @@ async def test_segments_run_in_order_each_with_its_own_prompt(
     _job_id, status, error = await run_job(time_env.client, backend, request)
     assert error is None and status.state == JobState.COMPLETED
     assert [s.segment for s in backend.submitted] == [0, 1]
-    assert [s.graph["1"]["inputs"]["width"] for s in backend.submitted] == [32, 16]
+    assert [(s.graph or {})["1"]["inputs"]["width"] for s in backend.submitted] == [32, 16]
     assert len({s.prompt_id for s in backend.submitted}) == 2
     assert len({s.client_id for s in backend.submitted}) == 2
     assert sorted(a.segment for a in status.artifacts) == [0, 1]

@@ -26,6 +26,7 @@ from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
 from workflows.activity_io import (
+    FollowHeartbeat,
     FollowInput,
     FollowResult,
     OffloadInput,
@@ -34,10 +35,6 @@ from workflows.activity_io import (
     PrepareInput,
     StopCheck,
     StopInput,
-    SubmitInput,
-    SubmitResult,
-    TeardownInput,
-    TeardownResult,
 )
 from workflows.contracts import (
     Artifact,
@@ -46,7 +43,6 @@ from workflows.contracts import (
     JobRequest,
     JobStatus,
     ProgressReport,
-    Teardown,
 )
 from workflows.inference_job import InferenceJob
 from workflows.job_input import JobInput
@@ -118,9 +114,6 @@ class Script:
     stop_unreachable_checks: int = 0
     # The submitted prompt waits in the backend's queue (at this place) instead of running.
     queued_at: int | None = None
-    # The follow stores and verifies the outputs itself (today's backends) instead of leaving
-    # them to an offload activity (older workers' results).
-    offload_in_follow: bool = False
 
 
 class FakeBackend:
@@ -128,10 +121,11 @@ class FakeBackend:
         self.script = script or Script()
         self.calls: list[str] = []
         self.prepared: list[PrepareInput] = []
-        self.submitted: list[SubmitInput] = []
+        # The follow requests that submitted a prompt the backend did not hold yet.
+        self.submitted: list[FollowInput] = []
         self.followed: list[FollowInput] = []
         self.offloaded: list[OffloadInput] = []
-        self.teardowns: list[TeardownInput | StopInput] = []
+        self.teardowns: list[StopInput] = []
         self.known: set[str] = set()  # prompt ids the fake backend holds
         self.step_after_reports: int | None = None
         self.finished: set[str] = set()  # prompt ids that ran to their end
@@ -168,30 +162,15 @@ class FakeBackend:
             output_nodes=["2"],
         )
 
-    @activity.defn(name="submit_prompt")
-    async def submit(self, req: SubmitInput) -> SubmitResult:
-        await self._enter("submit_prompt")
-        self.submitted.append(req)
-        return SubmitResult(prompt_id=req.prompt_id, outcome="submitted")
-
     @activity.defn(name="follow_prompt")
     async def follow(self, req: FollowInput) -> FollowResult:
         self.followed.append(req)
         if req.graph is not None:
             # The follow activity submits first (socket open), unless the backend knows it.
-            await self._enter("submit_prompt")
+            await self._enter("submit")
             if req.prompt_id not in self.known:
                 self.known.add(req.prompt_id)
-                self.submitted.append(
-                    SubmitInput(
-                        job_id=req.job_id,
-                        pool=req.pool,
-                        prompt_id=req.prompt_id,
-                        client_id=req.client_id,
-                        segment=req.segment,
-                        graph=req.graph,
-                    )
-                )
+                self.submitted.append(req)
             # As the real follower does: the workflow hears that the backend has the prompt.
             queued = self.script.queued_at
             report = ProgressReport(
@@ -221,14 +200,14 @@ class FakeBackend:
             )
             if failure == ErrorType.PROMPT_LOST:
                 self.known.discard(req.prompt_id)
+            reached = FollowHeartbeat(checkpoint=checkpoint).model_dump(mode="json")
             if failure == HEARTBEAT_TIMEOUT:
                 # A worker that dies mid-follow: its last heartbeat is all that is left.
-                activity.heartbeat(checkpoint.model_dump(mode="json"), [])
+                activity.heartbeat(reached)
                 await asyncio.sleep(BLOCK_CAP_S)
             raise ApplicationError(
                 f"follow attempt failed: {failure}",
-                checkpoint.model_dump(mode="json"),
-                [],
+                reached,
                 type=failure,
                 non_retryable=failure in (ErrorType.PROMPT_LOST, ErrorType.OUT_OF_MEMORY),
             )
@@ -246,7 +225,6 @@ class FakeBackend:
             outcome="success",
             artifacts=[artifact(req.job_id, req.segment)],
             checkpoint=Checkpoint(job_id=req.job_id, prompt_id=req.prompt_id, step=10),
-            offloaded=self.script.offload_in_follow,
         )
 
     @activity.defn(name="offload_outputs")
@@ -254,13 +232,6 @@ class FakeBackend:
         self.offloaded.append(req)
         await self._enter("offload_outputs" + (":partial" if req.partial else ""))
         return OffloadResult(artifacts=list(req.stored))
-
-    @activity.defn(name="teardown_prompt")
-    async def teardown(self, req: TeardownInput) -> TeardownResult:
-        self.teardowns.append(req)
-        self.interrupted.set()
-        await self._enter("teardown_prompt")
-        return TeardownResult(teardown=Teardown(state="CONFIRMED", detail=req.reason))
 
     @activity.defn(name="stop_prompt")
     async def stop(self, req: StopInput) -> StopCheck:
@@ -280,7 +251,7 @@ class FakeBackend:
         return StopCheck(at=now, position="gone", ended="interrupted", node="1", node_type="X")
 
     def activities(self) -> list[Any]:
-        return [self.prepare, self.submit, self.follow, self.offload, self.teardown, self.stop]
+        return [self.prepare, self.follow, self.offload, self.stop]
 
 
 @asynccontextmanager

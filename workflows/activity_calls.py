@@ -17,10 +17,6 @@ with workflow.unsafe.imports_passed_through():
         PrepareInput,
         StopCheck,
         StopInput,
-        SubmitInput,
-        SubmitResult,
-        TeardownInput,
-        TeardownResult,
     )
     from workflows.contracts import JobPolicy
     from workflows.shared import (
@@ -28,8 +24,6 @@ with workflow.unsafe.imports_passed_through():
         ACTIVITY_OFFLOAD,
         ACTIVITY_PREPARE,
         ACTIVITY_STOP,
-        ACTIVITY_SUBMIT,
-        ACTIVITY_TEARDOWN,
     )
 
 QUICK_RETRY = RetryPolicy(
@@ -50,25 +44,6 @@ async def prepare(req: PrepareInput) -> PreparedJob:
         start_to_close_timeout=timedelta(minutes=2),
         retry_policy=QUICK_RETRY,
         summary="prepare",
-    )
-    return result
-
-
-async def submit(req: SubmitInput, policy: JobPolicy) -> SubmitResult:
-    # A backend that does not answer is retried with backoff until the reconnect horizon;
-    # the prompt_id is ours, so a retry after a lost answer never queues twice.
-    result: SubmitResult = await workflow.execute_activity(
-        ACTIVITY_SUBMIT,
-        req,
-        result_type=SubmitResult,
-        start_to_close_timeout=timedelta(seconds=60),
-        schedule_to_close_timeout=timedelta(seconds=policy.reconnect.horizon_s),
-        retry_policy=RetryPolicy(
-            initial_interval=timedelta(seconds=policy.reconnect.base_delay_s),
-            maximum_interval=timedelta(seconds=policy.reconnect.max_delay_s),
-            backoff_coefficient=2.0,
-        ),
-        summary=f"submit segment {req.segment}",
     )
     return result
 
@@ -97,18 +72,6 @@ async def offload(req: OffloadInput) -> OffloadResult:
         heartbeat_timeout=timedelta(minutes=2),
         retry_policy=QUICK_RETRY,
         summary=f"offload segment {req.segment}" + (" (partial)" if req.partial else ""),
-    )
-    return result
-
-
-async def teardown(req: TeardownInput) -> TeardownResult:
-    result: TeardownResult = await workflow.execute_activity(
-        ACTIVITY_TEARDOWN,
-        req,
-        result_type=TeardownResult,
-        start_to_close_timeout=timedelta(seconds=30),
-        retry_policy=QUICK_RETRY,
-        summary=f"teardown ({req.reason})",
     )
     return result
 

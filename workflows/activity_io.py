@@ -15,7 +15,6 @@ from workflows.contracts import (
     JobCost,
     OutputSpec,
     StrictModel,
-    Teardown,
 )
 
 
@@ -41,24 +40,6 @@ class PreparedJob(StrictModel):
     # Input files staged in the job's bucket folder for backends that fetch them with the
     # submission (RunPod): the name a load node uses -> its object key.
     staged_inputs: dict[str, str] = Field(default_factory=dict)
-
-
-class SubmitInput(StrictModel):
-    job_id: str
-    pool: str
-    prompt_id: str
-    client_id: str
-    segment: int = 0
-    graph: dict[str, Any]
-
-
-class SubmitResult(StrictModel):
-    """The legacy submit activity's answer (its queue number and dropped outputs are logged)."""
-
-    retired_fields = frozenset({"number", "dropped_outputs"})
-
-    prompt_id: str
-    outcome: Literal["submitted", "already_known"]
 
 
 class FollowInput(StrictModel):
@@ -100,18 +81,11 @@ class FollowResult(StrictModel):
     # lost but which ran it).
     cost: JobCost | None = None
     other_costs: list[JobCost] = Field(default_factory=list)
-    # The follow already stored and verified every output (what `offload_outputs` would do):
-    # the workflow schedules no offload. False from backends, and results, that did not.
-    offloaded: bool = False
 
 
 class FollowHeartbeat(StrictModel):
     """Where a follow attempt got to: the one detail of its heartbeats and of its retryable
-    failures, so the next attempt (or the workflow) resumes from it.
-
-    Versions before this model sent two positional details, `[checkpoint, artifacts]`; recorded
-    histories still carry them, and `from_details` reads both forms.
-    """
+    failures, so the next attempt (or the workflow) resumes from it."""
 
     checkpoint: Checkpoint
     # Artifacts of this segment stored so far: never uploaded twice.
@@ -124,12 +98,12 @@ class FollowHeartbeat(StrictModel):
         if not details or not isinstance(details, Sequence) or isinstance(details, str | bytes):
             return None
         first = details[0]
-        if len(details) == 1 and isinstance(first, Mapping) and "checkpoint" in first:
-            raw: Any = first
-        else:  # the positional form of earlier versions
-            raw = {"checkpoint": first, "artifacts": details[1] if len(details) > 1 else []}
+        if isinstance(first, cls):
+            return first
+        if len(details) != 1 or not isinstance(first, Mapping):
+            return None
         try:
-            return cls.model_validate(raw)
+            return cls.model_validate(first)
         except ValidationError:
             return None
 
@@ -148,18 +122,6 @@ class OffloadInput(StrictModel):
 
 class OffloadResult(StrictModel):
     artifacts: list[Artifact]
-
-
-class TeardownInput(StrictModel):
-    job_id: str
-    pool: str
-    prompt_id: str | None
-    reason: str
-    free_memory: bool = False
-
-
-class TeardownResult(StrictModel):
-    teardown: Teardown
 
 
 class StopInput(StrictModel):

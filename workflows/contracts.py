@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from datetime import datetime
 from enum import StrEnum
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -18,13 +18,12 @@ from pydantic import (
     model_validator,
 )
 
-from workflows.graph import check_api_format, check_graph, check_input_files
+from workflows.graph import check_graph, check_input_files
 from workflows.request_checks import (
     check_input_names,
     check_labels,
     check_policy,
     check_segments,
-    legacy,
 )
 from workflows.shared import JOB_ID_PATTERN
 
@@ -33,21 +32,6 @@ class StrictModel(BaseModel):
     """Base of every contract: an unknown field is an error, never silently dropped."""
 
     model_config = ConfigDict(extra="forbid")
-    # Fields earlier versions wrote and nothing reads any more. Recorded histories still carry
-    # them (in signals, heartbeats, activity results), and replaying those must not fail: they
-    # are accepted and dropped, never written again.
-    retired_fields: ClassVar[frozenset[str]] = frozenset()
-
-    @model_validator(mode="before")
-    @classmethod
-    def _drop_retired_fields(cls, data: Any) -> Any:
-        if (
-            cls.retired_fields
-            and isinstance(data, dict)
-            and not cls.retired_fields.isdisjoint(data)
-        ):
-            return {k: v for k, v in data.items() if k not in cls.retired_fields}
-        return data
 
 
 class JobState(StrEnum):
@@ -189,19 +173,14 @@ class JobRequest(StrictModel):
 
     @field_validator("graph")
     @classmethod
-    def _api_format(cls, graph: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
-        if legacy(info.context):
-            check_api_format(graph)
-        else:
-            check_graph(graph)
+    def _api_format(cls, graph: dict[str, Any]) -> dict[str, Any]:
+        check_graph(graph)
         return graph
 
     @field_validator("inputs")
     @classmethod
     def _declared_inputs(cls, inputs: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
         """Load nodes may name declared inputs only (checked here: the graph comes first)."""
-        if legacy(info.context):
-            return inputs
         check_input_names(inputs)
         graph = info.data.get("graph")
         if graph is not None:
@@ -210,32 +189,25 @@ class JobRequest(StrictModel):
 
     @field_validator("segments")
     @classmethod
-    def _bounded_segments(
-        cls, segments: list[dict[str, Any]], info: ValidationInfo
-    ) -> list[dict[str, Any]]:
-        if not legacy(info.context):
-            check_segments(segments)
+    def _bounded_segments(cls, segments: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        check_segments(segments)
         return segments
 
     @field_validator("labels")
     @classmethod
-    def _bounded_labels(cls, labels: dict[str, str], info: ValidationInfo) -> dict[str, str]:
-        if not legacy(info.context):
-            check_labels(labels)
+    def _bounded_labels(cls, labels: dict[str, str]) -> dict[str, str]:
+        check_labels(labels)
         return labels
 
     @field_validator("policy")
     @classmethod
-    def _bounded_policy(cls, policy: JobPolicy, info: ValidationInfo) -> JobPolicy:
-        if not legacy(info.context):
-            check_policy(policy)
+    def _bounded_policy(cls, policy: JobPolicy) -> JobPolicy:
+        check_policy(policy)
         return policy
 
 
 class Checkpoint(StrictModel):
     """The durable answer to "where do I resume": heartbeated on every progress event."""
-
-    retired_fields = frozenset({"last_artifact_ref"})
 
     job_id: str
     segment: int = 0
@@ -424,9 +396,7 @@ class JobStatus(StrictModel):
 class ProgressReport(StrictModel):
     """Sent by the monitoring activity as the `progress` signal, throttled by fraction."""
 
-    # `step` counts nodes when the graph has no sampler: the node counts said it twice.
-    retired_fields = frozenset({"nodes_done", "nodes_total"})
-
+    # `step` counts nodes when the graph has no sampler.
     attempt_client_id: str
     stage: Literal["queued", "running", "uploading", "finished"] = "running"
     # With stage "queued": 1 = next to run on the backend.

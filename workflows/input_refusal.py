@@ -6,9 +6,6 @@ a hundred thousand levels deep, a graph with a cycle, a `LoadImage` of a file it
 What cannot be read, or breaks a rule, becomes a `Refusal`: the job fails as a *workflow*
 (`InvalidGraph`, `MissingInput` or `InvalidRequest`, non-retryable, each problem's node and
 field in the details), never as a workflow task that Temporal retries forever.
-
-Requests that the checks of earlier versions accepted are also read with those checks only
-(`LEGACY_CHECKS`): a run that started before a check existed replays as it ran.
 """
 
 from __future__ import annotations
@@ -24,7 +21,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows.contracts import JobError, JobRequest
     from workflows.graph import GraphRefused, UndeclaredInputFile, safe_text
     from workflows.job_input import JobInput
-    from workflows.request_checks import LEGACY_CHECKS, RequestRefused
+    from workflows.request_checks import RequestRefused
     from workflows.shared import ErrorType
 
 MAX_MESSAGE_CHARS = 4000
@@ -37,9 +34,6 @@ class Refusal:
 
     error: JobError
     problems: list[dict[str, str | None]] = field(default_factory=list)
-    # What earlier versions did with this input: failed the workflow with this error while
-    # decoding it (None: they accepted it, and ran it).
-    legacy_failure: BaseException | None = None
 
 
 @dataclass
@@ -60,31 +54,17 @@ def read_job_input(raw: Any) -> InputReading:
         )
     except Exception as exc:  # any payload: not JSON, nested past the parser's limit, ...
         return _unreadable(f"the job's input cannot be decoded: {type(exc).__name__}: {exc}")
-    continued = isinstance(data, dict) and data.get("carry") is not None
-    if not continued:
-        try:
-            return InputReading(JobInput.model_validate(data))
-        except ValidationError as exc:
-            strict_error = exc
-        except Exception as exc:  # a validator that broke on a hostile value: still a refusal
-            return _unreadable(f"the job's input cannot be read: {type(exc).__name__}: {exc}")
-    # The checks of earlier versions only: what a continued run reads (its first run checked
-    # the request), and what tells whether an old run, replaying, ran this input or failed it.
     try:
-        legacy_input = JobInput.model_validate(data, context={LEGACY_CHECKS: True})
+        job_input = JobInput.model_validate(data)
     except ValidationError as exc:
-        refusal = refusal_of(exc)
-        refusal.legacy_failure = exc
-        return InputReading(_placeholder(), refusal)
-    except Exception as exc:
+        return InputReading(_placeholder(), refusal_of(exc))
+    except Exception as exc:  # a validator that broke on a hostile value: still a refusal
         return _unreadable(f"the job's input cannot be read: {type(exc).__name__}: {exc}")
-    if continued:
-        if workflow.info().continued_run_id is None:
-            # A carry skips prepare (its graph goes straight to the backend): only the job's
-            # own continue-as-new may hand one over, never a client's start.
-            return InputReading(legacy_input, _carry_from_a_client())
-        return InputReading(legacy_input)
-    return InputReading(legacy_input, refusal_of(strict_error))
+    if job_input.carry is not None and workflow.info().continued_run_id is None:
+        # A carry skips prepare (its graph goes straight to the backend): only the job's own
+        # continue-as-new may hand one over, never a client's start.
+        return InputReading(job_input, _carry_from_a_client())
+    return InputReading(job_input)
 
 
 def _carry_from_a_client() -> Refusal:
@@ -128,9 +108,7 @@ def refusal_of(exc: ValidationError) -> Refusal:
 
 def _unreadable(message: str) -> InputReading:
     error = JobError(type=ErrorType.INVALID_REQUEST, message=safe_text(message[:MAX_MESSAGE_CHARS]))
-    return InputReading(
-        _placeholder(), Refusal(error, legacy_failure=RuntimeError("Failed decoding arguments"))
-    )
+    return InputReading(_placeholder(), Refusal(error))
 
 
 def _placeholder() -> JobInput:

@@ -4,9 +4,6 @@ Pure functions, run by `JobRequest`'s validators: in the client before anything 
 again when the workflow reads its input. A hostile request (a million labels, a segment list of
 a megabyte of nesting, a deadline of a thousand years) is refused with a `RequestRefused` naming
 the field, before it costs a workflow task or a timer Temporal cannot represent.
-
-Runs that started before these bounds existed replay with `LEGACY_CHECKS` in the validation
-context: their requests were accepted then, and are read as they were.
 """
 
 from __future__ import annotations
@@ -21,10 +18,6 @@ from workflows.graph import (
     name_problem,
     value_problem,
 )
-
-# Validation context key: `{LEGACY_CHECKS: True}` reads a request with only the checks of
-# earlier versions (the API format), for runs that started before the others existed.
-LEGACY_CHECKS = "durable_comfy_legacy_checks"
 
 MAX_SEGMENTS = 10_000
 MAX_INPUTS = 100
@@ -51,10 +44,6 @@ class RequestRefused(ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
-
-
-def legacy(context: Any) -> bool:
-    return isinstance(context, Mapping) and bool(context.get(LEGACY_CHECKS))
 
 
 def check_segments(segments: Sequence[Any]) -> None:

@@ -15,8 +15,8 @@ from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
     from workflows import activity_calls as calls
-    from workflows import backoff, legacy
-    from workflows.activity_io import FollowInput, FollowResult, OffloadInput, PreparedJob
+    from workflows import backoff
+    from workflows.activity_io import FollowInput, FollowResult, PreparedJob
     from workflows.contracts import Checkpoint, Decision, JobRequest, JobState
     from workflows.failures import (
         FailureKind,
@@ -40,16 +40,12 @@ class SegmentRun:
         request: JobRequest,
         prepared: PreparedJob,
         segment: int,
-        *,
-        legacy_submit: bool,
     ) -> None:
         self._book = book
         self._controls = controls
         self._request = request
         self._prepared = prepared
         self._segment = segment
-        # Runs started before the follow activity submitted: a submit activity of its own.
-        self._legacy = legacy_submit
         self._graph: dict[str, Any] = {}
         self._tag = ""
 
@@ -64,28 +60,10 @@ class SegmentRun:
         book.begin_segment(
             segment, self._request.segment_count, sampler_steps, self._prepared.nodes_total
         )
-        checkpoint = await self._submission(prompt_id, book.status.progress.total_steps)
-        followed = await self._follow(checkpoint)
-        book.finished_prompt = prompt_id
-        book.merge_artifacts(followed.artifacts)
-        book.set_checkpoint(followed.checkpoint)
-        for cost in [*followed.other_costs, *([followed.cost] if followed.cost else [])]:
-            book.add_cost(cost)
-        if not followed.offloaded:
-            # Results of older workers: the outputs are reconciled by an activity of their own.
-            book.set_state(JobState.UPLOADING)
-            offloaded = await calls.offload(
-                OffloadInput(
-                    job_id=book.status.job_id,
-                    pool=self._prepared.pool,
-                    prompt_id=prompt_id,
-                    segment=segment,
-                    run_tag=self._tag,
-                    output=self._request.output,
-                    stored=book.artifacts_of(segment),
-                )
-            )
-            book.merge_artifacts(offloaded.artifacts)
+        checkpoint = book.new_submission(segment, prompt_id, book.status.progress.total_steps)
+        # The follow submits (unless the backend has the prompt), follows it to its end and
+        # stores every output: a result means the segment's outputs are in the bucket.
+        book.followed(await self._follow(checkpoint))
         if not book.artifacts_of(segment):
             raise ApplicationError(
                 f"segment {segment} finished without any saved output (add a SaveImage node?)",
@@ -94,19 +72,13 @@ class SegmentRun:
             )
         book.end_segment()
 
-    async def _submission(self, prompt_id: str, total_steps: int) -> Checkpoint:
-        checkpoint = self._book.new_submission(self._segment, prompt_id, total_steps)
-        if self._legacy:
-            await legacy.submit(self._book, self._request.policy, self._prepared, self._graph)
-        return checkpoint
-
     async def _follow(self, checkpoint: Checkpoint) -> FollowResult:
         """Follow the prompt to its end, re-attaching from the checkpoint when the path breaks."""
         book, policy = self._book, self._request.policy
         attempt = 0
         while True:
-            submit = not self._legacy and checkpoint.submitted_at is None
-            book.set_state(self._follow_state(submit))
+            submit = checkpoint.submitted_at is None
+            book.set_state(JobState.SUBMITTING if submit else book.backend_state)
             try:
                 return await calls.follow(self._follow_input(checkpoint, submit), policy)
             except BaseException as err:
@@ -116,7 +88,7 @@ class SegmentRun:
                     book.add_cost(cost)  # paid for, whatever happens next
                 if kind in (FailureKind.FATAL, FailureKind.CANCELLED):
                     raise
-                if not self._legacy and self._controls.stop is not None:
+                if self._controls.stop is not None:
                     # The stop's cancel met an attempt that had just failed by itself (say, its
                     # start-to-close timeout) and was used up on it: stop all the same.
                     raise
@@ -133,15 +105,10 @@ class SegmentRun:
                     continue
                 # Not yet on the backend (a pool that is down, unhealthy or busy): still
                 # submitting; otherwise the path to a running prompt broke.
-                not_on_backend = not self._legacy and checkpoint.submitted_at is None
+                not_on_backend = checkpoint.submitted_at is None
                 waiting = JobState.SUBMITTING if not_on_backend else JobState.RECONNECTING
                 await self._back_off(err, attempt, waiting)
                 attempt += 1
-
-    def _follow_state(self, submit: bool) -> JobState:
-        if self._legacy:
-            return JobState.RUNNING
-        return JobState.SUBMITTING if submit else self._book.backend_state
 
     def _follow_input(self, checkpoint: Checkpoint, submit: bool) -> FollowInput:
         request, prepared = self._request, self._prepared
@@ -179,7 +146,7 @@ class SegmentRun:
         ]
         best = max(candidates, key=lambda c: (c.step, len(c.uploaded)))
         submitted_at = next((c.submitted_at for c in candidates if c.submitted_at), None)
-        if not self._legacy and best.submitted_at is None and submitted_at is not None:
+        if best.submitted_at is None and submitted_at is not None:
             best = best.model_copy(update={"submitted_at": submitted_at})
         if best.step > current.step or len(best.uploaded) > len(current.uploaded):
             self._book.mark_progress()
@@ -224,7 +191,7 @@ class SegmentRun:
         counter("resubmissions", "Prompts submitted again after the backend lost them").add(1)
         self._book.restart_prompt()
         prompt_id = checkpoint.prompt_id or str(workflow.uuid4())
-        return await self._submission(prompt_id, checkpoint.total_steps)
+        return self._book.new_submission(self._segment, prompt_id, checkpoint.total_steps)
 
     async def _after_ambiguous_submission(
         self, checkpoint: Checkpoint, err: BaseException
@@ -245,7 +212,7 @@ class SegmentRun:
         counter("resubmissions", "Prompts submitted again after the backend lost them").add(1)
         self._book.restart_prompt()
         prompt_id = checkpoint.prompt_id or str(workflow.uuid4())
-        return await self._submission(prompt_id, checkpoint.total_steps)
+        return self._book.new_submission(self._segment, prompt_id, checkpoint.total_steps)
 
     async def _ask_for_resubmit(self, decision: Decision) -> None:
         """NEEDS_DECISION until a resume with resubmit (a cancel ends the job meanwhile)."""

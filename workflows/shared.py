@@ -32,9 +32,6 @@ ACTIVITY_PREPARE: Final = "prepare_prompt"
 ACTIVITY_FOLLOW: Final = "follow_prompt"  # submits (socket first) and follows
 ACTIVITY_OFFLOAD: Final = "offload_outputs"
 ACTIVITY_STOP: Final = "stop_prompt"  # one check of a stop
-# Served for jobs started before the follow activity submitted and stops were confirmed.
-ACTIVITY_SUBMIT: Final = "submit_prompt"
-ACTIVITY_TEARDOWN: Final = "teardown_prompt"
 
 # Search attributes registered on the server (temporal-dev.yaml lists them too).
 SA_JOB_STATE: Final = "JobState"

@@ -37,9 +37,6 @@ with workflow.unsafe.imports_passed_through():
     from workflows.job_book import JobBook
     from workflows.shared import ErrorType
 
-# v7: a completed job whose follow saw its prompt finish records the teardown without a check.
-PATCH_END_SEEN = "teardown-from-follow"
-
 # Checks never wait longer than this apart: a prompt that stopped should not keep its job
 # waiting for long, and the horizon still bounds how many checks there are.
 MAX_CHECK_INTERVAL_S = 15.0
@@ -88,11 +85,8 @@ class PromptStop:
         "no record of it" is final ("never queued"). An early stop, while the work may still be
         submitting, leaves that verdict to the settled pass.
         """
-        record = self.record
-        now = workflow.now()
-        if record.started_at is None:
-            record.started_at = now
-        deadline = record.started_at + timedelta(seconds=self._policy.teardown_horizon_s)
+        started_at = self._book.teardown_started()
+        deadline = started_at + timedelta(seconds=self._policy.teardown_horizon_s)
         attempt = 0
         while True:
             final = workflow.now() >= deadline
@@ -109,7 +103,7 @@ class PromptStop:
                     output=self._output,
                 )
             )
-            record.checks += 1
+            checks = self._book.stop_checked()
             if check is not None:
                 self._note(check, submitted=submitted, settled=settled)
             if check is not None and check.position == "stuck":
@@ -124,9 +118,9 @@ class PromptStop:
                 else:
                     # Not on the backend yet, and the work may still be submitting it: the
                     # settled pass decides.
-                    record.state = "STOPPING"
-                    record.detail = f"{reason}: prompt {prompt_id} not on the backend (yet)"
-                    self._book.touch()
+                    self._book.teardown_waiting(
+                        f"{reason}: prompt {prompt_id} not on the backend (yet)"
+                    )
                 return
             if final:
                 where = check.position if check is not None else "unreachable"
@@ -135,16 +129,14 @@ class PromptStop:
                     "FAILED",
                     f"{reason}: prompt {prompt_id} was still {where} on pool {pool!r} after the "
                     f"teardown horizon ({self._policy.teardown_horizon_s:.0f} s, "
-                    f"{record.checks} checks); the pool takes no new work from this worker "
+                    f"{checks} checks); the pool takes no new work from this worker "
                     f"until it is gone. {self.summary()}",
                 )
                 return
-            record.state = "STOPPING"
-            record.detail = (
+            self._book.teardown_waiting(
                 f"{reason}: waiting for prompt {prompt_id} to leave pool {pool!r} "
-                f"({self.summary()}; check {record.checks})"
+                f"({self.summary()}; check {checks})"
             )
-            self._book.touch()
             reconnect = self._policy.reconnect
             delay = reconnect_delay(
                 attempt,
@@ -156,14 +148,13 @@ class PromptStop:
             if remaining > 0:
                 await workflow.sleep(
                     timedelta(seconds=min(delay, remaining)),
-                    summary=f"stop check {record.checks + 1}",
+                    summary=f"stop check {checks + 1}",
                 )
             attempt += 1
 
     def seen_finished(self, prompt_id: str, reason: str) -> None:
         """The record of a stop that needed no check: the prompt's end was already seen."""
-        record = self.record
-        record.started_at = record.started_at or workflow.now()
+        self._book.teardown_started()
         self._add("finished", detail=f"prompt {prompt_id}: its end was seen by the follow")
         self._end("CONFIRMED", f"{reason}: {self.summary()}")
 
@@ -234,8 +225,7 @@ class PromptStop:
         if steps and steps[-1].action == action and steps[-1].node == node:
             return  # a repeated observation (a re-sent interrupt, a second pass) adds nothing
         at = at_check.at if at_check is not None else workflow.now()
-        steps.append(TeardownStep(at=at, action=action, node=node, detail=detail))
-        self._book.touch()
+        self._book.add_teardown_step(TeardownStep(at=at, action=action, node=node, detail=detail))
 
     def _last_action(self) -> StopAction | None:
         return self.record.steps[-1].action if self.record.steps else None
@@ -246,12 +236,8 @@ class PromptStop:
         )
 
     def _end(self, state: Literal["CONFIRMED", "FAILED", "UNCONFIRMED"], detail: str) -> None:
-        record = self.record
-        record.state = state
-        record.at = workflow.now()
-        record.detail = detail
-        self._book.touch()
-        if record.started_at is not None:
+        record = self._book.end_teardown(state, detail)
+        if record.started_at is not None and record.at is not None:
             seconds = (record.at - record.started_at).total_seconds()
             workflow.metric_meter().create_histogram_float(
                 "durable_comfy_teardown_seconds", "From a stop's start to its end", "s"
@@ -316,7 +302,6 @@ class ConfirmedStop:
             state == JobState.COMPLETED
             and self._early is None
             and self._book.finished_prompt == prompt_id
-            and workflow.patched(PATCH_END_SEEN)
         ):
             # The follow saw the prompt end successfully on the backend: there is nothing left
             # to stop, and asking again would cost the job a round trip.

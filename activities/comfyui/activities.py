@@ -1,9 +1,6 @@
-"""Activities that talk to a ComfyUI pool: prepare, stop (one check), and the older submit and
-teardown.
+"""Activities that talk to a ComfyUI pool: prepare, and stop (one check).
 
 Submitting and following a prompt live in `follow.py`, storing its outputs in `offload.py`.
-`submit_prompt` and `teardown_prompt` are kept for jobs started before the follow activity
-submitted and stops were confirmed check by check.
 """
 
 from __future__ import annotations
@@ -13,13 +10,12 @@ from datetime import UTC, datetime
 from typing import Any, Literal
 
 import structlog
-from temporalio import activity
 
 from activities.comfyui.client import ComfyClient, ComfyError
 from activities.comfyui.events import ending_of
 from activities.comfyui.graph import output_nodes, refuse_hostile_graph, registry_problems
 from activities.comfyui.pools import ComfyPools, PoolHealth
-from activities.errors import fatal, from_comfy, retryable
+from activities.errors import fatal, from_comfy
 from activities.inputs import input_bytes
 from activities.storage import ArtifactStore
 from workflows.activity_io import (
@@ -27,19 +23,10 @@ from workflows.activity_io import (
     PrepareInput,
     StopCheck,
     StopInput,
-    SubmitInput,
-    SubmitResult,
-    TeardownInput,
-    TeardownResult,
 )
-from workflows.contracts import Teardown
 from workflows.graph import GraphFormatError, apply_overrides, bind_files, load_node_files
 from workflows.graph import sampler_steps as graph_sampler_steps
-from workflows.shared import (
-    ACTIVITY_SUBMIT,
-    ACTIVITY_TEARDOWN,
-    ErrorType,
-)
+from workflows.shared import ErrorType
 
 log = structlog.get_logger(__name__)
 
@@ -100,42 +87,6 @@ class ComfyActivities:
             output_nodes=output_nodes(graph, object_info),
         )
 
-    @activity.defn(name=ACTIVITY_SUBMIT)
-    async def submit_prompt(self, req: SubmitInput) -> SubmitResult:
-        """POST /prompt with our own prompt_id, unless ComfyUI already has it.
-
-        The prompt_id is ours, so a retry after a lost answer can ask `/queue` and `/history`
-        first instead of queueing (and paying for) the same work twice.
-        """
-        client = self._pools.client(req.pool)
-        bound = log.bind(job_id=req.job_id, prompt_id=req.prompt_id, segment=req.segment)
-        try:
-            await client.system_stats()
-            unhealthy = await self._pools.health.probe(req.pool, client)
-            if unhealthy is not None:
-                raise retryable(
-                    ErrorType.BACKEND_UNAVAILABLE,
-                    f"pool {req.pool!r} is unhealthy: {unhealthy}",
-                    next_retry_delay=5.0,
-                )
-            if activity.info().attempt > 1 and await self._known(client, req.prompt_id):
-                bound.info("submit_already_known")
-                return SubmitResult(prompt_id=req.prompt_id, outcome="already_known")
-            answer = await client.post_prompt(
-                req.graph, prompt_id=req.prompt_id, client_id=req.client_id
-            )
-        except ComfyError as exc:
-            raise from_comfy(exc, "submitting the prompt") from exc
-        dropped = answer.get("node_errors") or {}
-        bound.info("submitted", number=answer.get("number"), dropped_outputs=len(dropped))
-        return SubmitResult(prompt_id=req.prompt_id, outcome="submitted")
-
-    @staticmethod
-    async def _known(client: ComfyClient, prompt_id: str) -> bool:
-        if await client.queue_position(prompt_id) is not None:
-            return True
-        return await client.history(prompt_id) is not None
-
     async def stop_prompt(self, req: StopInput) -> StopCheck:
         """One check of a stop: dequeue if queued, interrupt if running, say how it ended.
 
@@ -155,36 +106,6 @@ class ComfyActivities:
             return StopCheck(
                 at=datetime.now(UTC), position="unreachable", message=f"{type(exc).__name__}: {exc}"
             )
-
-    @activity.defn(name=ACTIVITY_TEARDOWN)
-    async def teardown_prompt(self, req: TeardownInput) -> TeardownResult:
-        """The pre-0.2 teardown, still served for jobs started before `stop_prompt` existed:
-        one check, retried by Temporal until the prompt is gone."""
-        now = datetime.now(UTC)
-        if req.prompt_id is None:
-            return TeardownResult(
-                teardown=Teardown(state="SKIPPED", at=now, detail="nothing was submitted")
-            )
-        client = self._pools.client(req.pool)
-        stop = StopInput(
-            job_id=req.job_id,
-            pool=req.pool,
-            prompt_id=req.prompt_id,
-            reason=req.reason,
-            free_memory=req.free_memory,
-        )
-        try:
-            check = await stop_step(client, stop, self._pools.health, log.bind(job_id=req.job_id))
-        except ComfyError as exc:
-            raise from_comfy(exc, "tearing down the prompt") from exc
-        if check.position != "gone":
-            raise retryable(
-                ErrorType.TEARDOWN_FAILED,
-                f"prompt still {check.position} after {check.action}",
-                next_retry_delay=0.5,
-            )
-        detail = f"{req.reason}: {check.ended or 'gone'}; confirmed absent from /queue"
-        return TeardownResult(teardown=Teardown(state="CONFIRMED", at=now, detail=detail))
 
 
 async def stop_step(

@@ -52,7 +52,7 @@ class ComfyBackend:
             # A retry after a failure here re-attaches from where the follow ended.
             beat=lambda: activity.heartbeat(resume_point.model_dump(mode="json")),
         )
-        return followed.model_copy(update={"artifacts": offloaded.artifacts, "offloaded": True})
+        return followed.model_copy(update={"artifacts": offloaded.artifacts})
 
     async def offload(self, req: OffloadInput) -> OffloadResult:
         return await self._offload.offload_outputs(req)

@@ -135,8 +135,8 @@ class RunPodBackend:
             inputs = await (self._by_reference(req) if pool.claims else self._inline(req))
         follower = RunPodFollower(req, pool, client, self._store, inputs, poll_s=self._poll_s)
         # Every output of a successful follow is verified in S3 already (size and sha256, in
-        # the job's folder): what `offload` would check again.
-        return (await follower.run()).model_copy(update={"offloaded": True})
+        # the job's folder): the workflow schedules no offload for it.
+        return await follower.run()
 
     async def _inline(self, req: FollowInput) -> RunInputs:
         """A stock endpoint: the files themselves, base64 in `input.images`."""

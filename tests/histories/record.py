@@ -1,12 +1,15 @@
-"""Record the committed replay histories: `python -m tests.histories.record`.
+"""Record the replay histories: `python -m tests.histories.record [scenario ...]`.
 
-Runs InferenceJob on the time-skipping server with the stand-in activities through its endings
-(completed, cancelled, abandoned, reconnected; from v3 also stopped_slowly and lost; from v6 a
-run continued as new; v7: the completing ones with outputs stored by the follow; v8: a request
-refused for breaking a check) and writes each
-history (of the last run) as JSON beside this file.
-Never overwrite a recording: after a `workflow.patched()` change, record a new set with a
-suffix (`python -m tests.histories.record -v2`) so both the old and the new paths replay.
+Runs InferenceJob on the time-skipping server with the stand-in activities (tests/workflow_fakes.py)
+through every way a job ends, and a job that continued as new, reconnected or waited for a
+decision, and writes each history (of the last run) as `<scenario>.json` beside this file.
+tests/test_replay_histories.py replays every one against today's code.
+
+These are the 1.0 baseline. A change to the workflow's commands fails their replay: a job still
+running when its workers are upgraded would fail the same way. Running jobs stay on the worker
+version they started on (Worker Versioning, docs/upgrading.md), so the usual answer is to
+re-record the histories here with the change; a `workflow.patched()` branch is for a change that
+must reach jobs already running (docs/upgrading.md says when, and how it is retired).
 """
 
 from __future__ import annotations
@@ -83,9 +86,8 @@ async def cancel_with_reason(handle: WorkflowHandle[Any, JobStatus]) -> None:
 
 
 SCENARIOS: dict[str, Scenario] = {
-    # v7 on: the follow stores the outputs (no offload activity) and a completed job's
-    # teardown is confirmed by the follow's sight of the end (no stop check).
-    "completed": (Script(offload_in_follow=True), {"abandon_after_s": None}, None),
+    # The follow stores the outputs and saw the prompt end: no offload, no stop check.
+    "completed": (Script(), {"abandon_after_s": None}, None),
     "cancelled": (
         Script(follow_failures=[ErrorType.CONNECTION_LOST] * 20),
         {"abandon_after_s": None, "reconnect": {"base_delay_s": 30, "max_delay_s": 30}},
@@ -97,11 +99,11 @@ SCENARIOS: dict[str, Scenario] = {
         None,
     ),
     "reconnected": (
-        Script(follow_failures=[ErrorType.CONNECTION_LOST] * 3, offload_in_follow=True),
+        Script(follow_failures=[ErrorType.CONNECTION_LOST] * 3),
         {"abandon_after_s": None},
         None,
     ),
-    # v3 on: a stop confirmed over several checks, and a prompt the backend lost.
+    # A stop confirmed over several checks, and a prompt the backend lost.
     "stopped_slowly": (
         Script(block_in="follow_prompt", stop_running_checks=3),
         {"abandon_after_s": None},
@@ -112,9 +114,9 @@ SCENARIOS: dict[str, Scenario] = {
         {"abandon_after_s": None},
         None,
     ),
-    # v4 on: messages from plain clients, the resume update, a reasoned Temporal cancel.
+    # Messages from plain clients, the resume update, a reasoned Temporal cancel.
     "decided": (
-        Script(follow_failures=[ErrorType.PROMPT_LOST] * 2, offload_in_follow=True),
+        Script(follow_failures=[ErrorType.PROMPT_LOST] * 2),
         {"abandon_after_s": None},
         decide_after_malformed_messages,
     ),
@@ -128,19 +130,24 @@ SCENARIOS: dict[str, Scenario] = {
         {"abandon_after_s": None, "queue_timeout_s": 2},
         None,
     ),
-    # v8 on: an input that breaks a check fails the workflow typed (patch refuse-input-typed),
-    # before any activity.
+    # A prompt that fails on the backend: stopped, outputs kept, FAILED typed.
+    "failed": (
+        Script(fatal_in={"follow_prompt": ErrorType.OUT_OF_MEMORY}),
+        {"abandon_after_s": None},
+        None,
+    ),
+    # An input that breaks a check fails the workflow typed, before any activity.
     "refused": (Script(), {"abandon_after_s": None, UNCHECKED_GRAPH: CYCLE}, None),
-    # v6 on (JobInput): the last run of a job that continued as new twice, carry and all.
+    # The last run of a job that continued as new twice, carry and all.
     "continued": (
-        Script(offload_in_follow=True),
+        Script(),
         {"abandon_after_s": None, "history_budget_events": 10, SEGMENTS: [{}, {}, {}]},
         None,
     ),
 }
 
 
-async def record(suffix: str = "", only: list[str] | None = None) -> None:
+async def record(only: list[str] | None = None) -> None:
     env = await start_time_skipping()
     try:
         for name, (script, policy, action) in SCENARIOS.items():
@@ -167,7 +174,7 @@ async def record(suffix: str = "", only: list[str] | None = None) -> None:
                 except WorkflowFailureError:
                     pass
                 history = await handle.fetch_history()
-            path = HERE / f"{name}{suffix}.json"
+            path = HERE / f"{name}.json"
             path.write_text(json.dumps(json.loads(history.to_json()), indent=1) + "\n")
             print(f"wrote {path} ({len(history.events)} events)")
     finally:
@@ -175,7 +182,5 @@ async def record(suffix: str = "", only: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    # `record.py -v2` writes completed-v2.json ...: keep older recordings, they guard the
-    # unpatched paths that jobs started before a `workflow.patched()` change still take.
-    # `record.py -v4 decided lost` records only those scenarios.
-    asyncio.run(record(sys.argv[1] if len(sys.argv) > 1 else "", sys.argv[2:]))
+    # `record.py decided lost` records only those scenarios.
+    asyncio.run(record(sys.argv[1:]))
