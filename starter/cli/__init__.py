@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, distribution, entry_points
 from typing import Any
@@ -50,13 +51,6 @@ def _start(ctx: typer.Context) -> None:
 
     Logs go to stderr only; stdout is the commands' output. Quiet unless something is off.
     """
-    if ctx.invoked_subcommand == "dev" and (missing := missing_stack_distributions()):
-        typer.echo(
-            f"error: `durable-comfy dev` runs the local stack, whose servers ({', '.join(missing)})"
-            f" come with the stack extra: {STACK_EXTRA_HINT}",
-            err=True,
-        )
-        raise typer.Exit(2)
     if ctx.invoked_subcommand not in JOB_COMMANDS:
         # `worker`, `dev` and `codec-server` read their own settings and configure their own
         # logging on top.
@@ -90,7 +84,21 @@ def _add_plugins(app: typer.Typer) -> None:
             app.command(entry.name)(target)
 
 
+def refuse_dev_without_stack(argv: list[str]) -> None:
+    """`dev` without the stack extra: one line saying what to install, before the plugins (and
+    the whole worker with them) are imported."""
+    if argv[:1] != ["dev"] or not (missing := missing_stack_distributions()):
+        return
+    typer.echo(
+        f"error: `durable-comfy dev` runs the local stack, whose servers ({', '.join(missing)}) "
+        f"come with the stack extra: {STACK_EXTRA_HINT}",
+        err=True,
+    )
+    exit_without_finalizing(2)
+
+
 def main() -> None:
+    refuse_dev_without_stack(sys.argv[1:])
     try:
         build_app()()
     except SystemExit as exc:
