@@ -1,9 +1,32 @@
-"""Client side of durable-comfy: the `JobClient` library and the `durable-comfy` CLI."""
+"""Client side of durable-comfy: the `JobClient` library and the `durable-comfy` CLI.
 
-from starter.client import JobClient
+Everything a script needs is here: the client, the request and status models, and every error
+the client raises (all `ClientError`s; `starter.errors` draws their tree).
+"""
+
+from starter.client import JobClient, SubmitOutcome
 from starter.connection import connect_temporal
-from starter.errors import ClientError, ContactLost, InputFileError, JobNotFound
+from starter.errors import (
+    ClientError,
+    ContactLost,
+    InputFileError,
+    InvalidJobId,
+    InvalidOverride,
+    JobAlreadyEnded,
+    JobConflict,
+    JobNotFound,
+    JobUnanswered,
+    RequestTooLarge,
+    ResumeRefused,
+    SettingsError,
+    StorageFailed,
+    StorageNotConfigured,
+    TemporalRefused,
+    TemporalUnreachable,
+    UnsafeArtifactKey,
+)
 from starter.requests import load_graph, request_from_files
+from starter.staging import InputNeedsStaging
 from workflows.contracts import (
     Artifact,
     CancelRequest,
@@ -20,13 +43,28 @@ __all__ = [
     "ClientError",
     "ContactLost",
     "InputFileError",
+    "InputNeedsStaging",
+    "InvalidJobId",
+    "InvalidOverride",
+    "JobAlreadyEnded",
     "JobClient",
+    "JobConflict",
     "JobNotFound",
     "JobPolicy",
     "JobRequest",
     "JobState",
     "JobStatus",
+    "JobUnanswered",
+    "RequestTooLarge",
+    "ResumeRefused",
     "ResumeRequest",
+    "SettingsError",
+    "StorageFailed",
+    "StorageNotConfigured",
+    "SubmitOutcome",
+    "TemporalRefused",
+    "TemporalUnreachable",
+    "UnsafeArtifactKey",
     "connect_temporal",
     "load_graph",
     "request_from_files",

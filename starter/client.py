@@ -14,16 +14,19 @@ only on milestones.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import json
 import random
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Iterator
+from contextlib import aclosing, contextmanager
 from datetime import timedelta
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Self, TypeVar
 
 import structlog
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -47,6 +50,7 @@ from temporalio.common import (
 from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
+from activities.storage_errors import StorageConfigError, StorageError
 from starter.connection import connect_temporal
 from starter.errors import (
     ContactLost,
@@ -57,7 +61,10 @@ from starter.errors import (
     JobUnanswered,
     RequestTooLarge,
     ResumeRefused,
+    SettingsError,
+    StorageFailed,
     StorageNotConfigured,
+    TemporalRefused,
     TemporalUnreachable,
     UnsafeArtifactKey,
 )
@@ -65,6 +72,7 @@ from starter.execution import bare_status, ended_from_outside
 from starter.pending_query import PendingQuery
 from starter.progress import FOLLOW_STATES, follow_heartbeats, overlaid
 from starter.requests import check_segment_overrides
+from starter.settings import ClientSettings
 from starter.staging import stage_inputs
 from workflows.backoff import reconnect_delay
 from workflows.contracts import (
@@ -92,7 +100,7 @@ from workflows.shared import (
 )
 
 if TYPE_CHECKING:
-    from activities.storage import ArtifactStore
+    from activities.storage import ArtifactStore, S3Settings
 
 TENANT_KEY = SearchAttributeKey.for_keyword(SA_TENANT)
 
@@ -105,6 +113,13 @@ MAX_REQUEST_BYTES = 2 * 1024 * 1024
 _UNANSWERED_CODES = frozenset(
     {RPCStatusCode.CANCELLED, RPCStatusCode.DEADLINE_EXCEEDED, RPCStatusCode.FAILED_PRECONDITION}
 )
+# RPC failures that mean the server did not answer, as opposed to answering with an error.
+_UNREACHABLE_CODES = frozenset(
+    {RPCStatusCode.UNAVAILABLE, RPCStatusCode.DEADLINE_EXCEEDED, RPCStatusCode.CANCELLED}
+)
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 log = structlog.get_logger("durable_comfy.client")
 
@@ -127,13 +142,31 @@ def request_sha256(request: JobRequest) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
+def _client_errors(
+    method: Callable[Concatenate[JobClient, P], Coroutine[Any, Any, R]],
+) -> Callable[Concatenate[JobClient, P], Coroutine[Any, Any, R]]:
+    """A public method raises `ClientError`s only: the SDK's and the bucket's errors become
+    them at the boundary (internal code keeps reading the SDK's status codes)."""
+
+    @functools.wraps(method)
+    async def translated(self: JobClient, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        with self.translated_errors():
+            return await method(self, *args, **kwargs)
+
+    return translated
+
+
 class JobClient:
     """Async client for durable-comfy jobs.
 
-    `store` (an open `activities.storage.ArtifactStore`) is optional: with it, `result` adds
-    presigned download URLs and `start` stages inputs too large for a request to S3; without
-    S3 credentials you still get `s3://` URIs, and such inputs are refused.
-    `query_timeout_s` bounds how long a status query waits for a worker to answer.
+    `JobClient.connect()` reads the same settings as the CLI: Temporal's (TEMPORAL_ADDRESS, a
+    profile, ...), the task queue and query timeout (`starter.settings.ClientSettings`) and,
+    when DURABLE_COMFY_BUCKET is set, the artifact bucket's (`S3Settings`), whose store it opens:
+    `result` then adds presigned download URLs, `download` fetches the files, and `start` stages
+    inputs too large for a request to S3. Without a bucket you still get `s3://` URIs, and such
+    inputs are refused. Close the client (`async with`, or `close()`) to close that store.
+
+    Every error a method raises is a `starter.errors.ClientError`.
     """
 
     def __init__(
@@ -149,6 +182,8 @@ class JobClient:
         self.store = store
         self.query_timeout = timedelta(seconds=query_timeout_s)
         self.max_request_bytes = MAX_REQUEST_BYTES
+        # A store `connect` opened from the environment is the client's to close.
+        self._owned_store: ArtifactStore | None = None
 
     @classmethod
     async def connect(
@@ -156,30 +191,108 @@ class JobClient:
         address: str | None = None,
         namespace: str | None = None,
         *,
-        task_queue: str = DEFAULT_TASK_QUEUE,
+        task_queue: str | None = None,
+        query_timeout_s: float | None = None,
         store: ArtifactStore | None = None,
-        query_timeout_s: float = 10.0,
+        s3: S3Settings | None = None,
+        s3_from_environment: bool = True,
     ) -> JobClient:
-        """Connect to Temporal; `TemporalUnreachable` when nothing answers there."""
+        """Connect to Temporal, with the CLI's settings for whatever is not given here.
+
+        `address` and `namespace`: else TEMPORAL_ADDRESS / TEMPORAL_NAMESPACE, else the
+        `temporal.toml` profile (TEMPORAL_CONFIG_FILE + TEMPORAL_PROFILE), else 127.0.0.1:7233.
+        `task_queue` and `query_timeout_s`: else DURABLE_COMFY_TASK_QUEUE and
+        DURABLE_COMFY_QUERY_TIMEOUT_S. The artifact bucket: `store` (an open
+        `activities.storage.ArtifactStore` you close yourself), else one opened from `s3`, else
+        from the environment when DURABLE_COMFY_BUCKET is set (`s3_from_environment=False`: no
+        bucket). Raises `TemporalUnreachable` when nothing answers, `SettingsError` or
+        `StorageNotConfigured` for a bad variable, naming it.
+        """
+        try:
+            settings = ClientSettings()
+        except ValidationError as exc:
+            raise SettingsError(f"invalid client settings: {_problems(exc)}") from None
         try:
             temporal = await connect_temporal(address, namespace)
         except RuntimeError as exc:  # how the SDK reports a refused or failed connection
             raise TemporalUnreachable(address or "the configured address", str(exc)) from exc
-        return cls(temporal, task_queue=task_queue, store=store, query_timeout_s=query_timeout_s)
+        client = cls(
+            temporal,
+            task_queue=task_queue or settings.task_queue,
+            store=store,
+            query_timeout_s=query_timeout_s or settings.query_timeout_s,
+        )
+        if store is None and (s3 is not None or s3_from_environment):
+            with client.translated_errors():
+                await client._open_store(s3)
+        return client
+
+    async def _open_store(self, s3: S3Settings | None) -> None:
+        # Imported here: aioboto3 is loaded only by a client that has a bucket.
+        from activities.storage import ArtifactStore, S3Settings
+
+        settings = s3 or S3Settings.from_env_if_configured()
+        if settings is None:
+            return
+        store = ArtifactStore(settings)
+        self.store = self._owned_store = await store.__aenter__()
+
+    async def close(self) -> None:
+        """Close the bucket's client if `connect` opened it (Temporal's needs no closing)."""
+        store, self._owned_store = self._owned_store, None
+        if store is not None:
+            if self.store is store:
+                self.store = None
+            await store.__aexit__(None, None, None)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    @contextmanager
+    def translated_errors(self) -> Iterator[None]:
+        """The SDK's and the bucket's errors as `ClientError`s, with what they mean here."""
+        try:
+            yield
+        except RPCError as exc:
+            if exc.status in _UNREACHABLE_CODES:
+                raise TemporalUnreachable(self._target(), exc.message) from exc
+            raise TemporalRefused(exc.status.name, exc.message) from exc
+        except RPCTimeoutOrCancelledError as exc:
+            raise TemporalUnreachable(self._target(), str(exc) or "no answer in time") from exc
+        except StorageConfigError as exc:
+            raise StorageNotConfigured(str(exc)) from exc
+        except StorageError as exc:
+            raise StorageFailed(str(exc), retryable=exc.retryable) from exc
+
+    def _target(self) -> str:
+        return self.temporal.service_client.config.target_host
 
     def handle(self, job_id: str) -> WorkflowHandle[object, JobStatus]:
         return self.temporal.get_workflow_handle(checked_job_id(job_id), result_type=JobStatus)
 
     # -- starting ----------------------------------------------------------------------------
 
+    @_client_errors
     async def submit(
-        self, request: JobRequest, *, job_id: str | None = None, detached: bool = False
+        self, request: JobRequest, *, job_id: str | None = None, detached: bool = True
     ) -> JobStatus:
-        """`start`, returning only the job's status (new, or the existing job's real one)."""
+        """`start`, returning only the job's status (new, or the existing job's real one).
+
+        Detached by default, like `durable-comfy submit`: the job runs to its end whether or
+        not anyone watches. `detached=False` is what `submit --watch` does (below)."""
         return (await self.start(request, job_id=job_id, detached=detached)).status
 
+    @_client_errors
     async def start(
-        self, request: JobRequest, *, job_id: str | None = None, detached: bool = False
+        self, request: JobRequest, *, job_id: str | None = None, detached: bool = True
     ) -> SubmitOutcome:
         """Start a job, or find the one already started under `job_id` with this request.
 
@@ -192,9 +305,10 @@ class JobClient:
         reference (`starter.staging`); that needs `store`, and raises `InputNeedsStaging`
         without it.
 
-        An attached job (the default) expects to hear from a client: `watch` keeps it alive, and
-        after `policy.abandon_after_s` without contact it is abandoned and its GPU work is
-        stopped. A detached job runs to the end whoever is listening.
+        A detached job (the default) runs to its end whoever is listening: a script may
+        submit and exit. An attached one (`detached=False`, as `durable-comfy submit --watch`)
+        expects to hear from a client: `watch` keeps it alive, and after
+        `policy.abandon_after_s` without contact it is abandoned and its GPU work is stopped.
         """
         job_id = checked_job_id(job_id or f"job-{uuid.uuid4().hex[:16]}")
         check_segment_overrides(request.graph, request.segments)
@@ -261,6 +375,7 @@ class JobClient:
 
     # -- reading ------------------------------------------------------------------------------
 
+    @_client_errors
     async def status(self, job_id: str) -> JobStatus:
         """The job's status, from the job itself, corrected by Temporal's record when the
         workflow was ended from outside (TERMINATED, TIMED_OUT), and with the follow activity's
@@ -350,9 +465,11 @@ class JobClient:
 
     # -- acting on a job ----------------------------------------------------------------------
 
+    @_client_errors
     async def client_seen(self, job_id: str) -> None:
         await self.handle(job_id).signal(SIGNAL_CLIENT_SEEN)
 
+    @_client_errors
     async def attach(self, job_id: str) -> JobStatus:
         """Tell the job a client is (back) and get its status in one round trip."""
         status: JobStatus = await self.handle(job_id).execute_update(
@@ -360,6 +477,7 @@ class JobClient:
         )
         return status
 
+    @_client_errors
     async def cancel(self, job_id: str, reason: str = "cancelled by a client") -> JobStatus:
         """Stop the job: its prompt is interrupted, finished artifacts are kept, CANCELLED.
 
@@ -385,12 +503,17 @@ class JobClient:
             raise await self._not_found_or_ended(job_id, exc, action) from exc
         return current or JobStatus(job_id=job_id)
 
+    @_client_errors
     async def resume(self, job_id: str, *, resubmit: bool = False) -> JobStatus:
-        """Continue a NEEDS_DECISION job: re-attach, or (resubmit=True) run the prompt again.
+        """Answer a job waiting in NEEDS_DECISION: re-attach to its prompt, or (resubmit=True)
+        run the prompt again from step 0, on the GPU again (paid again).
 
-        Answers with the job's status once it has acted on the decision. A job that is not
-        waiting for a decision, or cannot do what was asked, refuses: `ResumeRefused` with its
-        reason; a job that has ended raises `JobAlreadyEnded`.
+        Only a job in NEEDS_DECISION takes it (its `decision` says why it waits and what each
+        way out costs): a running, stopping or cancelled job refuses, as does a plain resume of
+        a prompt the backend lost, with `ResumeRefused` and the job's reason. It does not
+        restart a job that was cancelled or failed: submit the request again for that (under a
+        new job ID). Answers with the job's status once it has acted on the decision; a job
+        that has ended raises `JobAlreadyEnded`.
         """
         handle = self.handle(job_id)
         try:
@@ -418,6 +541,28 @@ class JobClient:
         reconnect: ReconnectPolicy | None = None,
         describe_after_s: float = 5.0,
     ) -> AsyncIterator[JobStatus]:
+        """Yield the job's status whenever it changes, the last one terminal (`_watch`)."""
+        updates = self._watch(
+            job_id,
+            poll_interval_s=poll_interval_s,
+            keepalive_s=keepalive_s,
+            reconnect=reconnect,
+            describe_after_s=describe_after_s,
+        )
+        async with aclosing(updates):
+            with self.translated_errors():
+                async for status in updates:
+                    yield status
+
+    async def _watch(
+        self,
+        job_id: str,
+        *,
+        poll_interval_s: float,
+        keepalive_s: float | None,
+        reconnect: ReconnectPolicy | None,
+        describe_after_s: float,
+    ) -> AsyncGenerator[JobStatus, None]:
         """Yield the job's status whenever it changes (its `seq`, or the step it got to), the
         last one terminal.
 
@@ -531,6 +676,7 @@ class JobClient:
                 raise
             return ended
 
+    @_client_errors
     async def wait(self, job_id: str) -> JobStatus:
         """Wait for the job to end; return its final status whatever the outcome.
 
@@ -554,6 +700,7 @@ class JobClient:
             return final
         return await self.status(job_id)
 
+    @_client_errors
     async def result(self, job_id: str, *, presign: bool = True) -> JobStatus:
         """The final status, with presigned URLs for the artifacts when S3 access is set up."""
         status = await self.wait(job_id)
@@ -597,6 +744,7 @@ class JobClient:
             )
         return self.store
 
+    @_client_errors
     async def download(self, status: JobStatus, directory: Path) -> list[Path]:
         """Download every artifact, each one checked against its sha256."""
         store = self.require_store()
@@ -649,6 +797,10 @@ def _shown(status: JobStatus) -> tuple[object, ...]:
     """What `watch` compares: the job's own changes, and the progress a heartbeat moves."""
     progress = status.progress
     return (status.seq, progress.step, progress.total_steps, progress.fraction)
+
+
+def _problems(exc: ValidationError) -> str:
+    return "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
 
 
 def _short(exc: Exception) -> str:

@@ -2,20 +2,29 @@
 
     ClientError
     ├── InvalidJobId         a job ID outside JOB_ID_PATTERN (nothing was sent)
-    ├── InputFileError       an `--input NAME=PATH` that cannot be read or named
+    ├── InputFileError       a graph or `--input NAME=PATH` file that cannot be read or named
     ├── InvalidOverride      a segment override naming a node or input the graph does not have
+    ├── InputNeedsStaging    an input too large to send inline, and no bucket to stage it
+    │                        (starter.staging)
     ├── RequestTooLarge      the request is over Temporal's payload limit (pass inputs by S3)
-    ├── StorageNotConfigured downloading artifacts needs S3 settings that are not there
+    ├── SettingsError        a client setting's variable holds a bad value (named)
+    ├── StorageNotConfigured the bucket is needed but not configured, or its settings are bad
+    ├── StorageFailed        the bucket failed a presign, a staging upload or a download, or a
+    │                        downloaded file does not match its recorded sha256
+    ├── UnsafeArtifactKey    an artifact whose key would leave the download directory
     ├── JobNotFound          no job with that ID in this namespace
     ├── JobConflict          the ID is taken by a different request
     ├── JobAlreadyEnded      the action needs a job that still runs; `.status` is its final one
     ├── ResumeRefused        the job turned the resume down; `.reason` says why
-    ├── TemporalUnreachable  no connection to the Temporal server
+    ├── TemporalUnreachable  no connection to the Temporal server, or no answer in time
+    ├── TemporalRefused      Temporal answered the call with an error (`.status` names it)
     ├── JobUnanswered        the job exists but no worker answered for it
     └── ContactLost          Temporal unreachable past the reconnect horizon (the job runs on)
 
-Validation problems with a request are pydantic `ValidationError`s raised before anything is
-sent: they say which field is wrong and how to fix it.
+`JobClient` raises nothing else of its own: the SDK's `RPCError`s and the bucket's
+`StorageError`s become the errors above. Validation problems with a request are pydantic
+`ValidationError`s raised when the `JobRequest` is built, before anything is sent: they say which
+field is wrong and how to fix it.
 """
 
 from __future__ import annotations
@@ -60,8 +69,22 @@ class RequestTooLarge(ClientError):
         self.limit = limit
 
 
+class SettingsError(ClientError):
+    """A variable the client reads (DURABLE_COMFY_TASK_QUEUE, ...) holds a value it cannot use."""
+
+
 class StorageNotConfigured(ClientError):
-    """Downloading needs S3 access; URIs and sha256s are available without it."""
+    """Downloading needs S3 access; URIs and sha256s are available without it. Also raised
+    when the bucket's settings are there but unusable, or S3 rejects the credentials."""
+
+
+class StorageFailed(ClientError):
+    """The bucket failed an operation the client asked of it; `.retryable` says whether trying
+    again may help (a bad sha256 will not)."""
+
+    def __init__(self, message: str, *, retryable: bool) -> None:
+        super().__init__(message)
+        self.retryable = retryable
 
 
 class UnsafeArtifactKey(ClientError):
@@ -111,6 +134,16 @@ class TemporalUnreachable(ClientError):
     def __init__(self, target: str, detail: str) -> None:
         super().__init__(f"cannot reach Temporal at {target}: {detail}")
         self.target = target
+
+
+class TemporalRefused(ClientError):
+    """Temporal answered the call with an error that none of the other classes describe
+    (permission denied, a namespace that does not exist, ...)."""
+
+    def __init__(self, status: str, message: str) -> None:
+        super().__init__(f"Temporal refused: {status}: {message}")
+        self.status = status
+        self.detail = message
 
 
 class JobUnanswered(ClientError):

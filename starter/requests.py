@@ -16,8 +16,9 @@ from workflows.graph import GraphFormatError
 S3_URI = re.compile(r"^s3://[^/]+/.+")
 
 
-def load_graph(path: Path) -> dict[str, Any]:
-    """Read an API-format graph; a `/prompt` body's `prompt` is taken as the graph."""
+def load_graph(path: str | Path) -> dict[str, Any]:
+    """Read an API-format graph file (a path as `str` or `Path`)."""
+    path = Path(path)
     try:
         raw = json.loads(path.read_text())
     except FileNotFoundError as exc:
@@ -65,10 +66,10 @@ def inline_input(name: str, path: Path) -> InlineInput:
 
 
 def request_from_files(
-    graph_path: Path,
+    graph_path: str | Path,
     *,
     inputs: list[str] | None = None,
-    segments_path: Path | None = None,
+    segments_path: str | Path | None = None,
     pool: str | None = None,
     **fields: Any,
 ) -> JobRequest:
@@ -78,7 +79,7 @@ def request_from_files(
     segments: list[Any] = []
     if segments_path is not None:
         try:
-            segments = json.loads(segments_path.read_text())
+            segments = json.loads(Path(segments_path).read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise InputFileError(f"segments file {segments_path}: {exc}") from exc
     request = JobRequest.model_validate(

@@ -55,7 +55,8 @@ class InputNeedsStaging(ClientError):
             "not fit in a job's request and are staged to S3 by the client, which needs the "
             "bucket: set DURABLE_COMFY_BUCKET (and DURABLE_COMFY_S3_ENDPOINT off AWS) with "
             "credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or a profile); or upload it "
-            f"yourself and pass --input {name}=s3://BUCKET/KEY (JobClient: store=ArtifactStore)"
+            f"yourself and pass --input {name}=s3://BUCKET/KEY (JobClient.connect() opens the "
+            "bucket from the same variables)"
         )
         self.name = name
         self.size = size

@@ -407,7 +407,9 @@ async def _open_cli_store(
     """Through the CLI's own `job_client`: the store's credentials, as botocore resolved them."""
 
     async def connect(cls: type[JobClient], *args: Any, **kwargs: Any) -> JobClient:
-        return JobClient(cast(Client, _FakeTemporal()), task_queue=kwargs["task_queue"])
+        client = JobClient(cast(Client, _FakeTemporal()), task_queue=kwargs["task_queue"])
+        await client._open_store(kwargs["s3"])  # as the real connect does with the CLI's S3
+        return client
 
     monkeypatch.setattr(JobClient, "connect", classmethod(connect))
     async with job_client(config, with_store=True) as client:

@@ -32,6 +32,8 @@ from starter.errors import (
     JobConflict,
     JobUnanswered,
     ResumeRefused,
+    StorageFailed,
+    TemporalRefused,
     TemporalUnreachable,
 )
 from workflows.graph import GraphFormatError
@@ -64,7 +66,7 @@ _UNREACHABLE_CODES = frozenset(
 def exit_code_for(exc: BaseException) -> ExitCode:
     """The table's row for an error a command can meet."""
     match exc:
-        case TemporalUnreachable() | ContactLost() | JobUnanswered():
+        case TemporalUnreachable() | TemporalRefused() | ContactLost() | JobUnanswered():
             return ExitCode.UNREACHABLE
         case RPCError() | RPCTimeoutOrCancelledError():
             return ExitCode.UNREACHABLE
@@ -72,7 +74,7 @@ def exit_code_for(exc: BaseException) -> ExitCode:
             return ExitCode.CONFLICT
         case StorageConfigError():
             return ExitCode.BAD_INPUT
-        case StorageError():
+        case StorageError() | StorageFailed():
             return ExitCode.STORAGE
         case ClientError() | ValidationError() | GraphFormatError():
             return ExitCode.BAD_INPUT
@@ -163,15 +165,10 @@ async def job_client(config: CliConfig, with_store: bool = False) -> AsyncIterat
         config.temporal.namespace,
         task_queue=config.settings.task_queue,
         query_timeout_s=config.settings.query_timeout_s,
+        s3=config.artifact_store_settings() if with_store else None,
+        s3_from_environment=False,
     )
-    s3 = config.artifact_store_settings() if with_store else None
-    if s3 is None:
-        yield client
-        return
-    from activities.storage import ArtifactStore
-
-    async with ArtifactStore(s3) as store:
-        client.store = store
+    async with client:
         yield client
 
 

@@ -1,7 +1,7 @@
 """What the job commands read from the environment: built once, when the command starts.
 
-    CliSettings       DURABLE_COMFY_TASK_QUEUE, DURABLE_COMFY_QUERY_TIMEOUT_S,
-                      DURABLE_COMFY_LOG_LEVEL
+    CliSettings       DURABLE_COMFY_TASK_QUEUE, DURABLE_COMFY_QUERY_TIMEOUT_S (the library's
+                      `ClientSettings`, starter.settings), DURABLE_COMFY_LOG_LEVEL
     TemporalSettings  TEMPORAL_ADDRESS, TEMPORAL_NAMESPACE, TEMPORAL_UI_URL (starter.connection)
     S3Settings        DURABLE_COMFY_BUCKET, DURABLE_COMFY_S3_ENDPOINT, AWS_* (activities.settings):
                       only for a command that presigns or downloads, only with a bucket set
@@ -19,19 +19,15 @@ from typing import TYPE_CHECKING
 from pydantic import Field
 
 from starter.connection import TemporalSettings
-from starter.variables import VariablesOnly
-from workflows.shared import DEFAULT_TASK_QUEUE
+from starter.settings import ClientSettings
 
 if TYPE_CHECKING:
     from activities.storage import S3Settings
 
 
-class CliSettings(VariablesOnly):
-    """The CLI's own variables. Empty counts as unset; read only under these names."""
+class CliSettings(ClientSettings):
+    """The library's variables, and the CLI's own. Empty counts as unset."""
 
-    task_queue: str = Field(DEFAULT_TASK_QUEUE, validation_alias="DURABLE_COMFY_TASK_QUEUE")
-    # How long a status query waits for a worker to answer.
-    query_timeout_s: float = Field(10.0, gt=0, validation_alias="DURABLE_COMFY_QUERY_TIMEOUT_S")
     # Quiet unless something is off; unknown names fall back to INFO (activities.log_setup).
     log_level: str = Field("WARNING", validation_alias="DURABLE_COMFY_LOG_LEVEL")
 

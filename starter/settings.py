@@ -1,0 +1,24 @@
+"""What `JobClient.connect()` reads from the environment: the same variables as the CLI.
+
+    ClientSettings  DURABLE_COMFY_TASK_QUEUE, DURABLE_COMFY_QUERY_TIMEOUT_S
+    S3Settings      DURABLE_COMFY_BUCKET, DURABLE_COMFY_S3_ENDPOINT, AWS_* (activities.settings),
+                    only with a bucket set
+
+Temporal's own variables (TEMPORAL_ADDRESS, TEMPORAL_NAMESPACE, TEMPORAL_API_KEY, a profile) are
+read by `starter.connection.connect_temporal`.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from starter.variables import VariablesOnly
+from workflows.shared import DEFAULT_TASK_QUEUE
+
+
+class ClientSettings(VariablesOnly):
+    """The client's own variables. Empty counts as unset; read only under these names."""
+
+    task_queue: str = Field(DEFAULT_TASK_QUEUE, validation_alias="DURABLE_COMFY_TASK_QUEUE")
+    # How long a status query waits for a worker to answer.
+    query_timeout_s: float = Field(10.0, gt=0, validation_alias="DURABLE_COMFY_QUERY_TIMEOUT_S")
