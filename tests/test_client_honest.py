@@ -147,8 +147,11 @@ def test_every_public_job_client_method_translates_errors() -> None:
 
 
 def test_every_client_error_is_exported_from_starter() -> None:
-    def subclasses(cls: type) -> set[type]:
-        return {cls} | {s for sub in cls.__subclasses__() for s in subclasses(sub)}
+    def subclasses(cls: type[Exception]) -> set[type[Exception]]:
+        found: set[type[Exception]] = {cls}
+        for sub in cls.__subclasses__():
+            found |= subclasses(sub)
+        return found
 
     ours = {c for c in subclasses(ClientError) if c.__module__.startswith("starter.")}
     exported = {getattr(starter, name) for name in starter.__all__}
