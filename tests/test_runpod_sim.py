@@ -243,17 +243,35 @@ async def test_webhook_gets_the_status_body_once_the_job_ends(queue_sim: RunpodS
 
 async def test_fault_bursts_answer_429_and_5xx_before_anything_else(queue_sim: RunpodSim) -> None:
     job_id = await submit(queue_sim, {"b": 1})
-    await queue_sim.faults(burst_429=2, burst_routes=["status"])
+    await queue_sim.faults(burst_429=2, burst_429_routes=["status"])
     try:
         for _ in range(2):
             limited = await status(queue_sim, job_id)
             assert limited.status_code == 429 and limited.headers["Retry-After"] == "1"
         await submit(queue_sim, {"b": 2})  # another route: not in the burst
         assert (await status(queue_sim, job_id)).status_code == 200
-        await queue_sim.faults(burst_5xx=1, burst_5xx_status=502, burst_routes=None)
+        await queue_sim.faults(burst_5xx=1, burst_5xx_status=502, burst_5xx_routes=None)
         async with client(queue_sim) as http:
             assert (await http.get("/health")).status_code == 502
             assert (await http.get("/health")).status_code == 200
+    finally:
+        await queue_sim.reset_faults()
+
+
+async def test_a_429_burst_armed_over_a_route_limited_5xx_burst_leaves_its_routes_alone(
+    queue_sim: RunpodSim,
+) -> None:
+    # The soak arms a 5xx burst on a stock endpoint's routes but /run (a 5xx there is an
+    # ambiguous submission by design), then maybe a 429 burst on every route before the first
+    # is used up: the 5xx burst must still spare /run.
+    await queue_sim.faults(burst_5xx=2, burst_5xx_status=502, burst_5xx_routes=["status"])
+    await queue_sim.faults(burst_429=1, burst_429_routes=None)
+    try:
+        async with client(queue_sim) as http:
+            assert (await http.get("/health")).status_code == 429
+            assert (await http.get("/health")).status_code == 200
+        job_id = await submit(queue_sim, {"b": 3})  # /run: not in the 5xx burst's routes
+        assert (await status(queue_sim, job_id)).status_code == 502
     finally:
         await queue_sim.reset_faults()
 
@@ -511,6 +529,9 @@ async def test_crash_fault_on_the_second_job_then_retry(worker_sim: RunpodSim) -
     worker = ledger.worker(body["workerId"])
     assert worker.stop_reason == "crash" and worker.exit_code == -9
     assert ledger.job(job_id).deliveries[0].outcome == "worker_lost"
+    # Its job ended when it died: no idle time is billed after it (the soak's idle check).
+    after_last = worker.billed_after_last_job_s
+    assert after_last is not None and after_last < 0.5, after_last
     async with client(worker_sim) as http:  # TIMED_OUT can be retried, under the same id
         assert (await http.post(f"/retry/{job_id}")).json()["status"] == "IN_QUEUE"
     assert (await wait_status(worker_sim, job_id, TERMINAL))["status"] == "COMPLETED"

@@ -8,8 +8,10 @@ current value, `null` or 0 disarms. POST /sim/reset disarms everything.
   `on_delivery`-th job delivery from now, `after_s` simulator seconds after it took the job or once
   `after_progress` progress updates arrived. The job then goes TIMED_OUT, is re-delivered to
   another worker, or stays IN_PROGRESS until its execution timeout (`outcome`).
-- `burst_429` / `burst_5xx`: the next N public API requests (optionally only `burst_routes`) are
-  answered 429 (with Retry-After) or `burst_5xx_status`, before authentication, as a gateway would.
+- `burst_429` / `burst_5xx`: the next N public API requests (optionally only those of
+  `burst_429_routes` / `burst_5xx_routes`) are answered 429 (with Retry-After) or
+  `burst_5xx_status`, before authentication, as a gateway would. Each burst keeps its own routes:
+  a 429 burst armed while a route-limited 5xx burst is still pending does not widen the latter.
 - `drop_run_answer`: the next N `/run` requests create their job, then the connection is closed
   without an answer: the client cannot know the job exists.
 - `slow_cold_start_s`: the next `slow_cold_starts` workers take that much longer to start.
@@ -49,7 +51,8 @@ class FaultConfig(BaseModel):
     burst_429: int = Field(default=0, ge=0)
     burst_5xx: int = Field(default=0, ge=0)
     burst_5xx_status: int = Field(default=503, ge=500, le=599)
-    burst_routes: list[PublicRoute] | None = None
+    burst_429_routes: list[PublicRoute] | None = None
+    burst_5xx_routes: list[PublicRoute] | None = None
     drop_run_answer: int = Field(default=0, ge=0)
     slow_cold_start_s: float = Field(default=0.0, ge=0)
     slow_cold_starts: int = Field(default=1, ge=0)
@@ -101,13 +104,11 @@ class FaultState:
     def take_burst(self, route: str) -> int | None:
         """The status to answer instead of serving this public request, if a burst is on."""
         armed = self.armed
-        if armed.burst_routes is not None and route not in armed.burst_routes:
-            return None
-        if armed.burst_429 > 0:
+        if armed.burst_429 > 0 and _in(route, armed.burst_429_routes):
             self.armed = armed.model_copy(update={"burst_429": armed.burst_429 - 1})
             self._count("burst_429")
             return 429
-        if armed.burst_5xx > 0:
+        if armed.burst_5xx > 0 and _in(route, armed.burst_5xx_routes):
             self.armed = armed.model_copy(update={"burst_5xx": armed.burst_5xx - 1})
             self._count("burst_5xx")
             return armed.burst_5xx_status
@@ -139,3 +140,7 @@ class FaultState:
             "deliveries_until_crash": self.deliveries_until_crash,
             "taken": dict(self.taken),
         }
+
+
+def _in(route: str, routes: list[PublicRoute] | None) -> bool:
+    return routes is None or route in routes

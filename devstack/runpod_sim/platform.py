@@ -224,6 +224,10 @@ class Platform:
                 next_launch_in_s=backoff,
             )
         outcome: DeathOutcome = worker.crash_outcome or self.settings.worker_death
+        if died and worker.jobs:
+            # Its jobs ended on it when it died: the time since the job before is work, not
+            # idle time (a crash a few seconds into a job is no idle bill).
+            worker.last_job_end_at = worker.billing_end() or self.clock.now()
         for job_id in sorted(worker.jobs):
             job = self.table.jobs.get(job_id)
             if job is None or job.gone or job.status != "IN_PROGRESS" or job.worker_id != worker.id:

@@ -311,13 +311,13 @@ class FaultInjector:
         taken_name = TAKEN_NAME[kind]
         if kind == "runpod_429":
             count = self.rng.randint(5, 25)
-            body: dict[str, Any] = {"burst_429": count, "burst_routes": None}
+            body: dict[str, Any] = {"burst_429": count, "burst_429_routes": None}
             record.detail = f"the next {count} API requests answered 429"
         elif kind == "runpod_5xx":
             count = self.rng.randint(3, 15)
             routes = endpoint.spec.burst_5xx_routes
             code = self.rng.choice([500, 502, 503])
-            body = {"burst_5xx": count, "burst_5xx_status": code, "burst_routes": routes}
+            body = {"burst_5xx": count, "burst_5xx_status": code, "burst_5xx_routes": routes}
             only = f" ({', '.join(routes)} only)" if routes else ""
             record.detail = f"the next {count} API requests{only} answered {code}"
         else:
