@@ -3,7 +3,7 @@
 Settings come from `starter.cli.settings.CliConfig`, built once when a job command starts and
 passed down (`config_of(ctx)`); nothing here reads the environment.
 
-Every command follows one exit-code table (README, "Exit codes"): `ExitCode` below, and
+Every command follows one exit-code table (docs/cli.md, "Exit codes"): `ExitCode` below, and
 `exit_code_for` for the errors. Errors are one `error:` line on stderr, sometimes followed by
 one `hint:` line; never a traceback, and never anything on stdout.
 """
