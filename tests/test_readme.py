@@ -1,0 +1,101 @@
+"""The README's examples work as written: its Python example is `examples/quickstart.py` byte
+for byte, and that script and the README's CLI lines run against the local stack.
+
+The stack is the session's (tests/conftest.py, free loopback ports); the worker runs in this
+process on a task queue of its own, and the script and the CLI get the environment
+`. .devstack/env` would give them (tests/cli_support.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import shlex
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest_asyncio
+
+from devstack.models import RunningStack
+from starter.cli.common import ExitCode
+from tests.cli_support import ROOT, RunningWorker, cli_env, json_lines, run_cli, running_worker
+
+README = ROOT / "README.md"
+QUICKSTART = ROOT / "examples" / "quickstart.py"
+
+
+def fenced_block(markdown: str, section: str, language: str) -> str:
+    """The first ```language block under the `## section` heading."""
+    body = markdown.split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
+    match = re.search(rf"^```{language}\n(.*?)^```$", body, re.MULTILINE | re.DOTALL)
+    assert match is not None, f"no {language} block under '## {section}'"
+    return match.group(1)
+
+
+def readme_cli_lines() -> list[list[str]]:
+    """The README's `durable-comfy ...` lines, each as argv (comments dropped)."""
+    block = fenced_block(README.read_text(), "From the shell", "sh")
+    lines = [shlex.split(line, comments=True) for line in block.splitlines()]
+    return [argv for argv in lines if argv and argv[0] == "durable-comfy"]
+
+
+def test_the_readme_is_a_readme() -> None:
+    assert len(README.read_bytes()) <= 12 * 1024
+    assert "../shared" not in README.read_text()
+
+
+def test_the_python_example_is_the_quickstart_script_verbatim() -> None:
+    assert fenced_block(README.read_text(), "From Python", "python") == QUICKSTART.read_text()
+
+
+def test_the_readme_shows_six_cli_lines() -> None:
+    assert len(readme_cli_lines()) == 6
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def worker(local_stack: RunningStack) -> AsyncIterator[RunningWorker]:
+    async with running_worker(local_stack, "readme") as running:
+        yield running
+
+
+async def test_the_quickstart_script_runs_to_completed_with_presigned_urls(
+    worker: RunningWorker, local_stack: RunningStack
+) -> None:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        str(QUICKSTART),
+        env=cli_env(local_stack, worker.task_queue),
+        cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(process.communicate(), timeout=120)
+    assert process.returncode == 0, err.decode()[-2000:]
+    lines = out.decode().splitlines()
+    assert lines[0].startswith("submitted job-")
+    assert any(line.startswith("COMPLETED") and "100%" in line for line in lines)
+    artifacts = [line.split() for line in lines if "X-Amz-Signature=" in line]
+    assert artifacts, "no artifact with a presigned URL"
+    for _key, _sha, url in artifacts:
+        assert url.startswith(local_stack.s3_endpoint)
+
+
+async def test_the_readme_cli_lines_run_as_written(
+    worker: RunningWorker, local_stack: RunningStack, tmp_path: Path
+) -> None:
+    env = cli_env(local_stack, worker.task_queue)
+    job_id = ""
+    ran: list[str] = []
+    for argv in readme_cli_lines():
+        assert job_id or "JOB_ID" not in argv, f"{shlex.join(argv)}: no JOB_ID submitted yet"
+        replaced = {"JOB_ID": job_id, "./out": str(tmp_path / "out")}
+        args = [replaced.get(arg, arg) for arg in argv[1:]]
+        code, out, err = await run_cli(*args, env=env)
+        assert code == ExitCode.OK, f"{shlex.join(argv)}: exit {code}\n{err[-2000:]}"
+        if args[0] == "submit" and "--json" in args:
+            [submitted] = json_lines(out)
+            job_id = submitted["job_id"]
+        ran.append(args[0])
+    assert job_id and "result" in ran
+    assert any((tmp_path / "out").rglob("*.png")), "result --download wrote no file"
