@@ -7,6 +7,7 @@ shrunk through the heartbeat timeout (the follower polls at a third of it).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
+import websockets
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
@@ -22,6 +24,7 @@ import activities.comfyui.follower as follower_module
 from activities.comfyui.client import ComfyClient
 from activities.comfyui.follow import FollowAttempt
 from activities.comfyui.pools import PoolHealth
+from activities.progress import ProgressTracker
 from activities.storage_errors import StorageError
 from tests.comfy_unit_fakes import (
     CLIENT_ID,
@@ -361,3 +364,143 @@ async def test_events_of_other_prompts_are_ignored(rig: Rig) -> None:
     ]
     result = await rig.follow(request())
     assert result.checkpoint.nodes_done == ["1", "2", "3", "9"]
+
+
+# --- the shared follower with the handler's policy -------------------------------------------
+# `PromptFollower` itself, with a recording listener: what endpoint/execution.py relies on.
+
+
+@dataclass
+class RecordingListener:
+    """Every listener call, in order; `fail_after` makes `check` raise once that many ran."""
+
+    calls: list[tuple[str, Any]] = field(default_factory=list)
+
+    async def submitted(self) -> None:
+        self.calls.append(("submitted", None))
+
+    async def stage(self, stage: str, position: int | None) -> None:
+        self.calls.append(("stage", (stage, position)))
+
+    async def node(self, node: str) -> None:
+        self.calls.append(("node", node))
+
+    async def moved(self) -> None:
+        self.calls.append(("moved", None))
+
+    async def executed(self, node: str, output: dict[str, Any]) -> None:
+        self.calls.append(("executed", node))
+
+    async def outputs(self, outputs: dict[str, Any]) -> None:
+        self.calls.append(("outputs", sorted(outputs)))
+
+    def beat(self) -> None:
+        pass
+
+    def check(self) -> None:
+        pass
+
+    def said(self, kind: str) -> list[Any]:
+        return [value for name, value in self.calls if name == kind]
+
+
+def core_follower(
+    rig: Rig, listener: RecordingListener, **policy: Any
+) -> follower_module.PromptFollower:
+    return follower_module.PromptFollower(
+        ComfyClient(rig.base_url, rig.http),
+        listener,
+        prompt_id=PROMPT_ID,
+        client_id=CLIENT_ID,
+        tracker=ProgressTracker({"3": 10}, 4),
+        poll_s=0.2,
+        **policy,
+    )
+
+
+async def test_the_handlers_follower_reconnects_a_lost_socket_and_reads_the_end_from_history(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(follower_module, "RECONNECT_DELAY_S", 0.01)
+    listener = RecordingListener()
+    rig.socket.scripts = [
+        [send(frame("executing", node="3")), pause(0.05), cut],
+        [
+            call(lambda: rig.comfy.finish(PROMPT_ID, ("9", image("img_00001_.png")))),
+            send(executed("9", image("img_00001_.png")), frame("execution_success")),
+        ],
+    ]
+    follower = core_follower(rig, listener, graph=GRAPH, reconnect_for_s=30.0)
+    end = await asyncio.wait_for(follower.run(), 5)
+    assert rig.socket.connections == 2 and len(rig.comfy.posted) == 1, "reconnected, not resent"
+    assert end.outcome == "success" and follower.submitted and not follower.attached
+    assert listener.said("node") == ["3"] and listener.said("outputs") == [["9"]]
+
+
+async def test_the_handlers_follower_gives_comfyui_up_once_silent_past_its_allowance(
+    rig: Rig,
+) -> None:
+    rig.comfy.running.append(PROMPT_ID)
+    rig.socket.scripts = [[send(frame("executing", node="3")), pause(0.05), cut]]
+    follower = core_follower(rig, RecordingListener(), graph=GRAPH, reconnect_for_s=0.0)
+    with pytest.raises(follower_module.ComfyGone, match="ComfyUI unreachable"):
+        await asyncio.wait_for(follower.run(), 5)
+
+
+async def test_without_a_reconnect_allowance_a_lost_socket_is_raised_as_it_came(rig: Rig) -> None:
+    rig.comfy.running.append(PROMPT_ID)
+    rig.socket.scripts = [[send(frame("executing", node="3")), pause(0.05), cut]]
+    follower = core_follower(rig, RecordingListener(), submitted=True)
+    with pytest.raises(websockets.exceptions.ConnectionClosedError):
+        await asyncio.wait_for(follower.follow(), 5)
+    assert rig.comfy.posted == [], "nothing submitted without a graph"
+
+
+async def test_an_execution_error_ends_the_follow_with_its_data_and_the_history_says_where(
+    rig: Rig,
+) -> None:
+    rig.comfy.running.append(PROMPT_ID)
+    error = {"node_id": "3", "node_type": "KSampler", "exception_type": "RuntimeError"}
+    messages = [["execution_error", error | {"exception_message": "boom"}]]
+
+    def fail() -> None:
+        rig.comfy.running.remove(PROMPT_ID)
+        rig.comfy.history[PROMPT_ID] = {
+            "outputs": {},
+            "status": {"status_str": "error", "messages": messages},
+        }
+
+    rig.socket.scripts = [[pause(0.1), send(frame("execution_error", **error)), call(fail)]]
+    follower = core_follower(rig, RecordingListener(), submitted=True)
+    assert (
+        await asyncio.wait_for(follower.follow(), 5) == "error"
+        and follower.end_data["node_id"] == "3"
+    )
+    end = await follower.ending()
+    assert (end.outcome, end.node, end.message) == ("error", "3", "RuntimeError: boom")
+
+
+async def test_a_prompt_found_in_the_queue_is_attached_to_not_posted(rig: Rig) -> None:
+    rig.comfy.pending.append(PROMPT_ID)
+    listener = RecordingListener()
+    rig.socket.scripts = [
+        [
+            until_called(listener, "stage"),
+            call(lambda: rig.comfy.finish(PROMPT_ID)),
+            send(frame("execution_success")),
+        ]
+    ]
+    follower = core_follower(rig, listener, graph=GRAPH)
+    assert await asyncio.wait_for(follower.follow(), 5) == "success"
+    assert rig.comfy.posted == [] and follower.attached and follower.maybe_queued
+    assert listener.calls[:2] == [("submitted", None), ("stage", ("queued", 1))]
+
+
+def until_called(listener: RecordingListener, kind: str) -> Step:
+    async def step(_ws: Any) -> None:
+        for _ in range(100):
+            if listener.said(kind):
+                return
+            await asyncio.sleep(0.01)
+
+    return step
