@@ -45,6 +45,19 @@ def test_the_readme_is_a_readme() -> None:
     assert "../shared" not in README.read_text()
 
 
+def test_every_relative_link_of_the_readme_and_docs_resolves() -> None:
+    broken = []
+    for page in [README, *sorted((ROOT / "docs").glob("*.md"))]:
+        for match in re.finditer(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
+            target = match.group(1)
+            if (
+                not target.startswith(("http://", "https://"))
+                and not (page.parent / target).exists()
+            ):
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+    assert broken == []
+
+
 def test_the_python_example_is_the_quickstart_script_verbatim() -> None:
     assert fenced_block(README.read_text(), "From Python", "python") == QUICKSTART.read_text()
 
