@@ -4,10 +4,16 @@
     events.py      WebSocket frames as typed events; outputs and endings read from history
     graph.py       a graph checked against the backend's node registry (`/object_info`)
     pools.py       `ComfyPools` (pool name -> client) and `PoolHealth` (unhealthy, busy pools)
-    activities.py  `ComfyActivities`: prepare, stop (one check), the older submit and teardown
-    follow.py      `FollowActivities` and `PromptFollower`: submit, follow, upload as nodes finish
+    activities.py  `ComfyActivities`: prepare, stop (one check)
+    follower.py    `PromptFollower`: the protocol of following one prompt (submit unless known,
+                   reconcile, reopen, lost rechecks), told to a `FollowListener`; Temporal-free,
+                   shared with the RunPod handler (endpoint/execution.py)
+    history.py     a prompt's history entry once written, and the outputs it names
+    follow.py      `FollowActivities` and `FollowAttempt`, the orchestrator's listener:
+                   heartbeats, progress signals, uploads as nodes finish
     offload.py     `OffloadActivities` and `OutputUploader`: outputs stored in S3, each once
 
 Import from the modules themselves; this file imports nothing, so `activities.errors` can use
-the client's exceptions without pulling in the activities.
+the client's exceptions without pulling in the activities, and the handler's venv (no Temporal)
+can import client, events, follower and history.
 """
