@@ -1,6 +1,6 @@
 """The RunPod handler's job logic (endpoint/job.py) driven directly, as the SDK would call it,
 against the ComfyUI simulator and a real S3 (SeaweedFS). A list stands in for the SDK's
-`progress_update`; `runpod` itself is never imported here (see test_endpoint_layers.py).
+`progress_update`; `runpod` itself is never imported here (see test_layers.py).
 """
 
 from __future__ import annotations
