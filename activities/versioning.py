@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from datetime import timedelta
+from functools import partial
+from typing import TypeVar
 
 import structlog
 from pydantic import BaseModel, ConfigDict
@@ -40,13 +43,22 @@ from activities.settings import SetCurrent, WorkerSettings
 
 log = structlog.get_logger("worker.versioning")
 
-# How long a starting worker waits for the server to list its version with its task queue (the
-# first poll registers it, within about a second on the dev server) before it reports anyway.
-REGISTER_DEADLINE_S = 30.0
-RETRY_EVERY_S = 0.25
+# How long a starting worker spends on its version's routing before it reports what it has: the
+# server lists a version with its task queue about a second after the first poll.
+SETTLE_DEADLINE_S = 30.0
+POLL_EVERY_S = 0.5
+MAX_BACKOFF_S = 2.0
 RPC_TIMEOUT = timedelta(seconds=5)
 # A conflicting routing change (another worker or an operator in between) is re-read and retried.
 CONFLICT_RETRIES = 5
+# Answers that mean "not now": a deployment's reads and writes go through a system workflow of
+# its own that takes a few at a time ("too many requests issued to Worker Deployment"), the
+# server is restarting, a call ran out of time.
+TRANSIENT = frozenset(
+    {RPCStatusCode.RESOURCE_EXHAUSTED, RPCStatusCode.UNAVAILABLE, RPCStatusCode.DEADLINE_EXCEEDED}
+)
+
+T = TypeVar("T")
 
 
 def worker_version(settings: WorkerSettings) -> WorkerDeploymentVersion | None:
@@ -96,31 +108,37 @@ async def settle_routing(
     version: WorkerDeploymentVersion,
     task_queue: str,
     set_current: SetCurrent,
-    register_deadline_s: float = REGISTER_DEADLINE_S,
+    deadline_s: float = SETTLE_DEADLINE_S,
 ) -> Routing:
     """Once the server lists `version` polling `task_queue`, make it current if `set_current`
-    says so, and return the routing as it then is. Call it after the worker began polling."""
+    says so, and return the routing as it then is. Call it after the worker began polling.
+
+    Raises `RPCError` when the server refuses to say (still busy at the deadline, or a server
+    without Worker Deployments)."""
     own = version.to_canonical_string()
-    registered = await _wait_until_registered(client, version, task_queue, register_deadline_s)
+    deadline = time.monotonic() + deadline_s
+    registered = await _wait_until_registered(client, version, task_queue, deadline)
+    current: str | None = None
     for _ in range(CONFLICT_RETRIES):
-        described = await _describe_deployment(client, version.deployment_name)
+        described = await _retrying(
+            lambda: _describe_deployment(client, version.deployment_name), deadline
+        )
         current = _current_of(described)
         if current == own or not _should_set(set_current, current):
             return Routing(version=own, current=current)
         if not registered:
-            problem = f"the server did not list it on {task_queue!r} in {register_deadline_s:.0f} s"
+            problem = f"the server did not list it on {task_queue!r} in {deadline_s:.0f} s"
             return Routing(version=own, current=current, problem=problem)
+        request = SetWorkerDeploymentCurrentVersionRequest(
+            namespace=client.namespace,
+            deployment_name=version.deployment_name,
+            build_id=version.build_id,
+            conflict_token=described.conflict_token if described else b"",
+            identity=client.identity,
+        )
         try:
-            await client.workflow_service.set_worker_deployment_current_version(
-                SetWorkerDeploymentCurrentVersionRequest(
-                    namespace=client.namespace,
-                    deployment_name=version.deployment_name,
-                    build_id=version.build_id,
-                    conflict_token=described.conflict_token if described else b"",
-                    identity=client.identity,
-                ),
-                timeout=RPC_TIMEOUT,
-            )
+            set_current_version = client.workflow_service.set_worker_deployment_current_version
+            await _retrying(partial(set_current_version, request, timeout=RPC_TIMEOUT), deadline)
         except RPCError as err:
             if err.status == RPCStatusCode.ABORTED:
                 continue  # the routing changed since we read it: read it again
@@ -204,10 +222,24 @@ async def _describe_deployment(
         raise
 
 
+async def _retrying(call: Callable[[], Awaitable[T]], deadline: float) -> T:
+    """`call()`, again after a growing pause while the server answers "not now" (`TRANSIENT`)
+    and the deadline (a `time.monotonic()`) allows."""
+    pause = POLL_EVERY_S
+    while True:
+        try:
+            return await call()
+        except RPCError as err:
+            if err.status not in TRANSIENT or time.monotonic() + pause > deadline:
+                raise
+        await asyncio.sleep(pause)
+        pause = min(pause * 2, MAX_BACKOFF_S)
+
+
 async def _wait_until_registered(
-    client: Client, version: WorkerDeploymentVersion, task_queue: str, deadline_s: float
+    client: Client, version: WorkerDeploymentVersion, task_queue: str, deadline: float
 ) -> bool:
-    """Whether the server lists `version` with `task_queue`'s workflow tasks within the deadline.
+    """Whether the server lists `version` with `task_queue`'s workflow tasks by `deadline`.
 
     Routing applies to the task queues a version has registered: made current (or found
     current) before that, the worker's own task queue could still send its new jobs elsewhere.
@@ -218,7 +250,6 @@ async def _wait_until_registered(
             deployment_name=version.deployment_name, build_id=version.build_id
         ),
     )
-    deadline = time.monotonic() + deadline_s
     while True:
         try:
             described = await client.workflow_service.describe_worker_deployment_version(
@@ -230,8 +261,9 @@ async def _wait_until_registered(
             ):
                 return True
         except RPCError as err:
-            if err.status != RPCStatusCode.NOT_FOUND:
+            # NOT_FOUND: no poll of this version has reached the server yet.
+            if err.status != RPCStatusCode.NOT_FOUND and err.status not in TRANSIENT:
                 raise
-        if time.monotonic() >= deadline:
+        if time.monotonic() + POLL_EVERY_S > deadline:
             return False
-        await asyncio.sleep(RETRY_EVERY_S)
+        await asyncio.sleep(POLL_EVERY_S)

@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
+from functools import partial
 from importlib.metadata import version as package_version
 from pathlib import Path
 from typing import TypeVar
@@ -43,6 +44,7 @@ from temporalio.service import RPCError, RPCStatusCode
 import worker
 from activities.settings import PoolConfig, S3Settings, SetCurrent, WorkerSettings
 from activities.versioning import (
+    TRANSIENT,
     Routing,
     _should_set,
     deployment_config,
@@ -203,14 +205,21 @@ BLOCKER_STEPS = 10_000
 
 
 async def eventually(probe: Callable[[], Awaitable[T | None]], what: str) -> T:
+    """The probe's first true answer. "Not now" from the server counts as not yet: a
+    deployment's reads go through its system workflow, which takes a few at a time."""
     deadline = time.monotonic() + WAIT_S
     while True:
-        value = await probe()
+        try:
+            value = await probe()
+        except RPCError as err:
+            if err.status not in TRANSIENT:
+                raise
+            value = None
         if value is not None and value is not False:
             return value
         if time.monotonic() > deadline:
             raise AssertionError(f"not within {WAIT_S:.0f} s: {what}")
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.25)
 
 
 class Deployment:
@@ -397,11 +406,13 @@ async def test_a_running_job_finishes_on_its_version_while_new_jobs_go_to_the_cu
         # makes it current, exactly as docs/upgrading.md says.
         async with versioned_worker(stack, task_queue, name, "v2", "never", default_pool="v2-pool"):
             await deployment.wait_polled("v2", task_queue)
-            assert await deployment.current() == "v1", "set_current=never left the routing alone"
+            assert await eventually(deployment.current, "the current version") == "v1", (
+                "set_current=never left the routing alone"
+            )
             await set_current_version(stack, name, "v2", home=tmp_path)
             await deployment.wait_current("v2")
             switched_at = time.time()
-            status, _ = await deployment.status("v1")
+            status, _ = await eventually(partial(deployment.status, "v1"), "v1's status")
             assert status == WorkerDeploymentVersionStatus.WORKER_DEPLOYMENT_VERSION_STATUS_DRAINING
 
             job_b = (await jobs.submit(job(segments=1))).job_id
