@@ -72,6 +72,9 @@ class FollowInput(StrictModel):
 
 
 class FollowResult(StrictModel):
+    """A prompt that ended successfully, every output of it stored in the job's folder and
+    verified (size, sha256) by the follow itself: the workflow schedules no offload for it."""
+
     prompt_id: str
     outcome: Literal["success"]
     artifacts: list[Artifact] = Field(default_factory=list)
