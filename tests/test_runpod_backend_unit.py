@@ -44,6 +44,7 @@ from workflows.activity_io import (
     StopInput,
 )
 from workflows.contracts import Checkpoint, OutputSpec, S3Input
+from workflows.failures import resubmit_cannot_run_twice
 from workflows.shared import ErrorType
 
 BUCKET = "artifacts"
@@ -584,9 +585,11 @@ async def test_a_crashed_holder_is_resubmitted_only_after_its_lease_and_a_margin
     with pytest.raises(ApplicationError) as lost:
         await env([]).run(backend(runpod, store).follow, follow_input(checkpoint=known))
     assert lost.value.type == ErrorType.PROMPT_LOST, "submitted again by the workflow"
+    # With claims it cannot run twice: the workflow resubmits without asking a person.
+    assert resubmit_cannot_run_twice(lost.value)
     assert (datetime.now(UTC) - began).total_seconds() >= 0.5 - 0.05
     # The crashed job was paid for: its cost goes to the workflow with the failure.
-    [details] = lost.value.details
+    details = lost.value.details[0]
     assert details["cost"]["provider_job_id"] == RUNPOD_JOB
     assert details["cost"]["execution_s"] == 4.0
 
@@ -717,6 +720,7 @@ async def test_a_job_left_in_progress_by_a_dead_worker_is_cancelled_and_sent_aga
     with pytest.raises(ApplicationError) as lost:
         await env([]).run(backend(runpod, store).follow, follow_input(checkpoint=known))
     assert lost.value.type == ErrorType.PROMPT_LOST and lost.value.non_retryable
+    assert resubmit_cannot_run_twice(lost.value)
     assert "stopped renewing the claim" in lost.value.message
     assert ("POST", "cancel") in runpod.requests, "the dead job stops costing its time"
 

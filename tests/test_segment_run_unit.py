@@ -42,7 +42,7 @@ from workflows.contracts import (
 from workflows.job_book import JobBook
 from workflows.job_controls import JobControls, StopOrder
 from workflows.segment_run import SegmentRun
-from workflows.shared import ErrorType
+from workflows.shared import AT_MOST_ONCE, AT_MOST_ONCE_RESUBMITS, ErrorType
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 # The workflow's metrics, as a metrics backend lists them (name and help text).
@@ -101,6 +101,19 @@ def connection_lost(
 
 def prompt_lost() -> ActivityError:
     return failed(ApplicationError("not in queue nor history", type=ErrorType.PROMPT_LOST))
+
+
+def worker_lost() -> ActivityError:
+    """A RunPod pool with claims lost the worker that ran the prompt: it cannot run twice."""
+    return failed(
+        ApplicationError(
+            "RunPod job TIMED_OUT: the worker stopped reporting",
+            {"provider_job_id": "rp-1"},
+            {AT_MOST_ONCE: True},
+            type=ErrorType.PROMPT_LOST,
+            non_retryable=True,
+        )
+    )
 
 
 def ambiguous() -> ActivityError:
@@ -494,6 +507,29 @@ async def test_a_lost_prompt_is_submitted_again_from_its_first_step(backend: Bac
     # The reconnect count starts over for the new submission.
     assert [summary for _, summary in backend.sleeps] == ["reconnect 1", "reconnect 1"]
     assert backend.states_at_follow[2] == JobState.SUBMITTING
+
+
+async def test_losses_that_cannot_run_twice_are_resubmitted_without_asking(
+    backend: Backend,
+) -> None:
+    # Found by `make soak`: two RunPod worker crashes in a row on one job (claims) left it
+    # waiting for a person, though a claim makes each resubmission safe.
+    losses: list[Any] = [worker_lost() for _ in range(AT_MOST_ONCE_RESUBMITS)]
+    backend.follow_outcomes = [*losses, lambda req: done(req, "a")]
+    run, book, controls = segment(backend, policy=policy(on_ambiguous_submit="pause"))
+    backend.on_wait = lambda: pytest.fail(f"asked a person: {book.status.decision}")
+    await run.run()
+    assert controls.resubmits == controls.unasked_resubmits == AT_MOST_ONCE_RESUBMITS
+    assert all(follow.graph is not None for follow in backend.follows[1:])
+
+
+async def test_past_the_unasked_resubmissions_the_policy_decides(backend: Backend) -> None:
+    backend.follow_outcomes = [worker_lost() for _ in range(AT_MOST_ONCE_RESUBMITS + 1)]
+    run, _, controls = segment(backend, policy=policy(on_ambiguous_submit="fail"))
+    with pytest.raises(ApplicationError) as raised:
+        await run.run()
+    assert raised.value.type == ErrorType.PROMPT_LOST and raised.value.non_retryable
+    assert controls.resubmits == AT_MOST_ONCE_RESUBMITS
 
 
 async def test_a_second_loss_fails_when_the_policy_says_fail(backend: Backend) -> None:

@@ -16,7 +16,7 @@ from temporalio.exceptions import (
 
 from workflows.activity_io import FollowHeartbeat
 from workflows.contracts import Artifact, Checkpoint, JobCost, JobError
-from workflows.shared import ErrorType
+from workflows.shared import AT_MOST_ONCE, ErrorType
 
 
 class FailureKind(StrEnum):
@@ -44,6 +44,16 @@ def classify(err: BaseException) -> FailureKind:
         if not cause.non_retryable:
             return FailureKind.RECONNECT
     return FailureKind.FATAL
+
+
+def resubmit_cannot_run_twice(err: BaseException) -> bool:
+    """Whether a lost prompt's backend guarantees it runs at most once however often it is
+    submitted (a RunPod pool with claims: a new delivery takes the claim over or finds it
+    finished). Its losses are a worker dying, not a question for a person."""
+    cause = err.cause if isinstance(err, ActivityError) else err
+    if not isinstance(cause, ApplicationError):
+        return False
+    return any(isinstance(d, Mapping) and d.get(AT_MOST_ONCE) is True for d in cause.details)
 
 
 def job_error(err: BaseException) -> JobError:

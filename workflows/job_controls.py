@@ -27,3 +27,6 @@ class JobControls:
     resume: ResumeRequest | None = None
     # Prompts submitted again after the backend lost them, over the whole job.
     resubmits: int = 0
+    # Of those, the ones nobody was asked about: a backend that cannot run a prompt twice lost
+    # its worker (`AT_MOST_ONCE_RESUBMITS` at most).
+    unasked_resubmits: int = 0

@@ -24,12 +24,13 @@ with workflow.unsafe.imports_passed_through():
         failure_cost,
         job_error,
         recovered_progress,
+        resubmit_cannot_run_twice,
     )
     from workflows.graph import apply_overrides, run_tag, with_unique_save_prefixes
     from workflows.job_book import JobBook
     from workflows.job_controls import JobControls
     from workflows.job_metrics import counter
-    from workflows.shared import ErrorType
+    from workflows.shared import AT_MOST_ONCE_RESUBMITS, ErrorType
 
 
 class SegmentRun:
@@ -96,7 +97,8 @@ class SegmentRun:
                 book.merge_artifacts(artifacts)
                 checkpoint = self._furthest(checkpoint, recovered)
                 if kind == FailureKind.LOST:
-                    checkpoint = await self._resubmit_lost(checkpoint)
+                    safe = resubmit_cannot_run_twice(err)
+                    checkpoint = await self._resubmit_lost(checkpoint, cannot_run_twice=safe)
                     attempt = 0
                     continue
                 if kind == FailureKind.AMBIGUOUS:
@@ -171,10 +173,17 @@ class SegmentRun:
         await workflow.sleep(timedelta(seconds=delay), summary=f"reconnect {attempt + 1}")
         self._book.set_error(None)
 
-    async def _resubmit_lost(self, checkpoint: Checkpoint) -> Checkpoint:
-        """The backend provably lost the prompt: submit it once more, or ask a person first."""
+    async def _resubmit_lost(self, checkpoint: Checkpoint, *, cannot_run_twice: bool) -> Checkpoint:
+        """The backend provably lost the prompt: submit it once more, or ask a person first.
+
+        A backend that cannot run it twice (RunPod with claims: its worker died) gets it again
+        without asking, up to AT_MOST_ONCE_RESUBMITS times in the job; then, as any other,
+        `on_ambiguous_submit` decides."""
         controls = self._controls
-        lost_before = controls.resubmits > 0
+        unasked = cannot_run_twice and controls.unasked_resubmits < AT_MOST_ONCE_RESUBMITS
+        if unasked:
+            controls.unasked_resubmits += 1
+        lost_before = controls.resubmits > 0 and not unasked
         policy = self._request.policy.on_ambiguous_submit
         if lost_before and policy == "fail":
             raise ApplicationError(

@@ -44,6 +44,13 @@ POOL_KEY: Final = SearchAttributeKey.for_keyword(SA_JOB_POOL)
 
 JOB_ID_PATTERN: Final = re.compile(r"^[A-Za-z0-9_.:-]{1,200}$")
 
+# In a `PromptLost` failure's first details mapping: true when the backend guarantees that
+# submitting the prompt again cannot run it twice (RunPod with claims).
+AT_MOST_ONCE: Final = "at_most_once"
+# Losses of such a backend the workflow resubmits without asking, per job, before a person
+# decides (a graph that kills every worker it reaches must not be paid for forever).
+AT_MOST_ONCE_RESUBMITS: Final = 3
+
 
 class ErrorType:
     """`ApplicationError.type` values. Clients branch on these, so they never change meaning."""

@@ -77,7 +77,7 @@ from activities.settings import PoolConfig
 from activities.storage import ArtifactStore
 from workflows.activity_io import FollowHeartbeat, FollowInput, FollowResult
 from workflows.contracts import Artifact, Checkpoint, JobCost, ProgressReport
-from workflows.shared import ErrorType
+from workflows.shared import AT_MOST_ONCE, ErrorType
 
 log = structlog.get_logger(__name__)
 
@@ -181,9 +181,25 @@ class RunPodFollower:
             job_id = self.checkpoint.provider_job_id or await self._submit_or_find()
             return await self._follow(job_id)
         except RunPodError as exc:
-            raise self._with_progress(from_runpod(exc, "following the RunPod job")) from None
+            error = self._with_progress(from_runpod(exc, "following the RunPod job"))
+            raise self._at_most_once(error) from None
         except ApplicationError as exc:
-            raise self._with_progress(exc) from None
+            raise self._at_most_once(self._with_progress(exc)) from None
+
+    def _at_most_once(self, error: ApplicationError) -> ApplicationError:
+        """A lost prompt on a pool with claims says it cannot run twice: a new delivery takes
+        the claim over or finds it finished, so the workflow submits it again without asking
+        (`workflows.failures.resubmit_cannot_run_twice`)."""
+        if error.type != ErrorType.PROMPT_LOST or not self.pool.claims:
+            return error
+        return ApplicationError(
+            error.message,
+            *error.details,
+            {AT_MOST_ONCE: True},
+            type=error.type,
+            non_retryable=error.non_retryable,
+            next_retry_delay=error.next_retry_delay,
+        )
 
     async def _submit_or_find(self) -> str:
         """RunPod's job id for this submission: found by its claim, or a fresh `/run`.
