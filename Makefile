@@ -9,7 +9,8 @@ STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 # A real ComfyUI 0.8.0 (CPU only, no models) for `make test-real-comfyui`: REAL_COMFYUI names a
 # `real-comfyui` installer kept outside the repository (docs/testing.md); the first install
 # brings torch (several GB, a few minutes).
-REAL_COMFYUI     ?=
+# Beside the checkout by default, where the team and CI keep it; empty when it is not there.
+REAL_COMFYUI     ?= $(wildcard ../shared/comfyui/real-comfyui)
 REAL_COMFYUI_DIR ?= .cache/real-comfyui
 
 $(STAMP): pyproject.toml
@@ -30,7 +31,8 @@ $(EP_STAMP): endpoint/requirements.txt
 # repository: STOCK_WORKER_COMFYUI=path/to/worker-comfyui) gets a venv of its own from its
 # requirements (runpod~=1.7.12), for tests/test_runpod_stock.py; without the folder there is
 # nothing to build and those tests skip (docs/testing.md).
-export STOCK_WORKER_COMFYUI ?=
+# Beside the checkout by default (as for REAL_COMFYUI), so CI runs the stock-handler tests.
+export STOCK_WORKER_COMFYUI ?= $(wildcard ../shared/worker-comfyui)
 STOCK_VENV  := .venv-stock
 STOCK_REQS  := $(if $(STOCK_WORKER_COMFYUI),$(wildcard $(STOCK_WORKER_COMFYUI)/requirements.txt))
 STOCK_STAMP := $(if $(STOCK_REQS),$(STOCK_VENV)/.installed-$(shell cat $(STOCK_REQS) | cksum | cut -d' ' -f1))
