@@ -89,14 +89,38 @@ async def ensure_worker(
             )
         with log_file.open("rb") as f:
             f.seek(offset)
-            if READY_MARK.encode() in f.read():
-                return DetachedWorker(
-                    pid=record.pid, log_file=log_file, started=True, restarted=restarted
+            ready = _ready_line(f.read())
+        if ready is not None:
+            if ready.get("current") is False:
+                # Its version is not the deployment's current one: new jobs would wait for
+                # another version's workers (docs/upgrading.md). Said now, not as a stuck job.
+                await stop_worker(config, base_dir)
+                raise ServiceStartError(
+                    "worker",
+                    "its version is not the current one of its Worker Deployment, so no new "
+                    "job would reach it (see worker_version_not_current in its log)",
+                    str(log_file),
+                    log_tail(log_file),
                 )
+            return DetachedWorker(
+                pid=record.pid, log_file=log_file, started=True, restarted=restarted
+            )
         await asyncio.sleep(0.2)
     raise ServiceStartError(
         "worker", f"not ready after {START_DEADLINE_S:.0f} s", str(log_file), log_tail(log_file)
     )
+
+
+def _ready_line(log: bytes) -> dict[str, object] | None:
+    """The worker's `worker_started` log record (JSON), once it is written."""
+    for line in log.splitlines():
+        if READY_MARK.encode() in line:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                return {}  # not JSON (a console renderer): started, nothing more to read
+            return record if isinstance(record, dict) else {}
+    return None
 
 
 async def stop_worker(config: StackConfig, base_dir: Path) -> int | None:

@@ -51,9 +51,12 @@ from activities.versioning import (
     report,
     set_current_command,
 )
+from devstack.config import StackConfig
+from devstack.errors import ServiceStartError
 from devstack.free_ports import DEV_CONFIG, make_stack_config
 from devstack.models import RunningStack
 from devstack.processes import find_binary
+from devstack.worker_process import ensure_worker, stop_worker
 from starter import JobClient
 from starter.connection import TemporalSettings
 from tests.cli_support import example, s3_settings
@@ -450,6 +453,24 @@ async def test_a_running_job_finishes_on_its_version_while_new_jobs_go_to_the_cu
                 )
 
             await eventually(v1_drained, "v1 drained")
+
+
+async def test_the_dev_stack_refuses_a_worker_no_new_job_would_reach(
+    local_stack: RunningStack, stack_config: StackConfig, stack_base_dir: Path
+) -> None:
+    """`make demo`'s detached worker whose version is not current (here: `never` on a fresh
+    deployment) stops the demo at once, naming why, instead of leaving its job waiting."""
+    env = local_stack.worker_env() | {
+        "DURABLE_COMFY_DEPLOYMENT_NAME": f"not-current-{uuid.uuid4().hex[:8]}",
+        "DURABLE_COMFY_SET_CURRENT": "never",
+        "DURABLE_COMFY_ORPHAN_SWEEP_S": "0",
+    }
+    try:
+        with pytest.raises(ServiceStartError, match="not the current one"):
+            await ensure_worker(stack_config, stack_base_dir, env)
+    finally:
+        left_running = await stop_worker(stack_config, stack_base_dir)
+    assert left_running is None, "ensure_worker stopped it itself"
 
 
 async def set_current_version(
