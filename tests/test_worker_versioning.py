@@ -2,8 +2,11 @@
 new jobs go to the current version, and the old version drains (docs/upgrading.md).
 
 The first tests need no server: what a worker's settings make of its version and when it makes
-that version current. The last runs on the real Temporal dev server of the local stack, with
-workers built by `run_worker` exactly as `durable-comfy worker` builds them.
+that version current. The last two run on the real Temporal dev server of the local stack: an
+upgrade with workers built by `run_worker` exactly as `durable-comfy worker` builds them (v1 makes
+itself current as a deployment's first version; an operator makes v2 current with the `temporal`
+CLI; v3 makes itself current as the dev stack's workers do), and `make demo`'s detached worker
+refused when no new job would reach it.
 """
 
 from __future__ import annotations
@@ -453,6 +456,12 @@ async def test_a_running_job_finishes_on_its_version_while_new_jobs_go_to_the_cu
                 )
 
             await eventually(v1_drained, "v1 drained")
+
+            # The dev stack's way (`set_current: always`): a worker makes itself current.
+            async with versioned_worker(
+                stack, task_queue, name, "v3", "always", default_pool="comfyui"
+            ):
+                await deployment.wait_current("v3")
 
 
 async def test_the_dev_stack_refuses_a_worker_no_new_job_would_reach(
