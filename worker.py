@@ -4,6 +4,8 @@ It only wires things together: settings read once from the environment at start-
 (`activities.settings`, `starter.connection.TemporalSettings`), one httpx client, one S3 client,
 the activities built on them, and a graceful shutdown on SIGTERM/SIGINT so a running
 `follow_prompt` hands its prompt to another worker at once instead of after a heartbeat timeout.
+It polls as one version of a Worker Deployment, with InferenceJob pinned to the version a job
+started on (`activities.versioning`, docs/upgrading.md).
 """
 
 from __future__ import annotations
