@@ -1,4 +1,5 @@
-"""Session fixtures: the real local stack (Temporal dev server, SeaweedFS, ComfyUI simulator).
+"""Shared fixtures: the real local stack (Temporal dev server, SeaweedFS, ComfyUI simulator), and
+a time-skipping Temporal test server for the workflow tests.
 
 Every stack gets its own free ports on 127.0.0.1 and its own state dir under pytest's tmp dir, so
 tests never touch a developer's `.devstack` or the default ports. Whatever a factory-made stack
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
+from temporalio.testing import WorkflowEnvironment
 
 from devstack.config import StackConfig
 from devstack.free_ports import HOST, free_port, make_stack_config, port_is_free
@@ -24,6 +26,7 @@ from tests.runpod_e2e_support import (  # noqa: F401 (fixtures)
     runpod_sim,
     runpod_worker,
 )
+from tests.workflow_fakes import start_time_skipping
 
 # The free-port helpers live in devstack/ (bench/ uses them too); imported here for the tests
 # that take them from conftest.
@@ -73,3 +76,17 @@ async def local_stack(
         yield await start_stack(stack_config, stack_base_dir)
     finally:
         await stop_stack(stack_config, stack_base_dir)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def env() -> AsyncIterator[WorkflowEnvironment]:
+    """A time-skipping test server (our search attributes registered), one per test module.
+
+    Per module, not per session: the server skips time for everyone on it, and an activity or
+    timer a module leaves behind would hold up (or jump) the clock of the next. Starting one
+    takes about 0.1 s. A test that needs a server nobody else touched starts its own (see
+    `clean_env` in tests/test_workflow_durability.py).
+    """
+    environment = await start_time_skipping()
+    yield environment
+    await environment.shutdown()

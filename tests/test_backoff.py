@@ -7,11 +7,9 @@ with the function's own answers.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-import pytest_asyncio
 from temporalio.api.enums.v1 import EventType
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
@@ -23,7 +21,6 @@ from tests.workflow_fakes import (
     Script,
     job_worker,
     start_job,
-    start_time_skipping,
 )
 from workflows.backoff import reconnect_delay
 from workflows.contracts import JobPolicy, JobRequest, JobState, JobStatus
@@ -80,13 +77,6 @@ def test_attempt_zero_and_a_draw_just_below_one_are_allowed() -> None:
     assert reconnect_delay(0, 1.0, 30.0, 0.0) == 0.5
     assert reconnect_delay(62, 1.0, 1e30, 0.0) == 2.0**61
     assert reconnect_delay(63, 1.0, 1e30, 0.0) == 2.0**61, "the exponent stops at 62"
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def env() -> AsyncIterator[WorkflowEnvironment]:
-    environment = await start_time_skipping()
-    yield environment
-    await environment.shutdown()
 
 
 async def test_the_workflows_reconnect_timers_are_the_functions_answers(

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import inspect
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import pytest_asyncio
 from temporalio.client import RPCTimeoutOrCancelledError
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.testing import WorkflowEnvironment
@@ -32,7 +31,7 @@ from starter import (
     load_graph,
     request_from_files,
 )
-from tests.workflow_fakes import GRAPH, start_time_skipping
+from tests.workflow_fakes import GRAPH
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "txt2img.json"
 S3_VARIABLES = {
@@ -41,13 +40,6 @@ S3_VARIABLES = {
     "AWS_ACCESS_KEY_ID": "test-key",
     "AWS_SECRET_ACCESS_KEY": "test-secret",
 }
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def env() -> AsyncIterator[WorkflowEnvironment]:
-    environment = await start_time_skipping()
-    yield environment
-    await environment.shutdown()
 
 
 def target_of(env: WorkflowEnvironment) -> str:

@@ -11,19 +11,18 @@ import ast
 import asyncio
 import inspect
 import textwrap
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 import pytest
-import pytest_asyncio
 from temporalio.client import WorkflowFailureError
 from temporalio.exceptions import CancelledError
 from temporalio.testing import WorkflowEnvironment
 
 import starter
 from starter import JobClient
-from tests.workflow_fakes import GRAPH, FakeBackend, Script, job_worker, start_time_skipping
+from tests.workflow_fakes import GRAPH, FakeBackend, Script, job_worker
 from workflows.contracts import JobPolicy, JobRequest, JobState, JobStatus
 from workflows.shared import QUERY_STATUS
 
@@ -94,13 +93,6 @@ def test_no_exported_function_or_method_is_a_stub() -> None:
 def test_client_methods_cover_the_job_lifecycle() -> None:
     methods = {"submit", "status", "watch", "wait", "result", "cancel", "resume", "attach"}
     assert methods <= set(dir(starter.JobClient))
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def env() -> AsyncIterator[WorkflowEnvironment]:
-    environment = await start_time_skipping()
-    yield environment
-    await environment.shutdown()
 
 
 async def test_job_client_cancel_records_the_reason_and_cancels_in_temporal(

@@ -8,11 +8,9 @@ kept for a job stopped in its second segment, and a Temporal cancel during the c
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-import pytest_asyncio
 from temporalio import activity
 from temporalio.client import Client, WorkflowFailureError, WorkflowHandle
 from temporalio.contrib.pydantic import pydantic_data_converter
@@ -28,18 +26,10 @@ from tests.workflow_fakes import (
     job_worker,
     request,
     start_job,
-    start_time_skipping,
 )
 from workflows.activity_io import FollowInput, FollowResult
 from workflows.contracts import CancelRequest, JobRequest, JobState, JobStatus, ProgressReport
 from workflows.shared import QUERY_STATUS, SIGNAL_CANCEL, SIGNAL_PROGRESS, ErrorType
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def env() -> AsyncIterator[WorkflowEnvironment]:
-    environment = await start_time_skipping()
-    yield environment
-    await environment.shutdown()
 
 
 async def outcome(handle: WorkflowHandle[Any, JobStatus]) -> tuple[JobStatus, BaseException | None]:

@@ -3,27 +3,17 @@ pool without claims): `on_ambiguous_submit` decides, and `pause` asks a person f
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-import pytest_asyncio
 from temporalio.client import WorkflowFailureError, WorkflowUpdateFailedError
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
 
 from devstack.chaos.wait import eventually
 from tests.workflow_fakes import FakeBackend, Script, job_worker, request, start_job
-from tests.workflow_fakes import start_time_skipping as start_env
 from workflows.contracts import JobState, JobStatus
 from workflows.shared import QUERY_STATUS, SIGNAL_RESUME, UPDATE_RESUME, ErrorType
-
-
-@pytest_asyncio.fixture(scope="module")
-async def env() -> AsyncIterator[WorkflowEnvironment]:
-    environment = await start_env()
-    yield environment
-    await environment.shutdown()
 
 
 def ambiguous_once() -> FakeBackend:

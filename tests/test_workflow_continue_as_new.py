@@ -4,12 +4,10 @@ with its status and prepared graph carried over, and every run of the chain repl
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
-import pytest_asyncio
 from temporalio import workflow
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import WorkflowHistory
@@ -23,19 +21,11 @@ from tests.workflow_fakes import (
     job_worker,
     request,
     start_job,
-    start_time_skipping,
 )
 from workflows.contracts import JobPolicy, JobRequest, JobState, JobStatus
 from workflows.inference_job import InferenceJob
 from workflows.job_input import JobInput
 from workflows.shared import WORKFLOW_TYPE
-
-
-@pytest_asyncio.fixture(scope="module")
-async def env() -> AsyncIterator[WorkflowEnvironment]:
-    environment = await start_time_skipping()
-    yield environment
-    await environment.shutdown()
 
 
 def three_segments() -> JobRequest:

@@ -51,13 +51,6 @@ from workflows.shared import (
 )
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def env() -> AsyncIterator[WorkflowEnvironment]:
-    environment = await start_time_skipping()
-    yield environment
-    await environment.shutdown()
-
-
 @pytest_asyncio.fixture(loop_scope="session")
 async def clean_env() -> AsyncIterator[WorkflowEnvironment]:
     """A server of its own: an activity still running anywhere on the test server (say, one a

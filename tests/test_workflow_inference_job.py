@@ -8,18 +8,16 @@ tests/test_e2e_local_stack.py.
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-import pytest_asyncio
 from temporalio.client import Client, WorkflowFailureError
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Replayer, Worker
 
-from tests.workflow_fakes import GRAPH, FakeBackend, Script, start_time_skipping
+from tests.workflow_fakes import GRAPH, FakeBackend, Script
 from workflows.activity_io import PrepareInput
 from workflows.contracts import JobRequest, JobState, JobStatus, OutputSpec, S3Input
 from workflows.inference_job import InferenceJob
@@ -31,13 +29,6 @@ from workflows.shared import (
     WORKFLOW_TYPE,
     ErrorType,
 )
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def time_env() -> AsyncIterator[WorkflowEnvironment]:
-    env = await start_time_skipping()
-    yield env
-    await env.shutdown()
 
 
 async def run_job(
@@ -61,12 +52,12 @@ async def run_job(
 
 
 async def test_happy_path_completes_with_artifacts_and_confirmed_teardown(
-    time_env: WorkflowEnvironment,
+    env: WorkflowEnvironment,
 ) -> None:
     """The follow submits, follows and stores the outputs: prepare and follow are the job's
     only activities."""
     backend = FakeBackend()
-    job_id, status, error = await run_job(time_env.client, backend, JobRequest(graph=GRAPH))
+    job_id, status, error = await run_job(env.client, backend, JobRequest(graph=GRAPH))
     assert error is None
     assert status.state == JobState.COMPLETED
     assert [a.key for a in status.artifacts] == [f"jobs/{job_id}/0/2/t_00001_.png"]
@@ -86,7 +77,7 @@ async def test_happy_path_completes_with_artifacts_and_confirmed_teardown(
     assert status.backend is not None and status.backend.provider_job_id == submitted.prompt_id
 
 
-async def test_prepare_is_sent_the_whole_request(time_env: WorkflowEnvironment) -> None:
+async def test_prepare_is_sent_the_whole_request(env: WorkflowEnvironment) -> None:
     backend = FakeBackend()
     request = JobRequest(
         graph=GRAPH,
@@ -95,7 +86,7 @@ async def test_prepare_is_sent_the_whole_request(time_env: WorkflowEnvironment) 
         segments=[{"1": {"width": 32}}],
         output=OutputSpec(prefix="renders"),
     )
-    job_id, status, error = await run_job(time_env.client, backend, request)
+    job_id, status, error = await run_job(env.client, backend, request)
     assert error is None
     assert backend.prepared == [
         PrepareInput(
@@ -110,10 +101,10 @@ async def test_prepare_is_sent_the_whole_request(time_env: WorkflowEnvironment) 
     assert status.backend is not None and status.backend.pool == "gpu-a"
 
 
-async def test_search_attributes_follow_the_state(time_env: WorkflowEnvironment) -> None:
+async def test_search_attributes_follow_the_state(env: WorkflowEnvironment) -> None:
     backend = FakeBackend()
-    job_id, _status, _ = await run_job(time_env.client, backend, JobRequest(graph=GRAPH))
-    described = await time_env.client.get_workflow_handle(job_id).describe()
+    job_id, _status, _ = await run_job(env.client, backend, JobRequest(graph=GRAPH))
+    described = await env.client.get_workflow_handle(job_id).describe()
     attributes = {k.name: v for k, v in described.typed_search_attributes}
     assert attributes[SA_JOB_STATE] == "COMPLETED"
     assert attributes[SA_JOB_POOL] == "comfyui"
@@ -129,14 +120,14 @@ async def test_search_attributes_follow_the_state(time_env: WorkflowEnvironment)
     ],
 )
 async def test_failure_ends_failed_with_typed_error_after_teardown(
-    time_env: WorkflowEnvironment,
+    env: WorkflowEnvironment,
     fail_in: str,
     error_type: str,
     teardown_state: str,
     torn_down: bool,
 ) -> None:
     backend = FakeBackend(Script(fatal_in={fail_in: error_type}))
-    _job_id, status, error = await run_job(time_env.client, backend, JobRequest(graph=GRAPH))
+    _job_id, status, error = await run_job(env.client, backend, JobRequest(graph=GRAPH))
     assert isinstance(error, WorkflowFailureError)
     assert isinstance(error.cause, ApplicationError) and error.cause.type == error_type
     # Not to be retried, and the failure carries the job's final status for the client.
@@ -157,17 +148,17 @@ async def test_failure_ends_failed_with_typed_error_after_teardown(
 
 
 async def test_invalid_payload_fails_the_workflow_instead_of_retrying(
-    time_env: WorkflowEnvironment,
+    env: WorkflowEnvironment,
 ) -> None:
     editor_format: dict[str, Any] = {"graph": {"nodes": [], "links": []}}
     task_queue = f"tq-{uuid.uuid4()}"
     async with Worker(
-        time_env.client,
+        env.client,
         task_queue=task_queue,
         workflows=[InferenceJob],
         activities=FakeBackend().activities(),
     ):
-        handle = await time_env.client.start_workflow(
+        handle = await env.client.start_workflow(
             WORKFLOW_TYPE, editor_format, id=f"bad-{uuid.uuid4()}", task_queue=task_queue
         )
         with pytest.raises(WorkflowFailureError) as failure:
@@ -176,11 +167,11 @@ async def test_invalid_payload_fails_the_workflow_instead_of_retrying(
 
 
 async def test_segments_run_in_order_each_with_its_own_prompt(
-    time_env: WorkflowEnvironment,
+    env: WorkflowEnvironment,
 ) -> None:
     backend = FakeBackend()
     request = JobRequest(graph=GRAPH, segments=[{"1": {"width": 32}}, {"1": {"width": 16}}])
-    _job_id, status, error = await run_job(time_env.client, backend, request)
+    _job_id, status, error = await run_job(env.client, backend, request)
     assert error is None and status.state == JobState.COMPLETED
     assert [s.segment for s in backend.submitted] == [0, 1]
     assert [(s.graph or {})["1"]["inputs"]["width"] for s in backend.submitted] == [32, 16]
@@ -189,9 +180,9 @@ async def test_segments_run_in_order_each_with_its_own_prompt(
     assert sorted(a.segment for a in status.artifacts) == [0, 1]
 
 
-async def test_history_replays_deterministically(time_env: WorkflowEnvironment) -> None:
+async def test_history_replays_deterministically(env: WorkflowEnvironment) -> None:
     backend = FakeBackend()
-    job_id, _status, _ = await run_job(time_env.client, backend, JobRequest(graph=GRAPH))
-    history = await time_env.client.get_workflow_handle(job_id).fetch_history()
+    job_id, _status, _ = await run_job(env.client, backend, JobRequest(graph=GRAPH))
+    history = await env.client.get_workflow_handle(job_id).fetch_history()
     replayer = Replayer(workflows=[InferenceJob], data_converter=pydantic_data_converter)
     await replayer.replay_workflow(history)

@@ -7,11 +7,9 @@ updates must refuse with a reason; no workflow task may ever fail over a message
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-import pytest_asyncio
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import (
     Client,
@@ -31,7 +29,6 @@ from tests.workflow_fakes import (
     job_worker,
     request,
     start_job,
-    start_time_skipping,
 )
 from workflows.contracts import JobState, JobStatus
 from workflows.shared import (
@@ -45,13 +42,6 @@ from workflows.shared import (
     UPDATE_RESUME,
     ErrorType,
 )
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def env() -> AsyncIterator[WorkflowEnvironment]:
-    environment = await start_time_skipping()
-    yield environment
-    await environment.shutdown()
 
 
 def plain(env: WorkflowEnvironment) -> Client:
