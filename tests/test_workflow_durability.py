@@ -27,6 +27,7 @@ from tests.workflow_fakes import (
     FakeBackend,
     Script,
     job_worker,
+    outcome,
     request,
     start_job,
     start_time_skipping,
@@ -58,15 +59,6 @@ async def clean_env() -> AsyncIterator[WorkflowEnvironment]:
     environment = await start_time_skipping()
     yield environment
     await environment.shutdown()
-
-
-async def outcome(handle: WorkflowHandle[Any, JobStatus]) -> tuple[JobStatus, BaseException | None]:
-    error: BaseException | None = None
-    try:
-        await handle.result()
-    except WorkflowFailureError as exc:
-        error = exc
-    return await handle.query(QUERY_STATUS, result_type=JobStatus), error
 
 
 async def timers(handle: WorkflowHandle[Any, JobStatus]) -> list[tuple[str, float]]:

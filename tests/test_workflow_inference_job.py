@@ -1,31 +1,55 @@
 """InferenceJob on the time-skipping test server, with stand-in activities.
 
-These check the workflow's own logic: state transitions, progress bookkeeping, errors, teardown on
-every exit path and deterministic replay. The real activities are exercised end to end in
-tests/test_e2e_local_stack.py.
+These check the workflow's own logic: state transitions, progress bookkeeping, errors, the
+`jobs_ended` metric, teardown on every exit path (what a stopped job keeps of its outputs, a
+Temporal cancel during the clean-up) and deterministic replay. The real activities are
+exercised end to end in tests/test_e2e_local_stack.py.
 """
 
 from __future__ import annotations
 
+import logging
 import uuid
 from typing import Any
 
 import pytest
+from temporalio import activity
 from temporalio.client import Client, WorkflowFailureError
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.exceptions import ApplicationError
+from temporalio.runtime import MetricBuffer, Runtime, TelemetryConfig
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Replayer, Worker
 
-from tests.workflow_fakes import GRAPH, FakeBackend, Script
-from workflows.activity_io import PrepareInput
-from workflows.contracts import JobRequest, JobState, JobStatus, OutputSpec, S3Input
+from devstack.chaos.wait import eventually
+from tests.workflow_fakes import (
+    GRAPH,
+    FakeBackend,
+    Script,
+    artifact,
+    job_worker,
+    outcome,
+    request,
+    start_job,
+)
+from workflows.activity_io import FollowInput, FollowResult, PrepareInput
+from workflows.contracts import (
+    CancelRequest,
+    JobRequest,
+    JobState,
+    JobStatus,
+    OutputSpec,
+    ProgressReport,
+    S3Input,
+)
 from workflows.inference_job import InferenceJob
 from workflows.shared import (
     QUERY_STATUS,
     SA_JOB_POOL,
     SA_JOB_PROGRESS,
     SA_JOB_STATE,
+    SIGNAL_CANCEL,
+    SIGNAL_PROGRESS,
     WORKFLOW_TYPE,
     ErrorType,
 )
@@ -49,6 +73,17 @@ async def run_job(
             error = exc
         status = await handle.query(QUERY_STATUS, result_type=JobStatus)
     return job_id, status, error
+
+
+async def following(backend: FakeBackend) -> bool:
+    return backend.blocked.is_set()
+
+
+async def checks_done(backend: FakeBackend, count: int) -> bool:
+    return len(backend.teardowns) >= count
+
+
+# -- a job that runs through ----------------------------------------------------------------------
 
 
 async def test_happy_path_completes_with_artifacts_and_confirmed_teardown(
@@ -101,6 +136,20 @@ async def test_prepare_is_sent_the_whole_request(env: WorkflowEnvironment) -> No
     assert status.backend is not None and status.backend.pool == "gpu-a"
 
 
+async def test_segments_run_in_order_each_with_its_own_prompt(
+    env: WorkflowEnvironment,
+) -> None:
+    backend = FakeBackend()
+    request = JobRequest(graph=GRAPH, segments=[{"1": {"width": 32}}, {"1": {"width": 16}}])
+    _job_id, status, error = await run_job(env.client, backend, request)
+    assert error is None and status.state == JobState.COMPLETED
+    assert [s.segment for s in backend.submitted] == [0, 1]
+    assert [(s.graph or {})["1"]["inputs"]["width"] for s in backend.submitted] == [32, 16]
+    assert len({s.prompt_id for s in backend.submitted}) == 2
+    assert len({s.client_id for s in backend.submitted}) == 2
+    assert sorted(a.segment for a in status.artifacts) == [0, 1]
+
+
 async def test_search_attributes_follow_the_state(env: WorkflowEnvironment) -> None:
     backend = FakeBackend()
     job_id, _status, _ = await run_job(env.client, backend, JobRequest(graph=GRAPH))
@@ -109,6 +158,43 @@ async def test_search_attributes_follow_the_state(env: WorkflowEnvironment) -> N
     assert attributes[SA_JOB_STATE] == "COMPLETED"
     assert attributes[SA_JOB_POOL] == "comfyui"
     assert attributes[SA_JOB_PROGRESS] == 100
+
+
+# -- the jobs_ended metric ------------------------------------------------------------------------
+
+
+async def test_jobs_ended_counts_each_job_once_by_its_end_state(env: WorkflowEnvironment) -> None:
+    # What an operator's dashboard reads (README, activities/metrics.py): the counter
+    # durable_comfy_jobs_ended{state}, with its help text, one per job.
+    buffer = MetricBuffer(1000)
+    runtime = Runtime(telemetry=TelemetryConfig(metrics=buffer))
+    client = await Client.connect(
+        env.client.service_client.config.target_host,
+        namespace=env.client.namespace,
+        data_converter=pydantic_data_converter,
+        runtime=runtime,
+    )
+    ended: list[tuple[str, str, int, object]] = []
+    for script, state in [
+        (Script(), JobState.COMPLETED),
+        (Script(fatal_in={"follow_prompt": ErrorType.OUT_OF_MEMORY}), JobState.FAILED),
+    ]:
+        backend = FakeBackend(script)
+        async with job_worker(client, backend) as tq:
+            status, _ = await outcome(await start_job(env.client, tq, request()))
+        assert status.state == state
+        ended += [
+            (u.metric.name, u.metric.description or "", int(u.value), u.attributes.get("state"))
+            for u in buffer.retrieve_updates()
+            if "jobs" in u.metric.name.lower()
+        ]
+    assert ended == [
+        ("durable_comfy_jobs_ended", "Jobs by end state", 1, "COMPLETED"),
+        ("durable_comfy_jobs_ended", "Jobs by end state", 1, "FAILED"),
+    ]
+
+
+# -- a job that fails -----------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -166,18 +252,120 @@ async def test_invalid_payload_fails_the_workflow_instead_of_retrying(
     assert "API format" in str(failure.value.cause)
 
 
-async def test_segments_run_in_order_each_with_its_own_prompt(
+# -- keeping the finished outputs of a stopped job ------------------------------------------------
+
+
+async def test_a_failed_partial_offload_is_logged_and_the_job_still_ends_cancelled(
+    env: WorkflowEnvironment, caplog: pytest.LogCaptureFixture
+) -> None:
+    script = Script(
+        block_in="follow_prompt", fatal_in={"offload_outputs:partial": ErrorType.STORAGE_ERROR}
+    )
+    backend = FakeBackend(script)
+    caplog.set_level(logging.WARNING, logger="temporalio.workflow")
+    async with job_worker(env.client, backend) as tq:
+        handle = await start_job(env.client, tq, request())
+        await eventually(lambda: following(backend), timeout_s=10, what="the job is following")
+        await handle.signal(SIGNAL_CANCEL, CancelRequest(reason="stop it"))
+        status, error = await outcome(handle)
+    assert error is None and status.state == JobState.CANCELLED
+    assert status.teardown.state == "CONFIRMED"
+    assert backend.calls[-1] == "offload_outputs:partial"
+    # The one trace, for the operator, that a stopped job's outputs were not kept.
+    warnings = [r.getMessage() for r in caplog.records if r.name == "temporalio.workflow"]
+    assert any(
+        m.startswith("keeping finished outputs failed: offload_outputs:partial failed")
+        for m in warnings
+    ), warnings
+
+
+class SecondSegmentBlocks(FakeBackend):
+    """Segment 0 completes; segment 1 streams one finished output, then runs until stopped."""
+
+    @activity.defn(name="follow_prompt")
+    async def follow(self, req: FollowInput) -> FollowResult:
+        if req.segment == 1:
+            handle = activity.client().get_workflow_handle(req.job_id)
+            streamed = ProgressReport(
+                attempt_client_id=req.client_id, artifact=artifact(req.job_id, 1)
+            )
+            await handle.signal(SIGNAL_PROGRESS, streamed)
+            self.script.block_in = "follow_prompt"
+        return await super().follow(req)
+
+
+async def test_a_job_stopped_in_its_second_segment_keeps_that_segments_outputs(
     env: WorkflowEnvironment,
 ) -> None:
-    backend = FakeBackend()
-    request = JobRequest(graph=GRAPH, segments=[{"1": {"width": 32}}, {"1": {"width": 16}}])
-    _job_id, status, error = await run_job(env.client, backend, request)
-    assert error is None and status.state == JobState.COMPLETED
-    assert [s.segment for s in backend.submitted] == [0, 1]
-    assert [(s.graph or {})["1"]["inputs"]["width"] for s in backend.submitted] == [32, 16]
-    assert len({s.prompt_id for s in backend.submitted}) == 2
-    assert len({s.client_id for s in backend.submitted}) == 2
+    backend = SecondSegmentBlocks()
+    job = JobRequest(
+        graph=GRAPH,
+        segments=[{"1": {"width": 8}}, {"1": {"width": 16}}],
+        policy=request().policy,
+    )
+    async with job_worker(env.client, backend) as tq:
+        handle = await start_job(env.client, tq, job)
+        await eventually(lambda: following(backend), timeout_s=10, what="segment 1 is following")
+        await handle.signal(SIGNAL_CANCEL, CancelRequest(reason="stop it"))
+        status, error = await outcome(handle)
+    assert error is None and status.state == JobState.CANCELLED
+    second = backend.submitted[1]
+    assert second.segment == 1
+    kept = backend.offloaded[-1]
+    assert kept.partial
+    # The second segment's prompt, looked for in the folder that prompt saves into, with the
+    # output already streamed from it (not uploaded twice).
+    assert (kept.prompt_id, kept.segment) == (second.prompt_id, 1)
+    assert second.graph is not None
+    assert kept.run_tag == second.graph["2"]["inputs"]["filename_prefix"].split("/")[0]
+    assert kept.stored == [artifact(handle.id, 1)]
     assert sorted(a.segment for a in status.artifacts) == [0, 1]
+
+
+# -- a Temporal cancel: the clean-up runs to its end, the status says where it came from ----------
+
+
+async def test_a_temporal_cancel_during_the_clean_up_does_not_cut_it_short(
+    env: WorkflowEnvironment,
+) -> None:
+    # The node ignores the interrupt for four checks; a Temporal cancel lands in between.
+    backend = FakeBackend(Script(block_in="follow_prompt", stop_running_checks=4))
+    async with job_worker(env.client, backend) as tq:
+        handle = await start_job(env.client, tq, request())
+        await eventually(lambda: following(backend), timeout_s=10, what="the job is following")
+        await handle.signal(SIGNAL_CANCEL, CancelRequest(reason="stop it"))
+        # The interrupt ended the follow activity at the first check; by the third, the work
+        # is over and the clean-up (the stop's confirmation) is what runs.
+        await eventually(lambda: checks_done(backend, 3), timeout_s=60, what="three stop checks")
+        await handle.cancel()
+        status, error = await outcome(handle)
+    assert error is None, "the job ends as the cancel signal said"
+    assert status.state == JobState.CANCELLED
+    assert status.error is not None and status.error.message == "stop it"
+    assert status.teardown.state == "CONFIRMED", status.teardown
+    assert len(backend.teardowns) == 5 + 1, "four 'still running', one 'gone', one settled pass"
+    assert backend.calls[-1] == "offload_outputs:partial"
+
+
+async def test_a_temporal_cancel_without_a_reason_says_it_came_from_temporal(
+    env: WorkflowEnvironment,
+) -> None:
+    backend = FakeBackend(Script(block_in="follow_prompt"))
+    async with job_worker(env.client, backend) as tq:
+        handle = await start_job(env.client, tq, request())
+        await eventually(lambda: following(backend), timeout_s=10, what="the job is following")
+        await handle.cancel()
+        status, error = await outcome(handle)
+    assert isinstance(error, WorkflowFailureError)
+    assert status.state == JobState.CANCELLED
+    assert status.error is not None
+    assert (status.error.type, status.error.message) == (
+        ErrorType.CANCELLED,
+        "cancelled via Temporal",
+    )
+
+
+# -- replay ---------------------------------------------------------------------------------------
 
 
 async def test_history_replays_deterministically(env: WorkflowEnvironment) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 from temporalio import activity
 from temporalio.api.enums.v1 import IndexedValueType
 from temporalio.api.operatorservice.v1 import AddSearchAttributesRequest
-from temporalio.client import Client, WorkflowHandle
+from temporalio.client import Client, WorkflowFailureError, WorkflowHandle
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
@@ -277,6 +277,16 @@ async def start_job(
         task_queue=task_queue,
         result_type=JobStatus,
     )
+
+
+async def outcome(handle: WorkflowHandle[Any, JobStatus]) -> tuple[JobStatus, BaseException | None]:
+    """How the job ended: its final status, and the failure its result raised (None if none)."""
+    error: BaseException | None = None
+    try:
+        await handle.result()
+    except WorkflowFailureError as exc:
+        error = exc
+    return await handle.query(QUERY_STATUS, result_type=JobStatus), error
 
 
 def request(**policy: Any) -> JobRequest:
