@@ -1,4 +1,7 @@
-"""workflows/contracts.py's own logic: end states, policy defaults, job ids, refusals verbatim."""
+"""workflows/contracts.py: the request, the policy and the status models.
+
+End states, policy defaults, job ids, pools, and refusals compared whole.
+"""
 
 from __future__ import annotations
 
@@ -112,3 +115,25 @@ def test_policy_numbers_are_numbers(policy: dict[str, Any], field: str) -> None:
     with pytest.raises(ValidationError, match=field):
         JobRequest.model_validate({"graph": {"1": {"class_type": "X"}}, "policy": policy})
     assert JobPolicy.model_validate({"execution_timeout_s": 60, "reconnect": {"horizon_s": 9.5}})
+
+
+@pytest.mark.parametrize("job_id", ["", "a b", "x" * 201])
+def test_bad_job_ids_are_refused(job_id: str) -> None:
+    with pytest.raises(ValueError, match="not valid"):
+        validate_job_id(job_id)
+
+
+def test_a_request_refuses_the_editor_format_with_the_export_hint() -> None:
+    with pytest.raises(ValidationError) as info:
+        JobRequest(graph={"nodes": [{"id": 1}], "links": [], "version": 0.4})
+    assert "export the workflow in API format" in str(info.value)
+
+
+def test_request_never_carries_a_url_as_pool() -> None:
+    with pytest.raises(ValidationError):
+        JobRequest(graph=GRAPH, pool="http://10.0.0.1:8188")
+
+
+def test_status_round_trips_through_json() -> None:
+    status = JobStatus(job_id="j1")
+    assert JobStatus.model_validate_json(status.model_dump_json()) == status

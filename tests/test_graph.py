@@ -1,16 +1,22 @@
-"""workflows/graph.py, word for word: what a client is told about a bad graph, and the helpers.
+"""The graph, word for word: what a client is told about a bad graph, and the helpers.
 
-The messages are the contract (a client reads them to fix its graph), so they are compared
-whole. The helpers never change the graph they are given.
+workflows/graph.py (the format, hostile-input and input-file checks, seeds of the run: sampler
+steps, overrides, save prefixes, load nodes) and activities/comfyui/graph.py (the check against
+a backend's node registry). The messages are the contract (a client reads them to fix its
+graph), so they are compared whole. The helpers never change the graph they are given.
 """
 
 from __future__ import annotations
 
 import copy
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from activities.comfyui.graph import registry_problems
+from workflows.contracts import JobRequest
 from workflows.graph import (
     EDITOR_FORMAT_HINT,
     GraphCycleError,
@@ -32,6 +38,13 @@ from workflows.graph import (
     sampler_steps,
     with_unique_save_prefixes,
 )
+
+EXAMPLE = Path(__file__).parent.parent / "examples" / "txt2img.json"
+
+
+def example_graph() -> dict[str, Any]:
+    graph: dict[str, Any] = json.loads(EXAMPLE.read_text())
+    return graph
 
 
 def node(class_type: str = "X", **inputs: Any) -> dict[str, Any]:
@@ -150,6 +163,11 @@ def test_only_samplers_with_a_positive_whole_step_count_count() -> None:
     assert sampler_steps({"1": node("SaveImage")}) == {}
 
 
+def test_example_graph_is_valid_and_counts_sampler_steps() -> None:
+    request = JobRequest(graph=example_graph())
+    assert sampler_steps(request.graph) == {"3": 20}
+
+
 def test_overrides_merge_into_a_copy_and_name_an_unknown_node() -> None:
     graph = {"1": node("KSampler", seed=1, steps=20), "2": {"class_type": "EmptyImage"}}
     before = copy.deepcopy(graph)
@@ -201,6 +219,14 @@ def test_save_prefixes_go_under_the_run_folder_and_nothing_else_changes() -> Non
     ]
     assert tagged["6"] == {"class_type": "EmptyImage"}
     assert graph == before
+
+
+def test_unique_prefixes_touch_only_save_nodes_and_leave_input_alone() -> None:
+    graph = example_graph()
+    tagged = with_unique_save_prefixes(graph, "dc_job_0_abcd")
+    assert tagged["9"]["inputs"]["filename_prefix"] == "dc_job_0_abcd/ComfyUI"
+    assert graph["9"]["inputs"]["filename_prefix"] == "ComfyUI"
+    assert tagged["3"] == graph["3"]
 
 
 def test_load_nodes_are_found_by_class_and_only_with_a_file_name() -> None:
@@ -294,3 +320,38 @@ def test_an_undeclared_file_is_named_with_the_declared_ones() -> None:
         "which is not one of the request's inputs ('a.png', 'b.png'): pass the file as an "
         "input of that name (CLI: --input NAME=PATH)"
     )
+
+
+# -- the registry check (activities/comfyui/graph.py): against a backend's /object_info --------
+
+OBJECT_INFO: dict[str, Any] = {
+    "EmptyImage": {
+        "input": {"required": {"width": ["INT", {}], "height": ["INT", {}]}},
+        "output": ["IMAGE"],
+        "output_node": False,
+    },
+    "SaveImage": {
+        "input": {"required": {"images": ["IMAGE"], "filename_prefix": ["STRING", {}]}},
+        "output": [],
+        "output_node": True,
+    },
+}
+
+
+def test_registry_check_reports_every_problem_at_once() -> None:
+    graph = {
+        "1": {"class_type": "EmptyImage", "inputs": {"width": 8}},
+        "2": {"class_type": "NoSuchNode", "inputs": {}},
+        "3": {"class_type": "SaveImage", "inputs": {"images": ["1", 3], "filename_prefix": "x"}},
+    }
+    problems = registry_problems(graph, OBJECT_INFO)
+    assert any("'NoSuchNode' is not installed" in p for p in problems)
+    assert any("required input 'height' missing" in p for p in problems)
+    assert any("uses output 3 of node 1" in p for p in problems)
+
+
+def test_registry_check_wants_an_output_node() -> None:
+    graph = {"1": {"class_type": "EmptyImage", "inputs": {"width": 8, "height": 8}}}
+    assert registry_problems(graph, OBJECT_INFO) == [
+        "the graph has no output node: add one (SaveImage, PreviewImage, SaveAnimatedWEBP, ...)"
+    ]
