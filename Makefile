@@ -69,7 +69,7 @@ test-real-comfyui: $(STAMP) $(EP_STAMP) $(STOCK_STAMP)
 	@test -n "$(REAL_COMFYUI)" -a -x "$(REAL_COMFYUI)" || { echo "no real-comfyui installer: set REAL_COMFYUI=path/to/real-comfyui (docs/testing.md)" >&2; exit 2; }
 	$(REAL_COMFYUI) install $(REAL_COMFYUI_DIR)
 	REAL_COMFYUI_DIR=$(abspath $(REAL_COMFYUI_DIR)) $(BIN)/pytest -q --durations=10 \
-		tests/test_comfy_sim_conformance.py tests/test_real_comfyui.py \
+		tests/tooling/test_comfy_sim_conformance.py tests/test_real_comfyui.py \
 		tests/test_real_comfyui_runpod.py
 
 ## test-ui: the Temporal UI shows a running job's live progress (headless Chromium from Debian)

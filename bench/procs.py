@@ -1,8 +1,8 @@
 """What a process costs, read from /proc by PID: CPU seconds (its own and its descendants'),
 resident memory now (VmRSS) and at its peak (VmHWM), sampled over a benchmark's timed part.
 
-The parsers are pure (tests/test_bench_procs.py); the readers return None for a process that is
-gone, or off Linux.
+The parsers are pure (tests/tooling/test_bench_groups_2_5.py); the readers return None for a
+process that is gone, or off Linux.
 """
 
 from __future__ import annotations

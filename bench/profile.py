@@ -3,7 +3,8 @@ process by PID from outside: nothing in the measured code changes).
 
 `record` runs `py-spy record --format raw` (collapsed stacks: `frame;frame;... count` per line)
 for a while; `summarize` turns that into the functions with the most samples, on their own
-(self) and with what they call (inclusive). Pure, so tests/test_bench_profile.py checks it.
+(self) and with what they call (inclusive). Pure, so tests/tooling/test_bench_groups_2_5.py
+checks it.
 py-spy is a dev dependency (pyproject.toml); without it a benchmark says so instead of a profile.
 """
 

@@ -1,6 +1,6 @@
 """Group 3's arithmetic: from the moment a worker was killed to the next step a client saw, the
 timeline of what happened (history events and marks) and the named parts of that time. Pure, so
-tests/test_bench_recovery.py checks it without a stack."""
+tests/tooling/test_bench_groups_2_5.py checks it without a stack."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The run's outputs: the printed table, bench/results.json and bench/RESULTS.md.
 
-Rendering is pure (tests/test_bench_report.py); only `machine()` reads the host.
+Rendering is pure (tests/tooling/test_bench_results.py); only `machine()` reads the host.
 """
 
 from __future__ import annotations

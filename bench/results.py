@@ -1,6 +1,6 @@
 """What a benchmark reports, and the arithmetic on it: percentiles, ratios, targets.
 
-Pure: no I/O, so tests/test_bench_results.py checks it without a stack.
+Pure: no I/O, so tests/tooling/test_bench_results.py checks it without a stack.
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ is ComfyUI's one at a time) and `--progress-log-prompts N` (how many prompts /si
 32 by default).
 
 Every route our handler, the orchestrator and the stock worker-comfyui handler call answers as
-ComfyUI 0.8.0's does (status, content type, body; tests/test_comfy_sim_conformance.py checks
-them against a real one), `GET /` among them: a small page in place of the front end.
+ComfyUI 0.8.0's does (status, content type, body; tests/tooling/test_comfy_sim_conformance.py
+checks them against a real one), `GET /` among them: a small page in place of the front end.
 
 It is a simulator, not ComfyUI: /system_stats reports `sim-0.1 (durable-comfy ComfyUI
 simulator)` and no model is ever loaded. Run it with `python -m devstack.comfy_sim`, or build the

@@ -47,7 +47,7 @@ from devstack.temporal_server import temporal_argv
 from tests.cli_support import example
 from tests.runpod_sim_support import ENDPOINT_VENV_MISSING
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEV_CONFIG = ROOT / "temporal-dev.yaml"
 StackConfigFactory = Callable[[str], StackConfig]
 

@@ -1,0 +1,1 @@
+"""Tests of the project's tooling (simulators, dev stack, bench, soak audit), not its product."""
