@@ -26,7 +26,7 @@ from tests.comfy_unit_fakes import (
     request,
     send,
 )
-from tests.test_follower_unit import Rig
+from tests.follower_rig import Rig
 from tests.test_runpod_backend_unit import (
     OUR_KEY,
     RUNPOD_JOB,
