@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
-from temporalio import workflow
 
+from tests.workflow_fakes import FAKE_UUID, T0, FakeWorkflow, install_fake_workflow
 from workflows.activity_io import FollowResult
 from workflows.contracts import (
     MAX_NOTICES,
@@ -35,33 +34,12 @@ from workflows.contracts import (
 from workflows.job_book import JobBook
 from workflows.shared import SA_JOB_POOL, SA_JOB_PROGRESS, SA_JOB_STATE
 
-T0 = datetime(2026, 1, 1, tzinfo=UTC)
-
-
-@dataclass
-class FakeWorkflow:
-    """What the book asked of the workflow runtime."""
-
-    now: datetime = T0
-    upserts: list[dict[str, Any]] = field(default_factory=list)
-    details: list[str] = field(default_factory=list)
-
-    def advance(self, seconds: float) -> None:
-        self.now += timedelta(seconds=seconds)
-
-    def upsert(self, updates: list[Any]) -> None:
-        self.upserts.append({u.key.name: u.value for u in updates})
+CLIENT_ID = f"dc-{FAKE_UUID}"  # what the book makes of workflow.uuid4()
 
 
 @pytest.fixture
 def wf(monkeypatch: pytest.MonkeyPatch) -> FakeWorkflow:
-    fake = FakeWorkflow()
-    monkeypatch.setattr(workflow, "now", lambda: fake.now)
-    monkeypatch.setattr(workflow, "uuid4", lambda: "u-1")
-    monkeypatch.setattr(workflow, "upsert_search_attributes", fake.upsert)
-    monkeypatch.setattr(workflow, "set_current_details", fake.details.append)
-    monkeypatch.setattr(workflow, "logger", logging.getLogger("job_book_test"))
-    return fake
+    return install_fake_workflow(monkeypatch)
 
 
 def _artifact(key: str, segment: int = 0) -> Artifact:
@@ -77,7 +55,7 @@ def _artifact(key: str, segment: int = 0) -> Artifact:
 
 
 def _report(step: int = 0, total: int = 0, **kw: Any) -> ProgressReport:
-    return ProgressReport(attempt_client_id="dc-u-1", step=step, total_steps=total, **kw)
+    return ProgressReport(attempt_client_id=CLIENT_ID, step=step, total_steps=total, **kw)
 
 
 def _book(**status: Any) -> JobBook:
@@ -143,12 +121,12 @@ def test_new_submission_records_the_prompt_before_it_is_sent(wf: FakeWorkflow) -
         job_id="j1",
         segment=2,
         prompt_id="p-1",
-        client_id="dc-u-1",
+        client_id=CLIENT_ID,
         total_steps=30,
         updated_at=T0 + timedelta(seconds=5),
     )
     assert book.status.checkpoint == checkpoint
-    assert book.client_id == "dc-u-1" and book.prompt_id == "p-1"
+    assert book.client_id == CLIENT_ID and book.prompt_id == "p-1"
     assert book.status.backend is not None and book.status.backend.provider_job_id == "p-1"
     assert book.backend_state == JobState.RUNNING
     assert book.status.progress.queue_position is None
@@ -345,7 +323,7 @@ def test_notices_are_logged_and_only_the_latest_kept(
     wf: FakeWorkflow, caplog: pytest.LogCaptureFixture
 ) -> None:
     book = _book()
-    with caplog.at_level(logging.WARNING, logger="job_book_test"):
+    with caplog.at_level(logging.WARNING, logger=wf.logger.name):
         for i in range(MAX_NOTICES + 2):
             wf.advance(1)
             book.notice(f"n{i}")

@@ -7,17 +7,15 @@ checked step by step without a server.
 
 from __future__ import annotations
 
-import logging
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from typing import Any
 
 import pytest
-from temporalio import workflow
 from temporalio.exceptions import ActivityError, ApplicationError, CancelledError
 
+from tests.workflow_fakes import FAKE_UUID, T0, FakeWorkflow, install_fake_workflow, made_true_by
 from workflows import activity_calls
 from workflows.activity_io import (
     FollowHeartbeat,
@@ -44,11 +42,10 @@ from workflows.job_controls import JobControls, StopOrder
 from workflows.segment_run import SegmentRun
 from workflows.shared import AT_MOST_ONCE, AT_MOST_ONCE_RESUBMITS, ErrorType
 
-T0 = datetime(2026, 1, 1, tzinfo=UTC)
 # The workflow's metrics, as a metrics backend lists them (name and help text).
 RECONNECTS = "durable_comfy_reconnects: Durable reconnect timers"
 RESUBMISSIONS = "durable_comfy_resubmissions: Prompts submitted again after the backend lost them"
-PROMPT = "0f0f0f0f-0000-4000-8000-000000000001"
+PROMPT = str(FAKE_UUID)  # what workflow.uuid4() gives
 GRAPH: dict[str, Any] = {
     "1": {"class_type": "KSampler", "inputs": {"seed": 1, "steps": 20}},
     "2": {"class_type": "SaveImage", "inputs": {"images": ["1", 0], "filename_prefix": "t"}},
@@ -122,34 +119,17 @@ def ambiguous() -> ActivityError:
     )
 
 
-class FakeRandom:
-    def random(self) -> float:
-        return 0.5
-
-
-class FakeCounter:
-    def __init__(self, counts: dict[str, int], name: str, description: str) -> None:
-        self.counts, self.key = counts, f"{name}: {description}"
-
-    def add(self, value: int) -> None:
-        self.counts[self.key] = self.counts.get(self.key, 0) + value
-
-
 @dataclass
-class Backend:
+class Backend(FakeWorkflow):
     """The workflow runtime and the activities, as the segment sees them."""
 
-    now: datetime = T0
     follow_outcomes: list[FollowResult | BaseException | Callable[[FollowInput], Any]] = field(
         default_factory=list
     )
     follows: list[FollowInput] = field(default_factory=list)
     states_at_follow: list[JobState] = field(default_factory=list)
     offloads: list[OffloadInput] = field(default_factory=list)
-    sleeps: list[tuple[float, str | None]] = field(default_factory=list)
     during_sleep: list[tuple[JobState, JobError | None, int]] = field(default_factory=list)
-    on_wait: Callable[[], None] = lambda: None
-    counts: dict[str, int] = field(default_factory=dict)
     book: JobBook | None = None
 
     async def follow(self, req: FollowInput, policy: JobPolicy) -> FollowResult:
@@ -170,37 +150,13 @@ class Backend:
     async def sleep(self, duration: timedelta, *, summary: str | None = None) -> None:
         assert self.book is not None
         status = self.book.status
-        self.sleeps.append((duration.total_seconds(), summary))
         self.during_sleep.append((status.state, status.error, status.reconnects))
-        self.now += duration
-
-    async def wait_condition(self, fn: Callable[[], bool]) -> None:
-        assert not fn()
-        self.on_wait()
-        assert fn()
-
-    def meter(self) -> Any:
-        counts = self.counts
-
-        class Meter:
-            def create_counter(self, name: str, description: str) -> FakeCounter:
-                return FakeCounter(counts, name, description)
-
-        return Meter()
+        await super().sleep(duration, summary=summary)
 
 
 @pytest.fixture
 def backend(monkeypatch: pytest.MonkeyPatch) -> Backend:
-    fake = Backend()
-    monkeypatch.setattr(workflow, "now", lambda: fake.now)
-    monkeypatch.setattr(workflow, "uuid4", lambda: uuid.UUID(PROMPT))
-    monkeypatch.setattr(workflow, "upsert_search_attributes", lambda updates: None)
-    monkeypatch.setattr(workflow, "set_current_details", lambda details: None)
-    monkeypatch.setattr(workflow, "logger", logging.getLogger("segment_run_test"))
-    monkeypatch.setattr(workflow, "sleep", fake.sleep)
-    monkeypatch.setattr(workflow, "wait_condition", fake.wait_condition)
-    monkeypatch.setattr(workflow, "random", FakeRandom)
-    monkeypatch.setattr(workflow, "metric_meter", fake.meter)
+    fake = install_fake_workflow(monkeypatch, Backend())
     monkeypatch.setattr(activity_calls, "follow", fake.follow)
     monkeypatch.setattr(activity_calls, "offload", fake.offload)
     return fake
@@ -362,7 +318,7 @@ async def test_a_broken_path_backs_off_then_re_attaches_from_the_checkpoint(
         (JobState.RECONNECTING, lost, 2),
     ]
     assert book.status.error is None
-    assert backend.counts == {RECONNECTS: 2}
+    assert backend.counters == {RECONNECTS: 2}
     first, second, third = backend.follows
     assert first.graph is not None
     # Acknowledged by the backend: re-attach, never submit again.
@@ -498,7 +454,7 @@ async def test_a_lost_prompt_is_submitted_again_from_its_first_step(backend: Bac
     run, _, controls = segment(backend)
     await run.run()
     assert controls.resubmits == 1
-    assert backend.counts == {RECONNECTS: 2, RESUBMISSIONS: 1}
+    assert backend.counters == {RECONNECTS: 2, RESUBMISSIONS: 1}
     third = backend.follows[2]
     # The same prompt id, not yet acknowledged: the graph goes again, from step 0.
     assert third.prompt_id == PROMPT and third.graph is not None
@@ -517,7 +473,7 @@ async def test_losses_that_cannot_run_twice_are_resubmitted_without_asking(
     losses: list[Any] = [worker_lost() for _ in range(AT_MOST_ONCE_RESUBMITS)]
     backend.follow_outcomes = [*losses, lambda req: done(req, "a")]
     run, book, controls = segment(backend, policy=policy(on_ambiguous_submit="pause"))
-    backend.on_wait = lambda: pytest.fail(f"asked a person: {book.status.decision}")
+    backend.conditions = [lambda _: pytest.fail(f"asked a person: {book.status.decision}")]
     await run.run()
     assert controls.resubmits == controls.unasked_resubmits == AT_MOST_ONCE_RESUBMITS
     assert all(follow.graph is not None for follow in backend.follows[1:])
@@ -570,7 +526,7 @@ async def test_a_second_loss_asks_a_person_when_the_policy_says_pause(
         seen.append((book.status.state, book.status.decision))
         controls.resume = ResumeRequest(resubmit=resubmit)
 
-    backend.on_wait = answer
+    backend.conditions = [made_true_by(answer)]
     backend.now += timedelta(seconds=1)
     await run.run()
     [(state, decision)] = seen
@@ -625,7 +581,7 @@ async def test_an_ambiguous_submission_is_sent_again_when_the_policy_says_so(
     )
     await run.run()
     assert controls.resubmits == 2
-    assert backend.counts == {RECONNECTS: 2, RESUBMISSIONS: 1}
+    assert backend.counters == {RECONNECTS: 2, RESUBMISSIONS: 1}
     # Submitted again under the same prompt id, from its first step; the backoff starts over.
     assert [sent(req).prompt_id for req in backend.follows] == [PROMPT] * 4
     assert all(req.graph is not None for req in backend.follows)
@@ -646,7 +602,7 @@ async def test_an_ambiguous_submission_waits_for_a_resume_with_resubmit(
         seen.append((book.status.state, book.status.decision, len(book.status.notices)))
         controls.resume = answers.pop(0)
 
-    backend.on_wait = answer
+    backend.conditions = [made_true_by(answer), made_true_by(answer)]
     await run.run()
     assert answers == [] and controls.resubmits == 1
     (state, decision, notices), again = seen

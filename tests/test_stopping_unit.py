@@ -8,15 +8,14 @@ states exactly when the checks ran, how long the job waited between them, and wh
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from temporalio import workflow
 from temporalio.exceptions import ApplicationError
 
+from tests.workflow_fakes import FakeWorkflow, install_fake_workflow
 from workflows import activity_calls
 from workflows.activity_io import StopCheck, StopInput
 from workflows.contracts import (
@@ -53,16 +52,17 @@ Answer = dict[str, Any] | Exception
 
 
 @dataclass
-class World:
-    """The fakes: workflow clock, timers, draws, metrics; the job book; the backend's answers."""
+class World(FakeWorkflow):
+    """The fakes: the workflow runtime (clock, timers, draws, metrics); the job book; the
+    backend's answers."""
 
     answers: list[Answer] = field(default_factory=list)
     check_takes_s: float = 0.0
-    draw: float = 0.0
     now: datetime = T0
+    draw: float = 0.0
     requests: list[StopInput] = field(default_factory=list)
-    sleeps: list[tuple[float, str | None, Teardown]] = field(default_factory=list)
-    metrics: list[tuple[str, str, str, float, dict[str, str]]] = field(default_factory=list)
+    # The job's teardown record as it stood at each timer.
+    records_at_sleep: list[Teardown] = field(default_factory=list)
     status: JobStatus = field(default_factory=lambda: JobStatus(job_id="job-1"))
     published: Teardown | None = None
     was_submitted: bool = True
@@ -82,29 +82,14 @@ class World:
             raise answer
         return StopCheck(at=self.now + CHECK_LAG, **answer)
 
-    # workflow.now / sleep / random / metric_meter
-    def clock(self) -> datetime:
-        return self.now
-
     async def sleep(self, duration: timedelta, *, summary: str | None = None) -> None:
         assert self.published == self.status.teardown, "the job waits with its record published"
-        self.sleeps.append((duration.total_seconds(), summary, self.record.model_copy(deep=True)))
-        self.now += duration
-
-    def random(self) -> float:  # workflow.random() returns the world; its .random() the draw
-        return self.draw
-
-    def draws(self) -> World:
-        return self
-
-    def metric_meter(self) -> World:
-        return self
-
-    def create_histogram_float(self, name: str, description: str, unit: str) -> Histogram:
-        return Histogram(self, name, description, unit)
+        self.records_at_sleep.append(self.record.model_copy(deep=True))
+        await super().sleep(duration, summary=summary)
 
     # workflow.set_current_details: the book published the status as it is now
-    def publish(self, _details: str) -> None:
+    def set_current_details(self, details: str) -> None:
+        super().set_current_details(details)
         self.published = self.status.teardown.model_copy(deep=True)
 
     @property
@@ -114,10 +99,6 @@ class World:
     @property
     def record(self) -> Teardown:
         return self.status.teardown
-
-    @property
-    def waits(self) -> list[tuple[float, str | None]]:
-        return [(seconds, summary) for seconds, summary, _ in self.sleeps]
 
 
 class WorldBook(JobBook):
@@ -140,28 +121,11 @@ class WorldBook(JobBook):
         super().add_cost(cost)
 
 
-@dataclass
-class Histogram:
-    world: World
-    name: str
-    description: str
-    unit: str
-
-    def record(self, value: float, attributes: dict[str, str]) -> None:
-        self.world.metrics.append((self.name, self.description, self.unit, value, attributes))
-
-
 @pytest.fixture
-def world(monkeypatch: pytest.MonkeyPatch) -> Iterator[World]:
-    w = World()
-    monkeypatch.setattr(workflow, "now", w.clock)
-    monkeypatch.setattr(workflow, "sleep", w.sleep)
-    monkeypatch.setattr(workflow, "random", w.draws)
-    monkeypatch.setattr(workflow, "metric_meter", w.metric_meter)
-    monkeypatch.setattr(workflow, "set_current_details", w.publish)
-    monkeypatch.setattr(workflow, "upsert_search_attributes", lambda _updates: None)
+def world(monkeypatch: pytest.MonkeyPatch) -> World:
+    w = install_fake_workflow(monkeypatch, World())
     monkeypatch.setattr(activity_calls, "stop", w.stop)
-    yield w
+    return w
 
 
 def policy(horizon_s: float = 900, base_s: float = 2, max_s: float = 30) -> JobPolicy:
@@ -255,8 +219,8 @@ async def test_a_running_prompt_is_interrupted_then_confirmed_gone(world: World)
 
     asked = StopInput(job_id="job-1", pool="gpu", prompt_id="p1", reason="after cancel")
     assert world.requests == [asked, asked, asked]
-    assert world.waits == [(1.5, "stop check 2"), (3.0, "stop check 3")]
-    waiting = [(s.state, s.detail, s.checks) for _, _, s in world.sleeps]
+    assert world.sleeps == [(1.5, "stop check 2"), (3.0, "stop check 3")]
+    waiting = [(s.state, s.detail, s.checks) for s in world.records_at_sleep]
     assert waiting == [
         ("STOPPING", "after cancel: waiting for prompt p1 to leave pool 'gpu' "
          "(interrupt sent; check 1)", 1),
@@ -274,7 +238,7 @@ async def test_a_running_prompt_is_interrupted_then_confirmed_gone(world: World)
             step(4.75, "interrupted", node="3", detail="node 3 (KSampler)"),
         ],
     )
-    assert world.metrics == [
+    assert world.histograms == [
         (
             "durable_comfy_teardown_seconds",
             "From a stop's start to its end",
@@ -288,7 +252,7 @@ async def test_a_running_prompt_is_interrupted_then_confirmed_gone(world: World)
 async def test_the_waits_between_checks_double_up_to_fifteen_seconds(world: World) -> None:
     world.answers = [*[RUNNING] * 7, INTERRUPTED]
     record = await confirm(world, PromptStop(world.book, policy(base_s=1, max_s=60)))
-    assert [seconds for seconds, _ in world.waits] == [0.5, 1, 2, 4, 7.5, 7.5, 7.5]
+    assert [seconds for seconds, _ in world.sleeps] == [0.5, 1, 2, 4, 7.5, 7.5, 7.5]
     assert (record.state, record.checks) == ("CONFIRMED", 8)
 
 
@@ -301,7 +265,7 @@ async def test_past_the_horizon_the_stop_fails_naming_prompt_pool_and_checks(
         world, PromptStop(world.book, policy(horizon_s=28, base_s=10, max_s=60)), "after failure"
     )
 
-    assert world.waits == [
+    assert world.sleeps == [
         (5.0, "stop check 2"),
         (7.5, "stop check 3"),
         (7.5, "stop check 4"),
@@ -322,14 +286,14 @@ async def test_past_the_horizon_the_stop_fails_naming_prompt_pool_and_checks(
             step(28, "still_running", detail="prompt p1 on pool gpu: running"),
         ],
     )
-    assert [m[3:] for m in world.metrics] == [(28.0, {"state": "FAILED"})]
+    assert [m[3:] for m in world.histograms] == [(28.0, {"state": "FAILED"})]
 
 
 async def test_an_unreachable_backend_is_asked_again_until_the_horizon(world: World) -> None:
     world.answers = [{"position": "unreachable", "message": "socket closed"}, DOWN]
     record = await confirm(world, PromptStop(world.book, policy(horizon_s=10, base_s=4, max_s=4)))
 
-    assert world.waits == [(2.0, f"stop check {n}") for n in range(2, 7)]
+    assert world.sleeps == [(2.0, f"stop check {n}") for n in range(2, 7)]
     assert record.state == "FAILED"
     assert record.detail == (
         "after cancel: prompt p1 was still unreachable on pool 'gpu' after the teardown "
@@ -366,7 +330,7 @@ async def test_a_check_that_outlasts_the_horizon_is_followed_by_the_last_one_at_
     world.check_takes_s = 10
     record = await confirm(world, PromptStop(world.book, policy(horizon_s=10)))
 
-    assert world.waits == []
+    assert world.sleeps == []
     assert [r.final for r in world.requests] == [False, True]
     assert (record.state, record.checks) == ("FAILED", 2)
 
@@ -381,7 +345,7 @@ async def test_a_prompt_not_yet_submitted_waits_for_the_settled_pass(world: Worl
         started_at=T0,
         checks=1,
     )
-    assert world.metrics == [] and world.waits == []
+    assert world.histograms == [] and world.sleeps == []
     assert world.requests[0].submitted is False
 
     world.now = at(60)
@@ -394,7 +358,7 @@ async def test_a_prompt_not_yet_submitted_waits_for_the_settled_pass(world: Worl
         checks=2,
         steps=[step(60.25, "never_queued")],
     )
-    assert [m[3:] for m in world.metrics] == [(60.0, {"state": "CONFIRMED"})]
+    assert [m[3:] for m in world.histograms] == [(60.0, {"state": "CONFIRMED"})]
 
 
 async def test_the_horizon_counts_from_the_first_stop_across_stops(world: World) -> None:
@@ -535,7 +499,7 @@ async def test_the_settled_pass_waits_for_the_early_one(world: World) -> None:
     stop.begin("gpu", "p1", JobState.CANCELLED, ErrorType.CANCELLED)
     await stop.settle("gpu", "p1", JobState.CANCELLED, None)
     assert len(world.requests) == 4, "three early checks to the interrupt, then one settled"
-    assert world.waits == [(1.0, "stop check 2"), (2.0, "stop check 3")]
+    assert world.sleeps == [(1.0, "stop check 2"), (2.0, "stop check 3")]
     assert world.record.detail == "after cancel: interrupt sent, interrupted at node 3 (KSampler)"
 
 
@@ -657,7 +621,7 @@ async def test_a_backend_that_gave_up_on_the_prompt_fails_the_teardown_at_once(
          "message": message},
     ]  # fmt: skip
     record = await confirm(world, PromptStop(world.book, policy(horizon_s=900)))
-    assert len(world.requests) == 2 and len(world.waits) == 1
+    assert len(world.requests) == 2 and len(world.sleeps) == 1
     assert record.state == "FAILED"
     assert [(s.action, s.node, s.detail) for s in record.steps] == [
         ("interrupt_sent", None, ""),
@@ -667,7 +631,7 @@ async def test_a_backend_that_gave_up_on_the_prompt_fails_the_teardown_at_once(
     assert record.detail == (
         f"after cancel: {message}. interrupt sent, still running, worker replaced"
     )
-    assert world.metrics[-1][-1] == {"state": "FAILED"}
+    assert world.histograms[-1][-1] == {"state": "FAILED"}
 
 
 async def test_a_backend_that_cannot_tell_whether_the_prompt_stopped_is_unconfirmed(

@@ -1,22 +1,31 @@
-"""Stand-in activities for workflow tests on the time-skipping server.
+"""Stand-ins for workflow tests: activities on the time-skipping server, and the workflow runtime
+for unit tests of workflow code that run without one.
 
-Each fake records what the workflow asked of it and follows a script: fail some attempts with a
-given error, or block (heartbeating) until the workflow cancels it.
+Each fake activity records what the workflow asked of it and follows a script: fail some attempts
+with a given error, or block (heartbeating) until the workflow cancels it.
+
+`FakeWorkflow` (installed with `install_fake_workflow`) stands in for the `temporalio.workflow`
+functions workflow code calls: a clock that moves only when told to or when the code sleeps,
+and records of the search-attribute upserts, current details, timers, condition waits, metrics
+and activity calls. A test that needs more of one of them subclasses it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import sys
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, overload
+from uuid import UUID
 
-from temporalio import activity
+import pytest
+from temporalio import activity, workflow
 from temporalio.api.enums.v1 import IndexedValueType
 from temporalio.api.operatorservice.v1 import AddSearchAttributesRequest
 from temporalio.client import Client, WorkflowFailureError, WorkflowHandle
@@ -294,3 +303,154 @@ def request(**policy: Any) -> JobRequest:
     activity hears of a cancel only on its next sent heartbeat (at most every 0.8 x timeout)."""
     defaults = {"abandon_after_s": None, "heartbeat_timeout_s": 1}
     return JobRequest(graph=GRAPH, policy=JobPolicy.model_validate(defaults | policy))
+
+
+# -- the workflow runtime, for unit tests without a server ------------------------------------
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+FAKE_UUID = uuid.UUID("0f0f0f0f-0000-4000-8000-000000000001")
+
+# One step of a `wait_condition` script: it gets the condition waited on and either returns
+# (the condition holds now) or raises TimeoutError (the wait's timer fired).
+Step = Callable[[Callable[[], bool]], None]
+
+
+def holds(condition: Callable[[], bool]) -> None:
+    """The condition already holds: the wait returns at once."""
+    assert condition()
+
+
+def fires(condition: Callable[[], bool]) -> None:
+    """The condition still does not hold: the timer fires."""
+    assert not condition()
+    raise TimeoutError
+
+
+def made_true_by(action: Callable[[], None]) -> Step:
+    """The condition does not hold yet; `action` (a signal arriving, say) makes it hold."""
+
+    def step(condition: Callable[[], bool]) -> None:
+        assert not condition()
+        action()
+        assert condition()
+
+    return step
+
+
+@dataclass
+class Counter:
+    counters: dict[str, int]
+    key: str
+
+    def add(self, value: int, attributes: dict[str, str] | None = None) -> None:
+        self.counters[self.key] = self.counters.get(self.key, 0) + value
+
+
+@dataclass
+class Histogram:
+    histograms: list[tuple[str, str, str, float, dict[str, str]]]
+    name: str
+    description: str
+    unit: str
+
+    def record(self, value: float, attributes: dict[str, str]) -> None:
+        self.histograms.append((self.name, self.description, self.unit, value, attributes))
+
+
+@dataclass
+class FakeWorkflow:
+    """What workflow code asked of the runtime. Each method stands in for the
+    `temporalio.workflow` function of the same name; `workflow.now()` is `now`, and
+    `workflow.random()` is the fake itself (its `.random()` is `draw`)."""
+
+    now: datetime = T0
+    uuid: UUID = FAKE_UUID
+    draw: float = 0.5
+    # Played in order by `wait_condition`; a wait with no step left fails the test.
+    conditions: list[Step] = field(default_factory=list)
+    logger: logging.Logger = field(default_factory=lambda: logging.getLogger("fake_workflow"))
+    # Recorded: {attribute name: value} per upsert; every details text; (seconds, summary) of
+    # each timer; (timeout seconds or None, timeout summary) of each condition wait.
+    upserts: list[dict[str, Any]] = field(default_factory=list)
+    details: list[str] = field(default_factory=list)
+    sleeps: list[tuple[float, str | None]] = field(default_factory=list)
+    waits: list[tuple[float | None, str | None]] = field(default_factory=list)
+    # "name: description" -> sum added; (name, description, unit, value, attributes) per record.
+    counters: dict[str, int] = field(default_factory=dict)
+    histograms: list[tuple[str, str, str, float, dict[str, str]]] = field(default_factory=list)
+    # (activity, argument, options) of each `execute_activity`; each returns `activity_result`.
+    activities: list[tuple[str, Any, dict[str, Any]]] = field(default_factory=list)
+    activity_result: Any = None
+
+    def advance(self, seconds: float) -> None:
+        self.now += timedelta(seconds=seconds)
+
+    def uuid4(self) -> UUID:
+        return self.uuid
+
+    def random(self) -> float:
+        return self.draw
+
+    def upsert_search_attributes(self, updates: list[Any]) -> None:
+        self.upserts.append({u.key.name: u.value for u in updates})
+
+    def set_current_details(self, details: str) -> None:
+        self.details.append(details)
+
+    async def sleep(self, duration: timedelta, *, summary: str | None = None) -> None:
+        self.sleeps.append((duration.total_seconds(), summary))
+        self.now += duration
+
+    async def wait_condition(
+        self,
+        fn: Callable[[], bool],
+        *,
+        timeout: timedelta | None = None,  # noqa: ASYNC109 (workflow.wait_condition's own)
+        timeout_summary: str | None = None,
+    ) -> None:
+        seconds = timeout.total_seconds() if timeout is not None else None
+        self.waits.append((seconds, timeout_summary))
+        assert self.conditions, f"an unexpected wait_condition ({seconds} s, {timeout_summary})"
+        self.conditions.pop(0)(fn)
+
+    def metric_meter(self) -> FakeWorkflow:
+        return self
+
+    def create_counter(self, name: str, description: str) -> Counter:
+        return Counter(self.counters, f"{name}: {description}")
+
+    def create_histogram_float(self, name: str, description: str, unit: str) -> Histogram:
+        return Histogram(self.histograms, name, description, unit)
+
+    async def execute_activity(self, activity: str, arg: Any, **options: Any) -> Any:
+        self.activities.append((activity, arg, options))
+        return self.activity_result
+
+
+F = TypeVar("F", bound=FakeWorkflow)
+
+
+@overload
+def install_fake_workflow(monkeypatch: pytest.MonkeyPatch) -> FakeWorkflow: ...
+@overload
+def install_fake_workflow(monkeypatch: pytest.MonkeyPatch, fake: F) -> F: ...
+def install_fake_workflow(
+    monkeypatch: pytest.MonkeyPatch, fake: FakeWorkflow | None = None
+) -> FakeWorkflow:
+    """Put `fake` (a plain `FakeWorkflow` if none) in place of the `temporalio.workflow`
+    functions workflow code calls, for this test; returns it."""
+    fake = fake if fake is not None else FakeWorkflow()
+    monkeypatch.setattr(workflow, "now", lambda: fake.now)
+    monkeypatch.setattr(workflow, "random", lambda: fake)
+    monkeypatch.setattr(workflow, "logger", fake.logger)
+    for name in (
+        "uuid4",
+        "upsert_search_attributes",
+        "set_current_details",
+        "sleep",
+        "wait_condition",
+        "metric_meter",
+        "execute_activity",
+    ):
+        monkeypatch.setattr(workflow, name, getattr(fake, name))
+    return fake
