@@ -3,7 +3,8 @@
 Both are `pydantic-settings` classes read from the environment once, at start-up (worker.py
 builds them and passes them down; nothing else reads these variables):
 
-    WorkerSettings  DURABLE_COMFY_CONFIG, DURABLE_COMFY_POOLS, DURABLE_COMFY_TASK_QUEUE,
+    WorkerSettings  DURABLE_COMFY_CONFIG, DURABLE_COMFY_SETTINGS_FILE, DURABLE_COMFY_POOLS,
+                    DURABLE_COMFY_TASK_QUEUE,
                     DURABLE_COMFY_DEFAULT_POOL, DURABLE_COMFY_ORPHAN_SWEEP_S,
                     DURABLE_COMFY_METRICS_PORT, DURABLE_COMFY_LOG_LEVEL,
                     DURABLE_COMFY_HEARTBEAT_THROTTLE_S, DURABLE_COMFY_VERSIONING,
@@ -16,8 +17,10 @@ and `runpod_api_keys` reads each runpod pool's API key, at start-up too, from th
 pool's `api_key_env` names (default RUNPOD_API_KEY).
 
 Precedence, highest first: values passed in code (`worker --metrics-port`, `--build-id`, ...),
-the variables, the
-`worker:` section of the stack file DURABLE_COMFY_CONFIG names (temporal-dev.yaml), the defaults.
+the variables, a file, the defaults. The file is either the production file
+DURABLE_COMFY_SETTINGS_FILE names (activities.config_file: worker, pools and storage settings,
+never a credential) or, on the dev stack, the `worker:` section of the stack file
+DURABLE_COMFY_CONFIG names (temporal-dev.yaml); never both.
 A field takes its value from one place only: DURABLE_COMFY_POOLS replaces the file's pools, it is
 not merged with them. An empty variable counts as unset. A bad value is a pydantic
 `ValidationError` whose location is the variable's name.
@@ -36,11 +39,12 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Annotated, Any, Literal, Self
+from typing import Annotated, Any, ClassVar, Literal, Self
 from urllib.parse import urlsplit
 
 import yaml
 from pydantic import (
+    AfterValidator,
     AliasChoices,
     BaseModel,
     ConfigDict,
@@ -67,6 +71,7 @@ from activities.storage_errors import StorageConfigError
 from workflows.shared import DEFAULT_TASK_QUEUE
 
 CONFIG_VAR = "DURABLE_COMFY_CONFIG"
+SETTINGS_FILE_VAR = "DURABLE_COMFY_SETTINGS_FILE"  # activities.config_file.FILE_VAR
 POOLS_VAR = "DURABLE_COMFY_POOLS"
 BUCKET_VAR = "DURABLE_COMFY_BUCKET"
 
@@ -256,6 +261,32 @@ PACKAGE = "durable-comfy"
 DeploymentName = Annotated[str, Field(min_length=1, max_length=255, pattern=r"^[^.\s]+$")]
 BuildId = Annotated[str, Field(min_length=1, max_length=255, pattern=r"^\S+$")]
 SetCurrent = Literal["first", "always", "never"]
+# Constraints shared by the settings classes and the production file's model
+# (activities.config_file), so a value is checked the same way wherever it comes from.
+Port = Annotated[int, Field(ge=1, le=65535)]
+Concurrency = Annotated[int, Field(ge=1)]
+SweepInterval = Annotated[float, Field(ge=0)]
+HeartbeatThrottle = Annotated[float, Field(gt=0, le=60)]
+
+
+def _bucket_name(value: str) -> str:
+    if not _BUCKET_NAME.match(value) or ".." in value:
+        raise ValueError("not a valid S3 bucket name")
+    return value
+
+
+def _endpoint_url(value: str) -> str:
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError("endpoint must be an http(s) URL")
+    if parts.username or parts.password:
+        # Credentials in a URL end up in logs and error messages.
+        raise ValueError("endpoint must not carry credentials")
+    return value.rstrip("/")
+
+
+BucketName = Annotated[str, AfterValidator(_bucket_name)]
+EndpointUrl = Annotated[str, AfterValidator(_endpoint_url)]
 
 
 def package_build_id() -> str:
@@ -290,6 +321,12 @@ def read_worker_section(path: Path) -> WorkerSection:
     data: Any = yaml.safe_load(path.read_text()) or {}
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping at the top level")
+    if "pools" in data or "storage" in data:
+        # A production file (activities.config_file) here would have its pools ignored.
+        raise ValueError(
+            f"{path}: top-level pools/storage: this looks like a production configuration file; "
+            "name it with DURABLE_COMFY_SETTINGS_FILE (DURABLE_COMFY_CONFIG names a dev stack file)"
+        )
     return WorkerSection.model_validate(data.get("worker") or {})
 
 
@@ -297,6 +334,13 @@ def read_worker_section(path: Path) -> WorkerSection:
 
 # The environment `EnvSettings.from_env` was given; None: the process's own.
 _ENVIRON: ContextVar[Mapping[str, str] | None] = ContextVar("durable_comfy_environ", default=None)
+
+
+def current_environ() -> Mapping[str, str]:
+    """The environment settings are being read from: `from_env`'s mapping, else the process's
+    (the one place besides the variables' own sources that reads it)."""
+    environ = _ENVIRON.get()
+    return os.environ if environ is None else environ
 
 
 def variable_names(field: FieldInfo) -> list[str]:
@@ -309,7 +353,7 @@ def variable_names(field: FieldInfo) -> list[str]:
     return []
 
 
-def _taken(state: Mapping[str, Any], name: str, field: FieldInfo) -> bool:
+def taken(state: Mapping[str, Any], name: str, field: FieldInfo) -> bool:
     """Whether a higher source already gave this field (under its name or a variable's)."""
     return name in state or any(var in state for var in variable_names(field))
 
@@ -335,7 +379,7 @@ class _Variables(PydanticBaseSettingsSource):
     def __call__(self) -> dict[str, Any]:
         values: dict[str, Any] = {}
         for name, field in self.settings_cls.model_fields.items():
-            if _taken(self.current_state, name, field):
+            if taken(self.current_state, name, field):
                 continue
             value, key, _ = self.get_field_value(field, name)
             if value is not None:
@@ -357,6 +401,8 @@ class EnvSettings(BaseSettings):
         validate_by_alias=True,
         case_sensitive=True,
     )
+    # Field -> dotted key in the production file (activities.config_file); none: not read.
+    file_keys: ClassVar[Mapping[str, str]] = {}
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **values: Any) -> Self:
@@ -376,8 +422,15 @@ class EnvSettings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        environ = _ENVIRON.get()
-        return (init_settings, _Variables(settings_cls, os.environ if environ is None else environ))
+        # Imported here: activities.config_file builds its model from this module's types.
+        from activities.config_file import ConfigFileSource
+
+        file_keys = cls.file_keys
+        return (
+            init_settings,
+            _Variables(settings_cls, current_environ()),
+            ConfigFileSource(settings_cls, file_keys, exclusive=False),
+        )
 
 
 @contextmanager
@@ -405,11 +458,26 @@ class _StackFileWorkerSection(PydanticBaseSettingsSource):
         return {
             name: getattr(section, name)
             for name in WorkerSection.model_fields
-            if not _taken(state, name, fields[name]) and getattr(section, name) is not None
+            if not taken(state, name, fields[name]) and getattr(section, name) is not None
         }
 
 
 # --- the worker -------------------------------------------------------------------------------
+
+# WorkerSettings' fields the production file's `worker:` section may set (same names).
+_WORKER_FILE_FIELDS = (
+    "task_queue",
+    "default_pool",
+    "max_concurrent_activities",
+    "orphan_sweep_interval_s",
+    "metrics_port",
+    "log_level",
+    "heartbeat_throttle_s",
+    "versioning",
+    "deployment_name",
+    "build_id",
+    "set_current",
+)
 
 
 class WorkerSettings(EnvSettings):
@@ -417,23 +485,23 @@ class WorkerSettings(EnvSettings):
 
     # The config file holds no secret: a bad value is worth showing.
     config_file: Path | None = Field(None, validation_alias=CONFIG_VAR)
+    # The production configuration file (activities.config_file); not with `config_file`.
+    settings_file: Path | None = Field(None, validation_alias=SETTINGS_FILE_VAR)
     task_queue: str = Field(DEFAULT_TASK_QUEUE, validation_alias="DURABLE_COMFY_TASK_QUEUE")
     default_pool: str = Field("comfyui", validation_alias="DURABLE_COMFY_DEFAULT_POOL")
     # JSON `{name: {kind, url}}` from the variable; replaces the config file's pools.
     pools: dict[str, PoolConfig] = Field(default_factory=dict, validation_alias=POOLS_VAR)
     # Each running job holds one activity slot for its whole follow: this is how many prompts
     # one worker process follows at once (about 0.3 MB of memory each; `make bench` group 4).
-    max_concurrent_activities: int = Field(
-        100, ge=1, validation_alias="DURABLE_COMFY_MAX_CONCURRENT_ACTIVITIES"
+    max_concurrent_activities: Concurrency = Field(
+        100, validation_alias="DURABLE_COMFY_MAX_CONCURRENT_ACTIVITIES"
     )
     # How often each worker looks for prompts whose job is over (0: never).
-    orphan_sweep_interval_s: float = Field(
-        60.0, ge=0, validation_alias="DURABLE_COMFY_ORPHAN_SWEEP_S"
+    orphan_sweep_interval_s: SweepInterval = Field(
+        60.0, validation_alias="DURABLE_COMFY_ORPHAN_SWEEP_S"
     )
     # Serve Prometheus metrics (Temporal's and ours) on 127.0.0.1:<port>/metrics.
-    metrics_port: int | None = Field(
-        None, ge=1, le=65535, validation_alias="DURABLE_COMFY_METRICS_PORT"
-    )
+    metrics_port: Port | None = Field(None, validation_alias="DURABLE_COMFY_METRICS_PORT")
     # Unknown names fall back to INFO (activities.log_setup).
     log_level: str = Field("INFO", validation_alias="DURABLE_COMFY_LOG_LEVEL")
     # The longest the SDK holds an activity's newest heartbeat before sending it (the Worker's
@@ -441,8 +509,8 @@ class WorkerSettings(EnvSettings):
     # default). Clients read a running job's step from the follow activity's heartbeat, so this
     # bounds how stale the step they see is; each send is one call to the server per running
     # activity. Below the CLI's 0.5 s poll, so each poll finds a newer step than the last.
-    heartbeat_throttle_s: float = Field(
-        0.4, gt=0, le=60, validation_alias="DURABLE_COMFY_HEARTBEAT_THROTTLE_S"
+    heartbeat_throttle_s: HeartbeatThrottle = Field(
+        0.4, validation_alias="DURABLE_COMFY_HEARTBEAT_THROTTLE_S"
     )
     # Worker Versioning (docs/upgrading.md): the worker polls as one version of a Worker
     # Deployment, `deployment_name` + `build_id`, and InferenceJob is pinned to the version it
@@ -459,6 +527,20 @@ class WorkerSettings(EnvSettings):
     # at every start (the dev stack); `never`: an operator runs `temporal worker deployment
     # set-current-version`.
     set_current: SetCurrent = Field("first", validation_alias="DURABLE_COMFY_SET_CURRENT")
+
+    file_keys: ClassVar[Mapping[str, str]] = {
+        **{name: f"worker.{name}" for name in _WORKER_FILE_FIELDS},
+        "pools": "pools",
+    }
+
+    @model_validator(mode="after")
+    def _one_file(self) -> Self:
+        if self.config_file is not None and self.settings_file is not None:
+            raise ValueError(
+                f"{CONFIG_VAR} (a dev stack file) and {SETTINGS_FILE_VAR} (a production file) "
+                "are both set: a worker reads one file, unset the other"
+            )
+        return self
 
     @model_validator(mode="after")
     def _build_id_from_the_package(self) -> Self:
@@ -489,7 +571,8 @@ class WorkerSettings(EnvSettings):
         above = super().settings_customise_sources(
             settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings
         )
-        return (*above, _StackFileWorkerSection(settings_cls))
+        init, variables, production_file = above
+        return (init, variables, _StackFileWorkerSection(settings_cls), production_file)
 
 
 # --- artifact storage -------------------------------------------------------------------------
@@ -505,33 +588,20 @@ class S3Settings(EnvSettings):
     # hide_input_in_errors: a ValidationError must not print a secret (or a URL carrying one).
     model_config = SettingsConfigDict(hide_input_in_errors=True)
 
-    endpoint_url: str | None = Field(None, validation_alias="DURABLE_COMFY_S3_ENDPOINT")
+    endpoint_url: EndpointUrl | None = Field(None, validation_alias="DURABLE_COMFY_S3_ENDPOINT")
     region: str = Field(
         "us-east-1", validation_alias=AliasChoices("AWS_REGION", "AWS_DEFAULT_REGION")
     )
-    bucket: str = Field(validation_alias=BUCKET_VAR)
+    bucket: BucketName = Field(validation_alias=BUCKET_VAR)
     access_key_id: SecretStr | None = Field(None, validation_alias=_KEY_PAIR[0])
     secret_access_key: SecretStr | None = Field(None, validation_alias=_KEY_PAIR[1])
 
-    @field_validator("endpoint_url")
-    @classmethod
-    def _check_endpoint(cls, value: str | None) -> str | None:
-        if value is None:
-            return None
-        parts = urlsplit(value)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError("endpoint must be an http(s) URL")
-        if parts.username or parts.password:
-            # Credentials in a URL end up in logs and error messages.
-            raise ValueError("endpoint must not carry credentials")
-        return value.rstrip("/")
-
-    @field_validator("bucket")
-    @classmethod
-    def _check_bucket(cls, value: str) -> str:
-        if not _BUCKET_NAME.match(value) or ".." in value:
-            raise ValueError("not a valid S3 bucket name")
-        return value
+    # The key pair is never read from the file (it refuses one).
+    file_keys: ClassVar[Mapping[str, str]] = {
+        "bucket": "storage.bucket",
+        "endpoint_url": "storage.endpoint_url",
+        "region": "storage.region",
+    }
 
     @model_validator(mode="after")
     def _both_keys_or_neither(self) -> Self:
@@ -552,9 +622,19 @@ class S3Settings(EnvSettings):
 
     @classmethod
     def from_env_if_configured(cls, environ: Mapping[str, str] | None = None) -> Self | None:
-        """None without DURABLE_COMFY_BUCKET (a client that stores nothing), else `from_env`."""
+        """None without a bucket, in DURABLE_COMFY_BUCKET or the production file's
+        `storage.bucket` (a client that stores nothing); else `from_env`."""
+        from activities.config_file import ConfigFileError, file_named
+
         env = os.environ if environ is None else environ
-        return cls.from_env(environ) if env.get(BUCKET_VAR) else None
+        if not env.get(BUCKET_VAR):
+            try:
+                config = file_named(env)
+            except ConfigFileError as exc:
+                raise StorageConfigError(f"invalid S3 settings: {exc}") from None
+            if config is None or config.storage.bucket is None:
+                return None
+        return cls.from_env(environ)
 
 
 def problems(exc: ValidationError) -> str:

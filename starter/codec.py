@@ -5,11 +5,14 @@ Turned on by configuration, read from the environment (docs/security.md):
     DURABLE_COMFY_CODEC_KEYS       comma-separated `ID:BASE64KEY` entries, newest first
     DURABLE_COMFY_CODEC_KEYS_FILE  a file with the same entries, one per line (`#` comments)
 
-Set one of them, never both. Each key is 32 random bytes in standard base64
-(`durable-comfy codec new-key ID` prints an entry: `new_entry` below). The first
-entry is the active key: it encrypts every new payload. Every entry decrypts. Rotating is
-putting a new entry first and keeping the old ones for as long as histories encrypted with them
-must be read.
+Set one of them, never both. Below them, the production configuration file
+(DURABLE_COMFY_SETTINGS_FILE, `activities.config_file`) may name a key file as `codec.keys_file`;
+either variable replaces it (the key ring is one setting), and the file never holds a key.
+
+Each key is 32 random bytes in standard base64 (`durable-comfy codec new-key ID` prints an
+entry: `new_entry` below). The first entry is the active key: it encrypts every new payload.
+Every entry decrypts. Rotating is putting a new entry first and keeping the old ones for as long
+as histories encrypted with them must be read.
 
 An encrypted payload carries `encoding: binary/encrypted` and `encryption-key-id: ID` in its
 metadata (in clear: the key id is not a secret) and `nonce (12 bytes) || ciphertext || tag` as
@@ -33,13 +36,15 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-from pydantic import Field, SecretStr, create_model
+from pydantic import Field, SecretStr, ValidationError, create_model
 from temporalio.api.common.v1 import Payload
 from temporalio.converter import PayloadCodec
 
+from activities.config_file import ConfigFileError, file_named
 from starter.variables import VariablesOnly
 
 KEYS_ENV = "DURABLE_COMFY_CODEC_KEYS"
@@ -154,13 +159,34 @@ class CodecSettings(VariablesOnly):
     keys: SecretStr | None = Field(None, validation_alias=KEYS_ENV)
     keys_file: Path | None = Field(None, validation_alias=KEYS_FILE_ENV)
 
+    # The production file may name the key file (never hold a key): one setting with the two
+    # variables, so either of them replaces it rather than clashing with it.
+    file_keys: ClassVar[Mapping[str, str]] = {"keys_file": "codec.keys_file"}
+    file_keys_exclusive: ClassVar[bool] = True
+
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> CodecSettings:
-        """From `environ` alone when given (as `connect_temporal` takes it), else the process's."""
-        if environ is None:
-            return cls()
-        names = (KEYS_ENV, KEYS_FILE_ENV)
-        return cls.model_validate({name: environ[name] for name in names if environ.get(name)})
+        """From `environ` alone when given (as `connect_temporal` takes it), else the process's.
+
+        A production file that cannot be used is a `CodecSettingsError` naming it."""
+        try:
+            if environ is None:
+                return cls()
+            names = (KEYS_ENV, KEYS_FILE_ENV)
+            values = {name: environ[name] for name in names if environ.get(name)}
+            if not values and (config := file_named(environ)) is not None:
+                if config.codec.keys_file is not None:
+                    values[KEYS_FILE_ENV] = str(config.codec.keys_file)
+            return cls.model_validate(values)
+        except ConfigFileError as exc:
+            raise CodecSettingsError(str(exc)) from None
+        except ValidationError as exc:
+            raise CodecSettingsError(
+                "; ".join(
+                    f"{'.'.join(str(part) for part in error['loc'])}: {error['msg']}"
+                    for error in exc.errors()
+                )
+            ) from None
 
     def key_ring(self) -> KeyRing | None:
         """The ring, or None when no key is configured; `CodecSettingsError` if unusable."""

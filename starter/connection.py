@@ -13,8 +13,8 @@ else (API key, TLS, the profile) stays with the SDK's environment configuration.
 Payload encryption (`starter.codec`) is configured the same way for every caller:
 `connect_temporal` reads DURABLE_COMFY_CODEC_KEYS / DURABLE_COMFY_CODEC_KEYS_FILE and, when a key
 is set, encrypts every payload it sends and decrypts every one it reads. `TemporalSettings`
-checks the same variables when it is built, so a bad key stops the worker and the CLI at
-start-up, naming the variable.
+checks the same variables (and the production file's `codec.keys_file`) when it is built, so a
+bad key stops the worker and the CLI at start-up, naming the variable or the file.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class TemporalSettings(VariablesOnly):
         """The payload codec's keys are read by `connect_temporal`; checked here as well so a
         bad one is a settings error at start-up. The error text never holds key material."""
         try:
-            CodecSettings().key_ring()
+            CodecSettings.from_environ().key_ring()
         except CodecSettingsError as exc:
             raise ValueError(str(exc)) from None
         return self

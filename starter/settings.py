@@ -1,14 +1,18 @@
 """What `JobClient.connect()` reads from the environment: the same variables as the CLI.
 
-    ClientSettings  DURABLE_COMFY_TASK_QUEUE, DURABLE_COMFY_QUERY_TIMEOUT_S
+    ClientSettings  DURABLE_COMFY_TASK_QUEUE, DURABLE_COMFY_QUERY_TIMEOUT_S; below them the
+                    production file's worker.task_queue and client.query_timeout_s
     S3Settings      DURABLE_COMFY_BUCKET, DURABLE_COMFY_S3_ENDPOINT, AWS_* (activities.settings),
-                    only with a bucket set
+                    below them the file's storage section; only with a bucket set
 
 Temporal's own variables (TEMPORAL_ADDRESS, TEMPORAL_NAMESPACE, TEMPORAL_API_KEY, a profile) are
 read by `starter.connection.connect_temporal`.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import ClassVar
 
 from pydantic import Field
 
@@ -22,3 +26,10 @@ class ClientSettings(VariablesOnly):
     task_queue: str = Field(DEFAULT_TASK_QUEUE, validation_alias="DURABLE_COMFY_TASK_QUEUE")
     # How long a status query waits for a worker to answer.
     query_timeout_s: float = Field(10.0, gt=0, validation_alias="DURABLE_COMFY_QUERY_TIMEOUT_S")
+
+    # The queue the workers serve is the one the client starts jobs on. (A subclass's own
+    # fields, such as the CLI's log level, are not read from the file.)
+    file_keys: ClassVar[Mapping[str, str]] = {
+        "task_queue": "worker.task_queue",
+        "query_timeout_s": "client.query_timeout_s",
+    }

@@ -14,12 +14,14 @@ from pathlib import Path
 from typing import Any, cast
 
 import pytest
+import yaml
 from pydantic import SecretStr, ValidationError
 from pydantic_settings import BaseSettings, SettingsError
 from temporalio.client import Client
 from typer.testing import CliRunner
 
 import worker
+from activities.config_file import ConfigFileError, load_config_file
 from activities.settings import (
     PoolConfig,
     S3Settings,
@@ -34,7 +36,9 @@ from starter.cli.common import ExitCode, job_client
 from starter.cli.settings import CliConfig, CliSettings
 from starter.cli.ui import workflow_url
 from starter.client import JobClient
+from starter.codec import CodecSettings, CodecSettingsError, codec_from_environ, new_entry
 from starter.connection import TemporalSettings
+from starter.settings import ClientSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 SECRET = "s3cr3t-value-never-shown"
@@ -581,3 +585,375 @@ def test_how_many_prompts_a_worker_follows_at_once_is_a_setting() -> None:
     assert WorkerSettings.from_env({variable: "1000"}).max_concurrent_activities == 1000
     with pytest.raises(ValidationError, match=variable):
         WorkerSettings.from_env({variable: "0"})
+
+
+# --- the production configuration file ---------------------------------------------------------
+
+FILE_VAR = "DURABLE_COMFY_SETTINGS_FILE"
+CODEC_ENTRY = new_entry("k1")
+
+
+def production_file(tmp_path: Path, data: dict[str, Any], name: str = "production.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "in_file", "variable", "in_variable", "field", "default"),
+    [
+        ("worker", "task_queue", "file-q", "DURABLE_COMFY_TASK_QUEUE", "var-q", None, None),
+        ("worker", "default_pool", "gpu", "DURABLE_COMFY_DEFAULT_POOL", "cpu", None, None),
+        ("worker", "orphan_sweep_interval_s", 5.0, "DURABLE_COMFY_ORPHAN_SWEEP_S", "7", None, None),
+        ("worker", "metrics_port", 9100, "DURABLE_COMFY_METRICS_PORT", "9200", None, None),
+        ("worker", "log_level", "DEBUG", "DURABLE_COMFY_LOG_LEVEL", "ERROR", None, None),
+        (
+            "worker",
+            "max_concurrent_activities",
+            7,
+            "DURABLE_COMFY_MAX_CONCURRENT_ACTIVITIES",
+            "9",
+            None,
+            None,
+        ),
+        (
+            "worker",
+            "heartbeat_throttle_s",
+            1.5,
+            "DURABLE_COMFY_HEARTBEAT_THROTTLE_S",
+            "2",
+            None,
+            None,
+        ),
+        ("worker", "versioning", False, "DURABLE_COMFY_VERSIONING", "true", None, None),
+        (
+            "worker",
+            "deployment_name",
+            "file-dep",
+            "DURABLE_COMFY_DEPLOYMENT_NAME",
+            "var-dep",
+            None,
+            None,
+        ),
+        ("worker", "set_current", "never", "DURABLE_COMFY_SET_CURRENT", "always", None, None),
+    ],
+)
+def test_a_worker_setting_comes_from_code_then_variable_then_file_then_default(
+    tmp_path: Path,
+    section: str,
+    key: str,
+    in_file: Any,
+    variable: str,
+    in_variable: str,
+    field: str | None,
+    default: Any,
+) -> None:
+    field = field or key
+    default = WorkerSettings.model_fields[field].default
+    path = production_file(tmp_path, {section: {key: in_file}})
+    file_only = {FILE_VAR: str(path)}
+    both = {**file_only, variable: in_variable}
+    assert getattr(WorkerSettings.from_env({}), field) == default
+    assert getattr(WorkerSettings.from_env(file_only), field) == in_file
+    from_variable = getattr(WorkerSettings.from_env(both), field)
+    assert from_variable == WorkerSettings.from_env({variable: in_variable}).model_dump()[field]
+    assert from_variable != in_file
+    # Code (a worker option) wins over both; checked with the variable's value for the type.
+    code_value = WorkerSettings.from_env({variable: in_variable}).model_dump()[field]
+    assert getattr(WorkerSettings.from_env(file_only, **{field: code_value}), field) == code_value
+
+
+@pytest.mark.parametrize(
+    ("key", "in_file", "variable", "in_variable", "expected_variable"),
+    [
+        ("bucket", "file-bucket", "DURABLE_COMFY_BUCKET", "var-bucket", "var-bucket"),
+        ("region", "eu-north-1", "AWS_REGION", "ap-south-1", "ap-south-1"),
+        ("region", "eu-north-1", "AWS_DEFAULT_REGION", "ap-south-1", "ap-south-1"),
+        (
+            "endpoint_url",
+            "https://s3.file.example",
+            "DURABLE_COMFY_S3_ENDPOINT",
+            "https://s3.var.example/",
+            "https://s3.var.example",
+        ),
+    ],
+)
+def test_a_storage_setting_comes_from_code_then_variable_then_file_then_default(
+    tmp_path: Path, key: str, in_file: str, variable: str, in_variable: str, expected_variable: str
+) -> None:
+    storage = {"bucket": "file-bucket", key: in_file}
+    path = production_file(tmp_path, {"storage": storage})
+    file_only = {FILE_VAR: str(path)}
+    default = S3Settings.from_env({"DURABLE_COMFY_BUCKET": "b-1"})
+    assert getattr(S3Settings.from_env(file_only), key) == in_file
+    assert getattr(S3Settings.from_env({**file_only, variable: in_variable}), key) == (
+        expected_variable
+    )
+    code = "code-bucket" if key == "bucket" else getattr(default, key) or "https://s3.code"
+    both = {**file_only, variable: in_variable}
+    assert getattr(S3Settings.from_env(both, **{key: code}), key) == code
+    if key != "bucket":  # the bucket has no default: without it there is no store
+        assert getattr(S3Settings.from_env({**file_only, "DURABLE_COMFY_BUCKET": "b-1"}), key) in (
+            in_file,
+        )
+        assert getattr(default, key) == S3Settings.model_fields[key].default
+
+
+def test_the_clients_settings_come_from_code_then_variable_then_file_then_default(
+    environ: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    path = production_file(
+        tmp_path,
+        {
+            "worker": {"task_queue": "file-q", "log_level": "DEBUG"},
+            "client": {"query_timeout_s": 3},
+            "storage": {"bucket": "file-bucket"},
+        },
+    )
+    assert (ClientSettings().task_queue, ClientSettings().query_timeout_s) == ("durable-comfy", 10)
+    assert S3Settings.from_env_if_configured() is None
+    environ.setenv(FILE_VAR, str(path))
+    config = CliConfig.load()
+    assert (config.settings.task_queue, config.settings.query_timeout_s) == ("file-q", 3)
+    # The worker's log level is the worker's: the CLI keeps its own quiet default.
+    assert config.settings.log_level == "WARNING"
+    store = config.artifact_store_settings()
+    assert store is not None and store.bucket == "file-bucket"
+    environ.setenv("DURABLE_COMFY_TASK_QUEUE", "var-q")
+    environ.setenv("DURABLE_COMFY_QUERY_TIMEOUT_S", "4")
+    assert (ClientSettings().task_queue, ClientSettings().query_timeout_s) == ("var-q", 4)
+    code = ClientSettings(DURABLE_COMFY_TASK_QUEUE="code-q")
+    assert code.task_queue == "code-q"
+
+
+def test_the_codec_key_file_comes_from_the_variables_then_the_file(
+    environ: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    (tmp_path / "keys").write_text(CODEC_ENTRY + "\n")
+    path = production_file(tmp_path, {"codec": {"keys_file": "keys"}})  # relative to the file
+    assert CodecSettings().key_ring() is None
+    environ.setenv(FILE_VAR, str(path))
+    ring = CodecSettings().key_ring()
+    assert ring is not None and ring.active_id == "k1"
+    assert CodecSettings().keys_file == tmp_path / "keys"
+    mapping = {FILE_VAR: str(path)}
+    from_mapping = codec_from_environ(mapping)
+    assert from_mapping is not None and from_mapping.active_id == "k1"
+    # Either variable replaces the file's key file: the ring is one setting, no "not both".
+    other = new_entry("k2")
+    environ.setenv("DURABLE_COMFY_CODEC_KEYS", other)
+    ring = CodecSettings().key_ring()
+    assert ring is not None and ring.active_id == "k2"
+    codec = codec_from_environ({**mapping, "DURABLE_COMFY_CODEC_KEYS": other})
+    assert codec is not None and codec.active_id == "k2"
+    # A key file the production file names but that is missing stops the client at start-up.
+    environ.delenv("DURABLE_COMFY_CODEC_KEYS")
+    (tmp_path / "keys").unlink()
+    with pytest.raises(ValidationError, match="cannot read"):
+        TemporalSettings()
+
+
+def test_the_variables_pools_replace_the_production_files(tmp_path: Path) -> None:
+    path = production_file(
+        tmp_path,
+        {
+            "worker": {"default_pool": "local"},
+            "pools": {"local": {"kind": "comfyui", "url": "http://127.0.0.1:8188"}},
+        },
+    )
+    assert list(WorkerSettings.from_env({FILE_VAR: str(path)}).pools) == ["local"]
+    env = {FILE_VAR: str(path), "DURABLE_COMFY_POOLS": json.dumps({"gpu": {"url": "http://g"}})}
+    settings = WorkerSettings.from_env(env)
+    assert list(settings.pools) == ["gpu"]  # replaced, not merged
+    assert settings.default_pool == "local"  # the file still gives what no variable does
+
+
+def test_the_example_production_file_loads() -> None:
+    example = ROOT / "examples" / "production.yaml"
+    config = load_config_file(example)
+    assert set(config.model_fields_set) == {"worker", "pools", "storage", "codec", "client"}
+    assert config.pools is not None
+    assert {name: pool.kind for name, pool in config.pools.items()} == {
+        "gpu": "runpod",
+        "stock": "runpod",
+        "local": "comfyui",
+    }
+    gpu = config.pools["gpu"]
+    assert (gpu.endpoint_id, gpu.api_key_env, gpu.idle_timeout_s, gpu.claims) == (
+        "abc123xyz",
+        "RUNPOD_API_KEY",
+        5,
+        True,
+    )
+    assert config.pools["stock"].node_registry == example.parent / "nodes/stock-object-info.json"
+    settings = WorkerSettings.from_env({FILE_VAR: str(example)})
+    assert (settings.default_pool, settings.set_current, settings.metrics_port) == (
+        "gpu",
+        "never",
+        9464,
+    )
+    s3 = S3Settings.from_env({FILE_VAR: str(example)})
+    assert (s3.bucket, s3.region) == ("durable-comfy-artifacts", "eu-west-1")
+
+
+def test_the_worker_starts_from_the_production_file_and_the_environments_secrets(
+    environ: pytest.MonkeyPatch, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    path = production_file(
+        tmp_path,
+        {
+            "worker": {"default_pool": "gpu", "metrics_port": 9100, "log_level": "DEBUG"},
+            "pools": {
+                "gpu": {"kind": "runpod", "endpoint_id": "abc123", "idle_timeout_s": 5},
+                "team-b": {"kind": "runpod", "endpoint_id": "def456", "api_key_env": "RP_B"},
+                "local": {"kind": "comfyui", "url": "http://127.0.0.1:8188"},
+            },
+            "storage": {"bucket": "prod-artifacts", "region": "eu-west-1"},
+        },
+    )
+    environ.setenv(FILE_VAR, str(path))
+    environ.setenv("RUNPOD_API_KEY", RUNPOD_KEY)
+    environ.setenv("RP_B", RUNPOD_KEY + "b")
+    environ.setenv("AWS_ACCESS_KEY_ID", "AKID")
+    environ.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
+    seen: dict[str, Any] = {}
+
+    async def fake_run_worker(
+        settings: WorkerSettings,
+        s3: S3Settings,
+        *,
+        temporal: TemporalSettings,
+        runpod_keys: Mapping[str, SecretStr],
+    ) -> None:
+        seen.update(settings=settings, s3=s3, runpod_keys=runpod_keys)
+
+    monkeypatch.setattr(worker, "run_worker", fake_run_worker)
+    monkeypatch.setattr(worker, "exit_without_finalizing", lambda code: None)
+    monkeypatch.setattr(worker, "configure_logging", lambda level: seen.update(level=level))
+    worker.main(["--metrics-port", "9464"])
+    settings = seen["settings"]
+    assert (sorted(settings.pools), settings.default_pool) == (["gpu", "local", "team-b"], "gpu")
+    assert (settings.metrics_port, seen["level"]) == (9464, "DEBUG")  # the option wins
+    assert {name: key.get_secret_value() for name, key in seen["runpod_keys"].items()} == {
+        "gpu": RUNPOD_KEY,
+        "team-b": RUNPOD_KEY + "b",
+    }
+    s3 = seen["s3"]
+    assert (s3.bucket, s3.region) == ("prod-artifacts", "eu-west-1")
+    assert s3.secret_access_key.get_secret_value() == SECRET
+
+
+@pytest.mark.parametrize(
+    ("data", "key_path"),
+    [
+        ({"worker": {"metrcs_port": 9100}}, "worker.metrcs_port"),
+        ({"pools": {"gpu": {"kind": "runpod", "endpont_id": "abc"}}}, "pools.gpu.endpont_id"),
+        ({"storge": {"bucket": "b-1"}}, "storge"),
+        ({"codec": {"key_file": "keys"}}, "codec.key_file"),
+    ],
+)
+def test_an_unknown_key_is_refused_with_its_path(
+    tmp_path: Path, data: dict[str, Any], key_path: str
+) -> None:
+    path = production_file(tmp_path, data)
+    with pytest.raises(ConfigFileError) as caught:
+        load_config_file(path)
+    message = str(caught.value)
+    assert f"{key_path}: unknown key (allowed here:" in message
+    assert str(path) in message
+    with pytest.raises(ValidationError) as through_settings:
+        WorkerSettings.from_env({FILE_VAR: str(path)})
+    [error] = through_settings.value.errors()
+    assert error["loc"] == (FILE_VAR,) and key_path in error["msg"]
+
+
+@pytest.mark.parametrize(
+    ("data", "key_path", "where"),
+    [
+        ({"storage": {"aws_secret_access_key": SECRET}}, "storage.aws_secret_access_key", "AWS_"),
+        ({"storage": {"secret_access_key": SECRET}}, "storage.secret_access_key", "AWS_"),
+        ({"storage": {"access_key_id": "AKIAABCDEFGHIJKLMNOP"}}, "storage.access_key_id", "AWS_"),
+        ({"storage": {"region": "AKIAABCDEFGHIJKLMNOP"}}, "storage.region", "AWS_"),
+        (
+            {"pools": {"gpu": {"kind": "runpod", "endpoint_id": "a", "api_key": RUNPOD_KEY}}},
+            "pools.gpu.api_key",
+            "api_key_env",
+        ),
+        (
+            {"pools": {"gpu": {"kind": "runpod", "endpoint_id": "a", "api_key_env": RUNPOD_KEY}}},
+            "pools.gpu.api_key_env",
+            "api_key_env",
+        ),
+        ({"codec": {"keys": CODEC_ENTRY}}, "codec.keys", "DURABLE_COMFY_CODEC_KEYS"),
+        ({"codec": {"keys_file": CODEC_ENTRY}}, "codec.keys_file", "DURABLE_COMFY_CODEC_KEYS"),
+        ({"storage": {"endpoint_url": f"https://u:{SECRET}@s3"}}, "storage.endpoint_url", "AWS_"),
+    ],
+)
+def test_a_secret_in_the_file_is_refused_saying_where_secrets_go(
+    tmp_path: Path, data: dict[str, Any], key_path: str, where: str
+) -> None:
+    path = production_file(tmp_path, data)
+    with pytest.raises(ConfigFileError) as caught:
+        load_config_file(path)
+    message = str(caught.value)
+    assert f"{key_path}: " in message and "does not belong in this file" in message
+    assert where in message
+    for secret in (SECRET, RUNPOD_KEY, CODEC_ENTRY, "AKIAABCDEFGHIJKLMNOP"):
+        assert secret not in message
+    with pytest.raises(StorageConfigError) as through_settings:
+        S3Settings.from_env({FILE_VAR: str(path), "DURABLE_COMFY_BUCKET": "b-1"})
+    assert key_path in str(through_settings.value) and SECRET not in str(through_settings.value)
+
+
+@pytest.mark.parametrize(
+    ("data", "key_path", "what"),
+    [
+        (
+            {"pools": {"gpu": {"kind": "runpod", "endpoint_id": "a b"}}},
+            "pools.gpu.endpoint_id",
+            "not a RunPod endpoint id",
+        ),
+        ({"pools": {"gpu": {"kind": "runpod"}}}, "pools.gpu", "needs endpoint_id"),
+        ({"worker": {"metrics_port": 70000}}, "worker.metrics_port", "less than or equal"),
+        ({"worker": {"set_current": "sometimes"}}, "worker.set_current", "'first'"),
+        ({"storage": {"bucket": "Not_A_Bucket"}}, "storage.bucket", "not a valid S3 bucket"),
+        ({"client": {"query_timeout_s": 0}}, "client.query_timeout_s", "greater than 0"),
+        ({"pools": "gpu"}, "pools", "valid dictionary"),
+    ],
+)
+def test_a_bad_value_names_the_file_and_the_key(
+    tmp_path: Path, data: dict[str, Any], key_path: str, what: str
+) -> None:
+    path = production_file(tmp_path, data)
+    with pytest.raises(ConfigFileError) as caught:
+        load_config_file(path)
+    assert caught.value.path == path
+    assert f"{path} ({FILE_VAR}): " in str(caught.value)
+    assert f"{key_path}: " in caught.value.problem and what in caught.value.problem
+    # Every reader says the same: the worker, storage, the client and the codec.
+    with pytest.raises(ValidationError, match=key_path):
+        WorkerSettings.from_env({FILE_VAR: str(path)})
+    with pytest.raises(StorageConfigError, match=key_path):
+        S3Settings.from_env({FILE_VAR: str(path), "DURABLE_COMFY_BUCKET": "b-1"})
+    with pytest.raises(CodecSettingsError, match=key_path):
+        codec_from_environ({FILE_VAR: str(path)})
+
+
+def test_unreadable_files_and_mixed_up_files_are_named(tmp_path: Path) -> None:
+    missing = tmp_path / "absent.yaml"
+    with pytest.raises(ConfigFileError, match=r"absent\.yaml .*cannot read it"):
+        load_config_file(missing)
+    broken = tmp_path / "broken.yaml"
+    broken.write_text(f"storage: {{bucket: [{SECRET}\n")
+    with pytest.raises(ConfigFileError, match="not valid YAML at line") as caught:
+        load_config_file(broken)
+    assert SECRET not in str(caught.value)
+    # The dev stack's file is not a production file, and the other way round.
+    with pytest.raises(ConfigFileError, match="DURABLE_COMFY_CONFIG"):
+        load_config_file(ROOT / "temporal-dev.yaml")
+    example = str(ROOT / "examples" / "production.yaml")
+    with pytest.raises(SettingsError, match="DURABLE_COMFY_SETTINGS_FILE"):
+        WorkerSettings.from_env({"DURABLE_COMFY_CONFIG": example})
+    both = {"DURABLE_COMFY_CONFIG": str(stack_file(tmp_path, {})), FILE_VAR: example}
+    with pytest.raises(ValidationError, match="both set"):
+        WorkerSettings.from_env(both)
