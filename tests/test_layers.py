@@ -53,6 +53,8 @@ ALLOWED = {
     ("starter", "activities.storage"),
     ("starter", "activities.storage_errors"),
     ("starter", "activities.log_setup"),
+    # The settings file (DURABLE_COMFY_SETTINGS_FILE) is read by the CLI and the client too.
+    ("starter", "activities.config_file"),
 }
 # Installed with runpod (runpod==1.12.0 requires boto3).
 WITH_RUNPOD = {"boto3", "botocore"}
