@@ -9,7 +9,14 @@ import typer
 from rich.console import Console
 
 from starter.cli.common import ExitCode, config_of, echo_json, job_client, run
-from starter.cli.render import Followed, print_summary, status_json, stream_json, stream_progress
+from starter.cli.render import (
+    Followed,
+    print_summary,
+    status_json,
+    stream_json,
+    stream_progress,
+    worker_notices,
+)
 from starter.cli.ui import workflow_url
 from starter.client import checked_job_id
 from workflows.contracts import JobState, JobStatus
@@ -47,7 +54,7 @@ def watch(ctx: typer.Context, job_id: JobArg, as_json: JsonOpt = False) -> None:
 
     async def go() -> int:
         checked_job_id(job_id)
-        async with job_client(config) as client:
+        async with job_client(config) as client, worker_notices(client, followed, as_json):
             if as_json:
                 last = await stream_json(client.watch(job_id), followed)
             else:

@@ -2,16 +2,26 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager, suppress
+from typing import Literal
 
+import structlog
+import typer
+from pydantic import BaseModel
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
+from temporalio.client import WorkflowExecutionStatus
 
 from starter.cli.common import echo_json
-from starter.client import SubmitOutcome
+from starter.client import JobClient, SubmitOutcome
+from starter.pollers import presence_changes
 from workflows.contracts import JobState, JobStatus
+
+log = structlog.get_logger("durable_comfy.cli")
 
 
 def status_json(status: JobStatus) -> str:
@@ -48,6 +58,75 @@ class Followed:
             f"job {job_id} is attached: it will be ABANDONED (its prompt stopped) after "
             f"{status.abandon_after_s:g} s without a watcher unless watched again: {again}"
         )
+
+
+class WorkerEvent(BaseModel):
+    """A `--json` line that is not a JobStatus: whether a worker polls the job's task queue.
+
+    `no_worker`: nobody polls it, so the job cannot move (the watch goes on); `worker_polling`:
+    one does again (`workers`: their identities), after a `no_worker`."""
+
+    event: Literal["no_worker", "worker_polling"]
+    job_id: str
+    task_queue: str
+    workers: list[str] = []
+
+    def human(self) -> str:
+        queue = repr(self.task_queue)
+        if self.event == "no_worker":
+            return (
+                f"no worker polls task queue {queue} (start one: durable-comfy worker); "
+                "still watching"
+            )
+        return f"a worker polls task queue {queue} now ({', '.join(self.workers)}); going on"
+
+
+@asynccontextmanager
+async def worker_notices(
+    client: JobClient, followed: Followed, as_json: bool
+) -> AsyncIterator[None]:
+    """While the body follows the job: say within seconds when no worker polls its task queue
+    (a query would only time out, silently, after DURABLE_COMFY_QUERY_TIMEOUT_S), and again
+    when one does. JSON lines with `as_json` (a `WorkerEvent`), one stderr line otherwise."""
+    task = asyncio.create_task(_notices(client, followed, as_json))
+    try:
+        yield
+    finally:
+        task.cancel()
+        with suppress(asyncio.CancelledError):
+            await task
+
+
+async def _notices(client: JobClient, followed: Followed, as_json: bool) -> None:
+    job_id = followed.job_id
+    if job_id is None:
+        return
+    try:
+        # The job's own task queue: a job found again by ID may have been started on another.
+        description = await client.handle(job_id).describe()
+    except Exception as exc:  # advisory: the watch itself reports a missing job or Temporal
+        log.debug("worker_check_skipped", job_id=job_id, error=str(exc))
+        return
+    if description.status != WorkflowExecutionStatus.RUNNING:
+        return
+    task_queue = description.task_queue
+    try:
+        async for presence in presence_changes(client.temporal, task_queue):
+            if followed.status is not None and followed.status.terminal:
+                return
+            event = WorkerEvent(
+                event="worker_polling" if presence.polled else "no_worker",
+                job_id=job_id,
+                task_queue=task_queue,
+                workers=presence.identities,
+            )
+            log.info(event.event, job_id=job_id, task_queue=task_queue)
+            if as_json:
+                echo_json(event.model_dump_json())
+            else:
+                typer.echo(event.human(), err=True)
+    except Exception as exc:  # advisory: never the reason a watch fails
+        log.debug("worker_check_failed", job_id=job_id, error=str(exc))
 
 
 async def stream_json(

@@ -12,7 +12,14 @@ from rich.markup import escape
 
 from starter.cli.common import ExitCode, config_of, echo_json, job_client, reported, run
 from starter.cli.jobs import ended_code
-from starter.cli.render import Followed, print_summary, stream_json, stream_progress, submit_json
+from starter.cli.render import (
+    Followed,
+    print_summary,
+    stream_json,
+    stream_progress,
+    submit_json,
+    worker_notices,
+)
 from starter.cli.settings import CliConfig
 from starter.cli.ui import workflow_url
 from starter.client import SubmitOutcome, checked_job_id
@@ -82,10 +89,12 @@ def submit(
                 return ExitCode.OK
             updates = client.watch(outcome.job_id)
             if as_json:
-                last = await stream_json(updates, followed, already_shown=outcome.status.seq)
+                async with worker_notices(client, followed, as_json=True):
+                    last = await stream_json(updates, followed, already_shown=outcome.status.seq)
                 return ended_code(last)
             console = Console()
-            last = await stream_progress(updates, console, followed)
+            async with worker_notices(client, followed, as_json=False):
+                last = await stream_progress(updates, console, followed)
             if last is not None:
                 last = await client.result(outcome.job_id)
                 print_summary(last, console)

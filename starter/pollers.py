@@ -1,0 +1,103 @@
+"""Who polls a task queue: the workers that could run a job's workflow tasks.
+
+A job whose task queue nobody polls waits silently: its status query goes unanswered and its
+first workflow task sits in the queue. Temporal knows which workers polled the queue lately
+(DescribeTaskQueue), so a watcher can say so in seconds instead of timing out on a query.
+
+The server keeps a poller listed for a few minutes after its last poll; an idle worker polls
+again about every minute (a long poll). `live_pollers` keeps those seen within `LIVE_WITHIN_S`,
+so a worker stopped minutes ago does not count as one that polls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterable
+from datetime import UTC, datetime, timedelta
+
+import temporalio.client
+from pydantic import BaseModel
+from temporalio.api.enums.v1 import TaskQueueKind, TaskQueueType
+from temporalio.api.taskqueue.v1 import TaskQueue
+from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
+from temporalio.service import RPCError
+
+# Longer than a long poll (the server answers an empty one after about 60 s, the SDK allows 70)
+# so an idle worker between two polls still counts.
+LIVE_WITHIN_S = 90.0
+
+
+class Poller(BaseModel):
+    """A worker that polled the task queue for workflow tasks, as the server last saw it."""
+
+    identity: str
+    last_access: datetime | None
+
+
+async def workflow_pollers(client: temporalio.client.Client, task_queue: str) -> list[Poller]:
+    """The pollers of `task_queue`'s workflow tasks the server remembers (recent and not)."""
+    response = await client.workflow_service.describe_task_queue(
+        DescribeTaskQueueRequest(
+            namespace=client.namespace,
+            task_queue=TaskQueue(name=task_queue, kind=TaskQueueKind.TASK_QUEUE_KIND_NORMAL),
+            task_queue_type=TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW,
+        )
+    )
+    return [
+        Poller(
+            identity=poller.identity,
+            last_access=(
+                poller.last_access_time.ToDatetime(tzinfo=UTC)
+                if poller.HasField("last_access_time")
+                else None
+            ),
+        )
+        for poller in response.pollers
+    ]
+
+
+def live_pollers(
+    pollers: Iterable[Poller], now: datetime | None = None, within_s: float = LIVE_WITHIN_S
+) -> list[Poller]:
+    """Those that polled within `within_s` (one without a time is taken as live)."""
+    cutoff = (now or datetime.now(UTC)) - timedelta(seconds=within_s)
+    return [p for p in pollers if p.last_access is None or p.last_access >= cutoff]
+
+
+class Presence(BaseModel):
+    """Whether a worker polls the task queue, and which, when that changes."""
+
+    task_queue: str
+    polled: bool
+    identities: list[str] = []
+
+
+async def presence_changes(
+    client: temporalio.client.Client,
+    task_queue: str,
+    *,
+    first_after_s: float = 1.0,
+    every_s: float = 2.0,
+) -> AsyncIterator[Presence]:
+    """Yield the task queue's presence first when nobody polls it, then on each change.
+
+    Nothing while workers poll from the start: a watcher only needs telling when something is
+    wrong, and again when it is put right. A failed describe is skipped (advisory: the watch
+    itself reports Temporal being unreachable)."""
+    await asyncio.sleep(first_after_s)
+    polled: bool | None = None
+    while True:
+        try:
+            live = live_pollers(await workflow_pollers(client, task_queue))
+        except RPCError:
+            live = None
+        if live is not None:
+            now_polled = bool(live)
+            if now_polled != polled and (polled is not None or not now_polled):
+                yield Presence(
+                    task_queue=task_queue,
+                    polled=now_polled,
+                    identities=sorted({p.identity for p in live}),
+                )
+            polled = now_polled
+        await asyncio.sleep(every_s)

@@ -1,0 +1,144 @@
+"""A watch on a job nobody works on says so within seconds, and keeps watching.
+
+Each test uses a task queue of its own that no worker polls at first, then (for `submit
+--watch`) starts a worker on it in this process and sees the job through, or (for `watch`)
+ends the job from outside and sees the watch end with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from activities.settings import WorkerSettings
+from devstack.config import PoolConfig
+from devstack.models import RunningStack
+from starter import JobClient, JobRequest
+from starter.cli.common import ExitCode
+from starter.connection import connect_temporal
+from tests.cli_support import cli_env, example, json_lines, run_cli, s3_settings, start_cli
+from worker import run_worker
+
+# The promise: the no-worker line within this long of the job's line (seconds).
+NOTICE_WITHIN_S = 5.0
+
+
+def fresh_queue() -> str:
+    return f"no-worker-{uuid.uuid4().hex[:8]}"
+
+
+@asynccontextmanager
+async def worker_on(stack: RunningStack, task_queue: str) -> AsyncIterator[None]:
+    """A worker in this process on `task_queue` (cli_support's picks a queue of its own)."""
+    settings = WorkerSettings(
+        task_queue=task_queue,
+        pools={"comfyui": PoolConfig(kind="comfyui", url=stack.comfyui_url)},
+    )
+    temporal = await connect_temporal(stack.temporal_address, stack.namespace)
+    stop = asyncio.Event()
+    task = asyncio.create_task(run_worker(settings, s3_settings(stack), stop=stop, client=temporal))
+    try:
+        yield
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, timeout=30)
+
+
+async def cli_startup_s(env: dict[str, str]) -> float:
+    """How long the CLI takes to start and exit doing nothing (`--help`)."""
+    started_at = time.monotonic()
+    code, _, err = await run_cli("--help", env=env)
+    assert code == 0, err
+    return time.monotonic() - started_at
+
+
+async def line_where(
+    stream: asyncio.StreamReader | None, matches: Callable[[str], bool], timeout_s: float
+) -> tuple[str, float, list[str]]:
+    """The first line that matches, when it came (monotonic), and the lines before it."""
+    assert stream is not None
+    before: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while True:
+        raw = await asyncio.wait_for(stream.readline(), timeout=deadline - time.monotonic())
+        assert raw, f"the stream ended without the line; it had: {before}"
+        line = raw.decode().rstrip("\n")
+        if matches(line):
+            return line, time.monotonic(), before
+        before.append(line)
+
+
+async def test_submit_watch_says_no_worker_polls_then_goes_on_when_one_does(
+    local_stack: RunningStack, tmp_path: Path
+) -> None:
+    queue = fresh_queue()
+    graph_file = tmp_path / "graph.json"
+    graph_file.write_text(json.dumps(example(steps=2)))
+    process = await start_cli("submit", str(graph_file), "--watch", env=cli_env(local_stack, queue))
+    try:
+        job_line, job_at, _ = await line_where(
+            process.stdout, lambda line: line.startswith("job "), timeout_s=30
+        )
+        notice = f"no worker polls task queue {queue!r} (start one: durable-comfy worker); "
+        _, notice_at, before = await line_where(
+            process.stderr, lambda line: line.startswith(notice), timeout_s=NOTICE_WITHIN_S + 1
+        )
+        assert notice_at - job_at <= NOTICE_WITHIN_S, (job_line, before)
+        assert process.returncode is None  # still watching
+        async with worker_on(local_stack, queue):
+            rest, err = await asyncio.wait_for(process.communicate(), timeout=60)
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    assert process.returncode == ExitCode.OK, err.decode()
+    assert f"a worker polls task queue {queue!r} now" in err.decode()
+    assert "COMPLETED" in rest.decode()
+
+
+async def test_watch_json_has_a_no_worker_event_then_a_worker_polling_one(
+    local_stack: RunningStack,
+) -> None:
+    queue = fresh_queue()
+    temporal = await connect_temporal(local_stack.temporal_address, local_stack.namespace)
+    client = JobClient(temporal, task_queue=queue)
+    submitted = await client.submit(JobRequest(graph=example(steps=2)))
+    env = cli_env(local_stack, queue)
+    # `watch` prints nothing before the event: it is timed from the process's start, less what
+    # starting the CLI takes here (seconds on a busy machine), measured the same way.
+    startup_s = await cli_startup_s(env)
+    started_at = time.monotonic()
+    process = await start_cli("watch", submitted.job_id, "--json", env=env)
+    try:
+        line, seen_at, before = await line_where(
+            process.stdout,
+            lambda line: '"event"' in line,
+            timeout_s=startup_s + NOTICE_WITHIN_S + 2,
+        )
+        assert seen_at - started_at <= startup_s + NOTICE_WITHIN_S, (
+            seen_at - started_at,
+            startup_s,
+        )
+        assert json.loads(line) == {
+            "event": "no_worker",
+            "job_id": submitted.job_id,
+            "task_queue": queue,
+            "workers": [],
+        }
+        assert process.returncode is None  # still watching
+        async with worker_on(local_stack, queue):
+            out, err = await asyncio.wait_for(process.communicate(), timeout=60)
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    assert process.returncode == ExitCode.OK, err.decode()
+    lines = [json.loads(line) for line in before] + json_lines(out.decode())
+    events = [doc["event"] for doc in lines if "event" in doc]
+    assert events == ["worker_polling"], lines
+    assert lines[-1]["state"] == "COMPLETED"
