@@ -52,9 +52,10 @@ demo: $(STAMP) $(EP_STAMP)
 	$(BIN)/python -m devstack.demo $(if $(CONFIG),--config '$(CONFIG)')
 
 ## demo-chaos: the demo's job with its worker kill -9'ed mid-job and its socket cut; prints the timeline
+## (CONFIG=path/to/stack.yaml as for demo)
 .PHONY: demo-chaos
 demo-chaos: $(STAMP)
-	$(BIN)/python -m devstack.chaos_demo
+	$(BIN)/python -m devstack.chaos_demo $(if $(CONFIG),--config '$(CONFIG)')
 
 ## test: unit, workflow (time-skipping), integration (real Temporal + SeaweedFS + simulator)
 ## (TEST_WORKERS=N: pytest-xdist processes, each with its own local stack; 1 runs them in one)
@@ -124,8 +125,10 @@ lint: $(STAMP)
 	$(BIN)/mypy .
 
 ## down: stop everything `make demo` / `durable-comfy dev up` started
+## (CONFIG=path/to/stack.yaml: that stack's, by the PIDs in its state dir)
 down: $(STAMP)
-	$(BIN)/durable-comfy dev down
+	$(BIN)/durable-comfy dev down $(if $(CONFIG),--config '$(CONFIG)')
 
+# With CONFIG, only that stack is stopped: .devstack is the default stack's, which may still run.
 clean: down
-	rm -rf .devstack
+	$(if $(CONFIG),@echo "kept .devstack (the default stack's); remove $(CONFIG)'s state_dir yourself",rm -rf .devstack)

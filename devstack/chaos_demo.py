@@ -1,7 +1,8 @@
 """`make demo-chaos`: the demo's job, with its worker `kill -9`ed mid-job and its socket cut once.
 
-On the default local stack (temporal-dev.yaml, what `make demo` starts), with a worker process of
-its own on a task queue of its own (so that no other worker can quietly finish the job):
+On the local stack `make demo` starts (temporal-dev.yaml; `--config PATH`, `make demo-chaos
+CONFIG=PATH`, another stack file, else $DURABLE_COMFY_CONFIG as for the demo), with a worker
+process of its own on a task queue of its own (so that no other worker can quietly finish the job):
 
 1. the ComfyUI simulator is told to cut the job's WebSocket once, early in sampling;
 2. the job is submitted (attached; this process keeps it alive) and its timeline is printed live:
@@ -20,7 +21,9 @@ here and asserted on in tests/test_chaos.py.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import shlex
 import sys
 from pathlib import Path
 
@@ -33,7 +36,7 @@ from devstack.chaos.timeline import Timeline
 from devstack.chaos.wait import ChaosTimeout
 from devstack.chaos.worker_proc import KillableWorker
 from devstack.comfy_sim.faults import FaultConfig
-from devstack.config import DEFAULT_CONFIG_PATH
+from devstack.config import CONFIG_ENV, DEFAULT_CONFIG_PATH, StackFileSettings
 from devstack.demo_support import (
     EXAMPLE,
     check_artifacts,
@@ -83,7 +86,7 @@ async def watch_socket_cut(sim_log: LogWatch, timeline: Timeline) -> None:
 
 
 async def run_demo(console: Console, config_file: Path) -> Outcome:
-    """`config_file` is absolute (the default stack's: temporal-dev.yaml)."""
+    """`config_file` is absolute: it is what the workers are told to read."""
     started = await start_demo_stack(console, config_file)
     config, base_dir, stack = started.config, started.base_dir, started.running
     stopped = await stop_worker(config, base_dir)
@@ -102,9 +105,13 @@ async def run_demo(console: Console, config_file: Path) -> Outcome:
     finally:
         await worker.terminate()
         detached = await ensure_worker(config, base_dir, stack.worker_env())
+        down = "make down"
+        if config_file != DEFAULT_CONFIG_PATH.resolve():
+            down += f" CONFIG={shlex.quote(str(config_file))}"
         console.print(
             f"\nThe stack and the detached demo worker (pid {detached.pid}) are still running; "
-            "stop them with [bold]make down[/]."
+            f"stop them with [bold]{down}[/].",
+            soft_wrap=True,
         )
 
 
@@ -162,10 +169,29 @@ async def _run_job(
     return Outcome(final, submissions, prompt_id)
 
 
+def parse_config_path(argv: list[str] | None = None) -> Path:
+    parser = argparse.ArgumentParser(
+        prog="python -m devstack.chaos_demo",
+        description="The demo's job with its worker killed mid-job and its socket cut.",
+    )
+    parser.add_argument(
+        "--config",
+        "-c",
+        type=Path,
+        default=None,
+        help=f"stack config file (default: ${CONFIG_ENV}, else {DEFAULT_CONFIG_PATH})",
+    )
+    config: Path | None = parser.parse_args(argv).config
+    return config if config is not None else StackFileSettings().config_file
+
+
 def main() -> None:
+    config_file = parse_config_path().expanduser().resolve()
+    if not config_file.is_file():
+        sys.exit(f"error: config file {config_file} not found")
     console = demo_console()
     try:
-        outcome = asyncio.run(run_demo(console, DEFAULT_CONFIG_PATH.resolve()))
+        outcome = asyncio.run(run_demo(console, config_file))
     except ChaosTimeout as exc:
         console.print(f"[red]the job did not finish in time[/]: {exc}")
         sys.exit(1)

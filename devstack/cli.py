@@ -24,7 +24,7 @@ from devstack.errors import PortInUseError, StackError
 from devstack.models import RunningStack, ServiceState, StackStatus
 from devstack.services import endpoint_venv_missing
 from devstack.stack import stack_status, start_stack, stop_stack
-from devstack.worker_process import stop_worker
+from devstack.worker_process import WorkerProcessState, stop_worker, worker_state
 
 app = typer.Typer(
     help="The local stack: Temporal dev server, SeaweedFS S3, ComfyUI and RunPod simulators."
@@ -111,6 +111,19 @@ def _service_line(state: ServiceState) -> str:
     return f"  {state.name:<12} {what:<16} {pid}{ready:<18} {state.url}{note}{detail}"
 
 
+def _worker_line(worker: WorkerProcessState | None) -> str:
+    if worker is None:
+        return (
+            f"  {'worker':<12} {'not started':<16} (make demo starts one; `durable-comfy worker`)"
+        )
+    what = "running" if worker.alive else "not running"
+    gone = "" if worker.alive else " (gone)"
+    return (
+        f"  {'worker':<12} {what:<16} pid {worker.pid}{gone}  task queue {worker.task_queue!r}"
+        f"  log {worker.log_file}"
+    )
+
+
 def _print_stack(stack: RunningStack) -> None:
     typer.echo("Services:")
     for state in stack.services.values():
@@ -183,15 +196,22 @@ def down(
 def status(
     config: ConfigOpt = DEFAULT_CONFIG_PATH, json_: JsonOpt = False, verbose: VerboseOpt = False
 ) -> None:
-    """Report each service as running, unhealthy or stopped (exit 3 unless all run)."""
+    """Report each service as running, unhealthy or stopped (exit 3 unless all run), and the
+    stack's background worker (its PID, alive or not, its task queue)."""
     _configure_logging(verbose)
     stack_config, base_dir, _ = _load_or_fail(config, json_, verbose)
     report: StackStatus = _run(stack_status(stack_config, base_dir), json_, verbose)
+    # The worker `make demo` starts in the background is not a service: whether it runs does
+    # not change the exit code, but a job that waits for a worker is explained here.
+    worker = worker_state(stack_config, base_dir)
     if json_:
-        typer.echo(report.model_dump_json())
+        payload = json.loads(report.model_dump_json())
+        payload["worker"] = worker.model_dump(mode="json") if worker is not None else None
+        typer.echo(json.dumps(payload))
     else:
         for state in report.services.values():
             typer.echo(_service_line(state))
+        typer.echo(_worker_line(worker))
     if not report.all_running:
         raise typer.Exit(EXIT_NOT_RUNNING)
 

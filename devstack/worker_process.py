@@ -35,6 +35,17 @@ class DetachedWorker(BaseModel):
     restarted: bool = False
 
 
+class WorkerProcessState(BaseModel):
+    """The stack's detached worker (the one `dev down` stops), as `dev status` reports it."""
+
+    pid: int
+    alive: bool
+    # The stack file's worker.task_queue: what the worker is started with (stack.worker_env()
+    # names the stack file and no queue of its own).
+    task_queue: str
+    log_file: Path
+
+
 def _paths(config: StackConfig, base_dir: Path) -> tuple[Path, Path]:
     paths = StackPaths.of(config, base_dir)
     return paths.pids / "worker.pid", paths.logs / "worker.log"
@@ -121,6 +132,21 @@ def _ready_line(log: bytes) -> dict[str, object] | None:
                 return {}  # not JSON (a console renderer): started, nothing more to read
             return record if isinstance(record, dict) else {}
     return None
+
+
+def worker_state(config: StackConfig, base_dir: Path) -> WorkerProcessState | None:
+    """Our worker by its PID file, alive or not; None when none was started (or it was
+    stopped by `dev down`, which removes the file)."""
+    pid_file, log_file = _paths(config, base_dir)
+    record = read_pid_file(pid_file)
+    if record is None:
+        return None
+    return WorkerProcessState(
+        pid=record.pid,
+        alive=is_alive(record),
+        task_queue=config.worker.task_queue,
+        log_file=log_file,
+    )
 
 
 async def stop_worker(config: StackConfig, base_dir: Path) -> int | None:

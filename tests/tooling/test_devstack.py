@@ -44,6 +44,7 @@ from devstack.seaweed import (
 from devstack.services import StackPaths
 from devstack.stack import stack_ports, start_service, start_stack, stop_service
 from devstack.temporal_server import temporal_argv
+from devstack.worker_process import ensure_worker
 from tests.cli_support import example
 from tests.runpod_sim_support import ENDPOINT_VENV_MISSING
 
@@ -385,6 +386,77 @@ async def test_down_stops_the_runpod_simulator_with_its_busy_worker_and_its_comf
     async with httpx.AsyncClient(timeout=2, trust_env=False) as http:
         with pytest.raises(httpx.ConnectError):
             await http.get(f"http://127.0.0.1:{sim.port}/sim/health")
+
+
+def make_args(*args: str) -> list[str]:
+    """`make ARGS` in the checkout, without reinstalling: the venv's stamp is taken as made (it
+    is named after pyproject.toml's checksum, as in the Makefile), whatever pyproject says now."""
+    checksum = subprocess.run(
+        ["cksum"], input=(ROOT / "pyproject.toml").read_bytes(), capture_output=True, check=True
+    ).stdout.split()[0]
+    stamp = f".venv/.installed-{checksum.decode()}"
+    return ["make", "--no-print-directory", "-C", str(ROOT), f"--assume-old={stamp}", *args]
+
+
+def test_every_make_target_that_starts_or_stops_a_stack_passes_config() -> None:
+    dry = subprocess.run(
+        make_args("-n", "demo", "demo-chaos", "down", "clean", "CONFIG=/elsewhere/other.yaml"),
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    commands = [line for line in dry.splitlines() if line.startswith(".venv/bin/")]
+    assert len(commands) == 3, dry  # demo, demo-chaos, down (once, also for clean)
+    assert all("--config '/elsewhere/other.yaml'" in line for line in commands), dry
+    assert "rm -rf .devstack" not in dry  # the default stack's state, maybe still running
+
+
+async def test_make_down_with_config_stops_that_stack_and_its_worker_only(
+    cli_stack: CliStack, stack_config_factory: StackConfigFactory
+) -> None:
+    """Two stacks up, the second with its background worker (which `dev status` lists): `make
+    down CONFIG=second` stops the second's services and worker, and none of the first's."""
+    first = await cli_up(cli_stack)
+    first_pids = {name: s["pid"] for name, s in first["services"].items()}
+    config = stack_config_factory("second")
+    base_dir = Path(config.state_dir).parent
+    config_file = base_dir / "second.yaml"
+    config_file.write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+    second = await start_stack(config, base_dir, config_file)
+    try:
+        worker = await ensure_worker(config, base_dir, second.worker_env())
+        status = await run_cli("status", "--json", config=config_file)
+        assert status.code == 0, status.err
+        listed = status.json()["worker"]
+        assert listed == {
+            "pid": worker.pid,
+            "alive": True,
+            "task_queue": config.worker.task_queue,
+            "log_file": str(worker.log_file),
+        }
+        human = await run_cli("status", config=config_file)
+        [line] = [line for line in human.out.splitlines() if line.split()[:1] == ["worker"]]
+        assert "running" in line and f"pid {worker.pid}" in line, human.out
+        assert repr(config.worker.task_queue) in line, human.out
+
+        env = {k: v for k, v in os.environ.items() if k != "DURABLE_COMFY_CONFIG"}
+        down = await asyncio.to_thread(
+            subprocess.run,
+            make_args("down", f"CONFIG={config_file}"),
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert down.returncode == 0, down.stderr
+        assert f"worker       stopped  (pid {worker.pid})" in down.stdout, down.stdout
+        assert not any(pid_alive(s.pid) for s in second.services.values() if s.pid)
+        assert not pid_alive(worker.pid)
+        assert all(pid_alive(pid) for pid in first_pids.values()), down.stdout
+        after = await run_cli("status", "--json", config=config_file)
+        assert after.code == 3 and after.json()["worker"] is None
+    finally:
+        await run_cli("down", config=config_file)
 
 
 async def test_a_taken_port_is_named_and_nothing_starts(
