@@ -40,7 +40,8 @@ from activities.runpod.nodes import check_captured_registries
 from activities.settings import WorkerSettings, runpod_api_keys
 from activities.storage import ArtifactStore, S3Settings, StorageConfigError
 from activities.versioning import deployment_config, settle_and_report
-from starter.connection import TemporalSettings, connect_temporal, forwarded_core_logs
+from starter.connection import TemporalSettings, forwarded_core_logs
+from starter.doctor import ChecksFailed, Inputs, Outcome, connect_checked
 from starter.exit import exit_without_finalizing
 from workflows.inference_job import InferenceJob
 
@@ -61,8 +62,9 @@ async def run_worker(
     """Serve InferenceJob until `stop` is set (by default: SIGTERM or SIGINT).
 
     Without `client` it connects where `temporal` says (None: Temporal's own environment
-    configuration alone). `runpod_keys`: each runpod pool's API key (None: read them from the
-    environment now).
+    configuration alone), after the checks `durable-comfy doctor` runs (starter.doctor; all but
+    "a worker polls"): a failing one raises `ChecksFailed` before anything polls.
+    `runpod_keys`: each runpod pool's API key (None: read them from the environment now).
     """
     keys = runpod_api_keys(settings.pools) if runpod_keys is None else runpod_keys
     stop = stop or _stop_on_signals()
@@ -71,8 +73,7 @@ async def run_worker(
         if settings.metrics_port is not None:
             runtime = prometheus_runtime(settings.metrics_port, forwarded_core_logs())
             log.info("metrics_serving", url=f"http://127.0.0.1:{settings.metrics_port}/metrics")
-        address, namespace = (temporal.address, temporal.namespace) if temporal else (None, None)
-        client = await connect_temporal(address, namespace, runtime=runtime)
+        client = await connect_checked(Inputs.of(temporal, settings, s3, keys), runtime)
     # Temporal owns retries: no transport-level retries here.
     timeout = httpx.Timeout(30.0, connect=5.0)
     async with (
@@ -205,10 +206,30 @@ def main(argv: list[str] | None = None) -> None:
         runpod_keys = runpod_api_keys(settings.pools)
         check_captured_registries(settings.pools)
     except (ValidationError, SettingsError, StorageConfigError) as exc:
-        sys.exit(f"worker: invalid settings: {exc}")
+        sys.exit("\n".join(f"worker: invalid settings: {line}" for line in problem_lines(exc)))
     configure_logging(settings.log_level)
-    asyncio.run(run_worker(settings, s3, temporal=temporal, runpod_keys=runpod_keys))
+    try:
+        asyncio.run(run_worker(settings, s3, temporal=temporal, runpod_keys=runpod_keys))
+    except ChecksFailed as refused:
+        # The doctor's lines, no traceback: each says what to fix.
+        for result in refused.results:
+            if result.outcome is not Outcome.OK:
+                print(f"worker: {result.line()}", file=sys.stderr)
+        exit_without_finalizing(int(refused.exit_code))
     exit_without_finalizing(0)
+
+
+def problem_lines(exc: Exception) -> list[str]:
+    """One line per problem, each naming its variable (never a value)."""
+    if not isinstance(exc, ValidationError):
+        return [str(exc)]
+    return [
+        f"{where} is not set"
+        if error["type"] == "missing"
+        else f"{where}: {str(error['msg']).removeprefix('Value error, ')}"
+        for error in exc.errors()
+        for where in [".".join(str(part) for part in error["loc"]) or "settings"]
+    ]
 
 
 def cli_command(

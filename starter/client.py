@@ -18,6 +18,7 @@ import functools
 import hashlib
 import json
 import random
+import re
 import time
 import uuid
 from collections import Counter
@@ -41,6 +42,7 @@ from temporalio.client import (
     WorkflowUpdateFailedError,
 )
 from temporalio.common import (
+    SearchAttributeIndexedValueType,
     SearchAttributeKey,
     SearchAttributePair,
     TypedSearchAttributes,
@@ -61,6 +63,7 @@ from starter.errors import (
     JobUnanswered,
     RequestTooLarge,
     ResumeRefused,
+    SearchAttributesMissing,
     SettingsError,
     StorageFailed,
     StorageNotConfigured,
@@ -89,6 +92,8 @@ from workflows.contracts import (
 from workflows.job_input import JobInput
 from workflows.shared import (
     DEFAULT_TASK_QUEUE,
+    POOL_KEY,
+    PROGRESS_KEY,
     QUERY_STATUS,
     SA_TENANT,
     SIGNAL_CANCEL_REASON,
@@ -103,6 +108,19 @@ if TYPE_CHECKING:
     from activities.storage import ArtifactStore, S3Settings
 
 TENANT_KEY = SearchAttributeKey.for_keyword(SA_TENANT)
+
+# Every search attribute a job is started with or sets, by the type name `temporal operator
+# search-attribute create --type` and `tcld` take: what a namespace must have registered.
+_TYPE_NAMES = {
+    SearchAttributeIndexedValueType.KEYWORD: "Keyword",
+    SearchAttributeIndexedValueType.INT: "Int",
+}
+SEARCH_ATTRIBUTES: dict[str, str] = {
+    key.name: _TYPE_NAMES[key.indexed_value_type]
+    for key in (STATE_KEY, PROGRESS_KEY, POOL_KEY, TENANT_KEY)
+}
+# How the server says a search attribute is not registered on the namespace.
+_NO_MAPPING = re.compile(r"no mapping defined for search attribute (\w+)")
 
 # Memo key holding the sha256 of the submitted request: a second submit under the same ID is
 # compared against it without reading (and decoding) the job's history.
@@ -264,6 +282,13 @@ class JobClient:
         except RPCError as exc:
             if exc.status in _UNREACHABLE_CODES:
                 raise TemporalUnreachable(self._target(), exc.message) from exc
+            if exc.status == RPCStatusCode.INVALID_ARGUMENT and (
+                missing := _NO_MAPPING.search(exc.message)
+            ):
+                namespace = self.temporal.namespace
+                raise SearchAttributesMissing(
+                    namespace, [missing.group(1)], SEARCH_ATTRIBUTES
+                ) from exc
             raise TemporalRefused(exc.status.name, exc.message) from exc
         except RPCTimeoutOrCancelledError as exc:
             raise TemporalUnreachable(self._target(), str(exc) or "no answer in time") from exc

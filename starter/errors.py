@@ -18,6 +18,8 @@
     ├── ResumeRefused        the job turned the resume down; `.reason` says why
     ├── TemporalUnreachable  no connection to the Temporal server, or no answer in time
     ├── TemporalRefused      Temporal answered the call with an error (`.status` names it)
+    ├── SearchAttributesMissing  the namespace lacks search attributes a job is started with
+    │                        (the message holds the commands that register them)
     ├── JobUnanswered        the job exists but no worker answered for it
     └── ContactLost          Temporal unreachable past the reconnect horizon (the job runs on)
 
@@ -29,6 +31,7 @@ field is wrong and how to fix it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -144,6 +147,41 @@ class TemporalRefused(ClientError):
         super().__init__(f"Temporal refused: {status}: {message}")
         self.status = status
         self.detail = message
+
+
+class SearchAttributesMissing(ClientError):
+    """The namespace has no mapping for a search attribute a job is started with.
+
+    Not a `TemporalRefused`: nothing is down, the namespace needs a one-time registration
+    (`durable-comfy doctor` checks it). `.missing` names what Temporal (or the doctor) found
+    missing; `.commands` register every attribute in `register` (name: type) on a self-hosted
+    cluster and on Temporal Cloud (one that exists already is left as it is).
+    """
+
+    def __init__(self, namespace: str, missing: Sequence[str], register: Mapping[str, str]) -> None:
+        self.namespace = namespace
+        self.missing = list(missing)
+        self.commands = register_commands(namespace, register)
+        super().__init__(
+            f"namespace {namespace!r} has no search attribute {', '.join(self.missing)}; "
+            f"register them once: {self.commands[0]} (self-hosted), or {self.commands[1]} "
+            "(Temporal Cloud, or its UI: the namespace's Search Attributes)"
+        )
+
+
+def register_commands(namespace: str, names: Mapping[str, str]) -> tuple[str, str]:
+    """The `temporal` (self-hosted) and `tcld` (Temporal Cloud) commands that register `names`
+    (attribute: type) on `namespace`, all of them in one command each."""
+    pairs: Sequence[tuple[str, str]] = list(names.items())
+    self_hosted = " ".join(
+        ["temporal operator search-attribute create", f"--namespace {namespace}"]
+        + [f"--name {name} --type {kind}" for name, kind in pairs]
+    )
+    cloud = " ".join(
+        ["tcld namespace search-attributes add", f"--namespace {namespace}"]
+        + [f"--search-attribute {name}={kind}" for name, kind in pairs]
+    )
+    return f"`{self_hosted}`", f"`{cloud}`"
 
 
 class JobUnanswered(ClientError):

@@ -10,7 +10,7 @@ from typing import Any
 import typer
 
 from activities.log_setup import configure_logging
-from starter.cli import codec, control, jobs, submit
+from starter.cli import codec, control, doctor, jobs, submit
 from starter.cli.common import load_config
 from starter.exit import exit_without_finalizing
 
@@ -42,6 +42,7 @@ def build_app() -> typer.Typer:
         app.command(name)(command)
     app.command("codec-server")(codec.codec_server)
     app.command("codec-key")(codec.codec_key)
+    app.command("doctor")(doctor.doctor)
     _add_plugins(app)
     return app
 

@@ -45,9 +45,11 @@ class ExitCode(IntEnum):
     OK = 0
     # The job ended, but not COMPLETED (watch, result, submit --watch).
     JOB_NOT_COMPLETED = 1
-    # Bad input (request, graph, job ID, option, size, missing S3 settings) or no such job.
+    # Bad input (request, graph, job ID, option, size, missing S3 settings, a bad setting, search
+    # attributes the namespace lacks) or no such job. `doctor`: a configuration problem.
     BAD_INPUT = 2
-    # Temporal unreachable, or no worker answering for the job.
+    # Temporal unreachable, or no worker answering for the job. `doctor`: something does not
+    # answer, or no worker polls.
     UNREACHABLE = 3
     # The ID or the job's state does not allow it: another request under the ID, cancel or
     # resume of an ended job, a refused resume.
@@ -124,9 +126,12 @@ def reported(on_interrupt: Callable[[], str] | None = None) -> Iterator[None]:
 
 def problems(exc: ValidationError, what: str = "request") -> str:
     """Each problem with where it is: a field of the request, or a variable of the settings."""
-    return "; ".join(
-        f"{'.'.join(str(p) for p in err['loc']) or what}: {err['msg']}" for err in exc.errors()
-    )
+    return "; ".join(problem_lines(exc, what))
+
+
+def problem_lines(exc: ValidationError, what: str = "request") -> list[str]:
+    """`problems`, one line each."""
+    return [f"{'.'.join(str(p) for p in err['loc']) or what}: {err['msg']}" for err in exc.errors()]
 
 
 def load_config() -> CliConfig:
@@ -134,8 +139,11 @@ def load_config() -> CliConfig:
     try:
         return CliConfig.load()
     except ValidationError as exc:
+        *first, last = problem_lines(exc, "settings")
+        for line in first:
+            typer.echo(f"error: invalid settings: {line}", err=True)
         fail(
-            f"invalid settings: {problems(exc, 'settings')}",
+            f"invalid settings: {last}",
             "fix the environment variable; nothing was done",
             ExitCode.BAD_INPUT,
         )

@@ -1,0 +1,558 @@
+"""`durable-comfy doctor`: is everything a worker needs there? The worker runs the same checks
+at start (all but "a worker polls", which it is itself).
+
+Checks, in order; each gives one `CheckResult` (ok, FAIL with what to do, or skipped when a
+check it needs failed):
+
+    temporal           the server answers at the configured address (TEMPORAL_ADDRESS, else the
+                       profile's; TLS and API key as Temporal's environment configuration says)
+    namespace          the namespace exists
+    search_attributes  every search attribute a job uses is registered, with its type
+    worker             a worker polls the workflow task queue (DURABLE_COMFY_TASK_QUEUE)
+    bucket             a small object can be put and deleted under the jobs' prefix
+    runpod             each runpod pool's endpoint answers `GET /health` with the pool's key
+    encryption         DURABLE_COMFY_CODEC_KEYS(_FILE), when set, hold usable keys
+
+A failure is a `CONFIGURATION` problem (fix a setting, register something: exit 2) or an
+`UNREACHABLE` one (something is down or not started: exit 3); configuration wins when both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import uuid
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from enum import IntEnum, StrEnum
+from typing import Any
+
+import httpx
+import structlog
+from botocore.exceptions import ClientError as BotoClientError
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
+from pydantic_settings import SettingsError
+from temporalio.api.common.v1 import Payload
+from temporalio.api.enums.v1 import IndexedValueType
+from temporalio.api.operatorservice.v1 import ListSearchAttributesRequest
+from temporalio.api.workflowservice.v1 import DescribeNamespaceRequest
+from temporalio.client import Client
+from temporalio.converter import PayloadCodec
+from temporalio.envconfig import ClientConfig
+from temporalio.runtime import Runtime
+from temporalio.service import RPCError, RPCStatusCode
+
+from activities.runpod.client import RunPodClient
+from activities.runpod.errors import RunPodAuthError, RunPodError, RunPodRefused
+from activities.runpod.retry import NO_RETRY
+from activities.settings import WorkerSettings, problems, runpod_api_keys
+from activities.storage import ArtifactStore, S3Settings, StorageConfigError, StorageError
+from activities.storage_errors import S3_FAILURES, error_code, translate
+from starter.client import SEARCH_ATTRIBUTES
+from starter.codec import (
+    KEYS_ENV,
+    KEYS_FILE_ENV,
+    CodecSettings,
+    CodecSettingsError,
+    EncryptionCodec,
+)
+from starter.connection import DEFAULT_ADDRESS, TemporalSettings, connect_temporal
+from starter.errors import register_commands
+from starter.pollers import live_pollers, workflow_pollers
+from starter.variables import VariablesOnly
+from workflows.contracts import OutputSpec
+
+log = structlog.get_logger("doctor")
+
+CONNECT_TIMEOUT = timedelta(seconds=5)
+RPC_TIMEOUT = timedelta(seconds=5)
+# S3 and RunPod calls: the bucket's client retries once, each try up to its connect timeout.
+CALL_TIMEOUT_S = 15.0
+# Where the bucket check writes (and at once deletes) its object: under the jobs' default
+# prefix, so a policy that allows only that prefix is what gets tested.
+PROBE_FOLDER = f"{OutputSpec.model_fields['prefix'].default}/_doctor"
+_TYPE_NAMES = {
+    IndexedValueType.INDEXED_VALUE_TYPE_KEYWORD: "Keyword",
+    IndexedValueType.INDEXED_VALUE_TYPE_INT: "Int",
+}
+
+
+class Check(StrEnum):
+    TEMPORAL = "temporal"
+    NAMESPACE = "namespace"
+    SEARCH_ATTRIBUTES = "search_attributes"
+    WORKER = "worker"
+    BUCKET = "bucket"
+    RUNPOD = "runpod"
+    ENCRYPTION = "encryption"
+
+
+class Outcome(StrEnum):
+    OK = "ok"
+    FAIL = "fail"
+    SKIPPED = "skipped"
+
+
+class Problem(StrEnum):
+    CONFIGURATION = "configuration"
+    UNREACHABLE = "unreachable"
+
+
+class DoctorExit(IntEnum):
+    """The doctor's (and the worker's refused start's) exit codes; the CLI's table's 2 and 3."""
+
+    OK = 0
+    CONFIGURATION = 2
+    UNREACHABLE = 3
+
+
+class CheckResult(BaseModel):
+    """One check's verdict; `message` is one line: what was found, or what to do."""
+
+    model_config = ConfigDict(frozen=True)
+
+    check: Check
+    outcome: Outcome
+    message: str
+    problem: Problem | None = None
+
+    @property
+    def failed(self) -> bool:
+        return self.outcome is Outcome.FAIL
+
+    def line(self) -> str:
+        label = {Outcome.OK: "ok", Outcome.FAIL: "FAIL", Outcome.SKIPPED: "skip"}[self.outcome]
+        return f"{label:<4}  {self.check.value}: {self.message}"
+
+
+def ok(check: Check, message: str) -> CheckResult:
+    return CheckResult(check=check, outcome=Outcome.OK, message=message)
+
+
+def fail(check: Check, message: str, problem: Problem = Problem.CONFIGURATION) -> CheckResult:
+    return CheckResult(check=check, outcome=Outcome.FAIL, message=message, problem=problem)
+
+
+def skipped(check: Check, needs: Check) -> CheckResult:
+    return CheckResult(check=check, outcome=Outcome.SKIPPED, message=f"skipped (needs {needs})")
+
+
+class ChecksFailed(Exception):
+    """The worker's start-up checks found a problem; `.results` holds every check's verdict."""
+
+    def __init__(self, results: list[CheckResult]) -> None:
+        super().__init__("; ".join(r.line() for r in results if r.outcome is not Outcome.OK))
+        self.results = results
+        self.exit_code = exit_code(results)
+
+
+def exit_code(results: list[CheckResult]) -> DoctorExit:
+    problems_found = {r.problem for r in results if r.failed}
+    if Problem.CONFIGURATION in problems_found:
+        return DoctorExit.CONFIGURATION
+    if Problem.UNREACHABLE in problems_found:
+        return DoctorExit.UNREACHABLE
+    return DoctorExit.OK
+
+
+# --- what the checks are given ----------------------------------------------------------------
+
+
+class _TemporalTarget(VariablesOnly):
+    """`TemporalSettings`' address and namespace without its check of the codec's keys, for
+    when only those are wrong: the encryption check reports them."""
+
+    address: str | None = Field(None, validation_alias="TEMPORAL_ADDRESS")
+    namespace: str | None = Field(None, validation_alias="TEMPORAL_NAMESPACE")
+
+
+@dataclass
+class Inputs:
+    """The settings the checks use, each with the problem that stopped it loading (if any)."""
+
+    temporal: TemporalSettings | None = None
+    worker: WorkerSettings | None = None
+    s3: S3Settings | None = None
+    runpod_keys: Mapping[str, SecretStr] | None = None
+    codec: EncryptionCodec | None = None
+    errors: dict[Check, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_environment(cls) -> Inputs:
+        """Read like the worker reads them, without stopping at the first bad one."""
+        inputs = cls()
+        codec_problem = inputs._read_codec()
+        try:
+            inputs.temporal = TemporalSettings()
+        except ValidationError as exc:
+            if codec_problem is None:
+                inputs.errors[Check.TEMPORAL] = f"invalid settings: {problems(exc)}"
+            else:
+                # Only the codec's keys are wrong: the encryption check says so, and the
+                # connection is tried without them (no check sends a payload).
+                target = _TemporalTarget()
+                inputs.temporal = TemporalSettings.model_construct(
+                    address=target.address, namespace=target.namespace
+                )
+        try:
+            inputs.worker = WorkerSettings()
+        except (ValidationError, SettingsError) as exc:
+            message = problems(exc) if isinstance(exc, ValidationError) else str(exc)
+            inputs.errors[Check.WORKER] = inputs.errors[Check.RUNPOD] = (
+                f"invalid worker settings: {message}"
+            )
+        try:
+            inputs.s3 = S3Settings.from_env()
+        except StorageConfigError as exc:
+            inputs.errors[Check.BUCKET] = str(exc)
+        if inputs.worker is not None:
+            try:
+                inputs.runpod_keys = runpod_api_keys(inputs.worker.pools)
+            except SettingsError as exc:
+                inputs.errors[Check.RUNPOD] = str(exc)
+        return inputs
+
+    @classmethod
+    def of(
+        cls,
+        temporal: TemporalSettings | None,
+        worker: WorkerSettings,
+        s3: S3Settings,
+        runpod_keys: Mapping[str, SecretStr],
+    ) -> Inputs:
+        """Settings the worker has already read (and the codec's, read here)."""
+        inputs = cls(temporal=temporal, worker=worker, s3=s3, runpod_keys=runpod_keys)
+        inputs._read_codec()
+        return inputs
+
+    def _read_codec(self) -> str | None:
+        try:
+            ring = CodecSettings.from_environ().key_ring()
+        except (CodecSettingsError, ValidationError) as exc:
+            message = problems(exc) if isinstance(exc, ValidationError) else str(exc)
+            self.errors[Check.ENCRYPTION] = message
+            return message
+        self.codec = None if ring is None else EncryptionCodec(ring)
+        return None
+
+
+# --- the checks ---------------------------------------------------------------------------------
+
+
+class Doctor:
+    """Runs the checks in order; `client` is the Temporal client the first one connected."""
+
+    def __init__(self, inputs: Inputs, *, runtime: Runtime | None = None) -> None:
+        self.inputs = inputs
+        self.runtime = runtime
+        self.client: Client | None = None
+
+    async def run(self, *, skip: frozenset[Check] = frozenset()) -> AsyncIterator[CheckResult]:
+        passed: set[Check] = set()
+
+        async def needing(check: Check, needs: tuple[Check, ...], run: Any) -> CheckResult:
+            for need in needs:
+                if need not in passed:
+                    return skipped(check, need)
+            if (problem := self.inputs.errors.get(check)) is not None:
+                return fail(check, problem)
+            result: CheckResult = await run()
+            return result
+
+        steps = (
+            (Check.TEMPORAL, (), self._temporal),
+            (Check.NAMESPACE, (Check.TEMPORAL,), self._namespace),
+            (Check.SEARCH_ATTRIBUTES, (Check.NAMESPACE,), self._search_attributes),
+            (Check.WORKER, (Check.NAMESPACE,), self._worker),
+            (Check.BUCKET, (), self._bucket),
+            (Check.RUNPOD, (), self._runpod),
+            (Check.ENCRYPTION, (), self._encryption),
+        )
+        for check, needs, run in steps:
+            if check in skip:
+                continue
+            result = await needing(check, needs, run)
+            log.debug("doctor_check", check=check.value, outcome=result.outcome.value)
+            if result.outcome is Outcome.OK:
+                passed.add(check)
+            yield result
+
+    def _address(self) -> str:
+        temporal = self.inputs.temporal
+        if temporal is not None and temporal.address:
+            return temporal.address
+        return str(_environ_config().get("target_host") or DEFAULT_ADDRESS)
+
+    async def _temporal(self) -> CheckResult:
+        temporal = self.inputs.temporal
+        address = self._address()
+        try:
+            async with asyncio.timeout(CONNECT_TIMEOUT.total_seconds() * 2):
+                self.client = await connect_temporal(
+                    temporal.address if temporal else None,
+                    temporal.namespace if temporal else None,
+                    runtime=self.runtime,
+                    codec=self._codec(),
+                )
+        except (RuntimeError, TimeoutError, ValueError) as exc:
+            return fail(
+                Check.TEMPORAL,
+                f"cannot reach Temporal at {address} ({_connect_detail(exc)}): "
+                "check TEMPORAL_ADDRESS (or the profile's address: TEMPORAL_CONFIG_FILE, "
+                "TEMPORAL_PROFILE), TLS (TEMPORAL_TLS*) and TEMPORAL_API_KEY, and that the "
+                "server is up (`durable-comfy dev up` for the local stack)",
+                Problem.UNREACHABLE,
+            )
+        return ok(Check.TEMPORAL, f"reachable at {address}")
+
+    async def _namespace(self) -> CheckResult:
+        client = self._client()
+        try:
+            await client.workflow_service.describe_namespace(
+                DescribeNamespaceRequest(namespace=client.namespace), timeout=RPC_TIMEOUT
+            )
+        except RPCError as exc:
+            if exc.status == RPCStatusCode.NOT_FOUND:
+                return fail(
+                    Check.NAMESPACE,
+                    f"namespace {client.namespace!r} does not exist on {self._address()}: set "
+                    "TEMPORAL_NAMESPACE to yours, or create it (`temporal operator namespace "
+                    f"create --namespace {client.namespace}`)",
+                )
+            return _rpc_failure(Check.NAMESPACE, exc, f"describing {client.namespace!r}")
+        return ok(Check.NAMESPACE, f"{client.namespace!r} exists")
+
+    async def _search_attributes(self) -> CheckResult:
+        client = self._client()
+        try:
+            listed = await client.operator_service.list_search_attributes(
+                ListSearchAttributesRequest(namespace=client.namespace), timeout=RPC_TIMEOUT
+            )
+        except RPCError as exc:
+            return _rpc_failure(Check.SEARCH_ATTRIBUTES, exc, "listing search attributes")
+        registered = {
+            name: _TYPE_NAMES.get(kind, IndexedValueType.Name(kind))
+            for name, kind in listed.custom_attributes.items()
+        }
+        wrong_type = [
+            f"{name} is {registered[name]}, not {kind}"
+            for name, kind in SEARCH_ATTRIBUTES.items()
+            if name in registered and registered[name] != kind
+        ]
+        missing = {n: k for n, k in SEARCH_ATTRIBUTES.items() if n not in registered}
+        if wrong_type:
+            return fail(
+                Check.SEARCH_ATTRIBUTES,
+                f"namespace {client.namespace!r}: {'; '.join(wrong_type)}: a search attribute's "
+                "type cannot change; use a namespace without them (or remove them first)",
+            )
+        if missing:
+            self_hosted, cloud = register_commands(client.namespace, missing)
+            return fail(
+                Check.SEARCH_ATTRIBUTES,
+                f"namespace {client.namespace!r} lacks {', '.join(missing)}: run {self_hosted} "
+                f"(self-hosted), or {cloud} (Temporal Cloud, or its UI: the namespace's "
+                "Search Attributes)",
+            )
+        return ok(Check.SEARCH_ATTRIBUTES, f"{', '.join(SEARCH_ATTRIBUTES)} registered")
+
+    async def _worker(self) -> CheckResult:
+        client = self._client()
+        assert self.inputs.worker is not None  # else its settings error was reported
+        task_queue = self.inputs.worker.task_queue
+        try:
+            async with asyncio.timeout(RPC_TIMEOUT.total_seconds()):
+                pollers = live_pollers(await workflow_pollers(client, task_queue))
+        except RPCError as exc:
+            return _rpc_failure(Check.WORKER, exc, f"describing task queue {task_queue!r}")
+        except TimeoutError:
+            return fail(
+                Check.WORKER,
+                f"Temporal did not answer describing task queue {task_queue!r} in time",
+                Problem.UNREACHABLE,
+            )
+        if not pollers:
+            return fail(
+                Check.WORKER,
+                f"no worker polls task queue {task_queue!r} in namespace {client.namespace!r}: "
+                "start one (`durable-comfy worker`), or set DURABLE_COMFY_TASK_QUEUE to the "
+                "queue your workers poll",
+                Problem.UNREACHABLE,
+            )
+        names = ", ".join(sorted({p.identity for p in pollers}))
+        return ok(Check.WORKER, f"{len(pollers)} poller(s) on {task_queue!r}: {names}")
+
+    async def _bucket(self) -> CheckResult:
+        s3 = self.inputs.s3
+        assert s3 is not None  # else its settings error was reported
+        key = f"{PROBE_FOLDER}/{uuid.uuid4().hex}"
+        where = f"s3://{s3.bucket}/{PROBE_FOLDER}/"
+        endpoint = s3.endpoint_url or "AWS's default endpoint"
+        try:
+            async with asyncio.timeout(CALL_TIMEOUT_S), ArtifactStore(s3) as store:
+                # HeadBucket first: some servers (SeaweedFS) create a bucket on the first put.
+                if not await _bucket_exists(store):
+                    return fail(
+                        Check.BUCKET,
+                        f"bucket {s3.bucket!r} does not exist at {endpoint}: create it, or set "
+                        "DURABLE_COMFY_BUCKET to the bucket the jobs write to",
+                    )
+                await store.put_small(key, b"durable-comfy doctor\n", content_type="text/plain")
+                await store.delete(key)
+        except StorageConfigError as exc:
+            return fail(
+                Check.BUCKET,
+                f"cannot write under {where} ({_one_line(exc)}): create the bucket, or fix "
+                "DURABLE_COMFY_BUCKET / the credentials (AWS_ACCESS_KEY_ID, AWS_PROFILE, ...) "
+                "so they may put and delete there",
+            )
+        except (StorageError, TimeoutError) as exc:
+            return fail(
+                Check.BUCKET,
+                f"cannot reach S3 at {endpoint} ({_one_line(exc) or 'no answer in time'}): "
+                "check DURABLE_COMFY_S3_ENDPOINT and that the server is up",
+                Problem.UNREACHABLE,
+            )
+        return ok(Check.BUCKET, f"put and delete under {where} work ({endpoint})")
+
+    async def _runpod(self) -> CheckResult:
+        worker, keys = self.inputs.worker, self.inputs.runpod_keys
+        assert worker is not None and keys is not None  # else their error was reported
+        pools = {n: p for n, p in worker.pools.items() if p.kind == "runpod"}
+        if not pools:
+            return ok(Check.RUNPOD, "no runpod pools configured")
+        failures: list[CheckResult] = []
+        async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, connect=5.0)) as http:
+            for name, pool in sorted(pools.items()):
+                client = RunPodClient.for_pool(pool, keys[name], http, retry=NO_RETRY)
+                try:
+                    async with asyncio.timeout(CALL_TIMEOUT_S):
+                        await client.health()
+                except RunPodAuthError as exc:
+                    failures.append(
+                        fail(
+                            Check.RUNPOD,
+                            f"the key in {exc.variable} is refused by endpoint "
+                            f"{pool.endpoint_id} (pool {name!r}, HTTP {exc.status_code}): set "
+                            f"{exc.variable} to a key of that endpoint's account",
+                        )
+                    )
+                except RunPodRefused as exc:
+                    failures.append(
+                        fail(
+                            Check.RUNPOD,
+                            f"endpoint {pool.endpoint_id} (pool {name!r}) refused GET /health "
+                            f"({_one_line(exc)}): check the pool's endpoint_id and url",
+                        )
+                    )
+                except (RunPodError, TimeoutError) as exc:
+                    failures.append(
+                        fail(
+                            Check.RUNPOD,
+                            f"endpoint {pool.endpoint_id} (pool {name!r}) did not answer GET "
+                            f"/health at {pool.url} ({_one_line(exc) or 'no answer in time'})",
+                            Problem.UNREACHABLE,
+                        )
+                    )
+        if failures:
+            configuration = any(f.problem is Problem.CONFIGURATION for f in failures)
+            return fail(
+                Check.RUNPOD,
+                "; ".join(f.message for f in failures),
+                Problem.CONFIGURATION if configuration else Problem.UNREACHABLE,
+            )
+        return ok(Check.RUNPOD, f"{', '.join(sorted(pools))}: GET /health answered")
+
+    async def _encryption(self) -> CheckResult:
+        codec = self.inputs.codec
+        if codec is None:
+            return ok(Check.ENCRYPTION, f"off (neither {KEYS_ENV} nor {KEYS_FILE_ENV} is set)")
+        # Round trip: a key that parses but cannot seal and open is no key.
+        probe = Payload(metadata={"encoding": b"binary/plain"}, data=b"doctor")
+        if codec.decrypt(codec.encrypt(probe)) != probe:
+            return fail(Check.ENCRYPTION, "the active key does not decrypt what it encrypts")
+        return ok(
+            Check.ENCRYPTION,
+            f"on: {len(codec.ring.ids)} key(s), active {codec.active_id!r}",
+        )
+
+    def _codec(self) -> PayloadCodec | None:
+        """The codec to connect with. Unusable keys are the encryption check's to report: the
+        connection's checks go on without them (none of them sends a payload)."""
+        if self.inputs.codec is None and Check.ENCRYPTION in self.inputs.errors:
+            return _NoPayloads()
+        return self.inputs.codec
+
+    def _client(self) -> Client:
+        if self.client is None:
+            raise RuntimeError("the temporal check connects first")
+        return self.client
+
+
+async def connect_checked(inputs: Inputs, runtime: Runtime | None = None) -> Client:
+    """The worker's start: every check but "a worker polls" (it is the worker), then the client
+    the first check connected. Raises `ChecksFailed` when any check fails."""
+    doctor = Doctor(inputs, runtime=runtime)
+    results = [result async for result in doctor.run(skip=frozenset({Check.WORKER}))]
+    if any(result.failed for result in results) or doctor.client is None:
+        raise ChecksFailed(results)
+    log.info("start_checks_passed", checks=[result.check.value for result in results])
+    return doctor.client
+
+
+# --- helpers ------------------------------------------------------------------------------------
+
+
+def _rpc_failure(check: Check, exc: RPCError, doing: str) -> CheckResult:
+    if exc.status in (RPCStatusCode.UNAVAILABLE, RPCStatusCode.DEADLINE_EXCEEDED):
+        return fail(check, f"Temporal did not answer {doing}: {exc.message}", Problem.UNREACHABLE)
+    if exc.status in (RPCStatusCode.PERMISSION_DENIED, RPCStatusCode.UNAUTHENTICATED):
+        return fail(
+            check,
+            f"Temporal refused {doing} ({exc.status.name}: {_one_line(exc.message)}): check "
+            "TEMPORAL_API_KEY (or the profile's api_key) and its permissions on the namespace",
+        )
+    return fail(check, f"Temporal refused {doing}: {exc.status.name}: {_one_line(exc.message)}")
+
+
+async def _bucket_exists(store: ArtifactStore) -> bool:
+    """False on HeadBucket's 404; any other refusal becomes a `StorageError`, as in the store."""
+    bucket = store.settings.bucket
+    try:
+        await store.client.head_bucket(Bucket=bucket)
+    except S3_FAILURES as exc:
+        if isinstance(exc, BotoClientError) and error_code(exc) in ("404", "NoSuchBucket"):
+            return False
+        raise translate(exc, "head-bucket", bucket, "") from exc
+    return True
+
+
+def _connect_detail(exc: BaseException) -> str:
+    """The gist of the SDK's connect error ("Connection refused"), not its nested Rust debug
+    rendering."""
+    text = _one_line(exc, limit=2000)
+    found = re.findall(r'message: "([^"]+)"', text)
+    return found[-1] if found else (_one_line(text) or "no answer in time")
+
+
+class _NoPayloads(PayloadCodec):
+    """Stands in for a codec whose keys are unusable: no check sends or reads a payload."""
+
+    async def encode(self, payloads: Sequence[Payload]) -> list[Payload]:
+        raise RuntimeError("the doctor's checks send no payloads")
+
+    async def decode(self, payloads: Sequence[Payload]) -> list[Payload]:
+        raise RuntimeError("the doctor's checks read no payloads")
+
+
+def _environ_config() -> dict[str, Any]:
+    try:
+        return dict(ClientConfig.load_client_connect_config())
+    except Exception:  # a broken profile: the connection check says so with its own words
+        return {}
+
+
+def _one_line(exc: BaseException | str, limit: int = 300) -> str:
+    text = re.sub(r"\s+", " ", str(exc)).strip()
+    return text if len(text) <= limit else text[: limit - 1] + "…"
