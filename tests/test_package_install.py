@@ -1,10 +1,13 @@
-"""`pip install .` with no extras gives the client, the CLI and the worker, and no server binary.
+"""`pip install .` with no extras gives the client, the CLI and the worker, and no server binary;
+and what it installs is exactly the worker image's pins (constraints/worker.txt).
 
 The project is built as a wheel from a copy of the files the package holds and installed into a
-fresh venv with nothing but pip's own resolution of its requirements, offline from the local
-wheelhouse (tests/package_support.py): only the runtime requirements are ever downloaded into
-it, so a server binary that crept back into them makes the offline install fail instead of
-passing unnoticed.
+fresh venv by pip's own resolution of its requirements (no extras), held to the image's pins as
+constraints, offline from the local wheelhouse (tests/package_support.py): only the runtime
+requirements are ever downloaded into it, so a server binary that crept back into them makes
+the offline install fail instead of passing unnoticed. One venv proves both: if the install
+holds exactly the pins and passes `pip check`, the image's `--no-deps` install of the same pins
+is complete and consistent.
 """
 
 from __future__ import annotations
@@ -17,9 +20,12 @@ import pytest
 from tests.package_support import (
     BUDGET_S,
     SERVER_DISTRIBUTIONS,
+    WORKER_PINS,
     install_from_wheelhouse,
     installed_distributions,
     new_venv,
+    pins,
+    pip_check,
     project_wheel,
     run,
 )
@@ -27,13 +33,15 @@ from tests.package_support import (
 
 @pytest.fixture(scope="module")
 def clean_install(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A fresh venv (no pip, no site packages) with the project's wheel installed, no extras."""
+    """A fresh venv (no pip, no site packages) with the project's wheel installed, no extras,
+    its requirements resolved by pip within the worker image's pins."""
     started = time.monotonic()
     wheel = project_wheel(tmp_path_factory)
     venv = tmp_path_factory.mktemp("package") / "venv"
     python = new_venv(venv)
     # Fetched on a miss: the runtime requirements (no extras), as pip resolves them.
-    installed = install_from_wheelhouse(python, [str(wheel)], download=[str(wheel)])
+    args = ["--constraint", str(WORKER_PINS), str(wheel)]
+    installed = install_from_wheelhouse(python, args, download=args)
     assert installed.returncode == 0, installed.stderr[-2000:]
     elapsed = time.monotonic() - started
     print(f"clean install in {elapsed:.1f} s")
@@ -56,6 +64,21 @@ def test_the_cli_client_and_worker_work_without_extras(clean_install: Path) -> N
     assert helped.returncode == 0, helped.stderr
     for command in ("submit", "watch", "result", "worker", "dev"):
         assert command in helped.stdout
+
+
+def test_the_install_is_exactly_the_worker_images_pins(clean_install: Path) -> None:
+    """Nothing the pins lack was needed (pip would have added it), nothing pinned is unused,
+    and the set is consistent: the image's `--no-deps` install of the pins works as this one."""
+    checked = pip_check(clean_install / "bin" / "python")
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    installed = installed_distributions(clean_install)
+    assert installed == {**pins(WORKER_PINS), "durable-comfy": installed["durable-comfy"]}
+
+
+def test_the_worker_command_runs_on_the_pins(clean_install: Path) -> None:
+    helped = run([str(clean_install / "bin" / "durable-comfy"), "worker", "--help"])
+    assert helped.returncode == 0, helped.stderr[-3000:]
+    assert "--metrics-port" in helped.stdout
 
 
 def test_dev_says_in_one_line_what_to_install(clean_install: Path) -> None:
