@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import signal
 import sys
 from collections.abc import Mapping
@@ -36,12 +37,24 @@ from activities.metrics import count_swept, prometheus_runtime
 from activities.orphans import OrphanSweeper, RunPodSweep
 from activities.runpod.backend import RunPodBackend
 from activities.runpod.client import RunPodClient
+from activities.runpod.errors import RunPodAuthError, RunPodError, RunPodRefused
 from activities.runpod.nodes import check_captured_registries
-from activities.settings import WorkerSettings, runpod_api_keys
+from activities.runpod.retry import NO_RETRY
+from activities.settings import PoolConfig, WorkerSettings, runpod_api_keys
 from activities.storage import ArtifactStore, S3Settings, StorageConfigError
 from activities.versioning import deployment_config, settle_and_report
 from starter.connection import TemporalSettings, forwarded_core_logs
-from starter.doctor import ChecksFailed, Inputs, Outcome, connect_checked
+from starter.doctor import (
+    Check,
+    CheckResult,
+    ChecksFailed,
+    Inputs,
+    Outcome,
+    Problem,
+    RunPodCheck,
+    connect_checked,
+    one_line,
+)
 from starter.exit import exit_without_finalizing
 from workflows.inference_job import InferenceJob
 
@@ -49,6 +62,8 @@ log = structlog.get_logger("worker")
 
 GRACEFUL_SHUTDOWN = timedelta(seconds=5)
 STICKY_TIMEOUT = timedelta(seconds=3)
+# The start-up check's GET /health, per endpoint.
+RUNPOD_CHECK_TIMEOUT_S = 15.0
 
 
 async def run_worker(
@@ -73,7 +88,10 @@ async def run_worker(
         if settings.metrics_port is not None:
             runtime = prometheus_runtime(settings.metrics_port, forwarded_core_logs())
             log.info("metrics_serving", url=f"http://127.0.0.1:{settings.metrics_port}/metrics")
-        client = await connect_checked(Inputs.of(temporal, settings, s3, keys), runtime)
+        inputs = Inputs.of(
+            temporal, settings.task_queue, s3, functools.partial(runpod_health, settings, keys)
+        )
+        client = await connect_checked(inputs, runtime)
     # Temporal owns retries: no transport-level retries here.
     timeout = httpx.Timeout(30.0, connect=5.0)
     async with (
@@ -152,6 +170,78 @@ def runpod_clients(
         for name, pool in settings.pools.items()
         if pool.kind == "runpod"
     }
+
+
+async def runpod_health(settings: WorkerSettings, keys: Mapping[str, SecretStr]) -> CheckResult:
+    """The doctor's `runpod` check: each runpod pool's endpoint answers `GET /health` with the
+    pool's key. One try each (no retries): a doctor says what it sees now."""
+    pools = {name: pool for name, pool in settings.pools.items() if pool.kind == "runpod"}
+    if not pools:
+        return CheckResult(check=Check.RUNPOD, outcome=Outcome.OK, message="no runpod pools")
+    async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, connect=5.0), trust_env=False) as http:
+        failures = [
+            failure
+            for name, pool in sorted(pools.items())
+            if (failure := await _endpoint_health(name, pool, keys[name], http)) is not None
+        ]
+    if not failures:
+        answered = f"{', '.join(sorted(pools))}: GET /health answered"
+        return CheckResult(check=Check.RUNPOD, outcome=Outcome.OK, message=answered)
+    refused = any(problem is Problem.CONFIGURATION for problem, _ in failures)
+    return CheckResult(
+        check=Check.RUNPOD,
+        outcome=Outcome.FAIL,
+        message="; ".join(message for _, message in failures),
+        problem=Problem.CONFIGURATION if refused else Problem.UNREACHABLE,
+    )
+
+
+async def _endpoint_health(
+    name: str, pool: PoolConfig, key: SecretStr, http: httpx.AsyncClient
+) -> tuple[Problem, str] | None:
+    """None when the pool's endpoint answers; else what kind of problem, and what to do."""
+    client = RunPodClient.for_pool(pool, key, http, retry=NO_RETRY)
+    where = f"endpoint {pool.endpoint_id} (pool {name!r})"
+    try:
+        async with asyncio.timeout(RUNPOD_CHECK_TIMEOUT_S):
+            await client.health()
+    except RunPodAuthError as exc:
+        return Problem.CONFIGURATION, (
+            f"the key in {exc.variable} is refused by {where}, HTTP {exc.status_code}: set "
+            f"{exc.variable} to a key of that endpoint's account"
+        )
+    except RunPodRefused as exc:
+        return Problem.CONFIGURATION, (
+            f"{where} refused GET /health ({one_line(exc)}): check the pool's endpoint_id and url"
+        )
+    except (RunPodError, TimeoutError) as exc:
+        return Problem.UNREACHABLE, (
+            f"{where} did not answer GET /health at {pool.url} "
+            f"({one_line(exc) or 'no answer in time'})"
+        )
+    return None
+
+
+def doctor_runpod_check() -> RunPodCheck:
+    """The `runpod` check for `durable-comfy doctor`, with the worker's settings read now
+    (the CLI finds it through the `worker` plugin: starter.cli.doctor). Settings that do not
+    load fail the check, one line naming each variable."""
+    try:
+        settings = WorkerSettings()
+        keys = runpod_api_keys(settings.pools)
+    except (ValidationError, SettingsError) as exc:
+        message = "; ".join(problem_lines(exc))
+
+        async def refused() -> CheckResult:
+            return CheckResult(
+                check=Check.RUNPOD,
+                outcome=Outcome.FAIL,
+                message=f"invalid worker settings: {message}",
+                problem=Problem.CONFIGURATION,
+            )
+
+        return refused
+    return functools.partial(runpod_health, settings, keys)
 
 
 class SetCurrentOption(StrEnum):

@@ -8,9 +8,10 @@ check it needs failed):
                        profile's; TLS and API key as Temporal's environment configuration says)
     namespace          the namespace exists
     search_attributes  every search attribute a job uses is registered, with its type
-    worker             a worker polls the workflow task queue (DURABLE_COMFY_TASK_QUEUE)
+    worker             a worker polled the workflow task queue (DURABLE_COMFY_TASK_QUEUE) lately
     bucket             a small object can be put and deleted under the jobs' prefix
     runpod             each runpod pool's endpoint answers `GET /health` with the pool's key
+                       (the worker's check, worker.py: the pools are worker settings)
     encryption         DURABLE_COMFY_CODEC_KEYS(_FILE), when set, hold usable keys
 
 A failure is a `CONFIGURATION` problem (fix a setting, register something: exit 2) or an
@@ -22,17 +23,15 @@ from __future__ import annotations
 import asyncio
 import re
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from enum import IntEnum, StrEnum
 from typing import Any
 
-import httpx
 import structlog
 from botocore.exceptions import ClientError as BotoClientError
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
-from pydantic_settings import SettingsError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from temporalio.api.common.v1 import Payload
 from temporalio.api.enums.v1 import IndexedValueType
 from temporalio.api.operatorservice.v1 import ListSearchAttributesRequest
@@ -43,10 +42,6 @@ from temporalio.envconfig import ClientConfig
 from temporalio.runtime import Runtime
 from temporalio.service import RPCError, RPCStatusCode
 
-from activities.runpod.client import RunPodClient
-from activities.runpod.errors import RunPodAuthError, RunPodError, RunPodRefused
-from activities.runpod.retry import NO_RETRY
-from activities.settings import WorkerSettings, problems, runpod_api_keys
 from activities.storage import ArtifactStore, S3Settings, StorageConfigError, StorageError
 from activities.storage_errors import S3_FAILURES, error_code, translate
 from starter.client import SEARCH_ATTRIBUTES
@@ -60,6 +55,7 @@ from starter.codec import (
 from starter.connection import DEFAULT_ADDRESS, TemporalSettings, connect_temporal
 from starter.errors import register_commands
 from starter.pollers import live_pollers, workflow_pollers
+from starter.settings import ClientSettings
 from starter.variables import VariablesOnly
 from workflows.contracts import OutputSpec
 
@@ -67,7 +63,7 @@ log = structlog.get_logger("doctor")
 
 CONNECT_TIMEOUT = timedelta(seconds=5)
 RPC_TIMEOUT = timedelta(seconds=5)
-# S3 and RunPod calls: the bucket's client retries once, each try up to its connect timeout.
+# An S3 or RunPod call: the bucket's client retries once, each try up to its connect timeout.
 CALL_TIMEOUT_S = 15.0
 # Where the bucket check writes (and at once deletes) its object: under the jobs' default
 # prefix, so a policy that allows only that prefix is what gets tested.
@@ -167,21 +163,27 @@ class _TemporalTarget(VariablesOnly):
     namespace: str | None = Field(None, validation_alias="TEMPORAL_NAMESPACE")
 
 
+# The worker's own check of its RunPod pools (worker.py): the client library holds no worker
+# code, so the CLI gets it from the `worker` plugin (starter.cli.doctor).
+RunPodCheck = Callable[[], Awaitable[CheckResult]]
+
+
 @dataclass
 class Inputs:
     """The settings the checks use, each with the problem that stopped it loading (if any)."""
 
     temporal: TemporalSettings | None = None
-    worker: WorkerSettings | None = None
+    task_queue: str | None = None
     s3: S3Settings | None = None
-    runpod_keys: Mapping[str, SecretStr] | None = None
     codec: EncryptionCodec | None = None
+    runpod: RunPodCheck | None = None
     errors: dict[Check, str] = field(default_factory=dict)
 
     @classmethod
-    def from_environment(cls) -> Inputs:
-        """Read like the worker reads them, without stopping at the first bad one."""
-        inputs = cls()
+    def from_environment(cls, runpod: RunPodCheck | None = None) -> Inputs:
+        """Read as the job commands and the worker read them, without stopping at the first
+        bad one: each problem fails the check that needs the setting."""
+        inputs = cls(runpod=runpod)
         codec_problem = inputs._read_codec()
         try:
             inputs.temporal = TemporalSettings()
@@ -196,33 +198,25 @@ class Inputs:
                     address=target.address, namespace=target.namespace
                 )
         try:
-            inputs.worker = WorkerSettings()
-        except (ValidationError, SettingsError) as exc:
-            message = problems(exc) if isinstance(exc, ValidationError) else str(exc)
-            inputs.errors[Check.WORKER] = inputs.errors[Check.RUNPOD] = (
-                f"invalid worker settings: {message}"
-            )
+            inputs.task_queue = ClientSettings().task_queue
+        except ValidationError as exc:
+            inputs.errors[Check.WORKER] = f"invalid settings: {problems(exc)}"
         try:
             inputs.s3 = S3Settings.from_env()
         except StorageConfigError as exc:
             inputs.errors[Check.BUCKET] = str(exc)
-        if inputs.worker is not None:
-            try:
-                inputs.runpod_keys = runpod_api_keys(inputs.worker.pools)
-            except SettingsError as exc:
-                inputs.errors[Check.RUNPOD] = str(exc)
         return inputs
 
     @classmethod
     def of(
         cls,
         temporal: TemporalSettings | None,
-        worker: WorkerSettings,
+        task_queue: str,
         s3: S3Settings,
-        runpod_keys: Mapping[str, SecretStr],
+        runpod: RunPodCheck | None,
     ) -> Inputs:
         """Settings the worker has already read (and the codec's, read here)."""
-        inputs = cls(temporal=temporal, worker=worker, s3=s3, runpod_keys=runpod_keys)
+        inputs = cls(temporal=temporal, task_queue=task_queue, s3=s3, runpod=runpod)
         inputs._read_codec()
         return inputs
 
@@ -359,8 +353,8 @@ class Doctor:
 
     async def _worker(self) -> CheckResult:
         client = self._client()
-        assert self.inputs.worker is not None  # else its settings error was reported
-        task_queue = self.inputs.worker.task_queue
+        task_queue = self.inputs.task_queue
+        assert task_queue is not None  # else its settings error was reported
         try:
             async with asyncio.timeout(RPC_TIMEOUT.total_seconds()):
                 pollers = live_pollers(await workflow_pollers(client, task_queue))
@@ -403,66 +397,27 @@ class Doctor:
         except StorageConfigError as exc:
             return fail(
                 Check.BUCKET,
-                f"cannot write under {where} ({_one_line(exc)}): create the bucket, or fix "
+                f"cannot write under {where} ({one_line(exc)}): create the bucket, or fix "
                 "DURABLE_COMFY_BUCKET / the credentials (AWS_ACCESS_KEY_ID, AWS_PROFILE, ...) "
                 "so they may put and delete there",
             )
         except (StorageError, TimeoutError) as exc:
             return fail(
                 Check.BUCKET,
-                f"cannot reach S3 at {endpoint} ({_one_line(exc) or 'no answer in time'}): "
+                f"cannot reach S3 at {endpoint} ({one_line(exc) or 'no answer in time'}): "
                 "check DURABLE_COMFY_S3_ENDPOINT and that the server is up",
                 Problem.UNREACHABLE,
             )
         return ok(Check.BUCKET, f"put and delete under {where} work ({endpoint})")
 
     async def _runpod(self) -> CheckResult:
-        worker, keys = self.inputs.worker, self.inputs.runpod_keys
-        assert worker is not None and keys is not None  # else their error was reported
-        pools = {n: p for n, p in worker.pools.items() if p.kind == "runpod"}
-        if not pools:
-            return ok(Check.RUNPOD, "no runpod pools configured")
-        failures: list[CheckResult] = []
-        async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, connect=5.0)) as http:
-            for name, pool in sorted(pools.items()):
-                client = RunPodClient.for_pool(pool, keys[name], http, retry=NO_RETRY)
-                try:
-                    async with asyncio.timeout(CALL_TIMEOUT_S):
-                        await client.health()
-                except RunPodAuthError as exc:
-                    failures.append(
-                        fail(
-                            Check.RUNPOD,
-                            f"the key in {exc.variable} is refused by endpoint "
-                            f"{pool.endpoint_id} (pool {name!r}, HTTP {exc.status_code}): set "
-                            f"{exc.variable} to a key of that endpoint's account",
-                        )
-                    )
-                except RunPodRefused as exc:
-                    failures.append(
-                        fail(
-                            Check.RUNPOD,
-                            f"endpoint {pool.endpoint_id} (pool {name!r}) refused GET /health "
-                            f"({_one_line(exc)}): check the pool's endpoint_id and url",
-                        )
-                    )
-                except (RunPodError, TimeoutError) as exc:
-                    failures.append(
-                        fail(
-                            Check.RUNPOD,
-                            f"endpoint {pool.endpoint_id} (pool {name!r}) did not answer GET "
-                            f"/health at {pool.url} ({_one_line(exc) or 'no answer in time'})",
-                            Problem.UNREACHABLE,
-                        )
-                    )
-        if failures:
-            configuration = any(f.problem is Problem.CONFIGURATION for f in failures)
-            return fail(
-                Check.RUNPOD,
-                "; ".join(f.message for f in failures),
-                Problem.CONFIGURATION if configuration else Problem.UNREACHABLE,
+        if self.inputs.runpod is None:
+            return CheckResult(
+                check=Check.RUNPOD,
+                outcome=Outcome.SKIPPED,
+                message="skipped (needs the worker, which reads the pools: not installed here)",
             )
-        return ok(Check.RUNPOD, f"{', '.join(sorted(pools))}: GET /health answered")
+        return await self.inputs.runpod()
 
     async def _encryption(self) -> CheckResult:
         codec = self.inputs.codec
@@ -510,10 +465,10 @@ def _rpc_failure(check: Check, exc: RPCError, doing: str) -> CheckResult:
     if exc.status in (RPCStatusCode.PERMISSION_DENIED, RPCStatusCode.UNAUTHENTICATED):
         return fail(
             check,
-            f"Temporal refused {doing} ({exc.status.name}: {_one_line(exc.message)}): check "
+            f"Temporal refused {doing} ({exc.status.name}: {one_line(exc.message)}): check "
             "TEMPORAL_API_KEY (or the profile's api_key) and its permissions on the namespace",
         )
-    return fail(check, f"Temporal refused {doing}: {exc.status.name}: {_one_line(exc.message)}")
+    return fail(check, f"Temporal refused {doing}: {exc.status.name}: {one_line(exc.message)}")
 
 
 async def _bucket_exists(store: ArtifactStore) -> bool:
@@ -531,9 +486,9 @@ async def _bucket_exists(store: ArtifactStore) -> bool:
 def _connect_detail(exc: BaseException) -> str:
     """The gist of the SDK's connect error ("Connection refused"), not its nested Rust debug
     rendering."""
-    text = _one_line(exc, limit=2000)
+    text = one_line(exc, limit=2000)
     found = re.findall(r'message: "([^"]+)"', text)
-    return found[-1] if found else (_one_line(text) or "no answer in time")
+    return found[-1] if found else (one_line(text) or "no answer in time")
 
 
 class _NoPayloads(PayloadCodec):
@@ -553,6 +508,13 @@ def _environ_config() -> dict[str, Any]:
         return {}
 
 
-def _one_line(exc: BaseException | str, limit: int = 300) -> str:
+def problems(exc: ValidationError) -> str:
+    """One line for a settings error: each problem with the variable it is about."""
+    return "; ".join(
+        f"{'.'.join(str(part) for part in error['loc'])}: {error['msg']}" for error in exc.errors()
+    )
+
+
+def one_line(exc: BaseException | str, limit: int = 300) -> str:
     text = re.sub(r"\s+", " ", str(exc)).strip()
     return text if len(text) <= limit else text[: limit - 1] + "…"

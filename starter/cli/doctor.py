@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import importlib
+from importlib.metadata import entry_points
 from typing import Annotated
 
 import typer
 
 from starter.cli.common import echo_json
-from starter.doctor import CheckResult, Doctor, Inputs, exit_code
+from starter.doctor import CheckResult, Doctor, Inputs, RunPodCheck, exit_code
+
+# The entry-point group of the CLI's plugins (starter.cli); not imported from there, which
+# imports this module.
+PLUGIN_GROUP = "durable_comfy.cli"
 
 
 def doctor(
@@ -26,9 +32,21 @@ def doctor(
     raise typer.Exit(int(exit_code(results)))
 
 
+def _worker_runpod_check() -> RunPodCheck | None:
+    """The worker's `runpod` check, from the `worker` plugin this install registers (None
+    without it). Found through the plugin, as the command itself is: the client library
+    imports no worker code (tests/test_layers.py)."""
+    for entry in entry_points(group=PLUGIN_GROUP, name="worker"):
+        check = getattr(importlib.import_module(entry.module), "doctor_runpod_check", None)
+        if check is not None:
+            made: RunPodCheck = check()
+            return made
+    return None
+
+
 async def _checks(json_output: bool) -> list[CheckResult]:
     results: list[CheckResult] = []
-    async for result in Doctor(Inputs.from_environment()).run():
+    async for result in Doctor(Inputs.from_environment(runpod=_worker_runpod_check())).run():
         # As each check ends: a slow one shows what has passed so far.
         if json_output:
             echo_json(result.model_dump_json())
