@@ -43,14 +43,17 @@ RUN useradd --create-home --no-log-init --uid 10001 --user-group durable
 USER 10001:10001
 WORKDIR /home/durable
 
-# Prometheus metrics (Temporal's and the project's) on 127.0.0.1:9464/metrics. The worker binds
-# the loopback address only, so a scraper outside the container cannot reach it; the health
-# check runs inside the container's network namespace and can. It asks /metrics, which answers
-# once the worker's Temporal runtime is up; a worker that cannot connect to Temporal exits.
-ENV DURABLE_COMFY_METRICS_PORT=9464
+# Prometheus metrics (Temporal's and the project's) on 0.0.0.0:9464/metrics, so a scraper
+# outside the container reaches them once the port is exposed to it (the worker's default
+# outside a container is 127.0.0.1). The health check asks /metrics, which answers once the
+# worker's Temporal runtime is up; a worker that cannot connect to Temporal exits.
+ENV DURABLE_COMFY_METRICS_PORT=9464 \
+    DURABLE_COMFY_METRICS_HOST=0.0.0.0
+EXPOSE 9464
 HEALTHCHECK --interval=30s --timeout=5s --start-period=30s --retries=3 \
     CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen(f\"http://127.0.0.1:{os.environ['DURABLE_COMFY_METRICS_PORT']}/metrics\", timeout=4)"]
 
-# Settings come from the environment (docs/configuration.md): TEMPORAL_ADDRESS, the S3 bucket,
-# the pools (DURABLE_COMFY_POOLS, or a stack file mounted and named by DURABLE_COMFY_CONFIG).
+# Settings come from a mounted settings file named by DURABLE_COMFY_SETTINGS_FILE
+# (examples/production.yaml) and the environment (docs/configuration.md, docs/deploy.md):
+# Temporal's profile or TEMPORAL_ADDRESS, and the secrets, which never go in the file.
 ENTRYPOINT ["durable-comfy", "worker"]

@@ -86,8 +86,11 @@ async def run_worker(
     if client is None:
         runtime = None
         if settings.metrics_port is not None:
-            runtime = prometheus_runtime(settings.metrics_port, forwarded_core_logs())
-            log.info("metrics_serving", url=f"http://127.0.0.1:{settings.metrics_port}/metrics")
+            runtime = prometheus_runtime(
+                settings.metrics_port, forwarded_core_logs(), host=settings.metrics_host
+            )
+            address = f"{settings.metrics_host}:{settings.metrics_port}"
+            log.info("metrics_serving", url=f"http://{address}/metrics")
         inputs = Inputs.of(
             temporal, settings.task_queue, s3, functools.partial(runpod_health, settings, keys)
         )

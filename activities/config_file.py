@@ -38,6 +38,7 @@ from activities.settings import (
     DeploymentName,
     EndpointUrl,
     HeartbeatThrottle,
+    MetricsHost,
     PoolConfig,
     Port,
     SetCurrent,
@@ -84,6 +85,7 @@ class WorkerFileSection(_Section):
     max_concurrent_activities: Concurrency | None = None
     orphan_sweep_interval_s: SweepInterval | None = None
     metrics_port: Port | None = None
+    metrics_host: MetricsHost | None = None
     log_level: str | None = None
     heartbeat_throttle_s: HeartbeatThrottle | None = None
     versioning: bool | None = None

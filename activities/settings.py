@@ -6,7 +6,8 @@ builds them and passes them down; nothing else reads these variables):
     WorkerSettings  DURABLE_COMFY_CONFIG, DURABLE_COMFY_SETTINGS_FILE, DURABLE_COMFY_POOLS,
                     DURABLE_COMFY_TASK_QUEUE,
                     DURABLE_COMFY_DEFAULT_POOL, DURABLE_COMFY_ORPHAN_SWEEP_S,
-                    DURABLE_COMFY_METRICS_PORT, DURABLE_COMFY_LOG_LEVEL,
+                    DURABLE_COMFY_METRICS_PORT, DURABLE_COMFY_METRICS_HOST,
+                    DURABLE_COMFY_LOG_LEVEL,
                     DURABLE_COMFY_HEARTBEAT_THROTTLE_S, DURABLE_COMFY_VERSIONING,
                     DURABLE_COMFY_DEPLOYMENT_NAME, DURABLE_COMFY_BUILD_ID,
                     DURABLE_COMFY_SET_CURRENT
@@ -264,6 +265,8 @@ SetCurrent = Literal["first", "always", "never"]
 # Constraints shared by the settings classes and the production file's model
 # (activities.config_file), so a value is checked the same way wherever it comes from.
 Port = Annotated[int, Field(ge=1, le=65535)]
+# An IP address to bind (not a host name: the SDK's Prometheus server binds "ip:port").
+MetricsHost = Annotated[str, Field(pattern=r"^(\d{1,3}(\.\d{1,3}){3}|\[?[0-9a-fA-F:]+\]?)$")]
 Concurrency = Annotated[int, Field(ge=1)]
 SweepInterval = Annotated[float, Field(ge=0)]
 HeartbeatThrottle = Annotated[float, Field(gt=0, le=60)]
@@ -471,6 +474,7 @@ _WORKER_FILE_FIELDS = (
     "max_concurrent_activities",
     "orphan_sweep_interval_s",
     "metrics_port",
+    "metrics_host",
     "log_level",
     "heartbeat_throttle_s",
     "versioning",
@@ -500,8 +504,11 @@ class WorkerSettings(EnvSettings):
     orphan_sweep_interval_s: SweepInterval = Field(
         60.0, validation_alias="DURABLE_COMFY_ORPHAN_SWEEP_S"
     )
-    # Serve Prometheus metrics (Temporal's and ours) on 127.0.0.1:<port>/metrics.
+    # Serve Prometheus metrics (Temporal's and ours) on <metrics_host>:<port>/metrics.
     metrics_port: Port | None = Field(None, validation_alias="DURABLE_COMFY_METRICS_PORT")
+    # Loopback by default: metrics name pools and task queues. In a container, 0.0.0.0 lets a
+    # scraper outside it reach them (the worker image sets it; its port is not published).
+    metrics_host: MetricsHost = Field("127.0.0.1", validation_alias="DURABLE_COMFY_METRICS_HOST")
     # Unknown names fall back to INFO (activities.log_setup).
     log_level: str = Field("INFO", validation_alias="DURABLE_COMFY_LOG_LEVEL")
     # The longest the SDK holds an activity's newest heartbeat before sending it (the Worker's

@@ -76,6 +76,7 @@ def stack_file(tmp_path: Path, worker_section: dict[str, Any]) -> Path:
         ("DURABLE_COMFY_DEFAULT_POOL", "gpu", "default_pool", "gpu"),
         ("DURABLE_COMFY_ORPHAN_SWEEP_S", "2.5", "orphan_sweep_interval_s", 2.5),
         ("DURABLE_COMFY_METRICS_PORT", "9464", "metrics_port", 9464),
+        ("DURABLE_COMFY_METRICS_HOST", "0.0.0.0", "metrics_host", "0.0.0.0"),
         ("DURABLE_COMFY_LOG_LEVEL", "DEBUG", "log_level", "DEBUG"),
         ("DURABLE_COMFY_CONFIG", "nowhere.yaml", "config_file", None),  # checked below
     ],
@@ -273,6 +274,8 @@ def test_the_worker_builds_its_settings_once_with_the_option_winning(
         ("DURABLE_COMFY_ORPHAN_SWEEP_S", "-1", "greater than or equal to 0"),
         ("DURABLE_COMFY_ORPHAN_SWEEP_S", "soon", "valid number"),
         ("DURABLE_COMFY_METRICS_PORT", "70000", "less than or equal to 65535"),
+        # The SDK binds "ip:port": a host name would fail only once the runtime starts.
+        ("DURABLE_COMFY_METRICS_HOST", "metrics.example", "should match pattern"),
         ("DURABLE_COMFY_POOLS", "{gpu: url}", "not JSON"),
         ("DURABLE_COMFY_POOLS", '{"gpu": {"kind": "tpu"}}', "'comfyui' or 'runpod'"),
         ("DURABLE_COMFY_POOLS", '{"gpu": {"uri": "http://x"}}', "Extra inputs"),
@@ -606,6 +609,7 @@ def production_file(tmp_path: Path, data: dict[str, Any], name: str = "productio
         ("worker", "default_pool", "gpu", "DURABLE_COMFY_DEFAULT_POOL", "cpu", None, None),
         ("worker", "orphan_sweep_interval_s", 5.0, "DURABLE_COMFY_ORPHAN_SWEEP_S", "7", None, None),
         ("worker", "metrics_port", 9100, "DURABLE_COMFY_METRICS_PORT", "9200", None, None),
+        ("worker", "metrics_host", "0.0.0.0", "DURABLE_COMFY_METRICS_HOST", "::1", None, None),
         ("worker", "log_level", "DEBUG", "DURABLE_COMFY_LOG_LEVEL", "ERROR", None, None),
         (
             "worker",
