@@ -445,13 +445,31 @@ class Doctor:
         return self.client
 
 
+# Services a worker rides out when they are down: each activity retries against them, and a
+# worker that refused to start during an S3 or RunPod outage would also stop every job of its
+# other pools (and crash-loop under a process manager). Temporal is not one of them.
+RIDDEN_OUT = frozenset({Check.BUCKET, Check.RUNPOD})
+
+
+def refuses_start(result: CheckResult) -> bool:
+    """A failure the worker must not start with: any wrong setting or missing registration, and
+    Temporal not answering; not S3 or RunPod being down for now (a warning)."""
+    return result.failed and not (
+        result.problem is Problem.UNREACHABLE and result.check in RIDDEN_OUT
+    )
+
+
 async def connect_checked(inputs: Inputs, runtime: Runtime | None = None) -> Client:
     """The worker's start: every check but "a worker polls" (it is the worker), then the client
-    the first check connected. Raises `ChecksFailed` when any check fails."""
+    the first check connected. Raises `ChecksFailed` when a check fails with a problem the worker
+    must not start with (`refuses_start`); S3 or RunPod not answering is logged and ridden out."""
     doctor = Doctor(inputs, runtime=runtime)
     results = [result async for result in doctor.run(skip=frozenset({Check.WORKER}))]
-    if any(result.failed for result in results) or doctor.client is None:
+    if any(refuses_start(result) for result in results) or doctor.client is None:
         raise ChecksFailed(results)
+    for result in results:
+        if result.failed:
+            log.warning("start_check_unreachable", check=result.check.value, detail=result.message)
     log.info("start_checks_passed", checks=[result.check.value for result in results])
     return doctor.client
 

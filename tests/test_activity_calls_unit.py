@@ -80,3 +80,27 @@ async def test_an_offload_is_retried_and_heartbeats(wf: FakeWorkflow, partial: b
     assert opts["heartbeat_timeout"] < opts["start_to_close_timeout"]
     assert "segment 3" in opts["summary"]
     assert ("partial" in opts["summary"]) == partial
+
+
+async def summaries(wf: FakeWorkflow) -> list[str]:
+    """Every call's summary, in the order an operator meets them in the Temporal UI."""
+    policy = JobPolicy()
+    await calls.prepare(only_with(PrepareInput, job_id="j"))
+    await calls.follow(only_with(FollowInput, segment=0), policy)
+    await calls.offload(only_with(OffloadInput, segment=1, partial=False))
+    await calls.offload(only_with(OffloadInput, segment=1, partial=True))
+    await calls.stop(only_with(StopInput, reason="cancelled", final=False))
+    await calls.stop(only_with(StopInput, reason="cancelled", final=True))
+    return [opts["summary"] for _activity, _arg, opts in wf.activities]
+
+
+async def test_the_ui_summaries_word_for_word(wf: FakeWorkflow) -> None:
+    # The text operators read and search in the UI's event list (docs/operations.md).
+    assert await summaries(wf) == [
+        "prepare",
+        "follow segment 0",
+        "offload segment 1",
+        "offload segment 1 (partial)",
+        "stop prompt (cancelled)",
+        "stop prompt (cancelled) (last check)",
+    ]

@@ -30,7 +30,7 @@ from devstack.stack import start_service, stop_service
 from starter.cli import build_app
 from starter.cli.common import ExitCode
 from starter.client import SEARCH_ATTRIBUTES
-from starter.doctor import Check, CheckResult, DoctorExit, Outcome
+from starter.doctor import Check, CheckResult, DoctorExit, Outcome, Problem, fail, refuses_start
 from starter.pollers import workflow_pollers
 from tests.cli_support import EXAMPLE, ROOT, RunningWorker, cli_env, json_lines, run_cli
 from tests.cli_support import running_worker as in_process_worker
@@ -285,3 +285,22 @@ def test_a_check_result_is_one_json_document_with_these_fields() -> None:
         "message": "fine",
         "problem": None,
     }
+
+
+@pytest.mark.parametrize(
+    ("check", "problem", "refused"),
+    [
+        # Down for now: the worker starts and its activities ride the outage out.
+        (Check.BUCKET, Problem.UNREACHABLE, False),
+        (Check.RUNPOD, Problem.UNREACHABLE, False),
+        # Without Temporal a worker is nothing; a wrong setting never fixes itself.
+        (Check.TEMPORAL, Problem.UNREACHABLE, True),
+        (Check.BUCKET, Problem.CONFIGURATION, True),
+        (Check.RUNPOD, Problem.CONFIGURATION, True),
+        (Check.SEARCH_ATTRIBUTES, Problem.CONFIGURATION, True),
+    ],
+)
+def test_the_worker_starts_through_an_s3_or_runpod_outage_but_not_a_wrong_setting(
+    check: Check, problem: Problem, refused: bool
+) -> None:
+    assert refuses_start(fail(check, "what was found", problem)) is refused
