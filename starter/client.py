@@ -492,11 +492,19 @@ class JobClient:
 
     @_client_errors
     async def client_seen(self, job_id: str) -> None:
-        await self.handle(job_id).signal(SIGNAL_CLIENT_SEEN)
+        await self._client_seen(job_id)
 
     @_client_errors
     async def attach(self, job_id: str) -> JobStatus:
         """Tell the job a client is (back) and get its status in one round trip."""
+        return await self._attach(job_id)
+
+    # The watch's own calls: the SDK's errors, which its reconnect loop retries (the public
+    # methods above turn them into `ClientError`s, which would end the watch at the first).
+    async def _client_seen(self, job_id: str) -> None:
+        await self.handle(job_id).signal(SIGNAL_CLIENT_SEEN)
+
+    async def _attach(self, job_id: str) -> JobStatus:
         status: JobStatus = await self.handle(job_id).execute_update(
             UPDATE_ATTACH, result_type=JobStatus, rpc_timeout=self.query_timeout
         )
@@ -661,7 +669,7 @@ class JobClient:
                         keepalive_s if keepalive_s is not None else _keepalive_interval(status)
                     )
                     if not status.terminal and not status.detached and now - last_seen >= interval:
-                        await self.client_seen(job_id)
+                        await self._client_seen(job_id)
                         last_seen = time.monotonic()
                 except (
                     RPCError,
@@ -692,7 +700,7 @@ class JobClient:
 
     async def _attach_or_final(self, job_id: str) -> JobStatus:
         try:
-            return await self.attach(job_id)
+            return await self._attach(job_id)
         except RPCError as exc:
             if exc.status != RPCStatusCode.NOT_FOUND:
                 raise

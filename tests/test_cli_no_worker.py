@@ -18,7 +18,7 @@ from pathlib import Path
 from activities.settings import WorkerSettings
 from devstack.config import PoolConfig
 from devstack.models import RunningStack
-from starter import JobClient, JobRequest
+from starter import JobClient, JobRequest, JobState, JobStatus
 from starter.cli.common import ExitCode
 from starter.connection import connect_temporal
 from tests.cli_support import cli_env, example, json_lines, run_cli, s3_settings, start_cli
@@ -142,3 +142,28 @@ async def test_watch_json_has_a_no_worker_event_then_a_worker_polling_one(
     events = [doc["event"] for doc in lines if "event" in doc]
     assert events == ["worker_polling"], lines
     assert lines[-1]["state"] == "COMPLETED"
+
+
+async def test_a_watch_outlives_unanswered_queries_until_a_worker_comes(
+    local_stack: RunningStack,
+) -> None:
+    """Nobody answers the status query or the attach update for several of their timeouts:
+    each is retried on the watch's backoff (not raised at the first as a `ClientError`), and
+    the watch goes on to the job's end once a worker comes."""
+    queue = fresh_queue()
+    temporal = await connect_temporal(local_stack.temporal_address, local_stack.namespace)
+    client = JobClient(temporal, task_queue=queue, query_timeout_s=0.5)
+    submitted = await client.submit(JobRequest(graph=example(steps=2)))
+    seen: list[JobStatus] = []
+
+    async def watch() -> None:
+        async for status in client.watch(submitted.job_id, poll_interval_s=0.2):
+            seen.append(status)
+
+    watching = asyncio.create_task(watch())
+    # A query, then updates on the reconnect backoff (1 s, 2 s, ... with jitter), unanswered.
+    await asyncio.sleep(6)
+    assert not watching.done(), watching.exception()
+    async with worker_on(local_stack, queue):
+        await asyncio.wait_for(watching, timeout=60)
+    assert seen[-1].state is JobState.COMPLETED
