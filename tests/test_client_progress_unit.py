@@ -206,7 +206,7 @@ class Calls:
 
         self.client._query = query  # type: ignore[method-assign]
         self.client._describe = describe  # type: ignore[method-assign]
-        self.client.client_seen = client_seen  # type: ignore[method-assign]
+        self.client._client_seen = client_seen  # type: ignore[method-assign]
 
 
 async def test_watch_reads_steps_from_heartbeats_and_queries_only_when_history_grew() -> None:

@@ -13,14 +13,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
 
 import pytest
 import pytest_asyncio
+import structlog
 from typer.testing import CliRunner
 
 from devstack.config import StackConfig
@@ -142,8 +145,25 @@ def doctor_in_process(env: dict[str, str]) -> tuple[int, Results]:
     unset: dict[str, str | None] = {
         name: None for name in os.environ if name.startswith(("TEMPORAL_", "AWS_", "DURABLE_"))
     }
-    result = CliRunner().invoke(build_app(), ["doctor", "--json"], env=unset | env)
+    with logging_restored():
+        result = CliRunner().invoke(build_app(), ["doctor", "--json"], env=unset | env)
     return result.exit_code, by_check(result.stdout, result.stderr)
+
+
+@contextmanager
+def logging_restored() -> Iterator[None]:
+    """The CLI configures logging onto the `sys.stderr` it finds, which CliRunner swaps for a
+    stream it closes afterwards: every later test in this process would then log into a closed
+    file (`ValueError: I/O operation on closed file`). Put back what was there."""
+    config = structlog.get_config()
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        yield
+    finally:
+        structlog.configure(**config)
+        root.handlers[:] = handlers
+        root.setLevel(level)
 
 
 # --- subprocesses ---------------------------------------------------------------------------------

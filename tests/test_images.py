@@ -283,7 +283,11 @@ def test_the_worker_image_runs_the_worker() -> None:
     assert any(k == "USER" and not a.startswith(("root", "0")) for k, a in instructions(text))
     [check] = [a for k, a in instructions(text) if k == "HEALTHCHECK"]
     assert "/metrics" in check and "DURABLE_COMFY_METRICS_PORT" in check
-    assert ("ENV", "DURABLE_COMFY_METRICS_PORT=9464") in instructions(text)
+    [env] = [a.split() for k, a in instructions(text) if k == "ENV" and "METRICS" in a]
+    # Served where a scraper outside the container reaches it (the worker's own default is
+    # loopback), on the port the image exposes.
+    assert {"DURABLE_COMFY_METRICS_PORT=9464", "DURABLE_COMFY_METRICS_HOST=0.0.0.0"} <= set(env)
+    assert ("EXPOSE", "9464") in instructions(text)
 
 
 def health_check_argv(text: str) -> list[str]:

@@ -36,7 +36,6 @@ from tests import test_runpod_backend_unit as runpod_unit
 from tests.cli_support import ROOT, cli_env, example
 
 MARKER = f"audit-marker-{uuid.uuid4().hex[:12]}"
-FAKE_RUNPOD_KEY = f"rpa_FAKE{uuid.uuid4().hex.upper()}"
 CODEC_TOKEN = f"codec-token-{uuid.uuid4().hex}"
 TOKEN_VAR = "AUDIT_CODEC_TOKEN"
 SIGNATURE = re.compile(r"X-Amz-(Signature|Credential)", re.IGNORECASE)
@@ -57,7 +56,6 @@ class Audit:
         return {
             "S3 access key id": self.stack.access_key_id,
             "S3 secret key": self.stack.secret_access_key.get_secret_value(),
-            "RunPod key (fake)": FAKE_RUNPOD_KEY,
             "RunPod simulator key": self.stack.runpod_api_key.get_secret_value(),
             "codec key old": OLD_KEY.split(":", 1)[1],
             "codec key new": NEW_KEY.split(":", 1)[1],
@@ -69,7 +67,6 @@ class Audit:
         env = {k: v for k, v in env.items() if not k.startswith("DURABLE_COMFY_CODEC")}
         return env | {
             KEYS_ENV: keys,
-            "RUNPOD_API_KEY": FAKE_RUNPOD_KEY,
             "DURABLE_COMFY_LOG_LEVEL": "DEBUG",
             TOKEN_VAR: CODEC_TOKEN,
         }
