@@ -60,8 +60,15 @@ demo-chaos: $(STAMP)
 ## test: unit, workflow (time-skipping), integration (real Temporal + SeaweedFS + simulator)
 ## (TEST_WORKERS=N: pytest-xdist processes, each with its own local stack; 1 runs them in one)
 TEST_WORKERS ?= 2
-test: $(STAMP) $(EP_STAMP) $(STOCK_STAMP)
+test: $(STAMP) $(EP_STAMP) $(STOCK_STAMP) nginx
 	$(BIN)/pytest -q -n $(TEST_WORKERS) --durations=15
+
+# Debian's nginx-light (grpc_pass, http2): tests/test_tls_connection.py puts a TLS front that
+# requires client certificates before the dev server, so the production connection path is run.
+.PHONY: nginx
+nginx:
+	@test -x /usr/sbin/nginx || { apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx-light; }
 
 ## test-real-comfyui: the conformance suite and end-to-end tests against a real ComfyUI: on a
 ## comfyui pool, and on the RunPod path (our handler, and the stock worker-comfyui handler when
