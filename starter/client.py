@@ -53,7 +53,7 @@ from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
 from activities.storage_errors import StorageConfigError, StorageError
-from starter.connection import connect_temporal
+from starter.connection import connect_failure_gist, connect_target, connect_temporal
 from starter.errors import (
     ContactLost,
     InvalidJobId,
@@ -233,7 +233,8 @@ class JobClient:
         try:
             temporal = await connect_temporal(address, namespace)
         except RuntimeError as exc:  # how the SDK reports a refused or failed connection
-            raise TemporalUnreachable(address or "the configured address", str(exc)) from exc
+            target, tls = connect_target(address)
+            raise TemporalUnreachable(target, connect_failure_gist(exc), tls=tls) from exc
         client = cls(
             temporal,
             task_queue=task_queue or settings.task_queue,

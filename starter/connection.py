@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 from collections.abc import Mapping
 from functools import cache
 from typing import Self
@@ -119,6 +120,26 @@ async def connect_temporal(
     return await Client.connect(
         **config, data_converter=data_converter(codec), runtime=runtime or sdk_runtime()
     )
+
+
+def connect_target(address: str | None = None) -> tuple[str, bool]:
+    """Where `connect_temporal(address)` connects (the address given, else the profile's or
+    the variables', else the default), and whether over TLS: what a failure should name."""
+    try:
+        config = ClientConfig.load_client_connect_config()
+    except Exception:  # a broken profile: connecting says so in its own words
+        config = {}
+    return str(address or config.get("target_host") or DEFAULT_ADDRESS), bool(config.get("tls"))
+
+
+def connect_failure_gist(exc: BaseException) -> str:
+    """The gist of the SDK's connect error ("Connection refused", "400 Bad Request"): its last
+    quoted message, not its nested Rust debug rendering."""
+    text = re.sub(r"\s+", " ", str(exc)).strip()
+    found: list[str] = re.findall(r'message: "([^"]+)"', text)
+    if found:
+        return found[-1]
+    return (text if len(text) <= 300 else text[:299] + "…") or "no answer in time"
 
 
 def data_converter(codec: PayloadCodec | None) -> DataConverter:

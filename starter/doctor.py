@@ -52,7 +52,12 @@ from starter.codec import (
     CodecSettingsError,
     EncryptionCodec,
 )
-from starter.connection import DEFAULT_ADDRESS, TemporalSettings, connect_temporal
+from starter.connection import (
+    DEFAULT_ADDRESS,
+    TemporalSettings,
+    connect_failure_gist,
+    connect_temporal,
+)
 from starter.errors import register_commands
 from starter.pollers import live_pollers, workflow_pollers
 from starter.settings import ClientSettings
@@ -292,7 +297,7 @@ class Doctor:
         except (RuntimeError, TimeoutError, ValueError) as exc:
             return fail(
                 Check.TEMPORAL,
-                f"cannot reach Temporal at {address} ({_connect_detail(exc)}): "
+                f"cannot reach Temporal at {address} ({connect_failure_gist(exc)}): "
                 "check TEMPORAL_ADDRESS (or the profile's address: TEMPORAL_CONFIG_FILE, "
                 "TEMPORAL_PROFILE), TLS (TEMPORAL_TLS*) and TEMPORAL_API_KEY, and that the "
                 "server is up (`durable-comfy dev up` for the local stack)",
@@ -499,14 +504,6 @@ async def _bucket_exists(store: ArtifactStore) -> bool:
             return False
         raise translate(exc, "head-bucket", bucket, "") from exc
     return True
-
-
-def _connect_detail(exc: BaseException) -> str:
-    """The gist of the SDK's connect error ("Connection refused"), not its nested Rust debug
-    rendering."""
-    text = one_line(exc, limit=2000)
-    found = re.findall(r'message: "([^"]+)"', text)
-    return found[-1] if found else (one_line(text) or "no answer in time")
 
 
 class _NoPayloads(PayloadCodec):

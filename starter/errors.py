@@ -134,9 +134,13 @@ class ResumeRefused(ClientError):
 
 
 class TemporalUnreachable(ClientError):
-    def __init__(self, target: str, detail: str) -> None:
+    """Nothing answered at `target`, or it refused the connection; `tls`: the connection was
+    configured with TLS (a refusal is then most often a certificate the front does not take)."""
+
+    def __init__(self, target: str, detail: str, *, tls: bool = False) -> None:
         super().__init__(f"cannot reach Temporal at {target}: {detail}")
         self.target = target
+        self.tls = tls
 
 
 class TemporalRefused(ClientError):

@@ -181,12 +181,6 @@ async def test_a_client_without_a_certificate_is_refused_with_one_clear_error(
     assert all(call["grpc_status"] == "" for call in refused), "a call reached the server"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="product: JobClient.connect says 'the configured address' instead of the profile's "
-    "address, passes the SDK's Rust debug rendering (Status { code: Internal, ... MetadataMap "
-    "... }) and the hint 'is the stack up? ... (or set TEMPORAL_ADDRESS)'; issue 18 report",
-)
 async def test_the_refusal_names_the_address_and_the_missing_certificate(
     tls_setup: TlsSetup,
 ) -> None:

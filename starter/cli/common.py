@@ -60,6 +60,11 @@ class ExitCode(IntEnum):
 
 
 STACK_HINT = "is the stack up? `durable-comfy dev up` (or set TEMPORAL_ADDRESS)"
+# A TLS connection that fails is rarely a server that is down: the front refused the handshake.
+TLS_HINT = (
+    "check the profile's TLS settings: the server CA (server_ca_cert_path), the client "
+    "certificate and key the front requires (client_cert_path, client_key_path) and server_name"
+)
 _UNREACHABLE_CODES = frozenset(
     {RPCStatusCode.UNAVAILABLE, RPCStatusCode.DEADLINE_EXCEEDED, RPCStatusCode.CANCELLED}
 )
@@ -115,7 +120,7 @@ def reported(on_interrupt: Callable[[], str] | None = None) -> Iterator[None]:
     except RPCTimeoutOrCancelledError as exc:
         fail(f"Temporal did not answer in time: {exc}", STACK_HINT, exit_code_for(exc))
     except TemporalUnreachable as exc:
-        fail(str(exc), STACK_HINT, exit_code_for(exc))
+        fail(str(exc), TLS_HINT if exc.tls else STACK_HINT, exit_code_for(exc))
     except (GraphFormatError, ClientError, StorageError) as exc:
         fail(str(exc), code=exit_code_for(exc))
     except KeyboardInterrupt as exc:
