@@ -140,8 +140,10 @@ async def settle_routing(
             set_current_version = client.workflow_service.set_worker_deployment_current_version
             await _retrying(partial(set_current_version, request, timeout=RPC_TIMEOUT), deadline)
         except RPCError as err:
-            if err.status == RPCStatusCode.ABORTED:
-                continue  # the routing changed since we read it: read it again
+            if _is_conflict(err):
+                # The routing changed since we read it (often: a worker of the same version,
+                # started at the same moment, made it current): read it again.
+                continue
             return Routing(version=own, current=current, problem=err.message)
         return Routing(version=own, current=own, made_current=True)
     return Routing(version=own, current=current, problem="the routing kept changing")
@@ -185,6 +187,12 @@ def report(routing: Routing, version: WorkerDeploymentVersion, set_current: SetC
         # New jobs go to the current version; this worker serves only jobs pinned to its own.
         make_current=set_current_command(version),
     )
+
+
+def _is_conflict(err: RPCError) -> bool:
+    """A stale conflict token: ABORTED, or (as the dev server answers it) a refusal whose
+    message says so."""
+    return err.status == RPCStatusCode.ABORTED or "conflict token" in err.message.lower()
 
 
 def _should_set(set_current: SetCurrent, current: str | None) -> bool:

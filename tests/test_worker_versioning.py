@@ -19,7 +19,8 @@ from contextlib import asynccontextmanager
 from functools import partial
 from importlib.metadata import version as package_version
 from pathlib import Path
-from typing import TypeVar
+from types import SimpleNamespace
+from typing import TypeVar, cast
 
 import httpx
 import pytest
@@ -28,6 +29,7 @@ from pydantic import SecretStr, ValidationError
 from temporalio.api.deployment.v1 import WorkerDeploymentVersion as VersionProto
 from temporalio.api.enums.v1 import (
     EventType,
+    TaskQueueType,
     VersionDrainageStatus,
     VersioningBehavior,
     WorkerDeploymentVersionStatus,
@@ -35,6 +37,7 @@ from temporalio.api.enums.v1 import (
 from temporalio.api.history.v1 import HistoryEvent
 from temporalio.api.workflowservice.v1 import (
     DescribeWorkerDeploymentRequest,
+    DescribeWorkerDeploymentResponse,
     DescribeWorkerDeploymentVersionRequest,
     DescribeWorkerDeploymentVersionResponse,
 )
@@ -53,6 +56,7 @@ from activities.versioning import (
     deployment_config,
     report,
     set_current_command,
+    settle_routing,
 )
 from devstack.config import StackConfig
 from devstack.errors import ServiceStartError
@@ -507,3 +511,47 @@ async def set_current_version(
     )
     out, err = await asyncio.wait_for(process.communicate(), timeout=WAIT_S)
     assert process.returncode == 0, (out + err).decode()
+
+
+class RacedService:
+    """A workflow service on which another worker of the same version makes it current between
+    this worker's read of the routing and its own set (the dev server then answers a stale
+    conflict token with FAILED_PRECONDITION)."""
+
+    def __init__(self, version: WorkerDeploymentVersion, task_queue: str) -> None:
+        self.version = version
+        self.task_queue = task_queue
+        self.current_build: str = ""
+        self.sets = 0
+
+    async def describe_worker_deployment_version(
+        self, request: object, **_: object
+    ) -> DescribeWorkerDeploymentVersionResponse:
+        queue = DescribeWorkerDeploymentVersionResponse.VersionTaskQueue(
+            name=self.task_queue, type=TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW
+        )
+        return DescribeWorkerDeploymentVersionResponse(version_task_queues=[queue])
+
+    async def describe_worker_deployment(
+        self, request: object, **_: object
+    ) -> DescribeWorkerDeploymentResponse:
+        described = DescribeWorkerDeploymentResponse(conflict_token=b"t")
+        current = described.worker_deployment_info.routing_config.current_deployment_version
+        if self.current_build:
+            current.deployment_name = self.version.deployment_name
+            current.build_id = self.current_build
+        return described
+
+    async def set_worker_deployment_current_version(self, request: object, **_: object) -> None:
+        self.sets += 1
+        self.current_build = self.version.build_id  # the other worker got there first
+        raise RPCError("conflict token mismatch", RPCStatusCode.FAILED_PRECONDITION, b"")
+
+
+async def test_a_version_another_worker_made_current_meanwhile_is_reported_current() -> None:
+    version = WorkerDeploymentVersion("durable-comfy", "race-1")
+    service = RacedService(version, "q")
+    client = SimpleNamespace(namespace="default", identity="me", workflow_service=service)
+    routing = await settle_routing(cast(Client, client), version, "q", "always", deadline_s=5)
+    assert service.sets == 1
+    assert routing.is_current and not routing.made_current and routing.problem is None
