@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 from activities.settings import WorkerSettings
 from devstack.config import PoolConfig
@@ -26,6 +28,16 @@ from worker import run_worker
 
 # The promise: the no-worker line within this long of the job's line (seconds).
 NOTICE_WITHIN_S = 5.0
+
+
+def long_job() -> dict[str, Any]:
+    """A graph that runs ~6 s on the test stack (300 steps of 20 ms), so it still runs for
+    several of the watch's 2 s presence checks after the worker comes: a short job, or one
+    ComfyUI answers from its cache, can end before the first, and the watch with it, without
+    the "a worker polls now" line. A seed of its own: never the cached result of another test."""
+    graph = example(steps=300)
+    graph["3"]["inputs"]["seed"] = random.randrange(2**32)
+    return graph
 
 
 def fresh_queue() -> str:
@@ -78,7 +90,7 @@ async def test_submit_watch_says_no_worker_polls_then_goes_on_when_one_does(
 ) -> None:
     queue = fresh_queue()
     graph_file = tmp_path / "graph.json"
-    graph_file.write_text(json.dumps(example(steps=2)))
+    graph_file.write_text(json.dumps(long_job()))
     process = await start_cli("submit", str(graph_file), "--watch", env=cli_env(local_stack, queue))
     try:
         job_line, job_at, _ = await line_where(
@@ -107,7 +119,7 @@ async def test_watch_json_has_a_no_worker_event_then_a_worker_polling_one(
     queue = fresh_queue()
     temporal = await connect_temporal(local_stack.temporal_address, local_stack.namespace)
     client = JobClient(temporal, task_queue=queue)
-    submitted = await client.submit(JobRequest(graph=example(steps=2)))
+    submitted = await client.submit(JobRequest(graph=long_job()))
     env = cli_env(local_stack, queue)
     # `watch` prints nothing before the event: it is timed from the process's start, less what
     # starting the CLI takes here (seconds on a busy machine), measured the same way.
