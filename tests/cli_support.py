@@ -44,9 +44,12 @@ class RunningWorker:
 
 
 @asynccontextmanager
-async def running_worker(stack: RunningStack, prefix: str) -> AsyncIterator[RunningWorker]:
-    """A worker in this process on a task queue of its own, stopped on the way out."""
-    task_queue = f"{prefix}-{uuid.uuid4().hex[:8]}"
+async def running_worker(
+    stack: RunningStack, prefix: str, task_queue: str | None = None
+) -> AsyncIterator[RunningWorker]:
+    """A worker in this process on `task_queue` (else one of its own, named after `prefix`),
+    stopped on the way out."""
+    task_queue = task_queue or f"{prefix}-{uuid.uuid4().hex[:8]}"
     settings = WorkerSettings(
         task_queue=task_queue,
         pools={"comfyui": PoolConfig(kind="comfyui", url=stack.comfyui_url)},

@@ -12,19 +12,15 @@ import json
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from activities.settings import WorkerSettings
-from devstack.config import PoolConfig
 from devstack.models import RunningStack
 from starter import JobClient, JobRequest, JobState, JobStatus
 from starter.cli.common import ExitCode
 from starter.connection import connect_temporal
-from tests.cli_support import cli_env, example, json_lines, run_cli, s3_settings, start_cli
-from worker import run_worker
+from tests.cli_support import cli_env, example, json_lines, run_cli, running_worker, start_cli
 
 # The promise: the no-worker line within this long of the job's line (seconds).
 NOTICE_WITHIN_S = 5.0
@@ -42,23 +38,6 @@ def long_job() -> dict[str, Any]:
 
 def fresh_queue() -> str:
     return f"no-worker-{uuid.uuid4().hex[:8]}"
-
-
-@asynccontextmanager
-async def worker_on(stack: RunningStack, task_queue: str) -> AsyncIterator[None]:
-    """A worker in this process on `task_queue` (cli_support's picks a queue of its own)."""
-    settings = WorkerSettings(
-        task_queue=task_queue,
-        pools={"comfyui": PoolConfig(kind="comfyui", url=stack.comfyui_url)},
-    )
-    temporal = await connect_temporal(stack.temporal_address, stack.namespace)
-    stop = asyncio.Event()
-    task = asyncio.create_task(run_worker(settings, s3_settings(stack), stop=stop, client=temporal))
-    try:
-        yield
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, timeout=30)
 
 
 async def cli_startup_s(env: dict[str, str]) -> float:
@@ -102,7 +81,7 @@ async def test_submit_watch_says_no_worker_polls_then_goes_on_when_one_does(
         )
         assert notice_at - job_at <= NOTICE_WITHIN_S, (job_line, before)
         assert process.returncode is None  # still watching
-        async with worker_on(local_stack, queue):
+        async with running_worker(local_stack, "no-worker", queue):
             rest, err = await asyncio.wait_for(process.communicate(), timeout=60)
     finally:
         if process.returncode is None:
@@ -143,7 +122,7 @@ async def test_watch_json_has_a_no_worker_event_then_a_worker_polling_one(
             "workers": [],
         }
         assert process.returncode is None  # still watching
-        async with worker_on(local_stack, queue):
+        async with running_worker(local_stack, "no-worker", queue):
             out, err = await asyncio.wait_for(process.communicate(), timeout=60)
     finally:
         if process.returncode is None:
@@ -176,6 +155,6 @@ async def test_a_watch_outlives_unanswered_queries_until_a_worker_comes(
     # A query, then updates on the reconnect backoff (1 s, 2 s, ... with jitter), unanswered.
     await asyncio.sleep(6)
     assert not watching.done(), watching.exception()
-    async with worker_on(local_stack, queue):
+    async with running_worker(local_stack, "no-worker", queue):
         await asyncio.wait_for(watching, timeout=60)
     assert seen[-1].state is JobState.COMPLETED
