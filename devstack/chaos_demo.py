@@ -21,7 +21,6 @@ here and asserted on in tests/test_chaos.py.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import shlex
 import sys
@@ -36,11 +35,12 @@ from devstack.chaos.timeline import Timeline
 from devstack.chaos.wait import ChaosTimeout
 from devstack.chaos.worker_proc import KillableWorker
 from devstack.comfy_sim.faults import FaultConfig
-from devstack.config import CONFIG_ENV, DEFAULT_CONFIG_PATH, StackFileSettings
+from devstack.config import DEFAULT_CONFIG_PATH
 from devstack.demo_support import (
     EXAMPLE,
     check_artifacts,
     demo_console,
+    parse_config_path,
     print_worker,
     stack_job_client,
     start_demo_stack,
@@ -169,24 +169,15 @@ async def _run_job(
     return Outcome(final, submissions, prompt_id)
 
 
-def parse_config_path(argv: list[str] | None = None) -> Path:
-    parser = argparse.ArgumentParser(
-        prog="python -m devstack.chaos_demo",
-        description="The demo's job with its worker killed mid-job and its socket cut.",
-    )
-    parser.add_argument(
-        "--config",
-        "-c",
-        type=Path,
-        default=None,
-        help=f"stack config file (default: ${CONFIG_ENV}, else {DEFAULT_CONFIG_PATH})",
-    )
-    config: Path | None = parser.parse_args(argv).config
-    return config if config is not None else StackFileSettings().config_file
-
-
 def main() -> None:
-    config_file = parse_config_path().expanduser().resolve()
+    config_file = (
+        parse_config_path(
+            "python -m devstack.chaos_demo",
+            "The demo's job with its worker killed mid-job and its socket cut.",
+        )
+        .expanduser()
+        .resolve()
+    )
     if not config_file.is_file():
         sys.exit(f"error: config file {config_file} not found")
     console = demo_console()

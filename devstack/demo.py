@@ -18,7 +18,6 @@ passed.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import shlex
@@ -31,17 +30,16 @@ from rich.console import Console
 from rich.markup import escape
 
 from devstack.config import (
-    CONFIG_ENV,
     DEFAULT_CONFIG_PATH,
     PoolConfig,
     RunpodSimSection,
     StackConfig,
-    StackFileSettings,
 )
 from devstack.demo_support import (
     EXAMPLE,
     check_artifacts,
     demo_console,
+    parse_config_path,
     print_worker,
     stack_job_client,
     start_demo_stack,
@@ -217,23 +215,12 @@ async def check_ledger(console: Console, sim: RunpodSimSection, final: JobStatus
     )
 
 
-def parse_config_path(argv: list[str] | None = None) -> Path:
-    parser = argparse.ArgumentParser(
-        prog="python -m devstack.demo", description="Run one example job on the local stack."
-    )
-    parser.add_argument(
-        "--config",
-        "-c",
-        type=Path,
-        default=None,
-        help=f"stack config file (default: ${CONFIG_ENV}, else {DEFAULT_CONFIG_PATH})",
-    )
-    config: Path | None = parser.parse_args(argv).config
-    return config if config is not None else StackFileSettings().config_file
-
-
 def main() -> None:
-    config_file = parse_config_path().expanduser().resolve()
+    config_file = (
+        parse_config_path("python -m devstack.demo", "Run one example job on the local stack.")
+        .expanduser()
+        .resolve()
+    )
     if not config_file.is_file():
         sys.exit(f"error: config file {config_file} not found")
     console = demo_console()

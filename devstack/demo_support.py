@@ -8,6 +8,7 @@ Temporal UI link and each artifact fetched through its presigned URL, checked ag
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -20,7 +21,13 @@ from rich.console import Console
 
 from activities.log_setup import configure_logging
 from activities.storage import ArtifactStore, S3Settings
-from devstack.config import StackConfig, load_stack_config
+from devstack.config import (
+    CONFIG_ENV,
+    DEFAULT_CONFIG_PATH,
+    StackConfig,
+    StackFileSettings,
+    load_stack_config,
+)
 from devstack.models import RunningStack
 from devstack.stack import start_stack
 from starter.client import JobClient
@@ -107,3 +114,17 @@ async def check_artifacts(console: Console, final: JobStatus) -> None:
         if artifact.url:
             size = await fetch_and_check(artifact.url, artifact.sha256)
             console.print(f"  presigned URL checked: {size} bytes, sha256 matches")
+
+
+def parse_config_path(prog: str, description: str, argv: list[str] | None = None) -> Path:
+    """The stack file a demo runs on: `--config`, else $DURABLE_COMFY_CONFIG, else the default."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument(
+        "--config",
+        "-c",
+        type=Path,
+        default=None,
+        help=f"stack config file (default: ${CONFIG_ENV}, else {DEFAULT_CONFIG_PATH})",
+    )
+    config: Path | None = parser.parse_args(argv).config
+    return config if config is not None else StackFileSettings().config_file
