@@ -15,7 +15,7 @@ REAL_COMFYUI_DIR ?= .cache/real-comfyui
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[stack,dev]'
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[stack,dev,gateway]'
 	rm -f $(VENV)/.installed-* && touch $@
 
 # The RunPod handler's venv (endpoint/requirements.txt): `runpod` cannot share the app's venv.

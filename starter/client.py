@@ -81,6 +81,8 @@ from workflows.backoff import reconnect_delay
 from workflows.contracts import (
     Artifact,
     CancelRequest,
+    EventsQuery,
+    JobEvents,
     JobRequest,
     JobState,
     JobStatus,
@@ -94,6 +96,7 @@ from workflows.shared import (
     DEFAULT_TASK_QUEUE,
     POOL_KEY,
     PROGRESS_KEY,
+    QUERY_EVENTS,
     QUERY_STATUS,
     SA_TENANT,
     SIGNAL_CANCEL_REASON,
@@ -411,6 +414,35 @@ class JobClient:
         if status.terminal:
             return status
         return await self._described(job_id, status, await self._describe(job_id))
+
+    @_client_errors
+    async def events(self, job_id: str, since: int = 0) -> JobEvents:
+        """The job's journal after `since` (a `seq` the caller saw) and its status now.
+
+        What a follower that was away replays: every state change, stored output and tenth of
+        progress since, each once, in order (`JobEvent.seq`). The status is the job's own
+        answer, without `status`'s corrections (use that for the latest step); entries older
+        than `first_seq` are no longer held (the status still says what is true).
+        """
+        handle = self.handle(job_id)
+        try:
+            events: JobEvents = await handle.query(
+                QUERY_EVENTS,
+                EventsQuery(since=since),
+                result_type=JobEvents,
+                rpc_timeout=self.query_timeout,
+            )
+            return events
+        except RPCError as exc:
+            if exc.status == RPCStatusCode.NOT_FOUND:
+                raise JobNotFound(job_id) from exc
+            if exc.status not in _UNANSWERED_CODES:
+                raise
+            failure: Exception = exc
+        except WorkflowQueryFailedError as exc:
+            failure = exc
+        # No worker answered: the status as Temporal alone gives it, with no journal.
+        return JobEvents(status=await self._without_worker(job_id, failure))
 
     @staticmethod
     async def _described(

@@ -3,6 +3,7 @@
     bench/      -> devstack/, starter/, activities/, workflows/   (tooling uses the product)
     devstack/   -> starter/, activities/, workflows/, endpoint/
     worker.py   -> starter/ (connection), activities/, workflows/
+    gateway/    -> starter/, workflows/, the S3 and URL-check helpers of activities/
     starter/    -> workflows/, the S3 helpers of activities/      (a client needs no worker code)
     endpoint/   -> activities/ (the ComfyUI core, progress, keys, the RunPod wire contract)
     activities/ -> workflows/
@@ -34,16 +35,28 @@ ROOT = Path(__file__).resolve().parent.parent
 ENDPOINT = ROOT / "endpoint"
 HANDLER = ENDPOINT / "handler.py"
 EP_PYTHON = ROOT / ".venv-endpoint" / "bin" / "python"
-PROJECT = {"activities", "workflows", "starter", "devstack", "bench", "worker", "endpoint", "tests"}
+PROJECT = {
+    "activities",
+    "workflows",
+    "starter",
+    "gateway",
+    "devstack",
+    "bench",
+    "worker",
+    "endpoint",
+    "tests",
+}
 TOOLING = {"devstack", "bench", "tests"}
 
 FORBIDDEN = {
-    "workflows": TOOLING | {"activities", "starter", "worker", "endpoint"},
-    "activities": TOOLING | {"starter", "worker", "endpoint"},
-    "starter": TOOLING | {"worker", "activities", "endpoint"},
-    "worker.py": TOOLING | {"endpoint"},
+    "workflows": TOOLING | {"activities", "starter", "gateway", "worker", "endpoint"},
+    "activities": TOOLING | {"starter", "gateway", "worker", "endpoint"},
+    "starter": TOOLING | {"gateway", "worker", "activities", "endpoint"},
+    # The HTTP face is a client: JobClient's, with no worker code.
+    "gateway": TOOLING | {"worker", "activities", "endpoint"},
+    "worker.py": TOOLING | {"gateway", "endpoint"},
     # The handler's image has no Temporal: workflows/ (which imports it) stays out too.
-    "endpoint": TOOLING | {"starter", "worker", "workflows"},
+    "endpoint": TOOLING | {"starter", "gateway", "worker", "workflows"},
     "devstack": {"bench", "tests"},
     "bench": {"tests"},
 }
@@ -55,6 +68,14 @@ ALLOWED = {
     ("starter", "activities.log_setup"),
     # The settings file (DURABLE_COMFY_SETTINGS_FILE) is read by the CLI and the client too.
     ("starter", "activities.config_file"),
+    # The gateway: the client's S3 helpers, and the SSRF guard URL inputs use (webhook URLs).
+    ("gateway", "activities.storage"),
+    ("gateway", "activities.storage_errors"),
+    ("gateway", "activities.log_setup"),
+    ("gateway", "activities.config_file"),
+    ("gateway", "activities.public_address"),
+    ("gateway", "activities.url_fetch"),
+    ("gateway", "activities.settings"),
 }
 # Installed with runpod (runpod==1.12.0 requires boto3).
 WITH_RUNPOD = {"boto3", "botocore"}

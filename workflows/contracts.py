@@ -150,8 +150,34 @@ class OutputSpec(StrictModel):
     presign_ttl_s: int = Field(3600, gt=0, le=7 * 24 * 3600)
 
 
+WebhookEventName = Literal[
+    "completed", "failed", "cancelled", "abandoned", "needs_decision", "output_stored", "progress"
+]
+# A webhook's events when the request names none: how the job ended, and a call for a person.
+DEFAULT_WEBHOOK_EVENTS: tuple[WebhookEventName, ...] = (
+    "completed",
+    "failed",
+    "cancelled",
+    "abandoned",
+    "needs_decision",
+)
+
+
+class WebhookSpec(StrictModel):
+    """Where the job POSTs its events (docs/http-api.md, *Webhooks*): signed with the tenant's
+    secret, which the worker holds; the request never carries it."""
+
+    url: str = Field(pattern=r"^https?://", max_length=2000)
+    events: list[WebhookEventName] = Field(
+        default_factory=lambda: list(DEFAULT_WEBHOOK_EVENTS), min_length=1
+    )
+    # How long one event is retried before it is given up (a receiver down for a day still
+    # gets it); never part of the job's own run time.
+    retry_horizon_s: float = Field(24 * 3600.0, gt=0, le=7 * 24 * 3600, strict=True)
+
+
 class JobRequest(StrictModel):
-    """What a client asks for. Names a pool, never a URL or a credential."""
+    """What a client asks for. Names a pool and perhaps a webhook URL, never a credential."""
 
     graph: dict[str, Any]
     # Validated when absent too: `_declared_inputs` checks the graph's load nodes against it.
@@ -161,6 +187,7 @@ class JobRequest(StrictModel):
     output: OutputSpec = Field(default_factory=OutputSpec)
     policy: JobPolicy = Field(default_factory=JobPolicy)
     labels: dict[str, str] = Field(default_factory=dict)
+    webhook: WebhookSpec | None = None
 
     @property
     def segment_count(self) -> int:
@@ -391,6 +418,41 @@ class JobStatus(StrictModel):
     @property
     def terminal(self) -> bool:
         return self.state.terminal
+
+
+class JobEvent(StrictModel):
+    """One entry of the job's journal: what a client following the job must not miss.
+
+    `seq` is the status `seq` the change produced, so a client that saw seq N asks for the
+    entries after N (`events` query, the gateway's `Last-Event-ID`) and gets each once, in order.
+    """
+
+    seq: int
+    at: datetime
+    kind: Literal["state", "output_stored", "progress"]
+    state: JobState | None = None  # kind "state": the state entered
+    error: JobError | None = None  # kind "state", a failed, cancelled or abandoned ending
+    artifact: Artifact | None = None  # kind "output_stored"
+    percent: int | None = None  # kind "progress": whole tens of the job's fraction
+
+
+# The journal holds the latest entries only: older ones are still true in the status itself
+# (its state, every artifact), and a bounded journal keeps the query and the carry small.
+MAX_JOURNAL = 500
+
+
+class JobEvents(StrictModel):
+    """The `events` query's answer: the journal after `since`, and the status it leads to."""
+
+    status: JobStatus
+    events: list[JobEvent] = Field(default_factory=list)
+    # The oldest seq the journal still holds: a client behind it missed entries (the status
+    # still says everything that is true now).
+    first_seq: int = 0
+
+
+class EventsQuery(StrictModel):
+    since: int = Field(0, ge=0)
 
 
 class ProgressReport(StrictModel):

@@ -51,7 +51,7 @@ class InferenceJob(JobMessages):
         self._carry = input.carry
         self._prepared: PreparedJob | None = input.carry.prepared if input.carry else None
         self._status = input.carry.status if input.carry else self._new_status()
-        self._book = JobBook(self._status)
+        self._book = JobBook(self._status, input.carry.journal if input.carry else None)
         self._controls = JobControls()
         self._work: asyncio.Task[JobCarry | None] | None = None
         self._stopper = ConfirmedStop(self._book, self._request.policy, self._request.output)
@@ -110,7 +110,12 @@ class InferenceJob(JobMessages):
         first = self._carry.next_segment if self._carry else 0
         for segment in range(first, request.segment_count):
             if segment > first and self._history_is_long():
-                return JobCarry(status=self._status, prepared=self._prepared, next_segment=segment)
+                return JobCarry(
+                    status=self._status,
+                    prepared=self._prepared,
+                    next_segment=segment,
+                    journal=self._book.journal,
+                )
             await SegmentRun(book, self._controls, request, self._prepared, segment).run()
         return None
 

@@ -16,6 +16,7 @@ from temporalio import workflow
 with workflow.unsafe.imports_passed_through():
     from workflows.activity_io import FollowResult
     from workflows.contracts import (
+        MAX_JOURNAL,
         MAX_NOTICES,
         Artifact,
         BackendInfo,
@@ -23,6 +24,7 @@ with workflow.unsafe.imports_passed_through():
         Decision,
         JobCost,
         JobError,
+        JobEvent,
         JobState,
         JobStatus,
         Notice,
@@ -36,8 +38,15 @@ with workflow.unsafe.imports_passed_through():
 
 
 class JobBook:
-    def __init__(self, status: JobStatus) -> None:
+    def __init__(self, status: JobStatus, journal: list[JobEvent] | None = None) -> None:
         self.status = status
+        # What a follower must not miss (state changes, stored outputs, tenths of progress),
+        # numbered by the seq that wrote them: the `events` query and the webhooks read it.
+        # A continued run carries it; a new job journals its first state too.
+        self.journal: list[JobEvent] = journal if journal is not None else []
+        self._journaled_state: JobState | None = status.state if journal is not None else None
+        self._journaled_artifacts = len(status.artifacts)
+        self._journaled_percent = self._percent()
         # When the job last moved (a step, an artifact, a submission): the reconnect horizon
         # counts from here.
         self.last_progress_at = workflow.now()
@@ -286,8 +295,35 @@ class JobBook:
     def _changed(self) -> None:
         self.status.seq += 1
         self.status.updated_at = workflow.now()
+        self._journal()
         # Current details cost no history event: keep the Temporal UI as current as a query.
         workflow.set_current_details(self.details())
+
+    def _journal(self) -> None:
+        """Journal what this change did that a follower must see, under its new seq."""
+        status, now = self.status, workflow.now()
+        entries: list[JobEvent] = []
+        if status.state != self._journaled_state:
+            self._journaled_state = status.state
+            error = status.error if status.state.terminal else None
+            entries.append(
+                JobEvent(seq=status.seq, at=now, kind="state", state=status.state, error=error)
+            )
+        for artifact in status.artifacts[self._journaled_artifacts :]:
+            entries.append(
+                JobEvent(seq=status.seq, at=now, kind="output_stored", artifact=artifact)
+            )
+        self._journaled_artifacts = len(status.artifacts)
+        percent = self._percent()
+        if percent > self._journaled_percent:
+            self._journaled_percent = percent
+            entries.append(JobEvent(seq=status.seq, at=now, kind="progress", percent=percent))
+        if entries:
+            self.journal.extend(entries)
+            del self.journal[:-MAX_JOURNAL]
+
+    def _percent(self) -> int:
+        return int(self.status.progress.fraction * 10) * 10
 
     def _put_state(self, state: JobState) -> bool:
         changed = state != self.status.state

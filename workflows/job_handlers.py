@@ -17,6 +17,8 @@ from temporalio import workflow
 with workflow.unsafe.imports_passed_through():
     from workflows.contracts import (
         CancelRequest,
+        EventsQuery,
+        JobEvents,
         JobState,
         JobStatus,
         ProgressReport,
@@ -26,6 +28,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows.job_controls import JobControls
     from workflows.messages import M, lenient_message, strict_message
     from workflows.shared import (
+        QUERY_EVENTS,
         QUERY_STATUS,
         SIGNAL_CANCEL,
         SIGNAL_CANCEL_REASON,
@@ -51,6 +54,17 @@ class JobMessages:
     @workflow.query(name=QUERY_STATUS)
     def status(self, _ignored: Any = None) -> JobStatus:
         return self._status
+
+    @workflow.query(name=QUERY_EVENTS)
+    def events(self, payload: Any = None) -> JobEvents:
+        """The journal after `since` (a seq the caller saw), then the status it leads to."""
+        since = EventsQuery.model_validate(payload or {}).since
+        journal = self._book.journal
+        return JobEvents(
+            status=self._status,
+            events=[entry for entry in journal if entry.seq > since],
+            first_seq=journal[0].seq if journal else 0,
+        )
 
     @workflow.signal(name=SIGNAL_PROGRESS)
     def progress(self, payload: Any = None) -> None:

@@ -7,7 +7,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, model_validator
 
 from workflows.activity_io import PreparedJob
-from workflows.contracts import JobRequest, JobStatus
+from workflows.contracts import JobEvent, JobRequest, JobStatus
 
 
 class JobCarry(BaseModel):
@@ -16,6 +16,8 @@ class JobCarry(BaseModel):
     status: JobStatus
     prepared: PreparedJob
     next_segment: int
+    # The job's journal so far (workflows/job_book.py): a follower's replay spans runs.
+    journal: list[JobEvent] = []
 
 
 class JobInput(BaseModel):

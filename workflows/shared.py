@@ -16,6 +16,8 @@ DEFAULT_TASK_QUEUE: Final = "durable-comfy"
 
 # Messages
 QUERY_STATUS: Final = "status"
+# The journal after a seq, with the status (`JobEvents`): what the gateway replays.
+QUERY_EVENTS: Final = "events"
 SIGNAL_PROGRESS: Final = "progress"
 SIGNAL_CLIENT_SEEN: Final = "client_seen"
 SIGNAL_CANCEL: Final = "cancel"

@@ -1,0 +1,1 @@
+"""The HTTP face of the jobs (docs/http-api.md): a stateless ASGI app built on `JobClient`."""
