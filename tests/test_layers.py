@@ -75,6 +75,7 @@ ALLOWED = {
     ("gateway", "activities.config_file"),
     ("gateway", "activities.public_address"),
     ("gateway", "activities.url_fetch"),
+    ("gateway", "activities.webhook_target"),
     ("gateway", "activities.settings"),
 }
 # Installed with runpod (runpod==1.12.0 requires boto3).
