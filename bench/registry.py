@@ -8,6 +8,7 @@ from bench.groups import (
     history_size,
     offload,
     overhead,
+    push,
     recovery,
     scale,
     throughput,
@@ -22,6 +23,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     offload.BENCHMARK,
     history_size.BENCHMARK,
     client_latency.BENCHMARK,
+    push.BENCHMARK,
 )
 
 # Issue 10's groups without a module yet: listed in RESULTS.md as not yet measured.
