@@ -35,6 +35,9 @@ class Page:
     def __init__(self, ws: websockets.ClientConnection) -> None:
         self._ws = ws
         self._ids = itertools.count(1)
+        # The page's console and uncaught errors, once `record_console` was called: what a
+        # failing test shows about the page's own side.
+        self.console: list[str] = []
 
     async def call(self, method: str, **params: Any) -> dict[str, Any]:
         call_id = next(self._ids)
@@ -44,6 +47,22 @@ class Page:
             if message.get("id") == call_id:
                 result: dict[str, Any] = message.get("result", {})
                 return result
+            self._note(message)
+
+    def _note(self, message: dict[str, Any]) -> None:
+        params = message.get("params", {})
+        if message.get("method") == "Runtime.consoleAPICalled":
+            words = [str(arg.get("value", arg.get("description", ""))) for arg in params["args"]]
+            self.console.append(f"console.{params.get('type')}: {' '.join(words)}")
+        elif message.get("method") == "Runtime.exceptionThrown":
+            details = params.get("exceptionDetails", {})
+            thrown = details.get("exception", {}).get("description") or details.get("text")
+            self.console.append(f"uncaught: {thrown}")
+        del self.console[:-200]
+
+    async def record_console(self) -> None:
+        """Keep the page's console messages and uncaught errors from now on (`console`)."""
+        await self.call("Runtime.enable")
 
     async def evaluate(self, expression: str) -> Any:
         result = await self.call("Runtime.evaluate", expression=expression, returnByValue=True)
@@ -59,9 +78,24 @@ class Page:
             f".filter(e => e.innerText.trim() == {json.dumps(label)}).forEach(e => e.click())"
         )
 
-    async def screenshot(self, path: Path) -> None:
-        shot = await self.call("Page.captureScreenshot", format="png")
+    async def screenshot(self, path: Path, full_page: bool = False) -> None:
+        """A PNG of the window, or with `full_page` of the whole page, scrolled part too."""
+        params: dict[str, Any] = {"format": "png"}
+        if full_page:
+            size = (await self.call("Page.getLayoutMetrics"))["cssContentSize"]
+            clip = {"x": 0, "y": 0, "width": size["width"], "height": size["height"], "scale": 1}
+            params |= {"clip": clip, "captureBeyondViewport": True}
+        shot = await self.call("Page.captureScreenshot", **params)
         await asyncio.to_thread(path.write_bytes, base64.b64decode(shot["data"]))
+
+    async def wait_for(self, expression: str, timeout_s: float, every_s: float = 0.2) -> Any:
+        """The first truthy value of `expression`, evaluated every `every_s`; TimeoutError
+        after `timeout_s`."""
+        # Polled: a page's state has no event this process could wait on.
+        async with asyncio.timeout(timeout_s):
+            while not (value := await self.evaluate(expression)):  # noqa: ASYNC110
+                await asyncio.sleep(every_s)
+        return value
 
 
 @asynccontextmanager

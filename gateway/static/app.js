@@ -1,0 +1,537 @@
+// The gateway's browser page: submit a graph, then follow the job until it ends.
+//
+// Following is one loop per job: stream the events (Server-Sent Events, read with fetch(),
+// because EventSource cannot send an Authorization header); when the stream fails, say
+// "reconnecting…", poll the job's status meanwhile, and open the stream again from the last
+// event seen, after a backoff. The job's state lives server-side, so the page only ever
+// loses sight of it, never the job itself.
+"use strict";
+
+// Every number of the retry policy. Waits are "full jitter": random(0, min(ceiling,
+// base·2^n)), so many pages that lost the same gateway do not come back in lockstep.
+const RETRY = {
+  baseMs: 500,
+  ceilingMs: 15_000, // the longest wait while the gateway still answers something
+  contactHorizonMs: 60_000, // no answer at all for this long: "contact lost"
+  lostCeilingMs: 60_000, // the slow retry after contact is lost
+  requestTimeoutMs: 10_000, // a poll or a submit that takes longer counts as no answer
+  // The gateway sends a comment every 15 s: a stream silent this long is dead.
+  streamSilenceMs: 45_000,
+  submitAttempts: 5, // a POST that got no answer is sent again, with the same key
+};
+
+const TERMINAL = new Set(["COMPLETED", "FAILED", "CANCELLED", "ABANDONED", "TERMINATED", "TIMED_OUT"]);
+const KEY_STORAGE = "durable-comfy.api-key";
+
+const $ = (id) => document.getElementById(id);
+
+// An answer that retrying cannot change (no key, another tenant's job): stop and say why.
+class Refused extends Error {}
+
+function backoffMs(attempt, ceilingMs) {
+  return Math.random() * Math.min(ceilingMs, RETRY.baseMs * 2 ** attempt);
+}
+
+function retryAfterMs(response) {
+  const seconds = Number(response.headers.get("Retry-After"));
+  return Number.isFinite(seconds) && seconds > 0 ? seconds * 1000 : 0;
+}
+
+// --- talking to the gateway -------------------------------------------------------------
+
+function apiKey() {
+  return $("api-key").value.trim();
+}
+
+function headers(extra = {}) {
+  const key = apiKey();
+  return key ? { ...extra, Authorization: `Bearer ${key}` } : extra;
+}
+
+async function errorText(response) {
+  try {
+    const { error } = await response.json();
+    const problems = (error.problems || []).map(
+      (p) => `  ${(p.loc || []).join(" › ")}: ${p.message || p.msg}`,
+    );
+    return [`${error.type}: ${error.message}`, ...problems].join("\n");
+  } catch {
+    return `HTTP ${response.status}`;
+  }
+}
+
+// A random Idempotency-Key; crypto.randomUUID() exists only on https or localhost pages.
+function newIdempotencyKey() {
+  const bytes = crypto.getRandomValues(new Uint8Array(16));
+  return Array.from(bytes, (b) => b.toString(16).padStart(2, "0")).join("");
+}
+
+const sleep = (ms, signal) =>
+  new Promise((resolve) => {
+    const timer = setTimeout(resolve, ms);
+    signal?.addEventListener("abort", () => (clearTimeout(timer), resolve()), { once: true });
+  });
+
+// --- the configuration and the submit ---------------------------------------------------
+
+let exampleGraph = null;
+
+async function loadConfig() {
+  try {
+    const response = await fetch("v1/config", { signal: AbortSignal.timeout(RETRY.requestTimeoutMs) });
+    if (!response.ok) return;
+    const config = await response.json();
+    exampleGraph = config.example_graph ?? null;
+    $("key-section").hidden = config.auth_required === false;
+  } catch {
+    // Without the configuration the key field stays, and the example button says why.
+  }
+}
+
+function readGraph() {
+  let graph;
+  try {
+    graph = JSON.parse($("graph").value);
+  } catch (error) {
+    throw new Refused(`The graph is not JSON: ${error.message}`);
+  }
+  if (graph === null || typeof graph !== "object" || Array.isArray(graph)) {
+    throw new Refused("The graph must be a JSON object of nodes (ComfyUI's API format).");
+  }
+  if (Array.isArray(graph.nodes) && Array.isArray(graph.links)) {
+    throw new Refused("This is ComfyUI's UI format: export the graph with Save (API format).");
+  }
+  return graph;
+}
+
+async function submit() {
+  const button = $("submit");
+  showSubmitError("");
+  let body;
+  try {
+    // Not detached: a job nobody follows any more is abandoned, so a closed tab frees the GPU.
+    body = JSON.stringify({ graph: readGraph(), detached: false });
+  } catch (error) {
+    showSubmitError(error.message);
+    return;
+  }
+  // One key per click: a POST sent again after a lost answer finds the job the first started.
+  const idempotencyKey = newIdempotencyKey();
+  button.disabled = true;
+  try {
+    const job = await postJob(body, idempotencyKey);
+    location.hash = `job=${encodeURIComponent(job.job_id)}`; // the hashchange follows it
+  } catch (error) {
+    showSubmitError(error.message);
+  } finally {
+    button.disabled = false;
+  }
+}
+
+async function postJob(body, idempotencyKey) {
+  let lastProblem = "no answer";
+  for (let attempt = 0; attempt < RETRY.submitAttempts; attempt++) {
+    let waitMs = backoffMs(attempt, RETRY.ceilingMs);
+    try {
+      const response = await fetch("v1/jobs", {
+        method: "POST",
+        headers: headers({ "Content-Type": "application/json", "Idempotency-Key": idempotencyKey }),
+        body,
+        signal: AbortSignal.timeout(RETRY.requestTimeoutMs),
+      });
+      if (response.ok) return await response.json();
+      lastProblem = await errorText(response);
+      // Busy (429, 503) is worth another try; anything else is the request's own fault.
+      if (response.status !== 429 && response.status !== 503) throw new Refused(lastProblem);
+      waitMs = Math.max(waitMs, retryAfterMs(response));
+    } catch (error) {
+      if (error instanceof Refused) throw error;
+      lastProblem = `the gateway did not answer (${error.message})`;
+    }
+    showSubmitError(`Not submitted yet: ${lastProblem}. Trying again…`);
+    await sleep(waitMs);
+  }
+  throw new Refused(`Not submitted: ${lastProblem}`);
+}
+
+function showSubmitError(text) {
+  $("submit-error").textContent = text;
+  $("submit-error").hidden = !text;
+}
+
+// --- following a job --------------------------------------------------------------------
+
+// The job on screen. `lastEventId` is the id of the last event a stream delivered: the next
+// stream starts after it, so no state change or output is missed or shown twice.
+let job = null;
+
+function startFollowing(jobId) {
+  if (job?.id === jobId && !job.stopped) return;
+  job?.stop();
+  const abort = new AbortController();
+  job = {
+    id: jobId,
+    status: null,
+    lastEventId: null,
+    etag: null,
+    outputs: new Map(), // key → artifact, in the order they were stored
+    ended: false,
+    stopped: false,
+    abort,
+    wake: null, // ends the current wait early (the Retry button)
+    stop() {
+      this.stopped = true;
+      abort.abort();
+    },
+  };
+  renderNewJob(jobId);
+  follow(job).catch((error) => showConnection("stopped", `Stopped following: ${error.message}`));
+}
+
+async function follow(run) {
+  let attempt = 0;
+  let lastAnswerAt = Date.now();
+  const answered = () => {
+    lastAnswerAt = Date.now();
+  };
+  const contactLost = () => Date.now() - lastAnswerAt > RETRY.contactHorizonMs;
+  while (!run.stopped && !run.ended) {
+    let busy = null; // the gateway's own answer when it refused to stream (busy, unavailable)
+    try {
+      const delivered = await streamEvents(run, answered);
+      if (delivered) attempt = 0;
+    } catch (error) {
+      if (error instanceof Refused) return refuse(run, error.message);
+      busy = error;
+    }
+    if (run.stopped || run.ended) break;
+    showConnection(contactLost() ? "lost" : "reconnecting", busy?.message);
+    let polled = null;
+    try {
+      polled = await pollStatus(run, answered);
+    } catch (error) {
+      if (error instanceof Refused) return refuse(run, error.message);
+    }
+    if (run.stopped || run.ended) break;
+    const lost = contactLost();
+    const ceilingMs = lost ? RETRY.lostCeilingMs : RETRY.ceilingMs;
+    const waitMs = Math.max(busy?.retryAfterMs || 0, backoffMs(attempt++, ceilingMs));
+    showConnection(lost ? "lost" : "reconnecting", polled || busy?.message, waitMs);
+    const woken = new AbortController();
+    run.wake = () => woken.abort();
+    await sleep(waitMs, AbortSignal.any([woken.signal, run.abort.signal]));
+    run.wake = null;
+  }
+}
+
+function refuse(run, message) {
+  run.stopped = true;
+  showConnection("stopped", message);
+}
+
+// Reads the event stream until it ends or fails; returns whether it delivered any event.
+// Throws Refused (401, 404) or, when the gateway answered busy, an Error with retryAfterMs.
+async function streamEvents(run, answered) {
+  const abort = new AbortController();
+  const signal = AbortSignal.any([abort.signal, run.abort.signal]);
+  let watchdog = setTimeout(() => abort.abort(), RETRY.streamSilenceMs);
+  const heard = () => {
+    answered();
+    clearTimeout(watchdog);
+    watchdog = setTimeout(() => abort.abort(), RETRY.streamSilenceMs);
+  };
+  let delivered = false;
+  let response;
+  try {
+    const extra = { Accept: "text/event-stream" };
+    if (run.lastEventId !== null) extra["Last-Event-ID"] = run.lastEventId;
+    try {
+      response = await fetch(jobPath(run.id, "/events"), { headers: headers(extra), signal, cache: "no-store" });
+    } catch {
+      return false; // no answer: the caller reconnects
+    }
+    heard();
+    if (!response.ok) throw await answerError(response);
+    showConnection("live");
+    const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
+    let buffer = "";
+    for (;;) {
+      let chunk;
+      try {
+        chunk = await reader.read();
+      } catch {
+        return delivered; // dropped, or silent past the watchdog
+      }
+      if (chunk.done) return delivered;
+      heard();
+      buffer += chunk.value;
+      // An event ends at a blank line; whatever follows the last one waits for more text.
+      const blocks = buffer.split(/\r\n\r\n|\n\n|\r\r/);
+      buffer = blocks.pop();
+      for (const block of blocks) {
+        const event = parseEvent(block);
+        if (!event) continue;
+        delivered = true;
+        onEvent(run, event);
+        if (run.ended) return delivered;
+      }
+    }
+  } finally {
+    clearTimeout(watchdog);
+    abort.abort(); // also closes a stream left open after the job ended
+  }
+}
+
+function parseEvent(block) {
+  let id = null;
+  let name = "message";
+  const data = [];
+  for (const line of block.split(/\r\n|\n|\r/)) {
+    if (!line || line.startsWith(":")) continue; // a comment: the keep-alive
+    const colon = line.indexOf(":");
+    const field = colon < 0 ? line : line.slice(0, colon);
+    const value = colon < 0 ? "" : line.slice(colon + 1).replace(/^ /, "");
+    if (field === "id") id = value;
+    else if (field === "event") name = value;
+    else if (field === "data") data.push(value);
+  }
+  if (!data.length) return null;
+  return { id, name, data: JSON.parse(data.join("\n")) };
+}
+
+// A non-2xx answer as an error: Refused when retrying cannot help (no key, no such job),
+// else one that carries how long the gateway asked us to wait.
+async function answerError(response) {
+  const text = await errorText(response);
+  if (response.status === 401) return new Refused(`${text} — enter a valid API key above.`);
+  if (response.status === 404) return new Refused(`${text} — no such job for this API key.`);
+  const error = new Error(`The gateway answered: ${text}`);
+  error.retryAfterMs = retryAfterMs(response);
+  return error;
+}
+
+function onEvent(run, { id, name, data }) {
+  // Ids only grow along a stream; one may be `<seq>.<k>` (the k-th entry of a seq), so it is
+  // sent back exactly as received.
+  if (id !== null) run.lastEventId = id;
+  if (name === "status") return applyStatus(run, data);
+  if (name === "end") return endFollowing(run);
+  // Journal entries older than the status on screen are already part of it.
+  if (run.status && data.seq <= run.status.seq) return;
+  if (name === "state") renderState(data.state);
+  else if (name === "progress") renderPercent(data.percent);
+  else if (name === "output_stored" && data.artifact) addOutput(run, data.artifact);
+}
+
+// One status poll while the stream is down. Returns what went wrong, if the gateway said.
+async function pollStatus(run, answered) {
+  const extra = run.etag ? { "If-None-Match": run.etag } : {};
+  let response;
+  try {
+    response = await fetch(jobPath(run.id), {
+      headers: headers(extra),
+      cache: "no-store",
+      signal: AbortSignal.any([run.abort.signal, AbortSignal.timeout(RETRY.requestTimeoutMs)]),
+    });
+  } catch {
+    return null; // no answer: the contact horizon keeps counting
+  }
+  answered();
+  if (response.status === 304) return null;
+  if (!response.ok) {
+    const error = await answerError(response);
+    if (error instanceof Refused) throw error;
+    return error.message;
+  }
+  run.etag = response.headers.get("ETag");
+  applyStatus(run, await response.json());
+  return null;
+}
+
+function applyStatus(run, status) {
+  if (run.status && status.seq < run.status.seq) return; // an older answer arriving late
+  run.status = status;
+  for (const artifact of status.artifacts || []) addOutput(run, artifact);
+  renderStatus(status);
+  if (TERMINAL.has(status.state)) endFollowing(run);
+}
+
+function endFollowing(run) {
+  if (run.ended) return;
+  run.ended = true;
+  run.abort.abort();
+  showConnection("ended");
+  renderGallery(run);
+}
+
+async function cancelJob() {
+  if (!job || job.ended) return;
+  $("cancel").disabled = true;
+  try {
+    const response = await fetch(jobPath(job.id, "/cancel"), {
+      method: "POST",
+      headers: headers({ "Content-Type": "application/json" }),
+      body: JSON.stringify({ reason: "cancelled from the browser page" }),
+      signal: AbortSignal.timeout(RETRY.requestTimeoutMs),
+    });
+    if (!response.ok) showJobError(await errorText(response));
+  } catch (error) {
+    showJobError(`The cancel was not sent: ${error.message}`);
+  } finally {
+    $("cancel").disabled = false;
+  }
+}
+
+function jobPath(jobId, tail = "") {
+  return `v1/jobs/${encodeURIComponent(jobId)}${tail}`;
+}
+
+// --- what the page shows ----------------------------------------------------------------
+
+function renderNewJob(jobId) {
+  $("job-section").hidden = false;
+  $("job-id").textContent = jobId;
+  $("job-link").href = `#job=${encodeURIComponent(jobId)}`;
+  renderState("—");
+  $("queue").textContent = "";
+  $("bar").value = 0;
+  $("progress-text").textContent = "";
+  $("outputs").replaceChildren();
+  $("gallery").replaceChildren();
+  $("teardown").hidden = true;
+  showJobError("");
+  showConnection("connecting");
+}
+
+function renderState(state) {
+  $("state").textContent = state;
+  $("state").dataset.state = state;
+}
+
+function renderPercent(percent) {
+  if (percent > $("bar").value) $("bar").value = percent;
+}
+
+function renderStatus(status) {
+  renderState(status.state);
+  const p = status.progress || {};
+  const percent = Math.round((p.fraction || 0) * 100);
+  $("bar").value = percent;
+  const counted = p.total_steps ? `${p.step} / ${p.total_steps} ${p.unit || "steps"} · ` : "";
+  const segment = p.segments > 1 ? ` · segment ${p.segment + 1} of ${p.segments}` : "";
+  $("progress-text").textContent = `${counted}${percent} %${segment}`;
+  $("progress-text").dataset.step = p.step ?? 0;
+  const waiting = status.state === "WAITING" && p.queue_position != null;
+  $("queue").textContent = waiting ? `(queue position ${p.queue_position}; 1 is next)` : "";
+  showJobError(status.error ? `${status.error.type}: ${status.error.message}` : "");
+  const teardown = status.teardown;
+  const showTeardown = TERMINAL.has(status.state) && teardown;
+  $("teardown").hidden = !showTeardown;
+  if (showTeardown) {
+    $("teardown").textContent = `Teardown: ${teardown.state}${teardown.detail ? ` — ${teardown.detail}` : ""}`;
+  }
+  $("cancel").hidden = TERMINAL.has(status.state);
+}
+
+function addOutput(run, artifact) {
+  const known = run.outputs.has(artifact.key);
+  run.outputs.set(artifact.key, artifact); // a later copy carries a fresher URL
+  if (known) return;
+  const item = document.createElement("li");
+  item.textContent = `${artifact.key} (${artifact.content_type}, ${artifact.size} bytes)`;
+  $("outputs").append(item);
+}
+
+// The final outputs, from their presigned URLs: the images shown, anything else linked.
+function renderGallery(run) {
+  const figures = [...run.outputs.values()].map((artifact) => {
+    const figure = document.createElement("figure");
+    const caption = document.createElement("figcaption");
+    caption.textContent = artifact.key;
+    if (!artifact.url) {
+      caption.textContent += " (no URL)";
+    } else if ((artifact.content_type || "").startsWith("image/")) {
+      const img = document.createElement("img");
+      img.src = artifact.url;
+      img.alt = artifact.key;
+      img.addEventListener("error", () => {
+        caption.textContent = `${artifact.key}: did not load (its link may have expired: reload the page)`;
+      });
+      figure.append(img);
+    } else {
+      const link = document.createElement("a");
+      link.href = artifact.url;
+      link.textContent = "download";
+      figure.append(link);
+    }
+    figure.append(caption);
+    return figure;
+  });
+  $("gallery").replaceChildren(...figures);
+}
+
+function showJobError(text) {
+  $("job-error").textContent = text;
+  $("job-error").hidden = !text;
+}
+
+function showConnection(kind, detail = null, waitMs = null) {
+  const line = $("connection");
+  const seconds = waitMs === null ? "" : ` Next try in ${Math.ceil(waitMs / 1000)} s.`;
+  const texts = {
+    idle: "",
+    connecting: "Connecting…",
+    live: "Live: following the job's events.",
+    reconnecting: `reconnecting… the gateway's event stream dropped; polling the job meanwhile.${seconds}`,
+    lost:
+      `contact lost: no answer from the gateway for over ${RETRY.contactHorizonMs / 1000} s. ` +
+      `The job itself goes on server-side; this page keeps trying.${seconds}`,
+    ended: "The job has ended; no longer following.",
+    stopped: "Not following.",
+  };
+  line.dataset.connection = kind;
+  line.textContent = detail ? `${texts[kind]} ${detail}` : texts[kind];
+  $("retry").hidden = !(kind === "reconnecting" || kind === "lost" || kind === "stopped");
+}
+
+// --- wiring -----------------------------------------------------------------------------
+
+function jobIdFromHash() {
+  const match = /^#job=(.+)$/.exec(location.hash);
+  return match ? decodeURIComponent(match[1]) : null;
+}
+
+function retryNow() {
+  if (!job) return;
+  if (job.stopped && !job.ended) {
+    const id = job.id;
+    job = null;
+    startFollowing(id);
+  } else {
+    job.wake?.();
+  }
+}
+
+async function main() {
+  $("api-key").value = localStorage.getItem(KEY_STORAGE) || "";
+  $("api-key").addEventListener("change", () => {
+    localStorage.setItem(KEY_STORAGE, apiKey());
+    if (job?.stopped && !job.ended) retryNow(); // it stopped for want of a key
+  });
+  $("load-example").addEventListener("click", () => {
+    if (exampleGraph) $("graph").value = JSON.stringify(exampleGraph, null, 2);
+    else showSubmitError("The gateway offers no example graph.");
+  });
+  $("submit").addEventListener("click", submit);
+  $("retry").addEventListener("click", retryNow);
+  $("cancel").addEventListener("click", cancelJob);
+  window.addEventListener("hashchange", () => {
+    const jobId = jobIdFromHash();
+    if (jobId) startFollowing(jobId);
+  });
+  await loadConfig();
+  const jobId = jobIdFromHash();
+  if (jobId) startFollowing(jobId);
+}
+
+main();
