@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from temporalio.client import (
     Client,
     RPCTimeoutOrCancelledError,
+    WorkflowExecution,
     WorkflowExecutionDescription,
     WorkflowExecutionStatus,
     WorkflowFailureError,
@@ -443,6 +444,47 @@ class JobClient:
             failure = exc
         # No worker answered: the status as Temporal alone gives it, with no journal.
         return JobEvents(status=await self._without_worker(job_id, failure))
+
+    @_client_errors
+    async def journal(self, job_id: str, since: int = 0) -> JobEvents:
+        """`events`, with the status corrected as `status` corrects it (ended from outside, the
+        follow's latest step laid over it): the journal and the status a follower shows with
+        it come from one answer, so every entry up to the status's `seq` is in the list."""
+        events = await self.events(job_id, since)
+        if events.status.terminal:
+            return events
+        described = await self._described(job_id, events.status, await self._describe(job_id))
+        return events.model_copy(update={"status": described})
+
+    @_client_errors
+    async def tenant_of(self, job_id: str) -> str | None:
+        """The job's `Tenant` search attribute (None: started without one). `JobNotFound`."""
+        description = await self._describe(job_id)
+        return description.typed_search_attributes.get(TENANT_KEY)
+
+    @_client_errors
+    async def presign_ttl(self, job_id: str) -> int:
+        """How long the job's request asked its links to live (`output.presign_ttl_s`)."""
+        return await self._presign_ttl(job_id)
+
+    @_client_errors
+    async def presigned(self, artifact: Artifact, ttl_s: int) -> Artifact:
+        """`artifact` with a fresh presigned `url` (unchanged when no bucket is configured)."""
+        if self.store is None:
+            return artifact
+        return await self._presigned(artifact, ttl_s)
+
+    @_client_errors
+    async def list_page(
+        self, query: str, *, page_size: int, page_token: bytes | None = None
+    ) -> tuple[list[WorkflowExecution], bytes | None]:
+        """One page of the executions a visibility `query` matches, newest first, and the
+        token of the next page (None: that was the last)."""
+        pages = self.temporal.list_workflows(
+            query, page_size=page_size, next_page_token=page_token, rpc_timeout=self.query_timeout
+        )
+        await pages.fetch_next_page()
+        return list(pages.current_page or []), pages.next_page_token or None
 
     @staticmethod
     async def _described(

@@ -1,0 +1,227 @@
+"""Every error the gateway answers, as JSON: `{"error": {"type", "message", ...}}`.
+
+One table maps what the layers below raise (the client's `ClientError`s, the keys' and the
+limits' refusals, a request that does not validate) to a status, a type and the extra fields a
+client needs (`job_id`, `status`, `problems`); docs/http-api.md lists it. Nothing here quotes
+a key or an Authorization header.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import structlog
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from gateway.auth import Unauthorized
+from gateway.limits import LimitExceeded, Overloaded
+from starter.errors import (
+    ClientError,
+    InputFileError,
+    InvalidJobId,
+    InvalidOverride,
+    JobAlreadyEnded,
+    JobConflict,
+    JobNotFound,
+    JobUnanswered,
+    RequestTooLarge,
+    ResumeRefused,
+    SearchAttributesMissing,
+    StorageFailed,
+    TemporalUnreachable,
+)
+from starter.staging import InputNeedsStaging
+from workflows.graph import GraphRefused
+from workflows.request_checks import RequestRefused
+
+log = structlog.get_logger("gateway.errors")
+
+# How soon to ask again when Temporal or a worker did not answer: a restart takes seconds.
+UNAVAILABLE_RETRY_AFTER_S = 5
+INVALID_REQUEST = "InvalidRequest"
+
+
+class ApiError(Exception):
+    """An answer other than success: the status, the body's type and message, its extra fields
+    and headers (Retry-After)."""
+
+    def __init__(
+        self,
+        status_code: int,
+        error_type: str,
+        message: str,
+        *,
+        headers: Mapping[str, str] | None = None,
+        **extra: Any,
+    ) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.error_type = error_type
+        self.message = message
+        self.headers = dict(headers or {})
+        self.extra = extra
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"type": self.error_type, "message": self.message, **self.extra}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status_code, headers=self.headers)
+
+
+def bad_request(message: str) -> ApiError:
+    return ApiError(400, "BadRequest", message)
+
+
+def not_found(job_id: str) -> ApiError:
+    """One body for an unknown job and another tenant's: nothing tells them apart."""
+    return ApiError(404, "JobNotFound", f"no job {job_id!r}", job_id=job_id)
+
+
+def invalid(problems: Sequence[Mapping[str, Any]], error_type: str = INVALID_REQUEST) -> ApiError:
+    shown = "; ".join(
+        f"{'.'.join(str(part) for part in p['loc']) or 'request'}: {p['message']}"
+        for p in problems[:5]
+    )
+    return ApiError(422, error_type, shown or "the request is not valid", problems=list(problems))
+
+
+def retry_after(seconds: int) -> dict[str, str]:
+    return {"Retry-After": str(max(1, seconds))}
+
+
+def api_error_for(exc: Exception) -> ApiError:
+    """What the client sees for `exc` (an `ApiError` as it is; anything unknown: 500)."""
+    match exc:
+        case ApiError():
+            return exc
+        case Unauthorized():
+            return ApiError(401, "Unauthorized", str(exc), headers={"WWW-Authenticate": "Bearer"})
+        case Overloaded():
+            return ApiError(503, "Overloaded", str(exc), headers=retry_after(exc.retry_after_s))
+        case LimitExceeded():
+            return ApiError(
+                429, type(exc).__name__, str(exc), headers=retry_after(exc.retry_after_s)
+            )
+        case JobNotFound():
+            return not_found(exc.job_id)
+        case InvalidJobId():
+            return ApiError(404, "JobNotFound", str(exc))
+        case JobConflict():
+            return ApiError(409, "JobConflict", str(exc), job_id=exc.job_id)
+        case JobAlreadyEnded():
+            status = exc.status.model_dump(mode="json")
+            return ApiError(409, "JobAlreadyEnded", str(exc), job_id=exc.job_id, status=status)
+        case ResumeRefused():
+            return ApiError(409, "ResumeRefused", str(exc), job_id=exc.job_id, reason=exc.reason)
+        case RequestTooLarge():
+            return ApiError(413, "RequestTooLarge", str(exc))
+        case InvalidOverride():
+            return invalid([{"loc": ["segments"], "message": str(exc)}])
+        case InputNeedsStaging() | InputFileError():
+            return invalid([{"loc": ["inputs"], "message": str(exc)}])
+        case ValidationError():
+            return invalid(validation_problems(exc), _typed(exc))
+        case TemporalUnreachable():
+            return ApiError(
+                503,
+                "TemporalUnavailable",
+                "Temporal does not answer: try again shortly",
+                headers=retry_after(UNAVAILABLE_RETRY_AFTER_S),
+            )
+        case JobUnanswered():
+            return ApiError(
+                503,
+                "JobUnanswered",
+                "the job exists but no worker answered for it: try again shortly",
+                headers=retry_after(UNAVAILABLE_RETRY_AFTER_S),
+                job_id=exc.job_id,
+            )
+        case StorageFailed():
+            return ApiError(502, "StorageFailed", str(exc))
+        case SearchAttributesMissing():
+            return ApiError(500, "SearchAttributesMissing", str(exc))
+        case ClientError():
+            return ApiError(502, type(exc).__name__, str(exc))
+    return ApiError(500, "InternalError", "the gateway failed this request; it is logged")
+
+
+def validation_problems(
+    exc: ValidationError, prefix: Sequence[str | int] = ()
+) -> list[dict[str, Any]]:
+    """Each problem with its `loc`: the field path, and for a graph the node and its field
+    (`["graph", "3", "inputs.seed"]`, with `node` beside it)."""
+    problems: list[dict[str, Any]] = []
+    for error in exc.errors():
+        loc = [*prefix, *error["loc"]]
+        cause = (error.get("ctx") or {}).get("error")
+        if isinstance(cause, GraphRefused):
+            for problem in cause.problems:
+                where = [*loc, problem.node] if problem.node is not None else list(loc)
+                problems.append(
+                    {
+                        **problem.as_dict(),
+                        "loc": [*where, problem.field],
+                        "type": type(cause).__name__,
+                    }
+                )
+            continue
+        if isinstance(cause, RequestRefused):
+            loc = [*prefix, *cause.field.split(".")]
+        message = str(cause) if isinstance(cause, ValueError) else error["msg"]
+        problems.append({"loc": loc, "message": message, "type": error["type"]})
+    return problems
+
+
+def _typed(exc: ValidationError) -> str:
+    """`InvalidGraph` when every problem is the graph's: a client can branch on the type."""
+    causes = [(e.get("ctx") or {}).get("error") for e in exc.errors()]
+    if causes and all(isinstance(cause, GraphRefused) for cause in causes):
+        return "InvalidGraph"
+    return INVALID_REQUEST
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    async def known(request: Request, exc: Exception) -> JSONResponse:
+        error = api_error_for(exc)
+        if error.status_code >= 500 and not isinstance(exc, ApiError):
+            log.warning(
+                "request_failed",
+                path=request.url.path,
+                status=error.status_code,
+                error=type(exc).__name__,
+                detail=str(exc)[:300],
+            )
+        return error.response()
+
+    async def http_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        kinds = {404: "NotFound", 405: "MethodNotAllowed"}
+        error = ApiError(
+            exc.status_code,
+            kinds.get(exc.status_code, "HTTPError"),
+            str(exc.detail),
+            headers=dict(exc.headers or {}),
+        )
+        return error.response()
+
+    async def request_invalid(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        problems = [
+            {"loc": list(e["loc"]), "message": e["msg"], "type": e["type"]} for e in exc.errors()
+        ]
+        return invalid(problems).response()
+
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("request_crashed", path=request.url.path, error=type(exc).__name__)
+        return api_error_for(exc).response()
+
+    for kind in (ApiError, Unauthorized, LimitExceeded, ClientError, ValidationError):
+        app.add_exception_handler(kind, known)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(RequestValidationError, request_invalid)
+    app.add_exception_handler(Exception, unexpected)

@@ -1,0 +1,82 @@
+"""What `POST /v1/jobs` turns a body into: the `JobRequest`, how it is followed, its job ID.
+
+The job ID is the tenant's: `<tenant>.<sha256 of the Idempotency-Key, 32 hex>` (the same key
+always names the same job, and two tenants' keys never collide), or `<tenant>.<random>` without
+a key. The request's `tenant` label is set to the caller's tenant whatever the body said: the
+`Tenant` search attribute, which every later route checks, is taken from it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import uuid
+from typing import Any
+
+from pydantic import ValidationError
+
+from gateway.errors import bad_request, invalid, validation_problems
+from workflows.contracts import JobRequest
+
+IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e][\x20-\x7e]{0,198}[\x21-\x7e]$|^[\x21-\x7e]$")
+
+
+def job_id_for(tenant: str, idempotency_key: str | None) -> str:
+    if idempotency_key is None:
+        return f"{tenant}.{uuid.uuid4().hex}"
+    if not IDEMPOTENCY_KEY.match(idempotency_key):
+        raise bad_request("Idempotency-Key is 1-200 printable ASCII characters")
+    return f"{tenant}.{hashlib.sha256(idempotency_key.encode()).hexdigest()[:32]}"
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    if not raw.strip():
+        raise invalid([{"loc": [], "message": "the body is empty: send a JobRequest as JSON"}])
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise bad_request(f"the body is not JSON: {str(exc)[:200]}") from None
+    if not isinstance(body, dict):
+        raise invalid([{"loc": [], "message": "the body is a JSON object (a JobRequest)"}])
+    return body
+
+
+def job_request(body: dict[str, Any], tenant: str) -> tuple[JobRequest, bool]:
+    """The request and whether it is detached; 422 naming every field that is wrong."""
+    body = dict(body)
+    detached = body.pop("detached", True)
+    if not isinstance(detached, bool):
+        raise invalid([{"loc": ["detached"], "message": "true or false"}])
+    labels = body.get("labels")
+    if labels is None or isinstance(labels, dict):
+        body["labels"] = {**(labels or {}), "tenant": tenant}
+    try:
+        return JobRequest.model_validate(body), detached
+    except ValidationError as exc:
+        problems = validation_problems(exc)
+        graph_only = all(p["loc"][:1] == ["graph"] for p in problems)
+        raise invalid(problems, "InvalidGraph" if graph_only else "InvalidRequest") from None
+
+
+def cancel_reason(raw: bytes) -> str | None:
+    """The optional `{"reason": "..."}` of a cancel (at most 500 characters)."""
+    if not raw.strip():
+        return None
+    body = parse_body(raw)
+    reason = body.get("reason")
+    if set(body) - {"reason"}:
+        raise invalid([{"loc": [sorted(set(body) - {"reason"})[0]], "message": "unknown field"}])
+    if reason is not None and (not isinstance(reason, str) or len(reason) > 500):
+        raise invalid([{"loc": ["reason"], "message": "a string of at most 500 characters"}])
+    return reason
+
+
+def resubmit_of(raw: bytes) -> bool:
+    if not raw.strip():
+        return False
+    body = parse_body(raw)
+    resubmit = body.get("resubmit", False)
+    if set(body) - {"resubmit"} or not isinstance(resubmit, bool):
+        raise invalid([{"loc": ["resubmit"], "message": 'the body is {"resubmit": true|false}'}])
+    return resubmit
