@@ -40,9 +40,10 @@ from activities.runpod.client import RunPodClient
 from activities.runpod.errors import RunPodAuthError, RunPodError, RunPodRefused
 from activities.runpod.nodes import check_captured_registries
 from activities.runpod.retry import NO_RETRY
-from activities.settings import PoolConfig, WorkerSettings, runpod_api_keys
+from activities.settings import PoolConfig, WebhookSettings, WorkerSettings, runpod_api_keys
 from activities.storage import ArtifactStore, S3Settings, StorageConfigError
 from activities.versioning import deployment_config, settle_and_report
+from activities.webhooks import WebhookDeliverer
 from starter.connection import TemporalSettings, forwarded_core_logs
 from starter.doctor import (
     Check,
@@ -73,15 +74,18 @@ async def run_worker(
     client: Client | None = None,
     temporal: TemporalSettings | None = None,
     runpod_keys: Mapping[str, SecretStr] | None = None,
+    webhooks: WebhookSettings | None = None,
 ) -> None:
     """Serve InferenceJob until `stop` is set (by default: SIGTERM or SIGINT).
 
     Without `client` it connects where `temporal` says (None: Temporal's own environment
     configuration alone), after the checks `durable-comfy doctor` runs (starter.doctor; all but
     "a worker polls"): a failing one raises `ChecksFailed` before anything polls.
-    `runpod_keys`: each runpod pool's API key (None: read them from the environment now).
+    `runpod_keys`: each runpod pool's API key (None: read them from the environment now);
+    `webhooks`: the webhook secrets and allow-list (None: from the environment now).
     """
     keys = runpod_api_keys(settings.pools) if runpod_keys is None else runpod_keys
+    webhooks = WebhookSettings() if webhooks is None else webhooks
     stop = stop or _stop_on_signals()
     if client is None:
         runtime = None
@@ -106,7 +110,8 @@ async def run_worker(
         on_runpod = runpod_clients(settings, keys, http)
         runpod = RunPodBackend(settings.pools, on_runpod, store)
         by_kind: dict[str, Backend] = {"comfyui": comfy, "runpod": runpod}
-        jobs = JobActivities(Backends(settings.pools, settings.default_pool, by_kind))
+        deliverer = WebhookDeliverer(webhooks)
+        jobs = JobActivities(Backends(settings.pools, settings.default_pool, by_kind), deliverer)
         worker = Worker(
             client,
             task_queue=settings.task_queue,
@@ -116,6 +121,7 @@ async def run_worker(
                 jobs.follow_prompt,
                 jobs.offload_outputs,
                 jobs.stop_prompt,
+                deliverer.deliver_webhook,
             ],
             max_concurrent_activities=settings.max_concurrent_activities,
             graceful_shutdown_timeout=GRACEFUL_SHUTDOWN,
@@ -298,6 +304,9 @@ def main(argv: list[str] | None = None) -> None:
         temporal = TemporalSettings()
         runpod_keys = runpod_api_keys(settings.pools)
         check_captured_registries(settings.pools)
+        # Checked here with the others (a bad secret stops the worker, naming its variable);
+        # run_worker reads them again, as it does when a test or a tool starts it.
+        WebhookSettings()
     except (ValidationError, SettingsError, StorageConfigError) as exc:
         sys.exit("\n".join(f"worker: invalid settings: {line}" for line in problem_lines(exc)))
     configure_logging(settings.log_level)

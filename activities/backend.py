@@ -15,6 +15,7 @@ from temporalio import activity
 
 from activities.errors import fatal
 from activities.settings import PoolConfig
+from activities.webhooks import WebhookDeliverer
 from workflows.activity_io import (
     FollowInput,
     FollowResult,
@@ -90,12 +91,19 @@ class Backends:
 class JobActivities:
     """The activities the workflow schedules, each routed to its pool's backend."""
 
-    def __init__(self, backends: Backends) -> None:
+    def __init__(self, backends: Backends, webhooks: WebhookDeliverer | None = None) -> None:
         self._backends = backends
+        self._webhooks = webhooks
 
     @activity.defn(name=ACTIVITY_PREPARE)
     async def prepare_prompt(self, req: PrepareInput) -> PreparedJob:
         pool, backend = self._backends.resolve(req.pool)
+        if req.webhook is not None:
+            # Here, once for every kind of pool: a webhook that could never be sent refuses
+            # the job before anything reaches a backend.
+            if self._webhooks is None:
+                raise fatal(ErrorType.INVALID_REQUEST, "webhook: this worker sends no webhooks")
+            await self._webhooks.refuse_unusable(req.webhook, req.tenant)
         return await backend.prepare(req, pool)
 
     @activity.defn(name=ACTIVITY_FOLLOW)

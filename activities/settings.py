@@ -13,6 +13,8 @@ builds them and passes them down; nothing else reads these variables):
                     DURABLE_COMFY_SET_CURRENT
     S3Settings      DURABLE_COMFY_BUCKET, DURABLE_COMFY_S3_ENDPOINT, AWS_ACCESS_KEY_ID,
                     AWS_SECRET_ACCESS_KEY, AWS_REGION (else AWS_DEFAULT_REGION)
+    WebhookSettings DURABLE_COMFY_WEBHOOK_SECRETS, DURABLE_COMFY_WEBHOOK_SECRETS_FILE,
+                    DURABLE_COMFY_WEBHOOK_ALLOW_HOSTS
 
 and `runpod_api_keys` reads each runpod pool's API key, at start-up too, from the variable the
 pool's `api_key_env` names (default RUNPOD_API_KEY).
@@ -32,6 +34,8 @@ Credentials come only from the environment (or botocore's own chain when no keys
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import os
 import re
@@ -655,3 +659,98 @@ def problems(exc: ValidationError) -> str:
         return f"{where}: {message}" if where else message
 
     return "; ".join(one(error) for error in exc.errors())
+
+
+# --- webhooks ---------------------------------------------------------------------------------
+
+WEBHOOK_SECRETS_VAR = "DURABLE_COMFY_WEBHOOK_SECRETS"
+WEBHOOK_SECRETS_FILE_VAR = "DURABLE_COMFY_WEBHOOK_SECRETS_FILE"
+TENANT_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_WEBHOOK_SECRET_PREFIX = "whsec_"
+# Standard Webhooks asks for 24 to 64 random bytes; fewer than 16 is not a secret.
+_MIN_SECRET_BYTES = 16
+
+
+def webhook_signing_key(secret: str) -> bytes:
+    """The HMAC key of a `whsec_<base64>` secret (its base64 part, decoded)."""
+    if not secret.startswith(_WEBHOOK_SECRET_PREFIX):
+        raise ValueError("a webhook secret is whsec_ followed by base64")
+    try:
+        key = base64.b64decode(secret.removeprefix(_WEBHOOK_SECRET_PREFIX), validate=True)
+    except binascii.Error:
+        raise ValueError("a webhook secret's part after whsec_ is not base64") from None
+    if len(key) < _MIN_SECRET_BYTES:
+        raise ValueError(f"a webhook secret must hold at least {_MIN_SECRET_BYTES} bytes")
+    return key
+
+
+def _tenant_secrets(text: str, separator: str, where: str) -> dict[str, SecretStr]:
+    """`tenant:whsec_...` items; each problem names the item's place, never its value."""
+    secrets: dict[str, SecretStr] = {}
+    for number, item in enumerate(text.split(separator), start=1):
+        item = item.strip()
+        if not item or item.startswith("#"):
+            continue
+        tenant, colon, secret = item.partition(":")
+        tenant = tenant.strip()
+        if not colon or not TENANT_PATTERN.match(tenant):
+            raise ValueError(f"{where} item {number}: expected tenant:whsec_<base64>")
+        try:
+            webhook_signing_key(secret.strip())
+        except ValueError as exc:
+            raise ValueError(f"{where} item {number} (tenant {tenant}): {exc}") from None
+        if tenant in secrets:
+            raise ValueError(f"{where} item {number}: tenant {tenant} has a secret already")
+        secrets[tenant] = SecretStr(secret.strip())
+    return secrets
+
+
+class WebhookSettings(EnvSettings):
+    """The worker's webhook secrets (one per tenant, Standard Webhooks' `whsec_<base64>`) and
+    the hosts a webhook may reach without the public-address rule, for development only."""
+
+    # hide_input_in_errors: a ValidationError must not print a secret.
+    model_config = SettingsConfigDict(hide_input_in_errors=True)
+
+    secrets: dict[str, SecretStr] = Field(
+        default_factory=dict, validation_alias=WEBHOOK_SECRETS_VAR
+    )
+    # One `tenant:whsec_...` per line, `#` comments; not with the variable.
+    secrets_file: Path | None = Field(None, validation_alias=WEBHOOK_SECRETS_FILE_VAR)
+    # Hosts (as the URL names them: `127.0.0.1`, `localhost`) a webhook may reach over http and
+    # at a private address: a test's or a developer's receiver. Never in production.
+    allow_hosts: tuple[str, ...] = Field((), validation_alias="DURABLE_COMFY_WEBHOOK_ALLOW_HOSTS")
+
+    @field_validator("secrets", mode="before")
+    @classmethod
+    def _comma_separated_secrets(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return _tenant_secrets(value, ",", WEBHOOK_SECRETS_VAR)
+        return value
+
+    @field_validator("allow_hosts", mode="before")
+    @classmethod
+    def _comma_separated_hosts(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return tuple(h.strip().lower() for h in value.split(",") if h.strip())
+        return value
+
+    @model_validator(mode="after")
+    def _secrets_from_the_file(self) -> Self:
+        if self.secrets_file is None:
+            return self
+        if self.secrets:
+            raise ValueError(
+                f"{WEBHOOK_SECRETS_VAR} and {WEBHOOK_SECRETS_FILE_VAR} are both set: use one"
+            )
+        try:
+            text = self.secrets_file.read_text()
+        except OSError as exc:
+            raise ValueError(f"{WEBHOOK_SECRETS_FILE_VAR}: {exc.strerror}") from None
+        # The model is frozen: the file's secrets are read once, here.
+        object.__setattr__(self, "secrets", _tenant_secrets(text, "\n", str(self.secrets_file)))
+        return self
+
+    def signing_key(self, tenant: str) -> bytes | None:
+        secret = self.secrets.get(tenant)
+        return webhook_signing_key(secret.get_secret_value()) if secret is not None else None

@@ -104,6 +104,7 @@ from workflows.shared import (
     SIGNAL_CLIENT_SEEN,
     STATE_KEY,
     UPDATE_ATTACH,
+    UPDATE_ENDED,
     UPDATE_RESUME,
     WORKFLOW_TYPE,
 )
@@ -795,7 +796,7 @@ class JobClient:
         """
         handle = self.temporal.get_workflow_handle(checked_job_id(job_id))
         try:
-            final = _final_status(await handle.result())
+            final = _final_status(await self._ended_or_result(handle))
         except WorkflowFailureError as exc:
             cause = exc.cause
             details = cause.details if isinstance(cause, ApplicationError) else ()
@@ -807,6 +808,36 @@ class JobClient:
         if final is not None and final.job_id == job_id:
             return final
         return await self.status(job_id)
+
+    async def _ended_or_result(self, handle: WorkflowHandle[Any, Any]) -> object:
+        """The workflow's result, or sooner its terminal status from the `ended` update: a job
+        that has ended may still be delivering its last webhooks, which a client waiting for
+        the job's end does not wait for. The result alone when the update is not answered (the
+        workflow has closed, or runs on a worker that predates the update)."""
+        result = asyncio.create_task(handle.result())
+        try:
+            while True:
+                ended = asyncio.create_task(self._ended(handle))
+                await asyncio.wait({result, ended}, return_when=asyncio.FIRST_COMPLETED)
+                if result.done():
+                    ended.cancel()
+                    return result.result()
+                status = ended.result()
+                if status is None:
+                    return await result
+                if status.terminal:
+                    return status
+                # The run continues as new: ask the next one (once it has started).
+                await asyncio.sleep(0.2)
+        finally:
+            result.cancel()
+
+    async def _ended(self, handle: WorkflowHandle[Any, Any]) -> JobStatus | None:
+        try:
+            status: JobStatus = await handle.execute_update(UPDATE_ENDED, result_type=JobStatus)
+        except (RPCError, RPCTimeoutOrCancelledError, WorkflowUpdateFailedError):
+            return None
+        return status
 
     @_client_errors
     async def result(self, job_id: str, *, presign: bool = True) -> JobStatus:

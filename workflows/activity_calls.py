@@ -17,9 +17,12 @@ with workflow.unsafe.imports_passed_through():
         PrepareInput,
         StopCheck,
         StopInput,
+        WebhookAttempt,
+        WebhookDeliveryInput,
     )
     from workflows.contracts import JobPolicy
     from workflows.shared import (
+        ACTIVITY_DELIVER_WEBHOOK,
         ACTIVITY_FOLLOW,
         ACTIVITY_OFFLOAD,
         ACTIVITY_PREPARE,
@@ -85,5 +88,18 @@ async def stop(req: StopInput) -> StopCheck:
         start_to_close_timeout=timedelta(seconds=30),
         retry_policy=ONE_ATTEMPT,
         summary=f"stop prompt ({req.reason})" + (" (last check)" if req.final else ""),
+    )
+    return result
+
+
+async def deliver_webhook(req: WebhookDeliveryInput) -> WebhookAttempt:
+    # One attempt per call: the workflow schedules retries itself, jittered (workflows/webhooks.py).
+    result: WebhookAttempt = await workflow.execute_activity(
+        ACTIVITY_DELIVER_WEBHOOK,
+        req,
+        result_type=WebhookAttempt,
+        start_to_close_timeout=timedelta(seconds=30),
+        retry_policy=ONE_ATTEMPT,
+        summary=f"webhook {req.event} (seq {req.entry.seq}, attempt {req.attempt})",
     )
     return result

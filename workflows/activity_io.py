@@ -13,8 +13,11 @@ from workflows.contracts import (
     Checkpoint,
     InputRef,
     JobCost,
+    JobEvent,
     OutputSpec,
     StrictModel,
+    WebhookEventName,
+    WebhookSpec,
 )
 
 
@@ -26,6 +29,10 @@ class PrepareInput(StrictModel):
     segments: list[dict[str, Any]] = Field(default_factory=list)
     # Where the job stores things (backends that stage inputs beside its artifacts).
     output: OutputSpec = Field(default_factory=OutputSpec)
+    # Checked before any GPU time: a URL the worker must not POST to, or a tenant without a
+    # signing secret, refuses the job here.
+    webhook: WebhookSpec | None = None
+    tenant: str | None = None
 
 
 class PreparedJob(StrictModel):
@@ -170,3 +177,27 @@ class StopCheck(StrictModel):
     freed_memory: bool = False
     # Once gone from a per-second-billed backend: what the provider job cost.
     cost: JobCost | None = None
+
+
+class WebhookDeliveryInput(StrictModel):
+    """One attempt to POST one journal entry to the job's webhook. Names the tenant whose
+    secret signs it; the secret itself stays on the worker."""
+
+    job_id: str
+    tenant: str
+    url: str
+    webhook_id: str
+    event: WebhookEventName
+    entry: JobEvent
+    attempt: int = 1
+
+
+class WebhookAttempt(StrictModel):
+    """How one attempt went. `retry`: try again later; `gone`: the receiver answered 410 and
+    wants no more; `refused`: the worker will not send to that URL or cannot sign for the tenant
+    (nothing more is sent)."""
+
+    outcome: Literal["delivered", "retry", "gone", "refused"]
+    status_code: int | None = None
+    error: str | None = None
+    at: datetime

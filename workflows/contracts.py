@@ -389,6 +389,42 @@ class JobCost(StrictModel):
         return round(self.billed_s * self.usd_per_second, 6)
 
 
+WebhookDeliveryState = Literal["pending", "retrying", "delivered", "failed"]
+
+
+class WebhookDelivery(StrictModel):
+    """One event's delivery to the job's webhook, as far as it got."""
+
+    # The same on every attempt (Standard Webhooks' `webhook-id`): a receiver deduplicates on it.
+    webhook_id: str
+    event: WebhookEventName
+    seq: int  # the journal entry's seq
+    state: WebhookDeliveryState = "pending"
+    attempts: int = 0
+    # The receiver's last answer, or why there was none (a timeout, a refused connection).
+    last_status_code: int | None = None
+    last_error: str | None = None
+    at: datetime | None = None
+
+
+# The status keeps the latest deliveries only; the counts cover them all.
+MAX_WEBHOOK_DELIVERIES = 20
+
+
+class WebhookStatus(StrictModel):
+    """Where the job's events go and how their deliveries went (never the signing secret)."""
+
+    url: str  # without its query string, which may carry a token
+    events: list[WebhookEventName] = Field(default_factory=list)
+    delivered: int = 0
+    failed: int = 0
+    # Subscribed events not yet delivered or given up (being tried, or waiting their turn).
+    pending: int = 0
+    # Why nothing more is sent (the URL was refused, the tenant has no secret).
+    refused: str | None = None
+    deliveries: list[WebhookDelivery] = Field(default_factory=list)
+
+
 class JobStatus(StrictModel):
     """What every client sees, by query, poll or push."""
 
@@ -408,6 +444,8 @@ class JobStatus(StrictModel):
     notices: list[Notice] = Field(default_factory=list)
     # Per provider job (one per submission that reached a per-second-billed backend).
     cost: list[JobCost] = Field(default_factory=list)
+    # Set when the request has a webhook: each event's delivery.
+    webhook: WebhookStatus | None = None
     detached: bool = False
     # The client-contact horizon: no contact for this long abandons the job (None: detached).
     abandon_after_s: float | None = None

@@ -23,7 +23,14 @@ with workflow.unsafe.imports_passed_through():
     from workflows import activity_calls as calls
     from workflows import guards
     from workflows.activity_io import OffloadInput, PreparedJob, PrepareInput
-    from workflows.contracts import JobError, JobState, JobStatus, Progress, Teardown
+    from workflows.contracts import (
+        JobError,
+        JobState,
+        JobStatus,
+        Progress,
+        Teardown,
+        WebhookStatus,
+    )
     from workflows.failures import job_error
     from workflows.graph import GraphFormatError, run_tag
     from workflows.input_refusal import Refusal, read_job_input
@@ -33,8 +40,9 @@ with workflow.unsafe.imports_passed_through():
     from workflows.job_input import JobCarry, JobInput
     from workflows.job_metrics import counter
     from workflows.segment_run import SegmentRun
-    from workflows.shared import WORKFLOW_TYPE, ErrorType
+    from workflows.shared import DEFAULT_TENANT, TENANT_LABEL, WORKFLOW_TYPE, ErrorType
     from workflows.stopping import ConfirmedStop
+    from workflows.webhooks import BEFORE_EVERYTHING, WebhookSender, shown_url
 
 
 # A ValueError that escapes workflow code otherwise fails the workflow *task*, which Temporal
@@ -56,6 +64,11 @@ class InferenceJob(JobMessages):
         self._work: asyncio.Task[JobCarry | None] | None = None
         self._stopper = ConfirmedStop(self._book, self._request.policy, self._request.output)
         self._cancelled_via_temporal = False
+        self._tenant = self._request.labels.get(TENANT_LABEL) or DEFAULT_TENANT
+        self._webhooks: WebhookSender | None = None
+        self._sender: asyncio.Task[None] | None = None
+        # About to continue as new: the `ended` update answers now, and is asked again.
+        self._continuing = False
 
     @workflow.run
     async def run(self, raw_input: RawValue) -> JobStatus:
@@ -63,6 +76,7 @@ class InferenceJob(JobMessages):
         if self._reading.refusal is not None:
             await self._refuse(self._reading.refusal)  # typed, before any activity
         self._book.set_state(self._status.state if self._carry else JobState.QUEUED)
+        self._start_webhooks()
         self._work = asyncio.create_task(self._run_job())
         if self._controls.stop is not None:
             self._work.cancel()  # cancelled while still queued: nothing to run
@@ -71,9 +85,14 @@ class InferenceJob(JobMessages):
         for guard in guards_running:
             guard.cancel()
         if carry is not None:
+            carry.webhook_cursor = await self._stop_webhooks()
+            self._continuing = True
             await workflow.wait_condition(workflow.all_handlers_finished)
             workflow.continue_as_new(JobInput(request=self._request, carry=carry))
         await self._finish_uncancellable(outcome)
+        # The job has ended (and says so to every client); its last events may still be on
+        # their way to the webhook.
+        await self._deliver_the_rest()
         await workflow.wait_condition(workflow.all_handlers_finished)
         return self._end_result()
 
@@ -87,6 +106,11 @@ class InferenceJob(JobMessages):
             created_at=now,
             updated_at=now,
             last_client_contact_at=now,
+            webhook=WebhookStatus(
+                url=shown_url(self._request.webhook.url), events=self._request.webhook.events
+            )
+            if self._request.webhook is not None
+            else None,
         )
 
     # -- the work ---------------------------------------------------------------------------
@@ -104,6 +128,8 @@ class InferenceJob(JobMessages):
                     inputs=request.inputs,
                     segments=request.segments,
                     output=request.output,
+                    webhook=request.webhook,
+                    tenant=self._tenant if request.webhook is not None else None,
                 )
             )
             book.prepared_on(self._prepared.pool, self._prepared.kind)
@@ -155,6 +181,45 @@ class InferenceJob(JobMessages):
         return (
             info.is_continue_as_new_suggested() or info.get_current_history_length() > budget // 2
         )
+
+    # -- the webhook (workflows/webhooks.py) -------------------------------------------------
+
+    def _start_webhooks(self) -> None:
+        if self._request.webhook is None:
+            return
+        cursor = self._carry.webhook_cursor if self._carry else None
+        self._webhooks = WebhookSender(
+            self._book, self._request.webhook, self._tenant, cursor or BEFORE_EVERYTHING
+        )
+        self._sender = asyncio.create_task(self._webhooks.run())
+
+    async def _stop_webhooks(self) -> tuple[int, int] | None:
+        """Before continuing as new: the cursor the next run delivers after. An attempt cut
+        short here is made again there, with the same webhook-id."""
+        if self._sender is None or self._webhooks is None:
+            return None
+        self._sender.cancel()
+        try:
+            await self._sender
+        except asyncio.CancelledError:
+            pass
+        return self._webhooks.cursor
+
+    async def _deliver_the_rest(self) -> None:
+        """Wait for the sender to deliver (or give up) every event, within their horizons."""
+        sender = self._sender
+        if sender is None:
+            return
+        try:
+            await asyncio.shield(sender)
+        except asyncio.CancelledError:
+            # A Temporal cancel after the job ended (the UI's button): stop delivering.
+            sender.cancel()
+            try:
+                await sender
+            except asyncio.CancelledError:
+                pass
+            self._book.webhook_given_up("not delivered: the job's workflow was cancelled")
 
     # -- the end: refusal, stop, compensation -------------------------------------------------
 

@@ -14,10 +14,11 @@ from typing import Literal
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
-    from workflows.activity_io import FollowResult
+    from workflows.activity_io import FollowResult, WebhookAttempt
     from workflows.contracts import (
         MAX_JOURNAL,
         MAX_NOTICES,
+        MAX_WEBHOOK_DELIVERIES,
         Artifact,
         BackendInfo,
         Checkpoint,
@@ -32,9 +33,13 @@ with workflow.unsafe.imports_passed_through():
         ProgressReport,
         Teardown,
         TeardownStep,
+        WebhookDelivery,
+        WebhookDeliveryState,
+        WebhookEventName,
     )
     from workflows.job_details import CurrentDetails
     from workflows.shared import POOL_KEY, PROGRESS_KEY, STATE_KEY
+    from workflows.webhooks import webhook_event
 
 
 class JobBook:
@@ -227,6 +232,94 @@ class JobBook:
         self._changed()
         return record
 
+    # -- the webhook's deliveries (workflows/webhooks.py; no journal entry of their own) -----
+
+    def webhook_sending(self, webhook_id: str, event: WebhookEventName, seq: int) -> None:
+        """An event's first attempt is about to go (or, after a continue-as-new, its next)."""
+        webhook = self.status.webhook
+        if webhook is None or self._delivery(webhook_id) is not None:
+            return
+        webhook.deliveries.append(
+            WebhookDelivery(webhook_id=webhook_id, event=event, seq=seq, at=workflow.now())
+        )
+        del webhook.deliveries[:-MAX_WEBHOOK_DELIVERIES]
+        self._changed()
+
+    def webhook_attempted(
+        self, webhook_id: str, attempt: WebhookAttempt, state: WebhookDeliveryState
+    ) -> None:
+        """One attempt's outcome; `delivered` and `failed` end the event's delivery."""
+        webhook, delivery = self.status.webhook, self._delivery(webhook_id)
+        if webhook is None or delivery is None:
+            return
+        delivery.attempts += 1
+        delivery.last_status_code = attempt.status_code
+        delivery.last_error = attempt.error
+        delivery.at = attempt.at
+        delivery.state = state
+        if state == "delivered":
+            webhook.delivered += 1
+        elif state == "failed":
+            webhook.failed += 1
+        if state in ("delivered", "failed"):
+            webhook.pending = max(0, webhook.pending - 1)
+        self._changed()
+
+    def webhook_refused(self, reason: str) -> None:
+        """Nothing more is sent: every event not yet delivered counts as failed."""
+        webhook = self.status.webhook
+        if webhook is None:
+            return
+        webhook.refused = reason
+        webhook.failed += webhook.pending
+        webhook.pending = 0
+        self._changed()
+
+    def webhook_given_up(self, reason: str) -> None:
+        """Deliveries stop before their horizon (the workflow was cancelled after the end)."""
+        webhook = self.status.webhook
+        if webhook is None or not webhook.pending:
+            return
+        for delivery in webhook.deliveries:
+            if delivery.state in ("pending", "retrying"):
+                delivery.state = "failed"
+                delivery.last_error = reason
+                delivery.at = workflow.now()
+        webhook.failed += webhook.pending
+        webhook.pending = 0
+        self._changed()
+
+    def webhook_settled(self) -> None:
+        """The sender found nothing left: a count still pending was of entries the bounded
+        journal no longer held (a sender far behind), which can no longer be sent."""
+        self.webhook_given_up("no longer in the job's journal")
+
+    def webhook_attempts(self, webhook_id: str) -> int:
+        delivery = self._delivery(webhook_id)
+        return delivery.attempts if delivery is not None else 0
+
+    def webhook_refused_reason(self) -> str | None:
+        webhook = self.status.webhook
+        return webhook.refused if webhook is not None else None
+
+    def _delivery(self, webhook_id: str) -> WebhookDelivery | None:
+        webhook = self.status.webhook
+        if webhook is None:
+            return None
+        return next((d for d in webhook.deliveries if d.webhook_id == webhook_id), None)
+
+    def _count_webhook_events(self, entries: list[JobEvent]) -> None:
+        """New journal entries the webhook subscribes to: pending from the change that wrote
+        them, so a status that reads terminal already counts its own ending's delivery."""
+        webhook = self.status.webhook
+        if webhook is None:
+            return
+        subscribed = sum(1 for entry in entries if webhook_event(entry) in webhook.events)
+        if webhook.refused is not None:
+            webhook.failed += subscribed
+        else:
+            webhook.pending += subscribed
+
     # -- reports from the follow activity ---------------------------------------------------
 
     def apply_progress(self, report: ProgressReport, *, stage_changes: bool = False) -> None:
@@ -295,11 +388,11 @@ class JobBook:
     def _changed(self) -> None:
         self.status.seq += 1
         self.status.updated_at = workflow.now()
-        self._journal()
+        self._count_webhook_events(self._journal())
         # Current details cost no history event: keep the Temporal UI as current as a query.
         workflow.set_current_details(self.details())
 
-    def _journal(self) -> None:
+    def _journal(self) -> list[JobEvent]:
         """Journal what this change did that a follower must see, under its new seq."""
         status, now = self.status, workflow.now()
         entries: list[JobEvent] = []
@@ -321,6 +414,7 @@ class JobBook:
         if entries:
             self.journal.extend(entries)
             del self.journal[:-MAX_JOURNAL]
+        return entries
 
     def _percent(self) -> int:
         return int(self.status.progress.fraction * 10) * 10

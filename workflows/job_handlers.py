@@ -36,6 +36,7 @@ with workflow.unsafe.imports_passed_through():
         SIGNAL_PROGRESS,
         SIGNAL_RESUME,
         UPDATE_ATTACH,
+        UPDATE_ENDED,
         UPDATE_RESUME,
         ErrorType,
     )
@@ -47,6 +48,7 @@ class JobMessages:
     _status: JobStatus
     _book: JobBook
     _controls: JobControls
+    _continuing: bool
 
     def _request_stop(self, state: JobState, error_type: str, message: str) -> None:
         raise NotImplementedError
@@ -91,6 +93,14 @@ class JobMessages:
     def _validate_attach(self, payload: Any = None) -> None:
         if payload not in (None, {}):
             raise ValueError("attach takes no argument (or {})")
+
+    @workflow.update(name=UPDATE_ENDED)
+    async def ended(self, _ignored: Any = None) -> JobStatus:
+        """The status once it is terminal: what `JobClient.wait` needs while the workflow
+        still delivers its webhooks. A run about to continue as new answers with its last
+        status (not terminal): the caller asks the next run."""
+        await workflow.wait_condition(lambda: self._status.terminal or self._continuing)
+        return self._status
 
     @workflow.signal(name=SIGNAL_CANCEL)
     def cancel(self, payload: Any = None) -> None:

@@ -18,6 +18,9 @@ class JobCarry(BaseModel):
     next_segment: int
     # The job's journal so far (workflows/job_book.py): a follower's replay spans runs.
     journal: list[JobEvent] = []
+    # The webhook sender's last handled journal entry, (seq, index within it): the next run
+    # delivers from the one after, so no event is lost or sent twice across runs.
+    webhook_cursor: tuple[int, int] | None = None
 
 
 class JobInput(BaseModel):

@@ -25,6 +25,9 @@ SIGNAL_RESUME: Final = "resume"
 # Records the reason for a Temporal cancel that follows it (the job then ends Canceled).
 SIGNAL_CANCEL_REASON: Final = "cancel_reason"
 UPDATE_ATTACH: Final = "attach"
+# Answers with the status once it is terminal (at once when it is): the job may still be
+# delivering its last webhooks, but a client waiting for its end need not wait for those.
+UPDATE_ENDED: Final = "ended"
 # `resume` as an update: refused with a reason unless the job is NEEDS_DECISION; answers with
 # the status once the job acted on it.
 UPDATE_RESUME: Final = "resume"
@@ -34,6 +37,7 @@ ACTIVITY_PREPARE: Final = "prepare_prompt"
 ACTIVITY_FOLLOW: Final = "follow_prompt"  # submits (socket first) and follows
 ACTIVITY_OFFLOAD: Final = "offload_outputs"
 ACTIVITY_STOP: Final = "stop_prompt"  # one check of a stop
+ACTIVITY_DELIVER_WEBHOOK: Final = "deliver_webhook"  # one attempt to POST one event
 
 # Search attributes registered on the server (temporal-dev.yaml lists them too).
 SA_JOB_STATE: Final = "JobState"
@@ -43,6 +47,11 @@ SA_TENANT: Final = "Tenant"
 STATE_KEY: Final = SearchAttributeKey.for_keyword(SA_JOB_STATE)
 PROGRESS_KEY: Final = SearchAttributeKey.for_int(SA_JOB_PROGRESS)
 POOL_KEY: Final = SearchAttributeKey.for_keyword(SA_JOB_POOL)
+
+# The request label that names the job's tenant (the `Tenant` search attribute's value); a job
+# without one belongs to the tenant of an unauthenticated local gateway.
+TENANT_LABEL: Final = "tenant"
+DEFAULT_TENANT: Final = "local"
 
 JOB_ID_PATTERN: Final = re.compile(r"^[A-Za-z0-9_.:-]{1,200}$")
 
