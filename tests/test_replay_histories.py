@@ -39,6 +39,7 @@ ENDINGS = {
     "reconnected": COMPLETED,
     "decided": COMPLETED,
     "continued": COMPLETED,
+    "webhook": COMPLETED,
 }
 RECORDED = sorted(path.stem for path in HISTORIES.glob("*.json"))
 

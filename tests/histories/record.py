@@ -17,20 +17,24 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+from collections import Counter
 from collections.abc import Awaitable, Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from temporalio import activity
 from temporalio.client import WorkflowFailureError, WorkflowHandle
+from temporalio.worker import Worker
 
 from tests.workflow_fakes import (
     GRAPH,
     FakeBackend,
     Script,
-    job_worker,
     start_job,
     start_time_skipping,
 )
+from workflows.activity_io import WebhookAttempt, WebhookDeliveryInput
 from workflows.contracts import (
     CancelRequest,
     JobPolicy,
@@ -38,13 +42,17 @@ from workflows.contracts import (
     JobState,
     JobStatus,
     ResumeRequest,
+    WebhookSpec,
 )
+from workflows.inference_job import InferenceJob
 from workflows.shared import (
+    ACTIVITY_DELIVER_WEBHOOK,
     QUERY_STATUS,
     SIGNAL_CANCEL,
     SIGNAL_CANCEL_REASON,
     SIGNAL_CLIENT_SEEN,
     SIGNAL_RESUME,
+    UPDATE_ENDED,
     UPDATE_RESUME,
     ErrorType,
 )
@@ -53,6 +61,8 @@ HERE = Path(__file__).parent
 SEGMENTS = "segments"  # in a scenario's settings: the request's segments, not a policy field
 # In a scenario's settings: a graph sent unchecked (as a client that skips the checks would).
 UNCHECKED_GRAPH = "unchecked_graph"
+# In a scenario's settings: the request's webhook.
+WEBHOOK = "webhook"
 CYCLE = {
     "1": {"class_type": "A", "inputs": {"x": ["2", 0]}},
     "2": {"class_type": "B", "inputs": {"y": ["1", 0]}},
@@ -83,6 +93,27 @@ async def cancel_with_reason(handle: WorkflowHandle[Any, JobStatus]) -> None:
     await asyncio.sleep(0.5)
     await handle.signal(SIGNAL_CANCEL_REASON, CancelRequest(reason="recorded reason"))
     await handle.cancel()
+
+
+class FakeReceiver:
+    """`deliver_webhook` without a network: each event's first attempt answered 503, the next
+    delivered (so the history holds a retry's timer)."""
+
+    def __init__(self) -> None:
+        self.attempts: Counter[str] = Counter()
+
+    @activity.defn(name=ACTIVITY_DELIVER_WEBHOOK)
+    async def deliver_webhook(self, req: WebhookDeliveryInput) -> WebhookAttempt:
+        self.attempts[req.webhook_id] += 1
+        now = activity.info().current_attempt_scheduled_time
+        if self.attempts[req.webhook_id] == 1:
+            return WebhookAttempt(outcome="retry", status_code=503, error="HTTP 503", at=now)
+        return WebhookAttempt(outcome="delivered", status_code=204, at=now)
+
+
+async def wait_for_the_end(handle: WorkflowHandle[Any, JobStatus]) -> None:
+    """JobClient.wait's update: answered once the job is terminal, deliveries or not."""
+    await handle.execute_update(UPDATE_ENDED, result_type=JobStatus)
 
 
 SCENARIOS: dict[str, Scenario] = {
@@ -144,6 +175,18 @@ SCENARIOS: dict[str, Scenario] = {
         {"abandon_after_s": None, "history_budget_events": 10, SEGMENTS: [{}, {}, {}]},
         None,
     ),
+    # A job with a webhook: its outputs and its end delivered, each after one retry, while
+    # the `ended` update answered at the job's end.
+    "webhook": (
+        Script(),
+        {
+            "abandon_after_s": None,
+            WEBHOOK: WebhookSpec(
+                url="https://hooks.example.com/jobs", events=["output_stored", "completed"]
+            ),
+        },
+        wait_for_the_end,
+    ),
 }
 
 
@@ -154,11 +197,19 @@ async def record(only: list[str] | None = None) -> None:
             if only and name not in only:
                 continue
             backend = FakeBackend(script)
-            async with job_worker(env.client, backend) as task_queue:
+            task_queue = f"record-{name}"
+            async with Worker(
+                env.client,
+                task_queue=task_queue,
+                workflows=[InferenceJob],
+                activities=[*backend.activities(), FakeReceiver().deliver_webhook],
+                graceful_shutdown_timeout=timedelta(seconds=1),
+            ):
                 settings = dict(policy)
                 unchecked = settings.pop(UNCHECKED_GRAPH, None)
                 fields = {
                     "segments": settings.pop(SEGMENTS, []),
+                    "webhook": settings.pop(WEBHOOK, None),
                     "policy": JobPolicy.model_validate({"heartbeat_timeout_s": 1} | settings),
                 }
                 request = (
