@@ -70,6 +70,21 @@ nginx:
 	@test -x /usr/sbin/nginx || { apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx-light; }
 
+# Debian's chromium: the headless browser of `make test-ui` (the Temporal UI and the gateway's
+# page, tests/headless_chromium.py).
+.PHONY: chromium
+chromium:
+	@command -v chromium >/dev/null || { apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
+
+# Both Debian packages the tests use, whichever are missing, in one apt-get call: CI installs
+# them together rather than updating the package lists twice.
+.PHONY: debs
+debs:
+	@missing="$$(test -x /usr/sbin/nginx || echo nginx-light) $$(command -v chromium >/dev/null || echo chromium)"; \
+	test -z "$$(echo $$missing)" || { apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; }
+
 ## test-real-comfyui: the conformance suite and end-to-end tests against a real ComfyUI: on a
 ## comfyui pool, and on the RunPod path (our handler, and the stock worker-comfyui handler when
 ## .venv-stock has it, under the RunPod simulator with a real ComfyUI per worker)
@@ -80,11 +95,10 @@ test-real-comfyui: $(STAMP) $(EP_STAMP) $(STOCK_STAMP)
 		tests/tooling/test_comfy_sim_conformance.py tests/test_real_comfyui.py \
 		tests/test_real_comfyui_runpod.py
 
-## test-ui: the Temporal UI shows a running job's live progress (headless Chromium from Debian)
-test-ui: $(STAMP)
-	@command -v chromium >/dev/null || { apt-get update -qq && \
-		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
-	REQUIRE_CHROMIUM=1 $(BIN)/pytest -q tests/test_temporal_ui.py
+## test-ui: the Temporal UI shows a running job's live progress, and the gateway's browser page
+## follows a job through a gateway kill -9 to its image (headless Chromium from Debian)
+test-ui: $(STAMP) chromium
+	REQUIRE_CHROMIUM=1 $(BIN)/pytest -q tests/test_temporal_ui.py tests/test_gateway_page.py
 
 ## mutate: mutation testing of workflows/ and the follower against the fast tests (not in `make test`)
 .PHONY: mutate

@@ -38,6 +38,9 @@ class Page:
         # The page's console and uncaught errors, once `record_console` was called: what a
         # failing test shows about the page's own side.
         self.console: list[str] = []
+        # The requests the page sent, once `record_requests` was called: each one's method,
+        # URL, headers and body (`Network.requestWillBeSent`'s `request`).
+        self.requests: list[dict[str, Any]] = []
 
     async def call(self, method: str, **params: Any) -> dict[str, Any]:
         call_id = next(self._ids)
@@ -58,11 +61,19 @@ class Page:
             details = params.get("exceptionDetails", {})
             thrown = details.get("exception", {}).get("description") or details.get("text")
             self.console.append(f"uncaught: {thrown}")
+        elif message.get("method") == "Network.requestWillBeSent":
+            self.requests.append(params["request"])
         del self.console[:-200]
+        del self.requests[:-1000]
 
     async def record_console(self) -> None:
         """Keep the page's console messages and uncaught errors from now on (`console`)."""
         await self.call("Runtime.enable")
+
+    async def record_requests(self) -> None:
+        """Keep the requests the page sends from now on (`requests`), read as messages arrive:
+        during any later call."""
+        await self.call("Network.enable")
 
     async def evaluate(self, expression: str) -> Any:
         result = await self.call("Runtime.evaluate", expression=expression, returnByValue=True)

@@ -75,16 +75,20 @@ const sleep = (ms, signal) =>
 // --- the configuration and the submit ---------------------------------------------------
 
 let exampleGraph = null;
+let maxBodyBytes = Infinity; // the gateway's limit: a larger graph is refused before it is sent
 
 async function loadConfig() {
   try {
     const response = await fetch("v1/config", { signal: AbortSignal.timeout(RETRY.requestTimeoutMs) });
-    if (!response.ok) return;
+    if (!response.ok) throw new Error(`HTTP ${response.status}`);
     const config = await response.json();
     exampleGraph = config.example_graph ?? null;
+    maxBodyBytes = config.max_body_bytes ?? Infinity;
     $("key-section").hidden = config.auth_required === false;
+    document.body.dataset.config = "loaded";
   } catch {
     // Without the configuration the key field stays, and the example button says why.
+    document.body.dataset.config = "missing";
   }
 }
 
@@ -111,6 +115,10 @@ async function submit() {
   try {
     // Not detached: a job nobody follows any more is abandoned, so a closed tab frees the GPU.
     body = JSON.stringify({ graph: readGraph(), detached: false });
+    const size = new TextEncoder().encode(body).length;
+    if (size > maxBodyBytes) {
+      throw new Refused(`The request is ${size} bytes; this gateway takes at most ${maxBodyBytes}.`);
+    }
   } catch (error) {
     showSubmitError(error.message);
     return;
