@@ -133,7 +133,8 @@ async def sse_events(
             await response.aread()
             raise AssertionError(f"{response.status_code}: {response.text}")
         assert response.headers["content-type"].startswith("text/event-stream")
-        event, event_id, data = "message", None, []
+        event, event_id = "message", None
+        data: list[str] = []
         async for line in response.aiter_lines():
             if line == "":
                 if data:
@@ -164,7 +165,7 @@ def journal_key(data: dict[str, Any]) -> tuple[Any, ...]:
 
 def without_query_strings(view: dict[str, Any]) -> dict[str, Any]:
     """A job view with its presigned links' query strings cut (they change on every call)."""
-    copy = json.loads(json.dumps(view))
+    copy: dict[str, Any] = json.loads(json.dumps(view))
     for artifact in copy.get("artifacts", []):
         if artifact.get("url"):
             artifact["url"] = _QUERY.sub("", artifact["url"])

@@ -157,7 +157,9 @@ async def test_another_tenants_job_is_not_found_anywhere(
     resume = await http.post(f"{base}/{job_id}/resume", headers=beta)
     assert resume.status_code == 404
     async with websockets.connect(f"{gateway.url.replace('http', 'ws')}/v1/jobs/{job_id}/ws") as ws:
-        await ws.send('{"authorization": "Bearer ' + gateway.auth("beta")["Authorization"][7:] + '"}')
+        await ws.send(
+            '{"authorization": "Bearer ' + gateway.auth("beta")["Authorization"][7:] + '"}'
+        )
         message = await ws.recv()
         assert '"JobNotFound"' in str(message)
     assert ws.close_code == 4404
@@ -190,7 +192,9 @@ async def test_cancel_ends_the_job_cancelled(
 ) -> None:
     job_id = (await submit(http, gateway, job_body(steps=3000))).json()["job_id"]
     url = f"{gateway.url}/v1/jobs/{job_id}"
-    while (await http.get(url, headers=gateway.auth())).json()["state"] != "RUNNING":
+    while True:
+        if (await http.get(url, headers=gateway.auth())).json()["state"] == "RUNNING":
+            break
         await asyncio.sleep(0.1)
     sent = await http.post(f"{url}/cancel", json={"reason": "test"}, headers=gateway.auth())
     assert sent.status_code == 202, sent.text
@@ -203,7 +207,9 @@ async def test_cancel_ends_the_job_cancelled(
 async def test_the_list_holds_the_tenants_jobs_filtered_and_paginated(
     gateway: RunningGateway, http: httpx.AsyncClient
 ) -> None:
-    ids = [(await submit(http, gateway, job_body(), tenant="gamma")).json()["job_id"] for _ in "abc"]
+    ids = [
+        (await submit(http, gateway, job_body(), tenant="gamma")).json()["job_id"] for _ in "abc"
+    ]
     for job_id in ids:
         await wait_state(http, gateway, job_id, tenant="gamma")
     url = f"{gateway.url}/v1/jobs"
@@ -224,7 +230,10 @@ async def test_the_list_holds_the_tenants_jobs_filtered_and_paginated(
     here = await http.get(url, params={"pool": "comfyui"}, headers=gamma)
     assert {job["job_id"] for job in here.json()["jobs"]} == set(ids)
     bad = await http.get(url, params={"state": "SLEEPING"}, headers=gamma)
-    assert bad.status_code == 422 and bad.json()["error"]["problems"][0]["loc"] == ["query", "state"]
+    assert bad.status_code == 422 and bad.json()["error"]["problems"][0]["loc"] == [
+        "query",
+        "state",
+    ]
 
     seen: list[str] = []
     token: str | None = None
