@@ -75,8 +75,14 @@ class Page:
         during any later call."""
         await self.call("Network.enable")
 
-    async def evaluate(self, expression: str) -> Any:
-        result = await self.call("Runtime.evaluate", expression=expression, returnByValue=True)
+    async def evaluate(self, expression: str, await_promise: bool = False) -> Any:
+        """The expression's value; with `await_promise`, what the promise it gives resolves to."""
+        result = await self.call(
+            "Runtime.evaluate",
+            expression=expression,
+            returnByValue=True,
+            awaitPromise=await_promise,
+        )
         return result.get("result", {}).get("value")
 
     async def text(self) -> str:

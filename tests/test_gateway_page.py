@@ -295,6 +295,74 @@ async def test_the_reconnect_waits_are_full_jitter_under_the_ceiling(tmp_path: P
     assert max(sampled["waits"][-1]["ms"]) <= retry["ceilingMs"]
 
 
+def shown(status: dict[str, Any]) -> str:
+    """JavaScript: the page's job section after it rendered `status`, as a person reads it."""
+    return (
+        f"(renderNewJob('j1'), renderStatus({json.dumps(status)}),"
+        " JSON.stringify([...document.querySelectorAll('#job-section *')]"
+        ".filter(e => !e.closest('[hidden]') && e.children.length == 0 && e.textContent.trim())"
+        ".map(e => e.textContent.trim())))"
+    )
+
+
+WAITING = {"state": "WAITING", "seq": 3, "progress": {"queue_position": 2, "fraction": 0}}
+DECIDING = {
+    "state": "NEEDS_DECISION",
+    "seq": 9,
+    "progress": {"step": 4, "total_steps": 20, "fraction": 0.2, "unit": "steps"},
+    "decision": {
+        "reason": "the backend lost prompt p1 again",
+        "options": {"resume --resubmit": "submit it once more", "cancel": "end the job"},
+        "reattach_possible": False,
+    },
+}
+FAILED = {
+    "state": "FAILED",
+    "seq": 12,
+    "progress": {"step": 4, "total_steps": 20, "fraction": 0.2, "unit": "steps"},
+    "error": {"type": "OutOfMemory", "message": "CUDA out of memory at node 3"},
+    "teardown": {"state": "CONFIRMED", "detail": "freed memory"},
+    "webhook": {"url": "https://hooks.example/x", "delivered": 2, "failed": 1, "pending": 0},
+}
+INVALID = {
+    "error": {
+        "type": "InvalidGraph",
+        "message": "the graph does not validate",
+        "problems": [{"loc": ["graph", "3", "inputs", "seed"], "message": "must be >= 0"}],
+    }
+}
+
+
+@needs_chromium
+async def test_the_page_shows_what_the_status_says(tmp_path: Path) -> None:
+    """Queue position, a decision and its ways out, an error, the teardown and the webhook's
+    deliveries; a refused request names the field and node."""
+    async with open_page((STATIC / "index.html").as_uri(), free_port(), tmp_path / "p") as page:
+        await page.wait_for("document.body.dataset.config", 30)
+        waiting = json.loads(await page.evaluate(shown(WAITING)))
+        deciding = json.loads(await page.evaluate(shown(DECIDING)))
+        buttons = await page.evaluate(
+            "JSON.stringify(['resume', 'resubmit', 'cancel'].map(id => "
+            "!document.getElementById(id).hidden))"
+        )
+        failed = json.loads(await page.evaluate(shown(FAILED)))
+        refused = await page.evaluate(
+            f"errorText(new Response({json.dumps(json.dumps(INVALID))}, {{status: 422}}))",
+            await_promise=True,
+        )
+    assert "WAITING" in waiting and "(queue position 2; 1 is next)" in waiting, waiting
+    assert "the backend lost prompt p1 again" in deciding, deciding
+    assert "resume --resubmit: submit it once more" in deciding, deciding
+    assert "4 / 20 steps · 20 %" in deciding, deciding
+    # No re-attach possible: only "submit it again" and cancel are offered.
+    assert json.loads(buttons) == [False, True, True], buttons
+    assert "OutOfMemory: CUDA out of memory at node 3" in failed, failed
+    assert "Teardown: CONFIRMED — freed memory" in failed, failed
+    assert any(line.startswith("Webhook") and "1 failed" in line for line in failed), failed
+    assert not any("Resume" in line or "Cancel" in line for line in failed), failed
+    assert refused == "InvalidGraph:\n  graph.3.inputs.seed: must be >= 0", refused
+
+
 # --- the files, without a browser --------------------------------------------------------
 
 PAGE_FILES = {

@@ -51,10 +51,9 @@ function headers(extra = {}) {
 async function errorText(response) {
   try {
     const { error } = await response.json();
-    const problems = (error.problems || []).map(
-      (p) => `  ${(p.loc || []).join(" › ")}: ${p.message || p.msg}`,
-    );
-    return [`${error.type}: ${error.message}`, ...problems].join("\n");
+    // A refused request lists each problem with where it is (field path, node): one a line.
+    const problems = (error.problems || []).map((p) => `  ${(p.loc || []).join(".")}: ${p.message}`);
+    return problems.length ? [`${error.type}:`, ...problems].join("\n") : `${error.type}: ${error.message}`;
   } catch {
     return `HTTP ${response.status}`;
   }
@@ -372,21 +371,22 @@ function endFollowing(run) {
   renderGallery(run);
 }
 
-async function cancelJob() {
+// Cancel and resume: sent once per click; what they change arrives with the events.
+async function control(button, tail, body) {
   if (!job || job.ended) return;
-  $("cancel").disabled = true;
+  button.disabled = true;
   try {
-    const response = await fetch(jobPath(job.id, "/cancel"), {
+    const response = await fetch(jobPath(job.id, tail), {
       method: "POST",
       headers: headers({ "Content-Type": "application/json" }),
-      body: JSON.stringify({ reason: "cancelled from the browser page" }),
+      body: JSON.stringify(body),
       signal: AbortSignal.timeout(RETRY.requestTimeoutMs),
     });
     if (!response.ok) showJobError(await errorText(response));
   } catch (error) {
-    showJobError(`The cancel was not sent: ${error.message}`);
+    showJobError(`Not sent (${error.message}): try again.`);
   } finally {
-    $("cancel").disabled = false;
+    button.disabled = false;
   }
 }
 
@@ -407,6 +407,9 @@ function renderNewJob(jobId) {
   $("outputs").replaceChildren();
   $("gallery").replaceChildren();
   $("teardown").hidden = true;
+  $("cancel").hidden = true;
+  $("decision").hidden = true;
+  $("webhook").hidden = true;
   showJobError("");
   showConnection("connecting");
 }
@@ -439,6 +442,28 @@ function renderStatus(status) {
     $("teardown").textContent = `Teardown: ${teardown.state}${teardown.detail ? ` — ${teardown.detail}` : ""}`;
   }
   $("cancel").hidden = TERMINAL.has(status.state);
+  renderDecision(status);
+  const hook = status.webhook;
+  $("webhook").hidden = !hook;
+  if (hook) {
+    const counts = `${hook.delivered} delivered, ${hook.failed} failed, ${hook.pending} pending`;
+    $("webhook").textContent = `Webhook ${hook.url}: ${hook.refused ? `refused: ${hook.refused}` : counts}`;
+  }
+}
+
+function renderDecision(status) {
+  const decision = status.state === "NEEDS_DECISION" ? status.decision : null;
+  $("decision").hidden = !decision;
+  if (!decision) return;
+  $("decision-reason").textContent = decision.reason;
+  const options = Object.entries(decision.options || {}).map(([choice, effect]) => {
+    const item = document.createElement("li");
+    item.textContent = `${choice}: ${effect}`;
+    return item;
+  });
+  $("decision-options").replaceChildren(...options);
+  $("resume").hidden = !decision.reattach_possible;
+  $("resubmit").hidden = !Object.keys(decision.options || {}).some((c) => c.includes("resubmit"));
 }
 
 function addOutput(run, artifact) {
@@ -532,7 +557,11 @@ async function main() {
   });
   $("submit").addEventListener("click", submit);
   $("retry").addEventListener("click", retryNow);
-  $("cancel").addEventListener("click", cancelJob);
+  $("cancel").addEventListener("click", (e) =>
+    control(e.target, "/cancel", { reason: "cancelled from the browser page" }),
+  );
+  $("resume").addEventListener("click", (e) => control(e.target, "/resume", { resubmit: false }));
+  $("resubmit").addEventListener("click", (e) => control(e.target, "/resume", { resubmit: true }));
   window.addEventListener("hashchange", () => {
     const jobId = jobIdFromHash();
     if (jobId) startFollowing(jobId);
