@@ -70,7 +70,7 @@ async def submit_job(
     gateway = gateway_of(request)
     job_id = job_id_for(tenant, idempotency_key)
     job, detached = job_request(parse_body(await request.body()), tenant)
-    await check_webhook(job)
+    await check_webhook(job, gateway.settings.webhook_allow_hosts)
     client = await gateway.client()
     try:
         await gateway.limits.admit_job(tenant, client)

@@ -10,7 +10,10 @@ environment configuration), and the task queue, query timeout and bucket are `Jo
 
 from __future__ import annotations
 
-from pydantic import Field
+from typing import Annotated, Any
+
+from pydantic import Field, field_validator
+from pydantic_settings import NoDecode
 
 from gateway.auth import AuthSettings
 from gateway.limits import LimitSettings
@@ -58,3 +61,15 @@ class GatewaySettings(AuthSettings, LimitSettings):
         2.0, gt=0, validation_alias="DURABLE_COMFY_GATEWAY_READY_TIMEOUT_S"
     )
     log_level: str = Field("INFO", validation_alias="DURABLE_COMFY_LOG_LEVEL")
+    # The worker's development allow-list of webhook hosts (activities.settings.WebhookSettings):
+    # the gateway must refuse no URL the worker would take.
+    webhook_allow_hosts: Annotated[tuple[str, ...], NoDecode] = Field(
+        (), validation_alias="DURABLE_COMFY_WEBHOOK_ALLOW_HOSTS"
+    )
+
+    @field_validator("webhook_allow_hosts", mode="before")
+    @classmethod
+    def _comma_separated_hosts(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return tuple(h.strip().lower() for h in value.split(",") if h.strip())
+        return value

@@ -1,17 +1,25 @@
 """The webhook URL a request names is checked when the job is submitted (docs/http-api.md,
-Webhooks): refused there with a 422 naming `webhook.url`, not discovered by the job's first
-delivery hours later."""
+Webhooks): refused there with a 422 naming `webhook.url`, not found out by the job's prepare.
+
+The rules are the worker's (`activities.webhook_target`: https, no credentials, port 443, every
+address the host resolves to public); the job's prepare and each delivery check again, so this
+is the early answer, not the only guard.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
+from activities.webhook_target import UnsafeWebhookUrl, check_webhook_url
+from gateway.errors import invalid
 from workflows.contracts import JobRequest
 
 
-async def check_webhook(request: JobRequest) -> None:
-    """Refuses (422 naming `webhook.url`) a webhook URL the job could not deliver to.
-
-    The destination check itself (https, a public address: the SSRF guard of URL inputs) is
-    `activities.webhook_target.check_webhook_url`; until that module is part of the product
-    the job's own delivery applies it, and nothing is refused here.
-    """
-    del request
+async def check_webhook(request: JobRequest, allow_hosts: Collection[str] = ()) -> None:
+    """422 naming `webhook.url` when the worker would refuse to POST there."""
+    if request.webhook is None:
+        return
+    try:
+        await check_webhook_url(request.webhook.url, allow_hosts)
+    except UnsafeWebhookUrl as exc:
+        raise invalid([{"loc": ["webhook", "url"], "message": str(exc)}]) from None

@@ -17,11 +17,13 @@ import websockets
 from devstack.free_ports import free_port
 from devstack.models import RunningStack
 from starter import JobClient
-from tests.cli_support import RunningWorker, running_worker
+from tests.cli_support import RunningWorker, cli_env, run_cli, running_worker, start_cli
 from tests.gateway_support import (
+    KEYS,
     RunningGateway,
     job_body,
     running_gateway,
+    sse_events,
     stack_client_factory,
     wait_state,
 )
@@ -119,6 +121,12 @@ async def test_refusals_name_the_field_and_the_node(
 
     bad_key = await submit(http, gateway, job_body(), key="tab\tkey")
     assert bad_key.status_code == 400
+
+    for url in ("http://hooks.example.com/h", "https://127.0.0.1/h"):
+        hook = await submit(http, gateway, job_body(webhook={"url": url}))
+        assert hook.status_code == 422, hook.text
+        [problem] = hook.json()["error"]["problems"]
+        assert problem["loc"] == ["webhook", "url"], problem
 
 
 async def test_bodies_over_the_limit_are_refused_before_they_are_read(
@@ -290,3 +298,50 @@ async def test_no_key_is_401_before_anything_else(
 ) -> None:
     answer = await http.get(gateway.url + route)
     assert answer.status_code == 401 and answer.headers["www-authenticate"] == "Bearer"
+
+
+async def test_the_command_serves_and_logs_no_key_or_query_string(
+    local_stack: RunningStack, worker: RunningWorker, http: httpx.AsyncClient
+) -> None:
+    env = cli_env(local_stack, worker.task_queue) | {
+        "DURABLE_COMFY_API_KEYS": f"acme:{KEYS['acme']}",
+        "DURABLE_COMFY_LOG_LEVEL": "INFO",
+    }
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    process = await start_cli("gateway", "--host", "127.0.0.1", "--port", str(port), env=env)
+    auth = {"Authorization": f"Bearer {KEYS['acme']}"}
+    try:
+        while True:
+            try:
+                if (await http.get(f"{url}/readyz")).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert process.returncode is None, "the gateway exited"
+            await asyncio.sleep(0.1)
+        answer = await http.post(f"{url}/v1/jobs", json=job_body(), headers=auth)
+        job_id = answer.json()["job_id"]
+        async for event in sse_events(http, f"{url}/v1/jobs/{job_id}/events?since=0", auth):
+            if event.event == "end":
+                break
+        final = await http.get(f"{url}/v1/jobs/{job_id}?note=sekrit", headers=auth)
+        assert "X-Amz-Signature" in final.json()["artifacts"][0]["url"]
+    finally:
+        process.terminate()
+        _, err_bytes = await asyncio.wait_for(process.communicate(), timeout=30)
+    err = err_bytes.decode()
+    assert "gateway_started" in err and f"127.0.0.1:{port}" in err, err[-2000:]
+    assert f"/v1/jobs/{job_id}" in err, "requests are logged"
+    for secret in (KEYS["acme"], "sekrit", "since=0", "X-Amz-Signature", "Bearer"):
+        assert secret not in err, secret
+
+
+async def test_the_command_refuses_to_serve_without_keys_off_loopback(
+    local_stack: RunningStack, worker: RunningWorker
+) -> None:
+    env = cli_env(local_stack, worker.task_queue)
+    env.pop("DURABLE_COMFY_API_KEYS", None)
+    env.pop("DURABLE_COMFY_API_KEYS_FILE", None)
+    code, _, err = await run_cli("gateway", "--host", "0.0.0.0", "--port", "1", env=env)
+    assert code == 2 and "loopback" in err and "DURABLE_COMFY_API_KEYS" in err, err
