@@ -363,6 +363,49 @@ async def test_the_page_shows_what_the_status_says(tmp_path: Path) -> None:
     assert refused == "InvalidGraph:\n  graph.3.inputs.seed: must be >= 0", refused
 
 
+# Two clicks on Submit against a gateway whose first answer is lost and second is "busy".
+TWO_SUBMITS = """(async () => {
+  const sent = [];
+  const answers = [
+    () => { throw new TypeError("Failed to fetch"); },
+    () => new Response('{"error": {"type": "Overloaded", "message": "busy"}}',
+                       {status: 503, headers: {"Retry-After": "0"}}),
+    () => new Response('{"job_id": "j1"}', {status: 201}),
+    () => new Response('{"job_id": "j2"}', {status: 201}),
+  ];
+  const real = window.fetch;
+  window.fetch = async (url, init) => {
+    if (url !== "v1/jobs") return real(url, init);
+    sent.push({key: init.headers["Idempotency-Key"], body: JSON.parse(init.body)});
+    return answers[sent.length - 1]();
+  };
+  RETRY.baseMs = 1;
+  document.getElementById("graph").value = '{"1": {"class_type": "X", "inputs": {}}}';
+  try {
+    await submit();
+    const first = location.hash;
+    await submit();
+    return JSON.stringify({sent, first, second: location.hash});
+  } finally {
+    window.fetch = real;
+  }
+})()"""
+
+
+@needs_chromium
+async def test_a_submit_sent_again_carries_the_same_idempotency_key(tmp_path: Path) -> None:
+    async with open_page((STATIC / "index.html").as_uri(), free_port(), tmp_path / "p") as page:
+        await page.wait_for("document.body.dataset.config", 30)
+        result = json.loads(await page.evaluate(TWO_SUBMITS, await_promise=True))
+    keys = [sent["key"] for sent in result["sent"]]
+    # The first click's POST sent three times (no answer, busy, created) with one key; the
+    # second click is another job, with a key of its own.
+    assert len(keys) == 4 and keys[0] == keys[1] == keys[2] != keys[3], keys
+    assert all(len(key) >= 16 for key in keys), keys
+    assert all(sent["body"]["detached"] is False for sent in result["sent"]), result
+    assert (result["first"], result["second"]) == ("#job=j1", "#job=j2"), result
+
+
 # --- the files, without a browser --------------------------------------------------------
 
 PAGE_FILES = {
