@@ -406,6 +406,46 @@ async def test_a_submit_sent_again_carries_the_same_idempotency_key(tmp_path: Pa
     assert (result["first"], result["second"]) == ("#job=j1", "#job=j2"), result
 
 
+# Two polls of a job while its stream is down: the second asks with the first one's ETag.
+TWO_POLLS = """(async () => {
+  const sent = [];
+  const running = {job_id: "j", state: "RUNNING", seq: 4,
+                   progress: {step: 3, total_steps: 10, fraction: 0.3, unit: "steps"}};
+  const real = window.fetch;
+  window.fetch = async (url, init) => {
+    sent.push({url, ifNoneMatch: init.headers["If-None-Match"] || null});
+    return sent.length === 1
+      ? new Response(JSON.stringify(running), {status: 200, headers: {ETag: '"4.3"'}})
+      : new Response(null, {status: 304});
+  };
+  const run = {id: "j", etag: null, status: null, outputs: new Map(), abort: new AbortController()};
+  renderNewJob("j");
+  let answers = 0;
+  try {
+    await pollStatus(run, () => answers++);
+    await pollStatus(run, () => answers++);
+  } finally {
+    window.fetch = real;
+  }
+  return JSON.stringify({sent, answers, state: document.getElementById("state").textContent,
+                         progress: document.getElementById("progress-text").textContent});
+})()"""
+
+
+@needs_chromium
+async def test_a_poll_asks_with_the_last_etag(tmp_path: Path) -> None:
+    async with open_page((STATIC / "index.html").as_uri(), free_port(), tmp_path / "p") as page:
+        await page.wait_for("document.body.dataset.config", 30)
+        result = json.loads(await page.evaluate(TWO_POLLS, await_promise=True))
+    assert result["sent"] == [
+        {"url": "v1/jobs/j", "ifNoneMatch": None},
+        {"url": "v1/jobs/j", "ifNoneMatch": '"4.3"'},
+    ], result
+    # Both answers count as contact; the 304 leaves the page as the 200 drew it.
+    assert result["answers"] == 2, result
+    assert (result["state"], result["progress"]) == ("RUNNING", "3 / 10 steps · 30 %"), result
+
+
 # --- the files, without a browser --------------------------------------------------------
 
 PAGE_FILES = {
