@@ -22,7 +22,7 @@ from gateway.submission import cancel_reason, job_id_for, job_request, parse_bod
 from gateway.views import etag
 from gateway.webhook_check import check_webhook
 from starter.client import JobClient
-from starter.errors import ClientError, JobNotFound
+from starter.errors import ClientError, JobNotFound, JobUnanswered
 from workflows.contracts import JobRequest, JobState
 from workflows.shared import SA_JOB_POOL, SA_JOB_PROGRESS, SA_JOB_STATE, SA_TENANT, WORKFLOW_TYPE
 
@@ -78,14 +78,18 @@ async def submit_job(
         # A repeat of a submission that got in is answered, not counted again.
         if idempotency_key is None or not await _exists(client, job_id):
             raise
-    outcome = await client.start(job, job_id=job_id, detached=detached)
+    try:
+        outcome = await client.start(job, job_id=job_id, detached=detached)
+        status, existed = outcome.status, outcome.existed
+    except JobUnanswered:
+        # Raised only once the ID was found holding this very request: the same job, whose
+        # status no worker gives now. Temporal's record of it is the answer.
+        status, existed = await client.recorded_status(job_id), True
     gateway.facts.record_tenant(job_id, tenant)
-    view = await gateway.views.status(outcome.status)
-    log.info("job_submitted", job_id=job_id, tenant=tenant, existed=outcome.existed)
-    location = view["links"]["self"]
-    if outcome.existed:
-        return _json(view, 200, Location=location, ETag=etag(outcome.status))
-    return _json(view, 201, Location=location, ETag=etag(outcome.status))
+    view = await gateway.views.status(status)
+    log.info("job_submitted", job_id=job_id, tenant=tenant, existed=existed)
+    headers = {"Location": view["links"]["self"], "ETag": etag(status)}
+    return _json(view, 200 if existed else 201, **headers)
 
 
 async def _exists(client: JobClient, job_id: str) -> bool:

@@ -464,6 +464,12 @@ class JobClient:
         return description.typed_search_attributes.get(TENANT_KEY)
 
     @_client_errors
+    async def recorded_status(self, job_id: str) -> JobStatus:
+        """The status as Temporal's record alone gives it (state and progress from the search
+        attributes, the times), asking no worker: for when none answers."""
+        return bare_status(job_id, await self._describe(job_id))
+
+    @_client_errors
     async def presign_ttl(self, job_id: str) -> int:
         """How long the job's request asked its links to live (`output.presign_ttl_s`)."""
         return await self._presign_ttl(job_id)

@@ -345,3 +345,32 @@ async def test_the_command_refuses_to_serve_without_keys_off_loopback(
     env.pop("DURABLE_COMFY_API_KEYS_FILE", None)
     code, _, err = await run_cli("gateway", "--host", "0.0.0.0", "--port", "1", env=env)
     assert code == 2 and "loopback" in err and "DURABLE_COMFY_API_KEYS" in err, err
+
+
+async def test_with_no_worker_a_repeated_submission_is_still_the_same_job(
+    local_stack: RunningStack, http: httpx.AsyncClient
+) -> None:
+    async def unserved() -> JobClient:
+        return await JobClient.connect(
+            local_stack.temporal_address,
+            local_stack.namespace,
+            task_queue=f"gw-nobody-{uuid.uuid4().hex[:8]}",
+            query_timeout_s=1.0,
+            s3_from_environment=False,
+        )
+
+    async with running_gateway(unserved) as idle:
+        key = f"again-{uuid.uuid4().hex}"
+        body = job_body()
+        first = await submit(http, idle, body, key=key)
+        assert first.status_code == 201, first.text
+        again = await submit(http, idle, body, key=key)
+        assert again.status_code == 200, again.text
+        assert again.json()["job_id"] == first.json()["job_id"]
+        assert again.json()["state"] == "QUEUED"
+        job_id = first.json()["job_id"]
+        status = await http.get(f"{idle.url}/v1/jobs/{job_id}", headers=idle.auth())
+        assert status.status_code == 503 and status.json()["error"]["type"] == "JobUnanswered"
+        assert int(status.headers["retry-after"]) >= 1
+        cancel = await http.post(f"{idle.url}/v1/jobs/{job_id}/cancel", headers=idle.auth())
+        assert cancel.status_code == 202, cancel.text
