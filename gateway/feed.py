@@ -129,8 +129,14 @@ class Subscription:
             self.queue.put_nowait(Published(dropped=True))
             return False
 
-    async def ready(self) -> None:
-        await asyncio.shield(self.follower.ready)
+    async def ready(self, timeout_s: float) -> bool:
+        """True once the follower has its first status; False after `timeout_s` without it
+        (the follower's failure, if it failed first, is raised)."""
+        try:
+            await asyncio.wait_for(asyncio.shield(self.follower.ready), timeout_s)
+        except TimeoutError:
+            return False
+        return True
 
     async def next(self, timeout_s: float) -> Published | None:
         """The next thing published, or None after `timeout_s` of silence."""
@@ -300,7 +306,10 @@ async def stream_events(
     follower gives up or drops it."""
     views = hub.views
     async with hub.subscribe(job_id) as subscription:
-        await subscription.ready()
+        # A job no worker answers for keeps its follower waiting: the stream stays open
+        # (heartbeats) meanwhile, as it would between events.
+        while not await subscription.ready(heartbeat_s):
+            yield None
         sent = _Sent(Cursor(-1))
         if since is None:
             status = await client.status(job_id)

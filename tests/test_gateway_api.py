@@ -372,5 +372,12 @@ async def test_with_no_worker_a_repeated_submission_is_still_the_same_job(
         status = await http.get(f"{idle.url}/v1/jobs/{job_id}", headers=idle.auth())
         assert status.status_code == 503 and status.json()["error"]["type"] == "JobUnanswered"
         assert int(status.headers["retry-after"]) >= 1
+        # A stream of it stays open, kept alive, while its follower waits for an answer.
+        events = f"{idle.url}/v1/jobs/{job_id}/events"
+        async with http.stream("GET", events, headers=idle.auth()) as stream:
+            assert stream.status_code == 200
+            lines = stream.aiter_lines()
+            assert await anext(lines) == "retry: 1000"
+            assert [await anext(lines) for _ in range(2)] == ["", ": keep-alive"]
         cancel = await http.post(f"{idle.url}/v1/jobs/{job_id}/cancel", headers=idle.auth())
         assert cancel.status_code == 202, cancel.text
