@@ -90,6 +90,10 @@ async def test_the_same_key_and_request_is_the_same_job_and_another_request_conf
     [artifact] = final["artifacts"]
     image = await http.get(artifact["url"])
     assert image.status_code == 200 and image.content.startswith(b"\x89PNG")
+    listed = await http.get(f"{gateway.url}/v1/jobs/{job_id}/artifacts", headers=gateway.auth())
+    [again_artifact] = listed.json()["artifacts"]
+    assert again_artifact["sha256"] == artifact["sha256"]
+    assert (await http.get(again_artifact["url"])).content == image.content
 
 
 async def test_refusals_name_the_field_and_the_node(
@@ -204,6 +208,8 @@ async def test_cancel_ends_the_job_cancelled(
         if (await http.get(url, headers=gateway.auth())).json()["state"] == "RUNNING":
             break
         await asyncio.sleep(0.1)
+    refused = await http.post(f"{url}/resume", json={"resubmit": False}, headers=gateway.auth())
+    assert refused.status_code == 409 and refused.json()["error"]["type"] == "ResumeRefused"
     sent = await http.post(f"{url}/cancel", json={"reason": "test"}, headers=gateway.auth())
     assert sent.status_code == 202, sent.text
     final = await wait_state(http, gateway, job_id)
