@@ -34,6 +34,8 @@ from workflows.contracts import JobEvent, JobStatus
 
 log = structlog.get_logger("gateway.feed")
 
+# Jobs whose follower starts are counted (introspection); the oldest is forgotten first.
+MAX_COUNTED = 10_000
 _CURSOR = re.compile(r"^(\d{1,18})(?:\.(\d{1,6}))?$")
 
 
@@ -72,10 +74,13 @@ class Entry:
 def placed(events: list[JobEvent]) -> list[Entry]:
     """Each entry with its id: `<seq>.<k>` unless it is the last of its seq."""
     entries: list[Entry] = []
+    index = 0
     for position, event in enumerate(events):
-        index = sum(1 for earlier in events[:position] if earlier.seq == event.seq)
+        if position and events[position - 1].seq != event.seq:
+            index = 0
         last = position + 1 == len(events) or events[position + 1].seq != event.seq
         entries.append(Entry(event, Cursor(event.seq) if last else Cursor(event.seq, index)))
+        index += 1
     return entries
 
 
@@ -266,7 +271,9 @@ class Hub:
         follower = self.followers.get(job_id)
         if follower is None or follower.done:
             follower = self.followers[job_id] = Follower(self, job_id)
-            self.started[job_id] = self.started.get(job_id, 0) + 1
+            self.started[job_id] = self.started.pop(job_id, 0) + 1
+            if len(self.started) > MAX_COUNTED:
+                del self.started[next(iter(self.started))]  # the job followed longest ago
         subscription = Subscription(follower, self.queue_size)
         follower.add(subscription)
         try:
