@@ -41,6 +41,8 @@ TOKEN_VAR = "AUDIT_CODEC_TOKEN"
 SIGNATURE = re.compile(r"X-Amz-(Signature|Credential)", re.IGNORECASE)
 OLD_KEY = new_entry("audit-old")
 NEW_KEY = new_entry("audit-new")
+# The worker's webhook signing secret (Standard Webhooks' whsec_<base64>): its key part too.
+WEBHOOK_KEY = base64.b64encode(uuid.uuid4().bytes + uuid.uuid4().bytes).decode()
 
 
 @dataclass
@@ -60,6 +62,7 @@ class Audit:
             "codec key old": OLD_KEY.split(":", 1)[1],
             "codec key new": NEW_KEY.split(":", 1)[1],
             "codec server token": CODEC_TOKEN,
+            "webhook signing secret": WEBHOOK_KEY,
         }
 
     def env(self, keys: str) -> dict[str, str]:
@@ -69,6 +72,7 @@ class Audit:
             KEYS_ENV: keys,
             "DURABLE_COMFY_LOG_LEVEL": "DEBUG",
             TOKEN_VAR: CODEC_TOKEN,
+            "DURABLE_COMFY_WEBHOOK_SECRETS": f"local:whsec_{WEBHOOK_KEY}",
         }
 
 

@@ -148,6 +148,9 @@ async def test_every_subscribed_event_is_delivered_once_in_order_signed_across_r
     assert (webhook.delivered, webhook.failed, webhook.pending) == (len(wanted), 0, 0)
     assert webhook.url == receiver.url.split("?")[0], "the status shows no query string"
     assert all(d.state == "delivered" for d in webhook.deliveries)
+    history = (await client.handle(job_id).fetch_history()).to_json()
+    assert SECRET.split("_", 1)[1] not in history, "the secret stays on the worker"
+    assert "webhook-signature" not in history.lower()
 
 
 async def test_deliveries_outlive_the_receiver_being_down_and_never_delay_the_job(

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
+from structlog.testing import capture_logs
 
 from activities.pinned_connection import Resolver
 from activities.settings import WebhookSettings, webhook_signing_key
@@ -224,9 +225,14 @@ async def test_one_attempt_against_a_receiver(answer: int | None, outcome: str) 
     await receiver.start()
     try:
         settings = WebhookSettings(secrets={"acme": SECRET}, allow_hosts=("127.0.0.1",))
-        attempt = await WebhookDeliverer(settings).deliver_webhook(delivery(receiver.url))
+        with capture_logs() as logs:
+            attempt = await WebhookDeliverer(settings).deliver_webhook(delivery(receiver.url))
     finally:
         await receiver.stop()
+    [line] = [entry for entry in logs if entry["event"] == "webhook.attempt"]
+    assert line["job_id"] == "j" and line["webhook_id"] == "msg_x"
+    assert line["status_code"] == (answer or 200)
+    assert "query-secret" not in str(logs) and SECRET.split("_", 1)[1] not in str(logs)
     assert attempt.outcome == outcome
     assert attempt.status_code == (answer or 200)
     [received] = receiver.received

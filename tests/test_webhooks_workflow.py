@@ -1,0 +1,122 @@
+"""The webhook sender inside InferenceJob, on the time-skipping server with stand-in activities:
+retries end at the event's horizon (hours pass in a moment), a 410 ends them at once, a Temporal
+cancel after the job's end stops the deliveries, and the `ended` update answers at the job's
+end while deliveries are still pending.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator
+from datetime import timedelta
+from typing import Any
+
+import pytest_asyncio
+from temporalio import activity
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
+from temporalio.testing import WorkflowEnvironment
+from temporalio.worker import Worker
+
+from tests.workflow_fakes import GRAPH, FakeBackend, start_job
+from workflows.activity_io import WebhookAttempt, WebhookDeliveryInput
+from workflows.contracts import JobPolicy, JobRequest, JobState, JobStatus, WebhookSpec
+from workflows.inference_job import InferenceJob
+from workflows.shared import ACTIVITY_DELIVER_WEBHOOK, QUERY_STATUS, UPDATE_ENDED
+
+
+class Receiver:
+    """`deliver_webhook` answering `status` every time (200: delivered)."""
+
+    def __init__(self, status: int) -> None:
+        self.status = status
+        self.attempts: Counter[str] = Counter()
+
+    @activity.defn(name=ACTIVITY_DELIVER_WEBHOOK)
+    async def deliver_webhook(self, req: WebhookDeliveryInput) -> WebhookAttempt:
+        self.attempts[req.webhook_id] += 1
+        now = activity.info().current_attempt_scheduled_time
+        if self.status == 200:
+            return WebhookAttempt(outcome="delivered", status_code=200, at=now)
+        outcome: Any = "gone" if self.status == 410 else "retry"
+        return WebhookAttempt(outcome=outcome, status_code=self.status, error="no", at=now)
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def client(env: WorkflowEnvironment) -> AsyncIterator[Client]:
+    yield env.client
+
+
+async def job_with_webhook(
+    client: Client, receiver: Receiver, horizon_s: float
+) -> tuple[WebhookSpec, WorkflowHandle[Any, JobStatus], Worker]:
+    task_queue = f"tq-{uuid.uuid4()}"
+    worker = Worker(
+        client,
+        task_queue=task_queue,
+        workflows=[InferenceJob],
+        activities=[*FakeBackend().activities(), receiver.deliver_webhook],
+        graceful_shutdown_timeout=timedelta(seconds=1),
+    )
+    spec = WebhookSpec(url="https://hooks.example.com/h", retry_horizon_s=horizon_s)
+    request = JobRequest(
+        graph=GRAPH,
+        policy=JobPolicy(abandon_after_s=None, heartbeat_timeout_s=1),
+        webhook=spec,
+    )
+    return spec, await start_job(client, task_queue, request), worker
+
+
+async def final_status(handle: WorkflowHandle[Any, JobStatus]) -> JobStatus:
+    try:
+        await handle.result()
+    except Exception:
+        pass
+    status: JobStatus = await handle.query(QUERY_STATUS, result_type=JobStatus)
+    return status
+
+
+async def test_an_event_is_retried_until_its_horizon_then_given_up(client: Client) -> None:
+    receiver = Receiver(503)
+    _, handle, worker = await job_with_webhook(client, receiver, horizon_s=3600.0)
+    async with worker:
+        status = await final_status(handle)
+    assert status.state == JobState.COMPLETED
+    webhook = status.webhook
+    assert webhook is not None
+    assert (webhook.delivered, webhook.failed, webhook.pending) == (0, 1, 0)
+    [delivery] = webhook.deliveries
+    assert delivery.state == "failed" and delivery.last_status_code == 503
+    [(webhook_id, attempts)] = receiver.attempts.items()
+    assert delivery.webhook_id == webhook_id and delivery.attempts == attempts
+    # Backoff to a 6-minute ceiling (a tenth of the hour) with full jitter: about 20 attempts
+    # in the hour, never one per second, never just a handful.
+    assert 10 <= attempts <= 200
+
+
+async def test_410_gone_gives_the_event_up_at_once(client: Client) -> None:
+    receiver = Receiver(410)
+    _, handle, worker = await job_with_webhook(client, receiver, horizon_s=3600.0)
+    async with worker:
+        status = await final_status(handle)
+    assert status.webhook is not None and status.webhook.failed == 1
+    assert list(receiver.attempts.values()) == [1]
+
+
+async def test_ended_answers_at_the_end_and_a_temporal_cancel_stops_the_deliveries(
+    client: Client,
+) -> None:
+    receiver = Receiver(503)
+    _, handle, worker = await job_with_webhook(client, receiver, horizon_s=24 * 3600.0)
+    async with worker:
+        ended = await handle.execute_update(UPDATE_ENDED, result_type=JobStatus)
+        assert ended.state == JobState.COMPLETED
+        assert ended.webhook is not None and ended.webhook.pending == 1
+        assert (await handle.describe()).status == WorkflowExecutionStatus.RUNNING
+        await handle.cancel()
+        status = await final_status(handle)
+    assert status.state == JobState.COMPLETED, "the job's own end is unchanged"
+    assert status.webhook is not None
+    assert (status.webhook.failed, status.webhook.pending) == (1, 0)
+    assert "cancelled" in (status.webhook.deliveries[0].last_error or "")
+    assert (await handle.describe()).status == WorkflowExecutionStatus.COMPLETED
