@@ -798,7 +798,9 @@ class JobClient:
         The job's result is its final status, and so are the details of the error a FAILED job
         ends with: read from there, without asking a worker to replay the closed workflow. Only
         an ending that carries no status (a cancel through Temporal, a workflow terminated or
-        timed out from outside) is asked with a status query.
+        timed out from outside) is asked with a status query. A job that has ended but whose
+        workflow still delivers its webhooks answers at once, through the `ended` update
+        (`status.webhook.pending` says what is still on its way).
         """
         handle = self.temporal.get_workflow_handle(checked_job_id(job_id))
         try:
