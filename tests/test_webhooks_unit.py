@@ -13,14 +13,18 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 from structlog.testing import capture_logs
+from temporalio.exceptions import ApplicationError
 
+from activities.backend import Backend, Backends, JobActivities
 from activities.pinned_connection import Resolver
-from activities.settings import WebhookSettings, webhook_signing_key
+from activities.settings import PoolConfig, WebhookSettings, webhook_signing_key
 from activities.webhook_target import UnsafeWebhookUrl, check_webhook_url, webhook_target
 from activities.webhooks import WebhookDeliverer, signature, webhook_body
+from tests.test_backend_routing import GRAPH, RecordingBackend
 from tests.webhook_receiver import WebhookReceiver, signature_valid
-from workflows.activity_io import WebhookDeliveryInput
-from workflows.contracts import Artifact, JobError, JobEvent, JobState
+from workflows.activity_io import PrepareInput, WebhookDeliveryInput
+from workflows.contracts import Artifact, JobError, JobEvent, JobState, WebhookSpec
+from workflows.shared import ErrorType
 from workflows.webhooks import (
     BEFORE_EVERYTHING,
     due,
@@ -251,3 +255,37 @@ async def test_a_receiver_that_is_down_is_retried_and_a_refused_url_or_tenant_is
     assert private.outcome == "refused" and "private" in (private.error or "")
     no_secret = await deliverer.deliver_webhook(delivery(receiver.url, tenant="other"))
     assert no_secret.outcome == "refused" and "other" in (no_secret.error or "")
+
+
+@pytest.mark.parametrize("pool", ["local", "cloud"])
+@pytest.mark.parametrize(
+    ("url", "tenant", "message"),
+    [
+        ("https://10.0.0.1/hook", "acme", "private (10/8)"),
+        ("http://hooks.example.com/", "acme", "must be https"),
+        ("https://hooks.example.com/", "nobody", "no signing secret for tenant 'nobody'"),
+    ],
+)
+async def test_prepare_refuses_an_unusable_webhook_on_every_kind_of_pool(
+    pool: str, url: str, tenant: str, message: str
+) -> None:
+    comfy, runpod = RecordingBackend("comfyui"), RecordingBackend("runpod")
+    pools = {
+        "local": PoolConfig(kind="comfyui", url="http://127.0.0.1:1"),
+        "cloud": PoolConfig(kind="runpod", endpoint_id="abc"),
+    }
+    by_kind: dict[str, Backend] = {"comfyui": comfy, "runpod": runpod}
+    settings = WebhookSettings(secrets={"acme": SECRET})
+    jobs = JobActivities(
+        Backends(pools, "local", by_kind), WebhookDeliverer(settings, resolver=FAKE_DNS)
+    )
+    req = PrepareInput(
+        job_id="j", pool=pool, graph=GRAPH, webhook=WebhookSpec(url=url), tenant=tenant
+    )
+    with pytest.raises(ApplicationError) as refused:
+        await jobs.prepare_prompt(req)
+    assert refused.value.type == ErrorType.INVALID_REQUEST and refused.value.non_retryable
+    assert message in str(refused.value)
+    assert comfy.calls == [] and runpod.calls == [], "nothing reached a backend"
+    fine = req.model_copy(update={"webhook": WebhookSpec(url="https://hooks.example.com/")})
+    assert (await jobs.prepare_prompt(fine.model_copy(update={"tenant": "acme"}))).pool == pool
