@@ -6,6 +6,7 @@ end while deliveries are still pending.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -18,6 +19,7 @@ from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
+from starter import JobClient
 from tests.workflow_fakes import GRAPH, FakeBackend, start_job
 from workflows.activity_io import WebhookAttempt, WebhookDeliveryInput
 from workflows.contracts import JobPolicy, JobRequest, JobState, JobStatus, WebhookSpec
@@ -120,3 +122,30 @@ async def test_ended_answers_at_the_end_and_a_temporal_cancel_stops_the_deliveri
     assert (status.webhook.failed, status.webhook.pending) == (1, 0)
     assert "cancelled" in (status.webhook.deliveries[0].last_error or "")
     assert (await handle.describe()).status == WorkflowExecutionStatus.COMPLETED
+
+
+async def test_wait_answers_through_runs_that_continue_as_new(client: Client) -> None:
+    """The `ended` update asked of a run about to continue as new answers (not terminal) and
+    is asked again of the next run, so `JobClient.wait` neither hangs nor blocks the job."""
+    receiver = Receiver(200)
+    task_queue = f"tq-{uuid.uuid4()}"
+    request = JobRequest(
+        graph=GRAPH,
+        segments=[{}, {}, {}],
+        policy=JobPolicy(abandon_after_s=None, heartbeat_timeout_s=1, history_budget_events=10),
+        webhook=WebhookSpec(url="https://hooks.example.com/h", events=["completed"]),
+    )
+    handle = await start_job(client, task_queue, request)
+    waiting = asyncio.create_task(JobClient(client, task_queue=task_queue).wait(handle.id))
+    async with Worker(
+        client,
+        task_queue=task_queue,
+        workflows=[InferenceJob],
+        activities=[*FakeBackend().activities(), receiver.deliver_webhook],
+        graceful_shutdown_timeout=timedelta(seconds=1),
+    ):
+        final = await waiting
+        status = await final_status(handle)
+    assert final.state == JobState.COMPLETED
+    assert (await handle.describe()).run_id != handle.first_execution_run_id
+    assert status.webhook is not None and status.webhook.delivered == 1
