@@ -215,6 +215,15 @@ class Limits:
                 JOBS_RETRY_AFTER_S,
             )
 
+    @property
+    def requests_open(self) -> int:
+        """Requests this replica is serving now (what a metric or a test may read)."""
+        return self._requests.used
+
+    @property
+    def streams_open(self) -> int:
+        return self._streams.used
+
     def in_request(self) -> AbstractAsyncContextManager[None]:
         """Held for a request's duration; Overloaded when the replica's limit is reached."""
         return self._requests.held()
