@@ -437,27 +437,40 @@ async def test_over_its_open_streams_the_gateway_answers_503_until_one_closes(
 # --- starting ---------------------------------------------------------------------------------
 
 
-def gateway_command(args: list[str], env: dict[str, str]) -> tuple[int, str]:
+def gateway_command(
+    args: list[str], env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> tuple[int, str]:
+    """`durable-comfy gateway ARGS`, stopped before it would serve: a check that let it
+    through must not leave it listening (on 0.0.0.0 at that)."""
+
+    def refused_to_serve(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the gateway got past its checks and would serve")
+
+    monkeypatch.setattr(cli, "create_app", refused_to_serve)
     app = typer.Typer()
     app.command()(cli.command)
     result = CliRunner().invoke(app, args, env=env)
     return result.exit_code, result.output
 
 
-def test_without_keys_the_gateway_refuses_to_listen_beyond_loopback() -> None:
+def test_without_keys_the_gateway_refuses_to_listen_beyond_loopback(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     unset = {"DURABLE_COMFY_API_KEYS": "", "DURABLE_COMFY_API_KEYS_FILE": ""}
-    code, output = gateway_command(["--host", "0.0.0.0", "--port", "1"], unset)
+    code, output = gateway_command(["--host", "0.0.0.0", "--port", "1"], unset, monkeypatch)
     assert code == 2
     assert "loopback address only" in output and "DURABLE_COMFY_API_KEYS" in output
 
 
-def test_a_bad_keys_entry_stops_the_gateway_naming_it_not_the_key(tmp_path: Path) -> None:
+def test_a_bad_keys_entry_stops_the_gateway_naming_it_not_the_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = tmp_path / "keys"
     secret = f"pasted-{uuid.uuid4().hex}"
     path.write_text(f"acme:{KEYS['acme']}\n{secret}\n")
     path.chmod(0o600)
     env = {"DURABLE_COMFY_API_KEYS": "", "DURABLE_COMFY_API_KEYS_FILE": str(path)}
-    code, output = gateway_command(["--host", "127.0.0.1", "--port", "1"], env)
+    code, output = gateway_command(["--host", "127.0.0.1", "--port", "1"], env, monkeypatch)
     assert code == 2
     assert f"{path} line 2" in output
     assert secret not in output and KEYS["acme"] not in output
