@@ -31,6 +31,7 @@ COPY pyproject.toml README.md worker.py /opt/durable-comfy/src/
 COPY workflows/ /opt/durable-comfy/src/workflows/
 COPY activities/ /opt/durable-comfy/src/activities/
 COPY starter/ /opt/durable-comfy/src/starter/
+COPY gateway/ /opt/durable-comfy/src/gateway/
 COPY devstack/ /opt/durable-comfy/src/devstack/
 COPY endpoint/ /opt/durable-comfy/src/endpoint/
 RUN pip install --no-deps /opt/durable-comfy/src \
