@@ -130,6 +130,9 @@ _NO_MAPPING = re.compile(r"no mapping defined for search attribute (\w+)")
 # Memo key holding the sha256 of the submitted request: a second submit under the same ID is
 # compared against it without reading (and decoding) the job's history.
 MEMO_REQUEST_SHA256 = "request_sha256"
+# Memo key, true when the job has a webhook: its workflow may stay open after the job ended, so
+# `wait` asks the job itself (the `ended` update); every other job's end is its workflow's.
+MEMO_WEBHOOK = "webhook"
 # Temporal's default `limit.blobSize.error`: a start whose input is bigger is rejected.
 MAX_REQUEST_BYTES = 2 * 1024 * 1024
 # Query failures that mean "nobody answered", as opposed to "no such job".
@@ -364,7 +367,10 @@ class JobClient:
                 id_conflict_policy=WorkflowIDConflictPolicy.FAIL,
                 id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
                 search_attributes=TypedSearchAttributes(pairs),
-                memo={MEMO_REQUEST_SHA256: fingerprint},
+                memo={
+                    MEMO_REQUEST_SHA256: fingerprint,
+                    **({MEMO_WEBHOOK: True} if request.webhook is not None else {}),
+                },
                 # Shown once, at the top of the job's page in the Temporal UI.
                 static_summary=request_summary(request),
                 static_details=request_details(request),
@@ -798,13 +804,18 @@ class JobClient:
         The job's result is its final status, and so are the details of the error a FAILED job
         ends with: read from there, without asking a worker to replay the closed workflow. Only
         an ending that carries no status (a cancel through Temporal, a workflow terminated or
-        timed out from outside) is asked with a status query. A job that has ended but whose
-        workflow still delivers its webhooks answers at once, through the `ended` update
-        (`status.webhook.pending` says what is still on its way).
+        timed out from outside) is asked with a status query. A job with a webhook (started
+        by this client: its memo says so) may have ended while its workflow still delivers the
+        last events: it answers at once, through the `ended` update (`status.webhook.pending`
+        says what is still on its way). Other jobs are not asked: an update is a workflow task
+        and two history events, which the workflow's result makes unnecessary.
         """
         handle = self.temporal.get_workflow_handle(checked_job_id(job_id))
         try:
-            final = _final_status(await self._ended_or_result(handle))
+            if await self._has_webhook(handle):
+                final = _final_status(await self._ended_or_result(handle))
+            else:
+                final = _final_status(await handle.result())
         except WorkflowFailureError as exc:
             cause = exc.cause
             details = cause.details if isinstance(cause, ApplicationError) else ()
@@ -816,6 +827,11 @@ class JobClient:
         if final is not None and final.job_id == job_id:
             return final
         return await self.status(job_id)
+
+    @staticmethod
+    async def _has_webhook(handle: WorkflowHandle[Any, Any]) -> bool:
+        description = await handle.describe()
+        return bool(await description.memo_value(MEMO_WEBHOOK, False))
 
     async def _ended_or_result(self, handle: WorkflowHandle[Any, Any]) -> object:
         """The workflow's result, or sooner its terminal status from the `ended` update: a job
