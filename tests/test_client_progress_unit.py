@@ -267,9 +267,19 @@ async def test_status_overlays_the_heartbeat_from_the_describe_it_makes_anyway()
 # -- wait ---------------------------------------------------------------------------------------
 
 
+class FakeDescription:
+    """A job started without a webhook: its memo says nothing of one."""
+
+    async def memo_value(self, key: str, default: Any = None) -> Any:
+        return default
+
+
 class FakeHandle:
     def __init__(self, outcome: Any) -> None:
         self.outcome = outcome
+
+    async def describe(self) -> FakeDescription:
+        return FakeDescription()
 
     async def result(self) -> Any:
         if isinstance(outcome := self.outcome, BaseException):
