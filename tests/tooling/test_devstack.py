@@ -23,6 +23,7 @@ import aioboto3
 import httpx
 import pytest
 import yaml
+from botocore.config import Config as BotoConfig
 from botocore.exceptions import ClientError
 from pydantic import SecretStr
 from temporalio.api.workflowservice.v1 import DescribeNamespaceRequest
@@ -173,7 +174,13 @@ async def cli_up(stack: CliStack) -> dict[str, Any]:
 
 
 def s3_client(config: StackConfig, creds: S3Credentials) -> Any:
-    return aioboto3.Session().client("s3", **s3_client_kwargs(config.s3, creds))
+    # The stack's probe settings (3 s, one attempt) are for "is it up?"; a first write into a
+    # fresh SeaweedFS allocates its volume, which on a loaded machine takes longer than that.
+    kwargs = s3_client_kwargs(config.s3, creds)
+    kwargs["config"] = kwargs["config"].merge(
+        BotoConfig(read_timeout=30, retries={"max_attempts": 3})
+    )
+    return aioboto3.Session().client("s3", **kwargs)
 
 
 async def test_up_prints_one_json_object_and_every_endpoint_answers(cli_stack: CliStack) -> None:
