@@ -43,6 +43,11 @@ async def extra_gateway(
         **ctx.stack.worker_env(),
         "DURABLE_COMFY_TASK_QUEUE": task_queue,
         "DURABLE_COMFY_LOG_LEVEL": "WARNING",
+        # The benchmark measures the gateway's work, not its per-tenant limits: one tenant
+        # (`local`) opens a thousand streams and submits a hundred jobs at once.
+        "DURABLE_COMFY_TENANT_RPS": "100000",
+        "DURABLE_COMFY_TENANT_BURST": "100000",
+        "DURABLE_COMFY_TENANT_MAX_JOBS": "100000",
         **(env or {}),
     }
     log_file = ctx.work_dir / "logs" / f"gateway-{name}.log"
