@@ -144,7 +144,8 @@ async def run(ctx: BenchContext, options: BenchOptions) -> Outcome:
     cpu = await _fanout(ctx)
     few, many = (cpu[n] for n in FOLLOWERS_PER_JOB)
     followers = {n: n * FANOUT_JOBS for n in FOLLOWERS_PER_JOB}
-    per_1000 = {n: cpu[n] * 1000 / followers[n] for n in FOLLOWERS_PER_JOB}
+    # ms of the gateway's CPU per second, per 1,000 followers.
+    per_1000 = {n: cpu[n] * 1000 * 1000 / followers[n] for n in FOLLOWERS_PER_JOB}
     results = [
         result(
             "push.event_to_seen_p50", percentile(pushed, 50), "ms", baseline=percentile(polled, 50)
