@@ -213,8 +213,11 @@ async def test_a_restarted_handler_reattaches_to_its_running_prompt(
 ) -> None:
     """The handler process died mid-job; the platform re-delivered the same job to the same
     worker, whose ComfyUI still runs the prompt the dead handler submitted."""
-    graph = slow_graph(steps=80)
-    job_input = orchestrated_input(graph, bucket.name, sampler_steps={"5": 80})
+    # 4 s of sampling: the restarted handler takes its claim over (S3 calls) and reopens the
+    # socket before the prompt ends, with steps still to see, even on a loaded machine (0.8 s
+    # was not always enough).
+    graph = slow_graph(steps=400)
+    job_input = orchestrated_input(graph, bucket.name, sampler_steps={"5": 400})
     block = job_input["durable_comfy"]
     # What the dead handler left: its claim (live lease) and its prompt on ComfyUI.
     key = claim_key(S3Target.model_validate(block["output"]), block["job_id"], block["submission"])
