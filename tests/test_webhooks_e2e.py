@@ -22,13 +22,13 @@ from devstack.models import RunningStack
 from starter import JobClient, JobRequest, JobState
 from starter.connection import connect_temporal
 from tests.cli_support import example, s3_settings
-from tests.webhook_receiver import WebhookReceiver
+from tests.webhook_receiver import WebhookReceiver, signing_secret
 from worker import run_worker
 from workflows.contracts import JobPolicy, JobStatus, WebhookSpec
 from workflows.shared import ErrorType
 from workflows.webhooks import webhook_event
 
-SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
+SECRET = signing_secret("webhooks e2e")
 T = TypeVar("T")
 
 

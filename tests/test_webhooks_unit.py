@@ -21,7 +21,12 @@ from activities.settings import PoolConfig, WebhookSettings, webhook_signing_key
 from activities.webhook_target import UnsafeWebhookUrl, check_webhook_url, webhook_target
 from activities.webhooks import WebhookDeliverer, signature, webhook_body
 from tests.test_backend_routing import GRAPH, RecordingBackend
-from tests.webhook_receiver import WebhookReceiver, signature_valid
+from tests.webhook_receiver import (
+    SPEC_VECTOR_SECRET,
+    WebhookReceiver,
+    signature_valid,
+    signing_secret,
+)
 from workflows.activity_io import PrepareInput, WebhookDeliveryInput
 from workflows.contracts import Artifact, JobError, JobEvent, JobState, WebhookSpec
 from workflows.shared import ErrorType
@@ -34,12 +39,12 @@ from workflows.webhooks import (
     webhook_id,
 )
 
-SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
+SECRET = signing_secret("webhooks unit")
 AT = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
 
 
 def test_the_signature_is_standard_webhooks_own_test_vector() -> None:
-    key = webhook_signing_key(SECRET)
+    key = webhook_signing_key(SPEC_VECTOR_SECRET)
     body = b'{"test": 2432232314}'
     got = signature(key, "msg_p5jXN8AQM9LWM0D4loKWxJek", 1614265330, body)
     assert got == "v1,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OE="
@@ -48,8 +53,8 @@ def test_the_signature_is_standard_webhooks_own_test_vector() -> None:
         "webhook-timestamp": "1614265330",
         "webhook-signature": f"v1,bogus= {got}",
     }
-    assert signature_valid(SECRET, headers, body), "the receiver's own check agrees"
-    assert not signature_valid(SECRET, headers, body + b" ")
+    assert signature_valid(SPEC_VECTOR_SECRET, headers, body), "the receiver's own check agrees"
+    assert not signature_valid(SPEC_VECTOR_SECRET, headers, body + b" ")
 
 
 def artifact() -> Artifact:

@@ -33,6 +33,19 @@ class Received:
         return str(self.body.get("type"))
 
 
+# Standard Webhooks' own published test vector (its spec's example secret, id, timestamp and
+# body): public on purpose, used only to show our signature is theirs. Every other test signs
+# with a fresh secret of its own (`signing_secret`).
+SPEC_VECTOR_SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
+
+
+def signing_secret(name: str) -> str:
+    """A signing secret shaped as an operator's (`whsec_` + base64 of 24 bytes), made from
+    `name`: the same in every pytest-xdist process (parametrized ids hold it), and plainly no
+    one's credential."""
+    return "whsec_" + base64.b64encode(hashlib.sha256(name.encode()).digest()[:24]).decode()
+
+
 def expected_signature(secret: str, webhook_id: str, timestamp: str, body: bytes) -> str:
     """Standard Webhooks, written from its spec: base64(HMAC-SHA256(key, id.timestamp.body))."""
     key = base64.b64decode(secret.split("_", 1)[1])
