@@ -65,9 +65,21 @@ class RunningGateway:
 async def running_gateway(
     factory: Callable[[], Awaitable[JobClient]], *, wait_ready: bool = True
 ) -> AsyncIterator[RunningGateway]:
-    """uvicorn serving `create_app` on a free port, stopped on the way out."""
+    """The gateway with the tenants of `KEYS` on a free port, stopped on the way out."""
     keys = ",".join(f"{tenant}:{key}" for tenant, key in KEYS.items())
     settings = GatewaySettings(DURABLE_COMFY_API_KEYS=keys, **TEST_SETTINGS)  # type: ignore[arg-type]
+    async with serving_app(settings, factory, wait_ready=wait_ready) as running:
+        yield running
+
+
+@asynccontextmanager
+async def serving_app(
+    settings: GatewaySettings,
+    factory: Callable[[], Awaitable[JobClient]],
+    *,
+    wait_ready: bool = True,
+) -> AsyncIterator[RunningGateway]:
+    """uvicorn serving `create_app(settings)` on a free port, stopped on the way out."""
     app = create_app(settings, factory)
     port = free_port()
     config = uvicorn.Config(

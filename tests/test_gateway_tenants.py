@@ -22,21 +22,18 @@ import pytest
 import pytest_asyncio
 import structlog
 import typer
-import uvicorn
 import websockets
 from temporalio.client import Client
 from typer.testing import CliRunner
 
-from devstack.free_ports import free_port
 from devstack.models import RunningStack
 from gateway import cli
-from gateway.app import create_app
 from gateway.auth import hash_key
 from gateway.limits import Limits, jobs_in_flight_query
 from gateway.settings import GatewaySettings
 from starter import JobClient, JobRequest
 from tests.cli_support import RunningWorker, example, running_worker, s3_settings
-from tests.gateway_support import TEST_SETTINGS, job_body
+from tests.gateway_support import TEST_SETTINGS, job_body, serving_app
 
 KEYS = {tenant: f"{tenant}-{uuid.uuid4().hex}" for tenant in ("acme", "beta", "slow", "few")}
 # acme's and few's lines hold only hashes; slow and few have limits of their own.
@@ -70,30 +67,8 @@ async def serving(
 ) -> AsyncIterator[Gateway]:
     """The gateway on a free port with these keys and settings, stopped on the way out."""
     values = {**TEST_SETTINGS, "DURABLE_COMFY_API_KEYS_FILE": str(keys_file), **settings}
-    app = create_app(GatewaySettings.model_validate(values), factory)
-    port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None, access_log=False)
-    )
-    task = asyncio.create_task(server.serve())
-    url = f"http://127.0.0.1:{port}"
-    try:
-        async with httpx.AsyncClient(trust_env=False) as http:
-            for _ in range(300):
-                if task.done():
-                    task.result()
-                try:
-                    if (await http.get(f"{url}/readyz")).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                await asyncio.sleep(0.1)
-            else:
-                raise RuntimeError("the gateway did not get ready")
-        yield Gateway(url, factory, app.state.gateway.limits)
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(task, timeout=30)
+    async with serving_app(GatewaySettings.model_validate(values), factory) as running:
+        yield Gateway(running.url, factory, running.state.limits)
 
 
 @pytest.fixture(scope="module")
