@@ -53,6 +53,7 @@ from workflows.contracts import (
     JobStatus,
     ProgressReport,
 )
+from workflows import job_book
 from workflows.inference_job import InferenceJob
 from workflows.job_input import JobInput
 from workflows.shared import (
@@ -146,6 +147,10 @@ class FakeBackend:
         if name in self.script.fatal_in:
             error_type = self.script.fatal_in[name]
             raise ApplicationError(f"{name} failed", type=error_type, non_retryable=True)
+        if self.script.block_in == name and name == "prepare_prompt" and activity.info().is_local:
+            # A pool too slow for the workflow task's quick local check: the workflow falls
+            # back to the prepare activity, which blocks (and shows the job PREPARING).
+            raise ApplicationError("pool unavailable", type=ErrorType.BACKEND_UNAVAILABLE)
         if self.script.block_in == name:
             self.blocked.set()
             for _ in range(int(BLOCK_CAP_S / 0.1)):
@@ -426,6 +431,10 @@ class FakeWorkflow:
         self.activities.append((activity, arg, options))
         return self.activity_result
 
+    async def execute_local_activity(self, activity: str, arg: Any, **options: Any) -> Any:
+        """Recorded as activities are, with `local=True` among its options."""
+        return await self.execute_activity(activity, arg, local=True, **options)
+
 
 F = TypeVar("F", bound=FakeWorkflow)
 
@@ -443,6 +452,9 @@ def install_fake_workflow(
     monkeypatch.setattr(workflow, "now", lambda: fake.now)
     monkeypatch.setattr(workflow, "random", lambda: fake)
     monkeypatch.setattr(workflow, "logger", fake.logger)
+    # No workflow event loop here: each search-attribute change is upserted at once (their
+    # coalescing into one upsert per workflow task is tested with a loop, test_job_book_unit).
+    monkeypatch.setattr(job_book, "at_task_end", lambda callback: callback())
     for name in (
         "uuid4",
         "upsert_search_attributes",
@@ -451,6 +463,7 @@ def install_fake_workflow(
         "wait_condition",
         "metric_meter",
         "execute_activity",
+        "execute_local_activity",
     ):
         monkeypatch.setattr(workflow, name, getattr(fake, name))
     return fake

@@ -21,6 +21,7 @@ with workflow.unsafe.imports_passed_through():
         WebhookDeliveryInput,
     )
     from workflows.contracts import JobPolicy
+    from workflows.failures import FailureKind, classify
     from workflows.shared import (
         ACTIVITY_DELIVER_WEBHOOK,
         ACTIVITY_FOLLOW,
@@ -39,14 +40,40 @@ QUICK_RETRY = RetryPolicy(
 ONE_ATTEMPT = RetryPolicy(maximum_attempts=1)
 
 
+# The local attempt at a prepare: a check of the graph and the pool takes milliseconds. Held
+# this long at most, since the workflow task (and so every query) waits for it.
+LOCAL_PREPARE_TIMEOUT = timedelta(seconds=5)
+
+
 async def prepare(req: PrepareInput) -> PreparedJob:
+    """A request that stages no input file is first checked in a local activity: on the worker
+    that runs the workflow task, in that same task, without an activity task's round trips
+    through the server (two workflow tasks and a dispatch on every job's critical path). When
+    that attempt fails retryably (a pool slow or down), or there are inputs to stage (downloads
+    and uploads of up to 100 MB), prepare is an activity of its own with retries, so the
+    workflow task is not held meanwhile and the job is seen PREPARING."""
+    timeout, summary = timedelta(minutes=2), "prepare"
+    if not req.inputs:
+        try:
+            quick: PreparedJob = await workflow.execute_local_activity(
+                ACTIVITY_PREPARE,
+                req,
+                result_type=PreparedJob,
+                start_to_close_timeout=LOCAL_PREPARE_TIMEOUT,
+                retry_policy=ONE_ATTEMPT,
+                summary=summary,
+            )
+            return quick
+        except Exception as err:  # an ActivityError, or the cause itself (local activities)
+            if classify(err) in (FailureKind.FATAL, FailureKind.CANCELLED):
+                raise
     result: PreparedJob = await workflow.execute_activity(
         ACTIVITY_PREPARE,
         req,
         result_type=PreparedJob,
-        start_to_close_timeout=timedelta(minutes=2),
+        start_to_close_timeout=timeout,
         retry_policy=QUICK_RETRY,
-        summary="prepare",
+        summary=summary,
     )
     return result
 

@@ -88,6 +88,7 @@ class InferenceJob(JobMessages):
             carry.webhook_cursor = await self._stop_webhooks()
             self._continuing = True
             await workflow.wait_condition(workflow.all_handlers_finished)
+            self._book.send_search_attributes()
             workflow.continue_as_new(JobInput(request=self._request, carry=carry))
         await self._finish_uncancellable(outcome)
         # The job has ended (and says so to every client); its last events may still be on
@@ -233,6 +234,7 @@ class InferenceJob(JobMessages):
         )
         book.set_state(JobState.FAILED)
         await workflow.wait_condition(workflow.all_handlers_finished)
+        book.send_search_attributes()
         raise ApplicationError(
             refusal.error.message,
             self._status,
@@ -309,6 +311,7 @@ class InferenceJob(JobMessages):
         self._book.merge_artifacts(kept.artifacts)
 
     def _end_result(self) -> JobStatus:
+        self._book.send_search_attributes()
         error = self._status.error
         if self._status.state == JobState.FAILED and error is not None:
             # The Temporal UI shows the job as failed, with the typed reason.

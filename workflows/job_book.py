@@ -3,15 +3,19 @@
 Nothing else assigns to the status: every change is a method here, and each bumps `seq` once
 and `updated_at` (clients' `watch` relies on it) and refreshes the Temporal UI's current details
 (workflows/job_details.py). State changes (only) upsert the `JobState` and `JobProgress` search
-attributes, so the UI shows the job at a glance without a history event per progress step.
+attributes, so the UI shows the job at a glance without a history event per progress step; all
+that changed in one workflow task goes out as one upsert (one history event), at its end.
 """
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
 from datetime import datetime
-from typing import Literal
+from typing import Any, Literal
 
 from temporalio import workflow
+from temporalio.common import SearchAttributeUpdate
 
 with workflow.unsafe.imports_passed_through():
     from workflows.activity_io import FollowResult, WebhookAttempt
@@ -42,6 +46,12 @@ with workflow.unsafe.imports_passed_through():
     from workflows.webhooks import webhook_event
 
 
+def at_task_end(callback: Callable[[], None]) -> None:
+    """Run `callback` once the workflow code ready in this activation has run: the workflow's
+    event loop runs what `call_soon` queued before it completes the activation."""
+    asyncio.get_running_loop().call_soon(callback)
+
+
 class JobBook:
     def __init__(self, status: JobStatus, journal: list[JobEvent] | None = None) -> None:
         self.status = status
@@ -68,6 +78,8 @@ class JobBook:
         self.finished_prompt: str | None = None
         # Messages from clients: the abandon watchdog waits for this to move.
         self.contacts = 0
+        # Search attributes changed in this workflow task, by name: upserted once, at its end.
+        self._unsent_attributes: dict[str, SearchAttributeUpdate[Any]] = {}
 
     # -- the run --------------------------------------------------------------------------
 
@@ -76,13 +88,13 @@ class JobBook:
         self._changed()
         # seq 1: the status's very first write (a run's start, unless a message came first).
         if changed or self.status.seq == 1:
-            workflow.upsert_search_attributes(
-                [STATE_KEY.value_set(state.value), PROGRESS_KEY.value_set(self.coarse_progress())]
+            self._upsert(
+                STATE_KEY.value_set(state.value), PROGRESS_KEY.value_set(self.coarse_progress())
             )
 
     def prepared_on(self, pool: str, kind: str) -> None:
         self.status.backend = BackendInfo(pool=pool, kind=kind)
-        workflow.upsert_search_attributes([POOL_KEY.value_set(pool)])
+        self._upsert(POOL_KEY.value_set(pool))
         self._changed()
 
     def begin_segment(self, segment: int, segments: int, sampler_steps: int, nodes: int) -> None:
@@ -343,11 +355,9 @@ class JobBook:
         state_changed = stage_changes and self._apply_stage(report)
         self._changed()
         if state_changed:
-            workflow.upsert_search_attributes(
-                [
-                    STATE_KEY.value_set(self.status.state.value),
-                    PROGRESS_KEY.value_set(self.coarse_progress()),
-                ]
+            self._upsert(
+                STATE_KEY.value_set(self.status.state.value),
+                PROGRESS_KEY.value_set(self.coarse_progress()),
             )
         self._upsert_progress()
 
@@ -451,4 +461,21 @@ class JobBook:
         coarse = self.coarse_progress()
         if coarse != self._last_coarse_progress:
             self._last_coarse_progress = coarse
-            workflow.upsert_search_attributes([PROGRESS_KEY.value_set(coarse)])
+            self._upsert(PROGRESS_KEY.value_set(coarse))
+
+    def _upsert(self, *updates: SearchAttributeUpdate[Any]) -> None:
+        """Held until the workflow task's own code has run: a task that changes state,
+        progress and pool writes one history event, not three."""
+        idle = not self._unsent_attributes
+        for update in updates:
+            self._unsent_attributes[update.key.name] = update
+        if idle:
+            at_task_end(self.send_search_attributes)
+
+    def send_search_attributes(self) -> None:
+        """Upsert what changed; called at the end of each workflow task, and before the run
+        ends (a command after the workflow's last one would be dropped)."""
+        if self._unsent_attributes:
+            updates = list(self._unsent_attributes.values())
+            self._unsent_attributes.clear()
+            workflow.upsert_search_attributes(updates)
