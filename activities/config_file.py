@@ -37,6 +37,7 @@ from activities.settings import (
     Concurrency,
     DeploymentName,
     EndpointUrl,
+    HeartbeatBudgetRate,
     HeartbeatThrottle,
     MetricsHost,
     PoolConfig,
@@ -88,6 +89,7 @@ class WorkerFileSection(_Section):
     metrics_host: MetricsHost | None = None
     log_level: str | None = None
     heartbeat_throttle_s: HeartbeatThrottle | None = None
+    heartbeat_budget_per_s: HeartbeatBudgetRate | None = None
     versioning: bool | None = None
     deployment_name: DeploymentName | None = None
     build_id: BuildId | None = None

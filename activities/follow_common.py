@@ -37,6 +37,12 @@ def tenth(step: int, total: int) -> int:
     return max(0, min(TENTHS, step * TENTHS // total))
 
 
+# A follow attempt tells the workflow nothing in its first second: a prompt that ends within it
+# costs the job no signal (each is about four history events and a workflow task on the
+# server), and its stage and steps reach clients in the heartbeats meanwhile.
+QUIET_START_S = 1.0
+
+
 class Milestones:
     """When a follow attempt sends the workflow a `progress` signal.
 
@@ -44,20 +50,32 @@ class Milestones:
     is), a change of the prompt's stage on the backend (queued -> running), each stored
     artifact and the end (`force`), and each whole tenth of the steps, but a tenth no sooner
     than `min_interval_s` (the job's `progress_interval_s`) after the previous signal: a short
-    job does not pay ten signals. A tenth held back that way is due at the next call after the
-    interval, and any forced signal carries the step it got to. Everything between milestones
-    goes only into heartbeats.
+    job does not pay ten signals. Nothing is due during the attempt's quiet start
+    (`QUIET_START_S`); what came up meanwhile is `held`, and due at the next call after it
+    (the caller makes one when the quiet start ends). A tenth held back by the interval is due
+    at the next call after the interval, and any forced signal carries the step it got to.
+    Everything between milestones goes only into heartbeats.
     """
 
     def __init__(
-        self, min_interval_s: float, *, clock: Callable[[], float] = time.monotonic
+        self,
+        min_interval_s: float,
+        *,
+        quiet_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._min_interval_s = min_interval_s
         self._clock = clock
+        self._quiet_until = clock() + (QUIET_START_S if quiet_s is None else quiet_s)
         self._stage: str | None = None
         self._tenth = -1
         self._at = -math.inf
         self.sent = 0
+        self.held = False
+
+    @property
+    def quiet_left_s(self) -> float:
+        return max(0.0, self._quiet_until - self._clock())
 
     def due(
         self, stage: str, step: int, total: int, *, force: bool = False, news: bool = False
@@ -68,6 +86,9 @@ class Milestones:
         told like a tenth, no sooner than `min_interval_s` after the previous signal.
         """
         now = self._clock()
+        if now < self._quiet_until:
+            self.held = True
+            return False
         reached = tenth(step, total)
         first = self.sent == 0
         rested = now - self._at >= self._min_interval_s
@@ -78,6 +99,7 @@ class Milestones:
         self._tenth = max(self._tenth, reached)
         self._at = now
         self.sent += 1
+        self.held = False
         return True
 
 

@@ -38,7 +38,7 @@ class BenchOptions(BaseModel):
     recovery_heartbeat_s: float = Field(20.0, gt=0)
     # Group 4: the batches of jobs submitted at once to one worker (parallel simulator), and the
     # jobs of the deep serial queue (one prompt at a time); 20 steps x 10 ms each.
-    scale_jobs: tuple[int, ...] = (100, 300)
+    scale_jobs: tuple[int, ...] = (100, 300, 1000)
     scale_serial_jobs: int = Field(60, ge=1)
     # Group 5: output sizes in MiB (drop 1024 to skip the 1 GiB upload).
     offload_sizes_mib: tuple[int, ...] = (100, 1024)

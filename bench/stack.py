@@ -71,6 +71,8 @@ class BenchContext:
     work_dir: Path
     worker_log: Path  # the project's worker's JSON log lines (what it did, when)
     worker_pid: int | None = None  # the project's worker's process (for py-spy)
+    # The Temporal dev server's Prometheus metrics (bench/server_calls.py): calls it served.
+    temporal_metrics_url: str = ""
 
     def job_client(self, task_queue: str | None = None) -> tuple[JobClient, CallLog]:
         """A `JobClient` on the project's task queue (or `task_queue`: a group's own worker's)
@@ -177,6 +179,7 @@ async def bench_stack(options: BenchOptions, keep: bool = False) -> AsyncIterato
                 work_dir,
                 worker_log,
                 worker.pid,
+                f"http://127.0.0.1:{config.temporal.metrics_port}/metrics",
             )
             failed = False
         finally:

@@ -9,7 +9,10 @@ sends it at most every `WorkerSettings.heartbeat_throttle_s` (0.4 s by default).
 
 `overlaid` lays that checkpoint over the queried status when it belongs to the job's current
 submission (same segment, prompt id and client id) and is newer: never backwards, so a stale
-heartbeat (an earlier attempt's, an earlier submission's) changes nothing.
+heartbeat (an earlier attempt's, an earlier submission's) changes nothing. The heartbeat also
+says where the backend has the prompt (queued, with its place, or running): a follow attempt
+tells the workflow nothing in its first second (`activities.follow_common.QUIET_START_S`), so
+a SUBMITTING job whose current heartbeat says so is shown WAITING or RUNNING meanwhile.
 """
 
 from __future__ import annotations
@@ -57,6 +60,8 @@ def overlaid(status: JobStatus, heartbeats: Iterable[FollowHeartbeat] = ()) -> J
         return status
     candidates = [status.checkpoint]
     if status.state in FOLLOW_STATES:
+        heartbeats = list(heartbeats)
+        status = _staged(status, heartbeats)
         candidates += [beat.checkpoint for beat in heartbeats]
     best: Checkpoint | None = None
     for checkpoint in candidates:
@@ -80,6 +85,20 @@ def overlaid(status: JobStatus, heartbeats: Iterable[FollowHeartbeat] = ()) -> J
     ):
         update["updated_at"] = best.updated_at
     return status.model_copy(update=update)
+
+
+def _staged(status: JobStatus, heartbeats: list[FollowHeartbeat]) -> JobStatus:
+    """A SUBMITTING job whose current submission's heartbeat says the backend has the prompt:
+    WAITING (at its place) or RUNNING, as the workflow's status will say once it hears."""
+    if status.state != JobState.SUBMITTING:
+        return status
+    for beat in reversed(heartbeats):
+        if beat.stage is None or not _of_submission(status, beat.checkpoint):
+            continue
+        state = JobState.WAITING if beat.stage == "queued" else JobState.RUNNING
+        progress = status.progress.model_copy(update={"queue_position": beat.queue_position})
+        return status.model_copy(update={"state": state, "progress": progress})
+    return status
 
 
 def _of_submission(status: JobStatus, checkpoint: Checkpoint) -> bool:

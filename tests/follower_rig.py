@@ -4,7 +4,9 @@ ComfyUI is `FakeComfy` (HTTP on an `httpx.MockTransport`, with per-test answers 
 its own) and a `ScriptedSocket` on a loopback port; outputs go to a `FakeStore`.
 `ActivityEnvironment` gives the follower its activity context and captures its heartbeats, with
 when each came; `AddressedRecorder` stands in for the client its progress signals go to.
-Timings are shrunk through the heartbeat timeout (the follower polls at a third of it).
+Timings are shrunk through the heartbeat timeout (the follower polls at a third of it); the
+heartbeat budget is unlimited and the follow's quiet start off (`no_quiet_start`), unless a test
+says otherwise.
 """
 
 from __future__ import annotations
@@ -23,9 +25,11 @@ import pytest
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
+from activities import follow_common
 from activities.comfyui.client import ComfyClient
 from activities.comfyui.follow import FollowAttempt
 from activities.comfyui.pools import PoolHealth
+from activities.heartbeat_budget import HeartbeatBudget
 from tests.comfy_unit_fakes import (
     PNG,
     FakeComfy,
@@ -86,6 +90,8 @@ class Rig:
     store: FakeStore = field(default_factory=FakeStore)
     signals: AddressedRecorder = field(default_factory=AddressedRecorder)
     health: PoolHealth = field(default_factory=PoolHealth)
+    # No limit: every frame with news is heartbeated at once (the pacing is tested on its own).
+    budget: HeartbeatBudget = field(default_factory=lambda: HeartbeatBudget(float("inf"), 0.0))
     # Every heartbeat: (time.monotonic() when it came, its details).
     beats: list[tuple[float, tuple[Any, ...]]] = field(default_factory=list)
     # HTTP answers that replace the fake's: (method, path) -> response.
@@ -119,7 +125,7 @@ class Rig:
         )
 
         async def follow_prompt(req: FollowInput) -> FollowResult:
-            return await FollowAttempt(req, client, self.store, self.health).run()
+            return await FollowAttempt(req, client, self.store, self.health, self.budget).run()
 
         async with asyncio.timeout(FOLLOW_DEADLINE_S):
             result: FollowResult = await self.env.run(follow_prompt, req)
@@ -168,3 +174,10 @@ def until(condition: Callable[[], bool], within_s: float = 1.0) -> Step:
             await asyncio.sleep(0.01)
 
     return step
+
+
+@pytest.fixture
+def no_quiet_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Follow attempts signal from their first event (no `QUIET_START_S`): the milestone rules
+    are what these tests look at, in runs far shorter than a second."""
+    monkeypatch.setattr(follow_common, "QUIET_START_S", 0.0)

@@ -50,10 +50,13 @@ from tests.comfy_unit_fakes import (
     send,
     wait_for,
 )
-from tests.follower_rig import HEARTBEAT_TIMEOUT_S, Rig, StubHealth, open_rig, until
+from tests.follower_rig import HEARTBEAT_TIMEOUT_S, Rig, StubHealth, no_quiet_start, open_rig, until
 from workflows.activity_io import FollowHeartbeat, FollowResult
 from workflows.contracts import Artifact, Checkpoint
 from workflows.shared import ErrorType
+
+# The milestone rules from the first event (tests/follower_rig.py's `no_quiet_start`).
+pytestmark = pytest.mark.usefixtures(no_quiet_start.__name__)
 
 
 @pytest_asyncio.fixture
@@ -884,7 +887,7 @@ async def test_the_activity_follows_with_the_pools_client_and_health(rig: Rig) -
             asked.append(pool)
             return rig.client()
 
-    activities = FollowActivities(Pools(), rig.store)  # type: ignore[arg-type]
+    activities = FollowActivities(Pools(), rig.store, rig.budget)  # type: ignore[arg-type]
     result: FollowResult = await rig.env.run(activities.follow_prompt, request(graph=GRAPH))
     assert [a.key for a in result.artifacts] == [KEY] and asked == ["comfyui"]
     assert [pool for pool, _ in Pools.health.probed] == ["comfyui"]

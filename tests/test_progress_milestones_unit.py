@@ -26,7 +26,7 @@ from tests.comfy_unit_fakes import (
     request,
     send,
 )
-from tests.follower_rig import Rig
+from tests.follower_rig import Rig, no_quiet_start
 from tests.test_runpod_backend_unit import (
     OUR_KEY,
     RUNPOD_JOB,
@@ -40,6 +40,9 @@ from tests.test_runpod_backend_unit import (
 )
 from tests.test_runpod_backend_unit import PNG as RUNPOD_PNG
 from workflows.activity_io import FollowHeartbeat
+
+# The milestone rules from the first event (tests/follower_rig.py's `no_quiet_start`).
+pytestmark = pytest.mark.usefixtures(no_quiet_start.__name__)
 
 
 class Clock:

@@ -100,6 +100,11 @@ class FollowHeartbeat(StrictModel):
     checkpoint: Checkpoint
     # Artifacts of this segment stored so far: never uploaded twice.
     artifacts: list[Artifact] = Field(default_factory=list)
+    # Where the backend says the prompt is (None: not yet known), and its place in the queue
+    # (1 = next): clients read them from here before the workflow hears of them (it hears of a
+    # stage change only once the attempt has run past its quiet start).
+    stage: Literal["queued", "running"] | None = None
+    queue_position: int | None = None
 
     @classmethod
     def from_details(cls, details: Sequence[Any] | None) -> FollowHeartbeat | None:

@@ -8,6 +8,7 @@ from activities.comfyui.activities import ComfyActivities
 from activities.comfyui.follow import FollowActivities
 from activities.comfyui.offload import OffloadActivities
 from activities.comfyui.pools import ComfyPools
+from activities.heartbeat_budget import HeartbeatBudget
 from activities.storage import ArtifactStore
 from workflows.activity_io import (
     FollowHeartbeat,
@@ -26,9 +27,9 @@ class ComfyBackend:
     """`activities.backend.Backend` for ComfyUI pools. `comfy` also serves the submit and
     teardown activities that runs started by older versions still schedule."""
 
-    def __init__(self, pools: ComfyPools, store: ArtifactStore) -> None:
+    def __init__(self, pools: ComfyPools, store: ArtifactStore, budget: HeartbeatBudget) -> None:
         self.comfy = ComfyActivities(pools, store)
-        self._follow = FollowActivities(pools, store)
+        self._follow = FollowActivities(pools, store, budget)
         self._offload = OffloadActivities(pools, store)
 
     async def prepare(self, req: PrepareInput, pool: str) -> PreparedJob:

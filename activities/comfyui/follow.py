@@ -46,6 +46,7 @@ from activities.follow_common import (
     worker_identity,
 )
 from activities.follow_common import Stage as ReportStage
+from activities.heartbeat_budget import HeartbeatBudget
 from activities.orphans import prompt_tag
 from activities.progress import ProgressTracker
 from activities.storage import ArtifactStore
@@ -64,7 +65,12 @@ class FollowAttempt:
     """One attempt at following one prompt to its end, and the follower's listener."""
 
     def __init__(
-        self, req: FollowInput, client: ComfyClient, store: ArtifactStore, health: PoolHealth
+        self,
+        req: FollowInput,
+        client: ComfyClient,
+        store: ArtifactStore,
+        health: PoolHealth,
+        budget: HeartbeatBudget,
     ) -> None:
         self.req = req
         self.client = client
@@ -101,6 +107,10 @@ class FollowAttempt:
             log=self.log,
         )
         self.poll_s = poll_s
+        # Within the heartbeat timeout with room to spare, whatever the socket does.
+        self.pacer = budget.pacer(self._send_heartbeat, self._news, keepalive_s=0.9 * poll_s)
+        # Stored outputs the workflow has not been told of (their signal fell in the quiet start).
+        self.untold: list[Artifact] = []
         self.uploads: set[asyncio.Task[Artifact]] = set()
         self.scheduled: set[str] = set()  # keys of uploads started by this attempt
         self.worker_id = worker_identity()
@@ -108,6 +118,14 @@ class FollowAttempt:
     async def run(self) -> FollowResult:
         attempt = activity.info().attempt
         self.log.info("follow_start", attempt=attempt, resumed_step=self.tracker.step)
+        with self.pacer:
+            quiet_end = asyncio.create_task(self._after_quiet_start())
+            try:
+                return await self._follow()
+            finally:
+                quiet_end.cancel()
+
+    async def _follow(self) -> FollowResult:
         try:
             if self.req.graph is not None and not self.follower.submitted:
                 await self._refuse_a_bad_pool()
@@ -131,7 +149,7 @@ class FollowAttempt:
             for task in self.uploads:
                 task.cancel()
         self.tracker.complete()
-        self.beat()
+        self.beat(now=True)
         # No "finished" signal: the result tells the workflow the same, a round trip sooner.
         return FollowResult(
             prompt_id=self.req.prompt_id,
@@ -182,7 +200,7 @@ class FollowAttempt:
 
     async def submitted(self) -> None:
         self.checkpoint = self.checkpoint.model_copy(update={"submitted_at": datetime.now(UTC)})
-        self.beat()
+        self.beat(now=True)
 
     async def stage(self, stage: Stage, position: int | None) -> None:
         # A stage change is a milestone; so is a new place in the queue, which only the
@@ -201,10 +219,14 @@ class FollowAttempt:
     async def outputs(self, outputs: dict[str, Any]) -> None:
         self._start_uploads(outputs)
 
-    def beat(self) -> None:
-        activity.heartbeat(self._resume_point().model_dump(mode="json"))
+    def beat(self, *, now: bool = False) -> None:
+        """The worker's heartbeat budget decides when this reaches the server
+        (activities/heartbeat_budget.py); `now`: what the workflow must not miss."""
+        self.pacer.beat(now=now)
 
     def check(self) -> None:
+        # Frames of other prompts keep the loop busy without a beat of ours: a sign of life.
+        self.pacer.beat()
         self._fail_if_upload_failed()
         if activity.is_worker_shutdown():
             raise retryable(ErrorType.CONNECTION_LOST, "worker shutting down")
@@ -223,7 +245,7 @@ class FollowAttempt:
 
     async def _upload(self, node_id: str, item: Mapping[str, str]) -> Artifact:
         artifact = await self.uploader.upload(node_id, item)
-        self.beat()
+        self.beat(now=True)
         await self._signal("uploading", artifact=artifact, force=True)
         return artifact
 
@@ -257,9 +279,39 @@ class FollowAttempt:
         )
 
     def _resume_point(self) -> FollowHeartbeat:
+        follower = self.follower
         return FollowHeartbeat(
-            checkpoint=self._checkpoint(), artifacts=list(self.uploader.artifacts.values())
+            checkpoint=self._checkpoint(),
+            artifacts=list(self.uploader.artifacts.values()),
+            stage=follower.stage,
+            queue_position=follower.queue_position if follower.stage == "queued" else None,
         )
+
+    def _send_heartbeat(self) -> None:
+        activity.heartbeat(self._resume_point().model_dump(mode="json"))
+
+    def _news(self) -> tuple[object, ...]:
+        """What a heartbeat would carry that a client or the next attempt cares about."""
+        follower, tracker = self.follower, self.tracker
+        return (
+            tracker.step,
+            len(tracker.nodes_done),
+            follower.stage,
+            follower.queue_position,
+            len(self.uploader.artifacts),
+            self.checkpoint.submitted_at,
+        )
+
+    async def _after_quiet_start(self) -> None:
+        """Tell the workflow what came up during the attempt's quiet start, once it is over."""
+        await asyncio.sleep(self.milestones.quiet_left_s)
+        stage = self.follower.stage
+        if not self.milestones.held or stage is None:
+            return  # nothing came up, or nothing to say yet: the next event is the first report
+        if not self.untold:
+            await self._signal(stage)
+        while self.untold and self.follower.ended is None:
+            await self._signal("uploading", artifact=self.untold.pop(0), force=True)
 
     async def _signal(
         self, stage: ReportStage, *, artifact: Artifact | None = None, force: bool = False
@@ -276,6 +328,8 @@ class FollowAttempt:
         # report of an artifact (forced), and the workflow reads it as running.
         where = "finished" if stage == "finished" else follower.stage or stage
         if not self.milestones.due(where, self.tracker.step, self.tracker.total, force=force):
+            if artifact is not None and self.milestones.held:
+                self.untold.append(artifact)
             return
         report = ProgressReport(
             attempt_client_id=self.req.client_id,
@@ -292,10 +346,12 @@ class FollowAttempt:
 
 
 class FollowActivities:
-    def __init__(self, pools: ComfyPools, store: ArtifactStore) -> None:
+    def __init__(self, pools: ComfyPools, store: ArtifactStore, budget: HeartbeatBudget) -> None:
         self._pools = pools
         self._store = store
+        self._budget = budget
 
     async def follow_prompt(self, req: FollowInput) -> FollowResult:
         client = self._pools.client(req.pool)
-        return await FollowAttempt(req, client, self._store, self._pools.health).run()
+        attempt = FollowAttempt(req, client, self._store, self._pools.health, self._budget)
+        return await attempt.run()
