@@ -149,8 +149,8 @@ class FollowAttempt:
             for task in self.uploads:
                 task.cancel()
         self.tracker.complete()
-        self.beat(now=True)
-        # No "finished" signal: the result tells the workflow the same, a round trip sooner.
+        # No heartbeat and no "finished" signal: the result tells the workflow the same, a round
+        # trip sooner.
         return FollowResult(
             prompt_id=self.req.prompt_id,
             outcome="success",
@@ -245,7 +245,9 @@ class FollowAttempt:
 
     async def _upload(self, node_id: str, item: Mapping[str, str]) -> Artifact:
         artifact = await self.uploader.upload(node_id, item)
-        self.beat(now=True)
+        # Paced like a step: a retry that never heard of it stores the same bytes under the same
+        # key again, which costs an upload, not a wrong result.
+        self.beat()
         await self._signal("uploading", artifact=artifact, force=True)
         return artifact
 
