@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import resource
 import signal
 import sys
 from collections.abc import Mapping
@@ -65,6 +66,12 @@ GRACEFUL_SHUTDOWN = timedelta(seconds=5)
 STICKY_TIMEOUT = timedelta(seconds=3)
 # The start-up check's GET /health, per endpoint.
 RUNPOD_CHECK_TIMEOUT_S = 15.0
+# Open files a worker needs besides its slots (Temporal, S3, logs, the metrics server).
+BASE_OPEN_FILES = 256
+# Per slot: a followed ComfyUI prompt's WebSocket, and an HTTP connection for its calls.
+OPEN_FILES_PER_SLOT = 2
+# HTTP connections beyond one per slot (prepare's uploads, the orphan sweep, webhooks).
+EXTRA_HTTP_CONNECTIONS = 64
 
 
 async def run_worker(
@@ -101,8 +108,9 @@ async def run_worker(
         client = await connect_checked(inputs, runtime)
     # Temporal owns retries: no transport-level retries here.
     timeout = httpx.Timeout(30.0, connect=5.0)
+    limits = http_limits(settings.max_concurrent_activities)
     async with (
-        httpx.AsyncClient(timeout=timeout, trust_env=False) as http,
+        httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as http,
         ArtifactStore(s3) as store,
     ):
         pools = ComfyPools(settings, http)
@@ -168,6 +176,50 @@ async def run_worker(
             if sweeping is not None:
                 await sweeping
     log.info("worker_stopped")
+
+
+def http_limits(slots: int) -> httpx.Limits:
+    """The shared HTTP client's pool, sized to the slots: httpx's default (100 connections)
+    would make 1,000 followed jobs queue for a connection for their POST /prompt, /history and
+    /view calls. Idle connections kept: a fifth of the slots (at least httpx's 20)."""
+    return httpx.Limits(
+        max_connections=slots + EXTRA_HTTP_CONNECTIONS,
+        max_keepalive_connections=max(20, slots // 5),
+    )
+
+
+def open_files_needed(slots: int) -> int:
+    return slots * OPEN_FILES_PER_SLOT + BASE_OPEN_FILES
+
+
+def raise_open_files_limit(slots: int) -> None:
+    """Raise this process's soft RLIMIT_NOFILE to its hard limit when it is below what `slots`
+    followed jobs need (`open_files_needed`): a common soft limit is 1,024, which 1,000 slots'
+    sockets exceed. Logs a warning with the numbers when even the hard limit is too low (the
+    worker still starts: a job past the limit fails its follow, and is retried)."""
+    needed = open_files_needed(slots)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return
+    target = needed if hard == resource.RLIM_INFINITY else hard
+    if target > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError) as exc:
+            log.warning(
+                "open_files_limit_unchanged", soft=soft, hard=hard, needed=needed, error=str(exc)
+            )
+            return
+        log.info("open_files_limit_raised", was=soft, now=target, needed=needed, slots=slots)
+    if target < needed:
+        log.warning(
+            "open_files_limit_low",
+            limit=target,
+            needed=needed,
+            slots=slots,
+            hint="raise the hard limit (ulimit -Hn, LimitNOFILE=, --ulimit nofile=) or lower "
+            "DURABLE_COMFY_MAX_CONCURRENT_ACTIVITIES",
+        )
 
 
 def runpod_clients(
@@ -310,6 +362,7 @@ def main(argv: list[str] | None = None) -> None:
     except (ValidationError, SettingsError, StorageConfigError) as exc:
         sys.exit("\n".join(f"worker: invalid settings: {line}" for line in problem_lines(exc)))
     configure_logging(settings.log_level)
+    raise_open_files_limit(settings.max_concurrent_activities)
     try:
         asyncio.run(run_worker(settings, s3, temporal=temporal, runpod_keys=runpod_keys))
     except ChecksFailed as refused:

@@ -500,9 +500,12 @@ class WorkerSettings(EnvSettings):
     # JSON `{name: {kind, url}}` from the variable; replaces the config file's pools.
     pools: dict[str, PoolConfig] = Field(default_factory=dict, validation_alias=POOLS_VAR)
     # Each running job holds one activity slot for its whole follow: this is how many prompts
-    # one worker process follows at once (about 0.3 MB of memory each; `make bench` group 4).
+    # one worker process follows at once. What a slot costs: about 7 KB of RSS per followed
+    # job (`make bench` group 4, at 1,000 jobs), one open socket (a file descriptor) per
+    # followed ComfyUI prompt, and its heartbeats, which the worker sends for every job it
+    # follows. A job past the slots waits (`JobStatus.worker_wait`); more jobs: more workers.
     max_concurrent_activities: Concurrency = Field(
-        100, validation_alias="DURABLE_COMFY_MAX_CONCURRENT_ACTIVITIES"
+        1000, validation_alias="DURABLE_COMFY_MAX_CONCURRENT_ACTIVITIES"
     )
     # How often each worker looks for prompts whose job is over (0: never).
     orphan_sweep_interval_s: SweepInterval = Field(

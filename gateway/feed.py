@@ -30,7 +30,7 @@ import structlog
 
 from gateway.views import JobViews
 from starter.client import JobClient
-from workflows.contracts import JobEvent, JobStatus
+from workflows.contracts import JobEvent, JobStatus, WorkerWait
 
 log = structlog.get_logger("gateway.feed")
 
@@ -294,10 +294,17 @@ class Hub:
 
 @dataclass
 class _Sent:
-    """What one stream has sent: the journal up to `cursor`, and its last status."""
+    """What one stream has sent: the journal up to `cursor`, and its last status (how far,
+    and its worker wait)."""
 
     cursor: Cursor
     status: tuple[int, int] = (-1, -1)
+    wait: WorkerWait | None = None
+
+    def news(self, status: JobStatus) -> bool:
+        """Further than the last status sent, or as far with another worker wait."""
+        at = (status.seq, status.progress.step)
+        return at > self.status or (at == self.status and status.worker_wait != self.wait)
 
 
 async def stream_events(
@@ -351,7 +358,7 @@ async def stream_events(
                     yield StreamEvent(item.entry.event.kind, str(sent.cursor), item.entry_view)
             elif item.status is not None and item.status_view is not None:
                 status = item.status
-                if (status.seq, status.progress.step) > sent.status:
+                if sent.news(status):
                     yield _status_event(sent, status, item.status_view)
                 if status.terminal:
                     yield StreamEvent("end", str(sent.cursor), {"state": status.state.value})
@@ -362,4 +369,5 @@ def _status_event(sent: _Sent, status: JobStatus, view: dict[str, Any]) -> Strea
     """Everything up to a status's seq was sent before it, so its id is that seq."""
     sent.cursor = max(sent.cursor, Cursor(status.seq))
     sent.status = (status.seq, status.progress.step)
+    sent.wait = status.worker_wait
     return StreamEvent("status", str(sent.cursor), view)

@@ -36,6 +36,7 @@ from workflows.contracts import (
     JobState,
     JobStatus,
     ResumeRequest,
+    WorkerWait,
 )
 
 __all__ = [
@@ -67,6 +68,7 @@ __all__ = [
     "TemporalRefused",
     "TemporalUnreachable",
     "UnsafeArtifactKey",
+    "WorkerWait",
     "connect_temporal",
     "load_graph",
     "request_from_files",

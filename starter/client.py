@@ -8,7 +8,9 @@ well when the job cannot say how it ended: a workflow terminated or timed out fr
 runs its own ending, so its last answer stays non-terminal forever. While a prompt is followed,
 the same record (the workflow's description) carries the follow activity's latest heartbeat,
 whose step is laid over the job's answer (`starter.progress`): the job itself hears of progress
-only on milestones.
+only on milestones. It also shows an activity of the job that no worker has started, which the
+job cannot know: laid over its answer as `worker_wait` (`starter.worker_wait`), with the task
+queue read (at most every two seconds per queue) only while one waits.
 """
 
 from __future__ import annotations
@@ -74,10 +76,12 @@ from starter.errors import (
 )
 from starter.execution import bare_status, ended_from_outside
 from starter.pending_query import PendingQuery
+from starter.pollers import activity_queue
 from starter.progress import FOLLOW_STATES, follow_heartbeats, overlaid
 from starter.requests import check_segment_overrides
 from starter.settings import ClientSettings
 from starter.staging import stage_inputs
+from starter.worker_wait import WAIT_STATES, QueueReader, with_worker_wait
 from workflows.backoff import reconnect_delay
 from workflows.contracts import (
     Artifact,
@@ -210,6 +214,8 @@ class JobClient:
         self.max_request_bytes = MAX_REQUEST_BYTES
         # A store `connect` opened from the environment is the client's to close.
         self._owned_store: ArtifactStore | None = None
+        # Task queues read for jobs whose activity waits for a worker (cached per queue).
+        self.queues = QueueReader(lambda task_queue: activity_queue(self.temporal, task_queue))
 
     @classmethod
     async def connect(
@@ -472,8 +478,13 @@ class JobClient:
     @_client_errors
     async def recorded_status(self, job_id: str) -> JobStatus:
         """The status as Temporal's record alone gives it (state and progress from the search
-        attributes, the times), asking no worker: for when none answers."""
-        return bare_status(job_id, await self._describe(job_id))
+        attributes, the times), asking no worker: for when none answers. A job activity that no
+        worker has started shows as `worker_wait`."""
+        description = await self._describe(job_id)
+        status = bare_status(job_id, description)
+        if status.terminal:
+            return status
+        return await with_worker_wait(status, description, self.queues)
 
     @_client_errors
     async def presign_ttl(self, job_id: str) -> int:
@@ -499,17 +510,16 @@ class JobClient:
         await pages.fetch_next_page()
         return list(pages.current_page or []), pages.next_page_token or None
 
-    @staticmethod
     async def _described(
-        job_id: str, status: JobStatus, description: WorkflowExecutionDescription
+        self, job_id: str, status: JobStatus, description: WorkflowExecutionDescription
     ) -> JobStatus:
         """`status` as Temporal's record corrects it: ended from outside, or further along by
-        the follow activity's heartbeat."""
+        the follow activity's heartbeat, or with an activity waiting for a worker."""
         ended = ended_from_outside(job_id, description, status)
         if ended is not None:
             return ended
         beats = await follow_heartbeats(description) if status.state in FOLLOW_STATES else []
-        return overlaid(status, beats)
+        return await with_worker_wait(overlaid(status, beats), description, self.queues)
 
     async def _query(self, job_id: str) -> JobStatus:
         handle = self.handle(job_id)
@@ -684,13 +694,15 @@ class JobClient:
         reconnect: ReconnectPolicy | None,
         describe_after_s: float,
     ) -> AsyncGenerator[JobStatus, None]:
-        """Yield the job's status whenever it changes (its `seq`, or the step it got to), the
-        last one terminal.
+        """Yield the job's status whenever it changes (its `seq`, the step it got to, or its
+        `worker_wait`), the last one terminal.
 
         Polls the `status` query and, for attached jobs, sends `client_seen` about four times
         per abandonment horizon so the job knows someone is still listening. While a prompt is
-        followed (SUBMITTING, WAITING, RUNNING), each poll reads the workflow's description
-        instead: its follow activity's heartbeat gives the step (`starter.progress`), and the
+        followed (SUBMITTING, WAITING, RUNNING), or an activity of the job may wait for a worker
+        (PREPARING, STOPPING too), each poll reads the workflow's description instead: its
+        follow activity's heartbeat gives the step (`starter.progress`), a scheduled activity no
+        worker has started gives `worker_wait` (`starter.worker_wait`), and the
         query is asked again only when the history has grown since the last answer (the job's
         status changes only in workflow tasks, which write events), so one call per poll
         suffices between milestones; and it is asked in the background, so a worker too busy to
@@ -724,9 +736,10 @@ class JobClient:
                         status = answered = await self._attach_or_final(job_id)
                         answered_at = None
                         last_seen = time.monotonic()
-                    elif answered is None or answered.state in FOLLOW_STATES:
-                        # The first poll, or a prompt is followed. Described first: an answer read
-                        # after it is at least as recent as the history it counts.
+                    elif answered is None or answered.state in WAIT_STATES:
+                        # The first poll, or an activity runs or waits (a prompt is followed, say).
+                        # Described first: an answer read after it is at least as recent as the
+                        # history it counts.
                         description = await self._describe(job_id)
                         history = (description.run_id, description.history_length)
                         if answered is None or history != answered_at:
@@ -957,9 +970,10 @@ def _final_status(value: object) -> JobStatus | None:
 
 
 def _shown(status: JobStatus) -> tuple[object, ...]:
-    """What `watch` compares: the job's own changes, and the progress a heartbeat moves."""
+    """What `watch` compares: the job's own changes, the progress a heartbeat moves, and an
+    activity waiting for a worker (appearing, changing, gone)."""
     progress = status.progress
-    return (status.seq, progress.step, progress.total_steps, progress.fraction)
+    return (status.seq, progress.step, progress.total_steps, progress.fraction, status.worker_wait)
 
 
 def _problems(exc: ValidationError) -> str:

@@ -7,6 +7,11 @@ first workflow task sits in the queue. Temporal knows which workers polled the q
 The server keeps a poller listed for a few minutes after its last poll; an idle worker polls
 again about every minute (a long poll). `live_pollers` keeps those seen within `LIVE_WITHIN_S`,
 so a worker stopped minutes ago does not count as one that polls.
+
+A worker whose activity slots are all taken stops polling for activity tasks (the SDK takes a
+slot before it polls) while it goes on polling for workflow tasks: `activity_queue` reads both
+kinds of pollers, and the activity tasks waiting on the queue (`approximate_backlog_count`), in
+two DescribeTaskQueue calls (`starter.worker_wait` asks only when a job's activity waits).
 """
 
 from __future__ import annotations
@@ -19,7 +24,10 @@ import temporalio.client
 from pydantic import BaseModel
 from temporalio.api.enums.v1 import TaskQueueKind, TaskQueueType
 from temporalio.api.taskqueue.v1 import TaskQueue
-from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
+from temporalio.api.workflowservice.v1 import (
+    DescribeTaskQueueRequest,
+    DescribeTaskQueueResponse,
+)
 from temporalio.service import RPCError
 
 # Longer than a long poll (the server answers an empty one after about 60 s, the SDK allows 70)
@@ -28,27 +36,84 @@ LIVE_WITHIN_S = 90.0
 
 
 class Poller(BaseModel):
-    """A worker that polled the task queue for workflow tasks, as the server last saw it."""
+    """A worker that polled the task queue, as the server last saw it."""
 
     identity: str
     last_access: datetime | None
+    # The Worker Deployment Version it polls as (None: an unversioned worker).
+    deployment_name: str | None = None
+    build_id: str | None = None
+
+
+class ActivityQueue(BaseModel):
+    """A task queue as a job whose activity waits needs it: who polls it, for either kind of
+    task, and how many activity tasks wait on it (the server's approximate count; None when it
+    does not say)."""
+
+    task_queue: str
+    activity_pollers: list[Poller]
+    workflow_pollers: list[Poller]
+    backlog: int | None
 
 
 async def workflow_pollers(client: temporalio.client.Client, task_queue: str) -> list[Poller]:
     """The pollers of `task_queue`'s workflow tasks the server remembers (recent and not)."""
-    response = await client.workflow_service.describe_task_queue(
+    response = await _describe(client, task_queue, TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW)
+    return _pollers(response)
+
+
+async def activity_queue(client: temporalio.client.Client, task_queue: str) -> ActivityQueue:
+    """`task_queue`'s pollers of both kinds, and its activity backlog (two calls)."""
+    activities = await _describe(
+        client, task_queue, TaskQueueType.TASK_QUEUE_TYPE_ACTIVITY, report_stats=True
+    )
+    workflows = await _describe(client, task_queue, TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW)
+    return ActivityQueue(
+        task_queue=task_queue,
+        activity_pollers=_pollers(activities),
+        workflow_pollers=_pollers(workflows),
+        backlog=(
+            int(activities.stats.approximate_backlog_count)
+            if activities.HasField("stats")
+            else None
+        ),
+    )
+
+
+async def _describe(
+    client: temporalio.client.Client,
+    task_queue: str,
+    kind: TaskQueueType.ValueType,
+    *,
+    report_stats: bool = False,
+) -> DescribeTaskQueueResponse:
+    return await client.workflow_service.describe_task_queue(
         DescribeTaskQueueRequest(
             namespace=client.namespace,
             task_queue=TaskQueue(name=task_queue, kind=TaskQueueKind.TASK_QUEUE_KIND_NORMAL),
-            task_queue_type=TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW,
+            task_queue_type=kind,
+            report_stats=report_stats,
         )
     )
+
+
+def _pollers(response: DescribeTaskQueueResponse) -> list[Poller]:
     return [
         Poller(
             identity=poller.identity,
             last_access=(
                 poller.last_access_time.ToDatetime(tzinfo=UTC)
                 if poller.HasField("last_access_time")
+                else None
+            ),
+            deployment_name=(
+                poller.deployment_options.deployment_name
+                if poller.HasField("deployment_options")
+                else None
+            ),
+            build_id=(
+                poller.deployment_options.build_id
+                if poller.HasField("deployment_options")
                 else None
             ),
         )

@@ -45,14 +45,16 @@ class RunningWorker:
 
 @asynccontextmanager
 async def running_worker(
-    stack: RunningStack, prefix: str, task_queue: str | None = None
+    stack: RunningStack, prefix: str, task_queue: str | None = None, **settings_given: Any
 ) -> AsyncIterator[RunningWorker]:
     """A worker in this process on `task_queue` (else one of its own, named after `prefix`),
-    stopped on the way out."""
+    stopped on the way out; `settings_given`: more `WorkerSettings` (max_concurrent_activities,
+    ...)."""
     task_queue = task_queue or f"{prefix}-{uuid.uuid4().hex[:8]}"
     settings = WorkerSettings(
         task_queue=task_queue,
         pools={"comfyui": PoolConfig(kind="comfyui", url=stack.comfyui_url)},
+        **settings_given,
     )
     temporal = await connect_temporal(stack.temporal_address, stack.namespace)
     stop = asyncio.Event()

@@ -584,8 +584,8 @@ def test_the_runpod_keys_are_read_once_from_the_variables_the_pools_name() -> No
 
 def test_how_many_prompts_a_worker_follows_at_once_is_a_setting() -> None:
     variable = "DURABLE_COMFY_MAX_CONCURRENT_ACTIVITIES"
-    assert WorkerSettings.from_env({}).max_concurrent_activities == 100
-    assert WorkerSettings.from_env({variable: "1000"}).max_concurrent_activities == 1000
+    assert WorkerSettings.from_env({}).max_concurrent_activities == 1000
+    assert WorkerSettings.from_env({variable: "250"}).max_concurrent_activities == 250
     with pytest.raises(ValidationError, match=variable):
         WorkerSettings.from_env({variable: "0"})
 

@@ -425,6 +425,26 @@ class WebhookStatus(StrictModel):
     deliveries: list[WebhookDelivery] = Field(default_factory=list)
 
 
+class WorkerWait(StrictModel):
+    """One of the job's activities is scheduled but no worker has started it yet: every slot of
+    the workers that poll its task queue is taken, or no worker polls it.
+
+    Never set by the workflow: a client lays it over the job's answer from Temporal's record of
+    the execution (its pending activities) and of the task queue (`starter.worker_wait`).
+    """
+
+    activity: str  # the activity type waiting (follow_prompt, prepare_prompt, stop_prompt, ...)
+    since: datetime  # when it was scheduled
+    # slots_busy: workers poll the task queue but every slot is taken; no_worker: no worker (of
+    # the job's version) polls it; unknown: the task queue could not be read.
+    reason: Literal["slots_busy", "no_worker", "unknown"]
+    task_queue: str
+    # Activity tasks waiting on the task queue, as the server counts them (approximate; every
+    # job's, this one's included), when it says. Not the job's place: Temporal dispatches from
+    # several partitions, not in one line.
+    backlog: int | None = None
+
+
 class JobStatus(StrictModel):
     """What every client sees, by query, poll or push."""
 
@@ -452,6 +472,9 @@ class JobStatus(StrictModel):
     created_at: datetime | None = None
     updated_at: datetime | None = None
     last_client_contact_at: datetime | None = None
+    # Set by clients only (never by the workflow): one of the job's activities waits for a
+    # worker slot (`WorkerWait`).
+    worker_wait: WorkerWait | None = None
 
     @property
     def terminal(self) -> bool:

@@ -19,6 +19,7 @@ from temporalio.client import WorkflowExecutionStatus
 from starter.cli.common import echo_json
 from starter.client import JobClient, SubmitOutcome
 from starter.pollers import presence_changes
+from starter.worker_wait import wait_line
 from workflows.contracts import JobState, JobStatus
 
 log = structlog.get_logger("durable_comfy.cli")
@@ -185,6 +186,8 @@ async def stream_progress(
 def _detail(status: JobStatus) -> str:
     progress = status.progress
     parts = []
+    if status.worker_wait is not None:
+        parts.append(wait_line(status.worker_wait))
     if progress.queue_position is not None:
         parts.append(f"#{progress.queue_position} in the backend's queue")
     if status.teardown.state == "STOPPING":
@@ -218,6 +221,8 @@ def print_summary(status: JobStatus, console: Console, ui_url: str | None = None
 
 def summary_lines(status: JobStatus) -> list[str]:
     lines = [_progress_line(status)]
+    if status.worker_wait is not None:
+        lines.append(wait_line(status.worker_wait))
     if status.error:
         lines.append(f"error {status.error.type}: {status.error.message}")
     if status.state == JobState.NEEDS_DECISION and status.decision is not None:
