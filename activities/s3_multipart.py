@@ -8,14 +8,21 @@ and from the source iterator propagate untouched; `storage` translates them at i
 Memory: at most `MAX_IN_FLIGHT` parts exist at once (sending or being filled), each in one
 buffer of PART_SIZE, so about MAX_IN_FLIGHT x PART_SIZE plus one source chunk whatever the object
 size. A slot is taken before the next part is read, so a fast source never runs ahead of a slow
-bucket.
+bucket, and held until its part is both stored and hashed.
+
+CPU: the object's sha256 and each part's CRC32 are computed in threads (hashlib and zlib drop the
+GIL), the sha256 part after part while later parts are already sending, so the event loop, which
+also receives the source stream, is left the network. Bench group 5 (bench/groups/offload.py)
+compares this path with a bare multipart upload of the same bytes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
 import io
+import zlib
 from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Awaitable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -133,35 +140,67 @@ async def _send_parts(
     etags: dict[int, str] = {}
     in_flight: set[asyncio.Task[None]] = set()
     size = 0
+    hashed = 0  # bytes that went through `hasher`, checked against `size` at the end
 
     async def send(number: int, body: io.BytesIO) -> None:
+        # The CRC32 header botocore would compute itself (request_checksum_calculation
+        # "when_supported"), computed here in a thread from the buffer in place: botocore's own
+        # reads the part in 1 MiB copies on the event loop, which also receives the download.
+        crc = await asyncio.to_thread(crc32_part, body)
         resp = await client.upload_part(
-            Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=body
+            Bucket=bucket,
+            Key=key,
+            UploadId=upload_id,
+            PartNumber=number,
+            Body=body,
+            ChecksumCRC32=crc,
         )
         etags[number] = resp["ETag"]
+
+    async def hash_in_order(previous: asyncio.Task[None] | None, part: Part) -> None:
+        # The object's sha256 takes the parts in order, each after the one before, while the
+        # parts themselves are already on their way: hashing never holds up the next part's
+        # download or its upload. Cancelling this must not cancel `previous` (asyncio.wait).
+        nonlocal hashed
+        if previous is not None:
+            await asyncio.wait([previous])
+            if previous.cancelled() or previous.exception() is not None:
+                return  # that part's slot failed; its error is the one that surfaces
+        await asyncio.to_thread(hash_part, hasher, part)
+        hashed += part.size
+
+    async def slot(number: int, part: Part, hashing: asyncio.Task[None]) -> None:
+        # A slot (and its part's buffer) is held until the part is both stored and hashed.
+        try:
+            await send(number, part.body)
+        except BaseException:
+            hashing.cancel()
+            raise
+        await hashing
 
     async def reap(block: bool) -> None:
         # Surfaces a failed part as soon as the loop comes round, instead of after the whole
         # stream has been read.
         if block:
             await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
-        for task in [t for t in in_flight if t.done()]:
-            in_flight.discard(task)
+        done = [t for t in in_flight if t.done()]
+        in_flight.difference_update(done)
+        # A real failure before the cancellations it caused in later parts' hashing.
+        for task in sorted(done, key=lambda t: t.cancelled()):
             task.result()
 
     try:
         part: Part | None = first
+        hashing: asyncio.Task[None] | None = None
         number = 0
         while part is not None:
             number += 1
             if number > MAX_PARTS:
                 raise TooManyParts(f"object exceeds {MAX_PARTS} parts of {first.size} bytes")
-            # Hashing 8 MiB takes a few ms; hashlib drops the GIL, so a thread keeps the event
-            # loop (and the activity's heartbeats) responsive. Parts are hashed in order.
-            await asyncio.to_thread(hash_part, hasher, part)
             size += part.size
-            in_flight.add(asyncio.create_task(send(number, part.body)))
-            del part  # the task now holds the only reference
+            hashing = asyncio.create_task(hash_in_order(hashing, part))
+            in_flight.add(asyncio.create_task(slot(number, part, hashing)))
+            del part  # the tasks now hold the only references
             await reap(block=len(in_flight) >= MAX_IN_FLIGHT)
             part = await anext(rest, None)
         while in_flight:
@@ -171,6 +210,8 @@ async def _send_parts(
             task.cancel()
         await asyncio.gather(*in_flight, return_exceptions=True)
         raise
+    if hashed != size:  # every slot succeeded, so every part was hashed, in order
+        raise RuntimeError(f"hashed {hashed} of {size} bytes")
     parts = [{"PartNumber": n, "ETag": etags[n]} for n in sorted(etags)]
     return parts, size, hasher.hexdigest()
 
@@ -178,6 +219,14 @@ async def _send_parts(
 def hash_part(hasher: Any, part: Part) -> None:
     with part.body.getbuffer() as view:  # no copy; released before anyone could resize it
         hasher.update(view)
+
+
+def crc32_part(body: io.BytesIO) -> str:
+    """The part's CRC32 as S3's `x-amz-checksum-crc32` wants it (base64 of 4 big-endian bytes),
+    botocore's own value, read in place."""
+    with body.getbuffer() as view:
+        value = zlib.crc32(view) & 0xFFFFFFFF
+    return base64.b64encode(value.to_bytes(4, "big")).decode("ascii")
 
 
 async def stamp_metadata(

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import io
 import json
 import os
 import random
@@ -24,6 +25,7 @@ import secrets
 import signal
 import socket
 import subprocess
+import threading
 import time
 import tracemalloc
 import uuid
@@ -38,6 +40,7 @@ import httpx
 import pytest
 from botocore.config import Config
 from botocore.exceptions import ClientError
+from botocore.httpchecksum import Crc32Checksum
 from pydantic import SecretStr, ValidationError
 from structlog.testing import capture_logs
 
@@ -309,6 +312,69 @@ async def test_exactly_one_part_size(store: ArtifactStore, prefix: str) -> None:
     data = random.Random(2).randbytes(8 * MiB)
     stored = await store.upload_stream(f"{prefix}/p", _stream(data, MiB), content_type="x/y")
     assert (stored.size, stored.sha256) == (len(data), _sha(data))
+
+
+async def test_parts_go_out_while_the_sha256_is_still_on_an_earlier_part(
+    store: ArtifactStore, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The object's sha256 no longer holds up the upload: part 1's hashing is held until part 3
+    # has been sent. Each part is still hashed after the one before it (the digest is the
+    # object's), and only once every part is both stored and hashed does the upload finish.
+    data = random.Random(4).randbytes(3 * 8 * MiB + 5)
+    real_upload_part = store.client.upload_part
+    real_hash_part = s3_multipart.hash_part
+    third_sent = threading.Event()
+    hashed_first: list[int] = []
+
+    async def upload_part(**kwargs: Any) -> Any:
+        if kwargs["PartNumber"] == 3:
+            third_sent.set()
+        return await real_upload_part(**kwargs)
+
+    def hash_part(hasher: Any, part: s3_multipart.Part) -> None:
+        with part.body.getbuffer() as view:
+            first = bytes(view[:64]) == data[:64]
+        if first:
+            # Without overlap this waits in vain: part 3 would wait for this very hashing.
+            hashed_first.append(3 if third_sent.wait(10) else 0)
+        real_hash_part(hasher, part)
+
+    monkeypatch.setattr(store.client, "upload_part", upload_part)
+    monkeypatch.setattr(s3_multipart, "hash_part", hash_part)
+    stored = await store.upload_stream(f"{prefix}/o", _stream(data, 1_000_003), content_type="x/y")
+    assert hashed_first == [3], "part 3 was not sent while part 1 was hashing"
+    assert (stored.size, stored.sha256) == (len(data), _sha(data))
+    assert await store.list_multipart_uploads(prefix) == []
+
+
+async def test_each_part_carries_the_crc32_botocore_would_compute(
+    store: ArtifactStore, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The uploader computes the x-amz-checksum-crc32 header itself (in a thread, in place), so
+    # botocore skips its own: it must be the very value botocore would send, or S3 refuses it.
+    data = random.Random(5).randbytes(2 * 8 * MiB + 7)
+    real_upload_part = store.client.upload_part
+    sent: list[tuple[int, str, str]] = []
+
+    async def upload_part(**kwargs: Any) -> Any:
+        theirs = Crc32Checksum()
+        theirs.update(kwargs["Body"].getvalue())
+        sent.append((kwargs["PartNumber"], kwargs["ChecksumCRC32"], theirs.b64digest()))
+        return await real_upload_part(**kwargs)
+
+    monkeypatch.setattr(store.client, "upload_part", upload_part)
+    stored = await store.upload_stream(f"{prefix}/c", _stream(data, MiB), content_type="x/y")
+    assert (stored.size, stored.sha256) == (len(data), _sha(data))
+    assert sorted(number for number, _, _ in sent) == [1, 2, 3]
+    assert all(ours == theirs for _, ours, theirs in sent), sent
+
+
+def test_part_crc32_matches_botocore() -> None:
+    for size in (0, 1, 4095, MiB + 17):
+        data = random.Random(size).randbytes(size)
+        theirs = Crc32Checksum()
+        theirs.update(data)
+        assert s3_multipart.crc32_part(io.BytesIO(data)) == theirs.b64digest()
 
 
 async def test_peak_memory_is_bounded(store: ArtifactStore, prefix: str) -> None:

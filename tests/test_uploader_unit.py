@@ -178,3 +178,14 @@ async def test_an_output_comfyui_no_longer_has_is_fatal(offload: Offload) -> Non
         await uploader.upload("9", image("gone.png"))
     assert caught.value.type == ErrorType.BACKEND_ERROR and caught.value.non_retryable
     assert uploader.wanted("9", image("gone.png")), "a failed upload may be tried again"
+
+
+def test_view_reads_the_socket_in_large_pieces() -> None:
+    # httpcore's 64 KiB reads cost about 2 s of event-loop CPU per GiB of /view, on the loop that
+    # also sends the parts (bench group 5); importing the client raises them to 256 KiB.
+    import httpcore
+
+    from activities.comfyui import client
+
+    assert client.HTTP11_READ_BYTES == 256 * 1024
+    assert httpcore.AsyncHTTP11Connection.READ_NUM_BYTES >= client.HTTP11_READ_BYTES

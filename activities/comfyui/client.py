@@ -22,7 +22,18 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote, urlencode, urlsplit, urlunsplit
 
+import httpcore
 import httpx
+
+# httpcore reads an HTTP/1.1 response 64 KiB at a time, and each read goes through anyio, a
+# timeout scope and h11: about 2 s of event-loop CPU per GiB of `/view`, on the loop that also
+# sends the parts to S3 (bench group 5). asyncio's transport receives up to 256 KiB per recv, so
+# reads of that size take whatever has arrived in one go: about 0.7 s per GiB. Process-wide (the
+# attribute is httpcore's class constant, read as `self.READ_NUM_BYTES`), harmless to every other
+# client: a read still returns what is there, h11 takes any amount, nothing waits to fill it.
+HTTP11_READ_BYTES = 256 * 1024
+if getattr(httpcore.AsyncHTTP11Connection, "READ_NUM_BYTES", 0) < HTTP11_READ_BYTES:
+    httpcore.AsyncHTTP11Connection.READ_NUM_BYTES = HTTP11_READ_BYTES
 
 
 class ComfyError(Exception):
@@ -350,6 +361,9 @@ class ComfyClient:
                         f"GET /view {_quoted(filename)}: HTTP {response.status_code}",
                         response.status_code,
                     )
-                yield response.aiter_bytes(1024 * 1024)
+                # Chunks as they come off the socket (up to HTTP11_READ_BYTES), decoded but not
+                # re-chunked: httpx's ByteChunker would copy every byte twice more, about a
+                # second of event-loop CPU per GiB, and the uploader cuts its own parts anyway.
+                yield response.aiter_bytes()
         except httpx.TransportError as exc:
             raise ComfyUnavailable(f"GET /view: {type(exc).__name__}: {exc}") from exc

@@ -7,8 +7,9 @@ that its peak RSS is its own: VmHWM reset right before the upload, read right af
 RSS before it (also sampled every 10 ms, a second witness).
 
 - **project**: `OutputUploader.upload`, what `follow_prompt` and `offload_outputs` run: GET /view
-  streamed in 1 MiB chunks into `ArtifactStore.upload_stream` (8 MiB parts, up to 4 in flight,
-  sha256 on the way, then the sha256 stamped on the object as metadata);
+  streamed (chunks as read, up to 256 KiB) into `ArtifactStore.upload_stream` (8 MiB parts, up to
+  4 in flight, sha256 and CRC32 in threads on the way, then the sha256 stamped on the object as
+  metadata);
 - **raw**: aioboto3 `create_multipart_upload` / `upload_part` / `complete_multipart_upload` of the
   same file read from disk, with the same part size and parts in flight; nothing else.
 
@@ -183,10 +184,11 @@ async def run(ctx: BenchContext, options: BenchOptions) -> Outcome:
 def _where(missed: Result, profiled: list[str]) -> list[str]:
     if missed.name.endswith("throughput"):
         head = (
-            f"The project's path streams GET /view (1 MiB chunks from httpx) into 8 MiB parts, "
-            f"hashing every byte (sha256) on the way and, once complete, stamping the sha256 on "
-            f"the object (a copy inside S3); the raw upload reads the file in 8 MiB parts and "
-            f"sends them. {fmt(missed.value)} MiB/s against {fmt(missed.baseline)} MiB/s."
+            f"The project's path streams GET /view (httpx, up to 256 KiB a read) into 8 MiB "
+            f"parts, hashing every byte (sha256, in a thread) on the way and, once complete, "
+            f"stamping the sha256 on the object (a copy inside S3); the raw upload reads the "
+            f"file in 8 MiB parts and sends them. {fmt(missed.value)} MiB/s against "
+            f"{fmt(missed.baseline)} MiB/s."
         )
     else:
         head = (
