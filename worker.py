@@ -33,6 +33,7 @@ from temporalio.worker import Worker
 from activities.backend import Backend, Backends, JobActivities
 from activities.comfyui.backend import ComfyBackend
 from activities.comfyui.pools import ComfyPools
+from activities.heartbeat_budget import HeartbeatBudget
 from activities.log_setup import configure_logging
 from activities.metrics import count_swept, prometheus_runtime
 from activities.orphans import OrphanSweeper, RunPodSweep
@@ -114,7 +115,8 @@ async def run_worker(
         ArtifactStore(s3) as store,
     ):
         pools = ComfyPools(settings, http)
-        comfy = ComfyBackend(pools, store)
+        budget = HeartbeatBudget(settings.heartbeat_budget_per_s, settings.heartbeat_throttle_s)
+        comfy = ComfyBackend(pools, store, budget)
         on_runpod = runpod_clients(settings, keys, http)
         runpod = RunPodBackend(settings.pools, on_runpod, store)
         by_kind: dict[str, Backend] = {"comfyui": comfy, "runpod": runpod}
@@ -138,7 +140,8 @@ async def run_worker(
             sticky_queue_schedule_to_start_timeout=STICKY_TIMEOUT,
             # A heartbeat's details reach the server at most this long after the activity
             # sent them (the SDK's default is 0.8 x the heartbeat timeout): clients read the
-            # running job's step from them.
+            # running job's step from them. A ComfyUI follow paces its own heartbeats, never
+            # closer than this (the worker's budget: activities/heartbeat_budget.py).
             max_heartbeat_throttle_interval=timedelta(seconds=settings.heartbeat_throttle_s),
             # One version of a Worker Deployment; InferenceJob is pinned to the version it
             # started on (docs/upgrading.md). None: an unversioned worker.

@@ -274,6 +274,7 @@ MetricsHost = Annotated[str, Field(pattern=r"^(\d{1,3}(\.\d{1,3}){3}|\[?[0-9a-fA
 Concurrency = Annotated[int, Field(ge=1)]
 SweepInterval = Annotated[float, Field(ge=0)]
 HeartbeatThrottle = Annotated[float, Field(gt=0, le=60)]
+HeartbeatBudgetRate = Annotated[float, Field(gt=0, le=100_000)]
 
 
 def _bucket_name(value: str) -> str:
@@ -481,6 +482,7 @@ _WORKER_FILE_FIELDS = (
     "metrics_host",
     "log_level",
     "heartbeat_throttle_s",
+    "heartbeat_budget_per_s",
     "versioning",
     "deployment_name",
     "build_id",
@@ -518,13 +520,20 @@ class WorkerSettings(EnvSettings):
     metrics_host: MetricsHost = Field("127.0.0.1", validation_alias="DURABLE_COMFY_METRICS_HOST")
     # Unknown names fall back to INFO (activities.log_setup).
     log_level: str = Field("INFO", validation_alias="DURABLE_COMFY_LOG_LEVEL")
-    # The longest the SDK holds an activity's newest heartbeat before sending it (the Worker's
-    # `max_heartbeat_throttle_interval`; without it, 0.8 x the heartbeat timeout: 16 s by
-    # default). Clients read a running job's step from the follow activity's heartbeat, so this
-    # bounds how stale the step they see is; each send is one call to the server per running
-    # activity. Below the CLI's 0.5 s poll, so each poll finds a newer step than the last.
+    # The shortest time between two heartbeats of one followed prompt. Clients read a running
+    # job's step from the follow activity's heartbeat; below the CLI's 0.5 s poll, so each poll
+    # finds a newer step than the last. Each heartbeat is one call to the server (a billed
+    # action on Temporal Cloud), so they are also paced by the budget below.
     heartbeat_throttle_s: HeartbeatThrottle = Field(
         0.4, validation_alias="DURABLE_COMFY_HEARTBEAT_THROTTLE_S"
+    )
+    # Heartbeats per second this worker sends in all, shared by the prompts it follows
+    # (activities/heartbeat_budget.py): each prompt's interval is (prompts followed / budget),
+    # between `heartbeat_throttle_s` and 1 s; past `budget` prompts each still heartbeats once
+    # a second (a visible step every second wins over the budget; logged). A heartbeat is sent
+    # only when it carries a new step, stage or output, or as a sign of life.
+    heartbeat_budget_per_s: HeartbeatBudgetRate = Field(
+        250.0, validation_alias="DURABLE_COMFY_HEARTBEAT_BUDGET"
     )
     # Worker Versioning (docs/upgrading.md): the worker polls as one version of a Worker
     # Deployment, `deployment_name` + `build_id`, and InferenceJob is pinned to the version it

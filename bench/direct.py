@@ -44,7 +44,12 @@ async def run_direct(
     started = time.time()
     client_id = uuid.uuid4().hex
     images: list[dict[str, Any]] = []
-    async with websockets.connect(_ws_url(comfy_url, client_id), max_size=None) as ws:
+    # No keepalive pings: with a thousand sockets on one loop (the scale group's baseline) a
+    # pong waits behind the frames queued before it longer than websockets' 20 s, and the
+    # baseline would fail for its client's load, not for the work it measures.
+    async with websockets.connect(
+        _ws_url(comfy_url, client_id), max_size=None, ping_interval=None
+    ) as ws:
         response = await http.post(
             f"{comfy_url}/prompt", json={"prompt": graph, "client_id": client_id}
         )

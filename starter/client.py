@@ -360,7 +360,11 @@ class JobClient:
             policy = request.policy.model_copy(update={"abandon_after_s": None})
             request = request.model_copy(update={"policy": policy})
         await self._check_size(request)
-        pairs = [SearchAttributePair(STATE_KEY, JobState.QUEUED.value)]
+        # The job's first state, as the workflow would upsert it: set here, it costs no event.
+        pairs: list[SearchAttributePair[Any]] = [
+            SearchAttributePair(STATE_KEY, JobState.QUEUED.value),
+            SearchAttributePair(PROGRESS_KEY, 0),
+        ]
         if tenant := request.labels.get("tenant"):
             pairs.append(SearchAttributePair(TENANT_KEY, tenant))
         try:
@@ -973,7 +977,15 @@ def _shown(status: JobStatus) -> tuple[object, ...]:
     """What `watch` compares: the job's own changes, the progress a heartbeat moves, and an
     activity waiting for a worker (appearing, changing, gone)."""
     progress = status.progress
-    return (status.seq, progress.step, progress.total_steps, progress.fraction, status.worker_wait)
+    return (
+        status.seq,
+        status.state,
+        progress.step,
+        progress.total_steps,
+        progress.fraction,
+        progress.queue_position,
+        status.worker_wait,
+    )
 
 
 def _problems(exc: ValidationError) -> str:

@@ -6,7 +6,6 @@ current details, the logger); here they are stand-ins, so each write is checked 
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import re
 from datetime import timedelta
@@ -32,11 +31,9 @@ from workflows.contracts import (
     Teardown,
     TeardownStep,
 )
-from workflows import job_book
 from workflows.job_book import JobBook
 from workflows.shared import SA_JOB_POOL, SA_JOB_PROGRESS, SA_JOB_STATE
 
-job_book_at_task_end = job_book.at_task_end  # the real one, before a fake replaces it
 CLIENT_ID = f"dc-{FAKE_UUID}"  # what the book makes of workflow.uuid4()
 
 
@@ -469,27 +466,6 @@ def test_state_changes_upsert_state_and_progress(wf: FakeWorkflow) -> None:
     assert book.status.seq == 3
     assert wf.details[-1] == book.details()
     assert wf.details[-1].startswith("**RUNNING**")
-
-
-async def test_one_workflow_tasks_changes_are_one_upsert_sent_at_its_end(
-    wf: FakeWorkflow, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A workflow task that moves state, pool and progress writes one history event: the book
-    holds the changes until the loop has run the task's ready code (here a plain asyncio loop
-    stands in for the workflow's), then upserts them together, the latest value of each."""
-    monkeypatch.setattr(job_book, "at_task_end", job_book_at_task_end)
-    book = _book()
-    book.set_state(JobState.QUEUED)
-    book.prepared_on("gpu-a", "comfyui")
-    book.set_state(JobState.SUBMITTING)
-    assert wf.upserts == []  # nothing until the task's code has run
-    await asyncio.sleep(0)
-    assert wf.upserts == [{SA_JOB_STATE: "SUBMITTING", SA_JOB_PROGRESS: 0, SA_JOB_POOL: "gpu-a"}]
-    book.set_state(JobState.RUNNING)  # the next task: an upsert of its own
-    book.send_search_attributes()  # the run's end sends at once what is held
-    assert wf.upserts[-1] == {SA_JOB_STATE: "RUNNING", SA_JOB_PROGRESS: 0}
-    await asyncio.sleep(0)
-    assert len(wf.upserts) == 2  # and the queued send finds nothing left
 
 
 def test_an_unchanged_state_later_upserts_nothing(wf: FakeWorkflow) -> None:

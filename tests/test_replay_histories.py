@@ -62,13 +62,61 @@ async def test_recorded_history_replays(name: str) -> None:
     await replayer.replay_workflow(history)
 
 
+# The SDK's marker for a local activity's result.
+LOCAL_ACTIVITY_MARKER = "core_local_activity"
+
+
 def test_no_recording_holds_a_patch_marker() -> None:
-    """The baseline has no open patches: a marker here is a `workflow.patched()` call."""
+    """The baseline has no open patches: a patch marker here is a `workflow.patched()` call (a
+    local activity's result is a marker too, of its own name: the quick prepare's)."""
     markers = {
-        name: [e for e in events(name) if e["eventType"] == "EVENT_TYPE_MARKER_RECORDED"]
+        name: [
+            e["markerRecordedEventAttributes"]["markerName"]
+            for e in events(name)
+            if e["eventType"] == "EVENT_TYPE_MARKER_RECORDED"
+        ]
         for name in RECORDED
     }
-    assert {name: found for name, found in markers.items() if found} == {}
+    patches = {
+        name: [m for m in found if m != LOCAL_ACTIVITY_MARKER] for name, found in markers.items()
+    }
+    assert {name: found for name, found in patches.items() if found} == {}
+    assert LOCAL_ACTIVITY_MARKER in markers["completed"], "a request with no inputs: local prepare"
+
+
+# What a workflow task's completion writes: its commands, right after WORKFLOW_TASK_COMPLETED.
+COMMAND_EVENTS = {
+    "EVENT_TYPE_UPSERT_WORKFLOW_SEARCH_ATTRIBUTES",
+    "EVENT_TYPE_TIMER_STARTED",
+    "EVENT_TYPE_TIMER_CANCELED",
+    "EVENT_TYPE_ACTIVITY_TASK_SCHEDULED",
+    "EVENT_TYPE_ACTIVITY_TASK_CANCEL_REQUESTED",
+    "EVENT_TYPE_MARKER_RECORDED",
+    "EVENT_TYPE_WORKFLOW_PROPERTIES_MODIFIED",
+    "EVENT_TYPE_WORKFLOW_EXECUTION_COMPLETED",
+    "EVENT_TYPE_WORKFLOW_EXECUTION_FAILED",
+    "EVENT_TYPE_WORKFLOW_EXECUTION_CANCELED",
+    "EVENT_TYPE_WORKFLOW_EXECUTION_CONTINUED_AS_NEW",
+    "EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_COMPLETED",
+}
+
+
+@pytest.mark.parametrize("name", RECORDED)
+def test_each_workflow_task_upserts_its_search_attributes_at_most_once(name: str) -> None:
+    """Every change a workflow task makes to state, progress and pool is one history event
+    (JobBook holds them to the task's end, a local prepare's included)."""
+    upserts_per_task: list[int] = []
+    counting = False
+    for event in events(name):
+        kind = event["eventType"]
+        if kind == "EVENT_TYPE_WORKFLOW_TASK_COMPLETED":
+            upserts_per_task.append(0)
+            counting = True
+        elif counting and kind in COMMAND_EVENTS:
+            upserts_per_task[-1] += kind == "EVENT_TYPE_UPSERT_WORKFLOW_SEARCH_ATTRIBUTES"
+        else:
+            counting = False
+    assert upserts_per_task and max(upserts_per_task) <= 1, upserts_per_task
 
 
 def timer_summary(event: dict[str, Any]) -> str:

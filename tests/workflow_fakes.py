@@ -21,6 +21,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, TypeVar, overload
 from uuid import UUID
 
@@ -29,11 +30,13 @@ from temporalio import activity, workflow
 from temporalio.api.enums.v1 import IndexedValueType
 from temporalio.api.operatorservice.v1 import AddSearchAttributesRequest
 from temporalio.client import Client, WorkflowFailureError, WorkflowHandle
+from temporalio.common import TypedSearchAttributes
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
+from workflows import job_book
 from workflows.activity_io import (
     FollowHeartbeat,
     FollowInput,
@@ -53,7 +56,6 @@ from workflows.contracts import (
     JobStatus,
     ProgressReport,
 )
-from workflows import job_book
 from workflows.inference_job import InferenceJob
 from workflows.job_input import JobInput
 from workflows.shared import (
@@ -431,6 +433,10 @@ class FakeWorkflow:
         self.activities.append((activity, arg, options))
         return self.activity_result
 
+    def info(self) -> Any:
+        """A run started with no search attributes (a client of our own sets the first state)."""
+        return SimpleNamespace(typed_search_attributes=TypedSearchAttributes.empty)
+
     async def execute_local_activity(self, activity: str, arg: Any, **options: Any) -> Any:
         """Recorded as activities are, with `local=True` among its options."""
         return await self.execute_activity(activity, arg, local=True, **options)
@@ -454,7 +460,7 @@ def install_fake_workflow(
     monkeypatch.setattr(workflow, "logger", fake.logger)
     # No workflow event loop here: each search-attribute change is upserted at once (their
     # coalescing into one upsert per workflow task is tested with a loop, test_job_book_unit).
-    monkeypatch.setattr(job_book, "at_task_end", lambda callback: callback())
+    monkeypatch.setattr(job_book, "at_task_end", lambda callback, _changes: callback())
     for name in (
         "uuid4",
         "upsert_search_attributes",
@@ -464,6 +470,7 @@ def install_fake_workflow(
         "metric_meter",
         "execute_activity",
         "execute_local_activity",
+        "info",
     ):
         monkeypatch.setattr(workflow, name, getattr(fake, name))
     return fake

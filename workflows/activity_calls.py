@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 
 from temporalio import workflow
@@ -45,24 +46,28 @@ ONE_ATTEMPT = RetryPolicy(maximum_attempts=1)
 LOCAL_PREPARE_TIMEOUT = timedelta(seconds=5)
 
 
-async def prepare(req: PrepareInput) -> PreparedJob:
+async def prepare(
+    req: PrepareInput, local_attempt: AbstractContextManager[None] | None = None
+) -> PreparedJob:
     """A request that stages no input file is first checked in a local activity: on the worker
     that runs the workflow task, in that same task, without an activity task's round trips
     through the server (two workflow tasks and a dispatch on every job's critical path). When
     that attempt fails retryably (a pool slow or down), or there are inputs to stage (downloads
     and uploads of up to 100 MB), prepare is an activity of its own with retries, so the
-    workflow task is not held meanwhile and the job is seen PREPARING."""
+    workflow task is not held meanwhile and the job is seen PREPARING. `local_attempt` is open
+    while the local attempt runs (the workflow task goes on after it)."""
     timeout, summary = timedelta(minutes=2), "prepare"
     if not req.inputs:
         try:
-            quick: PreparedJob = await workflow.execute_local_activity(
-                ACTIVITY_PREPARE,
-                req,
-                result_type=PreparedJob,
-                start_to_close_timeout=LOCAL_PREPARE_TIMEOUT,
-                retry_policy=ONE_ATTEMPT,
-                summary=summary,
-            )
+            with local_attempt or nullcontext():
+                quick: PreparedJob = await workflow.execute_local_activity(
+                    ACTIVITY_PREPARE,
+                    req,
+                    result_type=PreparedJob,
+                    start_to_close_timeout=LOCAL_PREPARE_TIMEOUT,
+                    retry_policy=ONE_ATTEMPT,
+                    summary=summary,
+                )
             return quick
         except Exception as err:  # an ActivityError, or the cause itself (local activities)
             if classify(err) in (FailureKind.FATAL, FailureKind.CANCELLED):

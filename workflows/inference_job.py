@@ -131,7 +131,8 @@ class InferenceJob(JobMessages):
                     output=request.output,
                     webhook=request.webhook,
                     tenant=self._tenant if request.webhook is not None else None,
-                )
+                ),
+                local_attempt=book.holding_search_attributes(),
             )
             book.prepared_on(self._prepared.pool, self._prepared.kind)
         first = self._carry.next_segment if self._carry else 0

@@ -10,7 +10,8 @@ that changed in one workflow task goes out as one upsert (one history event), at
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import datetime
 from typing import Any, Literal
 
@@ -46,10 +47,22 @@ with workflow.unsafe.imports_passed_through():
     from workflows.webhooks import webhook_event
 
 
-def at_task_end(callback: Callable[[], None]) -> None:
-    """Run `callback` once the workflow code ready in this activation has run: the workflow's
-    event loop runs what `call_soon` queued before it completes the activation."""
-    asyncio.get_running_loop().call_soon(callback)
+def at_task_end(callback: Callable[[], None], changes: Callable[[], int]) -> None:
+    """Run `callback` once the workflow code of this activation has settled: a whole turn of
+    the loop (everything ready run, then every condition checked, which the workflow's event
+    loop does only when nothing else is ready, and what that woke run too) in which `changes()`
+    did not move."""
+
+    async def when_settled() -> None:
+        while True:
+            before = changes()
+            await workflow.wait_condition(lambda: True)
+            await asyncio.sleep(0)  # after what the same check woke
+            if changes() == before:
+                break
+        callback()
+
+    asyncio.get_running_loop().create_task(when_settled())
 
 
 class JobBook:
@@ -80,14 +93,18 @@ class JobBook:
         self.contacts = 0
         # Search attributes changed in this workflow task, by name: upserted once, at its end.
         self._unsent_attributes: dict[str, SearchAttributeUpdate[Any]] = {}
+        # While a local activity runs, the workflow task goes on after it: hold them till then.
+        self._holding = False
+        self._attribute_writes = 0
 
     # -- the run --------------------------------------------------------------------------
 
     def set_state(self, state: JobState) -> None:
         changed = self._put_state(state)
         self._changed()
-        # seq 1: the status's very first write (a run's start, unless a message came first).
-        if changed or self.status.seq == 1:
+        # seq 1: the status's very first write (a run's start, unless a message came first),
+        # unless the client that started the job set these values already.
+        if changed or (self.status.seq == 1 and not self._started_as(state)):
             self._upsert(
                 STATE_KEY.value_set(state.value), PROGRESS_KEY.value_set(self.coarse_progress())
             )
@@ -469,8 +486,33 @@ class JobBook:
         idle = not self._unsent_attributes
         for update in updates:
             self._unsent_attributes[update.key.name] = update
-        if idle:
-            at_task_end(self.send_search_attributes)
+        self._attribute_writes += 1
+        if idle and not self._holding:
+            at_task_end(self._send_unless_held, lambda: self._attribute_writes)
+
+    @contextmanager
+    def holding_search_attributes(self) -> Iterator[None]:
+        """Changes made while this is open go out with the rest of the workflow task, after it
+        (a local activity: the task goes on once it is done)."""
+        self._holding = True
+        try:
+            yield
+        finally:
+            self._holding = False
+            if self._unsent_attributes:
+                at_task_end(self._send_unless_held, lambda: self._attribute_writes)
+
+    def _started_as(self, state: JobState) -> bool:
+        started = workflow.info().typed_search_attributes
+        return (
+            started.get(STATE_KEY) == state.value
+            and started.get(PROGRESS_KEY) == self.coarse_progress()
+        )
+
+    def _send_unless_held(self) -> None:
+        # Changes made just before a local activity began wait for it too: it is the same task.
+        if not self._holding:
+            self.send_search_attributes()
 
     def send_search_attributes(self) -> None:
         """Upsert what changed; called at the end of each workflow task, and before the run

@@ -223,12 +223,13 @@ def _where(
         f"{bare_tasks}), each about {fmt(dispatch_each)} ms from the server to the worker and "
         f"{fmt(code_each)} ms of workflow code (bare: {fmt(bare_dispatch_each)} + "
         f"{fmt(bare_code_each)} ms): {fmt(share.get(WT_CODE, 0) + share.get(WT_DISPATCH, 0))} "
-        "ms. A completed job's tasks: the start (schedules prepare), prepare done (schedules "
-        "follow), follow done (the follow stored and verified the outputs and saw the prompt "
-        "end, so no offload or stop check follows); signals during the follow add tasks beside "
-        "the path. The workflow code per task is above the bare workflow's: the job's status "
-        "(a pydantic model) is rewritten, Current Details rendered and search attributes "
-        "upserted on each change.",
+        "ms. A completed job's tasks: the start (prepare runs in it as a local activity when "
+        "the request stages no input, then the follow is scheduled), follow done (the follow "
+        "stored and verified the outputs and saw the prompt end, so no offload or stop check "
+        "follows); a follow attempt sends no signal in its first second, so a short job has "
+        "none beside the path. The workflow code per task is above the bare workflow's: the "
+        "job's status (a pydantic model) is rewritten, its journal and Current Details "
+        "written, and its search attributes upserted once per task.",
         f"- **Activities** (p50 of each piece): {activity_text}. The direct script does the "
         f"same simulator and S3 work in {fmt(p50['direct'])} ms in all; the follow adds a HEAD "
         "of each stored object (size and sha256 checked) and a /history read at the end.",
@@ -240,18 +241,18 @@ def _where(
             if query > 0
             else []
         ),
-        "- **What would cut the rest**: (1) the prepare round trip: one workflow task "
-        f"({fmt(dispatch_each + code_each)} ms) and the prepare activity "
-        f"({fmt(totals.get('prepare_prompt', 0.0))} ms), about {fmt(prepare_trip)} ms, which "
-        f"would leave {fmt(p50['job'] - p50['direct'] - prepare_trip)} ms added. As a local "
-        "activity it ran inside the first task, but a local activity holds the task open, so "
-        "while it staged inputs no status query or cancel was answered (reverted); doing it "
-        "locally only for graphs with no input files, or letting the follow's first attempt "
-        "prepare, would keep the saving without that; (2) workflow "
-        "code per task: fewer status rewrites and one search-attribute upsert per task "
-        "instead of one per change; (3) the follow's own path to S3: the HEAD after each put "
-        "could be replaced by checking the put's answer (ETag/checksum) where the store "
-        "supports it.",
+        "- **What would cut the rest**: (1) workflow code per task "
+        f"({fmt(code_each)} ms against the bare workflow's {fmt(bare_code_each)}): fewer status "
+        "rewrites per task, and the workflow modules passed through the sandbox; (2) the "
+        "follow's own path to S3: the HEAD after each put could be replaced by checking the "
+        "put's answer (ETag/checksum) where the store supports it"
+        + (
+            f"; (3) the prepare activity's round trip ({fmt(prepare_trip)} ms): it is on the "
+            "path only when the request stages inputs or the local attempt gave way"
+            if "prepare_prompt" in totals
+            else ""
+        )
+        + ".",
         f"- The job's round trips: {trips.round_trips} ({trips.workflow_tasks} workflow tasks, "
         f"{sum(trips.activities.values())} activities, {sum(trips.signals.values())} signals, "
         f"{trips.timers} timers) against the bare workflow's 3.",
