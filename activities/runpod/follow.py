@@ -166,6 +166,8 @@ class RunPodFollower:
         self.other_costs: dict[str, JobCost] = {}
         # Where the submission is on RunPod, as last reported: "queued" or "running".
         self.stage: Stage | None = None
+        # Stored outputs the workflow has not been told of (their signal fell in the quiet start).
+        self.untold: list[Artifact] = []
         self.queue_position: int | None = None
         self.told_position: int | None = None  # the place in the queue last signalled
         self.node: str | None = None
@@ -630,6 +632,8 @@ class RunPodFollower:
         return FollowHeartbeat(
             checkpoint=self._checkpoint(),
             artifacts=list(self.artifacts.values()),
+            stage=self.stage,
+            queue_position=self.queue_position if self.stage == "queued" else None,
         )
 
     def _heartbeat(self) -> None:
@@ -685,9 +689,14 @@ class RunPodFollower:
         where = "finished" if stage == "finished" else self.stage or stage
         checkpoint = self._checkpoint()
         news = self.queue_position != self.told_position
+        if artifact is None and self.untold and self.milestones.quiet_left_s == 0:
+            # Outputs stored during the quiet start: told now, each with its report.
+            artifact, stage, force = self.untold.pop(0), "uploading", True
         if not self.milestones.due(
             where, checkpoint.step, checkpoint.total_steps, force=force, news=news
         ):
+            if artifact is not None and self.milestones.held:
+                self.untold.append(artifact)
             return
         self.told_position = self.queue_position
         report = ProgressReport(
