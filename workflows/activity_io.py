@@ -91,6 +91,9 @@ class FollowResult(StrictModel):
     # lost but which ran it).
     cost: JobCost | None = None
     other_costs: list[JobCost] = Field(default_factory=list)
+    # The worker that followed it (`pid@host`): a prompt that ended within the attempt's quiet
+    # start sent no progress report to say so.
+    worker_id: str | None = None
 
 
 class FollowHeartbeat(StrictModel):

@@ -170,6 +170,8 @@ class JobBook:
         self._note_provider_job(result.checkpoint)
         for cost in [*result.other_costs, *([result.cost] if result.cost else [])]:
             self._put_cost(cost)
+        if self.status.backend is not None and result.worker_id:
+            self.status.backend.worker_id = result.worker_id
         self._changed()
 
     def restart_prompt(self) -> None:

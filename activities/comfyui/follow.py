@@ -156,6 +156,7 @@ class FollowAttempt:
             outcome="success",
             artifacts=list(self.uploader.artifacts.values()),
             checkpoint=self._checkpoint(),
+            worker_id=self.worker_id,
         )
 
     async def _refuse_a_bad_pool(self) -> None:
@@ -203,6 +204,9 @@ class FollowAttempt:
         self.beat(now=True)
 
     async def stage(self, stage: Stage, position: int | None) -> None:
+        # Clients see the new stage (or place) at once, in the heartbeat: during the quiet start
+        # it is the only way they see it, and a prompt may end before its next paced beat.
+        self.beat(now=True)
         # A stage change is a milestone; so is a new place in the queue, which only the
         # workflow's status carries (at most once per silence check while queued).
         await self._signal(stage, force=True)

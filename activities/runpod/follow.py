@@ -457,6 +457,7 @@ class RunPodFollower:
             checkpoint=self._checkpoint(),
             cost=self.cost_of(job),
             other_costs=[c for c in self.other_costs.values() if c.provider_job_id != job.id],
+            worker_id=self.worker_id,
         )
 
     async def _read_holder_cost(self, holder: str) -> None:
