@@ -65,6 +65,8 @@ log = structlog.get_logger("worker")
 
 GRACEFUL_SHUTDOWN = timedelta(seconds=5)
 STICKY_TIMEOUT = timedelta(seconds=3)
+# The SDK's own hold on an activity's newest heartbeat: short, the follow paces its own.
+SDK_HEARTBEAT_THROTTLE = timedelta(seconds=0.05)
 # The start-up check's GET /health, per endpoint.
 RUNPOD_CHECK_TIMEOUT_S = 15.0
 # Open files a worker needs besides its slots (Temporal, S3, logs, the metrics server).
@@ -138,11 +140,12 @@ async def run_worker(
             # After a worker is killed its workflows' tasks wait on its sticky queue this long
             # before another worker gets them (SDK default 10 s).
             sticky_queue_schedule_to_start_timeout=STICKY_TIMEOUT,
-            # A heartbeat's details reach the server at most this long after the activity
-            # sent them (the SDK's default is 0.8 x the heartbeat timeout): clients read the
-            # running job's step from them. A ComfyUI follow paces its own heartbeats, never
-            # closer than this (the worker's budget: activities/heartbeat_budget.py).
-            max_heartbeat_throttle_interval=timedelta(seconds=settings.heartbeat_throttle_s),
+            # A ComfyUI follow paces its own heartbeats (the worker's budget, at most every
+            # heartbeat_throttle_s: activities/heartbeat_budget.py) and sends a milestone (the
+            # submission, a new stage) at once: the SDK must not hold one back (its default
+            # throttle is 0.8 x the heartbeat timeout). The other activities heartbeat about
+            # once a second at most.
+            max_heartbeat_throttle_interval=SDK_HEARTBEAT_THROTTLE,
             # One version of a Worker Deployment; InferenceJob is pinned to the version it
             # started on (docs/upgrading.md). None: an unversioned worker.
             deployment_config=deployment_config(settings),

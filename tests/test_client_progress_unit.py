@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 from datetime import UTC, datetime, timedelta
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import pytest
 from temporalio.api.enums.v1 import WorkflowExecutionStatus as RawStatus
@@ -61,9 +61,18 @@ def running(step: int, *, state: JobState = JobState.RUNNING, seq: int = 7) -> J
     )
 
 
-def beat(step: int, *, at: float | None = None, **changes: Any) -> FollowHeartbeat:
+def beat(
+    step: int,
+    *,
+    at: float | None = None,
+    stage: Literal["queued", "running"] | None = None,
+    queue_position: int | None = None,
+    **changes: Any,
+) -> FollowHeartbeat:
     return FollowHeartbeat(
-        checkpoint=checkpoint(step, at=step / 100 if at is None else at, **changes)
+        checkpoint=checkpoint(step, at=step / 100 if at is None else at, **changes),
+        stage=stage,
+        queue_position=queue_position,
     )
 
 
@@ -121,6 +130,22 @@ def test_no_pending_activity_leaves_the_answer_as_it_is() -> None:
 def test_only_a_job_following_its_prompt_is_overlaid(state: JobState) -> None:
     status = running(100, state=state)
     assert overlaid(status, [beat(4000)]) == status
+
+
+def test_a_submitting_job_shows_the_stage_its_heartbeat_says() -> None:
+    """A follow attempt tells the workflow nothing in its first second: meanwhile the heartbeat
+    of the current submission says whether the backend has the prompt queued (and where) or
+    running, and the status shows it."""
+    submitting = running(0, state=JobState.SUBMITTING)
+    queued = overlaid(submitting, [beat(0, stage="queued", queue_position=3)])
+    assert (queued.state, queued.progress.queue_position) == (JobState.WAITING, 3)
+    started = overlaid(submitting, [beat(4, stage="running")])
+    assert (started.state, started.progress.step) == (JobState.RUNNING, 4)
+    assert overlaid(submitting, [beat(4)]).state == JobState.SUBMITTING, "no stage: as it is"
+    other = beat(4, stage="running", client_id="dc-earlier")
+    assert overlaid(submitting, [other]).state == JobState.SUBMITTING, "another submission's"
+    # The job's own word wins once it has one: a RUNNING job is not sent back to WAITING.
+    assert overlaid(running(5), [beat(6, stage="queued")]).state == JobState.RUNNING
 
 
 def test_reconnecting_shows_the_checkpoint_the_job_recovered() -> None:

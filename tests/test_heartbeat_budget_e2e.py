@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -30,20 +29,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest_asyncio
 from temporalio.client import WorkflowExecutionStatus
 
 from activities.storage import ArtifactStore
 from devstack.chaos.graphs import sampler_graph
 from devstack.chaos.worker_proc import KillableWorker
-from devstack.free_ports import free_port
 from devstack.models import RunningStack
-from devstack.processes import PidRecord, is_alive, log_tail, spawn_detached, terminate
+from devstack.processes import is_alive, terminate
 from starter.client import JobClient
 from starter.connection import connect_temporal
 from starter.progress import follow_heartbeats
-from tests.cli_support import ROOT, s3_settings
+from tests.cli_support import s3_settings
+from tests.parallel_sim import start_parallel_sim
 from workflows.contracts import JobRequest, JobState
 
 BUDGET_PER_S = 4  # heartbeats a second for the whole worker
@@ -84,47 +82,12 @@ class Seen:
         return steps
 
 
-async def start_sim(base: Path) -> tuple[PidRecord, str]:
-    """`python -m devstack.comfy_sim --parallel`: every job's prompt runs at once."""
-    port = free_port()
-    argv = [
-        sys.executable,
-        "-m",
-        "devstack.comfy_sim",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--output-dir",
-        str(base / "output"),
-        "--input-dir",
-        str(base / "input"),
-        "--step-delay-ms",
-        str(STEP_DELAY_MS),
-        "--parallel",
-        str(JOBS),
-    ]
-    log_file = base / "sim.log"
-    record = spawn_detached(argv, log_file, ROOT, base / "sim.pid")
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    async with httpx.AsyncClient(trust_env=False) as http:
-        while True:
-            try:
-                if (await http.get(f"{url}/system_stats", timeout=2)).status_code == 200:
-                    return record, url
-            except httpx.TransportError:
-                pass
-            if not is_alive(record) or time.monotonic() > deadline:
-                await terminate(record, grace_s=5)
-                raise RuntimeError(f"the simulator did not start:\n{log_tail(log_file)}")
-            await asyncio.sleep(0.1)
-
-
 @pytest_asyncio.fixture(loop_scope="session")
 async def rig(local_stack: RunningStack, tmp_path: Path) -> AsyncIterator[Rig]:
     task_queue = f"budget-{uuid.uuid4().hex[:8]}"
-    sim_record, sim_url = await start_sim(tmp_path / "sim")
+    sim_record, sim_url = await start_parallel_sim(
+        tmp_path / "sim", step_delay_ms=STEP_DELAY_MS, parallel=JOBS
+    )
     env = {
         **local_stack.worker_env(),
         "DURABLE_COMFY_TASK_QUEUE": task_queue,

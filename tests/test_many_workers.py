@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import sys
 import time
 import uuid
 from collections import Counter
@@ -41,10 +40,11 @@ from devstack.chaos.harness import SimControl, eventually
 from devstack.chaos.worker_proc import KillableWorker
 from devstack.free_ports import free_port
 from devstack.models import RunningStack
-from devstack.processes import PidRecord, is_alive, log_tail, spawn_detached, terminate
+from devstack.processes import terminate
 from starter.client import JobClient
 from starter.connection import connect_temporal
-from tests.cli_support import ROOT, s3_settings
+from tests.cli_support import s3_settings
+from tests.parallel_sim import start_parallel_sim
 from workflows.contracts import JobRequest, JobState, JobStatus
 
 WORKERS = 3
@@ -111,43 +111,6 @@ def slow_request(steps: int = SLOW_STEPS) -> JobRequest:
     )
 
 
-async def start_sim(base: Path) -> tuple[PidRecord, str]:
-    """`python -m devstack.comfy_sim --parallel`: every job's prompt runs at once."""
-    port = free_port()
-    argv = [
-        sys.executable,
-        "-m",
-        "devstack.comfy_sim",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--output-dir",
-        str(base / "output"),
-        "--input-dir",
-        str(base / "input"),
-        "--step-delay-ms",
-        str(STEP_DELAY_MS),
-        "--parallel",
-        str(JOBS + SLOW_JOBS),
-    ]
-    log_file = base / "sim.log"
-    record = spawn_detached(argv, log_file, ROOT, base / "sim.pid")
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    async with httpx.AsyncClient(trust_env=False) as http:
-        while True:
-            try:
-                if (await http.get(f"{url}/system_stats", timeout=2)).status_code == 200:
-                    return record, url
-            except httpx.TransportError:
-                pass
-            if not is_alive(record) or time.monotonic() > deadline:
-                await terminate(record, grace_s=5)
-                raise RuntimeError(f"the simulator did not start:\n{log_tail(log_file)}")
-            await asyncio.sleep(0.1)
-
-
 def worker_env(
     stack: RunningStack, task_queue: str, sim_url: str, metrics_port: int
 ) -> dict[str, str]:
@@ -167,7 +130,9 @@ async def fleet_module(
 ) -> AsyncIterator[Fleet]:
     base = tmp_path_factory.mktemp("many-workers")
     task_queue = f"many-{uuid.uuid4().hex[:8]}"
-    sim_record, sim_url = await start_sim(base / "sim")
+    sim_record, sim_url = await start_parallel_sim(
+        base / "sim", step_delay_ms=STEP_DELAY_MS, parallel=JOBS + SLOW_JOBS
+    )
     workers: list[KillableWorker] = []
     ports: dict[str, int] = {}
     try:
