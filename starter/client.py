@@ -783,6 +783,10 @@ class JobClient:
                     WorkflowUpdateFailedError,
                     JobUnanswered,
                 ) as exc:
+                    if _being_cancelled():
+                        # A cancel (Ctrl-C) that landed in an update call, which the SDK turns
+                        # into an RPC error: it ends the watch, it is no failure to retry.
+                        raise asyncio.CancelledError() from exc
                     lost_since = lost_since if lost_since is not None else time.monotonic()
                     if time.monotonic() - lost_since > policy.horizon_s:
                         raise ContactLost(job_id, failures, exc) from exc
@@ -971,6 +975,11 @@ def _final_status(value: object) -> JobStatus | None:
     except ValidationError:
         return None
     return status if status.terminal else None
+
+
+def _being_cancelled() -> bool:
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 def _shown(status: JobStatus) -> tuple[object, ...]:

@@ -21,7 +21,12 @@ from typing import Any, Literal, cast
 import pytest
 from temporalio.api.enums.v1 import WorkflowExecutionStatus as RawStatus
 from temporalio.api.workflowservice.v1 import DescribeWorkflowExecutionResponse
-from temporalio.client import Client, WorkflowExecutionDescription, WorkflowFailureError
+from temporalio.client import (
+    Client,
+    WorkflowExecutionDescription,
+    WorkflowFailureError,
+    WorkflowUpdateRPCTimeoutOrCancelledError,
+)
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.exceptions import ApplicationError, CancelledError
 
@@ -278,6 +283,34 @@ async def test_watch_ends_a_job_terminated_from_outside_while_it_followed() -> N
     )
     seen = [s async for s in calls.client.watch(JOB, poll_interval_s=0, keepalive_s=3600)]
     assert seen[-1].state == JobState.TERMINATED
+
+
+async def test_a_cancel_that_lands_in_an_update_call_ends_the_watch() -> None:
+    """The SDK turns a cancel during an update call into an RPC error; the watch must not take
+    it for a failure to retry (a Ctrl-C in `submit --watch` would be swallowed, and the CLI end
+    as if the job had been watched to its end)."""
+    calls = Calls(
+        answers=[running(1000)], descriptions=[await description((ACTIVITY_FOLLOW, beat(1000)))]
+    )
+    in_call = asyncio.Event()
+
+    async def describe_then_cancelled(job_id: str) -> WorkflowExecutionDescription:
+        in_call.set()
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError as err:
+            raise WorkflowUpdateRPCTimeoutOrCancelledError() from err
+        raise AssertionError("not cancelled")
+
+    async def watch() -> None:
+        async for _ in calls.client.watch(JOB, poll_interval_s=0, keepalive_s=3600):
+            calls.client._describe = describe_then_cancelled  # type: ignore[method-assign]
+
+    watching = asyncio.create_task(watch())
+    await asyncio.wait_for(in_call.wait(), timeout=5)
+    watching.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(watching, timeout=5)
 
 
 async def test_status_overlays_the_heartbeat_from_the_describe_it_makes_anyway() -> None:
