@@ -719,6 +719,7 @@ class JobClient:
         """
         policy = reconnect or ReconnectPolicy()
         last_shown: tuple[object, ...] | None = None
+        last_status: JobStatus | None = None
         last_seq = -1
         last_seen = float("-inf")
         changed_at = time.monotonic()
@@ -797,6 +798,8 @@ class JobClient:
                     await asyncio.sleep(delay)
                     continue
                 failures, lost_since = 0, None
+                status = _not_behind(status, last_status)
+                last_status = status
                 shown = _shown(status)
                 if shown != last_shown or status.terminal:
                     last_shown = shown
@@ -975,6 +978,41 @@ def _final_status(value: object) -> JobStatus | None:
     except ValidationError:
         return None
     return status if status.terminal else None
+
+
+_LIFTED = (JobState.WAITING, JobState.RUNNING)
+
+
+def _not_behind(status: JobStatus, last: JobStatus | None) -> JobStatus:
+    """Never backwards while the job's own status stays the same (its `seq`): what a heartbeat
+    showed (a step, WAITING or RUNNING before the job heard) stays shown when the next poll
+    finds no heartbeat to lay over it (the follow attempt just failed, and the job has not
+    yet recovered its checkpoint)."""
+    if last is None or status.terminal or status.seq != last.seq:
+        return status
+    now, then = status.checkpoint, last.checkpoint
+    if (
+        now is None
+        or then is None
+        or (now.prompt_id, now.client_id)
+        != (
+            then.prompt_id,
+            then.client_id,
+        )
+    ):
+        return status
+    behind = last.progress.step > status.progress.step
+    unlifted = status.state == JobState.SUBMITTING and last.state in _LIFTED
+    if not (behind or unlifted):
+        return status
+    return status.model_copy(
+        update={
+            "state": last.state if unlifted else status.state,
+            "progress": last.progress if behind else status.progress,
+            "checkpoint": last.checkpoint if behind else status.checkpoint,
+            "updated_at": max(filter(None, (status.updated_at, last.updated_at)), default=None),
+        }
+    )
 
 
 def _being_cancelled() -> bool:

@@ -273,6 +273,36 @@ async def test_watch_reads_steps_from_heartbeats_and_queries_only_when_history_g
     assert calls.asked.count("describe") == 6
 
 
+async def test_watch_never_goes_back_while_the_jobs_own_status_stays_the_same() -> None:
+    """A heartbeat showed RUNNING at step 4 before the job heard; the attempt then failed (no
+    pending activity to read) and the job has not yet recovered its checkpoint: the watch keeps
+    showing what it showed, until the job's own status moves."""
+    submitting = running(0, state=JobState.SUBMITTING, seq=3)
+    recovered = running(8, state=JobState.RECONNECTING, seq=4)
+    done = running(40, seq=9)
+    done.state = JobState.COMPLETED
+    calls = Calls(
+        answers=[submitting, submitting, recovered, done],
+        descriptions=[
+            await description((ACTIVITY_FOLLOW, beat(4, stage="running")), history_length=10),
+            await description(history_length=10),  # the attempt failed: nothing pending
+            await description(history_length=14),
+            await description(
+                history_length=30, status=RawStatus.WORKFLOW_EXECUTION_STATUS_COMPLETED
+            ),
+        ],
+    )
+    seen = [
+        (s.state, s.progress.step)
+        async for s in calls.client.watch(JOB, poll_interval_s=0, keepalive_s=3600)
+    ]
+    assert seen == [
+        (JobState.RUNNING, 4),
+        (JobState.RECONNECTING, 8),
+        (JobState.COMPLETED, 40),
+    ]
+
+
 async def test_watch_ends_a_job_terminated_from_outside_while_it_followed() -> None:
     calls = Calls(
         answers=[running(1000)],
