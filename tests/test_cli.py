@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import pytest_asyncio
 import structlog
@@ -215,6 +216,18 @@ def write_graph(tmp_path: Path, graph: dict[str, Any], name: str = "graph.json")
 
 def unique_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:10]}"
+
+
+async def until_the_simulator_runs_a_prompt(stack: RunningStack, within_s: float = 30) -> None:
+    """ComfyUI's own `/queue` lists a running prompt (the module's tests run one at a time)."""
+    async with httpx.AsyncClient(trust_env=False) as http:
+        deadline = asyncio.get_running_loop().time() + within_s
+        while asyncio.get_running_loop().time() < deadline:
+            queue = (await http.get(f"{stack.comfyui_url}/queue")).json()
+            if queue.get("queue_running"):
+                return
+            await asyncio.sleep(0.05)
+    raise AssertionError(f"no prompt ran within {within_s} s")
 
 
 async def until_running(worker: RunningWorker, job_id: str) -> JobStatus:
@@ -484,7 +497,8 @@ async def test_ctrl_c_in_submit_watch_says_when_the_attached_job_is_abandoned(
     assert process.stdout is not None
     first = json.loads(await asyncio.wait_for(process.stdout.readline(), timeout=30))
     job_id = first["job_id"]
-    await until_running(worker, job_id)
+    # Ready when the simulator runs the prompt (what the CLI watches is what is under test).
+    await until_the_simulator_runs_a_prompt(local_stack)
     code, out, err = await interrupt_cli(process)
     assert code == ExitCode.INTERRUPTED, err
     json_lines(out)
