@@ -82,6 +82,13 @@ def cli_env(stack: RunningStack, task_queue: str) -> dict[str, str]:
     return env
 
 
+def _ctrl_c_as_from_a_terminal() -> None:
+    # A suite started in the background (`cmd &`, nohup) hands its children SIGINT ignored,
+    # and Python then installs no KeyboardInterrupt handler: the CLI would sleep through the
+    # Ctrl-C a test sends it. A terminal's foreground process gets the default.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 async def start_cli(*args: str, env: dict[str, str]) -> asyncio.subprocess.Process:
     return await asyncio.create_subprocess_exec(
         sys.executable,
@@ -92,6 +99,7 @@ async def start_cli(*args: str, env: dict[str, str]) -> asyncio.subprocess.Proce
         cwd=ROOT,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
+        preexec_fn=_ctrl_c_as_from_a_terminal,
     )
 
 
