@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import resource
 import signal
@@ -30,10 +31,12 @@ from temporalio.client import Client
 from temporalio.runtime import Runtime
 from temporalio.worker import Worker
 
+from activities import live_progress
 from activities.backend import Backend, Backends, JobActivities
 from activities.comfyui.backend import ComfyBackend
 from activities.comfyui.pools import ComfyPools
 from activities.heartbeat_budget import HeartbeatBudget
+from activities.live_progress import LiveProgress
 from activities.log_setup import configure_logging
 from activities.metrics import count_swept, prometheus_runtime
 from activities.orphans import OrphanSweeper, RunPodSweep
@@ -115,10 +118,12 @@ async def run_worker(
     async with (
         httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as http,
         ArtifactStore(s3) as store,
+        contextlib.AsyncExitStack() as serving_live,
     ):
         pools = ComfyPools(settings, http)
         budget = HeartbeatBudget(settings.heartbeat_budget_per_s, settings.heartbeat_throttle_s)
-        comfy = ComfyBackend(pools, store, budget)
+        live = LiveProgress(settings.live_progress_address)
+        comfy = ComfyBackend(pools, store, budget, live)
         on_runpod = runpod_clients(settings, keys, http)
         runpod = RunPodBackend(settings.pools, on_runpod, store)
         by_kind: dict[str, Backend] = {"comfyui": comfy, "runpod": runpod}
@@ -160,6 +165,15 @@ async def run_worker(
             on_swept=lambda orphan: count_swept(meter, orphan.pool, orphan.action),
         )
         sweeping: asyncio.Task[None] | None = None
+        if settings.live_progress_port is not None and settings.live_progress_key is not None:
+            await serving_live.enter_async_context(
+                live_progress.serving(
+                    live,
+                    settings.live_progress_host,
+                    settings.live_progress_port,
+                    settings.live_progress_key,
+                )
+            )
         async with worker:
             # Polling has begun: the server registers the version, which may then be made
             # current. Only then is the worker started: new jobs reach it (or the log says why

@@ -271,6 +271,10 @@ SetCurrent = Literal["first", "always", "never"]
 Port = Annotated[int, Field(ge=1, le=65535)]
 # An IP address to bind (not a host name: the SDK's Prometheus server binds "ip:port").
 MetricsHost = Annotated[str, Field(pattern=r"^(\d{1,3}(\.\d{1,3}){3}|\[?[0-9a-fA-F:]+\]?)$")]
+# A gateway connects to it with the key: ws:// on a private network, wss:// across one.
+LiveProgressUrl = Annotated[str, Field(pattern=r"^wss?://[^\s/?#]+(/[^\s?#]*)?$", max_length=500)]
+# The live-progress key is a shared secret between workers and gateways.
+MIN_LIVE_KEY_CHARS = 16
 Concurrency = Annotated[int, Field(ge=1)]
 SweepInterval = Annotated[float, Field(ge=0)]
 HeartbeatThrottle = Annotated[float, Field(gt=0, le=60)]
@@ -536,6 +540,22 @@ class WorkerSettings(EnvSettings):
     heartbeat_budget_per_s: HeartbeatBudgetRate = Field(
         250.0, validation_alias="DURABLE_COMFY_HEARTBEAT_BUDGET"
     )
+    # Live progress (activities/live_progress.py): serve a WebSocket on <host>:<port> that
+    # pushes each followed prompt's steps, as they happen, to the gateways that subscribe; its
+    # address (`url`, by default ws://<host>:<port>/v1/live) goes into every follow heartbeat,
+    # and the gateways must hold the same `key`. Unset port: no push, clients poll.
+    live_progress_port: Port | None = Field(
+        None, validation_alias="DURABLE_COMFY_LIVE_PROGRESS_PORT"
+    )
+    live_progress_host: MetricsHost = Field(
+        "127.0.0.1", validation_alias="DURABLE_COMFY_LIVE_PROGRESS_HOST"
+    )
+    live_progress_url: LiveProgressUrl | None = Field(
+        None, validation_alias="DURABLE_COMFY_LIVE_PROGRESS_URL"
+    )
+    live_progress_key: SecretStr | None = Field(
+        None, validation_alias="DURABLE_COMFY_LIVE_PROGRESS_KEY"
+    )
     # Worker Versioning (docs/upgrading.md): the worker polls as one version of a Worker
     # Deployment, `deployment_name` + `build_id`, and InferenceJob is pinned to the version it
     # started on. Off: an unversioned worker (a server without Worker Deployments).
@@ -565,6 +585,36 @@ class WorkerSettings(EnvSettings):
                 "are both set: a worker reads one file, unset the other"
             )
         return self
+
+    @model_validator(mode="after")
+    def _live_progress_complete(self) -> Self:
+        if self.live_progress_port is None:
+            return self
+        key = self.live_progress_key
+        if key is None or len(key.get_secret_value()) < MIN_LIVE_KEY_CHARS:
+            raise ValueError(
+                "DURABLE_COMFY_LIVE_PROGRESS_PORT is set: set DURABLE_COMFY_LIVE_PROGRESS_KEY "
+                f"too (at least {MIN_LIVE_KEY_CHARS} characters, the same on the gateways), "
+                "or unset the port"
+            )
+        if self.live_progress_url is None and self.live_progress_host in ("0.0.0.0", "::", "[::]"):
+            raise ValueError(
+                f"DURABLE_COMFY_LIVE_PROGRESS_HOST={self.live_progress_host} is no address a "
+                "gateway can reach: set DURABLE_COMFY_LIVE_PROGRESS_URL to the worker's "
+                "(ws://<address>:<port>/v1/live)"
+            )
+        return self
+
+    @property
+    def live_progress_address(self) -> str | None:
+        """Where gateways reach this worker's live progress; None when it serves none."""
+        if self.live_progress_port is None:
+            return None
+        if self.live_progress_url is not None:
+            return self.live_progress_url
+        host = self.live_progress_host
+        host = f"[{host.strip('[]')}]" if ":" in host else host
+        return f"ws://{host}:{self.live_progress_port}/v1/live"
 
     @model_validator(mode="after")
     def _build_id_from_the_package(self) -> Self:

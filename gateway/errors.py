@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.auth import Unauthorized
 from gateway.limits import LimitExceeded, Overloaded
+from gateway.views import INTERNAL
 from starter.errors import (
     ClientError,
     InputFileError,
@@ -114,7 +115,7 @@ def api_error_for(exc: Exception) -> ApiError:
         case JobConflict():
             return ApiError(409, "JobConflict", str(exc), job_id=exc.job_id)
         case JobAlreadyEnded():
-            status = exc.status.model_dump(mode="json")
+            status = exc.status.model_dump(mode="json", exclude=INTERNAL)
             return ApiError(409, "JobAlreadyEnded", str(exc), job_id=exc.job_id, status=status)
         case ResumeRefused():
             return ApiError(409, "ResumeRefused", str(exc), job_id=exc.job_id, reason=exc.reason)

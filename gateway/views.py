@@ -18,6 +18,9 @@ from workflows.contracts import Artifact, JobEvent, JobStatus
 
 # Jobs whose facts are kept; the oldest read is forgotten first (it is read again if needed).
 MAX_FACTS = 10_000
+# What a client of the Python library sees but an HTTP client never does: where the job's
+# worker pushes its steps (an address on the workers' network, for the gateway's own use).
+INTERNAL: set[str] = {"live_progress"}
 
 
 class _Bounded(OrderedDict[str, Any]):
@@ -78,7 +81,7 @@ class JobViews:
 
     async def status(self, status: JobStatus) -> dict[str, Any]:
         """The job: what GET answers and every `status` event carries."""
-        view = status.model_dump(mode="json")
+        view = status.model_dump(mode="json", exclude=INTERNAL)
         view["artifacts"] = await self.artifacts(status.job_id, status.artifacts)
         view["links"] = self.links(status.job_id)
         return view
@@ -96,6 +99,7 @@ def etag(status: JobStatus) -> str:
     status without links, whose presigned query strings change on every call) makes two
     answers with one tag the same answer, as a tag must, whatever else the step's heartbeat
     moved."""
-    text = json.dumps(status.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    shown = status.model_dump(mode="json", exclude=INTERNAL)
+    text = json.dumps(shown, sort_keys=True, separators=(",", ":"))
     digest = hashlib.sha256(text.encode()).hexdigest()[:12]
     return f'"{status.seq}.{status.progress.step}.{digest}"'

@@ -1021,8 +1021,9 @@ def _being_cancelled() -> bool:
 
 
 def _shown(status: JobStatus) -> tuple[object, ...]:
-    """What `watch` compares: the job's own changes, the progress a heartbeat moves, and an
-    activity waiting for a worker (appearing, changing, gone)."""
+    """What `watch` compares: the job's own changes, the progress a heartbeat moves, an
+    activity waiting for a worker (appearing, changing, gone), and where the job's steps are
+    pushed from (a gateway subscribes there)."""
     progress = status.progress
     return (
         status.seq,
@@ -1032,6 +1033,7 @@ def _shown(status: JobStatus) -> tuple[object, ...]:
         progress.fraction,
         progress.queue_position,
         status.worker_wait,
+        status.live_progress,
     )
 
 

@@ -12,7 +12,9 @@ submission (same segment, prompt id and client id) and is newer: never backwards
 heartbeat (an earlier attempt's, an earlier submission's) changes nothing. The heartbeat also
 says where the backend has the prompt (queued, with its place, or running): a follow attempt
 tells the workflow nothing in its first second (`activities.follow_common.QUIET_START_S`), so
-a SUBMITTING job whose current heartbeat says so is shown WAITING or RUNNING meanwhile.
+a SUBMITTING job whose current heartbeat says so is shown WAITING or RUNNING meanwhile. A
+heartbeat of a worker that pushes its steps (activities/live_progress.py) names where, and
+`overlaid` passes that on (`JobStatus.live_progress`) for a gateway to subscribe to.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ def overlaid(status: JobStatus, heartbeats: Iterable[FollowHeartbeat] = ()) -> J
     if status.state in FOLLOW_STATES:
         heartbeats = list(heartbeats)
         status = _staged(status, heartbeats)
+        status = _pushed_from(status, heartbeats)
         candidates += [beat.checkpoint for beat in heartbeats]
     best: Checkpoint | None = None
     for checkpoint in candidates:
@@ -98,6 +101,15 @@ def _staged(status: JobStatus, heartbeats: list[FollowHeartbeat]) -> JobStatus:
         state = JobState.WAITING if beat.stage == "queued" else JobState.RUNNING
         progress = status.progress.model_copy(update={"queue_position": beat.queue_position})
         return status.model_copy(update={"state": state, "progress": progress})
+    return status
+
+
+def _pushed_from(status: JobStatus, heartbeats: list[FollowHeartbeat]) -> JobStatus:
+    """The live-progress address of the worker following the current submission, if it
+    serves one (activities/live_progress.py)."""
+    for beat in reversed(heartbeats):
+        if beat.live is not None and _of_submission(status, beat.checkpoint):
+            return status.model_copy(update={"live_progress": beat.live})
     return status
 
 

@@ -108,6 +108,9 @@ class FollowHeartbeat(StrictModel):
     # stage change only once the attempt has run past its quiet start).
     stage: Literal["queued", "running"] | None = None
     queue_position: int | None = None
+    # Where the worker following the prompt pushes its steps as they happen (a gateway
+    # subscribes there: activities/live_progress.py); None when that worker serves no push.
+    live: str | None = None
 
     @classmethod
     def from_details(cls, details: Sequence[Any] | None) -> FollowHeartbeat | None:

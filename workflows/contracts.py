@@ -475,6 +475,9 @@ class JobStatus(StrictModel):
     # Set by clients only (never by the workflow): one of the job's activities waits for a
     # worker slot (`WorkerWait`).
     worker_wait: WorkerWait | None = None
+    # Set by clients only: where the worker following the job pushes its steps as they happen
+    # (`FollowHeartbeat.live`), for a gateway to subscribe to; the HTTP API never shows it.
+    live_progress: str | None = None
 
     @property
     def terminal(self) -> bool:

@@ -9,6 +9,7 @@ from activities.comfyui.follow import FollowActivities
 from activities.comfyui.offload import OffloadActivities
 from activities.comfyui.pools import ComfyPools
 from activities.heartbeat_budget import HeartbeatBudget
+from activities.live_progress import LiveProgress
 from activities.storage import ArtifactStore
 from workflows.activity_io import (
     FollowHeartbeat,
@@ -27,9 +28,15 @@ class ComfyBackend:
     """`activities.backend.Backend` for ComfyUI pools. `comfy` also serves the submit and
     teardown activities that runs started by older versions still schedule."""
 
-    def __init__(self, pools: ComfyPools, store: ArtifactStore, budget: HeartbeatBudget) -> None:
+    def __init__(
+        self,
+        pools: ComfyPools,
+        store: ArtifactStore,
+        budget: HeartbeatBudget,
+        live: LiveProgress | None = None,
+    ) -> None:
         self.comfy = ComfyActivities(pools, store)
-        self._follow = FollowActivities(pools, store, budget)
+        self._follow = FollowActivities(pools, store, budget, live)
         self._offload = OffloadActivities(pools, store)
 
     async def prepare(self, req: PrepareInput, pool: str) -> PreparedJob:

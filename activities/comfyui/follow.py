@@ -47,6 +47,7 @@ from activities.follow_common import (
 )
 from activities.follow_common import Stage as ReportStage
 from activities.heartbeat_budget import HeartbeatBudget
+from activities.live_progress import LiveProgress
 from activities.orphans import prompt_tag
 from activities.progress import ProgressTracker
 from activities.storage import ArtifactStore
@@ -71,8 +72,10 @@ class FollowAttempt:
         store: ArtifactStore,
         health: PoolHealth,
         budget: HeartbeatBudget,
+        live: LiveProgress | None = None,
     ) -> None:
         self.req = req
+        self.live = live or LiveProgress()
         self.client = client
         self.health = health
         heartbeat = FollowHeartbeat.from_details(activity.info().heartbeat_details)
@@ -118,7 +121,7 @@ class FollowAttempt:
     async def run(self) -> FollowResult:
         attempt = activity.info().attempt
         self.log.info("follow_start", attempt=attempt, resumed_step=self.tracker.step)
-        with self.pacer:
+        with self.pacer, self.live.following(self.req.job_id, self._live_beat):
             quiet_end = asyncio.create_task(self._after_quiet_start())
             try:
                 return await self._follow()
@@ -225,7 +228,10 @@ class FollowAttempt:
 
     def beat(self, *, now: bool = False) -> None:
         """The worker's heartbeat budget decides when this reaches the server
-        (activities/heartbeat_budget.py); `now`: what the workflow must not miss."""
+        (activities/heartbeat_budget.py); `now`: what the workflow must not miss. A gateway
+        subscribed to the job's live progress hears of it at once (activities/live_progress.py).
+        """
+        self.live.moved(self.req.job_id)
         self.pacer.beat(now=now)
 
     def check(self) -> None:
@@ -291,6 +297,17 @@ class FollowAttempt:
             artifacts=list(self.uploader.artifacts.values()),
             stage=follower.stage,
             queue_position=follower.queue_position if follower.stage == "queued" else None,
+            live=self.live.url,
+        )
+
+    def _live_beat(self) -> FollowHeartbeat:
+        """What a live-progress subscriber is pushed: the heartbeat without its artifacts
+        (clients read those from the job's status)."""
+        follower = self.follower
+        return FollowHeartbeat(
+            checkpoint=self._checkpoint(),
+            stage=follower.stage,
+            queue_position=follower.queue_position if follower.stage == "queued" else None,
         )
 
     def _send_heartbeat(self) -> None:
@@ -352,12 +369,21 @@ class FollowAttempt:
 
 
 class FollowActivities:
-    def __init__(self, pools: ComfyPools, store: ArtifactStore, budget: HeartbeatBudget) -> None:
+    def __init__(
+        self,
+        pools: ComfyPools,
+        store: ArtifactStore,
+        budget: HeartbeatBudget,
+        live: LiveProgress | None = None,
+    ) -> None:
         self._pools = pools
         self._store = store
         self._budget = budget
+        self._live = live
 
     async def follow_prompt(self, req: FollowInput) -> FollowResult:
         client = self._pools.client(req.pool)
-        attempt = FollowAttempt(req, client, self._store, self._pools.health, self._budget)
+        attempt = FollowAttempt(
+            req, client, self._store, self._pools.health, self._budget, self._live
+        )
         return await attempt.run()

@@ -1,0 +1,180 @@
+"""The gateway's side of live progress: one connection per worker that pushes steps.
+
+A job's description names the worker that follows it and where that worker pushes its steps
+(`JobStatus.live_progress`, from the follow heartbeat; activities/live_progress.py has the
+protocol). A follower (feed.py) subscribes to its job there and gets each step as it
+happens, instead of at its next poll. `LiveRelay` keeps one connection per worker address,
+shared by every job followed on it, subscribes and unsubscribes as followers come and go,
+and reconnects with backoff while anyone still wants that worker. The push is only a faster
+way to see the job: polling goes on underneath, so a worker that cannot be reached, or a
+connection that drops, costs freshness, never correctness.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+from collections.abc import Callable
+from typing import Any
+
+import structlog
+from pydantic import SecretStr, ValidationError
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
+
+from workflows.activity_io import FollowHeartbeat
+
+log = structlog.get_logger("gateway.live")
+
+OnBeat = Callable[[FollowHeartbeat], None]
+# Reconnecting to a worker: the first wait, doubled up to the last, each jittered.
+RECONNECT_FIRST_S = 0.5
+RECONNECT_MAX_S = 15.0
+OPEN_TIMEOUT_S = 5.0
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+
+
+def pushable(url: str | None) -> bool:
+    return url is not None and url.startswith(("ws://", "wss://")) and len(url) <= 500
+
+
+class _WorkerLink:
+    """The connection to one worker, for as long as some job on it is wanted."""
+
+    def __init__(self, relay: LiveRelay, url: str) -> None:
+        self.relay = relay
+        self.url = url
+        self.wanted: dict[str, set[OnBeat]] = {}
+        self._changed = asyncio.Event()
+        self.task = asyncio.create_task(self._run(), name=f"live {url}")
+
+    def want(self, job_id: str, on_beat: OnBeat) -> None:
+        self.wanted.setdefault(job_id, set()).add(on_beat)
+        self._changed.set()
+
+    def drop(self, job_id: str, on_beat: OnBeat) -> None:
+        callbacks = self.wanted.get(job_id)
+        if callbacks is None:
+            return
+        callbacks.discard(on_beat)
+        if not callbacks:
+            del self.wanted[job_id]
+            self._changed.set()
+
+    async def _run(self) -> None:
+        delay = RECONNECT_FIRST_S
+        headers = {"Authorization": f"Bearer {self.relay.key.get_secret_value()}"}
+        try:
+            while self.wanted:
+                try:
+                    async with connect(
+                        self.url,
+                        additional_headers=headers,
+                        open_timeout=OPEN_TIMEOUT_S,
+                        max_size=MAX_MESSAGE_BYTES,
+                        compression=None,
+                        ping_interval=20,
+                        ping_timeout=20,
+                    ) as connection:
+                        log.info("live_progress_connected", url=self.url)
+                        delay = RECONNECT_FIRST_S
+                        await self._exchange(connection)
+                except (
+                    OSError,
+                    TimeoutError,
+                    ConnectionClosed,
+                    InvalidHandshake,
+                    InvalidURI,
+                ) as exc:
+                    log.info("live_progress_lost", url=self.url, error=type(exc).__name__)
+                if not self.wanted:
+                    break
+                await asyncio.sleep(delay * (0.5 + random.random() / 2))
+                delay = min(RECONNECT_MAX_S, delay * 2)
+        finally:
+            self.relay._forget(self)
+
+    async def _exchange(self, connection: ClientConnection) -> None:
+        """Keep the worker's subscriptions equal to `wanted` and hand out what it pushes, until
+        the connection closes or nothing is wanted."""
+        reader = asyncio.create_task(self._read(connection))
+        subscribed: set[str] = set()
+        try:
+            while self.wanted and not reader.done():
+                self._changed.clear()
+                wanted = set(self.wanted)
+                asked: dict[str, list[str]] = {}
+                if wanted - subscribed:
+                    asked["subscribe"] = sorted(wanted - subscribed)
+                if subscribed - wanted:
+                    asked["unsubscribe"] = sorted(subscribed - wanted)
+                if asked:
+                    await connection.send(json.dumps(asked))
+                    subscribed = wanted
+                changed = asyncio.create_task(self._changed.wait())
+                await asyncio.wait({reader, changed}, return_when=asyncio.FIRST_COMPLETED)
+                changed.cancel()
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, ConnectionClosed):
+                await reader
+        if reader.done() and not reader.cancelled() and reader.exception() is not None:
+            raise reader.exception()  # type: ignore[misc]
+
+    async def _read(self, connection: ClientConnection) -> None:
+        async for message in connection:
+            for job_id, beat in _beats(message):
+                for on_beat in list(self.wanted.get(job_id, ())):
+                    on_beat(beat)
+
+
+def _beats(message: str | bytes) -> list[tuple[str, FollowHeartbeat]]:
+    """The beats of one pushed message; what cannot be read is left out."""
+    try:
+        pushed: Any = json.loads(message)
+    except ValueError:
+        return []
+    found: list[tuple[str, FollowHeartbeat]] = []
+    for item in pushed.get("beats", []) if isinstance(pushed, dict) else []:
+        if not isinstance(item, dict) or not isinstance(item.get("job_id"), str):
+            continue
+        try:
+            found.append((item["job_id"], FollowHeartbeat.model_validate(item.get("beat"))))
+        except ValidationError:
+            continue
+    return found
+
+
+class LiveRelay:
+    """This gateway's connections to the workers that push live progress, one per address."""
+
+    def __init__(self, key: SecretStr) -> None:
+        self.key = key
+        self._links: dict[str, _WorkerLink] = {}
+
+    def subscribe(self, url: str, job_id: str, on_beat: OnBeat) -> None:
+        link = self._links.get(url)
+        if link is None or link.task.done():
+            link = self._links[url] = _WorkerLink(self, url)
+        link.want(job_id, on_beat)
+
+    def unsubscribe(self, url: str, job_id: str, on_beat: OnBeat) -> None:
+        link = self._links.get(url)
+        if link is not None:
+            link.drop(job_id, on_beat)
+
+    @property
+    def connections(self) -> int:
+        return len(self._links)
+
+    def _forget(self, link: _WorkerLink) -> None:
+        if self._links.get(link.url) is link:
+            del self._links[link.url]
+
+    async def close(self) -> None:
+        links = list(self._links.values())
+        for link in links:
+            link.task.cancel()
+        await asyncio.gather(*(link.task for link in links), return_exceptions=True)
