@@ -287,12 +287,14 @@ async def extra_worker(
     pools: list[Pool],
     *,
     max_concurrent_activities: int | None = None,
+    env: dict[str, str] | None = None,
 ) -> AsyncIterator[BenchWorker]:
     """The project's worker (`python worker.py` as it ships) serving `pools` on a task queue of
     its own, stopped by PID at the end; `max_concurrent_activities` sets
-    DURABLE_COMFY_MAX_CONCURRENT_ACTIVITIES (how many prompts it follows at once)."""
+    DURABLE_COMFY_MAX_CONCURRENT_ACTIVITIES (how many prompts it follows at once); `env`: more
+    of its variables."""
     task_queue = f"bench-{name}-{uuid.uuid4().hex[:8]}"
-    env = {
+    variables = {
         **ctx.stack.worker_env(),
         "DURABLE_COMFY_TASK_QUEUE": task_queue,
         "DURABLE_COMFY_POOLS": json.dumps(
@@ -301,9 +303,10 @@ async def extra_worker(
         "DURABLE_COMFY_DEFAULT_POOL": pools[0].name,
     }
     if max_concurrent_activities is not None:
-        env["DURABLE_COMFY_MAX_CONCURRENT_ACTIVITIES"] = str(max_concurrent_activities)
+        variables["DURABLE_COMFY_MAX_CONCURRENT_ACTIVITIES"] = str(max_concurrent_activities)
+    variables.update(env or {})
     log_file = ctx.work_dir / "logs" / f"worker-{name}.log"
-    killable = KillableWorker(env, log_file, name=f"worker-{name}")
+    killable = KillableWorker(variables, log_file, name=f"worker-{name}")
     try:
         await killable.start()
         yield BenchWorker(task_queue, log_file, killable=killable)

@@ -211,21 +211,38 @@ async def test_a_stream_sees_the_steps_between_milestones_by_push(
         gateway_for(local_stack, pushing_worker, SLOW_POLL_S) as gateway,
         httpx.AsyncClient(trust_env=False, timeout=60) as http,
     ):
-        job_id, statuses = await followed(http, gateway, steps=300)
-        # One connection to the worker serves every job the gateway follows there.
-        assert gateway.hub.relay is not None and gateway.hub.relay.connections <= 1
+        relay = gateway.hub.relay
+        assert relay is not None
+        connections: set[int] = set()
+
+        async def count_connections() -> None:
+            while True:
+                connections.add(relay.connections)
+                await asyncio.sleep(0.05)
+
+        counting = asyncio.create_task(count_connections())
+        try:
+            both = await asyncio.gather(*(followed(http, gateway, steps=300) for _ in range(2)))
+        finally:
+            counting.cancel()
+        # One connection to the worker served both jobs; once no stream follows a job there,
+        # the gateway lets it go.
+        assert max(connections) == 1, connections
+        await until(lambda: relay.connections == 0)
         # The worker's address is the gateway's business: no HTTP client sees it.
+        job_id = both[0][0]
         answer = await http.get(f"{gateway.url}/v1/jobs/{job_id}", headers=gateway.auth())
         assert answer.status_code == 200 and "live_progress" not in answer.json()
-    assert statuses[-1]["state"] == "COMPLETED"
-    # 300 steps of 20 ms run 6 s, with a milestone at each tenth of the steps: a poll every
-    # second moves the step between milestones about 6 times, the push dozens.
-    assert steps_between_milestones(statuses) >= 30, [
-        (s["seq"], s["progress"]["step"]) for s in statuses
-    ]
-    steps = [s["progress"]["step"] for s in statuses]
-    assert steps == sorted(steps), "a stream never goes back"
-    assert all("live_progress" not in s for s in statuses)
+    for _, statuses in both:
+        assert statuses[-1]["state"] == "COMPLETED"
+        # 300 steps of 20 ms run 6 s, with a milestone at each tenth of the steps: a poll every
+        # second moves the step between milestones about 6 times, the push dozens.
+        assert steps_between_milestones(statuses) >= 30, [
+            (s["seq"], s["progress"]["step"]) for s in statuses
+        ]
+        steps = [s["progress"]["step"] for s in statuses]
+        assert steps == sorted(steps), "a stream never goes back"
+        assert all("live_progress" not in s for s in statuses)
 
 
 async def test_a_worker_whose_push_cannot_be_reached_is_followed_by_polling(
