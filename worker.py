@@ -125,7 +125,7 @@ async def run_worker(
         live = LiveProgress(settings.live_progress_address)
         comfy = ComfyBackend(pools, store, budget, live)
         on_runpod = runpod_clients(settings, keys, http)
-        runpod = RunPodBackend(settings.pools, on_runpod, store)
+        runpod = RunPodBackend(settings.pools, on_runpod, store, live=live)
         by_kind: dict[str, Backend] = {"comfyui": comfy, "runpod": runpod}
         deliverer = WebhookDeliverer(webhooks)
         jobs = JobActivities(Backends(settings.pools, settings.default_pool, by_kind), deliverer)

@@ -21,6 +21,7 @@ from activities.comfyui.graph import refuse_hostile_graph
 from activities.errors import fatal, retryable
 from activities.inputs import input_bytes
 from activities.keys import content_type_for, job_folder, safe_component
+from activities.live_progress import LiveProgress
 from activities.runpod import submissions
 from activities.runpod.artifacts import key_problem
 from activities.runpod.claims import claim_target, lease_running, read_claim
@@ -75,11 +76,13 @@ class RunPodBackend:
         store: ArtifactStore,
         *,
         poll_s: float = POLL_S,
+        live: LiveProgress | None = None,
     ) -> None:
         self._pools = pools
         self._clients = clients
         self._store = store
         self._poll_s = poll_s
+        self._live = live
 
     async def prepare(self, req: PrepareInput, pool: str) -> PreparedJob:
         """Check the graph (against the endpoint's node registry when one is known:
@@ -133,7 +136,9 @@ class RunPodBackend:
         inputs = RunInputs()
         if req.graph is not None:
             inputs = await (self._by_reference(req) if pool.claims else self._inline(req))
-        follower = RunPodFollower(req, pool, client, self._store, inputs, poll_s=self._poll_s)
+        follower = RunPodFollower(
+            req, pool, client, self._store, inputs, poll_s=self._poll_s, live=self._live
+        )
         # Every output of a successful follow is verified in S3 already (size and sha256, in
         # the job's folder): the workflow schedules no offload for it.
         return await follower.run()

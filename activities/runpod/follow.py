@@ -38,6 +38,7 @@ from activities.follow_common import (
     worker_identity,
 )
 from activities.keys import content_type_for, job_folder
+from activities.live_progress import LiveProgress
 from activities.runpod import submissions
 from activities.runpod.artifacts import (
     KeyCollision,
@@ -134,8 +135,10 @@ class RunPodFollower:
         inputs: RunInputs,
         *,
         poll_s: float = POLL_S,
+        live: LiveProgress | None = None,
     ) -> None:
         self.req = req
+        self.live = live or LiveProgress()
         self.pool = pool
         self.client = client
         self.store = store
@@ -179,6 +182,10 @@ class RunPodFollower:
     # -- the attempt -------------------------------------------------------------------------
 
     async def run(self) -> FollowResult:
+        with self.live.following(self.req.job_id, self._live_beat):
+            return await self._run()
+
+    async def _run(self) -> FollowResult:
         try:
             job_id = self.checkpoint.provider_job_id or await self._submit_or_find()
             return await self._follow(job_id)
@@ -635,9 +642,22 @@ class RunPodFollower:
             artifacts=list(self.artifacts.values()),
             stage=self.stage,
             queue_position=self.queue_position if self.stage == "queued" else None,
+            live=self.live.url,
+        )
+
+    def _live_beat(self) -> FollowHeartbeat:
+        """What a live-progress subscriber is pushed (activities/live_progress.py): the
+        heartbeat without its artifacts."""
+        return FollowHeartbeat(
+            checkpoint=self._checkpoint(),
+            stage=self.stage,
+            queue_position=self.queue_position if self.stage == "queued" else None,
         )
 
     def _heartbeat(self) -> None:
+        # A gateway subscribed to the job's steps hears of them with the heartbeat, not at its
+        # next poll of the job.
+        self.live.moved(self.req.job_id)
         activity.heartbeat(self._resume_point().model_dump(mode="json"))
 
     async def _alive_while(self, call: Coroutine[Any, Any, T]) -> T:
