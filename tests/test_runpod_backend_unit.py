@@ -21,6 +21,7 @@ from pydantic import SecretStr
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
+from activities.live_progress import LiveProgress
 from activities.runpod.backend import RunPodBackend
 from activities.runpod.client import MAX_RUN_BYTES, RunPodClient
 from activities.runpod.contract import (
@@ -881,3 +882,36 @@ async def test_after_a_failure_only_the_claims_records_inside_the_jobs_folder_ar
     result = await env([]).run(backend(ScriptedRunPod(statuses=[]), store).offload, req)
     assert [a.key for a in result.artifacts] == [OUR_KEY]
     assert [key for op, _bucket, key in store.calls if op == "head"] == [OUR_KEY]
+
+
+class RecordedLive(LiveProgress):
+    """Live progress with one subscriber that reads every beat as it is announced."""
+
+    def __init__(self) -> None:
+        super().__init__("ws://10.0.0.5:7441/v1/live")
+        self.steps: list[int] = []
+
+    def moved(self, job_id: str) -> None:
+        build = self._builders.get(job_id)
+        if build is not None:
+            self.steps.append(build().checkpoint.step)
+
+
+async def test_a_pushing_worker_pushes_each_polled_step_and_names_its_address() -> None:
+    store = MemoryStore()
+    store.put(OUR_KEY, PNG)
+    runpod = ScriptedRunPod(
+        statuses=[
+            {"id": RUNPOD_JOB, "status": "IN_PROGRESS", "output": progress(4, 1)},
+            {"id": RUNPOD_JOB, "status": "IN_PROGRESS", "output": progress(7, 2)},
+            completed([record(OUR_KEY)]),
+        ]
+    )
+    live = RecordedLive()
+    pushing = backend(runpod, store)
+    pushing._live = live
+    heartbeats: list[Any] = []
+    await env(heartbeats).run(pushing.follow, follow_input())
+    assert {4, 7} <= set(live.steps), live.steps
+    assert {FollowHeartbeat.model_validate(h).live for h in heartbeats} == {live.url}
+    assert live._builders == {}, "an attempt that ended is no longer followed"
