@@ -11,9 +11,10 @@ A stream (`stream_events`) subscribes first, then replays what the client missed
 job itself (`journal` after its `Last-Event-ID`), then passes on what the follower published
 meanwhile and after, skipping what it already sent: every entry once, in order.
 
-Live progress. When the job's worker pushes its steps (gateway/live.py), the follower also
-subscribes there and lays each pushed step over the latest polled status: the stream sees a
-step as it happens rather than at the next poll, and the poll goes on as the record.
+Live progress. When the gateway's client holds the workers' live-progress key, `watch` also
+takes the steps the job's worker pushes (starter/live.py): the stream sees a step as it
+happens rather than at the next poll, at most one every `PUSH_GAP_S`; the poll goes on as the
+record.
 
 Event ids. Several entries can share one seq (a state change and the progress it completed);
 an id must say where in them a stream stopped, so an entry that is not the last of its seq is
@@ -32,20 +33,19 @@ from typing import Any, Literal, cast
 
 import structlog
 
-from gateway.live import LiveRelay, pushable
 from gateway.views import JobViews
 from starter.client import JobClient
-from starter.progress import FOLLOW_STATES, overlaid
-from workflows.activity_io import FollowHeartbeat
+from starter.progress import carried_forward
 from workflows.contracts import JobEvent, JobStatus, WorkerWait
 
 log = structlog.get_logger("gateway.feed")
 
 # Jobs whose follower starts are counted (introspection); the oldest is forgotten first.
 MAX_COUNTED = 10_000
-# A follower publishes a pushed step at most this often: steps that come faster are coalesced
-# (the latest wins), so a job's SSE stream costs at most 1/LIVE_GAP_S status views a second.
-LIVE_GAP_S = 0.025
+# A follower publishes a pushed step at most this often (`JobClient.watch`'s `push_gap_s`):
+# steps that come faster are coalesced, the latest winning, so a job costs the gateway at most
+# 1/PUSH_GAP_S status views a second whatever its step rate.
+PUSH_GAP_S = 0.025
 _CURSOR = re.compile(r"^(\d{1,18})(?:\.(\d{1,6}))?$")
 
 
@@ -178,14 +178,6 @@ class Follower:
         self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.cursor = 0
         self._idle: asyncio.TimerHandle | None = None
-        # Live progress (gateway/live.py): where this job's steps are pushed from, the latest
-        # pushed beat, and the status it is laid over (the latest one polled).
-        self._live_url: str | None = None
-        self._beat: FollowHeartbeat | None = None
-        self._base: JobStatus | None = None
-        self._shown: tuple[int, int, str] = (-1, -1, "")
-        self._pushed = asyncio.Event()
-        self._publishing = asyncio.Lock()
         self.task = asyncio.create_task(self._run(), name=f"follow {job_id}")
 
     @property
@@ -216,7 +208,6 @@ class Follower:
                 self.subscribers.discard(subscription)
 
     async def _run(self) -> None:
-        live = asyncio.create_task(self._publish_pushed(), name=f"live {self.job_id}")
         try:
             client = await self.hub.client()
             # An async generator (declared as an iterator): closed as soon as the job ends.
@@ -226,6 +217,7 @@ class Follower:
                     self.job_id,
                     poll_interval_s=self.hub.poll_interval_s,
                     keepalive_s=self.hub.keepalive_s,
+                    push_gap_s=PUSH_GAP_S,
                 ),
             )
             async with aclosing(updates):
@@ -241,21 +233,12 @@ class Follower:
                 self.ready.exception()  # retrieved: a subscriber may not be waiting for it
             self._publish(Published(failure=exc))
         finally:
-            live.cancel()
-            self._push_from(None)
             if self._idle is not None:
                 self._idle.cancel()
             self.hub.forget(self)
 
     async def _on(self, client: JobClient, watched: JobStatus) -> bool:
         """Publishes what `watched` brings; True once the job has ended."""
-        async with self._publishing:
-            ended = await self._on_polled(client, watched)
-        following = watched.state in FOLLOW_STATES and not ended
-        self._push_from(watched.live_progress if following else None)
-        return ended
-
-    async def _on_polled(self, client: JobClient, watched: JobStatus) -> bool:
         if not self.ready.done():
             # Entries up to here are before this follower's time: a subscriber replays them
             # from the job itself once this is set.
@@ -266,8 +249,8 @@ class Follower:
         status = watched
         if watched.seq > self.cursor or watched.terminal:
             journal = await client.journal(self.job_id, since=self.cursor)
-            if journal.status.seq >= watched.seq:
-                status = journal.status
+            if journal.status.seq > watched.seq:
+                status = carried_forward(journal.status, watched)
             for entry in placed([e for e in journal.events if e.seq > self.cursor]):
                 view = await self.hub.views.entry(self.job_id, entry.event)
                 self._publish(Published(entry=entry, entry_view=view))
@@ -276,46 +259,8 @@ class Follower:
         return status.terminal
 
     async def _publish_status(self, status: JobStatus) -> None:
-        self._base = status
-        if self._beat is not None:
-            status = overlaid(status, [self._beat])
-        self._shown = (status.seq, status.progress.step, status.state.value)
         if self.subscribers:
             self._publish(Published(status=status, status_view=await self.hub.views.status(status)))
-
-    # --- live progress -----------------------------------------------------------------------
-
-    def _push_from(self, url: str | None) -> None:
-        """Subscribe to the job's steps at `url` (None: nowhere), leaving any other address."""
-        relay = self.hub.relay
-        if relay is None or url == self._live_url:
-            return
-        if self._live_url is not None:
-            relay.unsubscribe(self._live_url, self.job_id, self._on_beat)
-        self._live_url = url if pushable(url) else None
-        self._beat = None
-        if self._live_url is not None:
-            relay.subscribe(self._live_url, self.job_id, self._on_beat)
-
-    def _on_beat(self, beat: FollowHeartbeat) -> None:
-        self._beat = beat
-        self._pushed.set()
-
-    async def _publish_pushed(self) -> None:
-        """Lay each pushed beat over the latest polled status, and publish it if it moved the
-        job on; at most one every LIVE_GAP_S, the latest beat winning."""
-        while True:
-            await self._pushed.wait()
-            self._pushed.clear()
-            async with self._publishing:
-                base, beat = self._base, self._beat
-                if base is None or beat is None or not self.ready.done():
-                    continue
-                status = overlaid(base, [beat])
-                shown = (status.seq, status.progress.step, status.state.value)
-                if shown != self._shown and shown[:2] >= self._shown[:2]:
-                    await self._publish_status(base)
-            await asyncio.sleep(LIVE_GAP_S)
 
 
 @dataclass
@@ -326,8 +271,6 @@ class Hub:
     views: JobViews
     grace_s: float
     poll_interval_s: float = 0.5
-    # Where followers subscribe to pushed steps (gateway/live.py); None: they only poll.
-    relay: LiveRelay | None = None
     keepalive_s: float | None = None
     queue_size: int = 1000
     followers: dict[str, Follower] = field(default_factory=dict)
@@ -358,8 +301,6 @@ class Hub:
         for follower in followers:
             follower.task.cancel()
         await asyncio.gather(*(f.task for f in followers), return_exceptions=True)
-        if self.relay is not None:
-            await self.relay.close()
 
 
 @dataclass

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, field_validator
 from pydantic_settings import NoDecode
 
 from gateway.auth import AuthSettings
@@ -59,11 +59,6 @@ class GatewaySettings(AuthSettings, LimitSettings):
     # How long /readyz waits for Temporal's answer.
     ready_timeout_s: float = Field(
         2.0, gt=0, validation_alias="DURABLE_COMFY_GATEWAY_READY_TIMEOUT_S"
-    )
-    # The workers' live-progress key (docs/configuration.md, "Live progress"): with it, a job's
-    # followers subscribe to the steps its worker pushes; without it, they only poll.
-    live_progress_key: SecretStr | None = Field(
-        None, validation_alias="DURABLE_COMFY_LIVE_PROGRESS_KEY"
     )
     log_level: str = Field("INFO", validation_alias="DURABLE_COMFY_LOG_LEVEL")
     # The worker's development allow-list of webhook hosts (activities.settings.WebhookSettings):

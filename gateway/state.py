@@ -18,7 +18,6 @@ from fastapi import Request
 from gateway.auth import ApiKeys
 from gateway.feed import Hub
 from gateway.limits import Limits
-from gateway.live import LiveRelay
 from gateway.settings import GatewaySettings
 from gateway.views import JobFacts, JobViews
 from starter.client import JobClient
@@ -95,7 +94,6 @@ class Gateway:
                 grace_s=self.settings.follower_grace_s,
                 poll_interval_s=self.settings.poll_interval_s,
                 queue_size=self.settings.subscriber_queue,
-                relay=LiveRelay(key) if (key := self.settings.live_progress_key) else None,
             )
             log.info("temporal_connected", target=client.temporal.service_client.config.target_host)
             return

@@ -32,7 +32,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Self, TypeVar
 
 import structlog
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, SecretStr, ValidationError
 from temporalio.client import (
     Client,
     RPCTimeoutOrCancelledError,
@@ -75,6 +75,7 @@ from starter.errors import (
     UnsafeArtifactKey,
 )
 from starter.execution import bare_status, ended_from_outside
+from starter.live import LiveRelay, Pushed
 from starter.pending_query import PendingQuery
 from starter.pollers import activity_queue
 from starter.progress import FOLLOW_STATES, follow_heartbeats, overlaid
@@ -206,6 +207,7 @@ class JobClient:
         task_queue: str = DEFAULT_TASK_QUEUE,
         store: ArtifactStore | None = None,
         query_timeout_s: float = 10.0,
+        live_progress_key: SecretStr | None = None,
     ) -> None:
         self.temporal = client
         self.task_queue = task_queue
@@ -216,6 +218,8 @@ class JobClient:
         self._owned_store: ArtifactStore | None = None
         # Task queues read for jobs whose activity waits for a worker (cached per queue).
         self.queues = QueueReader(lambda task_queue: activity_queue(self.temporal, task_queue))
+        # With the workers' key, `watch` also takes the steps they push (starter/live.py).
+        self.live = LiveRelay(live_progress_key) if live_progress_key is not None else None
 
     @classmethod
     async def connect(
@@ -228,6 +232,7 @@ class JobClient:
         store: ArtifactStore | None = None,
         s3: S3Settings | None = None,
         s3_from_environment: bool = True,
+        live_progress_key: SecretStr | None = None,
     ) -> JobClient:
         """Connect to Temporal, with the CLI's settings for whatever is not given here.
 
@@ -237,7 +242,8 @@ class JobClient:
         DURABLE_COMFY_QUERY_TIMEOUT_S. The artifact bucket: `store` (an open
         `activities.storage.ArtifactStore` you close yourself), else one opened from `s3`, else
         from the environment when DURABLE_COMFY_BUCKET is set (`s3_from_environment=False`: no
-        bucket). Raises `TemporalUnreachable` when nothing answers, `SettingsError` or
+        bucket). `live_progress_key`: else DURABLE_COMFY_LIVE_PROGRESS_KEY (none: `watch` only
+        polls). Raises `TemporalUnreachable` when nothing answers, `SettingsError` or
         `StorageNotConfigured` for a bad variable, naming it.
         """
         try:
@@ -254,6 +260,7 @@ class JobClient:
             task_queue=task_queue or settings.task_queue,
             store=store,
             query_timeout_s=query_timeout_s or settings.query_timeout_s,
+            live_progress_key=live_progress_key or settings.live_progress_key,
         )
         if store is None and (s3 is not None or s3_from_environment):
             with client.translated_errors():
@@ -271,7 +278,10 @@ class JobClient:
         self.store = self._owned_store = await store.__aenter__()
 
     async def close(self) -> None:
-        """Close the bucket's client if `connect` opened it (Temporal's needs no closing)."""
+        """Close the bucket's client if `connect` opened it, and the connections to workers
+        that push steps (Temporal's needs no closing)."""
+        if self.live is not None:
+            await self.live.close()
         store, self._owned_store = self._owned_store, None
         if store is not None:
             if self.store is store:
@@ -675,6 +685,7 @@ class JobClient:
         keepalive_s: float | None = None,
         reconnect: ReconnectPolicy | None = None,
         describe_after_s: float = 5.0,
+        push_gap_s: float = 0.0,
     ) -> AsyncIterator[JobStatus]:
         """Yield the job's status whenever it changes, the last one terminal (`_watch`)."""
         updates = self._watch(
@@ -683,6 +694,7 @@ class JobClient:
             keepalive_s=keepalive_s,
             reconnect=reconnect,
             describe_after_s=describe_after_s,
+            push_gap_s=push_gap_s,
         )
         async with aclosing(updates):
             with self.translated_errors():
@@ -697,6 +709,7 @@ class JobClient:
         keepalive_s: float | None,
         reconnect: ReconnectPolicy | None,
         describe_after_s: float,
+        push_gap_s: float,
     ) -> AsyncGenerator[JobStatus, None]:
         """Yield the job's status whenever it changes (its `seq`, the step it got to, or its
         `worker_wait`), the last one terminal.
@@ -716,6 +729,11 @@ class JobClient:
         terminated from outside ends the watch as TERMINATED. Transport errors are retried with
         the same bounded, jittered backoff the workflow uses; past the horizon without an answer
         `ContactLost` is raised, while the job runs on server-side.
+
+        With the workers' live-progress key (`self.live`), while the job's prompt is followed by
+        a worker that pushes its steps (`JobStatus.live_progress`), the watch also subscribes
+        there and, between polls, hands out each pushed step laid over the last status polled
+        (at most one every `push_gap_s`, the latest winning); the polls go on as the record.
         """
         policy = reconnect or ReconnectPolicy()
         last_shown: tuple[object, ...] | None = None
@@ -732,6 +750,7 @@ class JobClient:
         query: PendingQuery[JobStatus, tuple[str | None, int]] = PendingQuery(
             lambda: self._query(job_id)
         )
+        push = Pushed(self.live, job_id) if self.live is not None else None
         try:
             while True:
                 try:
@@ -798,6 +817,8 @@ class JobClient:
                     await asyncio.sleep(delay)
                     continue
                 failures, lost_since = 0, None
+                if push is not None and push.beat is not None:
+                    status = overlaid(status, [push.beat])
                 status = _not_behind(status, last_status)
                 last_status = status
                 shown = _shown(status)
@@ -806,9 +827,25 @@ class JobClient:
                     yield status
                 if status.terminal:
                     return
-                await asyncio.sleep(poll_interval_s)
+                if push is None:
+                    await asyncio.sleep(poll_interval_s)
+                    continue
+                push.follow(status.live_progress if status.state in FOLLOW_STATES else None)
+                # Until the next poll: each step the worker pushes, laid over the last status.
+                deadline = time.monotonic() + poll_interval_s
+                while (left := deadline - time.monotonic()) > 0:
+                    beat = await push.next(left)
+                    if beat is None:
+                        break
+                    moved = _not_behind(overlaid(last_status, [beat]), last_status)
+                    if _shown(moved) != last_shown:
+                        last_status, last_shown = moved, _shown(moved)
+                        yield moved
+                        await asyncio.sleep(push_gap_s)
         finally:
             query.cancel()
+            if push is not None:
+                push.close()
 
     async def _attach_or_final(self, job_id: str) -> JobStatus:
         try:

@@ -90,6 +90,15 @@ def overlaid(status: JobStatus, heartbeats: Iterable[FollowHeartbeat] = ()) -> J
     return status.model_copy(update=update)
 
 
+def carried_forward(status: JobStatus, earlier: JobStatus) -> JobStatus:
+    """`status` (the job's own, read later) with the step `earlier` showed, when that is of the
+    same submission and further: a step seen in a heartbeat or a push is not taken back by a
+    status the workflow wrote before it heard of it."""
+    if earlier.checkpoint is None:
+        return status
+    return overlaid(status, [FollowHeartbeat(checkpoint=earlier.checkpoint)])
+
+
 def _staged(status: JobStatus, heartbeats: list[FollowHeartbeat]) -> JobStatus:
     """A SUBMITTING job whose current submission's heartbeat says the backend has the prompt:
     WAITING (at its place) or RUNNING, as the workflow's status will say once it hears."""

@@ -24,9 +24,10 @@ from activities.live_progress import LiveProgress, serving
 from activities.settings import WorkerSettings
 from devstack.free_ports import free_port
 from devstack.models import RunningStack
-from gateway.live import LiveRelay
 from gateway.settings import GatewaySettings
-from tests.cli_support import RunningWorker, running_worker
+from starter import JobClient
+from starter.live import LiveRelay
+from tests.cli_support import RunningWorker, running_worker, s3_settings
 from tests.gateway_support import (
     KEYS,
     TEST_SETTINGS,
@@ -34,7 +35,6 @@ from tests.gateway_support import (
     job_body,
     serving_app,
     sse_events,
-    stack_client_factory,
 )
 from workflows.activity_io import FollowHeartbeat
 from workflows.contracts import Checkpoint
@@ -157,11 +157,21 @@ async def gateway_for(
     given: dict[str, Any] = {
         **TEST_SETTINGS,
         "DURABLE_COMFY_API_KEYS": keys,
-        "DURABLE_COMFY_LIVE_PROGRESS_KEY": KEY,
         "DURABLE_COMFY_GATEWAY_POLL_S": poll_s,
     }
     settings = GatewaySettings(**given)
-    async with serving_app(settings, stack_client_factory(stack, worker)) as running:
+
+    async def connect() -> JobClient:
+        # The gateway's client reads the key from DURABLE_COMFY_LIVE_PROGRESS_KEY, as any does.
+        return await JobClient.connect(
+            stack.temporal_address,
+            stack.namespace,
+            task_queue=worker.task_queue,
+            s3=s3_settings(stack),
+            live_progress_key=SecretStr(KEY),
+        )
+
+    async with serving_app(settings, connect) as running:
         yield running
 
 
@@ -211,7 +221,7 @@ async def test_a_stream_sees_the_steps_between_milestones_by_push(
         gateway_for(local_stack, pushing_worker, SLOW_POLL_S) as gateway,
         httpx.AsyncClient(trust_env=False, timeout=60) as http,
     ):
-        relay = gateway.hub.relay
+        relay = (await gateway.state.client()).live
         assert relay is not None
         connections: set[int] = set()
 

@@ -1,13 +1,14 @@
-"""The gateway's side of live progress: one connection per worker that pushes steps.
+"""A client's side of live progress: steps pushed by the worker that follows a job.
 
-A job's description names the worker that follows it and where that worker pushes its steps
+A job's description names where the worker following it pushes its steps
 (`JobStatus.live_progress`, from the follow heartbeat; activities/live_progress.py has the
-protocol). A follower (feed.py) subscribes to its job there and gets each step as it
-happens, instead of at its next poll. `LiveRelay` keeps one connection per worker address,
-shared by every job followed on it, subscribes and unsubscribes as followers come and go,
-and reconnects with backoff while anyone still wants that worker. The push is only a faster
-way to see the job: polling goes on underneath, so a worker that cannot be reached, or a
-connection that drops, costs freshness, never correctness.
+protocol). A client holding the workers' key (`DURABLE_COMFY_LIVE_PROGRESS_KEY`) subscribes
+there while it watches the job (`JobClient.watch`) and sees each step as it happens instead of
+at its next poll. `LiveRelay` keeps one connection per worker address, shared by every job
+watched on it, subscribes and unsubscribes as watches come and go, and reconnects with backoff
+while anyone still wants that worker. The push is only a faster way to see the job: polling
+goes on underneath, so a worker that cannot be reached, or a connection that drops, costs
+freshness, never correctness.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 
 from workflows.activity_io import FollowHeartbeat
 
-log = structlog.get_logger("gateway.live")
+log = structlog.get_logger("starter.live")
 
 OnBeat = Callable[[FollowHeartbeat], None]
 # Reconnecting to a worker: the first wait, doubled up to the last, each jittered.
@@ -178,3 +179,41 @@ class LiveRelay:
         for link in links:
             link.task.cancel()
         await asyncio.gather(*(link.task for link in links), return_exceptions=True)
+
+
+class Pushed:
+    """One watch's subscription to its job's pushed steps: the latest beat, and a wake-up."""
+
+    def __init__(self, relay: LiveRelay, job_id: str) -> None:
+        self.relay = relay
+        self.job_id = job_id
+        self.url: str | None = None
+        self.beat: FollowHeartbeat | None = None
+        self._arrived = asyncio.Event()
+
+    def follow(self, url: str | None) -> None:
+        """Subscribe at `url` (None or not a WebSocket address: nowhere), leaving any other."""
+        url = url if pushable(url) else None
+        if url == self.url:
+            return
+        if self.url is not None:
+            self.relay.unsubscribe(self.url, self.job_id, self._on_beat)
+        self.url, self.beat = url, None
+        if url is not None:
+            self.relay.subscribe(url, self.job_id, self._on_beat)
+
+    async def next(self, timeout_s: float) -> FollowHeartbeat | None:
+        """The latest beat once one comes, or None after `timeout_s` without one."""
+        try:
+            await asyncio.wait_for(self._arrived.wait(), timeout_s)
+        except TimeoutError:
+            return None
+        self._arrived.clear()
+        return self.beat
+
+    def close(self) -> None:
+        self.follow(None)
+
+    def _on_beat(self, beat: FollowHeartbeat) -> None:
+        self.beat = beat
+        self._arrived.set()
