@@ -35,7 +35,7 @@ from botocore.exceptions import ClientError
 from pydantic import BaseModel, ConfigDict
 
 from activities import s3_multipart
-from activities.s3_multipart import PART_SIZE, split_parts
+from activities.s3_multipart import PART_SIZE, PartBuffers, split_parts
 from activities.settings import S3Settings
 from activities.storage_errors import (
     MISSING_CODES,
@@ -144,7 +144,8 @@ class ArtifactStore:
         _check_header_value("content_type", content_type)
         started = time.monotonic()
         source = _guard_source(chunks)
-        parts = split_parts(source, PART_SIZE)
+        buffers = PartBuffers(PART_SIZE)
+        parts = split_parts(source, PART_SIZE, buffers)
         try:
             first = await anext(parts)
             if first.size < PART_SIZE:
@@ -167,6 +168,7 @@ class ArtifactStore:
                     rest=parts,
                     content_type=content_type,
                     metadata=meta,
+                    buffers=buffers,
                 )
             stored = await self._head(bucket, key)
         except s3_multipart.TooManyParts as exc:

@@ -308,6 +308,29 @@ async def test_multipart_round_trip(
     assert await store.list_multipart_uploads(prefix) == []
 
 
+async def test_part_buffers_are_reused_and_every_byte_arrives(
+    store: ArtifactStore, prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # More parts than buffers: later parts are filled into buffers whose parts were stored.
+    made = 0
+    presized = s3_multipart._presized
+
+    def counted(size: int) -> io.BytesIO:
+        nonlocal made
+        made += 1
+        return presized(size)
+
+    monkeypatch.setattr(s3_multipart, "_presized", counted)
+    data = random.Random(3).randbytes(9 * s3_multipart.PART_SIZE + 4321)
+    key = f"{prefix}/reused.bin"
+    stored = await store.upload_stream(key, _stream(data, 777_777), content_type="x/y")
+    assert (stored.size, stored.sha256) == (len(data), _sha(data))
+    out = await store.download(key, tmp_path / "reused.bin", expected_sha256=_sha(data))
+    assert out.read_bytes() == data
+    # The first part's buffer grows on its own; at most MAX_IN_FLIGHT more are ever made.
+    assert 1 <= made <= s3_multipart.MAX_IN_FLIGHT
+
+
 async def test_exactly_one_part_size(store: ArtifactStore, prefix: str) -> None:
     data = random.Random(2).randbytes(8 * MiB)
     stored = await store.upload_stream(f"{prefix}/p", _stream(data, MiB), content_type="x/y")
