@@ -14,19 +14,40 @@ hits another run's cache, so no record of ours points there; following it would 
 job's output. A record outside every run folder is kept: a prefix we could not rewrite (linked
 from a `PrimitiveString`) saves there, and a cache hit then names an earlier identical run's
 file. Whatever the names, the S3 key is `activities.keys.artifact_key`, inside the job's folder.
+
+`/view` is read with aiohttp (`view_stream`), not through the shared httpx client: httpx's
+HTTP/1.1 path (anyio, h11's buffers) costs the event loop that also sends the parts to S3 about
+twice aiohttp's CPU per byte received (0.9-1.2 against 0.45-0.5 s per GiB here), and an upload
+of a large output is bounded by that loop (bench group 5). Each upload has a session and a
+connection of its own: outputs arrive a node apart, mostly after the shared pool's keep-alive
+would have dropped its connection anyway. The same checks, status mapping and errors as
+`ComfyClient.view`; a client built on a transport of its own (a mock, an in-process app) is read
+through that transport, which aiohttp cannot reach.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping
+import functools
+import ssl
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
+import aiohttp
+import httpx
 import structlog
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from activities.comfyui.client import ComfyClient, ComfyError, UnsafeOutputName, check_view_request
+from activities.comfyui.client import (
+    ComfyClient,
+    ComfyError,
+    ComfyHTTPError,
+    ComfyUnavailable,
+    UnsafeOutputName,
+    check_view_request,
+)
 from activities.comfyui.events import output_files
 from activities.comfyui.history import (
     HistoryMissing,
@@ -47,6 +68,67 @@ from workflows.shared import ErrorType
 log = structlog.get_logger(__name__)
 
 MAX_PARALLEL_UPLOADS = 2
+# The worker's httpx client's: 5 s to connect, 30 s at most between two reads of the body.
+VIEW_CONNECT_TIMEOUT_S = 5.0
+VIEW_READ_TIMEOUT_S = 30.0
+
+
+@functools.cache
+def _tls_context() -> ssl.SSLContext:
+    # httpx's own default (the same CA bundle as every other ComfyUI call), built once: loading
+    # the bundle takes 30-50 ms.
+    return httpx.create_ssl_context()
+
+
+def _reads_network(client: ComfyClient) -> bool:
+    """True when `client` reaches ComfyUI over the network (httpx's own HTTP transport), where
+    aiohttp reaches it too."""
+    transport = getattr(getattr(client, "_http", None), "_transport", None)
+    return isinstance(transport, httpx.AsyncHTTPTransport)
+
+
+@asynccontextmanager
+async def view_stream(
+    client: ComfyClient, filename: str, subfolder: str, kind: str
+) -> AsyncIterator[AsyncIterator[bytes]]:
+    """An output file's bytes from ComfyUI's GET /view, chunks as they arrive (module
+    docstring): `ComfyClient.view`'s contract (`UnsafeOutputName` before anything is sent,
+    `ComfyUnavailable` for no connection, a timeout or a 5xx, `ComfyHTTPError` for any other
+    status but 200), read with aiohttp."""
+    if not _reads_network(client):
+        async with client.view(filename, subfolder, kind) as chunks:
+            yield chunks
+        return
+    check_view_request(filename, subfolder, kind)
+    params = {"filename": filename, "subfolder": subfolder, "type": kind}
+    timeout = aiohttp.ClientTimeout(
+        total=None, sock_connect=VIEW_CONNECT_TIMEOUT_S, sock_read=VIEW_READ_TIMEOUT_S
+    )
+    url = client.base_url + "/view"
+    async with AsyncExitStack() as stack:
+        try:
+            session = await stack.enter_async_context(
+                aiohttp.ClientSession(timeout=timeout, trust_env=False)
+            )
+            response = await stack.enter_async_context(
+                session.get(
+                    url,
+                    params=params,
+                    allow_redirects=False,  # as httpx: a redirect is an answer, not followed
+                    ssl=_tls_context() if url.startswith("https:") else True,
+                )
+            )
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise ComfyUnavailable(f"GET /view: {type(exc).__name__}: {exc}") from exc
+        if response.status >= 500:
+            raise ComfyUnavailable(f"GET /view: HTTP {response.status}")
+        if response.status != 200:
+            raise ComfyHTTPError(
+                f"GET /view {shown(filename)}: HTTP {response.status}", response.status
+            )
+        # Chunks as aiohttp received them (up to 256 KiB, asyncio's read size), not re-chunked:
+        # the uploader cuts its own parts. A failure mid-body surfaces in the consumer's loop.
+        yield response.content.iter_any()
 
 
 class OutputUploader:
@@ -109,8 +191,11 @@ class OutputUploader:
         try:
             async with self._limit:
                 content_type = content_type_for(item["filename"])
-                async with self._client.view(
-                    item["filename"], item.get("subfolder", ""), item.get("type", "output")
+                async with view_stream(
+                    self._client,
+                    item["filename"],
+                    item.get("subfolder", ""),
+                    item.get("type", "output"),
                 ) as chunks:
                     stored = await self._store.upload_stream(
                         key, chunks, content_type=content_type, bucket=self._output.bucket
