@@ -7,7 +7,9 @@ of its own so that its peak RSS is its own (VmHWM, reset right before the upload
   up to 4 in flight: the same part size and concurrency as the project's uploader).
 
 S3 settings come from the environment (the stack's worker_env). Prints one JSON line:
-{"seconds", "bytes", "rss_before", "peak_rss", "peak_sampled", "hwm_reset"}.
+{"seconds", "cpu_seconds", "bytes", "rss_before", "peak_rss", "peak_sampled", "hwm_reset"};
+`cpu_seconds` is this process's CPU (all its threads) during the upload: a figure that other work
+on the machine disturbs far less than the wall-clock time.
 """
 
 from __future__ import annotations
@@ -132,12 +134,14 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         rss_before = rss_bytes("self")
         hwm_reset = reset_hwm()
         with PeakSampler() as sampler:
-            began = time.perf_counter()
+            began, cpu_began = time.perf_counter(), time.process_time()
             upload = project(args, store, http) if args.mode == "project" else raw(args, store)
             size = await upload
             seconds = time.perf_counter() - began
+            cpu_seconds = time.process_time() - cpu_began
         return {
             "seconds": seconds,
+            "cpu_seconds": cpu_seconds,
             "bytes": size,
             "rss_before": rss_before,
             "peak_rss": hwm_bytes("self") if hwm_reset else sampler.peak,

@@ -7,37 +7,52 @@ that its peak RSS is its own: VmHWM reset right before the upload, read right af
 RSS before it (also sampled every 10 ms, a second witness).
 
 - **project**: `OutputUploader.upload`, what `follow_prompt` and `offload_outputs` run: GET /view
-  streamed (chunks as read, up to 256 KiB) into `ArtifactStore.upload_stream` (8 MiB parts, up to
-  4 in flight, sha256 and CRC32 in threads on the way, then the sha256 stamped on the object as
-  metadata);
+  streamed with aiohttp (chunks as read, up to 256 KiB) into `ArtifactStore.upload_stream` (8 MiB
+  parts in reused buffers, up to 4 in flight, sha256 and CRC32 in threads on the way, then the
+  sha256 stamped on the object as metadata and read back);
 - **raw**: aioboto3 `create_multipart_upload` / `upload_part` / `complete_multipart_upload` of the
   same file read from disk, with the same part size and parts in flight; nothing else.
 
-Per size (`--offload-sizes`, MiB; 100 and 1024 by default): throughput (MiB/s, target >= 0.9x
-raw) and peak RSS growth (target <= 64 MiB, flat in the size). Sizes up to 256 MiB are measured
-twice each (raw, project, raw, project), larger ones once.
+Per size (`--offload-sizes`, MiB; 100 and 1024 by default): throughput (MiB/s, target >= 0.95x
+raw, issue 20) and peak RSS growth (target <= 64 MiB, flat in the size). One run cannot resolve
+5 %, and other work on the machine moves a single upload's time by far more: each size is
+measured in rounds (5 up to 256 MiB, 3 above), each round one raw and one project upload, back to
+back, the side that goes first alternating; before each upload the bucket's writes are flushed to
+disk (`sync`) and SeaweedFS is let go idle, so no upload pays for the one before it. The
+throughput result compares the medians of the two sides over the same rounds; the details give
+each round's ratio (their spread says how far the median can be trusted) and each side's CPU per
+GiB in the uploading process, which other work disturbs far less than the time.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import statistics
 import sys
 import time
 import uuid
 from typing import Any
 
 from bench.outcome import Benchmark, BenchOptions, Outcome, Section
-from bench.procs import MIB
+from bench.procs import MIB, cpu_seconds
 from bench.profile import profile_lines, record_command
 from bench.results import Result, Target, fmt, result
 from bench.stack import ROOT, BenchContext, SimProcess, extra_sim
 from devstack.chaos.worker_proc import clean_environ
 
-THROUGHPUT_MIN_RATIO = 0.9
+THROUGHPUT_MIN_RATIO = 0.95  # issue 20 (issue 10 asked 0.9)
 RSS_GROWTH_MAX_MIB = 64.0
-REPEAT_UP_TO_MIB = 256
+ROUNDS_SMALL = 5  # rounds for sizes up to SMALL_UP_TO_MIB
+ROUNDS_LARGE = 3
+SMALL_UP_TO_MIB = 256
 MODES = ("raw", "project")
+# Before each upload: SeaweedFS below this share of a core over SETTLE_WINDOW_S, at most
+# SETTLE_MAX_S of waiting.
+SETTLE_CPU_SHARE = 0.05
+SETTLE_WINDOW_S = 0.25
+SETTLE_MAX_S = 15.0
 
 
 async def _make_output(ctx: BenchContext, sim: SimProcess, size_mib: int) -> dict[str, str]:
@@ -108,29 +123,64 @@ def growth_mib(run: dict[str, Any]) -> float:
     return (float(run["peak_rss"]) - float(run["rss_before"])) / MIB
 
 
-def best(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """The fastest run of a side (the least disturbed by other work on the machine)."""
-    return max(runs, key=mib_per_s)
+def cpu_s_per_gib(run: dict[str, Any]) -> float:
+    return float(run["cpu_seconds"]) / (float(run["bytes"]) / MIB / 1024)
+
+
+def rounds_for(size_mib: int) -> int:
+    return ROUNDS_SMALL if size_mib <= SMALL_UP_TO_MIB else ROUNDS_LARGE
+
+
+def round_order(index: int) -> tuple[str, str]:
+    """Raw first in even rounds, the project first in odd ones: neither side always follows the
+    other's upload."""
+    return MODES if index % 2 == 0 else (MODES[1], MODES[0])
+
+
+def median_speed(runs: list[dict[str, Any]]) -> float:
+    return statistics.median(mib_per_s(r) for r in runs)
+
+
+def round_ratios(runs: dict[str, list[dict[str, Any]]]) -> list[float]:
+    """Each round's project / raw throughput (the two uploads ran back to back)."""
+    return [mib_per_s(p) / mib_per_s(r) for p, r in zip(runs["project"], runs["raw"], strict=True)]
+
+
+async def settle(s3_pid: int | None) -> float:
+    """Flush what the bucket wrote to disk and wait until SeaweedFS is idle, so that an upload
+    does not pay for the one before it. Returns the seconds waited."""
+    began = time.monotonic()
+    await asyncio.to_thread(os.sync)
+    while s3_pid is not None and time.monotonic() - began < SETTLE_MAX_S:
+        before = cpu_seconds(s3_pid)
+        await asyncio.sleep(SETTLE_WINDOW_S)
+        after = cpu_seconds(s3_pid)
+        if before is None or after is None or (after - before) / SETTLE_WINDOW_S < SETTLE_CPU_SHARE:
+            break
+    return time.monotonic() - began
 
 
 async def run(ctx: BenchContext, options: BenchOptions) -> Outcome:
     results: list[Result] = []
     rows: list[str] = []
+    summary: list[str] = []
     where: dict[str, list[str]] = {}
     missed: list[tuple[int, SimProcess, dict[str, str]]] = []
     async with extra_sim(ctx, "offload", step_delay_ms=0) as sim:
         for size in options.offload_sizes_mib:
             item = await _make_output(ctx, sim, size)
             runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
-            for _ in range(2 if size <= REPEAT_UP_TO_MIB else 1):
-                for mode in MODES:
-                    runs[mode].append(await _child(ctx, _argv(mode, sim, item)))
-            project, raw = best(runs["project"]), best(runs["raw"])
+            for index in range(rounds_for(size)):
+                for mode in round_order(index):
+                    await settle(ctx.s3_pid)
+                    measured = await _child(ctx, _argv(mode, sim, item))
+                    measured["round"] = index + 1
+                    runs[mode].append(measured)
             speed = result(
                 f"offload.{size}mib.throughput",
-                mib_per_s(project),
+                median_speed(runs["project"]),
                 "MiB/s",
-                baseline=mib_per_s(raw),
+                baseline=median_speed(runs["raw"]),
                 target=Target(metric="ratio", op=">=", limit=THROUGHPUT_MIN_RATIO),
             )
             # Growth is the worst of the runs: the peak is what a worker must have room for.
@@ -143,10 +193,18 @@ async def run(ctx: BenchContext, options: BenchOptions) -> Outcome:
                 target=Target(limit=RSS_GROWTH_MAX_MIB),
             )
             results += [speed, memory]
+            ratios = round_ratios(runs)
+            cpu = {m: statistics.median(cpu_s_per_gib(r) for r in runs[m]) for m in MODES}
+            summary.append(
+                f"| {size} | {len(ratios)} | {fmt(speed.ratio or 0.0)} | "
+                f"{fmt(min(ratios))} - {fmt(max(ratios))} | {fmt(cpu['project'])} | "
+                f"{fmt(cpu['raw'])} |"
+            )
             for mode in MODES:
                 for r in runs[mode]:
                     rows.append(
-                        f"| {size} | {mode} | {fmt(float(r['seconds']))} | {fmt(mib_per_s(r))} | "
+                        f"| {size} | {r['round']} | {mode} | {fmt(float(r['seconds']))} | "
+                        f"{fmt(mib_per_s(r))} | {fmt(cpu_s_per_gib(r))} | "
                         f"{fmt(float(r['rss_before']) / MIB)} | {fmt(growth_mib(r))} | "
                         f"{fmt((float(r['peak_sampled']) - float(r['rss_before'])) / MIB)} |"
                     )
@@ -164,17 +222,31 @@ async def run(ctx: BenchContext, options: BenchOptions) -> Outcome:
             where[row.name] = _where(row, profiled)
     sections = [
         Section(
+            title="Offload: medians",
+            lines=[
+                "Each size in rounds of one raw and one project upload back to back (the first "
+                "side alternating), `sync` and SeaweedFS idle before each. `ratio` = median "
+                "project MiB/s / median raw MiB/s; `rounds' ratios` = the lowest and highest "
+                "of each round's own ratio; CPU = the uploading process's CPU seconds per GiB "
+                "(median), all its threads.",
+                "",
+                "| MiB | rounds | ratio | rounds' ratios | CPU s/GiB project | CPU s/GiB raw |",
+                "|---|---|---|---|---|---|",
+                *summary,
+            ],
+        ),
+        Section(
             title="Offload: each upload",
             lines=[
                 "Each upload in a process of its own; `peak growth` = VmHWM (reset right before "
-                "the upload) - RSS before it; `sampled` = the highest RSS seen every 10 ms. The "
-                "throughput rows compare the fastest run of each side.",
+                "the upload) - RSS before it; `sampled` = the highest RSS seen every 10 ms.",
                 "",
-                "| MiB | side | s | MiB/s | RSS before (MiB) | peak growth (MiB) | sampled (MiB) |",
-                "|---|---|---|---|---|---|---|",
+                "| MiB | round | side | s | MiB/s | CPU s/GiB | RSS before (MiB) | "
+                "peak growth (MiB) | sampled (MiB) |",
+                "|---|---|---|---|---|---|---|---|---|",
                 *rows,
             ],
-        )
+        ),
     ]
     if profiled:
         sections.append(Section(title="Offload: profile", lines=profiled, console=False))
@@ -184,11 +256,11 @@ async def run(ctx: BenchContext, options: BenchOptions) -> Outcome:
 def _where(missed: Result, profiled: list[str]) -> list[str]:
     if missed.name.endswith("throughput"):
         head = (
-            f"The project's path streams GET /view (httpx, up to 256 KiB a read) into 8 MiB "
-            f"parts, hashing every byte (sha256, in a thread) on the way and, once complete, "
-            f"stamping the sha256 on the object (a copy inside S3); the raw upload reads the "
-            f"file in 8 MiB parts and sends them. {fmt(missed.value)} MiB/s against "
-            f"{fmt(missed.baseline)} MiB/s."
+            f"The project's path streams GET /view (aiohttp, up to 256 KiB a read) into 8 MiB "
+            f"parts (buffers reused), hashing every byte (sha256, in a thread) on the way and, "
+            f"once complete, stamping the sha256 on the object (a copy inside S3) and reading it "
+            f"back (HEAD); the raw upload reads the file in 8 MiB parts and sends them. "
+            f"{fmt(missed.value)} MiB/s against {fmt(missed.baseline)} MiB/s (medians)."
         )
     else:
         head = (
@@ -198,4 +270,5 @@ def _where(missed: Result, profiled: list[str]) -> list[str]:
     return [head, "", *profiled] if profiled else [head]
 
 
-BENCHMARK = Benchmark(name="offload", group=5, title="Offload", run=run)
+# Six uploads of 1 GiB and ten of 100 MiB, each after a settle: about 3 minutes on 2 cores.
+BENCHMARK = Benchmark(name="offload", group=5, title="Offload", run=run, timeout_s=600.0)
