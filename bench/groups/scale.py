@@ -14,17 +14,23 @@ For each batch size in `--scale-jobs` (100, 300 and 1,000 by default):
 Then the deep serial queue: `--scale-serial-jobs` jobs at once vs the same prompts directly.
 RSS growth per job is the slope of the peak RSS over the batch sizes (a line fit); the 1,000-job
 figure is measured when 1,000 is among the batches, else extrapolated on that line (said so).
+Then the running populations (scale_running.py): the same worker follows 100, 300, then 1,000
+long jobs, and the lag of 10 watched ones is measured with live progress and by polling.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 
 import httpx
+from pydantic import SecretStr
 
 from bench.direct import run_direct
+from bench.groups import scale_running
 from bench.groups.client_latency import event_to_seen_ms
+from bench.groups.scale_running import Population
 from bench.jobs import completed, graph, prompt_id_of, request, watch
 from bench.load import CpuUse, cpu_table
 from bench.outcome import Benchmark, BenchOptions, Outcome, Section
@@ -34,6 +40,7 @@ from bench.results import Result, Target, fmt, percentile, result
 from bench.server_calls import ServerCalls, calls_table, server_calls
 from bench.sim import progress_times
 from bench.stack import BenchContext, Pool, extra_sim, extra_worker
+from devstack.free_ports import free_port
 from starter import JobClient
 
 STEPS = 20
@@ -95,6 +102,7 @@ async def run(ctx: BenchContext, options: BenchOptions) -> Outcome:
     log_size = biggest + WATCHED + 64
     batches: list[Batch] = []
     profiled: list[str] = []
+    live_key = "bench-live-" + uuid.uuid4().hex
     async with (
         extra_sim(
             ctx, "scale", step_delay_ms=STEP_MS, parallel=biggest, progress_log_prompts=log_size
@@ -102,8 +110,22 @@ async def run(ctx: BenchContext, options: BenchOptions) -> Outcome:
         extra_sim(
             ctx, "scale_serial", step_delay_ms=STEP_MS, progress_log_prompts=log_size
         ) as serial,
+        extra_sim(
+            ctx,
+            "scale_running",
+            step_delay_ms=scale_running.STEP_MS,
+            parallel=max(counts),
+            progress_log_prompts=max(counts) + 64,
+        ) as running,
         extra_worker(
-            ctx, "scale", [sim.pool, serial.pool], max_concurrent_activities=biggest
+            ctx,
+            "scale",
+            [sim.pool, serial.pool, running.pool],
+            max_concurrent_activities=biggest,
+            env={
+                "DURABLE_COMFY_LIVE_PROGRESS_PORT": str(free_port()),
+                "DURABLE_COMFY_LIVE_PROGRESS_KEY": live_key,
+            },
         ) as worker,
     ):
         jobs, _ = ctx.job_client(worker.task_queue)
@@ -144,8 +166,15 @@ async def run(ctx: BenchContext, options: BenchOptions) -> Outcome:
         serial_n = options.scale_serial_jobs
         serial_direct = await _direct_batch(ctx, serial.pool, serial_n)
         serial_wall, _ = await _project_batch(ctx, jobs, serial.pool, serial_n)
+        pushing = JobClient(
+            ctx.temporal, task_queue=worker.task_queue, live_progress_key=SecretStr(live_key)
+        )
+        try:
+            populations = await scale_running.measure(ctx, running.pool, pushing, jobs, counts)
+        finally:
+            await pushing.close()
 
-    return _outcome(batches, idle_rss, serial_n, serial_wall, serial_direct, profiled)
+    return _outcome(batches, idle_rss, serial_n, serial_wall, serial_direct, profiled, populations)
 
 
 def _outcome(
@@ -155,6 +184,7 @@ def _outcome(
     serial_wall: float,
     serial_direct: float,
     profiled: list[str],
+    populations: list[Population],
 ) -> Outcome:
     results: list[Result] = []
     lags = [lag for b in batches for lag in b.lags]
@@ -201,6 +231,16 @@ def _outcome(
                     target=Target(limit=RSS_MAX_MB),
                 )
             )
+    for population in populations:
+        results.append(
+            result(
+                f"scale.running_lag_p99_at_{population.jobs}",
+                population.pushed_p99,
+                "ms",
+                baseline=population.polled_p99,
+                target=Target(limit=LAG_P99_MAX_MS),
+            )
+        )
     results.append(
         result(
             "scale.throughput_deep_serial_queue",
@@ -259,6 +299,23 @@ def _outcome(
         f"- lag: {len(lags)} progress events of {WATCHED} watched jobs per batch, event at the "
         f"simulator -> status handed to `JobClient.watch`",
     ]
+    running_lines = [
+        f"Running populations: jobs of {scale_running.STEPS} steps x {scale_running.STEP_MS} ms "
+        f"on the same worker (live progress on), started {scale_running.CHUNK} at a time; at "
+        f"each, {scale_running.WATCHED} jobs watched for {fmt(scale_running.WINDOW_S)} s by "
+        "`JobClient.watch` with the live-progress key (pushed) and without it (polled).",
+        "",
+        "| jobs running | reached after (s) | pushed lag p50 / p99 (ms) | polled lag p50 / p99 "
+        "(ms) | steps counted |",
+        "|---|---|---|---|---|",
+        *(
+            f"| {p.jobs} | {fmt(p.started_s)} | {fmt(percentile(p.pushed, 50))} / "
+            f"{fmt(p.pushed_p99)} | {fmt(percentile(p.polled, 50))} / {fmt(p.polled_p99)} | "
+            f"{len(p.pushed)} |"
+            for p in populations
+        ),
+    ]
+    summary += ["", *running_lines]
     where_lines = [*summary, "", *cpu_lines, *profiled]
     where = {r.name: where_lines for r in results if r.meets is False}
     sections = [
@@ -270,4 +327,4 @@ def _outcome(
     return Outcome(results=results, sections=sections, where=where)
 
 
-BENCHMARK = Benchmark(name="scale", group=4, title="Scale", run=run, timeout_s=900.0)
+BENCHMARK = Benchmark(name="scale", group=4, title="Scale", run=run, timeout_s=1800.0)

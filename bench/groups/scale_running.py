@@ -1,0 +1,165 @@
+"""Group 4, scale, second part: how fresh progress is while a worker follows 100, 300, then 1,000
+running jobs.
+
+The burst batches (scale.py) submit every job at once: their lag is the time the stack takes to
+start a batch on 2 cores (about 8 jobs a second), not how fresh a followed job's progress is.
+Here the jobs are long (`STEPS` steps of `STEP_MS`: a GPU's pace), started a chunk at a time
+until the worker follows the population, and only then are 10 of them watched for a window:
+
+- **pushed**: `JobClient.watch` with the workers' live-progress key (the worker pushes each
+  step to it: docs/configuration.md, *Live progress*);
+- **polled** (the baseline, same jobs, same window): `JobClient.watch` without it, reading the
+  heartbeat every 0.5 s, which the worker's heartbeat budget paces (each job once a second at
+  1,000 jobs).
+
+Lag: every step the simulator sent in the window (but its last second) → the first status the
+watcher was handed with that step or a later one. The jobs are terminated at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from bench.groups.client_latency import event_to_seen_ms
+from bench.jobs import BenchFailure, Seen, request
+from bench.results import percentile
+from bench.sim import progress_times
+from bench.stack import BenchContext, Pool
+from starter import JobClient
+
+STEPS = 2400
+STEP_MS = 500
+WATCHED = 10
+WINDOW_S = 10.0
+SETTLE_S = 3.0
+TAIL_S = 1.0
+# Jobs started at once while the population grows: the next chunk waits for this one to run.
+CHUNK = 25
+START_TIMEOUT_S = 300.0
+
+
+@dataclass
+class Population:
+    """One population level: the lags of the watched jobs' steps, pushed and polled."""
+
+    jobs: int
+    pushed: list[float] = field(default_factory=list)
+    polled: list[float] = field(default_factory=list)
+    started_s: float = 0.0  # how long the stack took to grow to it
+
+    @property
+    def pushed_p99(self) -> float:
+        return percentile(self.pushed, 99)
+
+    @property
+    def polled_p99(self) -> float:
+        return percentile(self.polled, 99)
+
+
+async def _running(http: httpx.AsyncClient, pool: Pool) -> int:
+    stats = (await http.get(f"{pool.url}/sim/stats")).json()
+    return len(stats["started_at"]) - len(stats["ended_at"])
+
+
+async def _grow(
+    ctx: BenchContext, jobs: JobClient, pool: Pool, ids: list[str], target: int
+) -> None:
+    """Start jobs a chunk at a time until `target` prompts run on the simulator."""
+    while len(ids) < target:
+        chunk = min(CHUNK, target - len(ids))
+        submitted = await asyncio.gather(
+            *(jobs.submit(request(STEPS, pool.name)) for _ in range(chunk))
+        )
+        ids += [s.job_id for s in submitted]
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while await _running(ctx.http, pool) < len(ids):
+            if time.monotonic() > deadline:
+                raise BenchFailure(f"{len(ids)} jobs submitted, not all running after 300 s")
+            await asyncio.sleep(0.25)
+
+
+async def _seen_for(jobs: JobClient, job_id: str, seen: list[Seen]) -> None:
+    async for status in jobs.watch(job_id):
+        seen.append(
+            Seen.model_construct(
+                at=time.time(),
+                state=status.state,
+                step=status.progress.step,
+                total_steps=status.progress.total_steps,
+            )
+        )
+
+
+async def _window(
+    ctx: BenchContext, pool: Pool, pushing: JobClient, polling: JobClient, watched: list[str]
+) -> tuple[list[float], list[float]]:
+    pushed: dict[str, list[Seen]] = {job_id: [] for job_id in watched}
+    polled: dict[str, list[Seen]] = {job_id: [] for job_id in watched}
+    tasks = [asyncio.create_task(_seen_for(pushing, j, pushed[j])) for j in watched]
+    tasks += [asyncio.create_task(_seen_for(polling, j, polled[j])) for j in watched]
+    try:
+        await asyncio.sleep(SETTLE_S)
+        started = time.time()
+        await asyncio.sleep(WINDOW_S)
+        ended = time.time()
+    finally:
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(BaseException):
+                await task
+    broken = [t for t in tasks if not t.cancelled() and t.exception() is not None]
+    if broken:
+        raise BenchFailure(f"a watch failed: {broken[0].exception()!r}")
+    lags: tuple[list[float], list[float]] = ([], [])
+    for job_id in watched:
+        status = await polling.status(job_id)
+        if status.checkpoint is None or status.checkpoint.prompt_id is None:
+            raise BenchFailure(f"watched job {job_id} has no prompt: {status.state}")
+        steps = [
+            step
+            for step in await progress_times(ctx.http, pool.url, status.checkpoint.prompt_id)
+            if started <= step.at <= ended - TAIL_S
+        ]
+        for lag, seen in zip(lags, (pushed[job_id], polled[job_id]), strict=True):
+            lag += event_to_seen_ms(steps, [s for s in seen if s.at >= started])
+    if not lags[0] or not lags[1]:
+        raise BenchFailure("no step of the watched jobs was seen in the window")
+    return lags
+
+
+async def measure(
+    ctx: BenchContext, pool: Pool, pushing: JobClient, polling: JobClient, counts: list[int]
+) -> list[Population]:
+    """Grow the population to each of `counts` in turn, watching 10 jobs at each."""
+    ids: list[str] = []
+    populations: list[Population] = []
+    began = time.monotonic()
+    try:
+        for n in sorted(counts):
+            await _grow(ctx, polling, pool, ids, n)
+            population = Population(n, started_s=time.monotonic() - began)
+            population.pushed, population.polled = await _window(
+                ctx, pool, pushing, polling, ids[:WATCHED]
+            )
+            populations.append(population)
+    finally:
+        await _terminate(polling, ids)
+    return populations
+
+
+async def _terminate(jobs: JobClient, ids: list[str]) -> None:
+    """Terminate (not cancel): a thousand cancels would each stop its prompt first."""
+    for start in range(0, len(ids), 100):
+        await asyncio.gather(
+            *(
+                jobs.handle(job_id).terminate("benchmark over")
+                for job_id in ids[start : start + 100]
+            ),
+            return_exceptions=True,
+        )
