@@ -3,9 +3,13 @@ way and stamped on the object as user metadata `sha256` (where `activities.stora
 
 Below PART_SIZE: one PutObject. Above: a multipart upload with PART_SIZE parts and at most
 MAX_IN_FLIGHT of them sending, so memory stays about (MAX_IN_FLIGHT + 1) x PART_SIZE whatever the
-file's size. The digest is known only after the last byte, but S3 fixes metadata when the upload
-starts, so a finished multipart object is copied onto itself with the digest, pinned to the
-object we completed (`CopySourceIfMatch`). Any failure or cancellation aborts the upload.
+file's size. The event loop, which also reads the file from ComfyUI and keeps the job's progress
+and lease going, copies each byte once (a part is joined from the chunks as they came) and
+leaves the sha256 to a thread: part after part, in order, while later parts are read and sent.
+A part is in flight until it is both stored and hashed. The digest is known only after the last
+byte, but S3 fixes metadata when the upload starts, so a finished multipart object is copied onto
+itself with the digest, pinned to the object we completed (`CopySourceIfMatch`). Any failure or
+cancellation aborts the upload.
 
 Every call rides out a storage outage on the file's one `Patience` (endpoint/s3.py). A failure
 that starting over can get past (the upload vanished, a retried copy lost its condition) is an
@@ -89,6 +93,43 @@ async def stream_to_s3(
     return Stored(bucket, key, size, digest, content_type)
 
 
+class _OrderedHash:
+    """The object's sha256, fed part after part in threads (hashlib drops the GIL), each part
+    after the one before, so the event loop never hashes and the parts never wait on it."""
+
+    def __init__(self) -> None:
+        self._hasher = hashlib.sha256()
+        self._last: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.hashed = 0
+
+    def add(self, data: bytes) -> asyncio.Task[None]:
+        """Hash `data` after everything added before; the task ends once it is hashed."""
+        task = asyncio.create_task(self._hash_after(self._last, data))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        self._last = task
+        return task
+
+    async def _hash_after(self, previous: asyncio.Task[None] | None, data: bytes) -> None:
+        if previous is not None:
+            await asyncio.wait([previous])  # cancelling this must not cancel `previous`
+            if previous.cancelled() or previous.exception() is not None:
+                return  # the digest is never read after a failure (`hexdigest` checks)
+        await asyncio.to_thread(self._hasher.update, data)
+        self.hashed += len(data)
+
+    def hexdigest(self, size: int) -> str:
+        """The digest, once every byte of the `size` streamed went through it."""
+        if self.hashed != size:
+            raise RuntimeError(f"hashed {self.hashed} of {size} bytes")
+        return self._hasher.hexdigest()
+
+    def cancel(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+
+
 class _Upload:
     def __init__(
         self, s3: S3, bucket: str, key: str, content_type: str, patience: Patience
@@ -106,35 +147,45 @@ class _Upload:
         self.in_flight: set[asyncio.Task[None]] = set()
 
     async def run(self, chunks: AsyncIterator[bytes]) -> tuple[int, str]:
-        hasher = hashlib.sha256()
+        hasher = _OrderedHash()
         size = 0
-        buffer = bytearray()
+        pieces: list[memoryview] = []  # the part being gathered, as the chunks came
+        gathered = 0
         try:
             async for chunk in chunks:
-                hasher.update(chunk)
-                size += len(chunk)
-                buffer += chunk
-                while len(buffer) >= PART_SIZE:
-                    part = bytes(buffer[:PART_SIZE])
-                    del buffer[:PART_SIZE]
-                    await self._send_part(part)
-            digest = hasher.hexdigest()
+                view = memoryview(chunk).cast("B")
+                size += view.nbytes
+                while view.nbytes:
+                    take = min(PART_SIZE - gathered, view.nbytes)
+                    pieces.append(view[:take])
+                    gathered += take
+                    view = view[take:]
+                    if gathered == PART_SIZE:
+                        part = b"".join(pieces)  # the one copy of these bytes
+                        pieces, gathered = [], 0
+                        await self._send_part(part, hasher.add(part))
+            last = b"".join(pieces)
+            pieces = []
             if self.upload_id is None:
+                await hasher.add(last)
+                digest = hasher.hexdigest(size)
                 await self.s3.call(
                     "put_object",
                     patience=self.patience,
                     Bucket=self.bucket,
                     Key=self.key,
-                    Body=bytes(buffer),
+                    Body=last,
                     ContentType=self.content_type,
                     Metadata={"sha256": digest},
                 )
                 return size, digest
-            if buffer:
-                await self._send_part(bytes(buffer))
+            if last:
+                await self._send_part(last, hasher.add(last))
             await self._wait_parts(until=0)
+            digest = hasher.hexdigest(size)
             etag = await self._complete()
         except BaseException:
+            hasher.cancel()
             await self._abort()
             raise
         finally:
@@ -143,7 +194,7 @@ class _Upload:
         await self._stamp(etag, size, digest)
         return size, digest
 
-    async def _send_part(self, body: bytes) -> None:
+    async def _send_part(self, body: bytes, hashing: asyncio.Task[None]) -> None:
         if self.upload_id is None:
             failures = self.patience.failures
             created = await self.s3.call(
@@ -160,9 +211,10 @@ class _Upload:
         if number > MAX_PARTS:
             raise UploadError(f"{self.key}: more than {MAX_PARTS} parts of {PART_SIZE} bytes")
         await self._wait_parts(until=MAX_IN_FLIGHT - 1)
-        self.in_flight.add(asyncio.create_task(self._put_part(number, body)))
+        self.in_flight.add(asyncio.create_task(self._put_part(number, body, hashing)))
 
-    async def _put_part(self, number: int, body: bytes) -> None:
+    async def _put_part(self, number: int, body: bytes, hashing: asyncio.Task[None]) -> None:
+        # In flight (and its bytes held) until the part is both stored and hashed.
         resp = await self.s3.call(
             "upload_part",
             patience=self.patience,
@@ -173,6 +225,7 @@ class _Upload:
             Body=body,
         )
         self.parts[number] = str(resp["ETag"])
+        await hashing
 
     async def _wait_parts(self, *, until: int) -> None:
         """Wait until at most `until` parts are in flight; a failed part fails the upload."""

@@ -3,6 +3,7 @@ S3 retries, the rejection's wording, and the act that replaces a worker."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import hashlib
@@ -35,6 +36,7 @@ from endpoint.reporting import ProgressReporter
 from endpoint.s3 import S3, Patience, is_transient
 from endpoint.settings import BucketSettings, EndpointSettings, SettingsError
 from endpoint.stopping import StopSubject, stop_prompt
+from endpoint.upload import MAX_IN_FLIGHT, PART_SIZE, stream_to_s3
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -367,6 +369,56 @@ async def test_an_upload_that_lost_its_multipart_upload_is_aborted_and_streamed_
     stored, metadata = s3.objects["jobs/j/0/8/big.bin"]
     assert stored == body and record.size == len(body)
     assert record.sha256 == metadata["sha256"] == hashlib.sha256(body).hexdigest()
+
+
+class CountingS3(MultipartS3):
+    """MultipartS3 without its lost upload, counting the parts sending at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sending = 0
+        self.most_sending = 0
+
+    async def call(self, operation: str, patience: Patience | None = None, **kw: Any) -> Any:
+        if operation == "put_object":
+            self.objects[kw["Key"]] = (kw["Body"], dict(kw["Metadata"]))
+            return {}
+        if operation != "upload_part":
+            return await super().call(operation, patience, **kw)
+        self.sending += 1
+        self.most_sending = max(self.most_sending, self.sending)
+        try:
+            await asyncio.sleep(0.01)
+            assert isinstance(kw["Body"], bytes), "a part's bytes never change under a retry"
+            self.uploads[kw["UploadId"]][kw["PartNumber"]] = kw["Body"]
+            return {"ETag": f'"p{kw["PartNumber"]}"'}
+        finally:
+            self.sending -= 1
+
+
+@pytest.mark.parametrize("size", [0, 5, PART_SIZE, 5 * PART_SIZE + 12_345])
+async def test_the_handler_streams_every_byte_in_order_and_hashes_all_of_them(size: int) -> None:
+    body = bytes(range(251)) * (size // 251) + bytes(size % 251)
+    s3 = CountingS3()
+
+    async def chunks() -> AsyncIterator[bytes]:
+        # An odd chunk size: part boundaries fall inside chunks.
+        for start in range(0, len(body), 700_001):
+            yield body[start : start + 700_001]
+
+    stored = await stream_to_s3(
+        s3,  # type: ignore[arg-type]
+        bucket="out",
+        key="k",
+        chunks=chunks(),
+        content_type="x/y",
+        patience=Patience(1),
+    )
+    data, metadata = s3.objects["k"]
+    assert stored.size == size and stored.sha256 == hashlib.sha256(body).hexdigest()
+    assert data == body and metadata["sha256"] == stored.sha256
+    assert s3.most_sending <= MAX_IN_FLIGHT
+    assert s3.created == (1 if size >= PART_SIZE else 0)
 
 
 class FakeQueue:
