@@ -4,6 +4,7 @@ contract, against a small aiohttp server on loopback (the uploader's network pat
 from __future__ import annotations
 
 import os
+import ssl
 from collections.abc import AsyncIterator
 
 import httpx
@@ -17,7 +18,7 @@ from activities.comfyui.client import (
     ComfyUnavailable,
     UnsafeOutputName,
 )
-from activities.comfyui.offload import OutputUploader, _reads_network, view_stream
+from activities.comfyui.offload import OutputUploader, _reads_network, _tls_context, view_stream
 from tests.comfy_unit_fakes import RUN_TAG, FakeStore, image
 from workflows.contracts import OutputSpec
 
@@ -76,6 +77,12 @@ async def test_the_worker_s_client_is_read_with_aiohttp(http: httpx.AsyncClient)
     mocked = httpx.AsyncClient(transport=httpx.MockTransport(lambda _r: httpx.Response(200)))
     async with mocked:
         assert not _reads_network(ComfyClient("http://127.0.0.1:1", mocked))
+
+
+def test_https_is_verified_as_the_worker_s_httpx_client_verifies() -> None:
+    context = _tls_context()
+    assert context.verify_mode == ssl.CERT_REQUIRED and context.check_hostname
+    assert _tls_context() is context, "built once"
 
 
 async def test_a_file_streams_whole_with_its_name_encoded(

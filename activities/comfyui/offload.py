@@ -75,9 +75,9 @@ VIEW_READ_TIMEOUT_S = 30.0
 
 @functools.cache
 def _tls_context() -> ssl.SSLContext:
-    # httpx's own default (the same CA bundle as every other ComfyUI call), built once: loading
-    # the bundle takes 30-50 ms.
-    return httpx.create_ssl_context()
+    # What the worker's httpx client (trust_env=False) verifies with: the same CA bundle as every
+    # other ComfyUI call. Built once: loading the bundle takes 30-50 ms.
+    return httpx.create_ssl_context(trust_env=False)
 
 
 def _reads_network(client: ComfyClient) -> bool:
