@@ -103,6 +103,7 @@ async def run(ctx: BenchContext, options: BenchOptions) -> Outcome:
     batches: list[Batch] = []
     profiled: list[str] = []
     live_key = "bench-live-" + uuid.uuid4().hex
+    metrics_port = free_port()
     async with (
         extra_sim(
             ctx, "scale", step_delay_ms=STEP_MS, parallel=biggest, progress_log_prompts=log_size
@@ -125,6 +126,7 @@ async def run(ctx: BenchContext, options: BenchOptions) -> Outcome:
             env={
                 "DURABLE_COMFY_LIVE_PROGRESS_PORT": str(free_port()),
                 "DURABLE_COMFY_LIVE_PROGRESS_KEY": live_key,
+                "DURABLE_COMFY_METRICS_PORT": str(metrics_port),
             },
         ) as worker,
     ):
@@ -170,11 +172,20 @@ async def run(ctx: BenchContext, options: BenchOptions) -> Outcome:
             ctx.temporal, task_queue=worker.task_queue, live_progress_key=SecretStr(live_key)
         )
         try:
-            populations = await scale_running.measure(ctx, running.pool, pushing, jobs, counts)
+            populations, stalled = await scale_running.measure(
+                ctx,
+                running.pool,
+                pushing,
+                jobs,
+                counts,
+                metrics_url=f"http://127.0.0.1:{metrics_port}/metrics",
+            )
         finally:
             await pushing.close()
 
-    return _outcome(batches, idle_rss, serial_n, serial_wall, serial_direct, profiled, populations)
+    return _outcome(
+        batches, idle_rss, serial_n, serial_wall, serial_direct, profiled, populations, stalled
+    )
 
 
 def _outcome(
@@ -185,6 +196,7 @@ def _outcome(
     serial_direct: float,
     profiled: list[str],
     populations: list[Population],
+    stalled: str | None,
 ) -> Outcome:
     results: list[Result] = []
     lags = [lag for b in batches for lag in b.lags]
@@ -314,6 +326,7 @@ def _outcome(
             f"{len(p.pushed)} |"
             for p in populations
         ),
+        *([] if stalled is None else ["", f"The next population was not reached: {stalled}"]),
     ]
     summary += ["", *running_lines]
     where_lines = [*summary, "", *cpu_lines, *profiled]

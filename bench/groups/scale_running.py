@@ -27,7 +27,7 @@ import httpx
 
 from bench.groups.client_latency import event_to_seen_ms
 from bench.jobs import BenchFailure, Seen, request
-from bench.results import percentile
+from bench.results import fmt, percentile
 from bench.sim import progress_times
 from bench.stack import BenchContext, Pool
 from starter import JobClient
@@ -66,8 +66,32 @@ async def _running(http: httpx.AsyncClient, pool: Pool) -> int:
     return len(stats["started_at"]) - len(stats["ended_at"])
 
 
+class Stalled(BenchFailure):
+    """The population did not grow: said in the results, with the worker's slot metrics."""
+
+
+async def _worker_metrics(http: httpx.AsyncClient, url: str | None) -> str:
+    """The worker's own Temporal metrics that say why tasks wait: its free slots, and how long
+    tasks waited to be picked up."""
+    if url is None:
+        return ""
+    try:
+        text = (await http.get(url, timeout=5)).text
+    except httpx.HTTPError as exc:
+        return f"(the worker's metrics could not be read: {exc!r})"
+    wanted = ("slots_available", "slots_used", "schedule_to_start_latency_sum", "sticky_cache")
+    return "; ".join(
+        line for line in text.splitlines() if any(w in line for w in wanted) and "#" not in line
+    )
+
+
 async def _grow(
-    ctx: BenchContext, jobs: JobClient, pool: Pool, ids: list[str], target: int
+    ctx: BenchContext,
+    jobs: JobClient,
+    pool: Pool,
+    ids: list[str],
+    target: int,
+    metrics_url: str | None,
 ) -> None:
     """Start jobs a chunk at a time until `target` prompts run on the simulator."""
     while len(ids) < target:
@@ -79,7 +103,12 @@ async def _grow(
         deadline = time.monotonic() + START_TIMEOUT_S
         while await _running(ctx.http, pool) < len(ids):
             if time.monotonic() > deadline:
-                raise BenchFailure(f"{len(ids)} jobs submitted, not all running after 300 s")
+                running = await _running(ctx.http, pool)
+                raise Stalled(
+                    f"{len(ids)} jobs submitted, {running} running after "
+                    f"{fmt(START_TIMEOUT_S)} s; the worker's metrics: "
+                    f"{await _worker_metrics(ctx.http, metrics_url)}"
+                )
             await asyncio.sleep(0.25)
 
 
@@ -134,15 +163,26 @@ async def _window(
 
 
 async def measure(
-    ctx: BenchContext, pool: Pool, pushing: JobClient, polling: JobClient, counts: list[int]
-) -> list[Population]:
-    """Grow the population to each of `counts` in turn, watching 10 jobs at each."""
+    ctx: BenchContext,
+    pool: Pool,
+    pushing: JobClient,
+    polling: JobClient,
+    counts: list[int],
+    metrics_url: str | None = None,
+) -> tuple[list[Population], str | None]:
+    """Grow the population to each of `counts` in turn, watching 10 jobs at each; the
+    populations measured, and why the next one could not be reached (None: all were)."""
     ids: list[str] = []
     populations: list[Population] = []
     began = time.monotonic()
+    stalled: str | None = None
     try:
         for n in sorted(counts):
-            await _grow(ctx, polling, pool, ids, n)
+            try:
+                await _grow(ctx, polling, pool, ids, n, metrics_url)
+            except Stalled as exc:
+                stalled = str(exc)
+                break
             population = Population(n, started_s=time.monotonic() - began)
             population.pushed, population.polled = await _window(
                 ctx, pool, pushing, polling, ids[:WATCHED]
@@ -150,7 +190,7 @@ async def measure(
             populations.append(population)
     finally:
         await _terminate(polling, ids)
-    return populations
+    return populations, stalled
 
 
 async def _terminate(jobs: JobClient, ids: list[str]) -> None:
