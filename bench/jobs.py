@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import time
+import uuid
 from typing import Any
 
 from pydantic import BaseModel
 
 from devstack.chaos.graphs import sampler_graph
 from starter import JobClient, JobRequest
+from starter.errors import TemporalUnreachable
 from workflows.contracts import JobState, JobStatus
 
 
@@ -79,3 +82,22 @@ def _default_poll_s() -> float:
 
 # What `watch` (and the CLI) polls at unless told otherwise: read from the library, not copied.
 DEFAULT_POLL_S = _default_poll_s()
+
+
+# A burst of a thousand starts can outrun the dev server (SQLite): a start that timed out is
+# sent again under the same job ID, which starts nothing twice (an idempotent submit).
+SUBMIT_ATTEMPTS = 5
+
+
+async def submit_idempotently(jobs: JobClient, job_request: JobRequest) -> JobStatus:
+    """`JobClient.submit` under a job ID of our own, sent again while Temporal times out, as a
+    careful client does."""
+    job_id = f"bench-{uuid.uuid4().hex}"
+    for attempt in range(SUBMIT_ATTEMPTS):
+        try:
+            return await jobs.submit(job_request, job_id=job_id)
+        except TemporalUnreachable:
+            if attempt + 1 == SUBMIT_ATTEMPTS:
+                raise
+            await asyncio.sleep(2.0 * (attempt + 1))
+    raise AssertionError("unreachable")

@@ -31,7 +31,7 @@ from bench.direct import run_direct
 from bench.groups import scale_running
 from bench.groups.client_latency import event_to_seen_ms
 from bench.groups.scale_running import Population
-from bench.jobs import completed, graph, prompt_id_of, request, watch
+from bench.jobs import completed, graph, prompt_id_of, request, submit_idempotently, watch
 from bench.load import CpuUse, cpu_table
 from bench.outcome import Benchmark, BenchOptions, Outcome, Section
 from bench.procs import RssSampler, linear_fit, rss_bytes
@@ -85,7 +85,9 @@ async def _project_batch(
     ctx: BenchContext, jobs: JobClient, pool: Pool, n: int
 ) -> tuple[float, list[float]]:
     began = time.perf_counter()
-    submitted = await asyncio.gather(*(jobs.submit(request(STEPS, pool.name)) for _ in range(n)))
+    submitted = await asyncio.gather(
+        *(submit_idempotently(jobs, request(STEPS, pool.name)) for _ in range(n))
+    )
     ids = [s.job_id for s in submitted]
     watched = [_watched(jobs, job_id, pool, ctx) for job_id in ids[:WATCHED]]
     waited = [jobs.wait(job_id) for job_id in ids[WATCHED:]]

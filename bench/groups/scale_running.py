@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from bench.groups.client_latency import event_to_seen_ms
-from bench.jobs import BenchFailure, Seen, request
+from bench.jobs import BenchFailure, Seen, request, submit_idempotently
 from bench.results import fmt, percentile
 from bench.sim import progress_times
 from bench.stack import BenchContext, Pool
@@ -97,7 +97,7 @@ async def _grow(
     while len(ids) < target:
         chunk = min(CHUNK, target - len(ids))
         submitted = await asyncio.gather(
-            *(jobs.submit(request(STEPS, pool.name)) for _ in range(chunk))
+            *(submit_idempotently(jobs, request(STEPS, pool.name)) for _ in range(chunk))
         )
         ids += [s.job_id for s in submitted]
         deadline = time.monotonic() + START_TIMEOUT_S
