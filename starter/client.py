@@ -751,72 +751,101 @@ class JobClient:
             lambda: self._query(job_id)
         )
         push = Pushed(self.live, job_id) if self.live is not None else None
+
+        async def poll_once() -> JobStatus | None:
+            """One poll of the job (its status, with the heartbeat's step laid over it); None
+            after a failure, once its backoff has passed."""
+            nonlocal answered, answered_at, described_at, last_seen, changed_at, last_seq
+            nonlocal failures, lost_since
+            try:
+                if failures:
+                    # Back after a gap: one update both records contact and reads the state.
+                    query.cancel()
+                    status = answered = await self._attach_or_final(job_id)
+                    answered_at = None
+                    last_seen = time.monotonic()
+                elif answered is None or answered.state in WAIT_STATES:
+                    # The first poll, or an activity runs or waits (a prompt is followed, say).
+                    # Described first: an answer read after it is at least as recent as the
+                    # history it counts.
+                    description = await self._describe(job_id)
+                    history = (description.run_id, description.history_length)
+                    if answered is None or history != answered_at:
+                        query.ask(history)
+                    # A busy worker answers late: meanwhile the last answer is shown with the
+                    # heartbeat's newer step (the first answer is awaited: nothing to show yet).
+                    got = await query.answer(None if answered is None else poll_interval_s / 2)
+                    if got is not None:
+                        answered, answered_at = got
+                    assert answered is not None
+                    described_at = time.monotonic()
+                    status = await self._described(job_id, answered, description)
+                else:
+                    query.cancel()
+                    status = answered = await self._query(job_id)
+                    answered_at = None
+                now = time.monotonic()
+                if status.seq != last_seq:
+                    changed_at = now
+                last_seq = status.seq
+                quiet_s = now - max(changed_at, described_at or changed_at)
+                if not status.terminal and (described_at is None or quiet_s >= describe_after_s):
+                    described_at = now
+                    status = await self._described(job_id, status, await self._describe(job_id))
+                interval = keepalive_s if keepalive_s is not None else _keepalive_interval(status)
+                if not status.terminal and not status.detached and now - last_seen >= interval:
+                    await self._client_seen(job_id)
+                    last_seen = time.monotonic()
+            except (
+                RPCError,
+                RPCTimeoutOrCancelledError,
+                RuntimeError,
+                WorkflowUpdateFailedError,
+                JobUnanswered,
+            ) as exc:
+                if _being_cancelled():
+                    # A cancel (Ctrl-C) that landed in an update call, which the SDK turns
+                    # into an RPC error: it ends the watch, it is no failure to retry.
+                    raise asyncio.CancelledError() from exc
+                lost_since = lost_since if lost_since is not None else time.monotonic()
+                if time.monotonic() - lost_since > policy.horizon_s:
+                    raise ContactLost(job_id, failures, exc) from exc
+                delay = reconnect_delay(
+                    failures, policy.base_delay_s, policy.max_delay_s, random.random()
+                )
+                failures += 1
+                await asyncio.sleep(delay)
+                return None
+            failures, lost_since = 0, None
+            return status
+
         try:
             while True:
+                # A poll can take long on a loaded server: the steps pushed meanwhile go out.
+                polling = asyncio.ensure_future(poll_once())
                 try:
-                    if failures:
-                        # Back after a gap: one update both records contact and reads the state.
-                        query.cancel()
-                        status = answered = await self._attach_or_final(job_id)
-                        answered_at = None
-                        last_seen = time.monotonic()
-                    elif answered is None or answered.state in WAIT_STATES:
-                        # The first poll, or an activity runs or waits (a prompt is followed, say).
-                        # Described first: an answer read after it is at least as recent as the
-                        # history it counts.
-                        description = await self._describe(job_id)
-                        history = (description.run_id, description.history_length)
-                        if answered is None or history != answered_at:
-                            query.ask(history)
-                        # A busy worker answers late: meanwhile the last answer is shown with the
-                        # heartbeat's newer step (the first answer is awaited: nothing to show yet).
-                        got = await query.answer(None if answered is None else poll_interval_s / 2)
-                        if got is not None:
-                            answered, answered_at = got
-                        assert answered is not None
-                        described_at = time.monotonic()
-                        status = await self._described(job_id, answered, description)
+                    while push is not None and not polling.done():
+                        beat = await push.next_or(polling)
+                        if beat is None:
+                            break
+                        if last_status is None:
+                            continue
+                        moved = _not_behind(overlaid(last_status, [beat]), last_status)
+                        if _shown(moved) != last_shown:
+                            last_status, last_shown = moved, _shown(moved)
+                            yield moved
+                            await asyncio.sleep(push_gap_s)
+                    polled = await polling
+                finally:
+                    if polling.done():
+                        # Read, so an error of a poll nobody awaited (the watch was closed
+                        # while it ran) is not reported as never retrieved.
+                        _ = polling.cancelled() or polling.exception()
                     else:
-                        query.cancel()
-                        status = answered = await self._query(job_id)
-                        answered_at = None
-                    now = time.monotonic()
-                    if status.seq != last_seq:
-                        changed_at = now
-                    last_seq = status.seq
-                    quiet_s = now - max(changed_at, described_at or changed_at)
-                    if not status.terminal and (
-                        described_at is None or quiet_s >= describe_after_s
-                    ):
-                        described_at = now
-                        status = await self._described(job_id, status, await self._describe(job_id))
-                    interval = (
-                        keepalive_s if keepalive_s is not None else _keepalive_interval(status)
-                    )
-                    if not status.terminal and not status.detached and now - last_seen >= interval:
-                        await self._client_seen(job_id)
-                        last_seen = time.monotonic()
-                except (
-                    RPCError,
-                    RPCTimeoutOrCancelledError,
-                    RuntimeError,
-                    WorkflowUpdateFailedError,
-                    JobUnanswered,
-                ) as exc:
-                    if _being_cancelled():
-                        # A cancel (Ctrl-C) that landed in an update call, which the SDK turns
-                        # into an RPC error: it ends the watch, it is no failure to retry.
-                        raise asyncio.CancelledError() from exc
-                    lost_since = lost_since if lost_since is not None else time.monotonic()
-                    if time.monotonic() - lost_since > policy.horizon_s:
-                        raise ContactLost(job_id, failures, exc) from exc
-                    delay = reconnect_delay(
-                        failures, policy.base_delay_s, policy.max_delay_s, random.random()
-                    )
-                    failures += 1
-                    await asyncio.sleep(delay)
+                        polling.cancel()
+                if polled is None:
                     continue
-                failures, lost_since = 0, None
+                status = polled
                 if push is not None and push.beat is not None:
                     status = overlaid(status, [push.beat])
                 status = _not_behind(status, last_status)

@@ -211,6 +211,18 @@ class Pushed:
         self._arrived.clear()
         return self.beat
 
+    async def next_or(self, other: asyncio.Future[Any]) -> FollowHeartbeat | None:
+        """The latest beat once one comes, or None once `other` is done first."""
+        arrived = asyncio.ensure_future(self._arrived.wait())
+        try:
+            await asyncio.wait({arrived, other}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            arrived.cancel()
+        if not self._arrived.is_set():
+            return None
+        self._arrived.clear()
+        return self.beat
+
     def close(self) -> None:
         self.follow(None)
 

@@ -47,10 +47,13 @@ FANOUT_WINDOW_S = 10.0
 SETTLE_S = 2.0
 # Steps sent in a window's last second may be seen after it: they are not counted.
 TAIL_S = 1.0
-# Far longer than the windows and the ramp-up before them, on a loaded machine too: the jobs are
-# cancelled once measured.
-FANOUT_STEPS = 30_000
-FANOUT_STEP_MS = 20
+# KSampler takes at most 10,000 steps: far longer than the windows and the ramp-up before them.
+# The jobs are cancelled once measured.
+FANOUT_STEPS = 10_000
+# A fast GPU's pace (10 steps a second per job, 1,000 a second in all). At 20 ms (5,000 a second)
+# the simulator, the worker, two gateways and 1,100 streams saturate 2 cores, and every path's
+# lag is the queue in front of the CPU.
+FANOUT_STEP_MS = 100
 # Both gateways: a follower leaves with its last stream, so one window's followers do not poll
 # through the next.
 GATEWAY_ENV = {"DURABLE_COMFY_GATEWAY_FOLLOWER_GRACE_S": "0"}
