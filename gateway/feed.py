@@ -311,7 +311,7 @@ class _Sent:
     cursor: Cursor
     status: tuple[int, int] = (-1, -1)
     wait: WorkerWait | None = None
-    state: str = ""
+    state: str | None = None  # None: not known, no state change is news
 
     def news(self, status: JobStatus) -> bool:
         """Further than the last status sent, or as far in another state (a pushed step shows a
@@ -319,7 +319,8 @@ class _Sent:
         at = (status.seq, status.progress.step)
         if at != self.status:
             return at > self.status
-        return status.worker_wait != self.wait or status.state.value != self.state
+        moved_on = self.state is not None and status.state.value != self.state
+        return status.worker_wait != self.wait or moved_on
 
 
 async def stream_events(

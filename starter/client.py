@@ -78,7 +78,7 @@ from starter.execution import bare_status, ended_from_outside
 from starter.live import LiveRelay, Pushed
 from starter.pending_query import PendingQuery
 from starter.pollers import activity_queue
-from starter.progress import FOLLOW_STATES, follow_heartbeats, overlaid
+from starter.progress import FOLLOW_STATES, carried_forward, follow_heartbeats, overlaid
 from starter.requests import check_segment_overrides
 from starter.settings import ClientSettings
 from starter.staging import stage_inputs
@@ -1050,12 +1050,17 @@ _LIFTED = (JobState.WAITING, JobState.RUNNING)
 
 
 def _not_behind(status: JobStatus, last: JobStatus | None) -> JobStatus:
-    """Never backwards while the job's own status stays the same (its `seq`): what a heartbeat
+    """Never backwards while the job's own status stays the same (its `seq`), and never to an
+    earlier step of the same submission after it: what a heartbeat
     showed (a step, WAITING or RUNNING before the job heard) stays shown when the next poll
     finds no heartbeat to lay over it (the follow attempt just failed, and the job has not
     yet recovered its checkpoint)."""
-    if last is None or status.terminal or status.seq != last.seq:
+    if last is None or status.terminal:
         return status
+    if status.seq != last.seq:
+        # A newer status of the same submission, written before the job heard of the step a
+        # heartbeat or a push showed (an attempt failed in its quiet start): the step stays.
+        return carried_forward(status, last)
     now, then = status.checkpoint, last.checkpoint
     if (
         now is None

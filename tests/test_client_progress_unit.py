@@ -303,6 +303,39 @@ async def test_watch_never_goes_back_while_the_jobs_own_status_stays_the_same() 
     ]
 
 
+async def test_watch_keeps_a_step_of_the_submission_when_the_jobs_own_status_moves_first() -> None:
+    """A heartbeat showed step 4; the attempt failed in its quiet start and the job wrote a new
+    status (its seq moved) still at step 0 before it recovered the checkpoint: the step stays.
+    A new submission (another client id) starts again from 0."""
+    submitting = running(0, state=JobState.SUBMITTING, seq=3)
+    moved = running(0, state=JobState.SUBMITTING, seq=4)
+    resubmitted = running(0, state=JobState.SUBMITTING, seq=6)
+    resubmitted.checkpoint = checkpoint(0, client_id="dc-client-2")
+    done = running(40, seq=9)
+    done.state = JobState.COMPLETED
+    calls = Calls(
+        answers=[submitting, moved, resubmitted, done],
+        descriptions=[
+            await description((ACTIVITY_FOLLOW, beat(4, stage="running")), history_length=10),
+            await description(history_length=12),  # the attempt failed: nothing pending
+            await description(history_length=16),
+            await description(
+                history_length=30, status=RawStatus.WORKFLOW_EXECUTION_STATUS_COMPLETED
+            ),
+        ],
+    )
+    seen = [
+        (s.state, s.progress.step)
+        async for s in calls.client.watch(JOB, poll_interval_s=0, keepalive_s=3600)
+    ]
+    assert seen == [
+        (JobState.RUNNING, 4),
+        (JobState.SUBMITTING, 4),
+        (JobState.SUBMITTING, 0),
+        (JobState.COMPLETED, 40),
+    ]
+
+
 async def test_watch_ends_a_job_terminated_from_outside_while_it_followed() -> None:
     calls = Calls(
         answers=[running(1000)],
