@@ -83,6 +83,7 @@ from starter.requests import check_segment_overrides
 from starter.settings import ClientSettings
 from starter.staging import stage_inputs
 from starter.worker_wait import WAIT_STATES, QueueReader, with_worker_wait
+from workflows.activity_io import FollowHeartbeat
 from workflows.backoff import reconnect_delay
 from workflows.contracts import (
     Artifact,
@@ -828,10 +829,8 @@ class JobClient:
                         beat = await push.next_or(polling)
                         if beat is None:
                             break
-                        if last_status is None:
-                            continue
-                        moved = _not_behind(overlaid(last_status, [beat]), last_status)
-                        if _shown(moved) != last_shown:
+                        moved = _pushed(beat, last_status, last_shown)
+                        if moved is not None:
                             last_status, last_shown = moved, _shown(moved)
                             yield moved
                             await asyncio.sleep(push_gap_s)
@@ -866,8 +865,8 @@ class JobClient:
                     beat = await push.next(left)
                     if beat is None:
                         break
-                    moved = _not_behind(overlaid(last_status, [beat]), last_status)
-                    if _shown(moved) != last_shown:
+                    moved = _pushed(beat, last_status, last_shown)
+                    if moved is not None:
                         last_status, last_shown = moved, _shown(moved)
                         yield moved
                         await asyncio.sleep(push_gap_s)
@@ -1047,6 +1046,16 @@ def _final_status(value: object) -> JobStatus | None:
 
 
 _LIFTED = (JobState.WAITING, JobState.RUNNING)
+
+
+def _pushed(
+    beat: FollowHeartbeat, last: JobStatus | None, shown: tuple[object, ...] | None
+) -> JobStatus | None:
+    """`last` with a pushed beat laid over it, when that shows something new."""
+    if last is None:
+        return None
+    moved = _not_behind(overlaid(last, [beat]), last)
+    return moved if _shown(moved) != shown else None
 
 
 def _not_behind(status: JobStatus, last: JobStatus | None) -> JobStatus:
