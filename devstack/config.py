@@ -71,6 +71,9 @@ class TemporalSection(_Section):
     log_level: Literal["debug", "info", "warn", "error"] = "warn"
     search_attributes: dict[str, str] = Field(default_factory=dict)
     dynamic_config: dict[str, Any] = Field(default_factory=dict)
+    # `--sqlite-pragma NAME=VALUE` for the dev server's database (it accepts journal_mode and
+    # synchronous).
+    sqlite_pragmas: dict[str, str] = Field(default_factory=dict)
 
     @model_validator(mode="before")
     @classmethod

@@ -57,6 +57,8 @@ def temporal_argv(config: StackConfig, base_dir: Path) -> tuple[str, ...]:
         argv += ["--search-attribute", f"{key}={kind}"]
     for key, value in t.dynamic_config.items():
         argv += ["--dynamic-config-value", f"{key}={json.dumps(value)}"]
+    for name, value in t.sqlite_pragmas.items():
+        argv += ["--sqlite-pragma", f"{name}={value}"]
     return tuple(argv)
 
 
