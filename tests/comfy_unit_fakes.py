@@ -138,11 +138,17 @@ class FakeComfy:
     on_post: str | None = "running"
     posted: list[dict[str, Any]] = field(default_factory=list)
     requests: list[str] = field(default_factory=list)
-    # Called before /queue answers, with how many times it was asked (1 for the first).
-    before_queue: Callable[[int], None] | None = None
+    # Called before a look at where a prompt is (GET /queue, or /api/jobs/{id}) is answered,
+    # with how many looks there were (1 for the first).
+    before_look: Callable[[int], None] | None = None
+    # False: a ComfyUI before 0.8, without /api/jobs (its 404 is aiohttp's plain text).
+    jobs_api: bool = True
 
     def count(self, prefix: str) -> int:
         return sum(1 for r in self.requests if r.startswith(prefix))
+
+    def looks(self) -> int:
+        return self.count("GET /queue") + self.count("GET /api/jobs/")
 
     def finish(self, prompt_id: str, *images: tuple[str, dict[str, str]]) -> None:
         """The prompt leaves the queue and its history entry lists `images` as (node, item)."""
@@ -166,18 +172,26 @@ class FakeComfy:
         path = request.url.path
         self.requests.append(f"{request.method} {path}")
         if path == "/queue" and request.method == "GET":
-            if self.before_queue is not None:
-                self.before_queue(self.count("GET /queue"))
+            if self.before_look is not None:
+                self.before_look(self.looks())
             return httpx.Response(200, json=self._queue())
         if match := re.fullmatch(r"/history/(.+)", path):
             prompt_id = match.group(1)
             entry = self.history.get(prompt_id)
             return httpx.Response(200, json={prompt_id: entry} if entry else {})
+        if path.startswith("/api/jobs") and not self.jobs_api:
+            return httpx.Response(404, text="404: Not Found")
         if match := re.fullmatch(r"/api/jobs/(.+)", path):
-            state = self.jobs.get(match.group(1))
-            if state is None:
-                return httpx.Response(404, json={"error": "not found"})
-            return httpx.Response(200, json={"status": state})
+            if self.before_look is not None:
+                self.before_look(self.looks())
+            job = self._job(match.group(1))
+            if job is None:
+                return httpx.Response(404, json={"error": "Job not found"})
+            return httpx.Response(200, json=job)
+        if path == "/api/jobs":
+            assert request.url.params.get("status") == "pending", "only the pending are listed"
+            pending = [self._job(p) for p in reversed(self.pending)]
+            return httpx.Response(200, json={"jobs": pending, "pagination": {}})
         if path == "/prompt" and request.method == "POST":
             body = json.loads(request.content)
             self.posted.append(body)
@@ -196,6 +210,20 @@ class FakeComfy:
         if path == "/system_stats":
             return httpx.Response(200, json={"system": {}, "devices": []})
         return httpx.Response(404)
+
+    def _job(self, prompt_id: str) -> dict[str, Any] | None:
+        """As /api/jobs/{id} answers: `jobs` says a status of its own (the API disagreeing with
+        the queue); otherwise the queue's and history's."""
+        numbered = {pid: 10 + n for n, pid in enumerate(self.running + self.pending)}
+        status = self.jobs.get(prompt_id)
+        if status is None and prompt_id in self.history:
+            failed = self.history[prompt_id].get("status", {}).get("status_str") == "error"
+            status = "failed" if failed else "completed"
+        elif status is None and prompt_id in numbered:
+            status = "in_progress" if prompt_id in self.running else "pending"
+        if status is None:
+            return None
+        return {"id": prompt_id, "status": status, "priority": numbered.get(prompt_id, 0)}
 
     def _queue(self) -> dict[str, list[list[Any]]]:
         # Numbers out of order on purpose: the place in line comes from `number`, not the list.

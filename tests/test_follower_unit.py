@@ -277,7 +277,7 @@ async def test_a_prompt_found_finished_while_queued_reports_no_place_in_line(rig
         if asked == 2:
             rig.comfy.finish(PROMPT_ID, ("9", image("img_00001_.png")))
 
-    rig.comfy.before_queue = finish_on_second_look
+    rig.comfy.before_look = finish_on_second_look
     await rig.follow(request())
     stages = rig.signals.stages()
     assert stages[0] == ("queued", 1)
@@ -321,7 +321,7 @@ async def test_without_a_heartbeat_timeout_the_silence_check_paces_the_polls(
     rig.comfy.pending.append(PROMPT_ID)  # queued: quiet, so never reopened
     rig.socket.scripts = [[pause(0.35), *a_plain_run()]]
     result = await rig.follow(request())
-    assert result.outcome == "success" and rig.comfy.count("GET /queue") >= 3
+    assert result.outcome == "success" and rig.comfy.looks() >= 3
 
 
 async def test_a_slow_last_upload_is_heartbeated_while_it_drains(
@@ -575,7 +575,7 @@ async def test_silence_asks_the_queue_and_history_says_it_is_done(rig: Rig) -> N
         if asked == 2:  # the first look is on connect; the second after a silent poll
             rig.comfy.finish(PROMPT_ID, ("9", image("img_00001_.png")))
 
-    rig.comfy.before_queue = done_after_first_look
+    rig.comfy.before_look = done_after_first_look
     rig.socket.scripts = [[send(frame("execution_start"))]]
     result = await rig.follow(request())
     assert [a.key for a in result.artifacts] == [KEY]
@@ -590,7 +590,7 @@ async def test_a_silent_running_prompt_is_reported_running_from_the_queue(rig: R
         if asked == 2:
             rig.comfy.finish(PROMPT_ID)
 
-    rig.comfy.before_queue = done_after_first_look
+    rig.comfy.before_look = done_after_first_look
     await rig.follow(request())
     assert rig.signals.stages()[0] == ("running", None)
 
@@ -598,10 +598,10 @@ async def test_a_silent_running_prompt_is_reported_running_from_the_queue(rig: R
 async def test_comfyui_failing_mid_follow_is_retryable_and_says_what_it_was_doing(
     rig: Rig,
 ) -> None:
-    rig.overrides[("GET", "/queue")] = httpx.Response(503)
+    rig.overrides[("GET", f"/api/jobs/{PROMPT_ID}")] = httpx.Response(503)
     error = await rig.failure(request())
     assert error.type == ErrorType.BACKEND_UNAVAILABLE and error.non_retryable is False
-    assert error.message.startswith("following the prompt: ComfyUI unavailable: GET /queue")
+    assert error.message.startswith("following the prompt: ComfyUI unavailable: GET /api/jobs/")
     assert FollowHeartbeat.model_validate(error.details[0]).checkpoint.prompt_id == PROMPT_ID
 
 
@@ -609,8 +609,34 @@ async def test_a_prompt_nobody_knows_is_lost(rig: Rig, monkeypatch: pytest.Monke
     monkeypatch.setattr(follower_module, "LOST_RECHECK_S", 0.01)
     error = await rig.failure(request())
     assert error.type == ErrorType.PROMPT_LOST and error.non_retryable
-    assert rig.comfy.count("GET /queue") == 2, "asked twice before calling it lost"
-    assert rig.comfy.count("GET /api/jobs/") == 2
+    assert rig.comfy.count("GET /api/jobs/") == 2, "asked twice before calling it lost"
+    assert rig.comfy.count("GET /queue") == 0, "the jobs API answers without every graph"
+
+
+async def test_a_comfyui_without_the_jobs_api_is_asked_through_its_queue(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(follower_module, "LOST_RECHECK_S", 0.01)
+    rig.comfy.jobs_api = False
+    error = await rig.failure(request())
+    assert error.type == ErrorType.PROMPT_LOST
+    assert rig.comfy.count("GET /queue") == 2 and rig.comfy.count("GET /history/") == 2
+    assert rig.comfy.count("GET /api/jobs/") == 1, "asked once, then known to be missing"
+
+
+@pytest.mark.parametrize("jobs_api", [True, False])
+async def test_a_fresh_submission_reads_no_queue_and_gets_its_place_in_line(
+    rig: Rig, jobs_api: bool
+) -> None:
+    rig.comfy.jobs_api = jobs_api
+    rig.comfy.pending += ["earlier-1", "earlier-2"]
+    rig.comfy.on_post = "pending"
+    rig.socket.scripts = [a_plain_run()]
+    await rig.follow(request(graph=GRAPH))
+    assert len(rig.comfy.posted) == 1
+    assert rig.signals.stages()[0] == ("queued", 3)
+    # Before and after the POST: /queue (every queued graph) only on a ComfyUI without the API.
+    assert (rig.comfy.count("GET /queue") == 0) is jobs_api
 
 
 async def test_a_lost_prompt_is_asked_about_twice_a_recheck_apart(
@@ -618,7 +644,7 @@ async def test_a_lost_prompt_is_asked_about_twice_a_recheck_apart(
 ) -> None:
     monkeypatch.setattr(follower_module, "LOST_RECHECK_S", 0.2)
     asked: list[float] = []
-    rig.comfy.before_queue = lambda _n: asked.append(time.monotonic())
+    rig.comfy.before_look = lambda _n: asked.append(time.monotonic())
     error = await rig.failure(request())
     assert len(asked) == 2 and asked[1] - asked[0] >= 0.2
     assert error.message == (

@@ -5,6 +5,8 @@
     graph.py       a graph checked against the backend's node registry (`/object_info`)
     pools.py       `ComfyPools` (pool name -> client) and `PoolHealth` (unhealthy, busy pools)
     activities.py  `ComfyActivities`: prepare, stop (one check)
+    whereabouts.py where a prompt is (in line and its place, running, finished), by the jobs
+                   API where ComfyUI has it, not /queue (which sends every queued graph)
     follower.py    `PromptFollower`: the protocol of following one prompt (submit unless known,
                    reconcile, reopen, lost rechecks), told to a `FollowListener`; Temporal-free,
                    shared with the RunPod handler (endpoint/execution.py)

@@ -227,12 +227,25 @@ class QueuePlace:
         return cls(None, None, running)
 
 
+@dataclass(frozen=True)
+class JobLookup:
+    """What `GET /api/jobs/{id}` says of one prompt: its `status` (pending, in_progress,
+    completed, failed, ...; None: ComfyUI knows no such prompt, in its queue or its history) and
+    `priority` (its `number`, the order pending prompts run in)."""
+
+    status: str | None
+    priority: float | None = None
+
+
 class ComfyClient:
     """HTTP calls to one ComfyUI base URL. Build with a shared `httpx.AsyncClient`."""
 
     def __init__(self, base_url: str, http: httpx.AsyncClient) -> None:
         self.base_url = base_url.rstrip("/")
         self._http = http
+        # False once this ComfyUI answered /api/jobs as a route it does not have (before 0.8):
+        # from then on `job` says so without asking.
+        self._jobs_api = True
 
     def ws_url(self, client_id: str) -> str:
         parts = urlsplit(self.base_url)
@@ -293,10 +306,6 @@ class ComfyClient:
         result: dict[str, list[list[Any]]] = await self._json("GET", "/queue")
         return result
 
-    async def queue_position(self, prompt_id: str) -> str | None:
-        """'running', 'pending' or None when the prompt is not in the queue."""
-        return (await self.queue_place(prompt_id)).where
-
     async def queue_place(self, prompt_id: str) -> QueuePlace:
         """Where the prompt is in the queue; pending prompts also get their place in line."""
         return QueuePlace.of(prompt_id, await self.queue())
@@ -308,15 +317,41 @@ class ComfyClient:
         return entry if isinstance(entry, dict) else None
 
     async def job_state(self, prompt_id: str) -> str | None:
-        """`/api/jobs/{id}` status on newer ComfyUI; None when unknown or not supported."""
-        response = await self._request("GET", f"/api/jobs/{prompt_id}")
-        if response.status_code != 200:
+        """`/api/jobs/{id}` status; None when unknown or this ComfyUI has no jobs API."""
+        lookup = await self.job(prompt_id)
+        return None if lookup is None else lookup.status
+
+    async def job(self, prompt_id: str) -> JobLookup | None:
+        """One prompt's status from `/api/jobs/{id}`: a small answer, where `/queue` sends every
+        queued prompt's whole graph. None: this ComfyUI has no jobs API (any answer but 200 or
+        the API's own JSON 404, "Job not found")."""
+        if not self._jobs_api:
             return None
+        path = f"/api/jobs/{prompt_id}"
+        response = await self._request("GET", path)
         try:
-            state = response.json().get("status")
+            data = response.json()
         except ValueError:
-            return None
-        return state if isinstance(state, str) else None
+            data = None
+        if response.status_code == 200 and isinstance(data, dict):
+            status, priority = data.get("status"), data.get("priority")
+            return JobLookup(
+                status if isinstance(status, str) else "unknown",
+                priority if isinstance(priority, int | float) else None,
+            )
+        if response.status_code == 404 and isinstance(data, dict) and "error" in data:
+            return JobLookup(None)
+        # No such route (ComfyUI before 0.8), or something in front of it that refuses it:
+        # /queue and /history answer instead, from now on.
+        self._jobs_api = False
+        return None
+
+    async def pending_jobs(self) -> list[dict[str, Any]]:
+        """The pending prompts as `/api/jobs?status=pending` lists them: id and priority each,
+        without their graphs."""
+        data = await self._json("GET", "/api/jobs", params={"status": "pending"})
+        jobs = data.get("jobs") if isinstance(data, dict) else None
+        return [job for job in jobs or [] if isinstance(job, dict)]
 
     async def delete_pending(self, prompt_id: str) -> None:
         # ComfyUI answers an empty 200: nothing to read as JSON.

@@ -33,6 +33,7 @@ import websockets
 from activities.comfyui.client import ComfyClient, ComfyUnavailable
 from activities.comfyui.events import ComfyEvent, ending_of, for_prompt, parse_frame
 from activities.comfyui.history import history_when_written, outputs_of
+from activities.comfyui.whereabouts import is_known, whereabouts
 from activities.progress import ProgressTracker
 
 # A socket silent this many polls while the prompt runs is reopened: ComfyUI unregisters a
@@ -235,7 +236,7 @@ class PromptFollower:
     async def _submit_unless_known(self, graph: dict[str, Any]) -> None:
         """POST /prompt with our prompt_id, unless ComfyUI already has it: the prompt_id is
         ours, so after a lost answer we ask instead of queueing (and paying for) it twice."""
-        if await self._known():
+        if await is_known(self.client, self.prompt_id):
             self.submitted = self.attached = self.maybe_queued = True
             self.log.info("submit_already_known")
             await self.listener.submitted()
@@ -254,16 +255,9 @@ class PromptFollower:
         await self.listener.submitted()
         # Nothing can have been missed on a socket opened before the submission: the events
         # (buffered if the prompt ran at once) tell the rest, not /history.
-        place = await self.client.queue_place(self.prompt_id)
-        if place.where == "pending":
-            await self._set_stage("queued", place.position)
-
-    async def _known(self) -> bool:
-        if await self.client.queue_position(self.prompt_id) is not None:
-            return True
-        if await self.client.history(self.prompt_id) is not None:
-            return True
-        return await self.client.job_state(self.prompt_id) is not None
+        found = await whereabouts(self.client, self.prompt_id)
+        if found.where == "pending":
+            await self._set_stage("queued", found.position)
 
     async def _next_event(self, ws: websockets.ClientConnection) -> bool:
         """Handle the next frame; True only for an event routed to our client_id."""
@@ -330,23 +324,21 @@ class PromptFollower:
             self.end_data = dict(data)
 
     async def _reconcile(self) -> None:
-        """Ask /queue, then /history, where the prompt is. Only when neither (nor /api/jobs)
-        knows it, twice, is it lost: `{}` from history alone can mean queued or running."""
+        """Ask ComfyUI where the prompt is (activities/comfyui/whereabouts.py). Only when it
+        knows it nowhere, twice, is it lost: a prompt is briefly in neither its queue nor its
+        history as it finishes."""
         for look in range(2):
-            place = await self.client.queue_place(self.prompt_id)
+            found = await whereabouts(self.client, self.prompt_id)
             self.last_contact = time.monotonic()
-            if place.where == "pending":
-                await self._set_stage("queued", place.position)
+            if found.where == "pending":
+                await self._set_stage("queued", found.position)
                 return
-            if place.where == "running":
+            if found.where == "running":
                 await self._set_stage("running")
                 return
-            entry = await self.client.history(self.prompt_id)
-            if entry is not None:
-                self.entry = entry
+            if found.entry is not None:
+                self.entry = found.entry
                 self.ended = self.ended or "history"
-                return
-            if await self.client.job_state(self.prompt_id) in ("pending", "in_progress"):
                 return
             if look == 0:
                 await asyncio.sleep(LOST_RECHECK_S)

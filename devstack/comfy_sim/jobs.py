@@ -1,5 +1,6 @@
-"""GET /api/jobs/{id} (newer ComfyUI, comfy_execution/jobs.py): one call that says pending /
-in_progress / completed / failed, shaped like ComfyUI's normalised job dicts."""
+"""GET /api/jobs/{id} and GET /api/jobs (ComfyUI 0.8, comfy_execution/jobs.py): one prompt's
+status (pending / in_progress / completed / failed), or a filtered, sorted page of them, shaped
+like ComfyUI's normalised job dicts (no graphs, unlike /queue)."""
 
 from __future__ import annotations
 
@@ -48,7 +49,9 @@ def _outputs_summary(outputs: dict[str, Any]) -> tuple[int, dict[str, Any] | Non
     return count, preview or fallback
 
 
-def _history_job(prompt_id: str, entry: dict[str, Any]) -> dict[str, Any]:
+def _history_job(
+    prompt_id: str, entry: dict[str, Any], include_outputs: bool = True
+) -> dict[str, Any]:
     priority, _, prompt, extra_data, _ = entry["prompt"]
     status_info = entry.get("status") or {}
     failed = status_info.get("status_str") == "error"
@@ -76,6 +79,8 @@ def _history_job(prompt_id: str, entry: dict[str, Any]) -> dict[str, Any]:
             "workflow_id": workflow.get("id") if isinstance(workflow, dict) else None,
         }
     )
+    if not include_outputs:
+        return job
     job["outputs"] = entry.get("outputs", {})
     job["execution_status"] = status_info
     job["workflow"] = {"prompt": prompt, "extra_data": extra_data}
@@ -94,3 +99,49 @@ def get_job(
         if item[1] == prompt_id:
             return _queue_job(item, "pending")
     return None
+
+
+STATUSES = ("pending", "in_progress", "completed", "failed")
+
+
+def get_all_jobs(
+    running: list[list[Any]],
+    pending: list[list[Any]],
+    history: dict[str, Any],
+    statuses: list[str],
+    workflow_id: str | None,
+    sort_by: str,
+    sort_order: str,
+    limit: int | None,
+    offset: int,
+) -> tuple[list[dict[str, Any]], int]:
+    jobs: list[dict[str, Any]] = []
+    if "in_progress" in statuses:
+        jobs += [_queue_job(item, "in_progress") for item in running]
+    if "pending" in statuses:
+        jobs += [_queue_job(item, "pending") for item in pending]
+    if "completed" in statuses or "failed" in statuses:
+        for prompt_id, entry in history.items():
+            failed = (entry.get("status") or {}).get("status_str") == "error"
+            if ("failed" if failed else "completed") in statuses:
+                jobs.append(_history_job(prompt_id, entry, include_outputs=False))
+    if workflow_id:
+        jobs = [job for job in jobs if job.get("workflow_id") == workflow_id]
+    jobs.sort(
+        key=_duration if sort_by == "execution_duration" else _created, reverse=sort_order == "desc"
+    )
+    total = len(jobs)
+    if offset > 0:
+        jobs = jobs[offset:]
+    if limit is not None:
+        jobs = jobs[:limit]
+    return jobs, total
+
+
+def _created(job: dict[str, Any]) -> Any:
+    return job.get("create_time", 0)
+
+
+def _duration(job: dict[str, Any]) -> Any:
+    start, end = job.get("execution_start_time", 0), job.get("execution_end_time", 0)
+    return end - start if end and start else 0

@@ -13,7 +13,7 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from .jobs import get_job
+from .jobs import STATUSES, get_all_jobs, get_job
 from .nodes import REGISTRY, node_info
 from .runtime import json_body, runtime_of, server_error
 from .settings import SIM_VERSION
@@ -165,11 +165,69 @@ async def post_free(request: web.Request) -> web.Response:
     return web.Response(status=200)
 
 
+@api_only_routes.get("/api/jobs")
+async def get_jobs(request: web.Request) -> web.Response:
+    query = request.rel_url.query
+    statuses = list(STATUSES)
+    if query.get("status"):
+        statuses = [s.strip().lower() for s in query["status"].split(",") if s.strip()]
+        invalid = [s for s in statuses if s not in STATUSES]
+        if invalid:
+            return _bad(
+                f"Invalid status value(s): {', '.join(invalid)}. "
+                f"Valid values: {', '.join(STATUSES)}"
+            )
+    sort_by = query.get("sort_by", "created_at").lower()
+    sort_order = query.get("sort_order", "desc").lower()
+    if sort_by not in ("created_at", "execution_duration"):
+        return _bad("sort_by must be 'created_at' or 'execution_duration'")
+    if sort_order not in ("asc", "desc"):
+        return _bad("sort_order must be 'asc' or 'desc'")
+    limit: int | None = None
+    if "limit" in query:
+        try:
+            limit = int(query["limit"])
+        except ValueError:
+            return _bad("limit must be an integer")
+        if limit <= 0:
+            return _bad("limit must be a positive integer")
+    offset = 0
+    if "offset" in query:
+        try:
+            offset = max(int(query["offset"]), 0)
+        except ValueError:
+            return _bad("offset must be an integer")
+    queue = runtime_of(request).queue
+    running, pending = queue.volatile()
+    jobs, total = get_all_jobs(
+        running,
+        pending,
+        queue.history,
+        statuses,
+        query.get("workflow_id"),
+        sort_by,
+        sort_order,
+        limit,
+        offset,
+    )
+    pagination = {
+        "offset": offset,
+        "limit": limit,
+        "total": total,
+        "has_more": offset + len(jobs) < total,
+    }
+    return web.json_response({"jobs": jobs, "pagination": pagination})
+
+
+def _bad(error: str) -> web.Response:
+    return web.json_response({"error": error}, status=400)
+
+
 @api_only_routes.get("/api/jobs/{job_id}")
 async def get_job_by_id(request: web.Request) -> web.Response:
     queue = runtime_of(request).queue
     job_id = request.match_info["job_id"]
-    running, pending = queue.snapshot()
+    running, pending = queue.volatile()
     job = get_job(job_id, running, pending, queue.get_history(prompt_id=job_id))
     if job is None:
         return web.json_response({"error": "Job not found"}, status=404)

@@ -70,6 +70,11 @@ class PromptQueue:
         pending = [public_item(item) for _, _, item in sorted(self._heap)]
         return running, pending
 
+    def volatile(self) -> tuple[list[QueueItem], list[QueueItem]]:
+        """The items themselves, uncopied and in heap order (ComfyUI's
+        get_current_queue_volatile, what its jobs API reads): only for reading."""
+        return list(self.running.values()), [item for _, _, item in self._heap]
+
     def running_prompt_ids(self) -> list[str]:
         return [str(item[1]) for item in self.running.values()]
 

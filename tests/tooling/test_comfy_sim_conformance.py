@@ -24,6 +24,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from activities.comfyui.client import ComfyClient
+from activities.comfyui.whereabouts import whereabouts
 from devstack.comfy_sim import SimSettings, create_app
 from devstack.comfy_sim.__main__ import parse_args
 from devstack.real_comfyui import RealComfyUI
@@ -697,6 +698,41 @@ async def test_jobs_endpoint(comfy: ComfyAPI) -> None:
     assert status == 200 and job["id"] == run.prompt_id and job["status"] == "completed"
     assert job["outputs_count"] == 1
     assert (await comfy.call("GET", f"/api/jobs/{new_id()}"))[0] == 404
+
+
+async def test_jobs_api_says_where_queued_prompts_are_without_their_graphs(
+    comfy: ComfyAPI,
+) -> None:
+    """What activities/comfyui/whereabouts.py reads instead of /queue: the same places."""
+    client_id = new_id()
+    async with comfy.socket(client_id) as reader:
+        slow = await comfy.submit(slow_graph(prefix(), comfy.target.is_sim), client_id=client_id)
+        await reader.until(lambda e: e["type"] == "execution_start")
+        later = [await comfy.submit(basic_graph(prefix()), client_id=client_id) for _ in range(3)]
+        status, job = await comfy.call("GET", f"/api/jobs/{slow}")
+        if status == 404 and not comfy.target.is_sim:
+            pytest.skip("this ComfyUI has no /api/jobs")
+        assert job["status"] == "in_progress"
+        status, listed = await comfy.call("GET", "/api/jobs?status=pending")
+        assert status == 200 and listed["pagination"]["total"] == 3
+        assert {j["id"] for j in listed["jobs"]} == set(later)
+        assert all(j["status"] == "pending" and "workflow" not in j for j in listed["jobs"])
+        queue = (await comfy.call("GET", "/queue"))[1]
+        numbers = {item[1]: item[0] for item in queue["queue_pending"]}
+        assert {j["id"]: j["priority"] for j in listed["jobs"]} == numbers
+        async with httpx.AsyncClient(trust_env=False, timeout=10) as http:
+            client = ComfyClient(comfy.target.url, http)
+            places = [await whereabouts(client, p) for p in [slow, *later]]
+        assert [(w.where, w.position) for w in places] == [
+            ("running", None),
+            ("pending", 1),
+            ("pending", 2),
+            ("pending", 3),
+        ]
+        assert (await comfy.call("GET", "/api/jobs?status=nope"))[0] == 400
+        assert (await comfy.call("POST", "/queue", json={"clear": True}))[0] == 200
+        await comfy.call("POST", "/interrupt", json={"prompt_id": slow})
+        await reader.until(finished(slow), 30)
 
 
 async def test_preview_and_animated_webp_outputs(comfy: ComfyAPI) -> None:
