@@ -230,11 +230,9 @@ class QueuePlace:
 @dataclass(frozen=True)
 class JobLookup:
     """What `GET /api/jobs/{id}` says of one prompt: its `status` (pending, in_progress,
-    completed, failed, ...; None: ComfyUI knows no such prompt, in its queue or its history) and
-    `priority` (its `number`, the order pending prompts run in)."""
+    completed, failed, ...; None: ComfyUI knows no such prompt, in its queue or its history)."""
 
     status: str | None
-    priority: float | None = None
 
 
 class ComfyClient:
@@ -334,11 +332,8 @@ class ComfyClient:
         except ValueError:
             data = None
         if response.status_code == 200 and isinstance(data, dict):
-            status, priority = data.get("status"), data.get("priority")
-            return JobLookup(
-                status if isinstance(status, str) else "unknown",
-                priority if isinstance(priority, int | float) else None,
-            )
+            status = data.get("status")
+            return JobLookup(status if isinstance(status, str) else "unknown")
         if response.status_code == 404 and isinstance(data, dict) and "error" in data:
             return JobLookup(None)
         # No such route (ComfyUI before 0.8), or something in front of it that refuses it:
