@@ -107,6 +107,8 @@ class ScriptedSocket:
 
     scripts: list[list[Step]] = field(default_factory=list)
     paths: list[str] = field(default_factory=list)
+    # Each handshake's Sec-WebSocket-Extensions offer (None: the client offered none).
+    offered_extensions: list[str | None] = field(default_factory=list)
 
     @property
     def connections(self) -> int:
@@ -115,6 +117,9 @@ class ScriptedSocket:
     async def handle(self, ws: ServerConnection) -> None:
         index = len(self.paths)
         self.paths.append(ws.request.path if ws.request else "")
+        self.offered_extensions.append(
+            ws.request.headers.get("Sec-WebSocket-Extensions") if ws.request else None
+        )
         script = self.scripts[index] if index < len(self.scripts) else []
         try:
             for step in script:

@@ -112,6 +112,8 @@ async def test_events_upload_outputs_and_report_where_the_prompt_got(rig: Rig) -
     assert checkpoint.step == 10 and checkpoint.total_steps == 10
     assert checkpoint.uploaded == [KEY]
     assert rig.socket.paths == [f"/ws?clientId={CLIENT_ID}"]
+    # ComfyUI would deflate every frame, and each followed prompt hold a zlib window here.
+    assert rig.socket.offered_extensions == [None], "no permessage-deflate offered"
     assert rig.comfy.posted == [], "re-attaching never submits"
     # Every report names this attempt's socket, so the workflow can drop stale ones.
     assert {r.attempt_client_id for r in rig.signals.reports} == {CLIENT_ID}

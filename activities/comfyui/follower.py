@@ -212,8 +212,11 @@ class PromptFollower:
 
         The prompt's client_id takes its event routing over from a dead socket; a fresh ID
         would get none of its events."""
+        # No permessage-deflate: ComfyUI's aiohttp socket accepts it, and then every frame (a
+        # few hundred bytes of JSON, or an already-compressed preview) is deflated there and
+        # inflated here, with a zlib window per followed prompt in the worker's memory.
         async with websockets.connect(
-            self.client.ws_url(self.client_id), max_size=None, open_timeout=10
+            self.client.ws_url(self.client_id), max_size=None, open_timeout=10, compression=None
         ) as ws:
             self.last_contact = self.last_routed = time.monotonic()
             if self.graph is not None and not self.submitted:
