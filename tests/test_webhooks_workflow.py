@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from datetime import timedelta
 from typing import Any
 
+import pytest
 import pytest_asyncio
 from temporalio import activity
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
@@ -69,6 +70,20 @@ async def job_with_webhook(
     return spec, await start_job(client, task_queue, request), worker
 
 
+async def between_attempts(handle: WorkflowHandle[Any, JobStatus], receiver: Receiver) -> None:
+    """Until a delivery was tried and none is in flight (the next one waits on its timer).
+
+    A cancel that lands while an attempt completes makes the workflow ask to cancel an activity
+    the time-skipping server already counts as done; it refuses the task's completion
+    (ACTIVITY_UNKNOWN) and never hands the workflow another task, so the test would hang. The
+    dev server and Temporal's own answer such a task with the completion instead."""
+    while True:
+        description = await handle.describe()
+        if receiver.attempts and not description.raw_description.pending_activities:
+            return
+        await asyncio.sleep(0.02)
+
+
 async def final_status(handle: WorkflowHandle[Any, JobStatus]) -> JobStatus:
     try:
         await handle.result()
@@ -110,13 +125,26 @@ async def test_ended_answers_at_the_end_and_a_temporal_cancel_stops_the_deliveri
 ) -> None:
     receiver = Receiver(503)
     _, handle, worker = await job_with_webhook(client, receiver, horizon_s=24 * 3600.0)
-    async with worker:
-        ended = await handle.execute_update(UPDATE_ENDED, result_type=JobStatus)
-        assert ended.state == JobState.COMPLETED
-        assert ended.webhook is not None and ended.webhook.pending == 1
-        assert (await handle.describe()).status == WorkflowExecutionStatus.RUNNING
-        await handle.cancel()
-        status = await final_status(handle)
+    # Once in a fresh-clone CI run this test sat idle for minutes (it passes in about 1 s):
+    # bounded, so it fails naming the step it waited on instead of holding the suite.
+    step = "the worker's start"
+    try:
+        async with asyncio.timeout(60), worker:
+            step = "the `ended` update"
+            ended = await handle.execute_update(UPDATE_ENDED, result_type=JobStatus)
+            assert ended.state == JobState.COMPLETED
+            assert ended.webhook is not None and ended.webhook.pending == 1
+            step = "describe"
+            assert (await handle.describe()).status == WorkflowExecutionStatus.RUNNING
+            step = "a delivery attempt to end"
+            await between_attempts(handle, receiver)
+            step = "the cancel"
+            await handle.cancel()
+            step = "the result after the cancel"
+            status = await final_status(handle)
+            step = "the worker's shutdown"
+    except TimeoutError:
+        pytest.fail(f"no progress in 60 s, waiting on {step}")
     assert status.state == JobState.COMPLETED, "the job's own end is unchanged"
     assert status.webhook is not None
     assert (status.webhook.failed, status.webhook.pending) == (1, 0)
