@@ -13,8 +13,9 @@ import structlog
 
 from activities.comfyui.client import ComfyClient, ComfyError
 from activities.comfyui.events import ending_of
-from activities.comfyui.graph import output_nodes, refuse_hostile_graph, registry_problems
+from activities.comfyui.graph import output_nodes, refuse_hostile_graph
 from activities.comfyui.pools import ComfyPools, PoolHealth
+from activities.comfyui.registry import PoolRegistries
 from activities.errors import fatal, from_comfy
 from activities.inputs import input_bytes
 from activities.storage import ArtifactStore
@@ -37,6 +38,7 @@ class ComfyActivities:
     def __init__(self, pools: ComfyPools, store: ArtifactStore) -> None:
         self._pools = pools
         self._store = store
+        self._registries = PoolRegistries()
 
     async def prepare_prompt(self, req: PrepareInput) -> PreparedJob:
         """Check the graph against the pool's node registry and bind input files to it."""
@@ -50,10 +52,9 @@ class ComfyActivities:
             except GraphFormatError as exc:
                 raise fatal(ErrorType.INVALID_REQUEST, f"segment {index}: {exc}") from exc
         try:
-            object_info = await client.object_info()
+            problems, object_info = await self._registries.check(pool, client, req.graph)
         except ComfyError as exc:
             raise from_comfy(exc, "reading the node registry") from exc
-        problems = registry_problems(req.graph, object_info)
         if problems:
             raise fatal(ErrorType.INVALID_GRAPH, "; ".join(problems), problems=problems)
 

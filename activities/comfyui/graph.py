@@ -56,6 +56,12 @@ def graph_refusal(exc: GraphFormatError) -> ApplicationError:
     return fatal(error_type, message, kind=type(exc).__name__, problems=problems)
 
 
+def lacks_a_class(graph: Mapping[str, Any], object_info: Mapping[str, Any]) -> bool:
+    """Whether `graph` names a class the registry has not got (one installed since it was read,
+    perhaps)."""
+    return any(cls not in object_info for _id, cls, _inputs in iter_nodes(graph))
+
+
 def registry_problems(graph: Mapping[str, Any], object_info: Mapping[str, Any]) -> list[str]:
     problems: list[str] = []
     for node_id, class_type, inputs in iter_nodes(graph):

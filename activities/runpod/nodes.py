@@ -29,12 +29,11 @@ import structlog
 from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
-from activities.comfyui.graph import registry_problems
+from activities.comfyui.graph import lacks_a_class, registry_problems
 from activities.errors import fatal
 from activities.runpod.contract import NodesTarget, PublishedNodes, nodes_key
 from activities.settings import PoolConfig, S3Settings
 from activities.storage_errors import ObjectMissing, StorageError
-from workflows.graph import iter_nodes
 from workflows.shared import ErrorType
 
 log = structlog.get_logger(__name__)
@@ -142,7 +141,7 @@ class NodeRegistries:
         if registry is None:
             return
         problems = registry_problems(graph, registry.object_info)
-        if problems and not read_now and _lacks_a_class(graph, registry):
+        if problems and not read_now and lacks_a_class(graph, registry.object_info):
             # A class the registry lacks may have come with a new image: read it once more.
             registry = (await self._registry(pool_name, pool, fresh=True))[0] or registry
             problems = registry_problems(graph, registry.object_info)
@@ -202,10 +201,6 @@ class NodeRegistries:
             source += f" (published {published.published_at:%Y-%m-%d %H:%M:%S} UTC"
             source += f" by worker {published.worker_id})" if published.worker_id else ")"
         return Registry(classes, source, self._clock())
-
-
-def _lacks_a_class(graph: Mapping[str, Any], registry: Registry) -> bool:
-    return any(cls not in registry.object_info for _id, cls, _inputs in iter_nodes(graph))
 
 
 # One set of registries per store (a worker has one): the backend's prepare finds them here.
