@@ -641,6 +641,19 @@ async def test_a_fresh_submission_reads_no_queue_and_gets_its_place_in_line(
     assert (rig.comfy.count("GET /queue") == 0) is jobs_api
 
 
+@pytest.mark.parametrize("first_post", [True, False])
+async def test_only_a_first_post_goes_without_asking_whether_comfyui_has_the_prompt(
+    rig: Rig, first_post: bool
+) -> None:
+    rig.comfy.on_post = "pending"
+    rig.socket.scripts = [a_plain_run()]
+    await rig.follow(request(graph=GRAPH, first_post=first_post))
+    before_post = rig.comfy.requests[: rig.comfy.requests.index("POST /prompt")]
+    looked = [r for r in before_post if r.startswith(("GET /api/jobs/", "GET /queue"))]
+    assert bool(looked) is not first_post
+    assert len(rig.comfy.posted) == 1
+
+
 async def test_a_lost_prompt_is_asked_about_twice_a_recheck_apart(
     rig: Rig, monkeypatch: pytest.MonkeyPatch
 ) -> None:

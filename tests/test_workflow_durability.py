@@ -160,6 +160,8 @@ async def test_lost_prompt_is_resubmitted_once_then_completes(env: WorkflowEnvir
     assert error is None and status.state == JobState.COMPLETED
     assert len(backend.submitted) == 2
     assert backend.submitted[0].prompt_id == backend.submitted[1].prompt_id
+    # The same prompt ID again: this time the backend is asked first whether it holds it.
+    assert [s.first_post for s in backend.submitted] == [True, False]
 
 
 async def test_lost_twice_pauses_for_a_decision_and_resume_resubmits(

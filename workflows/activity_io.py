@@ -68,6 +68,9 @@ class FollowInput(StrictModel):
     # Submit this graph first, unless the backend already knows the prompt. The socket opens
     # before the submission, so no event of the prompt is missed.
     graph: dict[str, Any] | None = None
+    # No earlier attempt can have submitted `prompt_id` (the first follow of it in this run):
+    # the backend is not asked whether it holds the prompt before the POST, a round trip less.
+    first_post: bool = False
     # For backends that take them with the submission (RunPod's executionTimeout and ttl).
     execution_timeout_s: float | None = None
     queue_timeout_s: float | None = None

@@ -77,11 +77,15 @@ class SegmentRun:
         """Follow the prompt to its end, re-attaching from the checkpoint when the path breaks."""
         book, policy = self._book, self._request.policy
         attempt = 0
+        followed: set[str] = set()  # prompt IDs an attempt was given (and so may have posted)
         while True:
             submit = checkpoint.submitted_at is None
+            first_post = submit and checkpoint.prompt_id not in followed
+            followed.add(checkpoint.prompt_id or "")
             book.set_state(JobState.SUBMITTING if submit else book.backend_state)
             try:
-                return await calls.follow(self._follow_input(checkpoint, submit), policy)
+                follow_input = self._follow_input(checkpoint, submit, first_post)
+                return await calls.follow(follow_input, policy)
             except BaseException as err:
                 kind = classify(err)
                 cost = failure_cost(err)
@@ -112,7 +116,7 @@ class SegmentRun:
                 await self._back_off(err, attempt, waiting)
                 attempt += 1
 
-    def _follow_input(self, checkpoint: Checkpoint, submit: bool) -> FollowInput:
+    def _follow_input(self, checkpoint: Checkpoint, submit: bool, first_post: bool) -> FollowInput:
         request, prepared = self._request, self._prepared
         return FollowInput(
             job_id=self._book.status.job_id,
@@ -129,6 +133,7 @@ class SegmentRun:
             checkpoint=checkpoint,
             stored=self._book.artifacts_of(self._segment),
             graph=self._graph if submit else None,
+            first_post=first_post,
             execution_timeout_s=request.policy.execution_timeout_s,
             queue_timeout_s=request.policy.queue_timeout_s,
             staged_inputs=prepared.staged_inputs,

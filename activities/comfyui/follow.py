@@ -107,6 +107,7 @@ class FollowAttempt:
             graph=req.graph,
             extra_data=prompt_tag(req.job_id, req.segment),
             submitted=self.checkpoint.submitted_at is not None,
+            first_post=req.first_post,
             log=self.log,
         )
         self.poll_s = poll_s

@@ -130,11 +130,13 @@ class PromptFollower:
         graph: dict[str, Any] | None = None,
         extra_data: dict[str, Any] | None = None,
         submitted: bool = False,
+        first_post: bool = False,
         reconnect_for_s: float | None = None,
         log: Any = None,
     ) -> None:
         """`graph`: submit it unless ComfyUI already has the prompt (None: only re-attach).
-        `submitted`: an earlier attempt did, so only re-attach. `reconnect_for_s`: a lost
+        `submitted`: an earlier attempt did, so only re-attach. `first_post`: nothing can have
+        posted the prompt before, so the first POST goes without asking. `reconnect_for_s`: a lost
         socket or ComfyUI unavailable is reconnected while ComfyUI answered within this long,
         then `ComfyGone`; None raises the error as it came."""
         self.client = client
@@ -144,6 +146,7 @@ class PromptFollower:
         self.tracker = tracker
         self.poll_s = poll_s
         self.graph = graph
+        self.first_post = first_post
         self.extra_data = extra_data or {}
         self.reconnect_for_s = reconnect_for_s
         self.log = (
@@ -238,8 +241,11 @@ class PromptFollower:
 
     async def _submit_unless_known(self, graph: dict[str, Any]) -> None:
         """POST /prompt with our prompt_id, unless ComfyUI already has it: the prompt_id is
-        ours, so after a lost answer we ask instead of queueing (and paying for) it twice."""
-        if await is_known(self.client, self.prompt_id):
+        ours, so after a lost answer we ask instead of queueing (and paying for) it twice; the
+        first POST of a prompt nobody posted before goes without asking (a round trip on every
+        job's critical path)."""
+        first_post, self.first_post = self.first_post, False
+        if not first_post and await is_known(self.client, self.prompt_id):
             self.submitted = self.attached = self.maybe_queued = True
             self.log.info("submit_already_known")
             await self.listener.submitted()
