@@ -29,22 +29,14 @@ class Comfy:
         return dict(self.installed)
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 async def test_jobs_within_a_minute_share_one_read_and_a_later_one_reads_again() -> None:
-    comfy, clock = Comfy(), Clock()
-    registries = PoolRegistries(clock=clock)
+    comfy, now = Comfy(), [1000.0]
+    registries = PoolRegistries(clock=lambda: now[0])
     for _ in range(5):
         problems, object_info = await registries.check("gpu", comfy, GRAPH)
         assert problems == [] and "EmptyImage" in object_info
     assert comfy.reads == 1
-    clock.now += FRESH_S + 1
+    now[0] += FRESH_S + 1
     await registries.check("gpu", comfy, GRAPH)
     assert comfy.reads == 2
     await registries.check("other-pool", comfy, GRAPH)
@@ -53,7 +45,7 @@ async def test_jobs_within_a_minute_share_one_read_and_a_later_one_reads_again()
 
 async def test_a_class_installed_since_the_read_is_seen_at_once() -> None:
     comfy = Comfy()
-    registries = PoolRegistries(clock=Clock())
+    registries = PoolRegistries()
     await registries.check("gpu", comfy, GRAPH)
     comfy.installed["FreshlyInstalled"] = FRESH
     problems, _ = await registries.check("gpu", comfy, NEW_NODE_GRAPH)
@@ -62,7 +54,7 @@ async def test_a_class_installed_since_the_read_is_seen_at_once() -> None:
 
 async def test_a_class_still_missing_is_refused_after_one_more_read() -> None:
     comfy = Comfy()
-    registries = PoolRegistries(clock=Clock())
+    registries = PoolRegistries()
     await registries.check("gpu", comfy, GRAPH)
     problems, _ = await registries.check("gpu", comfy, NEW_NODE_GRAPH)
     assert len(problems) == 1 and "'FreshlyInstalled' is not installed" in problems[0]
@@ -76,7 +68,7 @@ async def test_a_class_still_missing_is_refused_after_one_more_read() -> None:
 
 async def test_prepares_on_a_cold_pool_share_one_read() -> None:
     comfy = Comfy()
-    registries = PoolRegistries(clock=Clock())
+    registries = PoolRegistries()
     results = await asyncio.gather(*(registries.check("gpu", comfy, GRAPH) for _ in range(20)))
     assert all(problems == [] for problems, _ in results)
     assert comfy.reads == 1
