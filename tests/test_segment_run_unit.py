@@ -242,6 +242,7 @@ async def test_a_segment_submits_follows_and_ends_with_the_follows_outputs(
         checkpoint=sent(follow),
         stored=[],
         graph=follow.graph,
+        first_post=True,  # a fresh prompt ID: posted without asking the backend first
         execution_timeout_s=600.0,
         queue_timeout_s=120.0,
         staged_inputs={"in.png": "s3://b/in.png"},
