@@ -78,7 +78,13 @@ from starter.execution import bare_status, ended_from_outside
 from starter.live import LiveRelay, Pushed
 from starter.pending_query import PendingQuery
 from starter.pollers import activity_queue
-from starter.progress import FOLLOW_STATES, carried_forward, follow_heartbeats, overlaid
+from starter.progress import (
+    FOLLOW_STATES,
+    carried_forward,
+    follow_heartbeats,
+    follow_just_ended,
+    overlaid,
+)
 from starter.requests import check_segment_overrides
 from starter.settings import ClientSettings
 from starter.staging import stage_inputs
@@ -442,7 +448,14 @@ class JobClient:
         status = await self._query(job_id)
         if status.terminal:
             return status
-        return await self._described(job_id, status, await self._describe(job_id))
+        description = await self._describe(job_id)
+        if follow_just_ended(status, description):
+            # The step the follow's heartbeat showed left the record with it: asked again, the
+            # job answers with the checkpoint it recovered, never a step behind the one shown.
+            status = await self._query(job_id)
+            if status.terminal:
+                return status
+        return await self._described(job_id, status, description)
 
     @_client_errors
     async def events(self, job_id: str, since: int = 0) -> JobEvents:

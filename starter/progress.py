@@ -54,6 +54,18 @@ async def follow_heartbeats(description: WorkflowExecutionDescription) -> list[F
     return beats
 
 
+def follow_just_ended(status: JobStatus, description: WorkflowExecutionDescription) -> bool:
+    """Whether the follow the job's status (a query) names ended before the describe after it:
+    no follow activity is left on the record, and the workflow task that reads its end (a
+    failed attempt's last checkpoint) is under way. A query waits for that task."""
+    raw = description.raw_description
+    return (
+        status.state in FOLLOW_STATES
+        and not any(p.activity_type.name == ACTIVITY_FOLLOW for p in raw.pending_activities)
+        and raw.HasField("pending_workflow_task")
+    )
+
+
 def overlaid(status: JobStatus, heartbeats: Iterable[FollowHeartbeat] = ()) -> JobStatus:
     """`status` with the furthest checkpoint of its current submission laid over its progress:
     the heartbeats', or its own (ahead of its progress after a failed attempt). Unchanged when

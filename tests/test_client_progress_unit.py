@@ -385,6 +385,28 @@ async def test_status_overlays_the_heartbeat_from_the_describe_it_makes_anyway()
     assert calls.asked == ["query", "describe"]
 
 
+@pytest.mark.parametrize("task_under_way", [True, False])
+async def test_status_asks_again_when_the_follow_ended_between_its_two_calls(
+    task_under_way: bool,
+) -> None:
+    # The query saw the first attempt submitting (its step only in the heartbeat); by the
+    # describe the attempt had failed, and the task that reads its checkpoint was under way.
+    submitting = running(0, state=JobState.SUBMITTING)
+    recovered = running(0, state=JobState.RECONNECTING)
+    recovered.checkpoint = checkpoint(8, at=20.0)
+    described = await description()
+    if task_under_way:
+        described.raw_description.pending_workflow_task.attempt = 1
+    calls = Calls(answers=[submitting, recovered], descriptions=[described])
+    status = await calls.client.status(JOB)
+    if task_under_way:
+        assert calls.asked == ["query", "describe", "query"]
+        assert status.state == JobState.RECONNECTING and status.progress.step == 8
+    else:
+        assert calls.asked == ["query", "describe"], "a backoff between attempts asks once"
+        assert status.state == JobState.SUBMITTING
+
+
 # -- wait ---------------------------------------------------------------------------------------
 
 
