@@ -444,7 +444,7 @@ class JobClient:
         """The job's status, from the job itself, corrected by Temporal's record when the
         workflow was ended from outside (TERMINATED, TIMED_OUT), and with the follow activity's
         latest step laid over it while a prompt is followed (two calls: the query, and the
-        describe that serves both)."""
+        describe that serves both; the query once more when the follow ended in between)."""
         status = await self._query(job_id)
         if status.terminal:
             return status
