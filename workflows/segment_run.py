@@ -77,11 +77,10 @@ class SegmentRun:
         """Follow the prompt to its end, re-attaching from the checkpoint when the path breaks."""
         book, policy = self._book, self._request.policy
         attempt = 0
-        followed: set[str] = set()  # prompt IDs an attempt was given (and so may have posted)
+        given = False  # whether an attempt was given the prompt (and so may have posted it)
         while True:
             submit = checkpoint.submitted_at is None
-            first_post = submit and checkpoint.prompt_id not in followed
-            followed.add(checkpoint.prompt_id or "")
+            first_post, given = submit and not given, True
             book.set_state(JobState.SUBMITTING if submit else book.backend_state)
             try:
                 follow_input = self._follow_input(checkpoint, submit, first_post)

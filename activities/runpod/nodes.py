@@ -30,6 +30,7 @@ from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
 from activities.comfyui.graph import lacks_a_class, registry_problems
+from activities.comfyui.registry import FRESH_S  # one freshness rule for both kinds of pool
 from activities.errors import fatal
 from activities.runpod.contract import NodesTarget, PublishedNodes, nodes_key
 from activities.settings import PoolConfig, S3Settings
@@ -38,8 +39,6 @@ from workflows.shared import ErrorType
 
 log = structlog.get_logger(__name__)
 
-# How long a registry read is used before it is read again.
-FRESH_S = 60.0
 # A real ComfyUI's `/object_info` with many custom node packs is a few MB.
 MAX_REGISTRY_BYTES = 64 * 1024 * 1024
 
