@@ -7,8 +7,10 @@ Temporal; workflows still running are left alone, and so is everything of other 
 of other systems. Running it on several workers is harmless: every action is idempotent.
 
 - ComfyUI pools: every prompt this system submits carries a tag in ComfyUI's `extra_data` (the
-  job id and the Temporal namespace); the sweep lists each pool's queue and dequeues a pending
-  tagged prompt, or interrupts a running one (prompt-scoped, so nothing else is touched).
+  job id and the Temporal namespace); the sweep lists each pool's queue, asks Temporal about each
+  tagged prompt's job, and lists the queue again: a prompt still there after its job was seen
+  closed is dequeued if pending or interrupted if running (prompt-scoped, so nothing else is
+  touched). A prompt that ended between the two listings ended with its job.
 - RunPod pools: RunPod cannot list an endpoint's jobs, so the follow records each submission in
   the bucket (`activities/runpod/submissions.py`); the sweep reads those records, finds the
   RunPod job (the record's id; with claims, also the claim's holder, which names the job even
@@ -121,17 +123,27 @@ class OrphanSweeper:
         return swept
 
     async def _sweep_pool(self, pool: str, client: ComfyClient) -> list[SweptPrompt]:
-        queue = await client.queue()
+        closed: dict[str, tuple[str, str]] = {}  # prompt id -> (job id, the job's status)
+        for item in _queued(await client.queue()):
+            job_id = self._our_job(item)
+            if job_id is None:
+                continue
+            job = await self._job_state(job_id)
+            if job != "RUNNING":
+                closed[str(item[1])] = (job_id, job)
+        if not closed:
+            return []
+        # The listing is older than the statuses: a job whose prompt ended between the two
+        # completed with it, and is no orphan. A prompt still on the queue after its job was
+        # seen closed is one; and where it is now says whether to dequeue or interrupt it.
+        listed = await client.queue()
         swept: list[SweptPrompt] = []
         for where in ("queue_running", "queue_pending"):
-            for item in queue.get(where, []):
-                job_id = self._our_job(item)
-                if job_id is None:
-                    continue
-                job = await self._job_state(job_id)
-                if job == "RUNNING":
-                    continue
+            for item in listed.get(where, []):
                 prompt_id = str(item[1])
+                if prompt_id not in closed:
+                    continue
+                job_id, job = closed.pop(prompt_id)
                 if where == "queue_pending":
                     await client.delete_pending(prompt_id)
                     action: Literal["dequeued", "interrupted"] = "dequeued"
@@ -254,3 +266,8 @@ class OrphanSweeper:
         if status is None:
             return "unknown"
         return "RUNNING" if status == WorkflowExecutionStatus.RUNNING else status.name
+
+
+def _queued(queue: Mapping[str, Any]) -> list[list[Any]]:
+    """The items of a ComfyUI `/queue` answer, running ones first."""
+    return [*queue.get("queue_running", []), *queue.get("queue_pending", [])]
