@@ -17,6 +17,7 @@ Botocore retries at most once (`max_attempts: 2`): Temporal owns retries.
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
 import os
 import re
@@ -138,7 +139,10 @@ class ArtifactStore:
         metadata: Mapping[str, str] | None = None,
     ) -> StoredObject:
         """Stream `chunks` to `key`: one PutObject below 8 MiB, else multipart with 8 MiB parts
-        and at most 4 in flight. Checks the stored size and sha256 before returning."""
+        and at most 4 in flight. Returns once the stored bytes are confirmed: a PutObject carries
+        its sha256 as S3's checksum, which the store checks against what it received and echoes;
+        a multipart upload, or a store that does not echo it, is checked with a HEAD (size and
+        sha256 metadata)."""
         bucket = bucket or self.settings.bucket
         meta = _check_metadata(metadata or {})
         _check_header_value("content_type", content_type)
@@ -151,14 +155,20 @@ class ArtifactStore:
             if first.size < PART_SIZE:
                 hasher = hashlib.sha256()
                 s3_multipart.hash_part(hasher, first)
+                checksum = base64.b64encode(hasher.digest()).decode()
                 resp = await self.client.put_object(
                     Bucket=bucket,
                     Key=key,
                     Body=first.body,
                     ContentType=content_type,
                     Metadata={**meta, "sha256": hasher.hexdigest()},
+                    ChecksumSHA256=checksum,
                 )
                 done = s3_multipart.Uploaded(first.size, hasher.hexdigest(), 0, resp["ETag"])
+                if resp.get("ChecksumSHA256") == checksum:
+                    # The store hashed what it stored and found our sha256 (it refuses the PUT
+                    # with BadDigest otherwise): confirmed without a HEAD.
+                    return self._uploaded(bucket, key, content_type, done, started)
             else:
                 done = await s3_multipart.upload_multipart(
                     self.client,
@@ -185,6 +195,12 @@ class ArtifactStore:
                 f"s3://{bucket}/{key}: stored {stored.size if stored else 'nothing'} bytes / "
                 f"sha256 {stored.sha256 if stored else '-'}, streamed {done.size} / {done.sha256}"
             )
+        return self._uploaded(bucket, key, stored.content_type, done, started)
+
+    @staticmethod
+    def _uploaded(
+        bucket: str, key: str, content_type: str, done: s3_multipart.Uploaded, started: float
+    ) -> StoredObject:
         elapsed = time.monotonic() - started
         log.info(
             "s3.upload.completed",
@@ -196,7 +212,14 @@ class ArtifactStore:
             seconds=round(elapsed, 3),
             mib_per_s=round(done.size / 2**20 / elapsed, 1) if elapsed > 0 else None,
         )
-        return stored
+        return StoredObject(
+            bucket=bucket,
+            key=key,
+            uri=f"s3://{bucket}/{key}",
+            size=done.size,
+            sha256=done.sha256,
+            content_type=content_type,
+        )
 
     async def head(self, key: str, *, bucket: str | None = None) -> StoredObject | None:
         bucket = bucket or self.settings.bucket

@@ -37,7 +37,10 @@ _CONFIG_CODES = frozenset(
         "PermanentRedirect",
     }
 )
-_RETRYABLE_CODES = frozenset({"RequestTimeout", "SlowDown", "PreconditionFailed", "Throttling"})
+# BadDigest: the bytes the store received are not the ones we hashed (damaged on the way).
+_RETRYABLE_CODES = frozenset(
+    {"RequestTimeout", "SlowDown", "PreconditionFailed", "Throttling", "BadDigest"}
+)
 
 # What talking to S3 can raise. Anything else is a bug and propagates untranslated.
 S3_FAILURES: tuple[type[Exception], ...] = (

@@ -247,6 +247,7 @@ class FakeStore(ArtifactStore):
         self.uploads: list[str] = []
         self.fail: dict[str, StorageError] = {}
         self.corrupt: set[str] = set()
+        self.heads: list[str] = []
         self.stored = asyncio.Event()
 
     async def upload_stream(
@@ -275,6 +276,7 @@ class FakeStore(ArtifactStore):
         return stored
 
     async def head(self, key: str, *, bucket: str | None = None) -> StoredObject | None:
+        self.heads.append(key)
         found = self.objects.get(key)
         if found is not None and key in self.corrupt:
             return found.model_copy(update={"sha256": "0" * 64})

@@ -27,6 +27,7 @@ from structlog.testing import capture_logs
 
 import activities.comfyui.follow as follow_module
 import activities.comfyui.follower as follower_module
+from activities.comfyui.backend import ComfyBackend
 from activities.comfyui.client import ComfyClient
 from activities.comfyui.follow import FollowActivities
 from activities.follow_common import process_identity
@@ -932,6 +933,28 @@ async def test_the_activity_follows_with_the_pools_client_and_health(rig: Rig) -
     result: FollowResult = await rig.env.run(activities.follow_prompt, request(graph=GRAPH))
     assert [a.key for a in result.artifacts] == [KEY] and asked == ["comfyui"]
     assert [pool for pool, _ in Pools.health.probed] == ["comfyui"]
+
+
+async def test_the_follow_activity_does_not_ask_s3_again_for_what_it_just_stored(
+    rig: Rig,
+) -> None:
+    # ComfyBackend.follow: the follow stores the output (confirmed by upload_stream), then the
+    # offload reconciles with /history in the same activity, without a HEAD of that output.
+    rig.comfy.running.append(PROMPT_ID)
+    rig.socket.scripts = [a_plain_run()]
+    rig.comfy.finish(PROMPT_ID, ("9", image("img_00001_.png")))
+
+    class Pools:
+        health = StubHealth()
+
+        def client(self, pool: str) -> ComfyClient:
+            return rig.client()
+
+    backend = ComfyBackend(Pools(), rig.store, rig.budget)  # type: ignore[arg-type]
+    result: FollowResult = await rig.env.run(backend.follow, request(graph=GRAPH))
+    assert [a.key for a in result.artifacts] == [KEY] and rig.store.uploads == [KEY]
+    assert rig.comfy.count(f"GET /history/{PROMPT_ID}") >= 1
+    assert rig.store.heads == []
 
 
 # --- the shared follower with the handler's policy --------------------------------------------

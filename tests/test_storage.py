@@ -542,15 +542,53 @@ async def test_too_many_parts_is_fatal_and_aborted(
     assert await store.list_multipart_uploads(prefix) == []
 
 
-async def test_size_mismatch_after_upload_is_an_integrity_error(
+async def test_a_put_is_confirmed_by_the_stores_own_sha256_without_a_head(
     store: ArtifactStore, prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    heads: list[str] = []
     real_head = store.client.head_object
+
+    async def counted_head(**kwargs: Any) -> Any:
+        heads.append(kwargs["Key"])
+        return await real_head(**kwargs)
+
+    monkeypatch.setattr(store.client, "head_object", counted_head)
+    stored = await store.upload_stream(f"{prefix}/x", _stream(b"abc", 1), content_type="x/y")
+    assert (stored.size, stored.sha256, stored.content_type) == (3, _sha(b"abc"), "x/y")
+    assert heads == []
+    assert await store.verify(stored)
+
+
+async def test_a_put_the_store_received_damaged_is_refused_and_retryable(
+    store: ArtifactStore, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What the store hashes is not what we hashed: the checksum is the store's check, not ours.
+    real_put = store.client.put_object
+
+    async def damaged_put(**kwargs: Any) -> Any:
+        return await real_put(**{**kwargs, "Body": kwargs["Body"].getvalue()[:-1] + b"?"})
+
+    monkeypatch.setattr(store.client, "put_object", damaged_put)
+    with pytest.raises(StorageError) as caught:
+        await store.upload_stream(f"{prefix}/x", _stream(b"abc", 1), content_type="x/y")
+    assert "BadDigest" in str(caught.value) and caught.value.retryable
+    assert await store.head(f"{prefix}/x") is None
+
+
+async def test_a_store_that_does_not_echo_the_checksum_is_asked_with_a_head(
+    store: ArtifactStore, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_put, real_head = store.client.put_object, store.client.head_object
+
+    async def silent_put(**kwargs: Any) -> Any:
+        resp = await real_put(**kwargs)
+        return {k: v for k, v in resp.items() if k != "ChecksumSHA256"}
 
     async def lying_head(**kwargs: Any) -> Any:
         resp = await real_head(**kwargs)
         return {**resp, "ContentLength": resp["ContentLength"] + 1}
 
+    monkeypatch.setattr(store.client, "put_object", silent_put)
     monkeypatch.setattr(store.client, "head_object", lying_head)
     with pytest.raises(IntegrityError):
         await store.upload_stream(f"{prefix}/x", _stream(b"abc", 1), content_type="x/y")

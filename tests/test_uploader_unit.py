@@ -107,12 +107,23 @@ async def test_outputs_already_stored_are_not_fetched_again(offload: Offload) ->
     assert [a.key for a in again.artifacts] == [a.key for a in first.artifacts]
 
 
+async def test_what_it_stored_itself_is_not_asked_again_and_what_was_stored_before_is(
+    offload: Offload,
+) -> None:
+    # upload_stream returns only once the store confirmed the bytes: a HEAD after it is waste.
+    first = await offload.run()
+    assert offload.store.heads == []
+    await offload.run(stored=first.artifacts[:2])
+    assert sorted(offload.store.heads) == sorted(a.key for a in first.artifacts[:2])
+
+
 async def test_a_stored_object_that_does_not_match_is_a_retryable_storage_error(
     offload: Offload,
 ) -> None:
+    first = await offload.run()
     offload.store.corrupt.add(key("9", "b.png"))
     with pytest.raises(ApplicationError) as caught:
-        await offload.run()
+        await offload.run(stored=first.artifacts)
     assert caught.value.type == ErrorType.STORAGE_ERROR and not caught.value.non_retryable
     assert key("9", "b.png") in caught.value.message
 

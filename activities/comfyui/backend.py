@@ -45,7 +45,8 @@ class ComfyBackend:
     async def follow(self, req: FollowInput) -> FollowResult:
         """Follow the prompt to its end, then reconcile its outputs with `/history` in the same
         activity: one round trip to the workflow fewer than a separate offload."""
-        followed = await self._follow.follow_prompt(req)
+        attempt = self._follow.attempt(req)
+        followed = await attempt.run()
         resume_point = FollowHeartbeat(checkpoint=followed.checkpoint, artifacts=followed.artifacts)
         offloaded = await self._offload.offload_outputs(
             OffloadInput(
@@ -59,6 +60,8 @@ class ComfyBackend:
             ),
             # A retry after a failure here re-attaches from where the follow ended.
             beat=lambda: activity.heartbeat(resume_point.model_dump(mode="json")),
+            # What the follow stored was confirmed as it was stored: not asked again.
+            confirmed=attempt.uploader.confirmed,
         )
         return followed.model_copy(update={"artifacts": offloaded.artifacts})
 

@@ -383,8 +383,9 @@ class FollowActivities:
         self._live = live
 
     async def follow_prompt(self, req: FollowInput) -> FollowResult:
+        return await self.attempt(req).run()
+
+    def attempt(self, req: FollowInput) -> FollowAttempt:
+        """An attempt to run; its `uploader` says afterwards what it stored."""
         client = self._pools.client(req.pool)
-        attempt = FollowAttempt(
-            req, client, self._store, self._pools.health, self._budget, self._live
-        )
-        return await attempt.run()
+        return FollowAttempt(req, client, self._store, self._pools.health, self._budget, self._live)

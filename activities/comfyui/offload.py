@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import ssl
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Collection, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
@@ -152,6 +152,8 @@ class OutputUploader:
         self._segment = segment
         self._output = output
         self.artifacts: dict[str, Artifact] = {a.key: a for a in stored}
+        # Keys this uploader stored itself: each confirmed by `upload_stream` as it was stored.
+        self.confirmed: set[str] = set()
         self._in_flight: set[str] = set()
         self._limit = asyncio.Semaphore(MAX_PARALLEL_UPLOADS)
 
@@ -216,6 +218,7 @@ class OutputUploader:
             segment=self._segment,
         )
         self.artifacts[key] = artifact
+        self.confirmed.add(key)
         count_offloaded(stored.size)
         log.info("artifact_stored", job_id=self._job_id, key=key, size=stored.size)
         return artifact
@@ -243,9 +246,15 @@ class OffloadActivities:
         self._store = store
 
     async def offload_outputs(
-        self, req: OffloadInput, *, beat: Callable[[], None] | None = None
+        self,
+        req: OffloadInput,
+        *,
+        beat: Callable[[], None] | None = None,
+        confirmed: Collection[str] = (),
     ) -> OffloadResult:
-        """Store every saved output the history lists and verify all of them in S3.
+        """Store every saved output the history lists, and verify in S3 each one this activity
+        did not itself store and confirm (`confirmed`: the keys the follow stored just before,
+        in the same activity; earlier attempts' artifacts are asked for again).
 
         `beat` heartbeats between uploads (default: a bare heartbeat); the follow activity
         passes its own, so its checkpoint stays the activity's heartbeat details."""
@@ -269,6 +278,8 @@ class OffloadActivities:
                     await uploader.upload(node_id, item)
                     beat()
         for artifact in uploader.artifacts.values():
+            if artifact.key in confirmed or artifact.key in uploader.confirmed:
+                continue
             head = await self._store.head(artifact.key, bucket=req.output.bucket)
             if head is None or head.size != artifact.size or head.sha256 != artifact.sha256:
                 raise retryable(

@@ -231,8 +231,9 @@ def _where(
         "job's status (a pydantic model) is rewritten, its journal and Current Details "
         "written, and its search attributes upserted once per task.",
         f"- **Activities** (p50 of each piece): {activity_text}. The direct script does the "
-        f"same simulator and S3 work in {fmt(p50['direct'])} ms in all; the follow adds a HEAD "
-        "of each stored object (size and sha256 checked) and a /history read at the end.",
+        f"same simulator and S3 work in {fmt(p50['direct'])} ms in all; the follow adds a /history "
+        "read at the end (the source of truth for the outputs) and the sha256 the store checks "
+        "each put against.",
         *(
             [
                 f"- **The final status query**: {fmt(query)} ms. `JobClient.wait` queried the "
@@ -243,9 +244,9 @@ def _where(
         ),
         "- **What would cut the rest**: (1) workflow code per task "
         f"({fmt(code_each)} ms against the bare workflow's {fmt(bare_code_each)}): fewer status "
-        "rewrites per task, and the workflow modules passed through the sandbox; (2) the "
-        "follow's own path to S3: the HEAD after each put could be replaced by checking the "
-        "put's answer (ETag/checksum) where the store supports it"
+        "rewrites per task, fewer payloads per task (each one the SDK visits several times, "
+        "entering the sandbox for each); (2) the /history read after a success whose outputs "
+        "every `executed` event already named"
         + (
             f"; (3) the prepare activity's round trip ({fmt(prepare_trip)} ms): it is on the "
             "path only when the request stages inputs or the local attempt gave way"
