@@ -165,6 +165,7 @@ async def run_worker(
                 store, {name: (settings.pools[name], rp) for name, rp in on_runpod.items()}
             ),
             on_swept=lambda orphan: count_swept(meter, orphan.pool, orphan.action),
+            followed_here=budget.is_following,
         )
         sweeping: asyncio.Task[None] | None = None
         if settings.live_progress_port is not None and settings.live_progress_key is not None:

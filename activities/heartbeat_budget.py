@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from collections.abc import Callable, Hashable
 
 import structlog
@@ -44,6 +45,7 @@ class HeartbeatBudget:
         self.per_s = per_s
         self.fastest_s = min(fastest_s, FRESHNESS_S)
         self.following = 0
+        self._jobs: Counter[str] = Counter()  # the jobs whose prompts are followed, and how many
         self._clock = clock
         self._over = False
 
@@ -53,13 +55,27 @@ class HeartbeatBudget:
         return min(FRESHNESS_S, max(self.fastest_s, share))
 
     def pacer(
-        self, send: Callable[[], None], mark: Callable[[], Hashable], keepalive_s: float
+        self,
+        send: Callable[[], None],
+        mark: Callable[[], Hashable],
+        keepalive_s: float,
+        *,
+        job_id: str = "",
     ) -> HeartbeatPacer:
-        """A pacer for one followed prompt; counted in the budget while entered (`with`)."""
-        return HeartbeatPacer(self, send, mark, keepalive_s, self._clock)
+        """A pacer for one followed prompt (of `job_id`); counted in the budget while entered
+        (`with`)."""
+        return HeartbeatPacer(self, send, mark, keepalive_s, self._clock, job_id)
 
-    def _join(self, change: int) -> None:
+    def is_following(self, job_id: str) -> bool:
+        """Whether a prompt of `job_id` is being followed by this worker now."""
+        return self._jobs[job_id] > 0
+
+    def _join(self, change: int, job_id: str) -> None:
         self.following += change
+        if job_id:
+            self._jobs[job_id] += change
+            if self._jobs[job_id] <= 0:
+                del self._jobs[job_id]
         self._note_load()
 
     def _note_load(self) -> None:
@@ -95,8 +111,10 @@ class HeartbeatPacer:
         mark: Callable[[], Hashable],
         keepalive_s: float,
         clock: Callable[[], float],
+        job_id: str = "",
     ) -> None:
         self._budget = budget
+        self._job_id = job_id
         self._send = send
         self._mark = mark
         self._keepalive_s = keepalive_s
@@ -124,12 +142,12 @@ class HeartbeatPacer:
             self._timer = asyncio.get_running_loop().call_later(wait, self._on_turn)
 
     def __enter__(self) -> HeartbeatPacer:
-        self._budget._join(1)
+        self._budget._join(1, self._job_id)
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-        self._budget._join(-1)
+        self._budget._join(-1, self._job_id)
 
     def close(self) -> None:
         if self._timer is not None:

@@ -10,7 +10,8 @@ of other systems. Running it on several workers is harmless: every action is ide
   job id and the Temporal namespace); the sweep lists each pool's queue, asks Temporal about each
   tagged prompt's job, and lists the queue again: a prompt still there after its job was seen
   closed is dequeued if pending or interrupted if running (prompt-scoped, so nothing else is
-  touched). A prompt that ended between the two listings ended with its job.
+  touched). A prompt that ended between the two listings ended with its job. The jobs this
+  worker follows itself are running and are not asked about.
 - RunPod pools: RunPod cannot list an endpoint's jobs, so the follow records each submission in
   the bucket (`activities/runpod/submissions.py`); the sweep reads those records, finds the
   RunPod job (the record's id; with claims, also the claim's holder, which names the job even
@@ -86,8 +87,14 @@ class OrphanSweeper:
         *,
         runpod: RunPodSweep | None = None,
         on_swept: Callable[[SweptPrompt], None] | None = None,
+        followed_here: Callable[[str], bool] = lambda _job_id: False,
     ) -> None:
         self._temporal = temporal
+        # A job whose prompt this worker follows now is running: its follow activity is. Not
+        # asked about, which spares Temporal a describe per prompt per sweep; should its
+        # workflow be closed, the follow learns it at its next heartbeat and ends, and the next
+        # sweep asks.
+        self._followed_here = followed_here
         self._pools = pools
         self._runpod = runpod
         self._on_swept = on_swept
@@ -126,7 +133,7 @@ class OrphanSweeper:
         closed: dict[str, tuple[str, str]] = {}  # prompt id -> (job id, the job's status)
         for item in _queued(await client.queue()):
             job_id = self._our_job(item)
-            if job_id is None:
+            if job_id is None or self._followed_here(job_id):
                 continue
             job = await self._job_state(job_id)
             if job != "RUNNING":

@@ -43,8 +43,28 @@ class ScriptedComfy:
         self.dequeued.append(prompt_id)
 
 
-def sweeper(comfy: ScriptedComfy, workflows: dict[str, WorkflowExecutionStatus]) -> OrphanSweeper:
-    return OrphanSweeper(FakeTemporal(workflows), {POOL: comfy})  # type: ignore[arg-type,dict-item]
+def sweeper(
+    comfy: ScriptedComfy,
+    workflows: dict[str, WorkflowExecutionStatus],
+    temporal: FakeTemporal | None = None,
+    followed_here: frozenset[str] = frozenset(),
+) -> OrphanSweeper:
+    return OrphanSweeper(
+        temporal or FakeTemporal(workflows),  # type: ignore[arg-type]
+        {POOL: comfy},  # type: ignore[dict-item]
+        followed_here=followed_here.__contains__,
+    )
+
+
+@dataclass
+class CountingTemporal(FakeTemporal):
+    """The fake Temporal, counting the workflows described."""
+
+    described: list[str] = field(default_factory=list)
+
+    def get_workflow_handle(self, workflow_id: str) -> Any:
+        self.described.append(workflow_id)
+        return super().get_workflow_handle(workflow_id)
 
 
 async def test_a_closed_jobs_prompt_is_interrupted_if_running_and_dequeued_if_pending() -> None:
@@ -100,3 +120,17 @@ async def test_a_queue_with_no_closed_jobs_is_listed_once() -> None:
 
     assert await sweeper(comfy, {"job-a": WorkflowExecutionStatus.RUNNING}).sweep_once() == []
     assert comfy.asked == 1 and comfy.interrupted == []
+
+
+async def test_the_prompts_this_worker_follows_are_not_asked_about() -> None:
+    listing = {
+        "queue_running": [item(1, "p-mine", "job-mine"), item(2, "p-theirs", "job-theirs")],
+        "queue_pending": [],
+    }
+    comfy = ScriptedComfy([listing])
+    running = WorkflowExecutionStatus.RUNNING
+    temporal = CountingTemporal({"job-mine": running, "job-theirs": running})
+
+    swept = await sweeper(comfy, {}, temporal, followed_here=frozenset({"job-mine"})).sweep_once()
+
+    assert swept == [] and temporal.described == ["job-theirs"]

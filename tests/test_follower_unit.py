@@ -935,6 +935,21 @@ async def test_the_activity_follows_with_the_pools_client_and_health(rig: Rig) -
     assert [pool for pool, _ in Pools.health.probed] == ["comfyui"]
 
 
+async def test_the_worker_knows_it_follows_the_job_while_the_follow_runs(rig: Rig) -> None:
+    # The orphan sweep skips the prompts of the jobs this worker follows (budget.is_following).
+    job_id = request().job_id
+    seen: list[bool] = []
+    rig.comfy.running.append(PROMPT_ID)
+    rig.socket.scripts = [
+        [
+            call(lambda: seen.append(rig.budget.is_following(job_id))),
+            *a_plain_run(),
+        ]
+    ]
+    await rig.follow(request())
+    assert seen == [True] and not rig.budget.is_following(job_id)
+
+
 async def test_the_follow_activity_does_not_ask_s3_again_for_what_it_just_stored(
     rig: Rig,
 ) -> None:

@@ -257,6 +257,24 @@ async def test_entering_and_leaving_pacers_counts_the_prompts_followed() -> None
     assert budget.following == 0, "a pacer left by an exception is no longer counted"
 
 
+async def test_the_budget_knows_which_jobs_it_follows_while_their_pacers_are_entered() -> None:
+    # The orphan sweep asks it: a job whose prompt this worker follows is not described.
+    budget = HeartbeatBudget(10, 0.4, clock=FakeClock())
+    noop = lambda: None  # noqa: E731
+    first = budget.pacer(noop, lambda: 0, 5.0, job_id="job-a")
+    retry = budget.pacer(noop, lambda: 0, 5.0, job_id="job-a")  # an overlapping attempt
+    assert not budget.is_following("job-a")
+    with first:
+        assert budget.is_following("job-a") and not budget.is_following("job-b")
+        with retry:
+            assert budget.is_following("job-a")
+        assert budget.is_following("job-a"), "still followed by the first attempt"
+    assert not budget.is_following("job-a")
+    with pytest.raises(RuntimeError), first:
+        raise RuntimeError("the follow failed")
+    assert not budget.is_following("job-a")
+
+
 async def test_leaving_cancels_a_pending_send() -> None:
     clock = FakeClock()
     budget = HeartbeatBudget(5, 0.1, clock=clock)  # interval 0.2

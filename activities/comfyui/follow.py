@@ -112,7 +112,9 @@ class FollowAttempt:
         )
         self.poll_s = poll_s
         # Within the heartbeat timeout with room to spare, whatever the socket does.
-        self.pacer = budget.pacer(self._send_heartbeat, self._news, keepalive_s=0.9 * poll_s)
+        self.pacer = budget.pacer(
+            self._send_heartbeat, self._news, keepalive_s=0.9 * poll_s, job_id=req.job_id
+        )
         # Stored outputs the workflow has not been told of (their signal fell in the quiet start).
         self.untold: list[Artifact] = []
         self.uploads: set[asyncio.Task[Artifact]] = set()
