@@ -29,7 +29,7 @@ from pydantic import SecretStr, ValidationError
 from pydantic_settings import SettingsError
 from temporalio.client import Client
 from temporalio.runtime import Runtime
-from temporalio.worker import Worker
+from temporalio.worker import PollerBehaviorAutoscaling, Worker
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
 from activities import live_progress
@@ -146,6 +146,11 @@ async def run_worker(
             # After a worker is killed its workflows' tasks wait on its sticky queue this long
             # before another worker gets them (SDK default 10 s).
             sticky_queue_schedule_to_start_timeout=STICKY_TIMEOUT,
+            # The SDK's default is 5 polls, one of them on the shared queue: a new job's first
+            # task, and any task that waited on a busy worker's sticky queue past STICKY_TIMEOUT,
+            # then share one poller. Following hundreds of jobs, that queue grew minutes deep
+            # and new jobs did not start (bench/RESULTS.md). Scaled on the server's backlog.
+            workflow_task_poller_behavior=PollerBehaviorAutoscaling(),
             # A ComfyUI follow paces its own heartbeats (the worker's budget, at most every
             # heartbeat_throttle_s: activities/heartbeat_budget.py) and sends a milestone (the
             # submission, a new stage) at once: the SDK must not hold one back (its default
