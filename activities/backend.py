@@ -4,14 +4,21 @@ The workflow schedules `prepare_prompt`, `follow_prompt`, `offload_outputs` and 
 by name and never asks what runs a pool. Each pool's `kind` (`comfyui`, `runpod`) picks the
 `Backend` that does the work; adding a kind is one more implementation of this protocol,
 registered in worker.py, with no change to the workflow.
+
+A request that stages no input file has no prepare activity: its first follow carries the
+check (`FollowInput.prepare`), done here before the backend submits anything. That takes an
+activity, or a local activity's two extra workflow activations, off every such job's way to
+its GPU. The workflow may then name no pool (""): each activity resolves it to the worker's
+default, as prepare would have.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from temporalio import activity
+from temporalio.exceptions import ApplicationError
 
 from activities.errors import fatal
 from activities.settings import PoolConfig
@@ -26,6 +33,7 @@ from workflows.activity_io import (
     StopCheck,
     StopInput,
 )
+from workflows.failures import as_refused_before_submission
 from workflows.shared import (
     ACTIVITY_FOLLOW,
     ACTIVITY_OFFLOAD,
@@ -68,6 +76,9 @@ class Backends:
         self._default = default_pool
         self._by_kind = by_kind
 
+    def kind_of(self, pool: str) -> str:
+        return self._pools[pool].kind
+
     def resolve(self, pool: str | None) -> tuple[str, Backend]:
         name = pool or self._default
         config = self._pools.get(name)
@@ -108,12 +119,36 @@ class JobActivities:
 
     @activity.defn(name=ACTIVITY_FOLLOW)
     async def follow_prompt(self, req: FollowInput) -> FollowResult:
-        return await self._backends.resolve(req.pool)[1].follow(req)
+        if req.prepare is None:
+            pool, backend = self._backends.resolve(req.pool)
+            return await backend.follow(_on_pool(req, pool))
+        try:
+            prepared = await self.prepare_prompt(req.prepare)
+        except ApplicationError as refusal:
+            if not refusal.non_retryable:
+                raise  # a pool slow or down: the workflow backs off and tries again
+            raise as_refused_before_submission(refusal) from refusal
+        backend = self._backends.resolve(prepared.pool)[1]
+        result = await backend.follow(_on_pool(req, prepared.pool))
+        return result.model_copy(update={"pool": prepared.pool, "kind": prepared.kind})
 
     @activity.defn(name=ACTIVITY_OFFLOAD)
     async def offload_outputs(self, req: OffloadInput) -> OffloadResult:
-        return await self._backends.resolve(req.pool)[1].offload(req)
+        pool, backend = self._backends.resolve(req.pool)
+        return await backend.offload(_on_pool(req, pool))
 
     @activity.defn(name=ACTIVITY_STOP)
     async def stop_prompt(self, req: StopInput) -> StopCheck:
-        return await self._backends.resolve(req.pool)[1].stop(req)
+        pool, backend = self._backends.resolve(req.pool)
+        check = await backend.stop(_on_pool(req, pool))
+        if req.pool:
+            return check
+        return check.model_copy(update={"pool": pool, "kind": self._backends.kind_of(pool)})
+
+
+_Routed = TypeVar("_Routed", FollowInput, OffloadInput, StopInput)
+
+
+def _on_pool(req: _Routed, pool: str) -> _Routed:
+    """The request with its pool named: a backend reads `req.pool` as a configured name."""
+    return req if req.pool == pool else req.model_copy(update={"pool": pool})

@@ -8,19 +8,16 @@ the policy and the inputs on a recording `execute_activity`, not against copied 
 
 from __future__ import annotations
 
-from datetime import timedelta
 from typing import Any, TypeVar
 
 import pytest
 from pydantic import BaseModel
 from temporalio import workflow
-from temporalio.exceptions import ActivityError, ApplicationError
 
 from tests.workflow_fakes import FakeWorkflow, install_fake_workflow
 from workflows import activity_calls as calls
 from workflows.activity_io import FollowInput, OffloadInput, PrepareInput, StopInput
 from workflows.contracts import JobPolicy
-from workflows.shared import ErrorType
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -77,56 +74,13 @@ async def test_a_prepare_that_stages_inputs_is_an_activity_with_retries(wf: Fake
     assert "local" not in opts and opts["retry_policy"].maximum_attempts != 1
 
 
-async def test_a_prepare_with_nothing_to_stage_is_one_quick_local_attempt(
-    wf: FakeWorkflow,
-) -> None:
-    """No activity task's round trips on the critical path, and the workflow task (every query
-    with it) held for seconds at most."""
+async def test_a_prepare_is_an_activity_with_retries(wf: FakeWorkflow) -> None:
+    """Only a request that stages inputs is prepared (downloads and uploads of up to 100 MB):
+    an activity of its own, retried while the pool is slow or down."""
     await calls.prepare(only_with(PrepareInput, job_id="j"))
     opts = options(wf)
-    assert opts.get("local") is True
-    assert opts["retry_policy"].maximum_attempts == 1
-    assert opts["start_to_close_timeout"] <= timedelta(seconds=10)
-
-
-def _failing_local_attempt(wf: FakeWorkflow, cause: BaseException) -> None:
-    real = wf.execute_activity
-
-    async def execute(activity: str, arg: Any, **options: Any) -> Any:
-        result = await real(activity, arg, **options)
-        if options.get("local"):
-            raise ActivityError(
-                "local attempt failed",
-                scheduled_event_id=0,
-                started_event_id=0,
-                identity="",
-                activity_type=activity,
-                activity_id="1",
-                retry_state=None,
-            ) from cause
-        return result
-
-    wf.execute_activity = execute  # type: ignore[method-assign]
-
-
-async def test_a_local_prepare_that_fails_retryably_gives_way_to_the_activity(
-    wf: FakeWorkflow,
-) -> None:
-    """A pool slow or down: the retried activity, visible as PREPARING meanwhile."""
-    _failing_local_attempt(wf, ApplicationError("down", type=ErrorType.BACKEND_UNAVAILABLE))
-    await calls.prepare(only_with(PrepareInput, job_id="j"))
-    (_, _, local), (_, _, remote) = wf.activities
-    assert local.get("local") is True
-    assert "local" not in remote and remote["retry_policy"].maximum_attempts != 1
-
-
-async def test_a_local_prepare_that_refuses_the_job_is_not_tried_again(wf: FakeWorkflow) -> None:
-    _failing_local_attempt(
-        wf, ApplicationError("bad graph", type=ErrorType.INVALID_GRAPH, non_retryable=True)
-    )
-    with pytest.raises(ActivityError):
-        await calls.prepare(only_with(PrepareInput, job_id="j"))
-    assert len(wf.activities) == 1
+    assert "local" not in opts
+    assert opts["retry_policy"].maximum_attempts != 1
 
 
 @pytest.mark.parametrize("partial", [False, True])

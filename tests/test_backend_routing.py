@@ -20,6 +20,7 @@ from workflows.activity_io import (
     StopInput,
 )
 from workflows.contracts import Checkpoint, OutputSpec
+from workflows.failures import refused_before_submission
 from workflows.shared import ErrorType
 
 GRAPH = {"1": {"class_type": "EmptyImage", "inputs": {}}}
@@ -118,3 +119,69 @@ async def test_a_kind_this_worker_has_no_backend_for_fails_for_good() -> None:
         await jobs.follow_prompt(follow_input("cloud"))
     assert caught.value.type == ErrorType.UNKNOWN_POOL and caught.value.non_retryable
     assert "of kind 'runpod', which this worker cannot run" in str(caught.value)
+
+
+# -- a follow that checks the request first (a request that stages no input file) -------------
+
+
+def checking(pool: str | None) -> FollowInput:
+    return follow_input("").model_copy(
+        update={"prepare": PrepareInput(job_id="j", pool=pool, graph=GRAPH)}
+    )
+
+
+@pytest.mark.parametrize(
+    ("asked", "pool", "kind"), [(None, "local", "comfyui"), ("cloud", "cloud", "runpod")]
+)
+async def test_a_follow_checks_the_request_then_names_the_pool_that_took_it(
+    asked: str | None, pool: str, kind: str
+) -> None:
+    jobs, comfy, runpod = routed()
+    result = await jobs.follow_prompt(checking(asked))
+    assert (result.pool, result.kind) == (pool, kind)
+    # Checked on the pool, then followed there under its configured name, never "".
+    backend = comfy if kind == "comfyui" else runpod
+    assert backend.calls == [("prepare", pool), ("follow", pool)]
+
+
+async def test_a_follow_whose_check_refuses_the_request_submits_nothing() -> None:
+    jobs, comfy, runpod = routed()
+    with pytest.raises(ApplicationError) as caught:
+        await jobs.follow_prompt(checking("gpu9"))
+    refusal = caught.value
+    assert refusal.type == ErrorType.UNKNOWN_POOL and refusal.non_retryable
+    assert "pool 'gpu9' is not configured" in refusal.message
+    assert refused_before_submission(refusal)
+    assert comfy.calls == [] and runpod.calls == []
+
+
+async def test_a_check_that_fails_retryably_is_not_a_refusal() -> None:
+    """A pool slow or down: the workflow backs off and its next attempt checks again."""
+
+    class Down(RecordingBackend):
+        async def prepare(self, req: PrepareInput, pool: str) -> PreparedJob:
+            raise ApplicationError("down", type=ErrorType.BACKEND_UNAVAILABLE)
+
+    pools = {"local": PoolConfig(kind="comfyui", url="http://127.0.0.1:1")}
+    down = Down("comfyui")
+    jobs = JobActivities(Backends(pools, "local", {"comfyui": down}))
+    with pytest.raises(ApplicationError) as caught:
+        await jobs.follow_prompt(checking(None))
+    assert not caught.value.non_retryable and not refused_before_submission(caught.value)
+    assert down.calls == []
+
+
+async def test_activities_without_a_pool_run_on_the_default_one_by_name() -> None:
+    """A job whose check its follow has not done yet names no pool ("")."""
+    jobs, comfy, _ = routed()
+    await jobs.follow_prompt(follow_input(""))
+    check = await jobs.stop_prompt(
+        StopInput(job_id="j", pool="", prompt_id="p", reason="after cancel")
+    )
+    assert comfy.calls == [("follow", "local"), ("stop", "local")]
+    # A job stopped before its follow named the pool learns it from the stop.
+    assert (check.pool, check.kind) == ("local", "comfyui")
+    named = await jobs.stop_prompt(
+        StopInput(job_id="j", pool="cloud", prompt_id="p", reason="after cancel")
+    )
+    assert (named.pool, named.kind) == (None, None)

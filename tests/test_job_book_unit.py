@@ -98,6 +98,20 @@ def test_prepared_on_records_the_backend_and_upserts_the_pool(wf: FakeWorkflow) 
     assert book.status.seq == 1
 
 
+def test_the_pool_named_by_the_follow_that_checked_the_request(wf: FakeWorkflow) -> None:
+    """A request that stages nothing: its first progress report (or its result) names the
+    pool, after the prompt was submitted; said twice, it is recorded once."""
+    book = _book()
+    book.new_submission(0, "p-1", 20)
+    book.apply_progress(_report(1, 20, worker_id="w9", pool="gpu-a", kind="comfyui"))
+    assert book.status.backend == BackendInfo(
+        pool="gpu-a", kind="comfyui", provider_job_id="p-1", worker_id="w9"
+    )
+    book.prepared_on("gpu-a", "comfyui")  # the follow's result says it again
+    assert book.status.backend.worker_id == "w9"
+    assert [u for u in wf.upserts if SA_JOB_POOL in u] == [{SA_JOB_POOL: "gpu-a"}]
+
+
 def test_begin_segment_counts_sampler_steps_or_else_nodes(wf: FakeWorkflow) -> None:
     book = _book()
     book.begin_segment(1, 4, 20, 7)
@@ -353,7 +367,7 @@ def test_artifacts_merge_by_key_and_by_segment(wf: FakeWorkflow) -> None:
 
 CHANGES: dict[str, Any] = {
     "set_state": lambda b: b.set_state(JobState.RUNNING),
-    "prepared_on": lambda b: b.prepared_on("p", "comfyui"),
+    "prepared_on": lambda b: b.prepared_on("q", "runpod"),
     "begin_segment": lambda b: b.begin_segment(0, 1, 10, 2),
     "new_submission": lambda b: b.new_submission(0, "p-2", 10),
     "set_checkpoint": lambda b: b.set_checkpoint(Checkpoint(job_id="j1", prompt_id="p-1")),

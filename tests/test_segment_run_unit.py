@@ -24,6 +24,7 @@ from workflows.activity_io import (
     OffloadInput,
     OffloadResult,
     PreparedJob,
+    PrepareInput,
 )
 from workflows.contracts import (
     Artifact,
@@ -261,6 +262,32 @@ async def test_a_segment_submits_follows_and_ends_with_the_follows_outputs(
     assert (progress.step, progress.total_steps, progress.fraction) == (20, 20, 1.0)
     assert backend.sleeps == []
     assert book.status.cost == [cost]
+
+
+async def test_a_follow_that_checks_the_request_names_the_pool_for_what_follows(
+    backend: Backend,
+) -> None:
+    """A request that stages nothing: each attempt checks it until one names the pool that
+    took the job; the status, the pool's search attribute and later attempts then use it."""
+    check = PrepareInput(job_id="j1", pool=None, graph=GRAPH)
+    backend.follow_outcomes = [
+        connection_lost(at_step(3)),
+        lambda req: done(req, "a").model_copy(update={"pool": "gpu", "kind": "runpod"}),
+        lambda req: done(req, "b"),
+    ]
+    book = JobBook(JobStatus(job_id="j1", state=JobState.QUEUED))
+    backend.book = book
+    job = JobRequest(graph=GRAPH, policy=policy(), segments=[{}, {}])
+    unchecked = PREPARED.model_copy(update={"pool": "", "kind": ""})
+    await SegmentRun(book, JobControls(), job, unchecked, 0).run(check=check)
+    first, second = backend.follows
+    assert (first.pool, first.prepare) == ("", check)
+    assert (second.pool, second.prepare) == ("", check), "not checked yet: checked again"
+    assert book.status.backend is not None
+    assert (book.status.backend.pool, book.status.backend.kind) == ("gpu", "runpod")
+    assert book.status.backend.provider_job_id == PROMPT
+    await SegmentRun(book, JobControls(), job, unchecked, 1).run(check=check)
+    assert (backend.follows[2].pool, backend.follows[2].prepare) == ("gpu", None)
 
 
 async def test_each_segment_runs_its_own_overrides(backend: Backend) -> None:

@@ -249,6 +249,21 @@ async def test_a_running_prompt_is_interrupted_then_confirmed_gone(world: World)
     ]
 
 
+async def test_a_job_stopped_before_its_pool_was_named_learns_it_from_the_check(
+    world: World,
+) -> None:
+    """A request checked by its follow, stopped before that follow said which pool took it:
+    the job names no pool (""), the worker checks its default one and says which."""
+    named = {"pool": "gpu-a", "kind": "runpod"}
+    world.answers = [RUNNING | named, INTERRUPTED | named]
+    stop = PromptStop(world.book, policy(base_s=2))
+    await stop.confirm("", "p1", "after cancel", submitted=True, settled=False)
+    assert [r.pool for r in world.requests] == ["", "gpu-a"]
+    assert world.status.backend is not None
+    assert (world.status.backend.pool, world.status.backend.kind) == ("gpu-a", "runpod")
+    assert "pool 'gpu-a'" in world.records_at_sleep[0].detail
+
+
 async def test_the_waits_between_checks_double_up_to_fifteen_seconds(world: World) -> None:
     world.answers = [*[RUNNING] * 7, INTERRUPTED]
     record = await confirm(world, PromptStop(world.book, policy(base_s=1, max_s=60)))

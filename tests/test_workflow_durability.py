@@ -41,6 +41,7 @@ from workflows.contracts import (
     JobStatus,
     ReconnectPolicy,
     ResumeRequest,
+    S3Input,
 )
 from workflows.inference_job import InferenceJob
 from workflows.shared import (
@@ -265,8 +266,12 @@ async def test_cancel_in_every_state_tears_down_and_keeps_artifacts(
     env: WorkflowEnvironment, block_in: str, state: JobState, teardown: str, via: str
 ) -> None:
     backend = FakeBackend(Script(block_in=block_in))
+    job = request()
+    if block_in == "prepare_prompt":
+        # Only a request that stages input files has a prepare of its own.
+        job = job.model_copy(update={"inputs": {"in.png": S3Input(uri="s3://inputs/in.png")}})
     async with job_worker(env.client, backend) as tq:
-        handle = await start_job(env.client, tq, request())
+        handle = await start_job(env.client, tq, job)
 
         async def reached() -> bool:
             current = await handle.query(QUERY_STATUS, result_type=JobStatus)

@@ -136,6 +136,31 @@ async def test_prepare_is_sent_the_whole_request(env: WorkflowEnvironment) -> No
     assert status.backend is not None and status.backend.pool == "gpu-a"
 
 
+async def test_a_request_that_stages_nothing_is_checked_by_its_follow(
+    env: WorkflowEnvironment,
+) -> None:
+    """No prepare activity (nor local activity) on the job's way to its GPU: the first follow
+    checks the request, then names the pool that took it; the second segment's follow does
+    not check it again."""
+    backend = FakeBackend()
+    request = JobRequest(graph=GRAPH, segments=[{}, {}])
+    job_id, status, error = await run_job(env.client, backend, request)
+    assert error is None and status.state == JobState.COMPLETED
+    history = await env.client.get_workflow_handle(job_id).fetch_history()
+    scheduled = [
+        e.activity_task_scheduled_event_attributes.activity_type.name
+        for e in history.events
+        if e.HasField("activity_task_scheduled_event_attributes")
+    ]
+    assert scheduled == ["follow_prompt", "follow_prompt"]
+    assert not any(e.HasField("marker_recorded_event_attributes") for e in history.events)
+    first, second = backend.followed
+    assert first.prepare is not None and first.prepare.graph == GRAPH and first.pool == ""
+    assert (second.prepare, second.pool) == (None, "comfyui")
+    assert status.backend is not None
+    assert (status.backend.pool, status.backend.kind) == ("comfyui", "comfyui")
+
+
 async def test_segments_run_in_order_each_with_its_own_prompt(
     env: WorkflowEnvironment,
 ) -> None:

@@ -239,7 +239,7 @@ async def test_current_details_follow_progress(
         await handle.signal(SIGNAL_PROGRESS, report)
 
         async def shows_progress() -> bool:
-            return "4/10 steps" in await current_details(handle)
+            return "4/10 nodes" in await current_details(handle)
 
         await eventually(shows_progress, timeout_s=10, what="the status shows progress")
         details = await current_details(handle)

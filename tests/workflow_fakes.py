@@ -56,6 +56,7 @@ from workflows.contracts import (
     JobStatus,
     ProgressReport,
 )
+from workflows.failures import as_refused_before_submission
 from workflows.inference_job import InferenceJob
 from workflows.job_input import JobInput
 from workflows.shared import (
@@ -149,10 +150,6 @@ class FakeBackend:
         if name in self.script.fatal_in:
             error_type = self.script.fatal_in[name]
             raise ApplicationError(f"{name} failed", type=error_type, non_retryable=True)
-        if self.script.block_in == name and name == "prepare_prompt" and activity.info().is_local:
-            # A pool too slow for the workflow task's quick local check: the workflow falls
-            # back to the prepare activity, which blocks (and shows the job PREPARING).
-            raise ApplicationError("pool unavailable", type=ErrorType.BACKEND_UNAVAILABLE)
         if self.script.block_in == name:
             self.blocked.set()
             for _ in range(int(BLOCK_CAP_S / 0.1)):
@@ -181,6 +178,15 @@ class FakeBackend:
     @activity.defn(name="follow_prompt")
     async def follow(self, req: FollowInput) -> FollowResult:
         self.followed.append(req)
+        if req.prepare is not None:
+            # A request that stages nothing is checked here, as JobActivities.follow_prompt does.
+            self.prepared.append(req.prepare)
+            try:
+                await self._enter("prepare_prompt")
+            except ApplicationError as refusal:
+                if not refusal.non_retryable:
+                    raise
+                raise as_refused_before_submission(refusal) from refusal
         if req.graph is not None:
             # The follow activity submits first (socket open), unless the backend knows it.
             await self._enter("submit")
@@ -189,10 +195,14 @@ class FakeBackend:
                 self.submitted.append(req)
             # As the real follower does: the workflow hears that the backend has the prompt.
             queued = self.script.queued_at
+            checked = req.prepare is not None
             report = ProgressReport(
                 attempt_client_id=req.client_id,
                 stage="running" if queued is None else "queued",
                 queue_position=queued,
+                # A follow that checked the request names the pool that took it.
+                pool=(req.prepare.pool or "comfyui") if req.prepare is not None else None,
+                kind="comfyui" if checked else None,
                 checkpoint=Checkpoint(
                     job_id=req.job_id,
                     segment=req.segment,
@@ -241,6 +251,8 @@ class FakeBackend:
             outcome="success",
             artifacts=[artifact(req.job_id, req.segment)],
             checkpoint=Checkpoint(job_id=req.job_id, prompt_id=req.prompt_id, step=10),
+            pool=(req.prepare.pool or "comfyui") if req.prepare is not None else None,
+            kind="comfyui" if req.prepare is not None else None,
         )
 
     @activity.defn(name="offload_outputs")

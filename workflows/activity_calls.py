@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 
 from temporalio import workflow
@@ -22,7 +21,6 @@ with workflow.unsafe.imports_passed_through():
         WebhookDeliveryInput,
     )
     from workflows.contracts import JobPolicy
-    from workflows.failures import FailureKind, classify
     from workflows.shared import (
         ACTIVITY_DELIVER_WEBHOOK,
         ACTIVITY_FOLLOW,
@@ -41,44 +39,17 @@ QUICK_RETRY = RetryPolicy(
 ONE_ATTEMPT = RetryPolicy(maximum_attempts=1)
 
 
-# The local attempt at a prepare: a check of the graph and the pool takes milliseconds. Held
-# this long at most, since the workflow task (and so every query) waits for it.
-LOCAL_PREPARE_TIMEOUT = timedelta(seconds=5)
-
-
-async def prepare(
-    req: PrepareInput, local_attempt: AbstractContextManager[None] | None = None
-) -> PreparedJob:
-    """A request that stages no input file is first checked in a local activity: on the worker
-    that runs the workflow task, in that same task, without an activity task's round trips
-    through the server (two workflow tasks and a dispatch on every job's critical path). When
-    that attempt fails retryably (a pool slow or down), or there are inputs to stage (downloads
-    and uploads of up to 100 MB), prepare is an activity of its own with retries, so the
-    workflow task is not held meanwhile and the job is seen PREPARING. `local_attempt` is open
-    while the local attempt runs (the workflow task goes on after it)."""
-    timeout, summary = timedelta(minutes=2), "prepare"
-    if not req.inputs:
-        try:
-            with local_attempt or nullcontext():
-                quick: PreparedJob = await workflow.execute_local_activity(
-                    ACTIVITY_PREPARE,
-                    req,
-                    result_type=PreparedJob,
-                    start_to_close_timeout=LOCAL_PREPARE_TIMEOUT,
-                    retry_policy=ONE_ATTEMPT,
-                    summary=summary,
-                )
-            return quick
-        except Exception as err:  # an ActivityError, or the cause itself (local activities)
-            if classify(err) in (FailureKind.FATAL, FailureKind.CANCELLED):
-                raise
+async def prepare(req: PrepareInput) -> PreparedJob:
+    """Stage the request's input files (downloads and uploads of up to 100 MB) and check it,
+    with retries; the job is seen PREPARING meanwhile. A request that stages nothing is not
+    prepared: its first follow checks it (`FollowInput.prepare`)."""
     result: PreparedJob = await workflow.execute_activity(
         ACTIVITY_PREPARE,
         req,
         result_type=PreparedJob,
-        start_to_close_timeout=timeout,
+        start_to_close_timeout=timedelta(minutes=2),
         retry_policy=QUICK_RETRY,
-        summary=summary,
+        summary="prepare",
     )
     return result
 

@@ -79,6 +79,12 @@ class FollowInput(StrictModel):
     # The job's teardown horizon, for backends whose worker stops the prompt itself (our RunPod
     # handler keeps at it a little less long, so the teardown still reads its verdict).
     teardown_horizon_s: float | None = None
+    # The request's own check, left to the follow when it stages no input file (there is then
+    # nothing to prepare but the check, and `graph` is the request's graph as it is): done
+    # before anything is submitted, and a refusal fails the attempt before any POST
+    # (`workflows.failures.refused_before_submission`). Set until the workflow hears which
+    # pool took the job.
+    prepare: PrepareInput | None = None
 
 
 class FollowResult(StrictModel):
@@ -97,6 +103,10 @@ class FollowResult(StrictModel):
     # The worker that followed it (`pid@host`): a prompt that ended within the attempt's quiet
     # start sent no progress report to say so.
     worker_id: str | None = None
+    # The pool the request was checked against (`FollowInput.prepare`) and its kind; None
+    # when the workflow named the pool itself.
+    pool: str | None = None
+    kind: str | None = None
 
 
 class FollowHeartbeat(StrictModel):
@@ -191,6 +201,10 @@ class StopCheck(StrictModel):
     freed_memory: bool = False
     # Once gone from a per-second-billed backend: what the provider job cost.
     cost: JobCost | None = None
+    # The pool checked and its kind, when the job named none: a job stopped before its
+    # follow, which checked the request, said which pool took it.
+    pool: str | None = None
+    kind: str | None = None
 
 
 class WebhookDeliveryInput(StrictModel):

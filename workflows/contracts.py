@@ -533,6 +533,10 @@ class ProgressReport(StrictModel):
     artifact: Artifact | None = None
     checkpoint: Checkpoint | None = None
     worker_id: str | None = None
+    # From a follow that also checked the request (`FollowInput.prepare`): the pool that took
+    # the job, and its kind.
+    pool: str | None = None
+    kind: str | None = None
 
 
 class CancelRequest(StrictModel):

@@ -101,3 +101,29 @@ def recovered_progress(err: BaseException) -> tuple[Checkpoint | None, list[Arti
     if heartbeat is None:
         return None, []
     return heartbeat.checkpoint, heartbeat.artifacts
+
+
+# Set in a refusal's details by the follow attempt that checked the request first (a request
+# that stages nothing is checked there, not in a prepare of its own): nothing was submitted.
+REFUSED_BEFORE_SUBMISSION = "refused_before_submission"
+
+
+def as_refused_before_submission(refusal: ApplicationError) -> ApplicationError:
+    """The same refusal (type, message, details), marked as made before anything was sent."""
+    return ApplicationError(
+        refusal.message,
+        *refusal.details,
+        {REFUSED_BEFORE_SUBMISSION: True},
+        type=refusal.type,
+        non_retryable=True,
+    )
+
+
+def refused_before_submission(err: BaseException | None) -> bool:
+    """Whether the job failed on its request's check, before anything was submitted."""
+    cause = err.cause if isinstance(err, ActivityError) else err
+    if not isinstance(cause, ApplicationError) or not cause.non_retryable:
+        return False
+    return any(
+        isinstance(d, Mapping) and d.get(REFUSED_BEFORE_SUBMISSION) is True for d in cause.details
+    )

@@ -1,7 +1,8 @@
 """The `InferenceJob` workflow: one ComfyUI job, from request to confirmed artifacts.
 
-The story: prepare the graph on its pool, then run each segment (workflows/segment_run.py:
-submit, follow with durable re-attaching, store the outputs), continuing as new when the history
+The story: prepare the graph on its pool (staging its input files; a request without any is
+checked by its first follow instead), then run each segment (workflows/segment_run.py: submit,
+follow with durable re-attaching, store the outputs), continuing as new when the history
 grows long. Cancel (signal or Temporal's own), abandonment, a queue wait, the execution deadline
 (workflows/guards.py) and every failure end the same way: stop the prompt on the backend until
 that is confirmed (workflows/stopping.py), keep what finished, record the end state. The job's
@@ -31,8 +32,8 @@ with workflow.unsafe.imports_passed_through():
         Teardown,
         WebhookStatus,
     )
-    from workflows.failures import job_error
-    from workflows.graph import GraphFormatError, run_tag
+    from workflows.failures import job_error, refused_before_submission
+    from workflows.graph import GraphFormatError, run_tag, sampler_steps
     from workflows.input_refusal import Refusal, read_job_input
     from workflows.job_book import JobBook
     from workflows.job_controls import JobControls, StopOrder
@@ -58,6 +59,8 @@ class InferenceJob(JobMessages):
         self._request = input.request
         self._carry = input.carry
         self._prepared: PreparedJob | None = input.carry.prepared if input.carry else None
+        # The request's check, until a follow has done it (a request that stages nothing).
+        self._unchecked: PrepareInput | None = None
         self._status = input.carry.status if input.carry else self._new_status()
         self._book = JobBook(self._status, input.carry.journal if input.carry else None)
         self._controls = JobControls()
@@ -120,20 +123,10 @@ class InferenceJob(JobMessages):
         """Prepare, then run the segments; a carry when the history asks to continue as new."""
         request, book = self._request, self._book
         if self._carry is None or self._prepared is None:
+            self._prepare_or_defer()
+        if self._prepared is None:
             book.set_state(JobState.PREPARING)
-            self._prepared = await calls.prepare(
-                PrepareInput(
-                    job_id=self._status.job_id,
-                    pool=request.pool,
-                    graph=request.graph,
-                    inputs=request.inputs,
-                    segments=request.segments,
-                    output=request.output,
-                    webhook=request.webhook,
-                    tenant=self._tenant if request.webhook is not None else None,
-                ),
-                local_attempt=book.holding_search_attributes(),
-            )
+            self._prepared = await calls.prepare(self._prepare_input())
             book.prepared_on(self._prepared.pool, self._prepared.kind)
         first = self._carry.next_segment if self._carry else 0
         for segment in range(first, request.segment_count):
@@ -144,8 +137,44 @@ class InferenceJob(JobMessages):
                     next_segment=segment,
                     journal=self._book.journal,
                 )
-            await SegmentRun(book, self._controls, request, self._prepared, segment).run()
+            run = SegmentRun(book, self._controls, request, self._prepared, segment)
+            await run.run(check=self._unchecked)
+            if self._unchecked is not None and book.status.backend is not None:
+                # The follow checked the request: its pool is the job's from now on.
+                backend = book.status.backend
+                update = {"pool": backend.pool, "kind": backend.kind}
+                self._prepared = self._prepared.model_copy(update=update)
+                self._unchecked = None
         return None
+
+    def _prepare_or_defer(self) -> None:
+        """A request that stages no input file has nothing to prepare but its check, which its
+        first follow does before submitting (activities/backend.py): the job's way to its GPU
+        is one activity, not two. Its prepared graph is its own."""
+        request = self._request
+        if request.inputs:
+            return
+        self._unchecked = self._prepare_input()
+        self._prepared = PreparedJob(
+            pool=request.pool or "",  # "": the worker's default pool, named by the check
+            kind="",
+            graph=request.graph,
+            sampler_steps=sampler_steps(request.graph),
+            nodes_total=len(request.graph),
+        )
+
+    def _prepare_input(self) -> PrepareInput:
+        request = self._request
+        return PrepareInput(
+            job_id=self._status.job_id,
+            pool=request.pool,
+            graph=request.graph,
+            inputs=request.inputs,
+            segments=request.segments,
+            output=request.output,
+            webhook=request.webhook,
+            tenant=self._tenant if request.webhook is not None else None,
+        )
 
     def _start_guards(self) -> list[asyncio.Task[None]]:
         policy, stop = self._request.policy, self._request_stop
@@ -251,7 +280,7 @@ class InferenceJob(JobMessages):
         if self._work is None or self._work.done():
             return
         self._work.cancel()
-        pool = self._prepared.pool if self._prepared else None
+        pool = self._pool()
         self._stopper.begin(pool, self._book.prompt_id, state, error_type)
 
     async def _finish_uncancellable(self, outcome: BaseException | None) -> None:
@@ -268,14 +297,21 @@ class InferenceJob(JobMessages):
         counter("jobs_ended", "Jobs by end state").add(1, {"state": state.value})
         book, prompt_id = self._book, self._book.prompt_id
         book.set_error(error)
-        if self._prepared is None or prompt_id is None:
+        if self._prepared is None or prompt_id is None or refused_before_submission(outcome):
             skipped = Teardown(state="SKIPPED", at=workflow.now(), detail="nothing was submitted")
             book.set_teardown(skipped)
         else:
-            await self._stopper.settle(self._prepared.pool, prompt_id, state, error)
+            await self._stopper.settle(self._pool() or "", prompt_id, state, error)
             if state != JobState.COMPLETED:
-                await self._keep_finished_outputs(self._prepared.pool)
+                await self._keep_finished_outputs(self._pool() or "")
         book.set_state(state)
+
+    def _pool(self) -> str | None:
+        """The job's pool: as its check named it, else as prepared ("": the default pool)."""
+        backend = self._book.status.backend
+        if backend is not None:
+            return backend.pool
+        return self._prepared.pool if self._prepared is not None else None
 
     def _end_state(self, outcome: BaseException | None) -> tuple[JobState, JobError | None]:
         order = self._controls.stop

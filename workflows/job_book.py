@@ -10,8 +10,7 @@ that changed in one workflow task goes out as one upsert (one history event), at
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any, Literal
 
@@ -93,8 +92,6 @@ class JobBook:
         self.contacts = 0
         # Search attributes changed in this workflow task, by name: upserted once, at its end.
         self._unsent_attributes: dict[str, SearchAttributeUpdate[Any]] = {}
-        # While a local activity runs, the workflow task goes on after it: hold them till then.
-        self._holding = False
         self._attribute_writes = 0
 
     # -- the run --------------------------------------------------------------------------
@@ -110,7 +107,14 @@ class JobBook:
             )
 
     def prepared_on(self, pool: str, kind: str) -> None:
-        self.status.backend = BackendInfo(pool=pool, kind=kind)
+        """The job's pool, once: by its prepare, or by the follow that checked the request
+        (which may have submitted the prompt already)."""
+        backend = self.status.backend
+        if backend is not None and (backend.pool, backend.kind) == (pool, kind):
+            return
+        self.status.backend = BackendInfo(pool=pool, kind=kind, provider_job_id=self.prompt_id)
+        if self.status.checkpoint is not None:
+            self._note_provider_job(self.status.checkpoint)
         self._upsert(POOL_KEY.value_set(pool))
         self._changed()
 
@@ -369,6 +373,8 @@ class JobBook:
             self._note_provider_job(report.checkpoint)
         if report.artifact is not None:
             self._merge([report.artifact])
+        if report.pool is not None and report.kind is not None:
+            self.prepared_on(report.pool, report.kind)
         if self.status.backend is not None and report.worker_id:
             self.status.backend.worker_id = report.worker_id
         state_changed = stage_changes and self._apply_stage(report)
@@ -489,20 +495,8 @@ class JobBook:
         for update in updates:
             self._unsent_attributes[update.key.name] = update
         self._attribute_writes += 1
-        if idle and not self._holding:
-            at_task_end(self._send_unless_held, lambda: self._attribute_writes)
-
-    @contextmanager
-    def holding_search_attributes(self) -> Iterator[None]:
-        """Changes made while this is open go out with the rest of the workflow task, after it
-        (a local activity: the task goes on once it is done)."""
-        self._holding = True
-        try:
-            yield
-        finally:
-            self._holding = False
-            if self._unsent_attributes:
-                at_task_end(self._send_unless_held, lambda: self._attribute_writes)
+        if idle:
+            at_task_end(self.send_search_attributes, lambda: self._attribute_writes)
 
     def _started_as(self, state: JobState) -> bool:
         started = workflow.info().typed_search_attributes
@@ -510,11 +504,6 @@ class JobBook:
             started.get(STATE_KEY) == state.value
             and started.get(PROGRESS_KEY) == self.coarse_progress()
         )
-
-    def _send_unless_held(self) -> None:
-        # Changes made just before a local activity began wait for it too: it is the same task.
-        if not self._holding:
-            self.send_search_attributes()
 
     def send_search_attributes(self) -> None:
         """Upsert what changed; called at the end of each workflow task, and before the run

@@ -16,7 +16,7 @@ from temporalio.exceptions import ApplicationError
 with workflow.unsafe.imports_passed_through():
     from workflows import activity_calls as calls
     from workflows import backoff
-    from workflows.activity_io import FollowInput, FollowResult, PreparedJob
+    from workflows.activity_io import FollowInput, FollowResult, PreparedJob, PrepareInput
     from workflows.contracts import Checkpoint, Decision, JobRequest, JobState
     from workflows.failures import (
         FailureKind,
@@ -49,8 +49,12 @@ class SegmentRun:
         self._segment = segment
         self._graph: dict[str, Any] = {}
         self._tag = ""
+        self._check: PrepareInput | None = None
 
-    async def run(self) -> None:
+    async def run(self, *, check: PrepareInput | None = None) -> None:
+        """`check`: the request's check, for the follow to do before it submits (a request
+        that stages nothing has no prepare activity of its own)."""
+        self._check = check
         book, segment = self._book, self._segment
         prompt_id = str(workflow.uuid4())
         self._tag = run_tag(book.status.job_id, segment, prompt_id)
@@ -64,7 +68,10 @@ class SegmentRun:
         checkpoint = book.new_submission(segment, prompt_id, book.status.progress.total_steps)
         # The follow submits (unless the backend has the prompt), follows it to its end and
         # stores every output: a result means the segment's outputs are in the bucket.
-        book.followed(await self._follow(checkpoint))
+        result = await self._follow(checkpoint)
+        if result.pool is not None and result.kind is not None:
+            book.prepared_on(result.pool, result.kind)  # unless a progress report said so
+        book.followed(result)
         if not book.artifacts_of(segment):
             raise ApplicationError(
                 f"segment {segment} finished without any saved output (add a SaveImage node?)",
@@ -116,10 +123,10 @@ class SegmentRun:
                 attempt += 1
 
     def _follow_input(self, checkpoint: Checkpoint, submit: bool, first_post: bool) -> FollowInput:
-        request, prepared = self._request, self._prepared
+        request, prepared, backend = self._request, self._prepared, self._book.status.backend
         return FollowInput(
             job_id=self._book.status.job_id,
-            pool=prepared.pool,
+            pool=backend.pool if backend is not None else prepared.pool,
             prompt_id=checkpoint.prompt_id or "",
             client_id=checkpoint.client_id or "",
             segment=self._segment,
@@ -137,6 +144,8 @@ class SegmentRun:
             queue_timeout_s=request.policy.queue_timeout_s,
             staged_inputs=prepared.staged_inputs,
             teardown_horizon_s=request.policy.teardown_horizon_s,
+            # Until the workflow hears which pool took the job, each attempt checks it first.
+            prepare=self._check if backend is None else None,
         )
 
     def _furthest(self, current: Checkpoint, recovered: Checkpoint | None) -> Checkpoint:

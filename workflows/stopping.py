@@ -104,6 +104,9 @@ class PromptStop:
                 )
             )
             checks = self._book.stop_checked()
+            if check is not None and check.pool and check.kind:
+                self._book.prepared_on(check.pool, check.kind)
+                pool = check.pool  # the pool the job had not named yet
             if check is not None:
                 self._note(check, submitted=submitted, settled=settled)
             if check is not None and check.position == "stuck":
@@ -124,17 +127,20 @@ class PromptStop:
                 return
             if final:
                 where = check.position if check is not None else "unreachable"
-                self._add("still_running", detail=f"prompt {prompt_id} on pool {pool}: {where}")
+                self._add(
+                    "still_running",
+                    detail=f"prompt {prompt_id} on {_named(pool, quoted=False)}: {where}",
+                )
                 self._end(
                     "FAILED",
-                    f"{reason}: prompt {prompt_id} was still {where} on pool {pool!r} after the "
+                    f"{reason}: prompt {prompt_id} was still {where} on {_named(pool)} after the "
                     f"teardown horizon ({self._policy.teardown_horizon_s:.0f} s, "
                     f"{checks} checks); the pool takes no new work from this worker "
                     f"until it is gone. {self.summary()}",
                 )
                 return
             self._book.teardown_waiting(
-                f"{reason}: waiting for prompt {prompt_id} to leave pool {pool!r} "
+                f"{reason}: waiting for prompt {prompt_id} to leave {_named(pool)} "
                 f"({self.summary()}; check {checks})"
             )
             reconnect = self._policy.reconnect
@@ -319,3 +325,10 @@ class ConfirmedStop:
             settled=True,
             free_memory=error is not None and error.type == ErrorType.OUT_OF_MEMORY,
         )
+
+
+def _named(pool: str, *, quoted: bool = True) -> str:
+    """A pool for people; "" when the job's check had not named it yet (the worker's default)."""
+    if not pool:
+        return "the worker's default pool"
+    return f"pool {pool!r}" if quoted else f"pool {pool}"

@@ -367,6 +367,9 @@ class FollowAttempt:
             artifact=artifact,
             checkpoint=self._checkpoint(),
             worker_id=self.worker_id,
+            # The workflow left the check to this follow and learns the pool from it.
+            pool=self.req.pool if self.req.prepare is not None else None,
+            kind="comfyui" if self.req.prepare is not None else None,
         )
         await send_progress(self.req.job_id, report, self.log)
 

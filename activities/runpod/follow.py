@@ -730,6 +730,9 @@ class RunPodFollower:
             artifact=artifact,
             checkpoint=checkpoint,
             worker_id=self.worker_id,
+            # The workflow left the check to this follow and learns the pool from it.
+            pool=self.req.pool if self.req.prepare is not None else None,
+            kind="runpod" if self.req.prepare is not None else None,
         )
         await send_progress(self.req.job_id, report, self.log)
 

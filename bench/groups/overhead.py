@@ -223,8 +223,9 @@ def _where(
         f"{bare_tasks}), each about {fmt(dispatch_each)} ms from the server to the worker and "
         f"{fmt(code_each)} ms of workflow code (bare: {fmt(bare_dispatch_each)} + "
         f"{fmt(bare_code_each)} ms): {fmt(share.get(WT_CODE, 0) + share.get(WT_DISPATCH, 0))} "
-        "ms. A completed job's tasks: the start (prepare runs in it as a local activity when "
-        "the request stages no input, then the follow is scheduled), follow done (the follow "
+        "ms. A completed job's tasks: the start (the follow is scheduled; a request that "
+        "stages no input has no prepare of its own, its first follow checks it before "
+        "submitting), follow done (the follow "
         "stored and verified the outputs and saw the prompt end, so no offload or stop check "
         "follows); a follow attempt sends no signal in its first second, so a short job has "
         "none beside the path. The workflow code per task is above the bare workflow's: the "
@@ -249,7 +250,7 @@ def _where(
         "every `executed` event already named"
         + (
             f"; (3) the prepare activity's round trip ({fmt(prepare_trip)} ms): it is on the "
-            "path only when the request stages inputs or the local attempt gave way"
+            "path only when the request stages inputs"
             if "prepare_prompt" in totals
             else ""
         )
