@@ -59,7 +59,8 @@ class InferenceJob(JobMessages):
         self._request = input.request
         self._carry = input.carry
         self._prepared: PreparedJob | None = input.carry.prepared if input.carry else None
-        # The request's check, until a follow has done it (a request that stages nothing).
+        # The request's check, for the follows until one names the pool (a request that stages
+        # nothing).
         self._unchecked: PrepareInput | None = None
         self._status = input.carry.status if input.carry else self._new_status()
         self._book = JobBook(self._status, input.carry.journal if input.carry else None)
@@ -139,12 +140,6 @@ class InferenceJob(JobMessages):
                 )
             run = SegmentRun(book, self._controls, request, self._prepared, segment)
             await run.run(check=self._unchecked)
-            if self._unchecked is not None and book.status.backend is not None:
-                # The follow checked the request: its pool is the job's from now on.
-                backend = book.status.backend
-                update = {"pool": backend.pool, "kind": backend.kind}
-                self._prepared = self._prepared.model_copy(update=update)
-                self._unchecked = None
         return None
 
     def _prepare_or_defer(self) -> None:
@@ -307,11 +302,7 @@ class InferenceJob(JobMessages):
         book.set_state(state)
 
     def _pool(self) -> str | None:
-        """The job's pool: as its check named it, else as prepared ("": the default pool)."""
-        backend = self._book.status.backend
-        if backend is not None:
-            return backend.pool
-        return self._prepared.pool if self._prepared is not None else None
+        return self._book.pool_or(self._prepared.pool) if self._prepared is not None else None
 
     def _end_state(self, outcome: BaseException | None) -> tuple[JobState, JobError | None]:
         order = self._controls.stop

@@ -118,6 +118,11 @@ class JobBook:
         self._upsert(POOL_KEY.value_set(pool))
         self._changed()
 
+    def pool_or(self, prepared: str) -> str:
+        """The job's pool as recorded, else the prepared one ("": not named yet, the worker's
+        default pool)."""
+        return self.status.backend.pool if self.status.backend is not None else prepared
+
     def begin_segment(self, segment: int, segments: int, sampler_steps: int, nodes: int) -> None:
         self.status.progress = Progress(
             segment=segment,

@@ -123,10 +123,10 @@ class SegmentRun:
                 attempt += 1
 
     def _follow_input(self, checkpoint: Checkpoint, submit: bool, first_post: bool) -> FollowInput:
-        request, prepared, backend = self._request, self._prepared, self._book.status.backend
+        request, prepared, book = self._request, self._prepared, self._book
         return FollowInput(
-            job_id=self._book.status.job_id,
-            pool=backend.pool if backend is not None else prepared.pool,
+            job_id=book.status.job_id,
+            pool=book.pool_or(prepared.pool),
             prompt_id=checkpoint.prompt_id or "",
             client_id=checkpoint.client_id or "",
             segment=self._segment,
@@ -145,7 +145,7 @@ class SegmentRun:
             staged_inputs=prepared.staged_inputs,
             teardown_horizon_s=request.policy.teardown_horizon_s,
             # Until the workflow hears which pool took the job, each attempt checks it first.
-            prepare=self._check if backend is None else None,
+            prepare=self._check if book.status.backend is None else None,
         )
 
     def _furthest(self, current: Checkpoint, recovered: Checkpoint | None) -> Checkpoint:
