@@ -33,6 +33,7 @@ import websockets
 from activities.comfyui.client import ComfyClient, ComfyUnavailable
 from activities.comfyui.events import ComfyEvent, ending_of, for_prompt, parse_frame
 from activities.comfyui.history import history_when_written, outputs_of
+from activities.comfyui.silence import SilenceTimer
 from activities.comfyui.whereabouts import is_known, whereabouts
 from activities.progress import ProgressTracker
 
@@ -221,23 +222,25 @@ class PromptFollower:
         async with websockets.connect(
             self.client.ws_url(self.client_id), max_size=None, open_timeout=10, compression=None
         ) as ws:
-            self.last_contact = self.last_routed = time.monotonic()
-            if self.graph is not None and not self.submitted:
-                await self._submit_unless_known(self.graph)
-            else:
-                await self._reconcile()
-            while self.ended is None:
-                if await self._next_event(ws):
-                    self.last_routed = time.monotonic()
-                elif (
-                    self.ended is None
-                    and self.stage == "running"
-                    and time.monotonic() - self.last_routed > RESUBSCRIBE_AFTER_POLLS * self.poll_s
-                ):
-                    # Only a running prompt owes us events: one waiting in the queue is quiet.
-                    self.log.info("socket_silent_reopening")
-                    return
-                self.listener.check()
+            with SilenceTimer(self.poll_s) as silence:
+                self.last_contact = self.last_routed = time.monotonic()
+                if self.graph is not None and not self.submitted:
+                    await self._submit_unless_known(self.graph)
+                else:
+                    await self._reconcile()
+                while self.ended is None:
+                    if await self._next_event(ws, silence):
+                        self.last_routed = time.monotonic()
+                    elif (
+                        self.ended is None
+                        and self.stage == "running"
+                        and time.monotonic() - self.last_routed
+                        > RESUBSCRIBE_AFTER_POLLS * self.poll_s
+                    ):
+                        # Only a running prompt owes us events: one waiting in the queue is quiet.
+                        self.log.info("socket_silent_reopening")
+                        return
+                    self.listener.check()
 
     async def _submit_unless_known(self, graph: dict[str, Any]) -> None:
         """POST /prompt with our prompt_id, unless ComfyUI already has it: the prompt_id is
@@ -268,14 +271,14 @@ class PromptFollower:
         if found.where == "pending":
             await self._set_stage("queued", found.position)
 
-    async def _next_event(self, ws: websockets.ClientConnection) -> bool:
-        """Handle the next frame; True only for an event routed to our client_id."""
+    async def _next_event(self, ws: websockets.ClientConnection, silence: SilenceTimer) -> bool:
+        """Handle the next frame; True only for an event routed to our client_id. Only the
+        wait for the frame is timed: handling it (an upload) never counts as silence."""
         try:
             # Not asyncio.wait_for: on Python 3.11 it swallows a cancel (Temporal's, the
             # platform's job-stop) that lands while a frame arrives, and frames arrive every few
             # ms while another prompt runs, so the cancel would be lost for good.
-            async with asyncio.timeout(self.poll_s):
-                frame = await ws.recv()
+            frame = await silence.wait(ws.recv())
         except TimeoutError:
             self.listener.beat()
             # A silent socket on a live prompt is not a failure: ask the source of truth.
