@@ -88,6 +88,16 @@ def test_frames_parse_and_binary_previews_are_ignored() -> None:
     assert parse_frame(json.dumps([1, 2])) is None
 
 
+def test_progress_state_frames_are_dropped_undecoded_and_nothing_else_is() -> None:
+    state = {"type": "progress_state", "data": {"prompt_id": "p", "nodes": {"3": {"value": 1}}}}
+    assert parse_frame(json.dumps(state)) is None  # ComfyUI's aiohttp: json.dumps
+    assert parse_frame(json.dumps(state, separators=(",", ":"))) is None  # a compact encoder
+    mentions = {"type": "progress", "data": {"prompt_id": "p", "value": 1, "progress_state": 1}}
+    event = parse_frame(json.dumps(mentions))
+    assert event is not None and event.type == "progress"
+    assert parse_frame(json.dumps({"data": {}, "type": "progress_state"})) is not None  # decoded
+
+
 def test_only_our_prompt_or_unaddressed_events_count() -> None:
     ours = parse_frame(json.dumps({"type": "executing", "data": {"node": "3", "prompt_id": "p"}}))
     theirs = parse_frame(json.dumps({"type": "executing", "data": {"node": "3", "prompt_id": "q"}}))

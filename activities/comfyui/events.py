@@ -29,9 +29,17 @@ class ComfyEvent(BaseModel):
         return None if value is None else str(value)
 
 
+# `progress_state` (every node's state, sent with each `progress`) is the one frame type a
+# follower receives about as often as the steps themselves and never uses: it is known by its
+# first bytes and not decoded (ComfyUI's aiohttp sends `json.dumps` output; a compact encoder's
+# is matched too, and anything else is merely decoded as before).
+UNUSED_FRAME_PREFIXES = ('{"type": "progress_state"', '{"type":"progress_state"')
+
+
 def parse_frame(frame: str | bytes) -> ComfyEvent | None:
-    """A text frame as an event; None for binary previews and anything malformed."""
-    if isinstance(frame, bytes):
+    """A text frame as an event; None for binary previews, frames no follower uses and anything
+    malformed."""
+    if isinstance(frame, bytes) or frame.startswith(UNUSED_FRAME_PREFIXES):
         return None
     try:
         raw = json.loads(frame)
@@ -40,7 +48,8 @@ def parse_frame(frame: str | bytes) -> ComfyEvent | None:
     if not isinstance(raw, dict) or not isinstance(raw.get("type"), str):
         return None
     data = raw.get("data")
-    return ComfyEvent(type=raw["type"], data=data if isinstance(data, dict) else {})
+    # Both fields are checked above: no validation pass per frame.
+    return ComfyEvent.model_construct(type=raw["type"], data=data if isinstance(data, dict) else {})
 
 
 def for_prompt(event: ComfyEvent, prompt_id: str) -> bool:
