@@ -27,6 +27,9 @@ class DirectRun(BaseModel):
     executed: float  # the socket said the prompt is done
     stored: float  # every output in S3
     outputs: int
+    prompt_id: str = ""
+    # (step, epoch seconds) of each `progress` frame as this client received it
+    steps: list[tuple[int, float]] = []
 
     @property
     def seconds(self) -> float:
@@ -44,6 +47,7 @@ async def run_direct(
     started = time.time()
     client_id = uuid.uuid4().hex
     images: list[dict[str, Any]] = []
+    steps: list[tuple[int, float]] = []
     # No keepalive pings: with a thousand sockets on one loop (the scale group's baseline) a
     # pong waits behind the frames queued before it longer than websockets' 20 s, and the
     # baseline would fail for its client's load, not for the work it measures.
@@ -64,7 +68,9 @@ async def run_direct(
             if data.get("prompt_id") != prompt_id:
                 continue
             kind = message.get("type")
-            if kind == "executed":
+            if kind == "progress":
+                steps.append((int(data.get("value", 0)), time.time()))
+            elif kind == "executed":
                 images.extend((data.get("output") or {}).get("images") or [])
             elif kind in ("execution_error", "execution_interrupted"):
                 raise RuntimeError(f"direct prompt {prompt_id} ended with {kind}")
@@ -88,5 +94,11 @@ async def run_direct(
             ContentType=view.headers.get("content-type", "application/octet-stream"),
         )
     return DirectRun(
-        started=started, queued=queued, executed=executed, stored=time.time(), outputs=len(images)
+        started=started,
+        queued=queued,
+        executed=executed,
+        stored=time.time(),
+        outputs=len(images),
+        prompt_id=prompt_id,
+        steps=steps,
     )
