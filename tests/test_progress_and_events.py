@@ -88,14 +88,29 @@ def test_frames_parse_and_binary_previews_are_ignored() -> None:
     assert parse_frame(json.dumps([1, 2])) is None
 
 
-def test_progress_state_frames_are_dropped_undecoded_and_nothing_else_is() -> None:
+def test_only_events_about_a_prompt_are_kept_and_broadcasts_are_not_decoded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     state = {"type": "progress_state", "data": {"prompt_id": "p", "nodes": {"3": {"value": 1}}}}
-    assert parse_frame(json.dumps(state)) is None  # ComfyUI's aiohttp: json.dumps
-    assert parse_frame(json.dumps(state, separators=(",", ":"))) is None  # a compact encoder
-    mentions = {"type": "progress", "data": {"prompt_id": "p", "value": 1, "progress_state": 1}}
+    status = {"type": "status", "data": {"status": {"exec_info": {"queue_remaining": 3}}}}
+    monitor = {"type": "crystools.monitor", "data": {"cpu_utilization": 12}}
+    mentions = {"type": "progress", "data": {"prompt_id": "p", "value": 1, "status": "x"}}
+    compact = json.dumps(state, separators=(",", ":"))  # not ComfyUI's: decoded, then dropped
+    reordered = json.dumps({"data": {}, "type": "status"})
+    assert parse_frame(compact) is None and parse_frame(reordered) is None
+    decoded: list[str] = []
+    loads = json.loads
+
+    def counted_loads(text: str) -> Any:
+        decoded.append(text)
+        return loads(text)
+
+    monkeypatch.setattr(json, "loads", counted_loads)
+    for broadcast in (state, status, monitor):
+        assert parse_frame(json.dumps(broadcast)) is None
+    assert decoded == []  # known by their first bytes
     event = parse_frame(json.dumps(mentions))
-    assert event is not None and event.type == "progress"
-    assert parse_frame(json.dumps({"data": {}, "type": "progress_state"})) is not None  # decoded
+    assert event is not None and event.type == "progress" and event.data["value"] == 1
 
 
 def test_only_our_prompt_or_unaddressed_events_count() -> None:

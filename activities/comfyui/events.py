@@ -29,23 +29,41 @@ class ComfyEvent(BaseModel):
         return None if value is None else str(value)
 
 
-# `progress_state` (every node's state, sent with each `progress`) is the one frame type a
-# follower receives about as often as the steps themselves and never uses: it is known by its
-# first bytes and not decoded (ComfyUI's aiohttp sends `json.dumps` output; a compact encoder's
-# is matched too, and anything else is merely decoded as before).
-UNUSED_FRAME_PREFIXES = ('{"type": "progress_state"', '{"type":"progress_state"')
+# The events about one prompt, which ComfyUI sends only to the prompt's client_id: the only ones
+# a follower uses. The others are broadcasts to every socket (`status` on every queue change,
+# `progress_state` with every step, custom nodes' monitors): with N prompts followed, N sockets
+# each get every prompt's, N squared frames in all.
+PROMPT_EVENTS = frozenset(
+    {
+        "execution_start",
+        "execution_cached",
+        "executing",
+        "progress",
+        "executed",
+        "execution_success",
+        "execution_error",
+        "execution_interrupted",
+    }
+)
+# How ComfyUI's aiohttp (`json.dumps({"type": event, "data": data})`) begins every frame.
+_TYPE_FIRST = '{"type": "'
 
 
 def parse_frame(frame: str | bytes) -> ComfyEvent | None:
-    """A text frame as an event; None for binary previews, frames no follower uses and anything
-    malformed."""
-    if isinstance(frame, bytes) or frame.startswith(UNUSED_FRAME_PREFIXES):
+    """A text frame as an event about a prompt (`PROMPT_EVENTS`); None for binary previews,
+    broadcasts and anything malformed. A frame that names its type first is dropped by that name
+    before it is decoded; any other is decoded first."""
+    if isinstance(frame, bytes):
         return None
+    if frame.startswith(_TYPE_FIRST):
+        end = frame.find('"', len(_TYPE_FIRST))
+        if frame[len(_TYPE_FIRST) : end] not in PROMPT_EVENTS:
+            return None
     try:
         raw = json.loads(frame)
     except ValueError:
         return None
-    if not isinstance(raw, dict) or not isinstance(raw.get("type"), str):
+    if not isinstance(raw, dict) or raw.get("type") not in PROMPT_EVENTS:
         return None
     data = raw.get("data")
     # Both fields are checked above: no validation pass per frame.

@@ -41,19 +41,6 @@ from activities.progress import ProgressTracker
 # client_id when any socket of that ID closes, so an older socket closing late can leave ours
 # deaf. Reopening registers the ID again; a silent node merely costs a reconnect.
 RESUBSCRIBE_AFTER_POLLS = 2
-# Events ComfyUI sends only to the prompt's client_id (status and progress_state go to all).
-ROUTED_EVENTS = frozenset(
-    {
-        "execution_start",
-        "execution_cached",
-        "executing",
-        "progress",
-        "executed",
-        "execution_success",
-        "execution_error",
-        "execution_interrupted",
-    }
-)
 # Asked twice, this far apart, before a prompt counts as lost.
 LOST_RECHECK_S = 1.0
 # Between reconnects, when the follower reconnects at all (`reconnect_for_s`).
@@ -290,7 +277,7 @@ class PromptFollower:
             return False
         await self._handle(event)
         self.listener.beat()
-        return event.type in ROUTED_EVENTS
+        return True  # parse_frame keeps only the events routed to our client_id
 
     async def _set_stage(self, stage: Stage, position: int | None = None) -> None:
         if (stage, position) == (self.stage, self.queue_position):
