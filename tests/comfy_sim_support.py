@@ -24,20 +24,12 @@ from typing import Any
 
 import aiohttp
 
+from activities.comfyui.events import PROMPT_EVENTS
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
-# Events that belong to one prompt and must only reach that prompt's client socket.
-PROMPT_SCOPED = frozenset(
-    {
-        "execution_start",
-        "execution_cached",
-        "executing",
-        "progress",
-        "executed",
-        "execution_success",
-        "execution_error",
-        "execution_interrupted",
-    }
-)
+# Events that belong to one prompt and must only reach that prompt's client socket: the
+# follower's own list, so the conformance tests (simulator and real ComfyUI) check it too.
+PROMPT_SCOPED = PROMPT_EVENTS
 Event = dict[str, Any]
 
 
