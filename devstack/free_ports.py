@@ -7,11 +7,13 @@ and the state goes where the caller says.
 
 from __future__ import annotations
 
+import functools
 import random
 import socket
 from pathlib import Path
 
 from devstack.config import PoolConfig, StackConfig, load_stack_config
+from devstack.stack import stack_ports
 
 ROOT = Path(__file__).resolve().parent.parent
 DEV_CONFIG = ROOT / "temporal-dev.yaml"
@@ -39,8 +41,18 @@ def port_is_free(port: int, host: str = HOST) -> bool:
     return True
 
 
+@functools.cache
+def _shipped_ports() -> frozenset[int]:
+    """The ports of the shipped stack (temporal-dev.yaml): `make demo` may take them at any
+    time, and a test holds them all to prove that a moved stack binds none of them
+    (tests/tooling/test_devstack.py), so no private stack gets one."""
+    bound = stack_ports(load_stack_config(DEV_CONFIG)).values()
+    return frozenset(port for ports in bound for _, port in ports)
+
+
 def free_port(host: str = HOST) -> int:
-    """A port nobody listens on now, never handed out twice in this process.
+    """A port nobody listens on now, never handed out twice in this process, and never one of
+    the shipped stack's.
 
     Chosen below the kernel's ephemeral range: the Temporal dev server takes random ephemeral
     ports for its internal services, and every outgoing connection takes one too, so a port picked
@@ -48,9 +60,10 @@ def free_port(host: str = HOST) -> int:
     """
     low, _ = _ephemeral_range()
     rng = random.SystemRandom()
+    reserved = _shipped_ports()
     for _ in range(1000):
         port = rng.randrange(10000, min(low, 65535 - ADMIN_GRPC_OFFSET))
-        if port not in _handed_out and port_is_free(port, host):
+        if port not in _handed_out and port not in reserved and port_is_free(port, host):
             _handed_out.add(port)
             return port
     raise RuntimeError("no free port found")

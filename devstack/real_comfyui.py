@@ -25,7 +25,8 @@ from pathlib import Path
 import httpx
 from pydantic import BaseModel
 
-from devstack.runpod_sim.env_factories import WorkerSlot, free_port
+from devstack.free_ports import free_port
+from devstack.runpod_sim.env_factories import WorkerSlot
 from devstack.runpod_sim.procs import ChildProcess
 from devstack.runpod_sim.workers import INHERITED_ENV
 

@@ -7,9 +7,7 @@ import asyncio
 import contextlib
 import json
 import os
-import random
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -25,6 +23,7 @@ from typing import Any
 import aiohttp
 
 from activities.comfyui.events import PROMPT_EVENTS
+from devstack.free_ports import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Events that belong to one prompt and must only reach that prompt's client socket: the
@@ -43,24 +42,6 @@ class Target:
     def ws_url(self, client_id: str) -> str:
         base = self.url.replace("https://", "wss://").replace("http://", "ws://")
         return f"{base}/ws?clientId={client_id}"
-
-
-def free_port() -> int:
-    """A free loopback port below the kernel's ephemeral range, so it cannot be taken meanwhile
-    by an outgoing connection or by a server that binds ephemeral ports (Temporal's dev server)."""
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    for _ in range(1000):
-        port = random.SystemRandom().randrange(10000, max(low, 10001))
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port found")
 
 
 def _wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path) -> None:

@@ -23,11 +23,11 @@ from botocore.config import Config
 from pydantic import SecretStr
 
 from activities.runpod.contract import ProgressUpdate
+from devstack.free_ports import free_port
 from devstack.seaweed import load_credentials
 from devstack.services import StackPaths
 from devstack.stack import start_service, stop_service
 from endpoint.settings import BucketSettings, EndpointSettings
-from tests.comfy_sim_support import free_port
 from tests.conftest import make_stack_config
 
 

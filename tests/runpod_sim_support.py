@@ -26,8 +26,8 @@ from typing import Any
 
 import httpx
 
+from devstack.free_ports import free_port
 from devstack.runpod_sim import Ledger
-from tests.comfy_sim_support import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 ENDPOINT_PYTHON = REPO_ROOT / ".venv-endpoint" / "bin" / "python"

@@ -12,8 +12,6 @@ from __future__ import annotations
 import asyncio
 import importlib
 import os
-import random
-import socket
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -23,6 +21,8 @@ from typing import Protocol, runtime_checkable
 
 import aiohttp
 import structlog
+
+from devstack.free_ports import free_port
 
 from .procs import ChildProcess
 from .settings import PROJECT_ROOT, SimSettings
@@ -55,31 +55,6 @@ class StaticEnv:
 
     async def stop(self, slot: WorkerSlot) -> None:
         return None
-
-
-_handed_out: set[int] = set()
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A free port below the kernel's ephemeral range (outgoing connections cannot take it
-    meanwhile), never handed out twice by this process."""
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    rng = random.SystemRandom()
-    for _ in range(1000):
-        port = rng.randrange(10000, max(low, 10001))
-        if port in _handed_out:
-            continue
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind((host, port))
-            except OSError:
-                continue
-        _handed_out.add(port)
-        return port
-    raise RuntimeError("no free port found")
 
 
 class ComfySimPerWorker:

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -32,6 +33,7 @@ from temporalio.api.workflowservice.v1 import DescribeNamespaceRequest
 from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.envconfig import ClientConfig
 
+from devstack import free_ports
 from devstack.config import S3Section, StackConfig, TemporalSection, load_stack_config
 from devstack.errors import PortInUseError, ServiceStartError
 from devstack.models import RunningStack
@@ -812,6 +814,19 @@ def test_the_launcher_passes_every_port_flag_each_binary_has(tmp_path: Path) -> 
         ("--metrics-port", config.temporal.metrics_port),
     ):
         assert targv[targv.index(flag) + 1] == str(port)
+
+
+def test_a_private_stack_is_never_handed_a_shipped_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another test (or a `make demo` stack) holding a default port must not find it taken by a
+    private stack: the test above holds every default, and failed when a sibling had one."""
+    shipped = sorted(all_ports(load_stack_config(DEV_CONFIG)))
+    in_range = [port for port in shipped if 10000 <= port < 32768]
+    assert in_range  # the draw below reaches them
+    draws = iter([*in_range, 12345])
+    monkeypatch.setattr(random.SystemRandom, "randrange", lambda *_: next(draws))
+    monkeypatch.setattr(free_ports, "_handed_out", set())
+    monkeypatch.setattr(free_ports, "port_is_free", lambda *_: True)
+    assert free_ports.free_port() == 12345
 
 
 async def test_a_copy_with_every_port_moved_binds_none_of_the_defaults(

@@ -23,8 +23,8 @@ import pytest_asyncio
 from aiohttp import web
 
 from devstack.chaos.wait import eventually
+from devstack.free_ports import free_port
 from devstack.runpod_sim import Ledger
-from tests.comfy_sim_support import free_port
 from tests.runpod_sim_support import (
     ENDPOINT_VENV_MISSING,
     RunpodSim,
