@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import time
 import uuid
+from dataclasses import dataclass, field
 
 import httpx
 from pydantic import SecretStr
@@ -71,8 +72,7 @@ class Batch:
         self.direct_wall = 0.0
         self.rss_before = 0
         self.rss_peak = 0
-        self.lags: list[float] = []  # polled: `JobClient.watch` without the live-progress key
-        self.pushed_lags: list[float] = []  # the same steps, watched with it
+        self.watched = Watched()
         self.direct_lags: list[float] = []  # the direct batch's steps, as its client got them
         self.cpu: CpuUse | None = None
         self.direct_cpu: CpuUse | None = None
@@ -99,38 +99,57 @@ async def _direct_batch(ctx: BenchContext, pool: Pool, n: int) -> tuple[float, l
     return wall, lags
 
 
+@dataclass
+class Watched:
+    """How the watched jobs of a batch were seen."""
+
+    polled: list[float] = field(default_factory=list)  # lags of their steps, ms
+    pushed: list[float] = field(default_factory=list)
+    # From the watch's start to the first status it was handed (the job's first query answer).
+    first_status: list[float] = field(default_factory=list)  # ms
+    # Jobs whose last step the simulator had sent before their watcher's first status.
+    over_before_first_status: int = 0
+
+
 async def _watched(
-    ctx: BenchContext, pool: Pool, job_id: str, polling: JobClient, pushing: JobClient | None
-) -> tuple[list[float], list[float]]:
-    """The lags of one job's steps as a polling watcher and a pushed one saw them."""
+    ctx: BenchContext,
+    pool: Pool,
+    job_id: str,
+    polling: JobClient,
+    pushing: JobClient | None,
+    into: Watched,
+) -> None:
+    """One job's steps as a polling watcher and a pushed one saw them."""
+    began = time.time()
     polled = watch(polling, job_id)
     pushed = watch(pushing, job_id) if pushing is not None else None
     (seen, final), *others = await asyncio.gather(polled, *([pushed] if pushed else []))
     steps = await progress_times(ctx.http, pool.url, prompt_id_of(final))
-    return event_to_seen_ms(steps, seen), [
+    into.polled += event_to_seen_ms(steps, seen)
+    into.pushed += [
         lag for seen_pushed, _ in others for lag in event_to_seen_ms(steps, seen_pushed)
     ]
+    into.first_status.append((seen[0].at - began) * 1000)
+    into.over_before_first_status += bool(steps) and steps[-1].at < seen[0].at
 
 
 async def _project_batch(
     ctx: BenchContext, jobs: JobClient, pool: Pool, n: int, pushing: JobClient | None = None
-) -> tuple[float, list[float], list[float]]:
-    """Submit `n` jobs at once and wait for them all; the wall time, and the lags of the
-    watched jobs' steps, polled and (with `pushing`) pushed."""
+) -> tuple[float, Watched]:
+    """Submit `n` jobs at once and wait for them all; the wall time, and how the watched jobs
+    were seen, polled and (with `pushing`) pushed."""
     began = time.perf_counter()
     submitted = await asyncio.gather(
         *(submit_idempotently(jobs, request(STEPS, pool.name)) for _ in range(n))
     )
     ids = [s.job_id for s in submitted]
-    watched = [_watched(ctx, pool, job_id, jobs, pushing) for job_id in ids[:WATCHED]]
+    seen = Watched()
+    watched = [_watched(ctx, pool, job_id, jobs, pushing, seen) for job_id in ids[:WATCHED]]
     waited = [jobs.wait(job_id) for job_id in ids[WATCHED:]]
-    lags_each, finals = await asyncio.gather(asyncio.gather(*watched), asyncio.gather(*waited))
+    _, finals = await asyncio.gather(asyncio.gather(*watched), asyncio.gather(*waited))
     for final in finals:
         completed(final)
-    wall = time.perf_counter() - began
-    polled = [lag for lags, _ in lags_each for lag in lags]
-    pushed = [lag for _, lags in lags_each for lag in lags]
-    return wall, polled, pushed
+    return time.perf_counter() - began, seen
 
 
 async def run(ctx: BenchContext, options: BenchOptions) -> Outcome:
@@ -197,9 +216,7 @@ async def run(ctx: BenchContext, options: BenchOptions) -> Outcome:
                     # CPU goes (sampling costs little, but it is said here: it ran meanwhile).
                     out = ctx.work_dir / "profiles" / "scale-worker.txt"
                     profiling = asyncio.create_task(record(worker.pid, 10, out))
-                batch.wall, batch.lags, batch.pushed_lags = await _project_batch(
-                    ctx, jobs, sim.pool, n, pushing
-                )
+                batch.wall, batch.watched = await _project_batch(ctx, jobs, sim.pool, n, pushing)
                 batch.cpu.stop()
                 calls_after = await server_calls(ctx.http, ctx.temporal_metrics_url)
                 batch.calls = calls_after.minus(calls_before)
@@ -211,7 +228,7 @@ async def run(ctx: BenchContext, options: BenchOptions) -> Outcome:
             batches.append(batch)
         serial_n = options.scale_serial_jobs
         serial_direct, _ = await _direct_batch(ctx, serial.pool, serial_n)
-        serial_wall, _, _ = await _project_batch(ctx, jobs, serial.pool, serial_n)
+        serial_wall, _ = await _project_batch(ctx, jobs, serial.pool, serial_n)
         populations, stalled = await scale_running.measure(
             ctx,
             running.pool,
@@ -237,7 +254,7 @@ def _outcome(
     stalled: str | None,
 ) -> Outcome:
     results: list[Result] = []
-    lags = [lag for b in batches for lag in b.lags]
+    lags = [lag for b in batches for lag in b.watched.polled]
     for b in batches:
         results.append(
             result(
@@ -251,7 +268,7 @@ def _outcome(
         results.append(
             result(
                 f"scale.lag_p99_at_{b.jobs}",
-                percentile(b.pushed_lags, 99),
+                percentile(b.watched.pushed, 99),
                 "ms",
                 baseline=percentile(b.direct_lags, 99),
                 target=Target(limit=LAG_P99_MAX_MS),
@@ -309,9 +326,12 @@ def _outcome(
             f"{fmt(b.jobs / b.direct_wall)} | {fmt(b.rss_before / 1e6)} | "
             f"{fmt(b.rss_peak / 1e6)} | "
             f"{fmt((b.rss_peak - idle_rss) / b.jobs / 1e3)} | {fmt(server / b.wall)} | "
-            f"{fmt(percentile(b.pushed_lags, 50))} / {fmt(percentile(b.pushed_lags, 99))} | "
-            f"{fmt(percentile(b.lags, 50))} / {fmt(percentile(b.lags, 99))} | "
-            f"{fmt(percentile(b.direct_lags, 50))} / {fmt(percentile(b.direct_lags, 99))} |"
+            f"{fmt(percentile(b.watched.pushed, 50))} / {fmt(percentile(b.watched.pushed, 99))} | "
+            f"{fmt(percentile(b.watched.polled, 50))} / {fmt(percentile(b.watched.polled, 99))} | "
+            f"{fmt(percentile(b.direct_lags, 50))} / {fmt(percentile(b.direct_lags, 99))} | "
+            f"{fmt(percentile(b.watched.first_status, 50))} / "
+            f"{fmt(max(b.watched.first_status, default=0))} | "
+            f"{b.watched.over_before_first_status} of {len(b.watched.first_status)} |"
         )
     cpu_lines: list[str] = []
     for b in batches:
@@ -341,8 +361,9 @@ def _outcome(
         "",
         "| jobs | project s | direct s | project jobs/s | direct jobs/s | RSS before (MB) | "
         "RSS peak (MB) | peak - idle per job (KB) | server cores | pushed lag p50 / p99 (ms) | "
-        "polled lag p50 / p99 (ms) | direct lag p50 / p99 (ms) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "polled lag p50 / p99 (ms) | direct lag p50 / p99 (ms) | first status p50 / max (ms) | "
+        "ended before it |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         *rows,
         "",
         f"- RSS line fit: {fmt(slope / 1e3) if slope else '-'} KB per job, "
@@ -355,6 +376,9 @@ def _outcome(
         "the simulator -> the same step's `progress` frame at the direct script's socket, for "
         f"{WATCHED} of its prompts (what a client of ComfyUI itself sees on this machine under "
         "the same burst)",
+        "- first status: from a watch's start to the first status `JobClient.watch` handed it "
+        "(it waits for the job's answer to the status query); ended before it: watched jobs "
+        "whose last step the simulator had sent before that first status",
     ]
     running_lines = [
         f"Running populations: jobs of {scale_running.STEPS} steps x {scale_running.STEP_MS} ms "
