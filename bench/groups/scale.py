@@ -121,14 +121,16 @@ async def _watched(
 ) -> None:
     """One job's steps as a polling watcher and a pushed one saw them."""
     began = time.time()
-    polled = watch(polling, job_id)
-    pushed = watch(pushing, job_id) if pushing is not None else None
-    (seen, final), *others = await asyncio.gather(polled, *([pushed] if pushed else []))
+    seen_pushed: list[Seen] = []
+    if pushing is None:
+        seen, final = await watch(polling, job_id)
+    else:
+        (seen, final), (seen_pushed, _) = await asyncio.gather(
+            watch(polling, job_id), watch(pushing, job_id)
+        )
     steps = await progress_times(ctx.http, pool.url, prompt_id_of(final))
     into.polled += event_to_seen_ms(steps, seen)
-    into.pushed += [
-        lag for seen_pushed, _ in others for lag in event_to_seen_ms(steps, seen_pushed)
-    ]
+    into.pushed += event_to_seen_ms(steps, seen_pushed)
     into.first_status.append((seen[0].at - began) * 1000)
     into.over_before_first_status += bool(steps) and steps[-1].at < seen[0].at
 
