@@ -231,10 +231,15 @@ async def until_the_simulator_runs_a_prompt(stack: RunningStack, within_s: float
 
 
 async def until_running(worker: RunningWorker, job_id: str) -> JobStatus:
-    async for status in worker.client.watch(job_id, poll_interval_s=0.05):
-        if status.state == JobState.RUNNING or status.terminal:
-            return status
-    raise AssertionError("the watch ended without a terminal status")
+    """Until the job itself says RUNNING (or has ended). Not a watch: it shows the follow's
+    heartbeat, which says RUNNING before the job hears of it in the follow's first report,
+    and the job's own messages (resume, cancel) answer from the job's state."""
+    async with asyncio.timeout(60):
+        while True:
+            status = (await worker.client.events(job_id)).status
+            if status.state == JobState.RUNNING or status.terminal:
+                return status
+            await asyncio.sleep(0.05)
 
 
 async def test_exit_0_and_stdout_holds_only_json_lines(
