@@ -29,15 +29,21 @@ from workflows.shared import ACTIVITY_DELIVER_WEBHOOK, QUERY_STATUS, UPDATE_ENDE
 
 
 class Receiver:
-    """`deliver_webhook` answering `status` every time (200: delivered)."""
+    """`deliver_webhook` answering `status` every time (200: delivered); with `answered`, only
+    that many attempts are answered and later ones wait until they are cancelled."""
 
-    def __init__(self, status: int) -> None:
+    def __init__(self, status: int, answered: int | None = None) -> None:
         self.status = status
+        self.answered = answered
         self.attempts: Counter[str] = Counter()
+        self.holding = asyncio.Event()  # an attempt is in flight, never to be answered
 
     @activity.defn(name=ACTIVITY_DELIVER_WEBHOOK)
     async def deliver_webhook(self, req: WebhookDeliveryInput) -> WebhookAttempt:
         self.attempts[req.webhook_id] += 1
+        if self.answered is not None and sum(self.attempts.values()) > self.answered:
+            self.holding.set()
+            await asyncio.Future()  # never answers; the worker's shutdown cancels it
         now = activity.info().current_attempt_scheduled_time
         if self.status == 200:
             return WebhookAttempt(outcome="delivered", status_code=200, at=now)
@@ -70,16 +76,16 @@ async def job_with_webhook(
     return spec, await start_job(client, task_queue, request), worker
 
 
-async def between_attempts(handle: WorkflowHandle[Any, JobStatus], receiver: Receiver) -> None:
-    """Until a delivery was tried and none is in flight (the next one waits on its timer).
+async def after_first_attempt(handle: WorkflowHandle[Any, JobStatus]) -> None:
+    """Until the job's status counts the delivery's first attempt: the next one then waits on
+    its retry timer or is in flight, never answered (`Receiver(answered=1)`).
 
-    A cancel that lands while an attempt completes makes the workflow ask to cancel an activity
-    the time-skipping server already counts as done; it refuses the task's completion
-    (ACTIVITY_UNKNOWN) and never hands the workflow another task, so the test would hang. The
-    dev server and Temporal's own answer such a task with the completion instead."""
+    No attempt answers while the cancel lands: the time-skipping server was seen refusing the
+    completion of a workflow task that asks to cancel an activity it already counts as done
+    (ACTIVITY_UNKNOWN), and then never handing the workflow another task."""
     while True:
-        description = await handle.describe()
-        if receiver.attempts and not description.raw_description.pending_activities:
+        status = await handle.query(QUERY_STATUS, result_type=JobStatus)
+        if status.webhook is not None and any(d.attempts for d in status.webhook.deliveries):
             return
         await asyncio.sleep(0.02)
 
@@ -123,7 +129,7 @@ async def test_410_gone_gives_the_event_up_at_once(client: Client) -> None:
 async def test_ended_answers_at_the_end_and_a_temporal_cancel_stops_the_deliveries(
     client: Client,
 ) -> None:
-    receiver = Receiver(503)
+    receiver = Receiver(503, answered=1)
     _, handle, worker = await job_with_webhook(client, receiver, horizon_s=24 * 3600.0)
     # Once in a fresh-clone CI run this test sat idle for minutes (it passes in about 1 s):
     # bounded, so it fails naming the step it waited on instead of holding the suite.
@@ -137,7 +143,7 @@ async def test_ended_answers_at_the_end_and_a_temporal_cancel_stops_the_deliveri
             step = "describe"
             assert (await handle.describe()).status == WorkflowExecutionStatus.RUNNING
             step = "a delivery attempt to end"
-            await between_attempts(handle, receiver)
+            await after_first_attempt(handle)
             step = "the cancel"
             await handle.cancel()
             step = "the result after the cancel"
@@ -149,6 +155,31 @@ async def test_ended_answers_at_the_end_and_a_temporal_cancel_stops_the_deliveri
     assert status.webhook is not None
     assert (status.webhook.failed, status.webhook.pending) == (1, 0)
     assert "cancelled" in (status.webhook.deliveries[0].last_error or "")
+    assert sum(receiver.attempts.values()) <= 2
+    assert (await handle.describe()).status == WorkflowExecutionStatus.COMPLETED
+
+
+async def test_a_temporal_cancel_during_an_attempt_stops_the_deliveries(client: Client) -> None:
+    """The SDK reports the cancelled attempt as the activity's error; the sender must not take
+    it for a failed attempt and retry (it did: the workflow then ran on to the horizon)."""
+    receiver = Receiver(503, answered=1)
+    _, handle, worker = await job_with_webhook(client, receiver, horizon_s=24 * 3600.0)
+    step = "the worker's start"
+    try:
+        async with asyncio.timeout(60), worker:
+            step = "the second attempt"
+            await receiver.holding.wait()
+            step = "the cancel"
+            await handle.cancel()
+            step = "the result after the cancel"
+            status = await final_status(handle)
+            step = "the worker's shutdown"
+    except TimeoutError:
+        pytest.fail(f"no progress in 60 s, waiting on {step}")
+    assert status.webhook is not None
+    assert (status.webhook.failed, status.webhook.pending) == (1, 0)
+    assert "cancelled" in (status.webhook.deliveries[0].last_error or "")
+    assert sum(receiver.attempts.values()) == 2, "no attempt after the cancel"
     assert (await handle.describe()).status == WorkflowExecutionStatus.COMPLETED
 
 

@@ -20,13 +20,14 @@ continue-as-new is tried again with the same `webhook-id`, on which receivers de
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from collections.abc import Collection, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Final
 
 from temporalio import workflow
-from temporalio.exceptions import ActivityError
+from temporalio.exceptions import ActivityError, is_cancelled_exception
 
 with workflow.unsafe.imports_passed_through():
     from workflows import activity_calls as calls
@@ -166,6 +167,11 @@ class WebhookSender:
             try:
                 attempt = await calls.deliver_webhook(request)
             except ActivityError as err:
+                if is_cancelled_exception(err):
+                    # The sender itself was cancelled mid-attempt (a Temporal cancel after the
+                    # end, or continue-as-new): the SDK reports that as the activity's error,
+                    # and retrying it would keep delivering after the stop.
+                    raise asyncio.CancelledError from err
                 # The attempt's own timeout, or a worker lost mid-attempt: try again.
                 message = job_error(err).message
                 attempt = WebhookAttempt(outcome="retry", error=message, at=workflow.now())
