@@ -572,22 +572,33 @@ class JobClient:
 
     async def _without_worker(self, job_id: str, failure: Exception) -> JobStatus:
         """The status as Temporal alone can give it, when no worker answered the query."""
-        handle = self.handle(job_id)
         description = await self._describe(job_id)
         ended = ended_from_outside(job_id, description, None)
         if ended is not None:
             return ended
-        if description.status == WorkflowExecutionStatus.COMPLETED:
-            return await handle.result()
+        recorded = await self._recorded_end(job_id, description)
+        if recorded is not None:
+            return recorded
         if description.status == WorkflowExecutionStatus.CANCELED:
             return bare_status(job_id, description)
+        raise JobUnanswered(job_id, description.task_queue, _short(failure)) from failure
+
+    async def _recorded_end(
+        self, job_id: str, description: WorkflowExecutionDescription
+    ) -> JobStatus | None:
+        """The final status a closed job left in its record (its result, or its failure's
+        details), None for one that runs or left none. One read of the history's close event,
+        where a query of a closed workflow has a worker replay its whole history."""
+        if description.status == WorkflowExecutionStatus.COMPLETED:
+            status: JobStatus = await self.handle(job_id).result()
+            return status
         if description.status == WorkflowExecutionStatus.FAILED:
             try:
-                await handle.result()
+                await self.handle(job_id).result()
             except WorkflowFailureError as exc:
                 if isinstance(exc.cause, ApplicationError) and exc.cause.details:
                     return JobStatus.model_validate(exc.cause.details[0])
-        raise JobUnanswered(job_id, description.task_queue, _short(failure)) from failure
+        return None
 
     async def _describe(self, job_id: str) -> WorkflowExecutionDescription:
         try:
@@ -784,13 +795,22 @@ class JobClient:
                     # history it counts.
                     description = await self._describe(job_id)
                     history = (description.run_id, description.history_length)
-                    if answered is None or history != answered_at:
-                        query.ask(history)
-                    # A busy worker answers late: meanwhile the last answer is shown with the
-                    # heartbeat's newer step (the first answer is awaited: nothing to show yet).
-                    got = await query.answer(None if answered is None else poll_interval_s / 2)
-                    if got is not None:
-                        answered, answered_at = got
+                    ended = await self._recorded_end(job_id, description)
+                    if ended is not None:
+                        # The job has ended: its record holds the final status, read without
+                        # a worker (a query of a closed workflow replays its whole history).
+                        query.cancel()
+                        answered, answered_at = ended, history
+                    else:
+                        if answered is None or history != answered_at:
+                            query.ask(history)
+                        # A busy worker answers late: meanwhile the last answer is shown with
+                        # the heartbeat's newer step (the first answer is awaited: nothing to
+                        # show yet).
+                        timeout = None if answered is None else poll_interval_s / 2
+                        got = await query.answer(timeout)
+                        if got is not None:
+                            answered, answered_at = got
                     assert answered is not None
                     described_at = time.monotonic()
                     status = await self._described(job_id, answered, description)

@@ -24,6 +24,7 @@ from temporalio.api.workflowservice.v1 import DescribeWorkflowExecutionResponse
 from temporalio.client import (
     Client,
     WorkflowExecutionDescription,
+    WorkflowExecutionStatus,
     WorkflowFailureError,
     WorkflowUpdateRPCTimeoutOrCancelledError,
 )
@@ -215,7 +216,8 @@ async def test_an_unreadable_heartbeat_is_no_heartbeat() -> None:
 
 
 class Calls:
-    """A JobClient whose query and describe are scripted, and what it asked."""
+    """A JobClient whose query and describe are scripted, and what it asked. A closed
+    workflow's record (its result) is the last answer."""
 
     def __init__(self, answers: list[JobStatus], descriptions: list[WorkflowExecutionDescription]):
         self.answers, self.descriptions = answers, descriptions
@@ -234,9 +236,18 @@ class Calls:
         async def client_seen(job_id: str) -> None:
             self.asked.append("client_seen")
 
+        async def recorded_end(
+            job_id: str, description: WorkflowExecutionDescription
+        ) -> JobStatus | None:
+            if description.status == WorkflowExecutionStatus.RUNNING:
+                return None
+            self.asked.append("result")
+            return self.answers[-1]
+
         self.client._query = query  # type: ignore[method-assign]
         self.client._describe = describe  # type: ignore[method-assign]
         self.client._client_seen = client_seen  # type: ignore[method-assign]
+        self.client._recorded_end = recorded_end  # type: ignore[method-assign]
 
 
 async def test_watch_reads_steps_from_heartbeats_and_queries_only_when_history_grew() -> None:
@@ -266,10 +277,12 @@ async def test_watch_reads_steps_from_heartbeats_and_queries_only_when_history_g
         (JobState.RUNNING, 1300),  # nothing new at 1200 twice: not yielded twice
         (JobState.COMPLETED, 5000),
     ]
-    # The first answer (after the first describe, history 40), then only when the history
-    # grew: the job's end.
+    # The first answer (after the first describe, history 40), then none: the history grew
+    # when the job ended, and an ended job's status is read from its record (a query of a
+    # closed workflow would have a worker replay its whole history).
     assert calls.asked[:2] == ["describe", "query"]
-    assert calls.asked.count("query") == 2
+    assert calls.asked.count("query") == 1
+    assert calls.asked[-2:] == ["describe", "result"]
     assert calls.asked.count("describe") == 6
 
 
@@ -282,7 +295,7 @@ async def test_watch_never_goes_back_while_the_jobs_own_status_stays_the_same() 
     done = running(40, seq=9)
     done.state = JobState.COMPLETED
     calls = Calls(
-        answers=[submitting, submitting, recovered, done],
+        answers=[submitting, recovered, done],
         descriptions=[
             await description((ACTIVITY_FOLLOW, beat(4, stage="running")), history_length=10),
             await description(history_length=10),  # the attempt failed: nothing pending
