@@ -79,12 +79,6 @@ BASE_OPEN_FILES = 256
 OPEN_FILES_PER_SLOT = 2
 # HTTP connections beyond one per slot (prepare's uploads, the orphan sweep, webhooks).
 EXTRA_HTTP_CONNECTIONS = 64
-# Idle connections kept for reuse (httpx's default), whatever the slots: httpcore's pool looks
-# at every connection it keeps, polling each idle one's socket, at every request's start and
-# end, so a request costs in proportion to the connections kept idle. 1,000 concurrent
-# requests on loopback: 8.9 ms of CPU each with 200 kept, 2.3 ms with 20 (reconnecting is
-# the cheaper side; bench/RESULTS.md, issue 20).
-KEPT_HTTP_CONNECTIONS = 20
 
 
 async def run_worker(
@@ -231,10 +225,10 @@ def workflow_runner() -> SandboxedWorkflowRunner:
 def http_limits(slots: int) -> httpx.Limits:
     """The shared HTTP client's pool, sized to the slots: httpx's default (100 connections)
     would make 1,000 followed jobs queue for a connection for their POST /prompt, /history and
-    /view calls. Idle connections kept: `KEPT_HTTP_CONNECTIONS`, not more with the slots."""
+    /view calls. Idle connections kept: a fifth of the slots (at least httpx's 20)."""
     return httpx.Limits(
         max_connections=slots + EXTRA_HTTP_CONNECTIONS,
-        max_keepalive_connections=KEPT_HTTP_CONNECTIONS,
+        max_keepalive_connections=max(20, slots // 5),
     )
 
 
