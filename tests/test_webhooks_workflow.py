@@ -7,6 +7,7 @@ end while deliveries are still pending.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -90,6 +91,27 @@ async def after_first_attempt(handle: WorkflowHandle[Any, JobStatus]) -> None:
         await asyncio.sleep(0.02)
 
 
+@contextlib.asynccontextmanager
+async def bounded(worker: Worker) -> AsyncIterator[list[str]]:
+    """Runs `worker` for the block, which appends each step it waits on to the list it gets:
+    60 s without the block's end fail the test naming the last one, instead of holding the
+    suite (once in a fresh-clone CI run a test here sat idle for minutes; each passes in
+    about 1 s)."""
+    steps = ["the worker's start"]
+    try:
+        async with asyncio.timeout(60), worker:
+            yield steps
+            steps.append("the worker's shutdown")
+    except TimeoutError:
+        pytest.fail(f"no progress in 60 s, waiting on {steps[-1]}")
+
+
+def given_up_by_the_cancel(status: JobStatus) -> None:
+    assert status.webhook is not None
+    assert (status.webhook.failed, status.webhook.pending) == (1, 0)
+    assert "cancelled" in (status.webhook.deliveries[0].last_error or "")
+
+
 async def final_status(handle: WorkflowHandle[Any, JobStatus]) -> JobStatus:
     try:
         await handle.result()
@@ -131,30 +153,21 @@ async def test_ended_answers_at_the_end_and_a_temporal_cancel_stops_the_deliveri
 ) -> None:
     receiver = Receiver(503, answered=1)
     _, handle, worker = await job_with_webhook(client, receiver, horizon_s=24 * 3600.0)
-    # Once in a fresh-clone CI run this test sat idle for minutes (it passes in about 1 s):
-    # bounded, so it fails naming the step it waited on instead of holding the suite.
-    step = "the worker's start"
-    try:
-        async with asyncio.timeout(60), worker:
-            step = "the `ended` update"
-            ended = await handle.execute_update(UPDATE_ENDED, result_type=JobStatus)
-            assert ended.state == JobState.COMPLETED
-            assert ended.webhook is not None and ended.webhook.pending == 1
-            step = "describe"
-            assert (await handle.describe()).status == WorkflowExecutionStatus.RUNNING
-            step = "a delivery attempt to end"
-            await after_first_attempt(handle)
-            step = "the cancel"
-            await handle.cancel()
-            step = "the result after the cancel"
-            status = await final_status(handle)
-            step = "the worker's shutdown"
-    except TimeoutError:
-        pytest.fail(f"no progress in 60 s, waiting on {step}")
+    async with bounded(worker) as steps:
+        steps.append("the `ended` update")
+        ended = await handle.execute_update(UPDATE_ENDED, result_type=JobStatus)
+        assert ended.state == JobState.COMPLETED
+        assert ended.webhook is not None and ended.webhook.pending == 1
+        steps.append("describe")
+        assert (await handle.describe()).status == WorkflowExecutionStatus.RUNNING
+        steps.append("a delivery attempt to end")
+        await after_first_attempt(handle)
+        steps.append("the cancel")
+        await handle.cancel()
+        steps.append("the result after the cancel")
+        status = await final_status(handle)
     assert status.state == JobState.COMPLETED, "the job's own end is unchanged"
-    assert status.webhook is not None
-    assert (status.webhook.failed, status.webhook.pending) == (1, 0)
-    assert "cancelled" in (status.webhook.deliveries[0].last_error or "")
+    given_up_by_the_cancel(status)
     assert sum(receiver.attempts.values()) <= 2
     assert (await handle.describe()).status == WorkflowExecutionStatus.COMPLETED
 
@@ -164,21 +177,14 @@ async def test_a_temporal_cancel_during_an_attempt_stops_the_deliveries(client: 
     it for a failed attempt and retry (it did: the workflow then ran on to the horizon)."""
     receiver = Receiver(503, answered=1)
     _, handle, worker = await job_with_webhook(client, receiver, horizon_s=24 * 3600.0)
-    step = "the worker's start"
-    try:
-        async with asyncio.timeout(60), worker:
-            step = "the second attempt"
-            await receiver.holding.wait()
-            step = "the cancel"
-            await handle.cancel()
-            step = "the result after the cancel"
-            status = await final_status(handle)
-            step = "the worker's shutdown"
-    except TimeoutError:
-        pytest.fail(f"no progress in 60 s, waiting on {step}")
-    assert status.webhook is not None
-    assert (status.webhook.failed, status.webhook.pending) == (1, 0)
-    assert "cancelled" in (status.webhook.deliveries[0].last_error or "")
+    async with bounded(worker) as steps:
+        steps.append("the second attempt")
+        await receiver.holding.wait()
+        steps.append("the cancel")
+        await handle.cancel()
+        steps.append("the result after the cancel")
+        status = await final_status(handle)
+    given_up_by_the_cancel(status)
     assert sum(receiver.attempts.values()) == 2, "no attempt after the cancel"
     assert (await handle.describe()).status == WorkflowExecutionStatus.COMPLETED
 
