@@ -4,8 +4,9 @@ The worker's shared HTTP client (`worker.http_limits`) sends every followed job'
 httpcore's pool looks at every connection it keeps at each request's start and end, polling
 each idle one's socket, so a request costs more the more connections are kept idle. This sends
 rounds of concurrent GETs to a loopback server that answers after 50 ms, through one client per
-setting, and prints the process's CPU per request against the worker's setting (20 kept) as the
-baseline. Not part of `make bench`: a comparison of two pool settings, run when they change.
+setting, and prints the process's CPU per request against 20 kept (httpx's default) as the
+baseline. The worker keeps a fifth of its slots: the scale group did better so (RESULTS.md).
+Not part of `make bench`: a comparison of two pool settings, run when they change.
 """
 
 from __future__ import annotations

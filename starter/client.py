@@ -613,6 +613,9 @@ class JobClient:
         description = await self._describe(job_id)
         if description.status == WorkflowExecutionStatus.RUNNING:
             return None
+        recorded = await self._recorded_end(job_id, description)
+        if recorded is not None:
+            return recorded
         try:
             return await self.status(job_id)
         except JobUnanswered:
