@@ -133,6 +133,7 @@ async def run_worker(
         worker = Worker(
             client,
             task_queue=settings.task_queue,
+            identity=live_progress.poller_identity(client.identity, live.url),
             workflows=[InferenceJob],
             activities=[
                 jobs.prepare_prompt,

@@ -39,6 +39,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
 from workflows.activity_io import FollowHeartbeat
+from workflows.shared import LIVE_IN_IDENTITY
 
 log = structlog.get_logger(__name__)
 
@@ -81,6 +82,13 @@ class _Subscriber:
             if beats:
                 await self.connection.send(json.dumps({"beats": beats}, separators=(",", ":")))
             await asyncio.sleep(FLUSH_GAP_S)
+
+
+def poller_identity(identity: str, url: str | None) -> str:
+    """The identity the worker polls under: its own, and where it pushes (when it does), so a
+    client that lists the task queue's pollers (`starter.pollers`) can subscribe to a job
+    there before the job's status names its worker (`starter.live`)."""
+    return identity if url is None else f"{identity}{LIVE_IN_IDENTITY}{url}"
 
 
 class LiveProgress:

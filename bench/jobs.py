@@ -42,13 +42,17 @@ def completed(status: JobStatus) -> JobStatus:
 
 
 async def watch(
-    jobs: JobClient, job_id: str, seen: list[Seen] | None = None
+    jobs: JobClient,
+    job_id: str,
+    seen: list[Seen] | None = None,
+    since: JobStatus | None = None,
 ) -> tuple[list[Seen], JobStatus]:
-    """Follow the job with `JobClient.watch` at its default poll interval, as the CLI does;
-    each status is appended to `seen` (readable while the job runs) as it arrives."""
+    """Follow the job with `JobClient.watch` at its default poll interval, as the CLI does
+    (`since`: the status its submit answered, as `submit --watch` passes it); each status is
+    appended to `seen` (readable while the job runs) as it arrives."""
     seen = [] if seen is None else seen
     last: JobStatus | None = None
-    async for status in jobs.watch(job_id):
+    async for status in jobs.watch(job_id, since=since):
         seen.append(
             Seen(
                 at=time.time(),

@@ -77,7 +77,7 @@ from starter.errors import (
 from starter.execution import bare_status, ended_from_outside
 from starter.live import LiveRelay, Pushed
 from starter.pending_query import PendingQuery
-from starter.pollers import activity_queue
+from starter.pollers import activity_queue, live_pollers, workflow_pollers
 from starter.progress import (
     FOLLOW_STATES,
     carried_forward,
@@ -100,6 +100,7 @@ from workflows.contracts import (
     JobState,
     JobStatus,
     OutputSpec,
+    Progress,
     ReconnectPolicy,
     ResumeRequest,
     validate_job_id,
@@ -226,7 +227,11 @@ class JobClient:
         # Task queues read for jobs whose activity waits for a worker (cached per queue).
         self.queues = QueueReader(lambda task_queue: activity_queue(self.temporal, task_queue))
         # With the workers' key, `watch` also takes the steps they push (starter/live.py).
-        self.live = LiveRelay(live_progress_key) if live_progress_key is not None else None
+        self.live = (
+            LiveRelay(live_progress_key, self._pushing_workers)
+            if live_progress_key is not None
+            else None
+        )
 
     @classmethod
     async def connect(
@@ -377,6 +382,8 @@ class JobClient:
             policy = request.policy.model_copy(update={"abandon_after_s": None})
             request = request.model_copy(update={"policy": policy})
         await self._check_size(request)
+        if self.live is not None:
+            self.live.list_soon()  # for the watch that usually follows
         # The job's first state, as the workflow would upsert it: set here, it costs no event.
         pairs: list[SearchAttributePair[Any]] = [
             SearchAttributePair(STATE_KEY, JobState.QUEUED.value),
@@ -412,10 +419,16 @@ class JobClient:
         status = JobStatus(
             job_id=job_id,
             state=JobState.QUEUED,
+            progress=Progress(segments=request.segment_count),
             detached=request.policy.detached,
             abandon_after_s=request.policy.abandon_after_s,
         )
         return SubmitOutcome(job_id=job_id, existed=False, status=status)
+
+    async def _pushing_workers(self) -> list[str]:
+        """Where the workers polling this client's task queue push live progress."""
+        pollers = live_pollers(await workflow_pollers(self.temporal, self.task_queue))
+        return [poller.live for poller in pollers if poller.live is not None]
 
     async def _request_size(self, request: JobRequest) -> int:
         payloads = await self.temporal.data_converter.encode([request])
@@ -714,6 +727,7 @@ class JobClient:
         reconnect: ReconnectPolicy | None = None,
         describe_after_s: float = 5.0,
         push_gap_s: float = 0.0,
+        since: JobStatus | None = None,
     ) -> AsyncIterator[JobStatus]:
         """Yield the job's status whenever it changes, the last one terminal (`_watch`)."""
         updates = self._watch(
@@ -723,6 +737,7 @@ class JobClient:
             reconnect=reconnect,
             describe_after_s=describe_after_s,
             push_gap_s=push_gap_s,
+            since=since,
         )
         async with aclosing(updates):
             with self.translated_errors():
@@ -738,6 +753,7 @@ class JobClient:
         reconnect: ReconnectPolicy | None,
         describe_after_s: float,
         push_gap_s: float,
+        since: JobStatus | None = None,
     ) -> AsyncGenerator[JobStatus, None]:
         """Yield the job's status whenever it changes (its `seq`, the step it got to, or its
         `worker_wait`), the last one terminal.
@@ -762,10 +778,14 @@ class JobClient:
         a worker that pushes its steps (`JobStatus.live_progress`), the watch also subscribes
         there and, between polls, hands out each pushed step laid over the last status polled
         (at most one every `push_gap_s`, the latest winning); the polls go on as the record.
+        Until a status names that worker, it subscribes on every pushing worker of the task
+        queue (`LiveRelay.workers`). `since`: the status the caller already has (what `submit`
+        or `start` answered), not handed out again: steps pushed before the job's first answer
+        are laid over it (a short job on a busy server may run to its end before that answer).
         """
         policy = reconnect or ReconnectPolicy()
         last_shown: tuple[object, ...] | None = None
-        last_status: JobStatus | None = None
+        last_status = since if since is not None and since.job_id == job_id else None
         last_seq = -1
         last_seen = float("-inf")
         changed_at = time.monotonic()
@@ -779,6 +799,21 @@ class JobClient:
             lambda: self._query(job_id)
         )
         push = Pushed(self.live, job_id) if self.live is not None else None
+        # The task queue's pushing workers, subscribed on until a status names the job's own.
+        candidates: list[str] = []
+        named = False
+
+        async def subscribe_early(relay: LiveRelay, pushed: Pushed) -> None:
+            nonlocal candidates
+            candidates = await relay.workers()
+            if not named:
+                pushed.follow_any(candidates)
+
+        early = (
+            asyncio.create_task(subscribe_early(self.live, push))
+            if self.live is not None and push is not None
+            else None
+        )
 
         async def poll_once() -> JobStatus | None:
             """One poll of the job (its status, with the heartbeat's step laid over it); None
@@ -894,7 +929,9 @@ class JobClient:
                 if push is None:
                     await asyncio.sleep(poll_interval_s)
                     continue
-                push.follow(status.live_progress if status.state in FOLLOW_STATES else None)
+                own = status.live_progress if status.state in FOLLOW_STATES else None
+                named = own is not None
+                push.follow_any([own] if own is not None else candidates)
                 # Until the next poll: each step the worker pushes, laid over the last status.
                 deadline = time.monotonic() + poll_interval_s
                 while (left := deadline - time.monotonic()) > 0:
@@ -908,6 +945,8 @@ class JobClient:
                         await asyncio.sleep(push_gap_s)
         finally:
             query.cancel()
+            if early is not None:
+                early.cancel()
             if push is not None:
                 push.close()
 

@@ -9,15 +9,23 @@ watched on it, subscribes and unsubscribes as watches come and go, and reconnect
 while anyone still wants that worker. The push is only a faster way to see the job: polling
 goes on underneath, so a worker that cannot be reached, or a connection that drops, costs
 freshness, never correctness.
+
+A job's status names its worker only once the job's first answer comes back, which on a busy
+server can be seconds after a short job has run. So a watch also subscribes, from its start, on
+every worker that polls the task queue and pushes (each says where in its poller identity:
+`starter.pollers.split_identity`), until a status names the one that follows the job. A worker
+keeps the subscription of a job it does not follow yet and pushes the job's first step when it
+starts following it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import random
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import structlog
@@ -35,6 +43,13 @@ RECONNECT_FIRST_S = 0.5
 RECONNECT_MAX_S = 15.0
 OPEN_TIMEOUT_S = 5.0
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+# The task queue's pushing workers are listed again after this long (one DescribeTaskQueue for
+# every watch of the client meanwhile), and at most this many are subscribed on before a status
+# names the job's own.
+WORKERS_FRESH_S = 15.0
+MAX_CANDIDATES = 16
+
+Discover = Callable[[], Awaitable[list[str]]]
 
 
 def pushable(url: str | None) -> bool:
@@ -149,11 +164,52 @@ def _beats(message: str | bytes) -> list[tuple[str, FollowHeartbeat]]:
 
 
 class LiveRelay:
-    """This gateway's connections to the workers that push live progress, one per address."""
+    """This gateway's connections to the workers that push live progress, one per address.
 
-    def __init__(self, key: SecretStr) -> None:
+    `discover`: the addresses of the workers that push, as the task queue's pollers say (None:
+    a watch subscribes only where its job's status says)."""
+
+    def __init__(self, key: SecretStr, discover: Discover | None = None) -> None:
         self.key = key
         self._links: dict[str, _WorkerLink] = {}
+        self._discover = discover
+        self._workers: list[str] = []
+        self._workers_at = float("-inf")
+        self._listing: asyncio.Future[list[str]] | None = None
+
+    async def workers(self) -> list[str]:
+        """The pushing workers of the task queue (at most `MAX_CANDIDATES`), listed at most
+        every `WORKERS_FRESH_S` whoever asks; none when they cannot be listed. Only the first
+        listing is waited for: after it, the last one is answered at once and a stale one is
+        listed again meanwhile (a burst's watches would otherwise all wait on a busy server,
+        for workers that seldom change)."""
+        if self._discover is None:
+            return []
+        self.list_soon()
+        if self._workers_at == float("-inf"):
+            assert self._listing is not None
+            return await asyncio.shield(self._listing)
+        return self._workers
+
+    def list_soon(self) -> None:
+        """Start listing the pushing workers when the last listing is stale (or none was made)
+        and none is under way, without waiting: a client that submits a job lists them while
+        its submission goes, and has them by the time it watches the job."""
+        if self._discover is None:
+            return
+        stale = asyncio.get_running_loop().time() - self._workers_at >= WORKERS_FRESH_S
+        if stale and (self._listing is None or self._listing.done()):
+            self._listing = asyncio.ensure_future(self._list(self._discover))
+
+    async def _list(self, discover: Discover) -> list[str]:
+        try:
+            found = [url for url in await discover() if pushable(url)]
+        except Exception as exc:  # advisory: the watch subscribes where the job says
+            log.info("live_workers_unlisted", error=type(exc).__name__)
+            found = []
+        self._workers = sorted(set(found))[:MAX_CANDIDATES]
+        self._workers_at = asyncio.get_running_loop().time()
+        return self._workers
 
     def subscribe(self, url: str, job_id: str, on_beat: OnBeat) -> None:
         link = self._links.get(url)
@@ -175,6 +231,8 @@ class LiveRelay:
             del self._links[link.url]
 
     async def close(self) -> None:
+        if self._listing is not None:
+            self._listing.cancel()
         links = list(self._links.values())
         for link in links:
             link.task.cancel()
@@ -187,20 +245,31 @@ class Pushed:
     def __init__(self, relay: LiveRelay, job_id: str) -> None:
         self.relay = relay
         self.job_id = job_id
-        self.url: str | None = None
+        # Where it is subscribed, each with its own callback (so a beat's source is known).
+        self._at: dict[str, OnBeat] = {}
         self.beat: FollowHeartbeat | None = None
+        self._beat_from: str | None = None
         self._arrived = asyncio.Event()
 
+    @property
+    def urls(self) -> frozenset[str]:
+        return frozenset(self._at)
+
     def follow(self, url: str | None) -> None:
-        """Subscribe at `url` (None or not a WebSocket address: nowhere), leaving any other."""
-        url = url if pushable(url) else None
-        if url == self.url:
-            return
-        if self.url is not None:
-            self.relay.unsubscribe(self.url, self.job_id, self._on_beat)
-        self.url, self.beat = url, None
-        if url is not None:
-            self.relay.subscribe(url, self.job_id, self._on_beat)
+        """Subscribe at `url` only (None or not a WebSocket address: nowhere)."""
+        self.follow_any([url])
+
+    def follow_any(self, urls: Iterable[str | None]) -> None:
+        """Subscribe at each of `urls` that is a WebSocket address, leaving any other; the
+        latest beat is forgotten when the worker that sent it is left."""
+        wanted = {url for url in urls if url is not None and pushable(url)}
+        for url in set(self._at) - wanted:
+            self.relay.unsubscribe(url, self.job_id, self._at.pop(url))
+        for url in wanted - set(self._at):
+            on_beat = self._at[url] = functools.partial(self._on_beat, url)
+            self.relay.subscribe(url, self.job_id, on_beat)
+        if self._beat_from not in self._at:
+            self.beat, self._beat_from = None, None
 
     async def next(self, timeout_s: float) -> FollowHeartbeat | None:
         """The latest beat once one comes, or None after `timeout_s` without one."""
@@ -224,8 +293,8 @@ class Pushed:
         return self.beat
 
     def close(self) -> None:
-        self.follow(None)
+        self.follow_any([])
 
-    def _on_beat(self, beat: FollowHeartbeat) -> None:
-        self.beat = beat
+    def _on_beat(self, url: str, beat: FollowHeartbeat) -> None:
+        self.beat, self._beat_from = beat, url
         self._arrived.set()

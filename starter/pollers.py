@@ -30,6 +30,8 @@ from temporalio.api.workflowservice.v1 import (
 )
 from temporalio.service import RPCError
 
+from workflows.shared import LIVE_IN_IDENTITY
+
 # Longer than a long poll (the server answers an empty one after about 60 s, the SDK allows 70)
 # so an idle worker between two polls still counts.
 LIVE_WITHIN_S = 90.0
@@ -40,6 +42,8 @@ class Poller(BaseModel):
 
     identity: str
     last_access: datetime | None
+    # Where the worker pushes live progress, from its identity (None: it pushes none).
+    live: str | None = None
     # The Worker Deployment Version it polls as (None: an unversioned worker).
     deployment_name: str | None = None
     build_id: str | None = None
@@ -97,10 +101,18 @@ async def _describe(
     )
 
 
+def split_identity(identity: str) -> tuple[str, str | None]:
+    """A poller's identity as its worker gave it (`activities.live_progress.poller_identity`):
+    the worker's own, and where it pushes live progress (None: nowhere)."""
+    own, mark, live = identity.partition(LIVE_IN_IDENTITY)
+    return (own, live) if mark and live else (identity, None)
+
+
 def _pollers(response: DescribeTaskQueueResponse) -> list[Poller]:
     return [
         Poller(
-            identity=poller.identity,
+            identity=split_identity(poller.identity)[0],
+            live=split_identity(poller.identity)[1],
             last_access=(
                 poller.last_access_time.ToDatetime(tzinfo=UTC)
                 if poller.HasField("last_access_time")

@@ -15,6 +15,11 @@ tells the workflow nothing in its first second (`activities.follow_common.QUIET_
 a SUBMITTING job whose current heartbeat says so is shown WAITING or RUNNING meanwhile. A
 heartbeat of a worker that pushes its steps (activities/live_progress.py) names where, and
 `overlaid` passes that on (`JobStatus.live_progress`) for a gateway to subscribe to.
+
+A status read before the job's first submission (QUEUED or PREPARING, no checkpoint yet: the
+answer of `JobClient.submit`, say) takes the heartbeat of a follow of that job as the
+workflow's own status will once it has scheduled the follow: SUBMITTING at the heartbeat's
+prompt, then its stage and step as above.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ FOLLOW_STATES = frozenset({JobState.SUBMITTING, JobState.WAITING, JobState.RUNNI
 # The states in which the status's own checkpoint may be ahead of its progress (a failed
 # attempt's last heartbeat, recovered by the workflow before it re-attaches).
 _CHECKPOINT_STATES = FOLLOW_STATES | {JobState.RECONNECTING}
+# The states of a job whose status may predate its first submission.
+_BEFORE_SUBMISSION = frozenset({JobState.QUEUED, JobState.PREPARING, JobState.SUBMITTING})
 
 
 async def follow_heartbeats(description: WorkflowExecutionDescription) -> list[FollowHeartbeat]:
@@ -70,6 +77,12 @@ def overlaid(status: JobStatus, heartbeats: Iterable[FollowHeartbeat] = ()) -> J
     """`status` with the furthest checkpoint of its current submission laid over its progress:
     the heartbeats', or its own (ahead of its progress after a failed attempt). Unchanged when
     none is ahead, or the job is not following a prompt."""
+    if status.checkpoint is None:
+        heartbeats = list(heartbeats)
+        submitted = _submitted(status, heartbeats)
+        if submitted is status:
+            return status
+        status = submitted
     if status.state not in _CHECKPOINT_STATES or status.checkpoint is None:
         return status
     candidates = [status.checkpoint]
@@ -109,6 +122,24 @@ def carried_forward(status: JobStatus, earlier: JobStatus) -> JobStatus:
     if earlier.checkpoint is None:
         return status
     return overlaid(status, [FollowHeartbeat(checkpoint=earlier.checkpoint)])
+
+
+def _submitted(status: JobStatus, heartbeats: list[FollowHeartbeat]) -> JobStatus:
+    """A status from before the job's first submission, SUBMITTING at the prompt of a follow
+    of the same job and segment that heartbeats (the last such one); unchanged without one."""
+    if status.state not in _BEFORE_SUBMISSION or status.checkpoint is not None:
+        return status
+    for beat in reversed(heartbeats):
+        checkpoint = beat.checkpoint
+        if (
+            checkpoint.job_id == status.job_id
+            and checkpoint.prompt_id is not None
+            and checkpoint.segment == status.progress.segment
+        ):
+            return status.model_copy(
+                update={"state": JobState.SUBMITTING, "checkpoint": checkpoint}
+            )
+    return status
 
 
 def _staged(status: JobStatus, heartbeats: list[FollowHeartbeat]) -> JobStatus:

@@ -27,6 +27,7 @@ from devstack.models import RunningStack
 from gateway.settings import GatewaySettings
 from starter import JobClient
 from starter.live import LiveRelay
+from starter.pollers import Poller, live_pollers, workflow_pollers
 from tests.cli_support import RunningWorker, running_worker, s3_settings
 from tests.gateway_support import (
     KEYS,
@@ -40,6 +41,7 @@ from workflows.activity_io import FollowHeartbeat
 from workflows.contracts import Checkpoint
 
 KEY = "live-" + uuid.uuid4().hex
+KEY_S = SecretStr(KEY)
 # The gateway's poll, slowed so that it shows few of the steps between a job's milestones: a
 # stream that sees many of them got them by push. (The poll still finds where the job's worker
 # pushes from: a stream subscribes there at its first poll of the running job.)
@@ -253,6 +255,27 @@ async def test_a_stream_sees_the_steps_between_milestones_by_push(
         steps = [s["progress"]["step"] for s in statuses]
         assert steps == sorted(steps), "a stream never goes back"
         assert all("live_progress" not in s for s in statuses)
+
+
+async def test_a_pushing_worker_says_where_in_its_poller_identity(
+    pushing_worker: RunningWorker,
+) -> None:
+    """A watch subscribes there before its job's status names the worker (starter/live.py)."""
+    temporal = pushing_worker.client.temporal
+    pollers: list[Poller] = []
+    async with asyncio.timeout(20):  # listed once its first poll reaches the server
+        while not pollers:
+            pollers = live_pollers(await workflow_pollers(temporal, pushing_worker.task_queue))
+            await asyncio.sleep(0.1)
+    assert all(" live=" not in poller.identity for poller in pollers)
+    watcher = JobClient(temporal, task_queue=pushing_worker.task_queue, live_progress_key=KEY_S)
+    try:
+        assert watcher.live is not None
+        found = await watcher.live.workers()
+    finally:
+        await watcher.close()
+    assert len(found) == 1 and found[0].startswith("ws://127.0.0.1:")
+    assert found == [poller.live for poller in pollers if poller.live is not None]
 
 
 async def test_a_worker_whose_push_cannot_be_reached_is_followed_by_polling(

@@ -114,19 +114,21 @@ class Watched:
 async def _watched(
     ctx: BenchContext,
     pool: Pool,
-    job_id: str,
+    submitted: JobStatus,
     polling: JobClient,
     pushing: JobClient | None,
     into: Watched,
 ) -> None:
-    """One job's steps as a polling watcher and a pushed one saw them."""
+    """One job's steps as a polling watcher and a pushed one saw them, each watching from the
+    status its submit answered (as `durable-comfy submit --watch` does)."""
     began = time.time()
     seen_pushed: list[Seen] = []
+    job_id = submitted.job_id
     if pushing is None:
-        seen, final = await watch(polling, job_id)
+        seen, final = await watch(polling, job_id, since=submitted)
     else:
         (seen, final), (seen_pushed, _) = await asyncio.gather(
-            watch(polling, job_id), watch(pushing, job_id)
+            watch(polling, job_id, since=submitted), watch(pushing, job_id, since=submitted)
         )
     steps = await progress_times(ctx.http, pool.url, prompt_id_of(final))
     into.polled += event_to_seen_ms(steps, seen)
@@ -147,7 +149,7 @@ async def _project_batch(
 
     async def watched() -> None:
         submitted = await submit_idempotently(jobs, request(STEPS, pool.name))
-        await _watched(ctx, pool, submitted.job_id, jobs, pushing, seen)
+        await _watched(ctx, pool, submitted, jobs, pushing, seen)
 
     async def waited() -> JobStatus:
         submitted = await submit_idempotently(jobs, request(STEPS, pool.name))

@@ -134,19 +134,28 @@ async def stream_json(
     statuses: AsyncIterator[JobStatus],
     followed: Followed | None = None,
     *,
-    already_shown: int = -1,
+    already_shown: JobStatus | None = None,
 ) -> JobStatus | None:
-    """One line per change; `already_shown` is a seq printed before (by submit) to skip."""
+    """One line per change; `already_shown`: a status printed before (by submit), whose
+    repeats (same seq, state and step) are skipped until something else is printed."""
     followed = followed or Followed()
     last: JobStatus | None = None
     async for status in statuses:
         followed.seen(status)
         last = status
-        if status.seq == already_shown and not status.terminal:
+        if already_shown is not None and not status.terminal and _same_line(status, already_shown):
             continue
-        already_shown = -1
+        already_shown = None
         echo_json(status_json(status))
     return last
+
+
+def _same_line(status: JobStatus, shown: JobStatus) -> bool:
+    return (status.seq, status.state, status.progress.step) == (
+        shown.seq,
+        shown.state,
+        shown.progress.step,
+    )
 
 
 async def stream_progress(

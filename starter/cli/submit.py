@@ -87,10 +87,10 @@ def submit(
                 _say_submitted(config, outcome, watch)
             if not watch:
                 return ExitCode.OK
-            updates = client.watch(outcome.job_id)
+            updates = client.watch(outcome.job_id, since=outcome.status)
             if as_json:
                 async with worker_notices(client, followed, as_json=True):
-                    last = await stream_json(updates, followed, already_shown=outcome.status.seq)
+                    last = await stream_json(updates, followed, already_shown=outcome.status)
                 return ended_code(last)
             console = Console()
             async with worker_notices(client, followed, as_json=False):
