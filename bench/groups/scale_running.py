@@ -30,7 +30,8 @@ from bench.jobs import BenchFailure, Seen, request, submit_idempotently
 from bench.results import fmt, percentile
 from bench.sim import progress_times
 from bench.stack import BenchContext, Pool
-from starter import JobClient
+from starter import JobClient, JobStatus
+from starter.errors import JobUnanswered
 
 STEPS = 2400
 STEP_MS = 500
@@ -147,7 +148,7 @@ async def _window(
         raise BenchFailure(f"a watch failed: {broken[0].exception()!r}")
     lags: tuple[list[float], list[float]] = ([], [])
     for job_id in watched:
-        status = await polling.status(job_id)
+        status = await _status(polling, job_id)
         if status.checkpoint is None or status.checkpoint.prompt_id is None:
             raise BenchFailure(f"watched job {job_id} has no prompt: {status.state}")
         steps = [
@@ -203,3 +204,15 @@ async def _terminate(jobs: JobClient, ids: list[str]) -> None:
             ),
             return_exceptions=True,
         )
+
+
+async def _status(jobs: JobClient, job_id: str, attempts: int = 4) -> JobStatus:
+    """A watched job's status, for its prompt id: asked again when the worker, following 1,000
+    prompts, leaves a query unanswered for its 10 s (seen once in a trial)."""
+    for attempt in range(attempts):
+        try:
+            return await jobs.status(job_id)
+        except JobUnanswered:
+            if attempt + 1 == attempts:
+                raise
+    raise AssertionError("unreachable")
