@@ -39,6 +39,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
 from workflows.activity_io import FollowHeartbeat
+from workflows.shared import LIVE_IN_IDENTITY
 
 log = structlog.get_logger(__name__)
 
@@ -48,9 +49,6 @@ FLUSH_GAP_S = 0.01
 # A subscription message names at most this many jobs, and a connection holds at most this many.
 MAX_SUBSCRIBED = 100_000
 MAX_MESSAGE_BYTES = 1024 * 1024
-# A worker that pushes polls Temporal as `<identity> live=<its address>`, so a client that lists
-# the task queue's pollers can subscribe there before a job names its worker.
-LIVE_IN_IDENTITY = " live="
 
 BeatBuilder = Callable[[], FollowHeartbeat]
 

@@ -251,10 +251,6 @@ class Pushed:
         self._beat_from: str | None = None
         self._arrived = asyncio.Event()
 
-    @property
-    def urls(self) -> frozenset[str]:
-        return frozenset(self._at)
-
     def follow(self, url: str | None) -> None:
         """Subscribe at `url` only (None or not a WebSocket address: nowhere)."""
         self.follow_any([url])

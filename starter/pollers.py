@@ -30,7 +30,7 @@ from temporalio.api.workflowservice.v1 import (
 )
 from temporalio.service import RPCError
 
-from activities.live_progress import LIVE_IN_IDENTITY
+from workflows.shared import LIVE_IN_IDENTITY
 
 # Longer than a long poll (the server answers an empty one after about 60 s, the SDK allows 70)
 # so an idle worker between two polls still counts.

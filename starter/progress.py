@@ -79,10 +79,7 @@ def overlaid(status: JobStatus, heartbeats: Iterable[FollowHeartbeat] = ()) -> J
     none is ahead, or the job is not following a prompt."""
     if status.checkpoint is None:
         heartbeats = list(heartbeats)
-        submitted = _submitted(status, heartbeats)
-        if submitted is status:
-            return status
-        status = submitted
+        status = _submitted(status, heartbeats)
     if status.state not in _CHECKPOINT_STATES or status.checkpoint is None:
         return status
     candidates = [status.checkpoint]

@@ -39,6 +39,10 @@ ACTIVITY_OFFLOAD: Final = "offload_outputs"
 ACTIVITY_STOP: Final = "stop_prompt"  # one check of a stop
 ACTIVITY_DELIVER_WEBHOOK: Final = "deliver_webhook"  # one attempt to POST one event
 
+# A worker that pushes live progress polls under `<identity> live=<its address>`, so a client
+# that lists the task queue's pollers can subscribe there before a job names its worker.
+LIVE_IN_IDENTITY: Final = " live="
+
 # Search attributes registered on the server (temporal-dev.yaml lists them too).
 SA_JOB_STATE: Final = "JobState"
 SA_JOB_PROGRESS: Final = "JobProgress"
