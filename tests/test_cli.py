@@ -30,7 +30,7 @@ from starter import JobRequest, JobState, JobStatus
 from starter.cli import build_app
 from starter.cli.common import ExitCode
 from starter.cli.control import table_lines
-from starter.cli.render import Followed, summary_lines
+from starter.cli.render import Followed, stream_json, summary_lines
 from starter.client import request_sha256
 from starter.errors import InvalidOverride, RequestTooLarge
 from starter.requests import check_segment_overrides, request_from_files
@@ -166,6 +166,44 @@ def test_an_interrupt_says_what_becomes_of_the_job() -> None:
     assert "ABANDONED" in note and "after 120 s" in note and "durable-comfy watch j" in note
     followed.seen(JobStatus(job_id="j", state=JobState.RUNNING, detached=True))
     assert "keeps running" in followed.on_interrupt()
+
+
+def test_watch_json_after_submit_skips_only_a_repeat_of_submits_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`submit --watch --json` printed submit's status already; the watch's first answer
+    repeats it and is left out, but a step pushed under the same seq is a new line."""
+
+    def status(state: JobState, step: int, seq: int = 0) -> JobStatus:
+        return JobStatus(
+            job_id="j",
+            state=state,
+            seq=seq,
+            progress=Progress(step=step, total_steps=20, segments=1),
+        )
+
+    submitted = status(JobState.QUEUED, 0)
+    watched = [
+        status(JobState.QUEUED, 0),  # the repeat: skipped
+        status(JobState.RUNNING, 4),  # pushed before the first answer, still seq 0
+        status(JobState.RUNNING, 4, seq=3),
+        status(JobState.QUEUED, 0),  # once anything else was printed, nothing is a repeat
+        status(JobState.COMPLETED, 20, seq=9),
+    ]
+
+    async def statuses() -> AsyncIterator[JobStatus]:
+        for each in watched:
+            yield each
+
+    last = asyncio.run(stream_json(statuses(), already_shown=submitted))
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(p["state"], p["seq"], p["progress"]["step"]) for p in printed] == [
+        ("RUNNING", 0, 4),
+        ("RUNNING", 3, 4),
+        ("QUEUED", 0, 0),
+        ("COMPLETED", 9, 20),
+    ]
+    assert last == watched[-1]
 
 
 def test_logs_go_to_stderr_as_json_lines_when_it_is_not_a_terminal(
