@@ -93,13 +93,15 @@ DEFAULT_POLL_S = _default_poll_s()
 SUBMIT_ATTEMPTS = 5
 
 
-async def submit_idempotently(jobs: JobClient, job_request: JobRequest) -> JobStatus:
+async def submit_idempotently(
+    jobs: JobClient, job_request: JobRequest, *, detached: bool = True
+) -> JobStatus:
     """`JobClient.submit` under a job ID of our own, sent again while Temporal times out, as a
     careful client does."""
     job_id = f"bench-{uuid.uuid4().hex}"
     for attempt in range(SUBMIT_ATTEMPTS):
         try:
-            return await jobs.submit(job_request, job_id=job_id)
+            return await jobs.submit(job_request, job_id=job_id, detached=detached)
         except TemporalUnreachable:
             if attempt + 1 == SUBMIT_ATTEMPTS:
                 raise

@@ -384,6 +384,19 @@ class JobClient:
         await self._check_size(request)
         if self.live is not None:
             self.live.list_soon()  # for the watch that usually follows
+        try:
+            if self.live is not None and not detached:
+                # An attached job is watched next (`submit --watch`): subscribed from before it
+                # exists, that watch sees a short job's steps even if it ends before start returns.
+                await self.live.hold(job_id)
+            return await self._start_new(request, job_id, fingerprint)
+        except BaseException:
+            if self.live is not None:
+                self.live.release(job_id)
+            raise
+
+    async def _start_new(self, request: JobRequest, job_id: str, fingerprint: str) -> SubmitOutcome:
+        """Start the workflow of a checked request, or compare it with the job under its ID."""
         # The job's first state, as the workflow would upsert it: set here, it costs no event.
         pairs: list[SearchAttributePair[Any]] = [
             SearchAttributePair(STATE_KEY, JobState.QUEUED.value),
@@ -798,22 +811,12 @@ class JobClient:
         query: PendingQuery[JobStatus, tuple[str | None, int]] = PendingQuery(
             lambda: self._query(job_id)
         )
-        push = Pushed(self.live, job_id) if self.live is not None else None
-        # The task queue's pushing workers, subscribed on until a status names the job's own.
-        candidates: list[str] = []
-        named = False
-
-        async def subscribe_early(relay: LiveRelay, pushed: Pushed) -> None:
-            nonlocal candidates
-            candidates = await relay.workers()
-            if not named:
-                pushed.follow_any(candidates)
-
-        early = (
-            asyncio.create_task(subscribe_early(self.live, push))
-            if self.live is not None and push is not None
-            else None
-        )
+        push: Pushed | None = None
+        if self.live is not None:
+            # The subscription an attached start made before the job existed, if any; on the
+            # task queue's pushing workers until a status names the job's own.
+            push = self.live.take(job_id) or Pushed(self.live, job_id)
+            push.subscribe_early()
 
         async def poll_once() -> JobStatus | None:
             """One poll of the job (its status, with the heartbeat's step laid over it); None
@@ -929,9 +932,7 @@ class JobClient:
                 if push is None:
                     await asyncio.sleep(poll_interval_s)
                     continue
-                own = status.live_progress if status.state in FOLLOW_STATES else None
-                named = own is not None
-                push.follow_any([own] if own is not None else candidates)
+                push.follow_own(status.live_progress if status.state in FOLLOW_STATES else None)
                 # Until the next poll: each step the worker pushes, laid over the last status.
                 deadline = time.monotonic() + poll_interval_s
                 while (left := deadline - time.monotonic()) > 0:
@@ -945,8 +946,6 @@ class JobClient:
                         await asyncio.sleep(push_gap_s)
         finally:
             query.cancel()
-            if early is not None:
-                early.cancel()
             if push is not None:
                 push.close()
 

@@ -15,7 +15,10 @@ server can be seconds after a short job has run. So a watch also subscribes, fro
 every worker that polls the task queue and pushes (each says where in its poller identity:
 `starter.pollers.split_identity`), until a status names the one that follows the job. A worker
 keeps the subscription of a job it does not follow yet and pushes the job's first step when it
-starts following it.
+starts following it. A client that starts a job attached (`JobClient.start(detached=False)`,
+as `durable-comfy submit --watch`) subscribes even before the job exists (`LiveRelay.hold`), and
+keeps a connection no watch needs open for a while: on a busy machine a short job can run to
+its end before its start call returns.
 """
 
 from __future__ import annotations
@@ -48,6 +51,13 @@ MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 # names the job's own.
 WORKERS_FRESH_S = 15.0
 MAX_CANDIDATES = 16
+# A connection to a worker no watch needs any more is kept this long, for the next one.
+IDLE_S = 300.0
+# An attached start waits at most this long for its job's subscription to be sent.
+HOLD_WAIT_S = 1.0
+# A job subscribed to before it starts (`LiveRelay.hold`) is let go after this long if no watch
+# takes the subscription.
+HELD_S = 60.0
 
 Discover = Callable[[], Awaitable[list[str]]]
 
@@ -57,12 +67,16 @@ def pushable(url: str | None) -> bool:
 
 
 class _WorkerLink:
-    """The connection to one worker, for as long as some job on it is wanted."""
+    """The connection to one worker, while some job on it is wanted and `IDLE_S` after."""
 
     def __init__(self, relay: LiveRelay, url: str) -> None:
         self.relay = relay
         self.url = url
         self.wanted: dict[str, set[OnBeat]] = {}
+        # What the worker was asked for on the open connection; `_written` is set (and replaced)
+        # after each request sent.
+        self.subscribed: set[str] = set()
+        self._written = asyncio.Event()
         self._changed = asyncio.Event()
         self.task = asyncio.create_task(self._run(), name=f"live {url}")
 
@@ -78,6 +92,11 @@ class _WorkerLink:
         if not callbacks:
             del self.wanted[job_id]
             self._changed.set()
+
+    async def until_sent(self, job_id: str) -> None:
+        """Until the worker has been asked for `job_id` on an open connection."""
+        while job_id in self.wanted and job_id not in self.subscribed and not self.task.done():
+            await self._written.wait()
 
     async def _run(self) -> None:
         delay = RECONNECT_FIRST_S
@@ -96,7 +115,8 @@ class _WorkerLink:
                     ) as connection:
                         log.info("live_progress_connected", url=self.url)
                         delay = RECONNECT_FIRST_S
-                        await self._exchange(connection)
+                        if await self._exchange(connection):
+                            continue  # idle: closed, unless a job is wanted again meanwhile
                 except (
                     OSError,
                     TimeoutError,
@@ -105,39 +125,55 @@ class _WorkerLink:
                     InvalidURI,
                 ) as exc:
                     log.info("live_progress_lost", url=self.url, error=type(exc).__name__)
+                finally:
+                    self.subscribed = set()
                 if not self.wanted:
                     break
                 await asyncio.sleep(delay * (0.5 + random.random() / 2))
                 delay = min(RECONNECT_MAX_S, delay * 2)
         finally:
+            self._wrote()  # wakes `until_sent`, which sees the link is over
             self.relay._forget(self)
 
-    async def _exchange(self, connection: ClientConnection) -> None:
+    def _wrote(self) -> None:
+        self._written.set()
+        self._written = asyncio.Event()
+
+    async def _exchange(self, connection: ClientConnection) -> bool:
         """Keep the worker's subscriptions equal to `wanted` and hand out what it pushes, until
-        the connection closes or nothing is wanted."""
+        the connection closes (False) or nothing was wanted for `IDLE_S` (True)."""
         reader = asyncio.create_task(self._read(connection))
-        subscribed: set[str] = set()
         try:
-            while self.wanted and not reader.done():
+            while not reader.done():
                 self._changed.clear()
                 wanted = set(self.wanted)
                 asked: dict[str, list[str]] = {}
-                if wanted - subscribed:
-                    asked["subscribe"] = sorted(wanted - subscribed)
-                if subscribed - wanted:
-                    asked["unsubscribe"] = sorted(subscribed - wanted)
+                if wanted - self.subscribed:
+                    asked["subscribe"] = sorted(wanted - self.subscribed)
+                if self.subscribed - wanted:
+                    asked["unsubscribe"] = sorted(self.subscribed - wanted)
                 if asked:
                     await connection.send(json.dumps(asked))
-                    subscribed = wanted
+                    self.subscribed = wanted
+                    self._wrote()
                 changed = asyncio.create_task(self._changed.wait())
-                await asyncio.wait({reader, changed}, return_when=asyncio.FIRST_COMPLETED)
+                # Idle, the connection is kept a while: the next watch (a burst's, say) then
+                # subscribes without a handshake first.
+                done, _ = await asyncio.wait(
+                    {reader, changed},
+                    timeout=None if wanted else IDLE_S,
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
                 changed.cancel()
+                if not done:
+                    return True
         finally:
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError, ConnectionClosed):
                 await reader
         if reader.done() and not reader.cancelled() and reader.exception() is not None:
             raise reader.exception()  # type: ignore[misc]
+        return False
 
     async def _read(self, connection: ClientConnection) -> None:
         async for message in connection:
@@ -176,6 +212,42 @@ class LiveRelay:
         self._workers: list[str] = []
         self._workers_at = float("-inf")
         self._listing: asyncio.Future[list[str]] | None = None
+        self._held: dict[str, tuple[Pushed, asyncio.TimerHandle]] = {}
+
+    async def hold(self, job_id: str) -> None:
+        """Subscribe to a job before it starts, for the watch that follows its start (`take`):
+        on a busy server a short job can run to its end before its start call returns, so a
+        watch that subscribed only then would see none of its steps as they happened. Returns
+        once the subscription is sent to every pushing worker, or after `HOLD_WAIT_S` (the
+        subscription goes on meanwhile). Let go after `HELD_S` if no watch takes it."""
+        if job_id in self._held:
+            return
+        pushed = Pushed(self, job_id)
+        pushed.subscribe_early()
+        timer = asyncio.get_running_loop().call_later(HELD_S, self.release, job_id)
+        self._held[job_id] = (pushed, timer)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(HOLD_WAIT_S):
+                await pushed.sent()
+
+    async def until_sent(self, url: str, job_id: str) -> None:
+        link = self._links.get(url)
+        if link is not None:
+            await link.until_sent(job_id)
+
+    def take(self, job_id: str) -> Pushed | None:
+        """The subscription `hold` made for this job, now the caller's (None if there is none)."""
+        held = self._held.pop(job_id, None)
+        if held is None:
+            return None
+        held[1].cancel()
+        return held[0]
+
+    def release(self, job_id: str) -> None:
+        """Let go of a held subscription nobody took."""
+        pushed = self.take(job_id)
+        if pushed is not None:
+            pushed.close()
 
     async def workers(self) -> list[str]:
         """The pushing workers of the task queue (at most `MAX_CANDIDATES`), listed at most
@@ -231,6 +303,8 @@ class LiveRelay:
             del self._links[link.url]
 
     async def close(self) -> None:
+        for job_id in list(self._held):
+            self.release(job_id)
         if self._listing is not None:
             self._listing.cancel()
         links = list(self._links.values())
@@ -250,6 +324,33 @@ class Pushed:
         self.beat: FollowHeartbeat | None = None
         self._beat_from: str | None = None
         self._arrived = asyncio.Event()
+        # The task queue's pushing workers (once listed), and whether a status named the job's.
+        self.candidates: list[str] = []
+        self._named = False
+        self._early: asyncio.Task[None] | None = None
+
+    def subscribe_early(self) -> None:
+        """Subscribe on every pushing worker of the task queue, once they are listed
+        (`LiveRelay.workers`), unless a status named the job's own worker by then."""
+        if self._early is None:
+            self._early = asyncio.create_task(self._on_candidates(), name=f"early {self.job_id}")
+
+    async def _on_candidates(self) -> None:
+        self.candidates = await self.relay.workers()
+        if not self._named:
+            self.follow_any(self.candidates)
+
+    async def sent(self) -> None:
+        """Until the subscription is listed (`subscribe_early`) and sent to each worker."""
+        if self._early is not None:
+            await asyncio.wait({self._early})  # not cancelled with the caller, nor raising
+        await asyncio.gather(*(self.relay.until_sent(url, self.job_id) for url in list(self._at)))
+
+    def follow_own(self, url: str | None) -> None:
+        """Subscribe where the job's status says its worker pushes; while it names none (None),
+        on every candidate."""
+        self._named = url is not None
+        self.follow_any([url] if url is not None else self.candidates)
 
     def follow(self, url: str | None) -> None:
         """Subscribe at `url` only (None or not a WebSocket address: nowhere)."""
@@ -289,6 +390,8 @@ class Pushed:
         return self.beat
 
     def close(self) -> None:
+        if self._early is not None:
+            self._early.cancel()
         self.follow_any([])
 
     def _on_beat(self, url: str, beat: FollowHeartbeat) -> None:

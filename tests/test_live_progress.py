@@ -20,6 +20,7 @@ import websockets
 from pydantic import SecretStr, ValidationError
 from websockets.asyncio.client import connect
 
+import starter.live
 from activities.live_progress import LiveProgress, serving
 from activities.settings import WorkerSettings
 from devstack.free_ports import free_port
@@ -217,8 +218,9 @@ def steps_between_milestones(statuses: list[dict[str, Any]]) -> int:
 
 
 async def test_a_stream_sees_the_steps_between_milestones_by_push(
-    local_stack: RunningStack, pushing_worker: RunningWorker
+    local_stack: RunningStack, pushing_worker: RunningWorker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(starter.live, "IDLE_S", 1.0)
     async with (
         gateway_for(local_stack, pushing_worker, SLOW_POLL_S) as gateway,
         httpx.AsyncClient(trust_env=False, timeout=60) as http,
@@ -238,7 +240,7 @@ async def test_a_stream_sees_the_steps_between_milestones_by_push(
         finally:
             counting.cancel()
         # One connection to the worker served both jobs; once no stream follows a job there,
-        # the gateway lets it go.
+        # the gateway keeps it idle for a while (IDLE_S, shortened here), then lets it go.
         assert max(connections) == 1, connections
         await until(lambda: relay.connections == 0)
         # The worker's address is the gateway's business: no HTTP client sees it.

@@ -19,9 +19,11 @@ from pydantic import SecretStr
 from temporalio.api.enums.v1 import WorkflowExecutionStatus as RawStatus
 from temporalio.client import Client, WorkflowExecutionDescription
 
+import starter.live
 from activities.live_progress import LiveProgress, poller_identity, serving
 from devstack.free_ports import free_port
-from starter import JobClient
+from starter import JobClient, JobRequest, SubmitOutcome
+from starter.errors import JobConflict
 from starter.live import WORKERS_FRESH_S, LiveRelay, Pushed
 from starter.pollers import split_identity
 from starter.progress import overlaid
@@ -277,3 +279,134 @@ async def test_a_watch_without_a_pushing_worker_is_the_polled_watch() -> None:
     finally:
         await late.client.close()
     assert seen == [(JobState.SUBMITTING, 300), (JobState.COMPLETED, 5000)]
+
+
+# -- an attached start subscribes before the job exists -----------------------------------------
+
+
+def attached_start(late: LateFirstAnswer, during: Any) -> None:
+    """`late.client.start` without a server: its start call runs `during()` (what the worker
+    does meanwhile) and then answers, as `start` does, with the new job's QUEUED status."""
+
+    async def start_new(request: JobRequest, job_id: str, fingerprint: str) -> SubmitOutcome:
+        await during()
+        return SubmitOutcome(job_id=job_id, existed=False, status=submitted())
+
+    async def check_size(request: JobRequest) -> None:
+        return None
+
+    late.client._start_new = start_new  # type: ignore[method-assign]
+    late.client._check_size = check_size  # type: ignore[method-assign]
+
+
+def a_request() -> JobRequest:
+    return JobRequest(graph={"1": {"class_type": "X", "inputs": {}}})
+
+
+async def test_a_job_that_ran_during_its_attached_start_is_seen_by_the_watch_at_once() -> None:
+    """On a busy server a 200 ms job can run to its end before its start call returns. Started
+    attached (as `submit --watch` does), it was subscribed to from before it existed: its watch
+    shows the furthest step pushed meanwhile at once, before the job's first answer."""
+    live = LiveProgress()
+    async with pushing_worker(live) as url:
+        late = LateFirstAnswer(url)
+        assert late.client.live is not None
+        relay = late.client.live
+
+        async def the_prompt_runs() -> None:
+            at = [0]
+            with live.following(JOB, lambda: pushed_beat(at[0])):
+                for step in (0, 40, 100):
+                    at[0] = step
+                    live.moved(JOB)
+                    await asyncio.sleep(0.02)
+                for _ in range(1000):  # until the held subscription has the last step
+                    held = relay._held[JOB][0].beat
+                    if held is not None and held.checkpoint.step == 100:
+                        break
+                    await asyncio.sleep(0.01)
+            # The worker follows the prompt no more: a subscription made now would get nothing.
+
+        attached_start(late, the_prompt_runs)
+        seen: list[tuple[JobState, int]] = []
+        try:
+            outcome = await late.client.start(a_request(), job_id=JOB, detached=False)
+            async with asyncio.timeout(20):
+                async for status in late.client.watch(
+                    JOB, since=outcome.status, poll_interval_s=0.02, keepalive_s=3600
+                ):
+                    if not seen:
+                        assert late.described <= 1 and not late.released.is_set()
+                        late.released.set()
+                    seen.append((status.state, status.progress.step))
+        finally:
+            await late.client.close()
+    assert seen[0] == (JobState.RUNNING, 100)
+    assert seen[-1] == (JobState.COMPLETED, 5000)
+
+
+async def test_a_detached_or_failed_start_holds_no_subscription() -> None:
+    late = LateFirstAnswer("ws://127.0.0.1:1/v1/live")
+    assert late.client.live is not None
+
+    async def nothing() -> None:
+        return None
+
+    async def refused() -> None:
+        raise JobConflict(JOB, "a", "b")
+
+    try:
+        attached_start(late, nothing)
+        await late.client.start(a_request(), job_id=JOB)
+        assert late.client.live.take(JOB) is None, "detached: nobody said a watch follows"
+        attached_start(late, refused)
+        with pytest.raises(JobConflict):
+            await late.client.start(a_request(), job_id=JOB, detached=False)
+        assert late.client.live.take(JOB) is None
+    finally:
+        await late.client.close()
+
+
+async def test_a_held_subscription_is_taken_once_or_let_go(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(starter.live, "HELD_S", 0.05)
+
+    async def no_workers() -> list[str]:
+        return []
+
+    relay = LiveRelay(KEY, no_workers)
+    await relay.hold(JOB)
+    taken = relay.take(JOB)
+    assert taken is not None and relay.take(JOB) is None
+    taken.close()
+    await relay.hold("job-unwatched")
+    await asyncio.sleep(0.2)
+    assert relay.take("job-unwatched") is None, "let go when no watch took it"
+    await relay.hold("job-open")
+    await relay.close()
+    assert relay.take("job-open") is None
+
+
+async def test_a_hold_returns_once_sent_and_an_idle_connection_is_kept_for_the_next() -> None:
+    """An attached start sends its job's subscription before the start itself (so the worker
+    has it before the job can run), and a connection no watch needs stays open for the next
+    one: a burst after a quiet minute subscribes without a handshake first."""
+    live = LiveProgress()
+    async with pushing_worker(live) as url:
+
+        async def workers() -> list[str]:
+            return [url]
+
+        relay = LiveRelay(KEY, workers)
+        try:
+            await relay.hold(JOB)
+            link = relay._links[url]
+            assert JOB in link.subscribed, "hold returned before the subscription was sent"
+            relay.release(JOB)
+            await asyncio.sleep(0.2)
+            assert relay.connections == 1 and link.subscribed == set(), "idle, still open"
+            await relay.hold("job-next")
+            assert relay._links[url] is link and "job-next" in link.subscribed
+        finally:
+            await relay.close()

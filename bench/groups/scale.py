@@ -120,7 +120,8 @@ async def _watched(
     into: Watched,
 ) -> None:
     """One job's steps as a polling watcher and a pushed one saw them, each watching from the
-    status its submit answered (as `durable-comfy submit --watch` does)."""
+    status its submit answered (as `durable-comfy submit --watch` does); the pushed one's
+    client submitted the job."""
     began = time.time()
     seen_pushed: list[Seen] = []
     job_id = submitted.job_id
@@ -148,7 +149,10 @@ async def _project_batch(
     seen = Watched()
 
     async def watched() -> None:
-        submitted = await submit_idempotently(jobs, request(STEPS, pool.name))
+        # Submitted as `durable-comfy submit --watch` does: attached, by the client that
+        # watches (with the key, it subscribes to the job's pushed steps before the job exists).
+        submitter = pushing or jobs
+        submitted = await submit_idempotently(submitter, request(STEPS, pool.name), detached=False)
         await _watched(ctx, pool, submitted, jobs, pushing, seen)
 
     async def waited() -> JobStatus:
@@ -209,7 +213,9 @@ async def run(ctx: BenchContext, options: BenchOptions) -> Outcome:
             "worker": worker.pid,
             "simulator": sim.record.pid,
         }
-        await _project_batch(ctx, jobs, sim.pool, 5)  # warm-up (unmeasured)
+        # Warm-up (unmeasured): the pushing client has listed the workers and holds its
+        # connection to the worker, as a client that has run before does.
+        await _project_batch(ctx, jobs, sim.pool, 5, pushing)
         await _direct_batch(ctx, sim.pool, 5)
         idle_rss = rss_bytes(worker.pid) or 0
         for n in counts:
