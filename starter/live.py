@@ -77,6 +77,7 @@ class _WorkerLink:
         # after each request sent.
         self.subscribed: set[str] = set()
         self._written = asyncio.Event()
+        self._connection: ClientConnection | None = None  # while open
         self._changed = asyncio.Event()
         self.task = asyncio.create_task(self._run(), name=f"live {url}")
 
@@ -94,7 +95,16 @@ class _WorkerLink:
             self._changed.set()
 
     async def until_sent(self, job_id: str) -> None:
-        """Until the worker has been asked for `job_id` on an open connection."""
+        """Until the worker has been asked for `job_id` on an open connection: at once on one
+        already open (a busy event loop may take seconds to get back to this link's task)."""
+        connection = self._connection
+        if connection is not None and job_id in self.wanted and job_id not in self.subscribed:
+            self.subscribed.add(job_id)
+            try:
+                await connection.send(json.dumps({"subscribe": [job_id]}))
+            except ConnectionClosed:
+                return  # the link reconnects and asks again
+            return
         while job_id in self.wanted and job_id not in self.subscribed and not self.task.done():
             await self._written.wait()
 
@@ -143,18 +153,21 @@ class _WorkerLink:
         """Keep the worker's subscriptions equal to `wanted` and hand out what it pushes, until
         the connection closes (False) or nothing was wanted for `IDLE_S` (True)."""
         reader = asyncio.create_task(self._read(connection))
+        self._connection = connection
         try:
             while not reader.done():
                 self._changed.clear()
                 wanted = set(self.wanted)
+                subscribe, unsubscribe = wanted - self.subscribed, self.subscribed - wanted
                 asked: dict[str, list[str]] = {}
-                if wanted - self.subscribed:
-                    asked["subscribe"] = sorted(wanted - self.subscribed)
-                if self.subscribed - wanted:
-                    asked["unsubscribe"] = sorted(self.subscribed - wanted)
+                if subscribe:
+                    asked["subscribe"] = sorted(subscribe)
+                if unsubscribe:
+                    asked["unsubscribe"] = sorted(unsubscribe)
                 if asked:
                     await connection.send(json.dumps(asked))
-                    self.subscribed = wanted
+                    # Not `wanted`: `until_sent` may have sent one meanwhile.
+                    self.subscribed = (self.subscribed | subscribe) - unsubscribe
                     self._wrote()
                 changed = asyncio.create_task(self._changed.wait())
                 # Idle, the connection is kept a while: the next watch (a burst's, say) then
@@ -168,6 +181,7 @@ class _WorkerLink:
                 if not done:
                     return True
         finally:
+            self._connection = None
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError, ConnectionClosed):
                 await reader
@@ -223,12 +237,15 @@ class LiveRelay:
         if job_id in self._held:
             return
         pushed = Pushed(self, job_id)
+        listed = self._workers_at != float("-inf")
+        if listed:
+            pushed.follow_any(self._workers)  # now: the listing task runs a loop turn later
         pushed.subscribe_early()
         timer = asyncio.get_running_loop().call_later(HELD_S, self.release, job_id)
         self._held[job_id] = (pushed, timer)
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(HOLD_WAIT_S):
-                await pushed.sent()
+                await pushed.sent(listing=not listed)
 
     async def until_sent(self, url: str, job_id: str) -> None:
         link = self._links.get(url)
@@ -340,11 +357,14 @@ class Pushed:
         if not self._named:
             self.follow_any(self.candidates)
 
-    async def sent(self) -> None:
-        """Until the subscription is listed (`subscribe_early`) and sent to each worker."""
-        if self._early is not None:
+    async def sent(self, *, listing: bool) -> None:
+        """Until the subscription is sent to each worker (`listing`: once they are listed,
+        `subscribe_early`). Awaited in turn, not gathered: on an open connection each is
+        written at once, without waiting for the event loop to come round to a task."""
+        if listing and self._early is not None:
             await asyncio.wait({self._early})  # not cancelled with the caller, nor raising
-        await asyncio.gather(*(self.relay.until_sent(url, self.job_id) for url in list(self._at)))
+        for url in list(self._at):
+            await self.relay.until_sent(url, self.job_id)
 
     def follow_own(self, url: str | None) -> None:
         """Subscribe where the job's status says its worker pushes; while it names none (None),
