@@ -371,6 +371,8 @@ class JobClient:
         submit and exit. An attached one (`detached=False`, as `durable-comfy submit --watch`)
         expects to hear from a client: `watch` keeps it alive, and after
         `policy.abandon_after_s` without contact it is abandoned and its GPU work is stopped.
+        With the workers' live-progress key, an attached start first subscribes to the job's
+        pushed steps (waiting at most 1 s), for the `watch` that follows (`LiveRelay.hold`).
         """
         job_id = checked_job_id(job_id or f"job-{uuid.uuid4().hex[:16]}")
         check_segment_overrides(request.graph, request.segments)
