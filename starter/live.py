@@ -239,7 +239,10 @@ class LiveRelay:
         pushed = Pushed(self, job_id)
         listed = self._workers_at != float("-inf")
         if listed:
-            pushed.follow_any(self._workers)  # now: the listing task runs a loop turn later
+            # Now, not a loop turn later when the listing task runs; and kept as the watch's
+            # candidates, which a status naming no worker falls back to.
+            pushed.candidates = list(self._workers)
+            pushed.follow_any(pushed.candidates)
         pushed.subscribe_early()
         timer = asyncio.get_running_loop().call_later(HELD_S, self.release, job_id)
         self._held[job_id] = (pushed, timer)

@@ -408,6 +408,12 @@ async def test_a_hold_returns_once_sent_and_an_idle_connection_is_kept_for_the_n
             await relay.hold(JOB)
             link = relay._links[url]
             assert JOB in link.subscribed, "hold returned before the subscription was sent"
+            await relay.hold("job-named-later")
+            held = relay.take("job-named-later")
+            assert held is not None
+            held.follow_own(None)  # a status that names no worker yet: the candidates stay
+            assert "job-named-later" in link.wanted
+            held.close()
             relay.release(JOB)
             await asyncio.sleep(0.2)
             assert relay.connections == 1 and link.subscribed == set(), "idle, still open"
