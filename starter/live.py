@@ -237,18 +237,19 @@ class LiveRelay:
         if job_id in self._held:
             return
         pushed = Pushed(self, job_id)
-        listed = self._workers_at != float("-inf")
-        if listed:
-            # Now, not a loop turn later when the listing task runs; and kept as the watch's
-            # candidates, which a status naming no worker falls back to.
+        if self._workers_at != float("-inf"):
+            # Now, not a loop turn later in a task; kept as the watch's candidates, which a
+            # status naming no worker falls back to. A stale listing is refreshed meanwhile.
             pushed.candidates = list(self._workers)
             pushed.follow_any(pushed.candidates)
-        pushed.subscribe_early()
+            self.list_soon()
+        else:
+            pushed.subscribe_early()  # once the first listing is in
         timer = asyncio.get_running_loop().call_later(HELD_S, self.release, job_id)
         self._held[job_id] = (pushed, timer)
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(HOLD_WAIT_S):
-                await pushed.sent(listing=not listed)
+                await pushed.sent()
 
     async def until_sent(self, url: str, job_id: str) -> None:
         link = self._links.get(url)
@@ -360,11 +361,11 @@ class Pushed:
         if not self._named:
             self.follow_any(self.candidates)
 
-    async def sent(self, *, listing: bool) -> None:
-        """Until the subscription is sent to each worker (`listing`: once they are listed,
-        `subscribe_early`). Awaited in turn, not gathered: on an open connection each is
-        written at once, without waiting for the event loop to come round to a task."""
-        if listing and self._early is not None:
+    async def sent(self) -> None:
+        """Until the subscription is sent to each worker (once they are listed, when
+        `subscribe_early` waits for that). Awaited in turn, not gathered: on an open connection
+        each is written at once, without waiting for the event loop to come round to a task."""
+        if self._early is not None:
             await asyncio.wait({self._early})  # not cancelled with the caller, nor raising
         for url in list(self._at):
             await self.relay.until_sent(url, self.job_id)
