@@ -7,7 +7,7 @@ With the local stack up and its environment loaded (`make demo`, then `. .devsta
 import asyncio
 import sys
 
-from starter import JobClient, JobRequest, JobState, load_graph
+from starter import JobClient, JobRequest, JobState, exit_without_finalizing, load_graph
 
 
 async def main(graph_file: str) -> int:
@@ -24,4 +24,8 @@ async def main(graph_file: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(asyncio.run(main(sys.argv[1] if len(sys.argv) > 1 else "examples/txt2img.json")))
+    # sys.exit, without the interpreter's teardown, which temporalio's threads can crash at
+    # exit (SIGABRT after a clean run: temporalio/sdk-python#300).
+    exit_without_finalizing(
+        asyncio.run(main(sys.argv[1] if len(sys.argv) > 1 else "examples/txt2img.json"))
+    )

@@ -218,6 +218,8 @@ class Follower:
                     poll_interval_s=self.hub.poll_interval_s,
                     keepalive_s=self.hub.keepalive_s,
                     push_gap_s=PUSH_GAP_S,
+                    # The journal cursor starts at the first status's seq: the job's own.
+                    record_first=False,
                 ),
             )
             async with aclosing(updates):

@@ -26,6 +26,7 @@ from starter.errors import (
     TemporalUnreachable,
     UnsafeArtifactKey,
 )
+from starter.exit import exit_without_finalizing
 from starter.requests import load_graph, request_from_files
 from starter.staging import InputNeedsStaging
 from workflows.contracts import (
@@ -70,6 +71,7 @@ __all__ = [
     "UnsafeArtifactKey",
     "WorkerWait",
     "connect_temporal",
+    "exit_without_finalizing",
     "load_graph",
     "request_from_files",
 ]

@@ -83,6 +83,7 @@ from starter.progress import (
     carried_forward,
     follow_heartbeats,
     follow_just_ended,
+    heartbeat_status,
     overlaid,
 )
 from starter.requests import check_segment_overrides
@@ -577,6 +578,18 @@ class JobClient:
         beats = await follow_heartbeats(description) if status.state in FOLLOW_STATES else []
         return await with_worker_wait(overlaid(status, beats), description, self.queues)
 
+    async def _recorded(
+        self, job_id: str, description: WorkflowExecutionDescription, seq: int
+    ) -> JobStatus:
+        """The status Temporal's record alone gives a job that may follow a prompt: its state
+        and percent, the follow heartbeat's submission, step and outputs, a worker wait."""
+        status = bare_status(job_id, description).model_copy(update={"seq": seq})
+        ended = ended_from_outside(job_id, description, status)
+        if ended is not None:
+            return ended
+        status = heartbeat_status(status, await follow_heartbeats(description))
+        return await with_worker_wait(status, description, self.queues)
+
     async def _query(self, job_id: str) -> JobStatus:
         handle = self.handle(job_id)
         try:
@@ -743,6 +756,7 @@ class JobClient:
         describe_after_s: float = 5.0,
         push_gap_s: float = 0.0,
         since: JobStatus | None = None,
+        record_first: bool = True,
     ) -> AsyncIterator[JobStatus]:
         """Yield the job's status whenever it changes, the last one terminal (`_watch`)."""
         updates = self._watch(
@@ -753,6 +767,7 @@ class JobClient:
             describe_after_s=describe_after_s,
             push_gap_s=push_gap_s,
             since=since,
+            record_first=record_first,
         )
         async with aclosing(updates):
             with self.translated_errors():
@@ -769,6 +784,7 @@ class JobClient:
         describe_after_s: float,
         push_gap_s: float,
         since: JobStatus | None = None,
+        record_first: bool = True,
     ) -> AsyncGenerator[JobStatus, None]:
         """Yield the job's status whenever it changes (its `seq`, the step it got to, or its
         `worker_wait`), the last one terminal.
@@ -797,6 +813,15 @@ class JobClient:
         queue (`LiveRelay.workers`). `since`: the status the caller already has (what `submit`
         or `start` answered), not handed out again: steps pushed before the job's first answer
         are laid over it (a short job on a busy server may run to its end before that answer).
+
+        `record_first`: when the job's first answer has not come within half a poll interval (a
+        worker following a thousand jobs answers in seconds), the statuses meanwhile are read
+        from Temporal's record alone (`_recorded`: the state and percent search attributes, the
+        follow's heartbeat, a worker wait), so the heartbeat's and the pushed steps show at once.
+        Such a status carries the `seq` of `since` (else 0) and only what the record holds (the
+        outputs of the current segment, not the earlier ones); the job's answer follows. False
+        (the gateway, whose journal cursor starts at the first status's `seq`): the first
+        status is the job's own answer.
         """
         policy = reconnect or ReconnectPolicy()
         last_shown: tuple[object, ...] | None = None
@@ -848,15 +873,18 @@ class JobClient:
                         if answered is None or history != answered_at:
                             query.ask(history)
                         # A busy worker answers late: meanwhile the last answer is shown with
-                        # the heartbeat's newer step (the first answer is awaited: nothing to
-                        # show yet).
-                        timeout = None if answered is None else poll_interval_s / 2
-                        got = await query.answer(timeout)
+                        # the heartbeat's newer step; before the first one, what the record
+                        # says (or, without `record_first`, nothing: the answer is awaited).
+                        late = answered is not None or record_first
+                        got = await query.answer(poll_interval_s / 2 if late else None)
                         if got is not None:
                             answered, answered_at = got
-                    assert answered is not None
                     described_at = time.monotonic()
-                    status = await self._described(job_id, answered, description)
+                    if answered is None:
+                        seq = last_status.seq if last_status is not None else 0
+                        status = await self._recorded(job_id, description, seq)
+                    else:
+                        status = await self._described(job_id, answered, description)
                 else:
                     query.cancel()
                     status = answered = await self._query(job_id)
@@ -870,7 +898,13 @@ class JobClient:
                     described_at = now
                     status = await self._described(job_id, status, await self._describe(job_id))
                 interval = keepalive_s if keepalive_s is not None else _keepalive_interval(status)
-                if not status.terminal and not status.detached and now - last_seen >= interval:
+                # Whether the job is detached is the job's to say: no contact before its answer.
+                if (
+                    answered is not None
+                    and not status.terminal
+                    and not status.detached
+                    and now - last_seen >= interval
+                ):
                     await self._client_seen(job_id)
                     last_seen = time.monotonic()
             except (

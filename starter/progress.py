@@ -121,6 +121,39 @@ def carried_forward(status: JobStatus, earlier: JobStatus) -> JobStatus:
     return overlaid(status, [FollowHeartbeat(checkpoint=earlier.checkpoint)])
 
 
+def heartbeat_status(status: JobStatus, heartbeats: Iterable[FollowHeartbeat]) -> JobStatus:
+    """A status read from Temporal's record alone (`starter.execution.bare_status`: its state
+    and percent, no checkpoint), taken to the job's follow heartbeat: SUBMITTING at its prompt
+    and segment, with the outputs that segment stored, then its stage and step as `overlaid`
+    lays them. What a watch shows while the job's own first answer is late. Unchanged without
+    such a heartbeat, or when the record says the job is past following (STOPPING, ended)."""
+    if status.checkpoint is not None or status.state not in _BEFORE_SUBMISSION | FOLLOW_STATES:
+        return status
+    beat = next(
+        (
+            beat
+            for beat in reversed(list(heartbeats))
+            if beat.checkpoint.job_id == status.job_id and beat.checkpoint.prompt_id is not None
+        ),
+        None,
+    )
+    if beat is None:
+        return status
+    segment = beat.checkpoint.segment
+    # How many segments the job has is the job's to say: at least this one's.
+    progress = status.progress.model_copy(
+        update={"segment": segment, "segments": max(status.progress.segments, segment + 1)}
+    )
+    submitting = status.model_copy(
+        update={
+            "state": JobState.SUBMITTING,
+            "progress": progress,
+            "artifacts": list(beat.artifacts),
+        }
+    )
+    return overlaid(submitting, [beat])
+
+
 def _submitted(status: JobStatus, heartbeats: list[FollowHeartbeat]) -> JobStatus:
     """A status from before the job's first submission, SUBMITTING at the prompt of a follow
     of the same job and segment that heartbeats (the last such one); unchanged without one."""

@@ -28,14 +28,17 @@ from temporalio.client import (
     WorkflowFailureError,
     WorkflowUpdateRPCTimeoutOrCancelledError,
 )
+from temporalio.common import SearchAttributePair, TypedSearchAttributes
 from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.converter import encode_search_attributes
 from temporalio.exceptions import ApplicationError, CancelledError
 
 from starter import JobClient
-from starter.progress import follow_heartbeats, overlaid
+from starter.execution import bare_status
+from starter.progress import follow_heartbeats, heartbeat_status, overlaid
 from workflows.activity_io import FollowHeartbeat
-from workflows.contracts import Checkpoint, JobError, JobState, JobStatus, Progress
-from workflows.shared import ACTIVITY_FOLLOW
+from workflows.contracts import Artifact, Checkpoint, JobError, JobState, JobStatus, Progress
+from workflows.shared import ACTIVITY_FOLLOW, STATE_KEY
 
 JOB = "job-overlay"
 PROMPT = "prompt-1"
@@ -177,6 +180,7 @@ async def description(
     history_length: int = 10,
     status: RawStatus.ValueType = RawStatus.WORKFLOW_EXECUTION_STATUS_RUNNING,
     run_id: str = "run-1",
+    state: JobState | None = None,
 ) -> WorkflowExecutionDescription:
     """What `describe()` returns, built from the server's answer: pending activities (type,
     heartbeat) and the history's length."""
@@ -186,6 +190,11 @@ async def description(
     info.type.name = "InferenceJob"
     info.status = status
     info.history_length = history_length
+    if state is not None:
+        encode_search_attributes(
+            TypedSearchAttributes([SearchAttributePair(STATE_KEY, state.value)]),
+            info.search_attributes,
+        )
     for activity_type, heartbeat in beats:
         pending = raw.pending_activities.add()
         pending.activity_type.name = activity_type
@@ -540,3 +549,123 @@ async def test_a_late_query_answer_does_not_hold_up_the_heartbeats_steps() -> No
         (JobState.COMPLETED, 5000),
     ]
     assert asked == 2  # one query in flight at a time, however many polls it took
+
+
+# -- before the job's first answer: the record -----------------------------------------------
+
+
+def recorded(state: JobState) -> JobStatus:
+    """What `bare_status` reads from the record: the state search attribute, no checkpoint."""
+    return JobStatus(job_id=JOB, state=state, progress=Progress(fraction=0.2))
+
+
+def test_the_records_state_is_taken_to_the_heartbeats_submission_and_step() -> None:
+    stored = Artifact(
+        key="k", uri="s3://b/k", size=1, sha256="0" * 64, content_type="image/png", node_id="9"
+    )
+    heartbeat = beat(1234, stage="running")
+    heartbeat.artifacts = [stored]
+    status = heartbeat_status(recorded(JobState.RUNNING), [beat(7, job_id="other"), heartbeat])
+    assert (status.state, status.progress.step) == (JobState.RUNNING, 1234)
+    assert status.checkpoint == heartbeat.checkpoint
+    assert status.artifacts == [stored]
+    assert status.progress.fraction == pytest.approx(1234 / 5000)
+    assert status.seq == 0, "the seq is the job's to say"
+
+
+def test_the_record_of_a_later_segment_counts_that_segment() -> None:
+    status = heartbeat_status(
+        recorded(JobState.RUNNING), [beat(50, segment=2, total_steps=100, stage="queued")]
+    )
+    assert status.state == JobState.WAITING
+    assert (status.progress.segment, status.progress.step) == (2, 50)
+    assert status.progress.segments >= 3 and status.progress.fraction <= 1.0
+
+
+@pytest.mark.parametrize(
+    "heartbeats",
+    [[], [beat(5, job_id="another-job")], [beat(5, prompt_id=None)]],
+    ids=["none", "another job's", "no prompt yet"],
+)
+def test_the_record_without_a_heartbeat_of_the_job_is_left_alone(
+    heartbeats: list[FollowHeartbeat],
+) -> None:
+    assert heartbeat_status(recorded(JobState.RUNNING), heartbeats) == recorded(JobState.RUNNING)
+
+
+@pytest.mark.parametrize("state", [JobState.STOPPING, JobState.COMPLETED, JobState.RECONNECTING])
+def test_the_record_of_a_job_past_following_takes_no_heartbeat(state: JobState) -> None:
+    assert heartbeat_status(recorded(state), [beat(5, stage="running")]) == recorded(state)
+
+
+async def test_bare_status_reads_the_state_the_job_recorded() -> None:
+    described = await description(state=JobState.RUNNING)
+    assert bare_status(JOB, described).state == JobState.RUNNING
+
+
+async def late_answering(released: asyncio.Event) -> Calls:
+    """A job whose heartbeat moves 1100, 1200, then 1300 (where the record's state becomes
+    RUNNING), whose query answers (step 1300, seq 9) only once `released` is set."""
+    answer = running(1300, seq=9)
+    descriptions = [
+        await description((ACTIVITY_FOLLOW, beat(s, stage="running")), state=JobState.SUBMITTING)
+        for s in (1100, 1200)
+    ]
+    descriptions.append(
+        await description((ACTIVITY_FOLLOW, beat(1300, stage="running")), state=JobState.RUNNING)
+    )
+    calls = Calls(answers=[answer], descriptions=descriptions)
+
+    async def late_query(job_id: str) -> JobStatus:
+        calls.asked.append("query")
+        await released.wait()
+        return answer
+
+    calls.client._query = late_query  # type: ignore[method-assign]
+    return calls
+
+
+async def test_a_late_first_answer_shows_the_records_status_meanwhile() -> None:
+    """A worker following a thousand jobs answers a new watch's first query in seconds: the
+    watch shows the record's state with the heartbeat's steps meanwhile, with no contact sent
+    for a job not yet known to be attached, then the job's own answer."""
+    released = asyncio.Event()
+    calls = await late_answering(released)
+    seen: list[tuple[JobState, int, int]] = []
+    asked_meanwhile: list[str] = []
+
+    def answer() -> None:
+        asked_meanwhile.extend(calls.asked)
+        released.set()
+
+    asyncio.get_running_loop().call_later(0.3, answer)  # the query stays out over many polls
+    async with asyncio.timeout(10):
+        async for status in calls.client.watch(JOB, poll_interval_s=0.02, keepalive_s=0):
+            seen.append((status.state, status.progress.step, status.seq))
+            if status.seq == 9:
+                break
+    assert seen == [
+        (JobState.RUNNING, 1100, 0),
+        (JobState.RUNNING, 1200, 0),
+        (JobState.RUNNING, 1300, 0),
+        (JobState.RUNNING, 1300, 9),
+    ]
+    assert asked_meanwhile.count("query") == 1, "one query in flight, however many polls"
+    assert asked_meanwhile.count("describe") > 2
+    assert "client_seen" not in asked_meanwhile
+    assert "client_seen" in calls.asked, "an attached job's answer is followed by contact"
+
+
+async def test_without_record_first_the_first_status_is_the_jobs_answer() -> None:
+    """The gateway's watch: its journal cursor starts at the first status's `seq`."""
+    released = asyncio.Event()
+    calls = await late_answering(released)
+    updates = calls.client.watch(JOB, poll_interval_s=0.02, keepalive_s=3600, record_first=False)
+    first = asyncio.ensure_future(anext(aiter(updates)))
+    await asyncio.sleep(0.3)
+    assert not first.done(), "a status was shown before the job's answer"
+    released.set()
+    async with asyncio.timeout(10):
+        status = await first
+    assert (status.state, status.progress.step, status.seq) == (JobState.RUNNING, 1300, 9)
+    await updates.aclose()  # type: ignore[attr-defined]

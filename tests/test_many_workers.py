@@ -330,6 +330,14 @@ async def test_kill_one_of_three_workers_jobs_reattach_on_the_others(
         what="every job's prompt is followed",
         accept=lambda found: len(found) == SLOW_JOBS + 1,
     )
+    # A follow is pending before it has posted its prompt: the orphan is ended only once the
+    # simulator has its prompt, or there is nothing left for the sweep to find.
+    await eventually(
+        fleet.sim.stats,
+        timeout_s=30,
+        what="every job's prompt reached the simulator",
+        accept=lambda stats: len(stats.prompts) == SLOW_JOBS + 1,
+    )
     per_worker = Counter(fleet.owner_name(following[job_id]) for job_id in job_ids)
     print(f"running follows per worker before the kill: {dict(per_worker)}")
     victim = next(w for w in fleet.workers if w.name == per_worker.most_common(1)[0][0])

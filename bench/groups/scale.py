@@ -8,7 +8,9 @@ at once, one serial (ComfyUI's one at a time: the deep queue). Jobs of 20 steps.
 For each batch size in `--scale-jobs` (100, 300 and 1,000 by default):
 - **direct**: the same number of prompts sent at once the direct script's way (bench/direct.py);
 - **project**: that many jobs submitted at once (`JobClient.submit`), then awaited; 10 of them
-  watched with `JobClient.watch` for the lag from each progress event at the simulator
+  (submitted attached by this process; the others by another one, bench/burst_child.py, as the
+  burst's other clients would) watched with `JobClient.watch` for the lag from each progress
+  event at the simulator
   (GET /sim/progress) to the status the client is handed, twice: with the worker's
   live-progress key (pushed: the target row) and without it (polled); the baseline is the
   direct batch's lag, event at the simulator → the `progress` frame at the direct script's
@@ -25,18 +27,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import sys
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import httpx
 from pydantic import SecretStr
 
+from bench.burst_child import READY
 from bench.direct import run_direct
 from bench.groups import scale_running
 from bench.groups.client_latency import event_to_seen_ms
 from bench.groups.scale_running import Population
 from bench.jobs import (
+    BenchFailure,
     Seen,
     completed,
     graph,
@@ -52,7 +59,8 @@ from bench.profile import profile_lines, record
 from bench.results import Result, Target, fmt, percentile, result
 from bench.server_calls import ServerCalls, calls_table, server_calls
 from bench.sim import progress_times
-from bench.stack import BenchContext, Pool, extra_sim, extra_worker
+from bench.stack import ROOT, BenchContext, Pool, extra_sim, extra_worker
+from devstack.chaos.worker_proc import clean_environ
 from devstack.free_ports import free_port
 from starter import JobClient, JobState, JobStatus
 
@@ -105,7 +113,8 @@ class Watched:
 
     polled: list[float] = field(default_factory=list)  # lags of their steps, ms
     pushed: list[float] = field(default_factory=list)
-    # From the watch's start to the first status it was handed (the job's first query answer).
+    # From the watch's start to the first status it was handed (a step pushed over what the
+    # submit answered, else the job's first answer, or what the record says while that is late).
     first_status: list[float] = field(default_factory=list)  # ms
     # Jobs whose last step the simulator had sent before their watcher's first status.
     over_before_first_status: int = 0
@@ -139,13 +148,39 @@ async def _watched(
 
 
 async def _project_batch(
-    ctx: BenchContext, jobs: JobClient, pool: Pool, n: int, pushing: JobClient | None = None
+    ctx: BenchContext,
+    jobs: JobClient,
+    pool: Pool,
+    n: int,
+    pushing: JobClient | None = None,
+    *,
+    others_apart: bool = False,
 ) -> tuple[float, Watched]:
     """Submit `n` jobs at once and wait for them all; the wall time, and how the watched jobs
     were seen, polled and (with `pushing`) pushed. A watched job is watched from the moment
     its own submit returns, as its client would, not once the whole burst is in: a job of
-    20 x 10 ms is over before the last of 1,000 submits returns."""
-    began = time.perf_counter()
+    20 x 10 ms is over before the last of 1,000 submits returns. `others_apart`: the jobs
+    nobody watches are sent by another process (bench/burst_child.py), as the burst's other
+    clients would send them; else by this one, whose loop then hands out the watched steps
+    behind a thousand starts."""
+    watched_n = min(WATCHED, n)
+    apart = n - watched_n if others_apart else 0
+    async with _other_clients(ctx, jobs.task_queue, pool, apart) as others:
+        began = time.perf_counter()
+        ended, seen = await _burst(ctx, jobs, pool, n, watched_n, pushing, others)
+    return ended - began, seen
+
+
+async def _burst(
+    ctx: BenchContext,
+    jobs: JobClient,
+    pool: Pool,
+    n: int,
+    watched_n: int,
+    pushing: JobClient | None,
+    others: OtherClients | None,
+) -> tuple[float, Watched]:
+    """The burst of `_project_batch`; the time it ended (`perf_counter`) and the watched."""
     seen = Watched()
 
     async def watched() -> None:
@@ -159,12 +194,69 @@ async def _project_batch(
         submitted = await submit_idempotently(jobs, request(STEPS, pool.name))
         return await jobs.wait(submitted.job_id)
 
-    watching = [watched() for _ in range(min(WATCHED, n))]
-    waiting = [waited() for _ in range(n - min(WATCHED, n))]
+    watching = [watched() for _ in range(watched_n)]
+    if others is not None:
+        await asyncio.gather(others.send(), *watching)
+        return time.perf_counter(), seen
+    waiting = [waited() for _ in range(n - watched_n)]
     _, finals = await asyncio.gather(asyncio.gather(*watching), asyncio.gather(*waiting))
     for final in finals:
         completed(final)
-    return time.perf_counter() - began, seen
+    return time.perf_counter(), seen
+
+
+@dataclass
+class OtherClients:
+    """bench/burst_child.py, connected and waiting for the burst's start."""
+
+    proc: asyncio.subprocess.Process
+    jobs: int
+
+    async def send(self) -> None:
+        """Start the burst there and wait until all its jobs have completed."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(b"go\n")
+        await self.proc.stdin.drain()
+        line = await self.proc.stdout.readline()
+        await self.proc.wait()
+        if self.proc.returncode != 0 or not line:
+            raise BenchFailure(f"the other clients' process ended {self.proc.returncode}")
+        ended = json.loads(line)
+        if ended["completed"] != self.jobs:
+            raise BenchFailure(f"of the other clients' {self.jobs} jobs: {ended['failed']}")
+
+
+@contextlib.asynccontextmanager
+async def _other_clients(
+    ctx: BenchContext, task_queue: str, pool: Pool, jobs: int
+) -> AsyncIterator[OtherClients | None]:
+    """The process that sends `jobs` unwatched jobs (None for none), once it is connected."""
+    if jobs == 0:
+        yield None
+        return
+    stack = ctx.stack
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "bench.burst_child",
+        *("--address", stack.temporal_address, "--namespace", stack.namespace),
+        *("--task-queue", task_queue, "--pool", pool.name),
+        *("--jobs", str(jobs), "--steps", str(STEPS)),
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        env={**clean_environ(), "PYTHONUNBUFFERED": "1"},
+        cwd=ROOT,
+    )
+    try:
+        assert proc.stdout is not None
+        ready = await asyncio.wait_for(proc.stdout.readline(), timeout=60)
+        if ready.decode().strip() != READY:
+            raise BenchFailure(f"the other clients' process did not connect: {ready!r}")
+        yield OtherClients(proc, jobs)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
 
 
 async def run(ctx: BenchContext, options: BenchOptions) -> Outcome:
@@ -233,7 +325,9 @@ async def run(ctx: BenchContext, options: BenchOptions) -> Outcome:
                     # CPU goes (sampling costs little, but it is said here: it ran meanwhile).
                     out = ctx.work_dir / "profiles" / "scale-worker.txt"
                     profiling = asyncio.create_task(record(worker.pid, 10, out))
-                batch.wall, batch.watched = await _project_batch(ctx, jobs, sim.pool, n, pushing)
+                batch.wall, batch.watched = await _project_batch(
+                    ctx, jobs, sim.pool, n, pushing, others_apart=True
+                )
                 batch.cpu.stop()
                 calls_after = await server_calls(ctx.http, ctx.temporal_metrics_url)
                 batch.calls = calls_after.minus(calls_before)
@@ -394,8 +488,12 @@ def _outcome(
         f"{WATCHED} of its prompts (what a client of ComfyUI itself sees on this machine under "
         "the same burst)",
         "- first status: from a watch's start to the first status `JobClient.watch` handed it "
-        "(it waits for the job's answer to the status query); ended before it: watched jobs "
-        "whose last step the simulator had sent before that first status",
+        "(a pushed step over what its submit answered, else the job's answer to the status query, "
+        "or what Temporal's record says while that answer is late); ended before it: watched "
+        "jobs whose last step the simulator had sent before that first status",
+        f"- the burst: the {WATCHED} watched jobs are submitted (attached) and watched by this "
+        "process; the others, detached, by another one (bench/burst_child.py), started when the "
+        "watched ones are, as the burst's other clients would send them",
     ]
     running_lines = [
         f"Running populations: jobs of {scale_running.STEPS} steps x {scale_running.STEP_MS} ms "
