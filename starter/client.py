@@ -579,11 +579,20 @@ class JobClient:
         return await with_worker_wait(overlaid(status, beats), description, self.queues)
 
     async def _recorded(
-        self, job_id: str, description: WorkflowExecutionDescription, seq: int
+        self, job_id: str, description: WorkflowExecutionDescription, known: JobStatus | None
     ) -> JobStatus:
         """The status Temporal's record alone gives a job that may follow a prompt: its state
-        and percent, the follow heartbeat's submission, step and outputs, a worker wait."""
-        status = bare_status(job_id, description).model_copy(update={"seq": seq})
+        and percent, the follow heartbeat's submission, step and outputs, a worker wait.
+
+        `known`: the job's last status this client had (submit's answer, say): its seq, and
+        whether the job is attached, which the record does not hold (so an interrupted
+        `submit --watch` still says when the job will be abandoned)."""
+        kept = (
+            {"seq": known.seq, "detached": known.detached, "abandon_after_s": known.abandon_after_s}
+            if known is not None
+            else {}
+        )
+        status = bare_status(job_id, description).model_copy(update=kept)
         ended = ended_from_outside(job_id, description, status)
         if ended is not None:
             return ended
@@ -881,8 +890,7 @@ class JobClient:
                             answered, answered_at = got
                     described_at = time.monotonic()
                     if answered is None:
-                        seq = last_status.seq if last_status is not None else 0
-                        status = await self._recorded(job_id, description, seq)
+                        status = await self._recorded(job_id, description, last_status)
                     else:
                         status = await self._described(job_id, answered, description)
                 else:

@@ -656,6 +656,26 @@ async def test_a_late_first_answer_shows_the_records_status_meanwhile() -> None:
     assert "client_seen" in calls.asked, "an attached job's answer is followed by contact"
 
 
+async def test_the_records_status_keeps_what_submit_said_of_the_jobs_attachment() -> None:
+    """`submit --watch` interrupted before the job's first answer must still say the job will
+    be abandoned: the record holds no policy, so the status submit answered lends it."""
+    released = asyncio.Event()
+    calls = await late_answering(released)
+    submitted = JobStatus(job_id=JOB, state=JobState.QUEUED, abandon_after_s=120.0)
+    before_answer: list[tuple[int, bool, float | None]] = []
+    asyncio.get_running_loop().call_later(0.3, released.set)
+    async with asyncio.timeout(10):
+        async for status in calls.client.watch(
+            JOB, poll_interval_s=0.02, keepalive_s=0, since=submitted
+        ):
+            if status.seq == 9:
+                break
+            before_answer.append((status.progress.step, status.detached, status.abandon_after_s))
+    assert before_answer, "no status from the record before the answer"
+    assert {(detached, after) for _, detached, after in before_answer} == {(False, 120.0)}
+    assert before_answer[-1][0] == 1300
+
+
 async def test_without_record_first_the_first_status_is_the_jobs_answer() -> None:
     """The gateway's watch: its journal cursor starts at the first status's `seq`."""
     released = asyncio.Event()
