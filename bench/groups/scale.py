@@ -107,16 +107,24 @@ async def _direct_batch(ctx: BenchContext, pool: Pool, n: int) -> tuple[float, l
     return wall, lags
 
 
+def _p50_max(values: list[float]) -> str:
+    if not values:
+        return "-"
+    return f"{fmt(percentile(values, 50))} / {fmt(max(values))}"
+
+
 @dataclass
 class Watched:
     """How the watched jobs of a batch were seen."""
 
     polled: list[float] = field(default_factory=list)  # lags of their steps, ms
     pushed: list[float] = field(default_factory=list)
-    # From the watch's start to the first status it was handed (a step pushed over what the
-    # submit answered, else the job's first answer, or what the record says while that is late).
+    # From the watch's start to the first status it was handed, polled (the job's first
+    # answer, or what the record says while that is late) and pushed (a step pushed over what
+    # the submit answered, else as polled).
     first_status: list[float] = field(default_factory=list)  # ms
-    # Jobs whose last step the simulator had sent before their watcher's first status.
+    first_pushed: list[float] = field(default_factory=list)  # ms
+    # Jobs whose last step the simulator had sent before their polled watcher's first status.
     over_before_first_status: int = 0
 
 
@@ -144,6 +152,8 @@ async def _watched(
     into.polled += event_to_seen_ms(steps, seen)
     into.pushed += event_to_seen_ms(steps, seen_pushed)
     into.first_status.append((seen[0].at - began) * 1000)
+    if seen_pushed:
+        into.first_pushed.append((seen_pushed[0].at - began) * 1000)
     into.over_before_first_status += bool(steps) and steps[-1].at < seen[0].at
 
 
@@ -440,8 +450,7 @@ def _outcome(
             f"{fmt(percentile(b.watched.pushed, 50))} / {fmt(percentile(b.watched.pushed, 99))} | "
             f"{fmt(percentile(b.watched.polled, 50))} / {fmt(percentile(b.watched.polled, 99))} | "
             f"{fmt(percentile(b.direct_lags, 50))} / {fmt(percentile(b.direct_lags, 99))} | "
-            f"{fmt(percentile(b.watched.first_status, 50))} / "
-            f"{fmt(max(b.watched.first_status, default=0))} | "
+            f"{_p50_max(b.watched.first_pushed)} | {_p50_max(b.watched.first_status)} | "
             f"{b.watched.over_before_first_status} of {len(b.watched.first_status)} |"
         )
     cpu_lines: list[str] = []
@@ -472,9 +481,9 @@ def _outcome(
         "",
         "| jobs | project s | direct s | project jobs/s | direct jobs/s | RSS before (MB) | "
         "RSS peak (MB) | peak - idle per job (KB) | server cores | pushed lag p50 / p99 (ms) | "
-        "polled lag p50 / p99 (ms) | direct lag p50 / p99 (ms) | first status p50 / max (ms) | "
-        "ended before it |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "polled lag p50 / p99 (ms) | direct lag p50 / p99 (ms) | first status pushed p50 / max "
+        "(ms) | first status polled p50 / max (ms) | ended before it (polled) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         *rows,
         "",
         f"- RSS line fit: {fmt(slope / 1e3) if slope else '-'} KB per job, "
@@ -487,10 +496,11 @@ def _outcome(
         "the simulator -> the same step's `progress` frame at the direct script's socket, for "
         f"{WATCHED} of its prompts (what a client of ComfyUI itself sees on this machine under "
         "the same burst)",
-        "- first status: from a watch's start to the first status `JobClient.watch` handed it "
-        "(a pushed step over what its submit answered, else the job's answer to the status query, "
-        "or what Temporal's record says while that answer is late); ended before it: watched "
-        "jobs whose last step the simulator had sent before that first status",
+        "- first status: from a watch's start (its submit returned) to the first status "
+        "`JobClient.watch` handed it: pushed, a step pushed over what its submit answered; "
+        "polled, the job's answer to the status query, or what Temporal's record says while that "
+        "answer is late; ended before it: watched jobs whose last step the simulator had sent "
+        "before the polled watcher's first status",
         f"- the burst: the {WATCHED} watched jobs are submitted (attached) and watched by this "
         "process; the others, detached, by another one (bench/burst_child.py), started when the "
         "watched ones are, as the burst's other clients would send them",
