@@ -97,6 +97,8 @@ class Rig:
     # HTTP answers that replace the fake's: (method, path) -> response.
     overrides: dict[tuple[str, str], httpx.Response] = field(default_factory=dict)
     env: ActivityEnvironment = field(init=False)
+    # The last attempt `follow` ran.
+    attempt: FollowAttempt | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.env = self.make_env(HEARTBEAT_TIMEOUT_S)
@@ -116,16 +118,22 @@ class Rig:
         return ComfyClient(self.base_url, self.http)
 
     async def follow(
-        self, req: FollowInput, heartbeat_details: list[Any] | None = None
+        self,
+        req: FollowInput,
+        heartbeat_details: list[Any] | None = None,
+        *,
+        read_history: bool = False,
     ) -> FollowResult:
-        """Run one follow attempt as the activity would, resuming from `heartbeat_details`."""
+        """Run one follow attempt as the activity would, resuming from `heartbeat_details`
+        (`read_history`: as `ComfyBackend.follow` runs it)."""
         client = self.client()
         self.env.info = dataclasses.replace(
             self.env.info, heartbeat_details=heartbeat_details or []
         )
 
         async def follow_prompt(req: FollowInput) -> FollowResult:
-            return await FollowAttempt(req, client, self.store, self.health, self.budget).run()
+            self.attempt = FollowAttempt(req, client, self.store, self.health, self.budget)
+            return await self.attempt.run(read_history=read_history)
 
         async with asyncio.timeout(FOLLOW_DEADLINE_S):
             result: FollowResult = await self.env.run(follow_prompt, req)

@@ -14,7 +14,7 @@ import asyncio
 import itertools
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -33,6 +33,7 @@ from activities.comfyui.follow import FollowActivities
 from activities.follow_common import process_identity
 from activities.orphans import TAG_KEY
 from activities.progress import ProgressTracker
+from activities.storage import StoredObject
 from activities.storage_errors import StorageError
 from tests.comfy_unit_fakes import (
     CLIENT_ID,
@@ -881,6 +882,28 @@ async def test_a_submitted_checkpoint_is_never_submitted_again(rig: Rig) -> None
     assert rig.comfy.posted == [] and rig.comfy.count("GET /history/") == 0
 
 
+async def test_the_history_is_read_while_the_last_output_is_still_being_stored(rig: Rig) -> None:
+    """`ComfyBackend.follow` confirms the outputs by the prompt's history: the attempt begins
+    that read as the prompt ends, not once its last upload is done (a short job waits on it)."""
+    rig.socket.scripts = [a_full_run()]
+    history_reads_meanwhile: list[int] = []
+    store_upload = rig.store.upload_stream
+
+    async def slow_upload(key: str, chunks: AsyncIterable[bytes], **kwargs: Any) -> StoredObject:
+        rig.comfy.finish(PROMPT_ID, ("9", image("img_00001_.png")))
+        before = rig.comfy.count("GET /history/")
+        await asyncio.sleep(0.2)
+        history_reads_meanwhile.append(rig.comfy.count("GET /history/") - before)
+        return await store_upload(key, chunks, **kwargs)
+
+    rig.store.upload_stream = slow_upload  # type: ignore[method-assign]
+    await rig.follow(request(graph=GRAPH), read_history=True)
+    assert history_reads_meanwhile == [1]
+    assert rig.attempt is not None and rig.attempt.history is not None
+    entry = await rig.attempt.history
+    assert set(entry["outputs"]) == {"9"}
+
+
 async def test_a_known_prompt_is_logged_as_such_and_a_silent_socket_as_reopened(
     rig: Rig,
 ) -> None:
@@ -968,7 +991,9 @@ async def test_the_follow_activity_does_not_ask_s3_again_for_what_it_just_stored
     backend = ComfyBackend(Pools(), rig.store, rig.budget)  # type: ignore[arg-type]
     result: FollowResult = await rig.env.run(backend.follow, request(graph=GRAPH))
     assert [a.key for a in result.artifacts] == [KEY] and rig.store.uploads == [KEY]
-    assert rig.comfy.count(f"GET /history/{PROMPT_ID}") >= 1
+    # The follower's own read (the prompt had ended when it looked) and the one that confirms
+    # the outputs, begun by the follow and awaited by the offload: not one more.
+    assert rig.comfy.count(f"GET /history/{PROMPT_ID}") == 2
     assert rig.store.heads == []
 
 

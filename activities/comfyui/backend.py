@@ -46,23 +46,27 @@ class ComfyBackend:
         """Follow the prompt to its end, then reconcile its outputs with `/history` in the same
         activity: one round trip to the workflow fewer than a separate offload."""
         attempt = self._follow.attempt(req)
-        followed = await attempt.run()
+        followed = await attempt.run(read_history=True)
         resume_point = FollowHeartbeat(checkpoint=followed.checkpoint, artifacts=followed.artifacts)
-        offloaded = await self._offload.offload_outputs(
-            OffloadInput(
-                job_id=req.job_id,
-                pool=req.pool,
-                prompt_id=req.prompt_id,
-                segment=req.segment,
-                run_tag=req.run_tag,
-                output=req.output,
-                stored=followed.artifacts,
-            ),
-            # A retry after a failure here re-attaches from where the follow ended.
-            beat=lambda: activity.heartbeat(resume_point.model_dump(mode="json")),
-            # What the follow stored was confirmed as it was stored: not asked again.
-            confirmed=attempt.uploader.confirmed,
-        )
+        try:
+            offloaded = await self._offload.offload_outputs(
+                OffloadInput(
+                    job_id=req.job_id,
+                    pool=req.pool,
+                    prompt_id=req.prompt_id,
+                    segment=req.segment,
+                    run_tag=req.run_tag,
+                    output=req.output,
+                    stored=followed.artifacts,
+                ),
+                # A retry after a failure here re-attaches from where the follow ended.
+                beat=lambda: activity.heartbeat(resume_point.model_dump(mode="json")),
+                # What the follow stored was confirmed as it was stored: not asked again.
+                confirmed=attempt.uploader.confirmed,
+                history=attempt.history,
+            )
+        finally:
+            attempt.drop_history()
         return followed.model_copy(update={"artifacts": offloaded.artifacts})
 
     async def offload(self, req: OffloadInput) -> OffloadResult:

@@ -30,7 +30,7 @@ from activities.comfyui.client import ComfyClient, ComfyError
 from activities.comfyui.events import output_files
 from activities.comfyui.follower import PromptFollower, PromptLost, Stage
 from activities.comfyui.history import failed_in_history, history_messages
-from activities.comfyui.offload import OutputUploader
+from activities.comfyui.offload import OutputUploader, finished_history
 from activities.comfyui.pools import ComfyPools, PoolHealth
 from activities.errors import (
     execution_failure,
@@ -119,24 +119,36 @@ class FollowAttempt:
         self.untold: list[Artifact] = []
         self.uploads: set[asyncio.Task[Artifact]] = set()
         self.scheduled: set[str] = set()  # keys of uploads started by this attempt
+        # The ended prompt's history, read while its last outputs are still being stored.
+        self.history: asyncio.Task[dict[str, Any]] | None = None
         self.worker_id = worker_identity()
 
-    async def run(self) -> FollowResult:
+    async def run(self, *, read_history: bool = False) -> FollowResult:
+        """Follow the prompt to its end and store its outputs. `read_history`: once the prompt
+        has ended, begin reading its history (`history`, for `offload_outputs` to confirm the
+        outputs by) while the last uploads finish, not after; the caller awaits or drops it."""
         attempt = activity.info().attempt
         self.log.info("follow_start", attempt=attempt, resumed_step=self.tracker.step)
         with self.pacer, self.live.following(self.req.job_id, self._live_beat):
             quiet_end = asyncio.create_task(self._after_quiet_start())
             try:
-                return await self._follow()
+                return await self._follow(read_history)
             finally:
                 quiet_end.cancel()
 
-    async def _follow(self) -> FollowResult:
+    async def _follow(self, read_history: bool) -> FollowResult:
+        stored = False
         try:
             if self.req.graph is not None and not self.follower.submitted:
                 await self._refuse_a_bad_pool()
             await self._raise_unless_success(await self.follower.follow())
+            if read_history:
+                # A short job's last upload is still in flight when its prompt ends.
+                self.history = asyncio.create_task(
+                    finished_history(self.client, self.req.prompt_id)
+                )
             await self._drain_uploads()
+            stored = True
         except (OSError, websockets.exceptions.WebSocketException) as exc:
             raise self._with_progress(
                 retryable(
@@ -154,6 +166,8 @@ class FollowAttempt:
         finally:
             for task in self.uploads:
                 task.cancel()
+            if not stored:
+                self.drop_history()
         self.tracker.complete()
         # No heartbeat and no "finished" signal: the result tells the workflow the same, a round
         # trip sooner.
@@ -164,6 +178,13 @@ class FollowAttempt:
             checkpoint=self._checkpoint(),
             worker_id=self.worker_id,
         )
+
+    def drop_history(self) -> None:
+        """Cancel the history read nobody will await (its failure is then never reported)."""
+        if self.history is not None and not self.history.done():
+            self.history.cancel()
+        elif self.history is not None and not self.history.cancelled():
+            self.history.exception()  # read: not reported as never retrieved
 
     async def _refuse_a_bad_pool(self) -> None:
         """Nothing is submitted to a pool that is unhealthy (until a probe prompt succeeds) or

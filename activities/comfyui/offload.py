@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import ssl
-from collections.abc import AsyncIterator, Callable, Collection, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
@@ -251,13 +251,15 @@ class OffloadActivities:
         *,
         beat: Callable[[], None] | None = None,
         confirmed: Collection[str] = (),
+        history: Awaitable[dict[str, Any]] | None = None,
     ) -> OffloadResult:
         """Store every saved output the history lists, and verify in S3 each one this activity
         did not itself store and confirm (`confirmed`: the keys the follow stored just before,
         in the same activity; earlier attempts' artifacts are asked for again).
 
         `beat` heartbeats between uploads (default: a bare heartbeat); the follow activity
-        passes its own, so its checkpoint stays the activity's heartbeat details."""
+        passes its own, so its checkpoint stays the activity's heartbeat details. `history`: the
+        ended prompt's `finished_history`, when the follow has already begun reading it."""
         beat = beat or activity.heartbeat
         client = self._pools.client(req.pool)
         uploader = OutputUploader(
@@ -272,7 +274,7 @@ class OffloadActivities:
         if req.partial:
             await self._keep_finished(client, uploader, req, beat)
         else:
-            entry = await _finished_history(client, req.prompt_id)
+            entry = await (history or finished_history(client, req.prompt_id))
             for node_id, item in output_files(outputs_of(entry)):
                 if uploader.wanted(node_id, item):
                     await uploader.upload(node_id, item)
@@ -314,7 +316,7 @@ def _from_this_run(item: Mapping[str, str], run_tag: str) -> bool:
     return subfolder == run_tag or subfolder.startswith(run_tag + "/")
 
 
-async def _finished_history(client: ComfyClient, prompt_id: str) -> dict[str, Any]:
+async def finished_history(client: ComfyClient, prompt_id: str) -> dict[str, Any]:
     """The ended prompt's history entry (`history_when_written`), its failure typed."""
     try:
         entry = await history_when_written(client, prompt_id)
