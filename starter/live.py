@@ -394,8 +394,11 @@ class Pushed:
 
     async def next(self, timeout_s: float) -> FollowHeartbeat | None:
         """The latest beat once one comes, or None after `timeout_s` without one."""
+        # Not `asyncio.wait_for`: on Python 3.11 a cancel that lands as the beat arrives is
+        # lost there (the beat is returned), and a stopped watch would go on for ever.
         try:
-            await asyncio.wait_for(self._arrived.wait(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await self._arrived.wait()
         except TimeoutError:
             return None
         self._arrived.clear()
