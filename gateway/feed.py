@@ -147,8 +147,11 @@ class Subscription:
     async def ready(self, timeout_s: float) -> bool:
         """True once the follower has its first status; False after `timeout_s` without it
         (the follower's failure, if it failed first, is raised)."""
+        # Not `asyncio.wait_for` here nor below: on Python 3.11 a cancel that lands as what it
+        # awaits completes is lost there, and a stream whose client left would go on.
         try:
-            await asyncio.wait_for(asyncio.shield(self.follower.ready), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await asyncio.shield(self.follower.ready)
         except TimeoutError:
             return False
         return True
@@ -156,7 +159,8 @@ class Subscription:
     async def next(self, timeout_s: float) -> Published | None:
         """The next thing published, or None after `timeout_s` of silence."""
         try:
-            return await asyncio.wait_for(self.queue.get(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                return await self.queue.get()
         except TimeoutError:
             return None
 

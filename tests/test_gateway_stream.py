@@ -11,11 +11,12 @@ from datetime import UTC, datetime
 from typing import Any, cast
 
 import httpx
+import pytest
 import pytest_asyncio
 import websockets
 
 from devstack.models import RunningStack
-from gateway.feed import Cursor, Hub, StreamEvent, stream_events
+from gateway.feed import Cursor, Follower, Hub, Published, StreamEvent, Subscription, stream_events
 from gateway.views import JobFacts, JobViews
 from starter import JobClient, JobState, JobStatus
 from tests.cli_support import RunningWorker, running_worker
@@ -65,6 +66,18 @@ async def full_journal(worker: RunningWorker, job_id: str) -> list[tuple[Any, ..
     journal = await worker.client.events(job_id, 0)
     assert journal.first_seq <= 1, "the whole journal is still held"
     return [journal_key(entry.model_dump(mode="json")) for entry in journal.events]
+
+
+async def test_a_stream_cancelled_as_an_event_arrives_ends() -> None:
+    """Python 3.11's `asyncio.wait_for` returns what it awaited when a cancel lands as that
+    completes, and loses the cancel: a stream whose client left would go on."""
+    subscription = Subscription(cast(Follower, None), 4)
+    waiting = asyncio.ensure_future(subscription.next(10))
+    await asyncio.sleep(0)  # it waits for the next event
+    subscription.offer(Published(dropped=True))  # one comes...
+    waiting.cancel()  # ...as the stream is closed
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
 
 
 async def test_pushed_and_polled_status_are_the_same_object(
