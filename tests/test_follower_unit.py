@@ -24,6 +24,7 @@ import pytest
 import pytest_asyncio
 import websockets
 from structlog.testing import capture_logs
+from temporalio.exceptions import ApplicationError
 
 import activities.comfyui.follow as follow_module
 import activities.comfyui.follower as follower_module
@@ -902,6 +903,23 @@ async def test_the_history_is_read_while_the_last_output_is_still_being_stored(r
     assert rig.attempt is not None and rig.attempt.history is not None
     entry = await rig.attempt.history
     assert set(entry["outputs"]) == {"9"}
+
+
+async def test_a_follow_whose_last_upload_fails_stops_its_history_read(rig: Rig) -> None:
+    """Nobody awaits the history read of a follow that failed: it is cancelled, not left to
+    poll ComfyUI for its entry (`HISTORY_WAIT_S`) and fail unheard."""
+    rig.socket.scripts = [a_full_run()]  # ComfyUI writes no history entry meanwhile
+
+    async def failing_upload(key: str, chunks: AsyncIterable[bytes], **kwargs: Any) -> StoredObject:
+        await asyncio.sleep(0.2)  # the prompt has ended and its history read begun
+        raise StorageError("AccessDenied", retryable=False)
+
+    rig.store.upload_stream = failing_upload  # type: ignore[method-assign]
+    with pytest.raises(ApplicationError):
+        await rig.follow(request(graph=GRAPH), read_history=True)
+    assert rig.attempt is not None and rig.attempt.history is not None
+    await asyncio.sleep(0)
+    assert rig.attempt.history.cancelled()
 
 
 async def test_a_known_prompt_is_logged_as_such_and_a_silent_socket_as_reopened(
