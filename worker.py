@@ -123,7 +123,8 @@ async def run_worker(
     ):
         pools = ComfyPools(settings, http)
         budget = HeartbeatBudget(settings.heartbeat_budget_per_s, settings.heartbeat_throttle_s)
-        live = LiveProgress(settings.live_progress_address)
+        meter = (client.service_client.config.runtime or Runtime.default()).metric_meter
+        live = LiveProgress(settings.live_progress_address, meter)
         comfy = ComfyBackend(pools, store, budget, live)
         on_runpod = runpod_clients(settings, keys, http)
         runpod = RunPodBackend(settings.pools, on_runpod, store, live=live)
@@ -163,7 +164,6 @@ async def run_worker(
             deployment_config=deployment_config(settings),
             workflow_runner=workflow_runner(),
         )
-        meter = (client.service_client.config.runtime or Runtime.default()).metric_meter
         sweeper = OrphanSweeper(
             client,
             pools.clients(),

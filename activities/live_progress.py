@@ -34,10 +34,12 @@ from typing import Any
 
 import structlog
 from pydantic import SecretStr
+from temporalio.common import MetricCounter, MetricMeter
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
+from activities.metrics import PREFIX
 from workflows.activity_io import FollowHeartbeat
 from workflows.shared import LIVE_IN_IDENTITY
 
@@ -95,15 +97,32 @@ class LiveProgress:
     """The followed prompts of this worker and the gateways subscribed to them.
 
     `following(job_id, build)` registers a follow attempt for as long as it runs; `moved(job_id)`
-    says its beat changed. Without a server (`url` None) both cost nothing."""
+    says its beat changed. Without a server (`url` None) both cost nothing.
 
-    def __init__(self, url: str | None = None) -> None:
+    With a `meter` (and a server) it counts whether each follow's steps could be pushed from
+    its first: `live_follows{subscribed}` (a gateway had asked for the job before its follow
+    began, or not) and `live_subscribed_late` (one asked while the follow ran). A job whose
+    watcher subscribed late had its first steps seen only at the watcher's poll pace."""
+
+    def __init__(self, url: str | None = None, meter: MetricMeter | None = None) -> None:
         self.url = url
         self._builders: dict[str, BeatBuilder] = {}
         self._subscribers: dict[str, set[_Subscriber]] = {}
+        self._follows: MetricCounter | None = None
+        self._subscribed_late: MetricCounter | None = None
+        if meter is not None and url is not None:
+            self._follows = meter.create_counter(
+                PREFIX + "live_follows", "Follow attempts begun, by whether a gateway awaited them"
+            )
+            self._subscribed_late = meter.create_counter(
+                PREFIX + "live_subscribed_late", "Subscriptions to a job whose follow had begun"
+            )
 
     @contextlib.contextmanager
     def following(self, job_id: str, build: BeatBuilder) -> Iterator[None]:
+        if self._follows is not None:
+            awaited = "yes" if self._subscribers.get(job_id) else "no"
+            self._follows.add(1, {"subscribed": awaited})
         self._builders[job_id] = build
         try:
             self.moved(job_id)
@@ -131,6 +150,8 @@ class LiveProgress:
             build = self._builders.get(job_id)
             if build is not None:
                 subscriber.offer(job_id, build)
+                if self._subscribed_late is not None:
+                    self._subscribed_late.add(1)
 
     def _unsubscribe(self, subscriber: _Subscriber, job_ids: list[str] | set[str]) -> None:
         for job_id in list(job_ids):

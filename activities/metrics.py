@@ -12,6 +12,11 @@ http://127.0.0.1:N/metrics. Ours are prefixed `durable_comfy_`:
 | `durable_comfy_teardown_seconds` | histogram | `state` | the workflow, stop start to end |
 | `durable_comfy_orphans_swept` | counter | `pool`, `action` | the orphan sweep |
 | `durable_comfy_bytes_offloaded` | counter | | every artifact stored in S3 |
+| `durable_comfy_live_follows` | counter | `subscribed` | each follow, when live progress is on |
+| `durable_comfy_live_subscribed_late` | counter | | a subscription after its follow began |
+
+`live_follows{subscribed="yes"}` counts the follows a gateway had subscribed to before they
+began (their first step pushed); `"no"` the others (activities/live_progress.py).
 
 Workflow metrics are not emitted while a workflow replays, so a restarted worker does not count
 a job twice.

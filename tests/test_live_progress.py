@@ -109,6 +109,50 @@ async def test_a_subscriber_gets_the_current_step_at_once_then_the_latest_of_eac
                     await received(connection, timeout_s=0.5)
 
 
+class CountingMeter:
+    """A stand-in for the worker's metric meter: each counter's adds, by labels."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, dict[tuple[tuple[str, str], ...], int]] = {}
+
+    def create_counter(self, name: str, description: str | None = None) -> Any:
+        counts = self.counts.setdefault(name, {})
+
+        class Counter:
+            def add(self, value: int, labels: dict[str, str] | None = None) -> None:
+                key = tuple(sorted((labels or {}).items()))
+                counts[key] = counts.get(key, 0) + value
+
+        return Counter()
+
+
+async def test_the_worker_counts_follows_begun_subscribed_and_subscriptions_that_came_late() -> (
+    None
+):
+    """What a benchmark's late step is told by: was the watcher subscribed before the follow?"""
+    meter = CountingMeter()
+    live = LiveProgress("ws://placeholder", meter)  # type: ignore[arg-type]
+    async with live_server(live) as url:
+        headers = {"Authorization": f"Bearer {KEY}"}
+        async with connect(url, additional_headers=headers) as connection:
+            await connection.send(json.dumps({"subscribe": ["awaited"]}))
+            await until(lambda: "awaited" in live._subscribers)
+            with live.following("awaited", lambda: beat_at(1)):
+                await received(connection)
+            with live.following("alone", lambda: beat_at(2)):
+                await connection.send(json.dumps({"subscribe": ["alone"]}))
+                [late] = await received(connection)
+                assert late["job_id"] == "alone"
+    follows = meter.counts["durable_comfy_live_follows"]
+    assert follows == {(("subscribed", "yes"),): 1, (("subscribed", "no"),): 1}
+    assert meter.counts["durable_comfy_live_subscribed_late"] == {(): 1}
+    # A worker that serves no live progress counts nothing.
+    quiet = CountingMeter()
+    with LiveProgress(None, quiet).following("job", lambda: beat_at(0)):  # type: ignore[arg-type]
+        pass
+    assert quiet.counts == {}
+
+
 @pytest.mark.parametrize("given", [None, "a-wrong-key-of-32-characters-abc"])
 async def test_a_connection_without_the_key_is_refused(given: str | None) -> None:
     live = LiveProgress()

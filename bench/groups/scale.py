@@ -31,6 +31,7 @@ import json
 import sys
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -60,6 +61,7 @@ from bench.results import Result, Target, fmt, percentile, result
 from bench.server_calls import ServerCalls, calls_table, server_calls
 from bench.sim import progress_times
 from bench.stack import ROOT, BenchContext, Pool, extra_sim, extra_worker
+from bench.worker_counters import worker_counters
 from devstack.chaos.worker_proc import clean_environ
 from devstack.free_ports import free_port
 from starter import JobClient, JobState, JobStatus
@@ -71,6 +73,7 @@ RSS_MAX_MB = 300.0
 THROUGHPUT_MIN_RATIO = 0.9
 LAG_P99_MAX_MS = 1000.0
 SCALE_TARGET_JOBS = 1000
+LIVE_COUNTERS = ("live_follows", "live_subscribed_late")
 
 
 class Batch:
@@ -85,6 +88,8 @@ class Batch:
         self.cpu: CpuUse | None = None
         self.direct_cpu: CpuUse | None = None
         self.calls = ServerCalls()
+        # The worker's live-progress counters over the batch (activities/live_progress.py).
+        self.live: Counter[str] = Counter()
 
 
 async def _direct_batch(ctx: BenchContext, pool: Pool, n: int) -> tuple[float, list[float]]:
@@ -126,6 +131,8 @@ class Watched:
     first_pushed: list[float] = field(default_factory=list)  # ms
     # Jobs whose last step the simulator had sent before their polled watcher's first status.
     over_before_first_status: int = 0
+    # The watched jobs with a pushed step later than the target, each said in a line.
+    late: list[str] = field(default_factory=list)
 
 
 async def _watched(
@@ -150,7 +157,21 @@ async def _watched(
         )
     steps = await progress_times(ctx.http, pool.url, prompt_id_of(final))
     into.polled += event_to_seen_ms(steps, seen)
-    into.pushed += event_to_seen_ms(steps, seen_pushed)
+    pushed = event_to_seen_ms(steps, seen_pushed)
+    into.pushed += pushed
+    if pushed and max(pushed) > LAG_P99_MAX_MS:
+        # Enough to tell a subscription that came late from a slow push: when the steps were
+        # sent and when the pushed watcher saw anything, against its start.
+        def at(t: float) -> str:
+            return f"{(t - began) * 1000:.0f}"
+
+        into.late.append(
+            f"{job_id}: {sum(lag > LAG_P99_MAX_MS for lag in pushed)} of {len(pushed)} steps "
+            f"late, max {max(pushed):.0f} ms; steps sent {at(steps[0].at)}-{at(steps[-1].at)} "
+            f"ms, pushed watcher's statuses at {', '.join(at(s.at) for s in seen_pushed[:8])}"
+            f"{' ...' if len(seen_pushed) > 8 else ''} ms, polled watcher's first at "
+            f"{at(seen[0].at)} ms (after its submit returned)"
+        )
     into.first_status.append((seen[0].at - began) * 1000)
     if seen_pushed:
         into.first_pushed.append((seen_pushed[0].at - began) * 1000)
@@ -277,6 +298,7 @@ async def run(ctx: BenchContext, options: BenchOptions) -> Outcome:
     profiled: list[str] = []
     live_key = "bench-live-" + uuid.uuid4().hex
     metrics_port = free_port()
+    metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
     async with (
         extra_sim(
             ctx, "scale", step_delay_ms=STEP_MS, parallel=biggest, progress_log_prompts=log_size
@@ -328,6 +350,7 @@ async def run(ctx: BenchContext, options: BenchOptions) -> Outcome:
             batch.rss_before = rss_bytes(worker.pid) or 0
             async with RssSampler(worker.pid) as rss:
                 calls_before = await server_calls(ctx.http, ctx.temporal_metrics_url)
+                live_before = await worker_counters(ctx.http, metrics_url, LIVE_COUNTERS)
                 batch.cpu = CpuUse.start(pids)
                 profiling = None
                 if n == counts[-1]:
@@ -341,6 +364,8 @@ async def run(ctx: BenchContext, options: BenchOptions) -> Outcome:
                 batch.cpu.stop()
                 calls_after = await server_calls(ctx.http, ctx.temporal_metrics_url)
                 batch.calls = calls_after.minus(calls_before)
+                batch.live = await worker_counters(ctx.http, metrics_url, LIVE_COUNTERS)
+                batch.live.subtract(live_before)
                 if profiling is not None:
                     profiled = profile_lines(
                         await profiling, f"the worker, first 10 s of the {n}-job batch"
@@ -356,7 +381,7 @@ async def run(ctx: BenchContext, options: BenchOptions) -> Outcome:
             pushing,
             jobs,
             counts,
-            metrics_url=f"http://127.0.0.1:{metrics_port}/metrics",
+            metrics_url=metrics_url,
         )
 
     return _outcome(
@@ -451,8 +476,11 @@ def _outcome(
             f"{fmt(percentile(b.watched.polled, 50))} / {fmt(percentile(b.watched.polled, 99))} | "
             f"{fmt(percentile(b.direct_lags, 50))} / {fmt(percentile(b.direct_lags, 99))} | "
             f"{_p50_max(b.watched.first_pushed)} | {_p50_max(b.watched.first_status)} | "
-            f"{b.watched.over_before_first_status} of {len(b.watched.first_status)} |"
+            f"{b.watched.over_before_first_status} of {len(b.watched.first_status)} | "
+            f"{len(b.watched.late)} | {b.live['live_follows{subscribed=yes}']} / "
+            f"{b.live['live_follows{subscribed=no}']} / {b.live['live_subscribed_late']} |"
         )
+    late_lines = [f"- late at {b.jobs}: {line}" for b in batches for line in b.watched.late]
     cpu_lines: list[str] = []
     for b in batches:
         assert b.cpu is not None and b.direct_cpu is not None
@@ -482,8 +510,9 @@ def _outcome(
         "| jobs | project s | direct s | project jobs/s | direct jobs/s | RSS before (MB) | "
         "RSS peak (MB) | peak - idle per job (KB) | server cores | pushed lag p50 / p99 (ms) | "
         "polled lag p50 / p99 (ms) | direct lag p50 / p99 (ms) | first status pushed p50 / max "
-        "(ms) | first status polled p50 / max (ms) | ended before it (polled) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "(ms) | first status polled p50 / max (ms) | ended before it (polled) | "
+        "pushed late | follows subscribed / not / subscribed late |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         *rows,
         "",
         f"- RSS line fit: {fmt(slope / 1e3) if slope else '-'} KB per job, "
@@ -504,6 +533,12 @@ def _outcome(
         f"- the burst: the {WATCHED} watched jobs are submitted (attached) and watched by this "
         "process; the others, detached, by another one (bench/burst_child.py), started when the "
         "watched ones are, as the burst's other clients would send them",
+        f"- pushed late: watched jobs with a pushed step over {fmt(LAG_P99_MAX_MS)} ms late "
+        "(each in a line below); follows: the worker's count of the batch's follow attempts "
+        "begun with a gateway's subscription to their job (the watched ones should), without "
+        "(the others), and subscriptions that came after their job's follow began "
+        "(`durable_comfy_live_follows`, `durable_comfy_live_subscribed_late`)",
+        *late_lines,
     ]
     running_lines = [
         f"Running populations: jobs of {scale_running.STEPS} steps x {scale_running.STEP_MS} ms "
