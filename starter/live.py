@@ -170,14 +170,18 @@ class _WorkerLink:
                     self.subscribed = (self.subscribed | subscribe) - unsubscribe
                     self._wrote()
                 changed = asyncio.create_task(self._changed.wait())
-                # Idle, the connection is kept a while: the next watch (a burst's, say) then
-                # subscribes without a handshake first.
-                done, _ = await asyncio.wait(
-                    {reader, changed},
-                    timeout=None if wanted else IDLE_S,
-                    return_when=asyncio.FIRST_COMPLETED,
-                )
-                changed.cancel()
+                try:
+                    # Idle, the connection is kept a while: the next watch (a burst's, say)
+                    # then subscribes without a handshake first.
+                    done, _ = await asyncio.wait(
+                        {reader, changed},
+                        timeout=None if wanted else IDLE_S,
+                        return_when=asyncio.FIRST_COMPLETED,
+                    )
+                finally:
+                    # Also when the link is closed meanwhile: a wait left pending is destroyed
+                    # with the link, and asyncio logs it as an error.
+                    changed.cancel()
                 if not done:
                     return True
         finally:

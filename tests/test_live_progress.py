@@ -153,6 +153,26 @@ async def test_the_worker_counts_follows_begun_subscribed_and_subscriptions_that
     assert quiet.counts == {}
 
 
+async def test_a_relay_closed_while_connected_leaves_no_wait_pending() -> None:
+    """A link closed while it waits for a change must not leave that wait behind: asyncio
+    logs a pending task destroyed with its link as an error (seen in `make bench`)."""
+    live = LiveProgress()
+    relay = LiveRelay(SecretStr(KEY))
+    got: list[int] = []
+    with live.following("job-1", lambda: beat_at(4)):
+        async with live_server(live) as url:
+            relay.subscribe(url, "job-1", lambda beat: got.append(beat.checkpoint.step))
+            await until(lambda: got == [4])
+            await relay.close()
+    current = asyncio.current_task()
+    left = [
+        task
+        for task in asyncio.all_tasks()
+        if task is not current and "Event.wait" in repr(task.get_coro())
+    ]
+    assert left == []
+
+
 @pytest.mark.parametrize("given", [None, "a-wrong-key-of-32-characters-abc"])
 async def test_a_connection_without_the_key_is_refused(given: str | None) -> None:
     live = LiveProgress()
