@@ -301,10 +301,11 @@ class LiveRelay:
     async def _list(self, discover: Discover) -> list[str]:
         try:
             found = [url for url in await discover() if pushable(url)]
+            self._workers = sorted(set(found))[:MAX_CANDIDATES]
         except Exception as exc:  # advisory: the watch subscribes where the job says
+            # The last listing is kept (none at first): a busy server that fails one describe
+            # must not leave the watches of the next `WORKERS_FRESH_S` subscribed nowhere.
             log.info("live_workers_unlisted", error=type(exc).__name__)
-            found = []
-        self._workers = sorted(set(found))[:MAX_CANDIDATES]
         self._workers_at = asyncio.get_running_loop().time()
         return self._workers
 

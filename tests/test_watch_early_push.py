@@ -113,6 +113,25 @@ async def test_workers_that_cannot_be_listed_are_none() -> None:
     assert await LiveRelay(KEY).workers() == []
 
 
+async def test_a_listing_that_fails_keeps_the_workers_listed_before() -> None:
+    answers: list[list[str] | Exception] = [["ws://127.0.0.1:1/v1/live"], RuntimeError("busy")]
+
+    async def discover() -> list[str]:
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    relay = LiveRelay(KEY, discover)
+    assert await relay.workers() == ["ws://127.0.0.1:1/v1/live"]
+    relay._workers_at -= WORKERS_FRESH_S
+    relay.list_soon()
+    assert relay._listing is not None
+    await relay._listing  # failed
+    assert not answers and await relay.workers() == ["ws://127.0.0.1:1/v1/live"]
+    await relay.close()
+
+
 # -- one watch's subscriptions ------------------------------------------------------------------
 
 
