@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from .files import input_file_path, save_path
+from .files import claim_file, input_file_path, save_path
 from .png import encode_animated_webp, encode_png, png_size
 from .settings import SimSettings
 from .values import SimConditioning, SimImage, SimLatent, SimMask, SimModelPart, mix
@@ -126,7 +126,7 @@ def _save_pngs(ctx: NodeContext, images: SimImage, prefix: str, folder_type: str
     results, counter = [], target.counter
     for index in range(images.batch):
         name = target.filename.replace("%batch_num%", str(index))
-        file = f"{name}_{counter:05}_.png"
+        file, counter = claim_file(target.folder, name, counter, "png")
         frame = images if images.solid is not None else images.frame(index)
         (target.folder / file).write_bytes(encode_png(frame, metadata))
         results.append({"filename": file, "subfolder": target.subfolder, "type": folder_type})
@@ -196,7 +196,7 @@ async def image_invert(ctx: NodeContext, i: dict[str, Any]) -> NodeResult:
 
 def _save_webp(ctx: NodeContext, images: SimImage, prefix: str, fps: float) -> NodeResult:
     target = save_path(prefix, ctx.settings.output_dir, images.height, images.batch)
-    file = f"{target.filename}_{target.counter:05}_.webp"
+    file, _ = claim_file(target.folder, target.filename, target.counter, "webp")
     frames = [images.frame(index) for index in range(images.batch)]
     (target.folder / file).write_bytes(encode_animated_webp(frames, fps))
     entry = {"filename": file, "subfolder": target.subfolder, "type": "output"}
@@ -213,7 +213,7 @@ async def save_animated_webp(ctx: NodeContext, i: dict[str, Any]) -> NodeResult:
 
 def _write_large(ctx: NodeContext, size_mib: int, seed: int, prefix: str) -> NodeResult:
     target = save_path(prefix, ctx.settings.output_dir)
-    file = f"{target.filename}_{target.counter:05}_.bin"
+    file, _ = claim_file(target.folder, target.filename, target.counter, "bin")
     with (target.folder / file).open("wb") as out:
         # Each MiB differs, so a client that reorders or drops parts produces a different hash.
         for index in range(size_mib):

@@ -129,3 +129,19 @@ def upload_name(folder: Path, filename: str, content: bytes, overwrite: bool) ->
         candidate = f"{stem} ({i}){ext}"
         i += 1
     return candidate, False
+
+
+def claim_file(folder: Path, stem: str, counter: int, ext: str) -> tuple[str, int]:
+    """The first `<stem>_<counter>_.<ext>` from `counter` on that no file has yet, created
+    empty for the caller alone, and its counter. ComfyUI saves one prompt at a time, so the
+    counter `save_path` read is free; the simulator's parallel mode saves several at once
+    (each prompt standing for a ComfyUI of its own), and two prompts that read the same counter
+    would otherwise write one file, the second truncating it while the first's is served."""
+    while True:
+        file = f"{stem}_{counter:05}_.{ext}"
+        try:
+            os.close(os.open(folder / file, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        except FileExistsError:
+            counter += 1
+            continue
+        return file, counter
