@@ -13,9 +13,9 @@ import uuid
 from typing import Any
 
 import httpx
-import websockets
 from pydantic import BaseModel
 
+from activities.comfyui.socket import comfy_socket
 from activities.storage import ArtifactStore
 
 
@@ -25,6 +25,7 @@ class DirectRun(BaseModel):
     started: float
     queued: float  # POST /prompt answered
     executed: float  # the socket said the prompt is done
+    closed: float  # the socket closed (its close handshake is the client's to wait for)
     stored: float  # every output in S3
     outputs: int
     prompt_id: str = ""
@@ -51,9 +52,7 @@ async def run_direct(
     # No keepalive pings: with a thousand sockets on one loop (the scale group's baseline) a
     # pong waits behind the frames queued before it longer than websockets' 20 s, and the
     # baseline would fail for its client's load, not for the work it measures.
-    async with websockets.connect(
-        _ws_url(comfy_url, client_id), max_size=None, ping_interval=None
-    ) as ws:
+    async with comfy_socket(_ws_url(comfy_url, client_id), max_size=None, ping_interval=None) as ws:
         response = await http.post(
             f"{comfy_url}/prompt", json={"prompt": graph, "client_id": client_id}
         )
@@ -75,8 +74,11 @@ async def run_direct(
             elif kind in ("execution_error", "execution_interrupted"):
                 raise RuntimeError(f"direct prompt {prompt_id} ended with {kind}")
             elif kind == "executing" and data.get("node") is None:
+                executed = time.time()
                 break
-    executed = time.time()
+        else:
+            raise RuntimeError(f"direct prompt {prompt_id}: the socket closed before its end")
+    closed = time.time()
     for image in images:
         view = await http.get(
             f"{comfy_url}/view",
@@ -97,6 +99,7 @@ async def run_direct(
         started=started,
         queued=queued,
         executed=executed,
+        closed=closed,
         stored=time.time(),
         outputs=len(images),
         prompt_id=prompt_id,

@@ -86,7 +86,8 @@ def direct_phases(runs: Sequence[DirectRun]) -> str:
     parts = {
         "socket + POST /prompt": [r.queued - r.started for r in runs],
         "until the socket said done": [r.executed - r.queued for r in runs],
-        "GET /view + put_object": [r.stored - r.executed for r in runs],
+        "socket closed": [r.closed - r.executed for r in runs],
+        "GET /view + put_object": [r.stored - r.closed for r in runs],
     }
     return "; ".join(f"{name} {spread(values)}" for name, values in parts.items())
 

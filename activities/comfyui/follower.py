@@ -34,6 +34,7 @@ from activities.comfyui.client import ComfyClient, ComfyUnavailable
 from activities.comfyui.events import ComfyEvent, ending_of, for_prompt, parse_frame
 from activities.comfyui.history import history_when_written, outputs_of
 from activities.comfyui.silence import SilenceTimer
+from activities.comfyui.socket import comfy_socket
 from activities.comfyui.whereabouts import is_known, whereabouts
 from activities.progress import ProgressTracker
 
@@ -206,7 +207,7 @@ class PromptFollower:
         # No permessage-deflate: ComfyUI's aiohttp socket accepts it, and then every frame (a
         # few hundred bytes of JSON, or an already-compressed preview) is deflated there and
         # inflated here, with a zlib window per followed prompt in the worker's memory.
-        async with websockets.connect(
+        async with comfy_socket(
             self.client.ws_url(self.client_id), max_size=None, open_timeout=10, compression=None
         ) as ws:
             with SilenceTimer(self.poll_s) as silence:

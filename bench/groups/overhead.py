@@ -369,7 +369,8 @@ async def run(ctx: BenchContext, options: BenchOptions) -> Outcome:
     direct_phases = {
         "open socket + POST /prompt": [(d.queued - d.started) * 1000 for d in direct_runs],
         "follow the socket to the end": [(d.executed - d.queued) * 1000 for d in direct_runs],
-        "GET /view + put_object": [(d.stored - d.executed) * 1000 for d in direct_runs],
+        "socket closed": [(d.closed - d.executed) * 1000 for d in direct_runs],
+        "GET /view + put_object": [(d.stored - d.closed) * 1000 for d in direct_runs],
     }
     sections = [
         Section(
