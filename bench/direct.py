@@ -13,10 +13,13 @@ import uuid
 from typing import Any
 
 import httpx
+from botocore.exceptions import ConnectTimeoutError
 from pydantic import BaseModel
 
 from activities.comfyui.socket import comfy_socket
 from activities.storage import ArtifactStore
+
+PUT_ATTEMPTS = 4
 
 
 class DirectRun(BaseModel):
@@ -89,12 +92,20 @@ async def run_direct(
             },
         )
         view.raise_for_status()
-        await store.client.put_object(
-            Bucket=store.settings.bucket,
-            Key=f"bench-direct/{prompt_id}/{image['filename']}",
-            Body=view.content,
-            ContentType=view.headers.get("content-type", "application/octet-stream"),
-        )
+        for attempt in range(1, PUT_ATTEMPTS + 1):
+            try:
+                await store.client.put_object(
+                    Bucket=store.settings.bucket,
+                    Key=f"bench-direct/{prompt_id}/{image['filename']}",
+                    Body=view.content,
+                    ContentType=view.headers.get("content-type", "application/octet-stream"),
+                )
+                break
+            except ConnectTimeoutError:
+                # A thousand of these at once on 2 cores: the loop may not get to a connect
+                # within the store's 5 s. A direct client would try again; so does this one.
+                if attempt == PUT_ATTEMPTS:
+                    raise
     return DirectRun(
         started=started,
         queued=queued,
