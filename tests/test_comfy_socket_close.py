@@ -13,7 +13,7 @@ import websockets
 from aiohttp import web
 
 from activities.comfyui.socket import comfy_socket
-from devstack.free_ports import free_port
+from tests.aiohttp_support import served
 
 CHATTER = 200  # `status` frames the server sends after the prompt's end (16 fill the queue)
 
@@ -34,14 +34,8 @@ async def chatty_server() -> AsyncIterator[str]:
 
     app = web.Application()
     app.router.add_get("/ws", socket)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
+    async with served(app) as port:
         yield f"ws://127.0.0.1:{port}/ws"
-    finally:
-        await runner.cleanup()
 
 
 async def test_the_socket_closes_at_once_though_the_server_goes_on_sending() -> None:

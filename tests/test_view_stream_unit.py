@@ -19,6 +19,7 @@ from activities.comfyui.client import (
     UnsafeOutputName,
 )
 from activities.comfyui.offload import OutputUploader, _reads_network, _tls_context, view_stream
+from tests.aiohttp_support import served
 from tests.comfy_unit_fakes import RUN_TAG, FakeStore, image
 from workflows.contracts import OutputSpec
 
@@ -53,16 +54,9 @@ async def server() -> AsyncIterator[Server]:
     state = Server()
     app = web.Application()
     app.router.add_get("/view", state.view)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    state.url = f"http://127.0.0.1:{port}"
-    try:
+    async with served(app) as port:
+        state.url = f"http://127.0.0.1:{port}"
         yield state
-    finally:
-        await runner.cleanup()
 
 
 @pytest_asyncio.fixture

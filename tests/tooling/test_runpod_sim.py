@@ -23,8 +23,8 @@ import pytest_asyncio
 from aiohttp import web
 
 from devstack.chaos.wait import eventually
-from devstack.free_ports import free_port
 from devstack.runpod_sim import Ledger
+from tests.aiohttp_support import served
 from tests.runpod_sim_support import (
     ENDPOINT_VENV_MISSING,
     RunpodSim,
@@ -226,17 +226,11 @@ async def test_webhook_gets_the_status_body_once_the_job_ends(queue_sim: RunpodS
 
     app = web.Application()
     app.router.add_post("/hook", hook)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
+    async with served(app) as port:
         job_id = await submit(queue_sim, {"w": 1}, webhook=f"http://127.0.0.1:{port}/hook")
         async with client(queue_sim) as http:
             await http.post(f"/cancel/{job_id}")
         await eventually(lambda: asyncio.sleep(0, received), timeout_s=5, what="webhook")
-    finally:
-        await runner.cleanup()
     assert received == [{"id": job_id, "status": "CANCELLED"}]
     assert (await queue_sim.ledger()).job(job_id).webhook_answers == ["200"]
 
