@@ -82,24 +82,28 @@ def cli_env(stack: RunningStack, task_queue: str) -> dict[str, str]:
     return env
 
 
-def _ctrl_c_as_from_a_terminal() -> None:
-    # A suite started in the background (`cmd &`, nohup) hands its children SIGINT ignored,
-    # and Python then installs no KeyboardInterrupt handler: the CLI would sleep through the
-    # Ctrl-C a test sends it. A terminal's foreground process gets the default.
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+# A suite started in the background (`cmd &`, nohup) hands its children SIGINT ignored, and
+# Python then installs no KeyboardInterrupt handler: the CLI would sleep through the Ctrl-C a
+# test sends it. So the CLI is started with the handler a terminal's foreground process gets.
+# Not by a `preexec_fn`: Python code between fork and exec in this many-threaded process (the
+# Temporal SDK's threads) can deadlock on a lock another thread held at the fork, and a CI run
+# hung there in `Popen._execute_child`.
+_CLI_AS_FROM_A_TERMINAL = (
+    "import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "runpy.run_module('starter.cli', run_name='__main__', alter_sys=True)"
+)
 
 
 async def start_cli(*args: str, env: dict[str, str]) -> asyncio.subprocess.Process:
     return await asyncio.create_subprocess_exec(
         sys.executable,
-        "-m",
-        "starter.cli",
+        "-c",
+        _CLI_AS_FROM_A_TERMINAL,
         *args,
         env=env,
         cwd=ROOT,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
-        preexec_fn=_ctrl_c_as_from_a_terminal,
     )
 
 

@@ -5,9 +5,9 @@ read. A follower stops reading when its prompt has ended, while ComfyUI may stil
 `status` to every socket whenever its queue changes (many times a second on a busy server; the
 simulator's parallel mode does it for every prompt it starts or ends), a custom node's
 broadcasts. Once 16 of those wait, ComfyUI's answer to our close frame waits behind them and
-the close takes websockets' whole `close_timeout` (10 s), on the job's critical path: a
-`make bench` throughput round had 5 to 24 of 200 jobs take 10 s longer so. So the close reads,
-and drops, what arrives meanwhile.
+the close takes websockets' whole `close_timeout` (10 s), on the job's critical path (the
+bench's direct script, which closed the same way, had 5 to 24 of 200 closes take 10 s in a
+throughput round). So the close reads, and drops, what arrives meanwhile.
 """
 
 from __future__ import annotations
