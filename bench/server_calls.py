@@ -8,14 +8,13 @@ job, or a second of a batch, costs the server in calls: the "where the time went
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 from dataclasses import dataclass, field
 
 import httpx
 
-_SAMPLE = re.compile(r"^(?P<name>[a-z_]+)\{(?P<labels>[^}]*)\} (?P<value>[0-9.e+]+)$")
-_LABEL = re.compile(r'(\w+)="([^"]*)"')
+from bench.prometheus import samples
+
 PERSISTENCE = "(database operations)"
 
 
@@ -41,17 +40,15 @@ class ServerCalls:
 
 def parse(text: str, namespace: str = "default") -> ServerCalls:
     counts: Counter[str] = Counter()
-    for line in text.splitlines():
-        match = _SAMPLE.match(line)
-        if match is None or match["name"] not in ("service_requests", "persistence_requests"):
+    for name, labels, value in samples(text):
+        if name not in ("service_requests", "persistence_requests"):
             continue
-        labels = dict(_LABEL.findall(match["labels"]))
         if labels.get("namespace") != namespace:
             continue
-        if match["name"] == "persistence_requests":
-            counts[PERSISTENCE] += int(float(match["value"]))
+        if name == "persistence_requests":
+            counts[PERSISTENCE] += int(value)
         elif labels.get("service_name") == "frontend":
-            counts[labels.get("operation", "?")] += int(float(match["value"]))
+            counts[labels.get("operation", "?")] += int(value)
     return ServerCalls(counts)
 
 

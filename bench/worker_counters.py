@@ -2,30 +2,27 @@
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 
 import httpx
 
-_SAMPLE = re.compile(r"^durable_comfy_(?P<name>[a-z_]+)(?:\{(?P<labels>[^}]*)\})? (?P<value>\S+)$")
-_LABEL = re.compile(r'(\w+)="([^"]*)"')
+from bench.prometheus import samples
+
+PREFIX = "durable_comfy_"
+# The SDK's own labels on every sample, left out of the keys.
+SDK_LABELS = ("service_name", "namespace", "task_queue")
 
 
 def parse(text: str, names: tuple[str, ...]) -> Counter[str]:
     """`name` (without the `durable_comfy_` prefix) or `name{label=value}` for each of its
-    labels but the SDK's own (`service_name`, `namespace`, `task_queue`), summed."""
+    labels but the SDK's own, summed."""
     counts: Counter[str] = Counter()
-    for line in text.splitlines():
-        match = _SAMPLE.match(line)
-        if match is None or match["name"] not in names:
+    for full, labels, value in samples(text):
+        name = full.removeprefix(PREFIX)
+        if name == full or name not in names:
             continue
-        labels = [
-            f"{k}={v}"
-            for k, v in _LABEL.findall(match["labels"] or "")
-            if k not in ("service_name", "namespace", "task_queue")
-        ]
-        key = match["name"] + (f"{{{','.join(labels)}}}" if labels else "")
-        counts[key] += int(float(match["value"]))
+        kept = [f"{k}={v}" for k, v in labels.items() if k not in SDK_LABELS]
+        counts[name + (f"{{{','.join(kept)}}}" if kept else "")] += int(value)
     return counts
 
 
