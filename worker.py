@@ -130,7 +130,9 @@ async def run_worker(
         runpod = RunPodBackend(settings.pools, on_runpod, store, live=live)
         by_kind: dict[str, Backend] = {"comfyui": comfy, "runpod": runpod}
         deliverer = WebhookDeliverer(webhooks)
-        jobs = JobActivities(Backends(settings.pools, settings.default_pool, by_kind), deliverer)
+        jobs = JobActivities(
+            Backends(settings.pools, settings.default_pool, by_kind), deliverer, s3
+        )
         worker = Worker(
             client,
             task_queue=settings.task_queue,

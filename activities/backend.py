@@ -21,7 +21,8 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.errors import fatal
-from activities.settings import PoolConfig
+from activities.inputs import refuse_inputs_outside_area
+from activities.settings import PoolConfig, S3Settings
 from activities.webhooks import WebhookDeliverer
 from workflows.activity_io import (
     FollowInput,
@@ -102,13 +103,19 @@ class Backends:
 class JobActivities:
     """The activities the workflow schedules, each routed to its pool's backend."""
 
-    def __init__(self, backends: Backends, webhooks: WebhookDeliverer | None = None) -> None:
+    def __init__(
+        self, backends: Backends, webhooks: WebhookDeliverer | None, storage: S3Settings
+    ) -> None:
         self._backends = backends
         self._webhooks = webhooks
+        self._storage = storage
 
     @activity.defn(name=ACTIVITY_PREPARE)
     async def prepare_prompt(self, req: PrepareInput) -> PreparedJob:
         pool, backend = self._backends.resolve(req.pool)
+        # Here, once for every kind of pool, before any input is read: a tenant's job names
+        # only its own files (workflows/tenancy.py).
+        refuse_inputs_outside_area(req, self._storage)
         if req.webhook is not None:
             # Here, once for every kind of pool: a webhook that could never be sent refuses
             # the job before anything reaches a backend.

@@ -7,7 +7,7 @@ production file be read as a stack file, or the other way round). Its sections:
     worker   task queue, default pool, concurrency, orphan sweep, metrics port, log level,
              heartbeat throttle, Worker Versioning          (WorkerSettings; task_queue: clients)
     pools    {name: PoolConfig}                             (WorkerSettings.pools)
-    storage  bucket, endpoint_url, region                   (S3Settings)
+    storage  bucket, endpoint_url, region, allowed_input_prefixes (S3Settings)
     codec    keys_file                                      (starter.codec.CodecSettings)
     client   query_timeout_s                                (starter.settings.ClientSettings)
 
@@ -32,6 +32,7 @@ from pydantic_core import PydanticCustomError
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsError
 
 from activities.settings import (
+    AllowedInputPrefixes,
     BucketName,
     BuildId,
     Concurrency,
@@ -102,6 +103,7 @@ class StorageFileSection(_Section):
     bucket: BucketName | None = None
     endpoint_url: EndpointUrl | None = None
     region: str | None = None
+    allowed_input_prefixes: AllowedInputPrefixes | None = None
 
 
 class CodecFileSection(_Section):

@@ -1,5 +1,6 @@
 """A request's input file as bytes: inline base64, an s3:// object or a public https URL, with
-what to fix when it cannot be read.
+what to fix when it cannot be read; and the rule on which `s3://` objects a tenant's job may name
+(`refuse_inputs_outside_area`, workflows/tenancy.py).
 
 URL inputs go through `activities.url_fetch` (public addresses only, pinned connections, bounded
 size); its refusals become `InvalidRequest` (the request asked for something it may not have)
@@ -16,11 +17,14 @@ import structlog
 from temporalio.exceptions import ApplicationError
 
 from activities.errors import fatal, from_storage, retryable
+from activities.settings import S3Settings
 from activities.storage import ArtifactStore
 from activities.storage_errors import ObjectMissing, StorageError
 from activities.url_fetch import FetchFailed, UrlFetcher, UrlFetchError, default_fetcher
+from workflows.activity_io import PrepareInput
 from workflows.contracts import MAX_INLINE_INPUT_BYTES, InlineInput, InputRef, S3Input, UrlInput
 from workflows.shared import ErrorType
+from workflows.tenancy import InputOutsideArea, check_input_uri
 
 log = structlog.get_logger(__name__)
 
@@ -62,6 +66,33 @@ async def input_bytes(
             raise from_url_fetch(exc, name) from exc
         return fetched.data
     raise fatal(ErrorType.INVALID_REQUEST, f"input {name!r}: unknown input kind")
+
+
+def refuse_inputs_outside_area(req: PrepareInput, storage: S3Settings) -> None:
+    """Every `s3://` input of a tenant's job must be in that tenant's area of the job's bucket
+    or in a folder of `storage.allowed_input_prefixes`: else `InvalidRequest` naming the input
+    and the rule, before anything is read or any backend asked. The worker's credentials can
+    read every tenant's files; this is what keeps one tenant from naming another's. A job
+    without a tenant (the SDK's single-tenant use) is not confined."""
+    if req.tenant is None:
+        return
+    bucket = req.output.bucket or storage.bucket
+    for name, ref in req.inputs.items():
+        if not isinstance(ref, S3Input):
+            continue
+        try:
+            check_input_uri(
+                name,
+                ref.uri,
+                tenant=req.tenant,
+                bucket=bucket,
+                allowed=storage.allowed_input_prefixes,
+            )
+        except InputOutsideArea as exc:
+            log.warning("s3_input.refused", job_id=req.job_id, tenant=req.tenant, input=name)
+            raise fatal(
+                ErrorType.INVALID_REQUEST, str(exc), input=name, rule="tenant_area"
+            ) from exc
 
 
 def from_url_fetch(exc: UrlFetchError, name: str) -> ApplicationError:

@@ -12,7 +12,8 @@ builds them and passes them down; nothing else reads these variables):
                     DURABLE_COMFY_DEPLOYMENT_NAME, DURABLE_COMFY_BUILD_ID,
                     DURABLE_COMFY_SET_CURRENT
     S3Settings      DURABLE_COMFY_BUCKET, DURABLE_COMFY_S3_ENDPOINT, AWS_ACCESS_KEY_ID,
-                    AWS_SECRET_ACCESS_KEY, AWS_REGION (else AWS_DEFAULT_REGION)
+                    AWS_SECRET_ACCESS_KEY, AWS_REGION (else AWS_DEFAULT_REGION),
+                    DURABLE_COMFY_ALLOWED_INPUT_PREFIXES
     WebhookSettings DURABLE_COMFY_WEBHOOK_SECRETS, DURABLE_COMFY_WEBHOOK_SECRETS_FILE,
                     DURABLE_COMFY_WEBHOOK_ALLOW_HOSTS
 
@@ -52,6 +53,7 @@ from pydantic import (
     AfterValidator,
     AliasChoices,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     SecretStr,
@@ -74,11 +76,13 @@ from activities.runpod.models import (
 )
 from activities.storage_errors import StorageConfigError
 from workflows.shared import DEFAULT_TASK_QUEUE
+from workflows.tenancy import normalised_allowed_prefix
 
 CONFIG_VAR = "DURABLE_COMFY_CONFIG"
 SETTINGS_FILE_VAR = "DURABLE_COMFY_SETTINGS_FILE"  # activities.config_file.FILE_VAR
 POOLS_VAR = "DURABLE_COMFY_POOLS"
 BUCKET_VAR = "DURABLE_COMFY_BUCKET"
+ALLOWED_INPUT_PREFIXES_VAR = "DURABLE_COMFY_ALLOWED_INPUT_PREFIXES"
 
 _BUCKET_NAME = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 _KEY_PAIR = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
@@ -134,6 +138,17 @@ class PoolConfig(BaseModel):
     `allowed_node_classes` (any kind): when set, the only node classes a graph may use on this
     pool; the prepare activity refuses any other class (`InvalidGraph`, naming the node) before
     anything reaches the backend. Unset: any class the backend has.
+    `loader_inputs` (any kind): `{class: [input, ...]}`, the inputs of the pool's custom nodes
+    that name a file of ComfyUI's input, output or temp folder, beside ComfyUI's core loaders
+    (`workflows.graph.CORE_FILE_INPUTS`) and the inputs its registry marks (an upload widget,
+    `image_folder`, `remote`): each must name one of the job's own input files
+    (workflows/graph.py `check_input_files`). `unclassified_inputs` (any kind): what to do with
+    a graph whose file inputs cannot all be told because no node registry describes its
+    classes (a runpod pool before its workers publish one, or `node_registry: off`): `allow`
+    (unset: the default; the rules for every value still hold: no `[output]`/`[temp]`
+    annotation, no name of another job's files) or `refuse` (`InvalidGraph`: no graph without a
+    registry, nor a node whose class neither it, the core loaders nor `loader_inputs` name:
+    for a pool shared by tenants).
 
     After validation a runpod pool has `url`, `api_key_env` and `claims` set; a comfyui pool has
     none of the runpod fields (so its dump is what it always was).
@@ -153,12 +168,28 @@ class PoolConfig(BaseModel):
     # None means `published` (kept unset so a pool's dump is what it was given).
     node_registry: Literal["published", "off"] | Path | None = None
     allowed_node_classes: list[str] | None = None
+    # None rather than empty: a pool's dump stays what it was given.
+    loader_inputs: dict[str, list[str]] | None = None
+    unclassified_inputs: Literal["allow", "refuse"] | None = None
 
     @field_validator("allowed_node_classes")
     @classmethod
     def _class_names(cls, value: list[str] | None) -> list[str] | None:
         if value is not None and not all(name.strip() for name in value):
             raise ValueError("node class names must be non-empty (e.g. [KSampler, SaveImage])")
+        return value
+
+    @field_validator("loader_inputs")
+    @classmethod
+    def _loader_inputs(cls, value: dict[str, list[str]] | None) -> dict[str, list[str]] | None:
+        if value is None:
+            return value
+        for class_type, names in value.items():
+            if not class_type.strip() or not names or not all(n.strip() for n in names):
+                raise ValueError(
+                    "loader_inputs is {class: [input, ...]}, each class and input named "
+                    "(e.g. {VHS_LoadVideo: [video]})"
+                )
         return value
 
     @model_validator(mode="before")
@@ -297,8 +328,22 @@ def _endpoint_url(value: str) -> str:
     return value.rstrip("/")
 
 
+def _allowed_prefixes(value: Any) -> Any:
+    """A variable's comma-separated entries, or the file's list, each a folder
+    (`workflows.tenancy.normalised_allowed_prefix`)."""
+    if isinstance(value, str):
+        value = [entry.strip() for entry in value.split(",") if entry.strip()]
+    if not isinstance(value, list | tuple):
+        return value
+    return tuple(
+        normalised_allowed_prefix(entry) if isinstance(entry, str) else entry for entry in value
+    )
+
+
 BucketName = Annotated[str, AfterValidator(_bucket_name)]
 EndpointUrl = Annotated[str, AfterValidator(_endpoint_url)]
+# Folders any tenant's job may read `s3://` inputs from, beside its own area.
+AllowedInputPrefixes = Annotated[tuple[str, ...], BeforeValidator(_allowed_prefixes)]
 
 
 def package_build_id() -> str:
@@ -669,12 +714,18 @@ class S3Settings(EnvSettings):
     bucket: BucketName = Field(validation_alias=BUCKET_VAR)
     access_key_id: SecretStr | None = Field(None, validation_alias=_KEY_PAIR[0])
     secret_access_key: SecretStr | None = Field(None, validation_alias=_KEY_PAIR[1])
+    # Beside its tenant's own area (workflows/tenancy.py), the folders a tenant's job may name
+    # as `s3://` inputs: shared assets the operator puts there (`s3://assets/masks/`).
+    allowed_input_prefixes: AllowedInputPrefixes = Field(
+        (), validation_alias=ALLOWED_INPUT_PREFIXES_VAR
+    )
 
     # The key pair is never read from the file (it refuses one).
     file_keys: ClassVar[Mapping[str, str]] = {
         "bucket": "storage.bucket",
         "endpoint_url": "storage.endpoint_url",
         "region": "storage.region",
+        "allowed_input_prefixes": "storage.allowed_input_prefixes",
     }
 
     @model_validator(mode="after")

@@ -69,9 +69,11 @@ async def submit_job(
     """Submit a job: the same Idempotency-Key with the same request is the same job (200)."""
     gateway = gateway_of(request)
     job_id = job_id_for(tenant, idempotency_key)
-    job, detached = job_request(parse_body(await request.body()), tenant)
-    await check_webhook(job, gateway.settings.webhook_allow_hosts)
+    body = parse_body(await request.body())
     client = await gateway.client()
+    storage = client.store.settings if client.store is not None else None
+    job, detached = job_request(body, tenant, storage)
+    await check_webhook(job, gateway.settings.webhook_allow_hosts)
     try:
         await gateway.limits.admit_job(tenant, client)
     except TooManyJobs:

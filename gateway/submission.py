@@ -4,6 +4,11 @@ The job ID is the tenant's: `<tenant>.<sha256 of the Idempotency-Key, 32 hex>` (
 always names the same job, and two tenants' keys never collide), or `<tenant>.<random>` without
 a key. The request's `tenant` label is set to the caller's tenant whatever the body said: the
 `Tenant` search attribute, which every later route checks, is taken from it.
+
+Storage is the tenant's own (workflows/tenancy.py): `output.prefix` defaults to `jobs/<tenant>`
+and may only name a folder in it, `output.bucket` only the gateway's own bucket, and an `s3://`
+input only the tenant's area or a folder the operator allows. The worker checks the inputs
+again before it reads any; refusing here saves the job a start.
 """
 
 from __future__ import annotations
@@ -16,8 +21,16 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from activities.settings import S3Settings
 from gateway.errors import bad_request, invalid, validation_problems
-from workflows.contracts import JobRequest
+from workflows.contracts import JobRequest, S3Input
+from workflows.tenancy import (
+    InputOutsideArea,
+    OutputOutsideArea,
+    check_input_uri,
+    check_output,
+    output_area,
+)
 
 IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e][\x20-\x7e]{0,198}[\x21-\x7e]$|^[\x21-\x7e]$")
 
@@ -42,8 +55,14 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def job_request(body: dict[str, Any], tenant: str) -> tuple[JobRequest, bool]:
-    """The request and whether it is detached; 422 naming every field that is wrong."""
+def job_request(
+    body: dict[str, Any], tenant: str, storage: S3Settings | None = None
+) -> tuple[JobRequest, bool]:
+    """The request and whether it is detached; 422 naming every field that is wrong.
+
+    `storage`: the gateway's bucket and the operator's allowed input folders (None: the gateway
+    has no bucket, and names none: a request naming one is refused, its inputs left to the
+    worker's check)."""
     body = dict(body)
     detached = body.pop("detached", True)
     if not isinstance(detached, bool):
@@ -51,12 +70,45 @@ def job_request(body: dict[str, Any], tenant: str) -> tuple[JobRequest, bool]:
     labels = body.get("labels")
     if labels is None or isinstance(labels, dict):
         body["labels"] = {**(labels or {}), "tenant": tenant}
+    output = body.get("output")
+    if isinstance(output, dict) and "prefix" not in output:
+        body["output"] = {**output, "prefix": output_area(tenant)}
+    elif output is None:
+        body["output"] = {"prefix": output_area(tenant)}
     try:
-        return JobRequest.model_validate(body), detached
+        request = JobRequest.model_validate(body)
     except ValidationError as exc:
         problems = validation_problems(exc)
         graph_only = all(p["loc"][:1] == ["graph"] for p in problems)
         raise invalid(problems, "InvalidGraph" if graph_only else "InvalidRequest") from None
+    _check_storage(request, tenant, storage)
+    return request, detached
+
+
+def _check_storage(request: JobRequest, tenant: str, storage: S3Settings | None) -> None:
+    own_bucket = storage.bucket if storage is not None else None
+    try:
+        check_output(tenant, request.output.prefix, request.output.bucket, own_bucket)
+    except OutputOutsideArea as exc:
+        raise invalid([{"loc": ["output", exc.field], "message": str(exc)}]) from None
+    if storage is None:
+        return
+    problems = []
+    for name, ref in request.inputs.items():
+        if not isinstance(ref, S3Input):
+            continue
+        try:
+            check_input_uri(
+                name,
+                ref.uri,
+                tenant=tenant,
+                bucket=request.output.bucket or storage.bucket,
+                allowed=storage.allowed_input_prefixes,
+            )
+        except InputOutsideArea as exc:
+            problems.append({"loc": ["inputs", name, "uri"], "message": str(exc)})
+    if problems:
+        raise invalid(problems)
 
 
 def cancel_reason(raw: bytes) -> str | None:

@@ -245,6 +245,33 @@ PRIMITIVES: dict[str, Any] = {
 }
 
 
+# comfy_extras/nodes_string.py's StringConcatenate (V3), as ComfyUI 0.8.0's /object_info shows it.
+STRING_CONCATENATE: dict[str, Any] = {
+    "input": {
+        "required": {
+            "string_a": ["STRING", {"multiline": True}],
+            "string_b": ["STRING", {"multiline": True}],
+            "delimiter": ["STRING", {"default": "", "multiline": False}],
+        }
+    },
+    "input_order": {"required": ["string_a", "string_b", "delimiter"]},
+    "output": ["STRING"],
+    "output_is_list": [False],
+    "output_name": ["STRING"],
+    "output_tooltips": [None],
+    "output_matchtypes": None,
+    "name": "StringConcatenate",
+    "display_name": "Concatenate",
+    "description": "",
+    "python_module": "comfy_extras.nodes_string",
+    "category": "utils/string",
+    "output_node": False,
+    "deprecated": False,
+    "experimental": False,
+    "api_node": False,
+}
+
+
 def ksampler_graph(prefix: str, steps: int, seed: int) -> Any:
     """The classic txt2img graph (needs a checkpoint: simulator only in these tests)."""
     return {

@@ -33,6 +33,8 @@ from workflows.graph import (
     GraphShapeError,
     GraphTooLarge,
     UndeclaredInputFile,
+    file_input_problem,
+    foreign_value_problem,
 )
 
 # Reproducible, and fast enough for `make test`: no database, no deadline (CI machines stall).
@@ -62,7 +64,8 @@ LEAVES = st.one_of(
     st.booleans(),
     st.integers(-(2**53), 2**53),
     st.floats(allow_nan=False, allow_infinity=False),
-    st.text(max_size=20),
+    # (a value reaching for another job's file is refused whatever else is wrong: not drawn)
+    st.text(max_size=20).filter(lambda text: foreign_value_problem(text) is None),
 )
 # Widget values: never a 2-list (that reads as a link), nesting kept shallow.
 WIDGETS = st.one_of(
@@ -70,7 +73,11 @@ WIDGETS = st.one_of(
     st.lists(LEAVES, max_size=4).filter(lambda v: len(v) != 2),
     st.dictionaries(st.text(max_size=8), LEAVES, max_size=3),
 )
-FILE_NAMES = st.text(NAME_CHARS, min_size=1, max_size=20).map(lambda s: f"{s}.png")
+FILE_NAMES = (
+    st.text(NAME_CHARS, min_size=1, max_size=20)
+    .map(lambda s: f"{s}.png")
+    .filter(lambda name: file_input_problem(name) is None and foreign_value_problem(name) is None)
+)
 
 
 def json_values(max_leaves: int = 30) -> st.SearchStrategy[Any]:

@@ -8,7 +8,7 @@ import pytest
 from temporalio.exceptions import ApplicationError
 
 from activities.backend import Backend, Backends, JobActivities
-from activities.settings import PoolConfig
+from activities.settings import PoolConfig, S3Settings
 from workflows.activity_io import (
     FollowInput,
     FollowResult,
@@ -24,6 +24,7 @@ from workflows.failures import refused_before_submission
 from workflows.shared import ErrorType
 
 GRAPH = {"1": {"class_type": "EmptyImage", "inputs": {}}}
+STORAGE = S3Settings.from_env({}, bucket="artifacts")
 
 
 class RecordingBackend:
@@ -56,7 +57,7 @@ def routed() -> tuple[JobActivities, RecordingBackend, RecordingBackend]:
         "cloud": PoolConfig(kind="runpod", endpoint_id="abc"),
     }
     by_kind: dict[str, Backend] = {"comfyui": comfy, "runpod": runpod}
-    return JobActivities(Backends(pools, "local", by_kind)), comfy, runpod
+    return JobActivities(Backends(pools, "local", by_kind), None, STORAGE), comfy, runpod
 
 
 def follow_input(pool: str) -> FollowInput:
@@ -114,7 +115,9 @@ async def test_an_unknown_pool_fails_for_good_naming_the_configured_ones() -> No
 
 async def test_a_kind_this_worker_has_no_backend_for_fails_for_good() -> None:
     pools = {"cloud": PoolConfig(kind="runpod", endpoint_id="abc")}
-    jobs = JobActivities(Backends(pools, "cloud", {"comfyui": RecordingBackend("comfyui")}))
+    jobs = JobActivities(
+        Backends(pools, "cloud", {"comfyui": RecordingBackend("comfyui")}), None, STORAGE
+    )
     with pytest.raises(ApplicationError) as caught:
         await jobs.follow_prompt(follow_input("cloud"))
     assert caught.value.type == ErrorType.UNKNOWN_POOL and caught.value.non_retryable
@@ -164,7 +167,7 @@ async def test_a_check_that_fails_retryably_is_not_a_refusal() -> None:
 
     pools = {"local": PoolConfig(kind="comfyui", url="http://127.0.0.1:1")}
     down = Down("comfyui")
-    jobs = JobActivities(Backends(pools, "local", {"comfyui": down}))
+    jobs = JobActivities(Backends(pools, "local", {"comfyui": down}), None, STORAGE)
     with pytest.raises(ApplicationError) as caught:
         await jobs.follow_prompt(checking(None))
     assert not caught.value.non_retryable and not refused_before_submission(caught.value)

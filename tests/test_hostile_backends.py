@@ -477,13 +477,14 @@ def test_log_renderers_escape_what_a_backend_puts_in_a_name(renderer: Any) -> No
 async def test_a_job_whose_output_lands_in_another_runs_folder_fails_and_keeps_its_others(
     local_stack: RunningStack,
 ) -> None:
-    """A save prefix linked from a PrimitiveString is not rewritten, so a graph can make ComfyUI
-    save into another run's folder; that record is refused (never fetched), the job fails
-    naming it, and the output of the graph's other SaveImage is kept."""
+    """A save prefix built at run time is not rewritten, so a graph can make ComfyUI save into
+    another run's folder (a literal naming one is refused before the job starts; a string put
+    together by a node is not seen then); that record is refused (never fetched), the job
+    fails naming it, and the output of the graph's other SaveImage is kept."""
     graph = example(steps=2)
     graph["30"] = {
-        "class_type": "PrimitiveString",
-        "inputs": {"value": "dc_other-job_0_0123abcd/stolen"},
+        "class_type": "StringConcatenate",
+        "inputs": {"string_a": "dc", "string_b": "other-job_0_0123abcd/stolen", "delimiter": "_"},
     }
     graph["31"] = {
         "class_type": "SaveImage",

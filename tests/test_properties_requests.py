@@ -30,7 +30,7 @@ from tests.properties_support import (
     valid_cases,
 )
 from workflows.contracts import JobRequest
-from workflows.graph import GraphFormatError
+from workflows.graph import CORE_FILE_INPUTS, GraphFormatError
 from workflows.input_refusal import read_job_input
 from workflows.job_input import JobInput
 from workflows.request_checks import MAX_LABEL_VALUE_CHARS, MAX_POLICY_SECONDS, RequestRefused
@@ -150,9 +150,15 @@ def accepted_requests(draw: st.DrawFn) -> JobRequest:
     case = draw(valid_cases(max_nodes=5))
     data = request_data(case)
     if draw(st.booleans()):
-        # Overrides of inputs the graph's nodes have, as a client's segments would be.
+        # Overrides of inputs the graph's nodes have, as a client's segments would be (a
+        # number where a file name belongs is refused: not a load node's file input).
         node, body = draw(st.sampled_from(list(case.graph.items())))
-        names = [n for n in body.get("inputs", {}) if not isinstance(body["inputs"][n], list)]
+        file_inputs = CORE_FILE_INPUTS.get(body["class_type"], ())
+        names = [
+            n
+            for n in body.get("inputs", {})
+            if not isinstance(body["inputs"][n], list) and n not in file_inputs
+        ]
         if names:
             data["segments"] = [{node: {draw(st.sampled_from(names)): draw(st.integers())}}]
     data["labels"] = draw(

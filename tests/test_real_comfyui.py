@@ -9,6 +9,7 @@ for slow GPU nodes, since ImageBlur has no progress hook and ignores interrupts 
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import os
 import uuid
@@ -19,6 +20,8 @@ from typing import Any
 import httpx
 import pytest
 import pytest_asyncio
+from temporalio.client import WorkflowFailureError
+from temporalio.exceptions import ApplicationError
 
 from activities.storage import ArtifactStore
 from devstack.chaos.graphs import chaos_policy
@@ -28,7 +31,7 @@ from starter.connection import connect_temporal
 from tests.conftest import StackConfigFactory, free_port
 from workflows.contracts import JobRequest, JobState, JobStatus
 from workflows.graph import safe_tag
-from workflows.shared import ErrorType
+from workflows.shared import WORKFLOW_TYPE, ErrorType
 
 REAL_DIR = os.environ.get("REAL_COMFYUI_DIR")
 pytestmark = pytest.mark.skipif(
@@ -205,6 +208,73 @@ async def test_linked_save_prefix_completes_with_its_artifact(
     assert final.state == JobState.COMPLETED, explain(final, timeline)
     # Named by the linked string, not by the run tag: found from the prompt's own record.
     assert_artifacts_are_comfyuis_files(real_env, final, SAVE_NODE, folder=prefix.split("/")[0])
+    await case.assert_nothing_left(job_id)
+
+
+async def test_another_runs_output_is_out_of_every_loaders_reach(
+    case: ChaosCase, real_env: RealEnv
+) -> None:
+    """A job saves an image; `LoadImageOutput` of it and an `[output]`-annotated `LoadImage` of
+    it are refused, in the client and, sent raw past it, by the workflow: no prompt reaches
+    ComfyUI. `LoadImageOutput` of a file the job sends runs (it reads the input folder)."""
+    await case.workers.start()
+    job_id = await case.submit(JobRequest(graph=blur_graph(64, 1, radius=1)))
+    async with case.timeline(job_id) as timeline:
+        saved = await timeline.wait_terminal(timeout_s=JOB_DEADLINE_S)
+    assert saved.state == JobState.COMPLETED, explain(saved, timeline)
+    [path] = [
+        p.relative_to(real_env.real.output_dir)
+        for p in real_env.real.output_dir.rglob("*.png")
+        if p.parent.name.startswith(f"dc_{safe_tag(job_id)}_")
+    ]
+    theirs = path.as_posix()
+    history_before = (await real_env.http.get(f"{real_env.real.url}/history")).json()
+    log_from = real_env.real.log_size()
+
+    def loading(class_type: str, image: str) -> dict[str, Any]:
+        return {
+            "1": {"class_type": class_type, "inputs": {"image": image}},
+            "2": {
+                "class_type": "SaveImage",
+                "inputs": {"images": ["1", 0], "filename_prefix": "x"},
+            },
+        }
+
+    hostile = [loading("LoadImageOutput", theirs), loading("LoadImage", f"{theirs} [output]")]
+    for graph in hostile:
+        with pytest.raises(ValueError, match="not the job's own"):
+            JobRequest(graph=graph)
+        handle = await case.client.temporal.start_workflow(
+            WORKFLOW_TYPE,
+            {"graph": graph},
+            id=f"{case.name}-raw-{uuid.uuid4().hex[:8]}",
+            task_queue=case.task_queue,
+        )
+        case.job_ids.append(handle.id)
+        with pytest.raises(WorkflowFailureError) as refused:
+            await handle.result()
+        cause = refused.value.cause
+        assert isinstance(cause, ApplicationError) and cause.type == ErrorType.INVALID_GRAPH
+        assert path.name in str(cause.message)
+    assert accepted_prompts(real_env.real.log_text(log_from)) == 0
+    history_after = (await real_env.http.get(f"{real_env.real.url}/history")).json()
+    assert history_after == history_before, "no prompt reached ComfyUI"
+
+    mine = (real_env.real.output_dir / path).read_bytes()
+    own = JobRequest(
+        graph=loading("LoadImageOutput", "mine.png"),
+        inputs={
+            "mine.png": {
+                "kind": "inline",
+                "filename": "mine.png",
+                "data_b64": base64.b64encode(mine).decode(),
+            }
+        },
+    )
+    job_id = await case.submit(own)
+    async with case.timeline(job_id) as timeline:
+        final = await timeline.wait_terminal(timeout_s=JOB_DEADLINE_S)
+    assert final.state == JobState.COMPLETED, explain(final, timeline)
     await case.assert_nothing_left(job_id)
 
 

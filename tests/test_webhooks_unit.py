@@ -20,7 +20,7 @@ from activities.pinned_connection import Resolver
 from activities.settings import PoolConfig, WebhookSettings, webhook_signing_key
 from activities.webhook_target import UnsafeWebhookUrl, check_webhook_url, webhook_target
 from activities.webhooks import WebhookDeliverer, signature, webhook_body
-from tests.test_backend_routing import GRAPH, RecordingBackend
+from tests.test_backend_routing import GRAPH, STORAGE, RecordingBackend
 from tests.webhook_receiver import (
     SPEC_VECTOR_SECRET,
     WebhookReceiver,
@@ -282,7 +282,9 @@ async def test_prepare_refuses_an_unusable_webhook_on_every_kind_of_pool(
     by_kind: dict[str, Backend] = {"comfyui": comfy, "runpod": runpod}
     settings = WebhookSettings(secrets={"acme": SECRET})
     jobs = JobActivities(
-        Backends(pools, "local", by_kind), WebhookDeliverer(settings, resolver=FAKE_DNS)
+        Backends(pools, "local", by_kind),
+        WebhookDeliverer(settings, resolver=FAKE_DNS),
+        STORAGE,
     )
     req = PrepareInput(
         job_id="j", pool=pool, graph=GRAPH, webhook=WebhookSpec(url=url), tenant=tenant

@@ -32,6 +32,8 @@ class PrepareInput(StrictModel):
     # Checked before any GPU time: a URL the worker must not POST to, or a tenant without a
     # signing secret, refuses the job here.
     webhook: WebhookSpec | None = None
+    # The request's `tenant` label (None: a job of no tenant's, its webhook signed as the
+    # default tenant's). A tenant's `s3://` inputs must be in its own area.
     tenant: str | None = None
 
 

@@ -18,7 +18,7 @@ from pydantic import (
     model_validator,
 )
 
-from workflows.graph import check_graph, check_input_files
+from workflows.graph import check_graph, check_input_files, check_segment_files
 from workflows.request_checks import (
     check_input_names,
     check_labels,
@@ -216,8 +216,13 @@ class JobRequest(StrictModel):
 
     @field_validator("segments")
     @classmethod
-    def _bounded_segments(cls, segments: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def _bounded_segments(
+        cls, segments: list[dict[str, Any]], info: ValidationInfo
+    ) -> list[dict[str, Any]]:
         check_segments(segments)
+        graph, inputs = info.data.get("graph"), info.data.get("inputs")
+        if graph is not None and inputs is not None:
+            check_segment_files(graph, segments, inputs)
         return segments
 
     @field_validator("labels")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import unicodedata
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -15,8 +16,48 @@ from typing import Any
 
 # Nodes whose `steps` input drives `progress` events (one per step).
 SAMPLER_CLASSES = frozenset({"KSampler", "KSamplerAdvanced", "SamplerCustom"})
-# Nodes that read a file from the backend's input directory by name.
-LOAD_NODE_INPUTS: Mapping[str, str] = {"LoadImage": "image", "LoadImageMask": "image"}
+
+# Which node inputs name a file: class -> its inputs that do.
+FileInputs = Mapping[str, Collection[str]]
+# ComfyUI's core nodes (0.8) that read a file, or a folder of files, from its input, output or
+# temp folder by name. A job may name only its own input files there (`check_input_files`):
+# on a shared server, or a warm RunPod worker, those folders hold other jobs' files.
+CORE_FILE_INPUTS: FileInputs = {
+    "LoadImage": ("image",),
+    "LoadImageMask": ("image",),
+    "LoadImageOutput": ("image",),  # its own folder is the output folder
+    "LoadLatent": ("latent",),
+    "LoadAudio": ("audio",),
+    "LoadVideo": ("file",),
+    "Load3D": ("model_file", "image"),
+    "WebcamCapture": ("image",),
+    "LoadImageDataSetFromFolder": ("folder",),
+    "LoadImageTextDataSetFromFolder": ("folder",),
+    "LoadTrainingDataset": ("folder_name",),  # a folder of the output folder
+    "GeminiInputFiles": ("file",),
+    "OpenAIInputFiles": ("file",),
+}
+# An input whose options in a node registry (`/object_info`) carry one of these names a file
+# of those folders: an upload widget, the folder it previews from, a list read from the server.
+FILE_INPUT_MARKERS = (
+    "image_upload",
+    "video_upload",
+    "audio_upload",
+    "file_upload",
+    "image_folder",
+    "remote",
+)
+# ComfyUI reads `name [output]` from its output folder and `name [temp]` from its temp folder,
+# whatever node reads it (folder_paths.annotated_filepath): refused on every node's every value.
+FOREIGN_FOLDER_ANNOTATIONS = ("[output]", "[temp]")
+_ANNOTATIONS = (*FOREIGN_FOLDER_ANNOTATIONS, "[input]")
+# The first level of every file durable-comfy puts on a backend: inputs are uploaded as
+# `dc_<job>_<name>`, outputs saved under `dc_<job>_<segment>_<prompt>/` (`run_tag`). A value
+# naming one is another job's file, whatever node reads it. (Save prefixes are ours to rewrite.)
+_OWN_FILE_LEVEL = re.compile(
+    r"(?:^|[\\/])dc_[A-Za-z0-9.-]+_[A-Za-z0-9_.-]*(?:$|[\\/]|\s*\[)", re.IGNORECASE
+)
+_SAVE_PREFIX_INPUT = "filename_prefix"
 
 EDITOR_FORMAT_HINT = (
     "this is the editor (UI) format with 'nodes' and 'links'; export the workflow in API format "
@@ -37,6 +78,10 @@ class GraphFormatError(ValueError):
         ├── GraphLinkError         a link's output index is not a small whole number
         ├── GraphCycleError        the links go round in a circle
         ├── UndeclaredInputFile    a load node names a file that is not a declared input
+        ├── ForeignFileReference   a value that reaches for a file not the job's own: an
+        │                          `[output]`/`[temp]` annotation, a path, another job's file
+        ├── UnclassifiedNode       a class the pool's registry cannot describe, on a pool
+        │                          that refuses those (`unclassified_inputs: refuse`)
         └── NodeClassNotAllowed    a class outside the pool's allow-list
     """
 
@@ -110,6 +155,14 @@ class GraphCycleError(GraphRefused):
 
 class UndeclaredInputFile(GraphRefused):
     summary = "input file not declared"
+
+
+class ForeignFileReference(GraphRefused):
+    summary = "a node reads a file that is not the job's own"
+
+
+class UnclassifiedNode(GraphRefused):
+    summary = "node class unknown to the pool's registry"
 
 
 class NodeClassNotAllowed(GraphRefused):
@@ -421,12 +474,22 @@ def check_acyclic(graph: Mapping[str, Any]) -> None:
         raise GraphCycleError(problems)
 
 
-def check_input_files(graph: Mapping[str, Any], declared: Collection[str]) -> None:
-    """Every file a load node names must be one of the request's `inputs`.
+def check_input_files(
+    graph: Mapping[str, Any], declared: Collection[str], file_inputs: FileInputs = CORE_FILE_INPUTS
+) -> None:
+    """Every file a node reads from the backend's folders must be one the job sent.
 
-    A name that is not declared would read whatever the backend's input folder holds under it:
-    another job's upload, or a file left there. Refused, naming the node and its input.
+    On every node, a value annotated `[output]` or `[temp]`, or naming one of durable-comfy's
+    files on the backend (`dc_...`: another job's upload or output), is refused
+    (`ForeignFileReference`). An input of `file_inputs` (the core loaders by default; a worker
+    adds its pool's registry markers and `loader_inputs`) must be a plain file name, no path, no
+    annotation (`ForeignFileReference` again), and one of the request's `inputs`
+    (`UndeclaredInputFile`): a name that is not declared would read whatever the folder holds
+    under it, another job's upload or a file left there. Each problem names node, input, file.
     """
+    foreign = [*_foreign_values(graph), *_file_input_shapes(graph, file_inputs)]
+    if foreign:
+        raise ForeignFileReference(foreign)
     listed = ", ".join(_shown(name) for name in sorted(declared)) or "none declared"
     problems = [
         GraphProblem(
@@ -436,13 +499,176 @@ def check_input_files(graph: Mapping[str, Any], declared: Collection[str]) -> No
             f"which is not one of the request's inputs ({listed}): pass the file as an input "
             f"of that name (CLI: --input NAME=PATH)",
         )
-        for node_id, class_type, inputs in iter_nodes(graph)
-        if (input_name := LOAD_NODE_INPUTS.get(class_type))
-        and isinstance(file_name := inputs.get(input_name), str)
-        and file_name not in declared
+        for node_id, class_type, input_name, file_name in _named_files(graph, file_inputs)
+        if file_name not in declared
     ]
     if problems:
         raise UndeclaredInputFile(problems)
+
+
+def check_segment_files(
+    graph: Mapping[str, Any],
+    segments: Sequence[Mapping[str, Mapping[str, Any]]],
+    declared: Collection[str],
+    file_inputs: FileInputs = CORE_FILE_INPUTS,
+) -> None:
+    """`check_input_files` on each segment's graph: an override is a value like any other.
+    (An override naming a node the graph lacks is refused elsewhere; skipped here.)"""
+    for overrides in segments:
+        known = {node: values for node, values in overrides.items() if str(node) in graph}
+        if known:
+            check_input_files(apply_overrides(graph, known), declared, file_inputs)
+
+
+def file_input_problem(value: str) -> str | None:
+    """Why a file input's value is not a plain file name (a declared input's name)."""
+    if any(sep in value for sep in "/\\"):
+        return "holds a path separator"
+    if ".." in value:
+        return "holds '..'"
+    if value.rstrip().endswith(_ANNOTATIONS):
+        return "carries a folder annotation"
+    return None
+
+
+def foreign_value_problem(text: str, *, save_prefix: bool = False) -> str | None:
+    """Why a string, on any node, reaches for a file that is not the job's own (None: it
+    does not): an `[output]`/`[temp]` annotation, or a level named like durable-comfy's own
+    files on the backend (not checked in a save prefix, which the run rewrites into its own
+    folder)."""
+    if text.rstrip().endswith(FOREIGN_FOLDER_ANNOTATIONS):
+        return "reads from ComfyUI's output or temp folder"
+    if not save_prefix and _OWN_FILE_LEVEL.search(text):
+        return "names a file durable-comfy put on the backend for another job"
+    return None
+
+
+def _foreign_values(graph: Mapping[str, Any]) -> list[GraphProblem]:
+    problems = []
+    for node_id, class_type, inputs in iter_nodes(graph):
+        for name, value in inputs.items():
+            for text in _strings(value):
+                why = foreign_value_problem(text, save_prefix=name == _SAVE_PREFIX_INPUT)
+                if why:
+                    problems.append(
+                        GraphProblem(
+                            node_id,
+                            f"inputs.{name}",
+                            f"node {node_id!r} ({class_type}) input {name!r} value "
+                            f"{_shown(text)} {why}: a job may load only its own input files "
+                            "(the request's inputs; a stored result is passed back as an "
+                            "s3:// or https input)",
+                        )
+                    )
+                    break
+    return problems
+
+
+def _file_input_shapes(graph: Mapping[str, Any], file_inputs: FileInputs) -> list[GraphProblem]:
+    problems = []
+    for node_id, class_type, inputs in iter_nodes(graph):
+        for name in file_inputs.get(class_type, ()):
+            if name not in inputs:
+                continue
+            value = inputs[name]
+            why = (
+                file_input_problem(value)
+                if isinstance(value, str)
+                else "is not a file name (a link or another value cannot be checked)"
+            )
+            if why:
+                problems.append(
+                    GraphProblem(
+                        node_id,
+                        f"inputs.{name}",
+                        f"node {node_id!r} ({class_type}) input {name!r} names a file; its value "
+                        f"{_shown(value)} {why}: give the name of one of the request's inputs",
+                    )
+                )
+    return problems
+
+
+def _named_files(
+    graph: Mapping[str, Any], file_inputs: FileInputs
+) -> Iterator[tuple[str, str, str, str]]:
+    for node_id, class_type, inputs in iter_nodes(graph):
+        for name in file_inputs.get(class_type, ()):
+            value = inputs.get(name)
+            if isinstance(value, str):
+                yield node_id, class_type, name, value
+
+
+def _strings(value: Any) -> Iterator[str]:
+    """Every string in a value, however nested (bounded by `value_problem` beforehand)."""
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            yield item
+        elif isinstance(item, list | tuple):
+            pending.extend(item)
+        elif isinstance(item, dict):
+            pending.extend(item.values())
+
+
+def registry_file_inputs(object_info: Mapping[str, Any]) -> dict[str, set[str]]:
+    """The inputs a node registry marks as naming a file (`FILE_INPUT_MARKERS`), per class."""
+    found: dict[str, set[str]] = {}
+    for class_type, spec in object_info.items():
+        groups = spec.get("input") if isinstance(spec, dict) else None
+        if not isinstance(groups, dict):
+            continue
+        for group in ("required", "optional"):
+            specs = groups.get(group)
+            if not isinstance(specs, dict):
+                continue
+            for name, options in specs.items():
+                extra = options[1] if isinstance(options, list) and len(options) > 1 else None
+                if isinstance(extra, dict) and any(extra.get(m) for m in FILE_INPUT_MARKERS):
+                    found.setdefault(str(class_type), set()).add(str(name))
+    return found
+
+
+def merged_file_inputs(*maps: FileInputs) -> dict[str, set[str]]:
+    merged: dict[str, set[str]] = {}
+    for found in maps:
+        for class_type, names in found.items():
+            merged.setdefault(class_type, set()).update(names)
+    return merged
+
+
+def check_classified(
+    graph: Mapping[str, Any], registry: Mapping[str, Any] | None, known: Collection[str], pool: str
+) -> None:
+    """For a pool with `unclassified_inputs: refuse`: every node's class must be one whose file
+    inputs are known, in its node `registry` or in `known` (the core loaders, the pool's
+    `loader_inputs`). No registry at all: nothing tells, and the graph is refused."""
+    if registry is None:
+        raise UnclassifiedNode(
+            [
+                GraphProblem(
+                    None,
+                    "graph",
+                    f"pool {pool!r} knows no node registry to tell which inputs name files, "
+                    "and takes no graph it cannot check (unclassified_inputs: refuse): let the "
+                    "endpoint's workers publish theirs (DURABLE_COMFY_BUCKET on the endpoint) "
+                    "or name a captured /object_info in the pool's node_registry",
+                )
+            ]
+        )
+    problems = [
+        GraphProblem(
+            node_id,
+            "class_type",
+            f"node {node_id!r} class_type {class_type!r}: pool {pool!r} has no description of "
+            "it, and takes only nodes whose file inputs it knows (declare them in the pool's "
+            "loader_inputs, or install the node where the registry is read)",
+        )
+        for node_id, class_type, _inputs in iter_nodes(graph)
+        if class_type not in registry and class_type not in known
+    ]
+    if problems:
+        raise UnclassifiedNode(problems)
 
 
 def check_node_classes(graph: Mapping[str, Any], allowed: Collection[str], pool: str) -> None:
@@ -539,20 +765,21 @@ def with_unique_save_prefixes(graph: Mapping[str, Any], run_tag: str) -> dict[st
     return result
 
 
-def load_node_files(graph: Mapping[str, Any]) -> list[tuple[str, str, str]]:
-    """(node_id, input_name, file_name) for every node that loads an input file by name."""
-    found: list[tuple[str, str, str]] = []
-    for node_id, class_type, inputs in iter_nodes(graph):
-        input_name = LOAD_NODE_INPUTS.get(class_type)
-        if input_name and isinstance(inputs.get(input_name), str):
-            found.append((node_id, input_name, inputs[input_name]))
-    return found
+def load_node_files(
+    graph: Mapping[str, Any], file_inputs: FileInputs = CORE_FILE_INPUTS
+) -> list[tuple[str, str, str]]:
+    """(node_id, input_name, file_name) for every input that names a file."""
+    return [(node, name, value) for node, _cls, name, value in _named_files(graph, file_inputs)]
 
 
-def bind_files(graph: Mapping[str, Any], names: Mapping[str, str]) -> dict[str, Any]:
+def bind_files(
+    graph: Mapping[str, Any],
+    names: Mapping[str, str],
+    file_inputs: FileInputs = CORE_FILE_INPUTS,
+) -> dict[str, Any]:
     """Replace file names in load nodes by the names the backend stored them under."""
     result = copy.deepcopy(dict(graph))
-    for node_id, input_name, file_name in load_node_files(graph):
+    for node_id, input_name, file_name in load_node_files(graph, file_inputs):
         if file_name in names:
             result[node_id]["inputs"][input_name] = names[file_name]
     return result

@@ -168,7 +168,9 @@ class InferenceJob(JobMessages):
             segments=request.segments,
             output=request.output,
             webhook=request.webhook,
-            tenant=self._tenant if request.webhook is not None else None,
+            # The label as the request has it: a job without one is not a tenant's
+            # (activities/inputs.py confines a tenant's s3:// inputs to its own area).
+            tenant=request.labels.get(TENANT_LABEL),
         )
 
     def _start_guards(self) -> list[asyncio.Task[None]]:

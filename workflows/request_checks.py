@@ -14,6 +14,7 @@ from typing import Any
 from workflows.graph import (
     MAX_NODE_ID_CHARS,
     MAX_STRING_CHARS,
+    file_input_problem,
     is_unicode,
     name_problem,
     value_problem,
@@ -73,6 +74,14 @@ def check_input_names(inputs: Mapping[str, Any]) -> None:
         problem = name_problem(name, MAX_INPUT_NAME_CHARS)
         if problem:
             raise RequestRefused(f"inputs.{name[:MAX_NODE_ID_CHARS]}", f"input name {problem}")
+        # The name is the file's name on the backend, where a path or an annotation would
+        # point outside the input folder.
+        problem = file_input_problem(name)
+        if problem:
+            raise RequestRefused(
+                f"inputs.{name[:MAX_NODE_ID_CHARS]}",
+                f"input name {problem}: an input is named like a file (cat.png)",
+            )
 
 
 def check_labels(labels: Mapping[str, str]) -> None:

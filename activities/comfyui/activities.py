@@ -13,7 +13,7 @@ import structlog
 
 from activities.comfyui.client import ComfyClient, ComfyError
 from activities.comfyui.events import ending_of
-from activities.comfyui.graph import output_nodes, refuse_hostile_graph
+from activities.comfyui.graph import output_nodes, refuse_foreign_files, refuse_hostile_graph
 from activities.comfyui.pools import ComfyPools, PoolHealth
 from activities.comfyui.registry import PoolRegistries
 from activities.errors import fatal, from_comfy
@@ -43,8 +43,8 @@ class ComfyActivities:
     async def prepare_prompt(self, req: PrepareInput) -> PreparedJob:
         """Check the graph against the pool's node registry and bind input files to it."""
         pool = self._pools.resolve(req.pool)
-        # (ComfyPools keeps the pool settings; it has no accessor for one pool's yet.)
-        refuse_hostile_graph(req, pool, self._pools._settings.pools[pool].allowed_node_classes)
+        config = self._pools.config(pool)
+        refuse_hostile_graph(req, pool, config)
         client = self._pools.client(pool)
         for index, overrides in enumerate(req.segments):
             try:
@@ -57,9 +57,10 @@ class ComfyActivities:
             raise from_comfy(exc, "reading the node registry") from exc
         if problems:
             raise fatal(ErrorType.INVALID_GRAPH, "; ".join(problems), problems=problems)
+        file_inputs = refuse_foreign_files(req, pool, config, object_info)
 
         bound: dict[str, str] = {}
-        for node_id, input_name, file_name in load_node_files(req.graph):
+        for node_id, input_name, file_name in load_node_files(req.graph, file_inputs):
             ref = req.inputs.get(file_name)
             if ref is None:
                 # Unreachable after refuse_hostile_graph: a load node reads declared inputs
@@ -77,7 +78,7 @@ class ComfyActivities:
                     bound[file_name] = await client.upload_image(stored_as, data)
                 except ComfyError as exc:
                     raise from_comfy(exc, f"uploading input {file_name!r}") from exc
-        graph = bind_files(req.graph, bound)
+        graph = bind_files(req.graph, bound, file_inputs)
         log.info("prepared", job_id=req.job_id, pool=pool, inputs=len(bound))
         return PreparedJob(
             pool=pool,

@@ -14,33 +14,65 @@ from typing import Any
 from temporalio.exceptions import ApplicationError
 
 from activities.errors import fatal
+from activities.settings import PoolConfig
 from workflows.activity_io import PrepareInput
 from workflows.graph import (
+    CORE_FILE_INPUTS,
+    FileInputs,
     GraphFormatError,
     GraphRefused,
     UndeclaredInputFile,
+    check_classified,
     check_graph,
     check_input_files,
     check_node_classes,
+    check_segment_files,
     is_link,
     iter_nodes,
+    merged_file_inputs,
+    registry_file_inputs,
     safe_text,
 )
 from workflows.shared import ErrorType
 
 
-def refuse_hostile_graph(req: PrepareInput, pool: str, allowed: list[str] | None) -> None:
-    """The client's and the workflow's graph checks once more, where the pool is known, and
-    the pool's allow-list of node classes: an `ApplicationError` (non-retryable) before the
-    backend is asked anything. A job started by a client that skipped the checks, or by an
-    older worker's workflow, is refused here all the same."""
+def refuse_hostile_graph(req: PrepareInput, pool: str, config: PoolConfig) -> None:
+    """The client's and the workflow's graph checks once more, where the pool is known: the
+    pool's allow-list of node classes, and its files rule with the pool's own `loader_inputs`
+    (its registry's markers come with `refuse_foreign_files`, once it is read). An
+    `ApplicationError` (non-retryable) before the backend is asked anything. A job started by a
+    client that skipped the checks, or by an older worker's workflow, is refused here all the
+    same."""
     try:
         check_graph(req.graph)
-        check_input_files(req.graph, req.inputs)
-        if allowed is not None:
-            check_node_classes(req.graph, frozenset(allowed), pool)
+        file_inputs = merged_file_inputs(CORE_FILE_INPUTS, config.loader_inputs or {})
+        check_input_files(req.graph, req.inputs, file_inputs)
+        check_segment_files(req.graph, req.segments, req.inputs, file_inputs)
+        if config.allowed_node_classes is not None:
+            check_node_classes(req.graph, frozenset(config.allowed_node_classes), pool)
     except GraphFormatError as exc:
         raise graph_refusal(exc) from exc
+
+
+def refuse_foreign_files(
+    req: PrepareInput, pool: str, config: PoolConfig, object_info: Mapping[str, Any] | None
+) -> FileInputs:
+    """The files rule with everything known of the pool's nodes: the core loaders, its
+    `loader_inputs`, and the inputs its node registry marks (None: no registry known). With
+    `unclassified_inputs: refuse`, a node none of them describes is refused too. Returns the
+    file inputs, which the prepare binds and stages."""
+    file_inputs = merged_file_inputs(
+        CORE_FILE_INPUTS, config.loader_inputs or {}, registry_file_inputs(object_info or {})
+    )
+    try:
+        check_input_files(req.graph, req.inputs, file_inputs)
+        check_segment_files(req.graph, req.segments, req.inputs, file_inputs)
+        if config.unclassified_inputs == "refuse":
+            known = {*CORE_FILE_INPUTS, *(config.loader_inputs or {})}
+            check_classified(req.graph, object_info, known, pool)
+    except GraphFormatError as exc:
+        raise graph_refusal(exc) from exc
+    return file_inputs
 
 
 def graph_refusal(exc: GraphFormatError) -> ApplicationError:

@@ -24,7 +24,7 @@ import structlog
 
 from activities.comfyui.client import ComfyClient, ComfyError
 from activities.errors import fatal
-from activities.settings import WorkerSettings
+from activities.settings import PoolConfig, WorkerSettings
 from workflows.shared import ErrorType
 
 log = structlog.get_logger(__name__)
@@ -124,6 +124,10 @@ class ComfyPools:
                 pool=name,
             )
         return name
+
+    def config(self, pool: str) -> PoolConfig:
+        """The settings of a pool `resolve` named."""
+        return self._settings.pools[pool]
 
     def client(self, pool: str) -> ComfyClient:
         config = self._settings.pools[self.resolve(pool)]

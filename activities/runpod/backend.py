@@ -17,7 +17,7 @@ from datetime import UTC, datetime
 
 import structlog
 
-from activities.comfyui.graph import refuse_hostile_graph
+from activities.comfyui.graph import refuse_foreign_files, refuse_hostile_graph
 from activities.errors import fatal, retryable
 from activities.inputs import input_bytes
 from activities.keys import content_type_for, job_folder, safe_component
@@ -89,19 +89,21 @@ class RunPodBackend:
         activities/runpod/nodes.py) and stage the input files in the job's bucket folder, all
         before any RunPod job exists; ComfyUI's own validation on the worker refuses the rest
         before anything runs."""
-        refuse_hostile_graph(req, pool, self._pools[pool].allowed_node_classes)
+        config = self._pools[pool]
+        refuse_hostile_graph(req, pool, config)
         for index, overrides in enumerate(req.segments):
             try:
                 apply_overrides(req.graph, overrides)
             except GraphFormatError as exc:
                 raise fatal(ErrorType.INVALID_REQUEST, f"segment {index}: {exc}") from exc
-        await registries_for(self._store).check(req.graph, pool, self._pools[pool])
+        object_info = await registries_for(self._store).check(req.graph, pool, config)
+        file_inputs = refuse_foreign_files(req, pool, config, object_info)
         by_reference = bool(self._pools[pool].claims)
         bucket = req.output.bucket or self._store.settings.bucket
         folder = inputs_folder(claim_target(req.output, bucket), req.job_id)
         staged: dict[str, str] = {}
         total = 0
-        for _node, _input, name in load_node_files(req.graph):
+        for _node, _input, name in load_node_files(req.graph, file_inputs):
             ref = req.inputs.get(name)
             if ref is None or name in staged:
                 continue  # (undeclared names were refused above) already staged

@@ -92,9 +92,14 @@ def parse_registry(data: bytes | str) -> tuple[dict[str, Any], PublishedNodes | 
             continue
         inputs = spec.get("input")
         required = inputs.get("required") if isinstance(inputs, dict) else None
+        # (optional inputs only for their markers: workflows.graph.registry_file_inputs)
+        optional = inputs.get("optional") if isinstance(inputs, dict) else None
         output = spec.get("output")
         classes[str(class_type)] = {
-            "input": {"required": required if isinstance(required, dict) else {}},
+            "input": {
+                "required": required if isinstance(required, dict) else {},
+                "optional": optional if isinstance(optional, dict) else {},
+            },
             "output": output if isinstance(output, list) else [],
             "output_node": bool(spec.get("output_node")),
         }
@@ -130,15 +135,18 @@ class NodeRegistries:
         self._clock = clock
         self._cache: dict[str, Registry] = {}
 
-    async def check(self, graph: Mapping[str, Any], pool_name: str, pool: PoolConfig) -> None:
+    async def check(
+        self, graph: Mapping[str, Any], pool_name: str, pool: PoolConfig
+    ) -> dict[str, Any] | None:
         """Refuse `graph` (`InvalidGraph`, every problem named) if the pool's registry says it
-        cannot run there; return when it can, or when no registry is known."""
+        cannot run there; return the registry it was checked against when it can, or None when
+        no registry is known."""
         source = pool.node_registry or "published"
         if source == "off" or pool.kind != "runpod":
-            return
+            return None
         registry, read_now = await self._registry(pool_name, pool, fresh=False)
         if registry is None:
-            return
+            return None
         problems = registry_problems(graph, registry.object_info)
         if problems and not read_now and lacks_a_class(graph, registry.object_info):
             # A class the registry lacks may have come with a new image: read it once more.
@@ -152,6 +160,7 @@ class NodeRegistries:
                 problems=problems,
                 registry=registry.source,
             )
+        return registry.object_info
 
     async def _registry(
         self, pool_name: str, pool: PoolConfig, *, fresh: bool

@@ -241,6 +241,10 @@ async def primitive(ctx: NodeContext, i: dict[str, Any]) -> NodeResult:
     return NodeResult((i["value"],))
 
 
+async def string_concatenate(ctx: NodeContext, i: dict[str, Any]) -> NodeResult:
+    return NodeResult((i["delimiter"].join((i["string_a"], i["string_b"])),))
+
+
 BEHAVIOURS: dict[str, Behaviour] = {
     "CheckpointLoaderSimple": checkpoint_loader,
     "CLIPTextEncode": clip_text_encode,
@@ -262,4 +266,5 @@ BEHAVIOURS: dict[str, Behaviour] = {
     "PrimitiveInt": primitive,
     "PrimitiveFloat": primitive,
     "PrimitiveBoolean": primitive,
+    "StringConcatenate": string_concatenate,
 }

@@ -388,6 +388,20 @@ _SPECS = [
         ("FLOAT", {"min": -PRIMITIVE_MAX, "max": PRIMITIVE_MAX, "step": 0.1}),
     ),
     _primitive("PrimitiveBoolean", "Boolean", ("BOOLEAN", {})),
+    # A string built at run time, e.g. a save prefix no check before the run can read.
+    NodeSpec(
+        "StringConcatenate",
+        "Concatenate",
+        "utils/string",
+        {
+            "string_a": ("STRING", {"multiline": True}),
+            "string_b": ("STRING", {"multiline": True}),
+            "delimiter": ("STRING", {"default": "", "multiline": False}),
+        },
+        outputs=("STRING",),
+        python_module="comfy_extras.nodes_string",
+        v3=True,
+    ),
     NodeSpec(
         "SimLargeOutput",
         "Sim Large Output (simulator only)",

@@ -33,6 +33,7 @@ from tests.comfy_sim_support import (
     PRIMITIVES,
     PROMPT_SCOPED,
     REJECTIONS,
+    STRING_CONCATENATE,
     ComfyAPI,
     Event,
     EventReader,
@@ -200,6 +201,27 @@ async def test_object_info_lists_the_primitives_exactly(comfy: ComfyAPI) -> None
         assert info[name] == expected, name
     one = await comfy.call("GET", "/object_info/PrimitiveString")
     assert one == (200, {"PrimitiveString": PRIMITIVES["PrimitiveString"]})
+
+
+async def test_string_concatenate_is_described_exactly_and_joins_a_save_prefix(
+    comfy: ComfyAPI,
+) -> None:
+    assert await comfy.call("GET", "/object_info/StringConcatenate") == (
+        200,
+        {"StringConcatenate": STRING_CONCATENATE},
+    )
+    out = prefix()
+    folder, name = out.rsplit("/", 1)
+    graph = basic_graph(out, 16, 16)
+    graph["3"]["inputs"]["filename_prefix"] = ["4", 0]
+    graph["4"] = {
+        "class_type": "StringConcatenate",
+        "inputs": {"string_a": folder, "string_b": name, "delimiter": "/"},
+    }
+    run = await comfy.run(graph)
+    image = {"filename": f"{name}_00001_.png", "subfolder": folder, "type": "output"}
+    assert run.entry["status"]["status_str"] == "success"
+    assert run.entry["outputs"] == {"3": {"images": [image]}}
 
 
 async def test_primitive_links_feed_save_image_prefix_and_sizes(comfy: ComfyAPI) -> None:
