@@ -77,6 +77,14 @@ def refusal(graph: dict[str, Any], declared: tuple[str, ...] = ("mine.png",)) ->
     return refused.value
 
 
+def test_the_core_list_has_every_loader_of_comfyui_that_reads_its_folders_by_name() -> None:
+    # Those without a registry marker first: nothing else would find them.
+    for class_type in ("LoadLatent", "LoadAudio", "LoadImageDataSetFromFolder", "WebcamCapture"):
+        assert class_type in CORE_FILE_INPUTS, class_type
+    for class_type in ("LoadImage", "LoadImageMask", "LoadImageOutput", "LoadVideo", "Load3D"):
+        assert class_type in CORE_FILE_INPUTS, class_type
+
+
 @pytest.mark.parametrize(
     ("class_type", "name"),
     [(cls, name) for cls, names in CORE_FILE_INPUTS.items() for name in names],

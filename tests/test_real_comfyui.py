@@ -219,15 +219,23 @@ async def test_another_runs_output_is_out_of_every_loaders_reach(
     ComfyUI. `LoadImageOutput` of a file the job sends runs (it reads the input folder)."""
     await case.workers.start()
     job_id = await case.submit(JobRequest(graph=blur_graph(64, 1, radius=1)))
-    async with case.timeline(job_id) as timeline:
-        saved = await timeline.wait_terminal(timeout_s=JOB_DEADLINE_S)
-    assert saved.state == JobState.COMPLETED, explain(saved, timeline)
+    # And one saved outside every run folder (a linked prefix is not rewritten).
+    linked = blur_graph(64, 1, radius=1)
+    folder = f"linked-{uuid.uuid4().hex[:8]}"
+    linked["4"] = {"class_type": "PrimitiveString", "inputs": {"value": f"{folder}/out"}}
+    linked[SAVE_NODE]["inputs"]["filename_prefix"] = ["4", 0]
+    linked_id = await case.submit(JobRequest(graph=linked))
+    for saving in (job_id, linked_id):
+        async with case.timeline(saving) as timeline:
+            saved = await timeline.wait_terminal(timeout_s=JOB_DEADLINE_S)
+        assert saved.state == JobState.COMPLETED, explain(saved, timeline)
     [path] = [
         p.relative_to(real_env.real.output_dir)
         for p in real_env.real.output_dir.rglob("*.png")
         if p.parent.name.startswith(f"dc_{safe_tag(job_id)}_")
     ]
     theirs = path.as_posix()
+    [other] = [p.name for p in (real_env.real.output_dir / folder).iterdir()]
     history_before = (await real_env.http.get(f"{real_env.real.url}/history")).json()
     log_from = real_env.real.log_size()
 
@@ -240,7 +248,11 @@ async def test_another_runs_output_is_out_of_every_loaders_reach(
             },
         }
 
-    hostile = [loading("LoadImageOutput", theirs), loading("LoadImage", f"{theirs} [output]")]
+    hostile = [
+        loading("LoadImageOutput", theirs),
+        loading("LoadImage", f"{theirs} [output]"),
+        loading("LoadImageOutput", f"{folder}/{other}"),
+    ]
     for graph in hostile:
         with pytest.raises(ValueError, match="not the job's own"):
             JobRequest(graph=graph)
@@ -255,7 +267,7 @@ async def test_another_runs_output_is_out_of_every_loaders_reach(
             await handle.result()
         cause = refused.value.cause
         assert isinstance(cause, ApplicationError) and cause.type == ErrorType.INVALID_GRAPH
-        assert path.name in str(cause.message)
+        assert graph["1"]["inputs"]["image"].split(" ")[0] in str(cause.message)
     assert accepted_prompts(real_env.real.log_text(log_from)) == 0
     history_after = (await real_env.http.get(f"{real_env.real.url}/history")).json()
     assert history_after == history_before, "no prompt reached ComfyUI"
