@@ -147,6 +147,31 @@ async def test_a_captured_object_info_file_is_the_registry(tmp_path: Path, form:
     await prepare(store, runpod, GRAPH, claims=False, node_registry=captured)
 
 
+async def test_a_published_loader_marker_holds_a_custom_loader_to_the_jobs_files() -> None:
+    """A custom node's upload widget, as the workers' `/object_info` shows it: its input names a
+    file of ComfyUI's folders (a warm worker keeps earlier jobs' files there)."""
+    graph = copy.deepcopy(GRAPH)
+    graph["20"] = {"class_type": "VHS_LoadVideo", "inputs": {"video": "earlier-job.mp4"}}
+    registry = object_info_of(graph)
+    registry["VHS_LoadVideo"]["input"]["optional"] = {}
+    registry["VHS_LoadVideo"]["input"]["required"]["video"] = [["a.mp4"], {"video_upload": True}]
+    store, runpod = MemoryStore(), ScriptedRunPod()
+    publish(store, registry)
+    with pytest.raises(ApplicationError) as failure:
+        await prepare(store, runpod, graph)
+    assert failure.value.type == ErrorType.MISSING_INPUT and failure.value.non_retryable
+    assert "node '20' (VHS_LoadVideo) input 'video'" in failure.value.message
+    assert runpod.requests == [], "no RunPod call at all"
+
+
+async def test_a_pool_that_refuses_unclassified_graphs_takes_none_before_a_registry() -> None:
+    store, runpod = MemoryStore(), ScriptedRunPod()
+    error = await refused(store, runpod, GRAPH, unclassified_inputs="refuse")
+    assert "knows no node registry" in error.message
+    publish(store)
+    await prepare(store, runpod, GRAPH, unclassified_inputs="refuse")
+
+
 async def test_off_checks_nothing_even_with_a_published_registry() -> None:
     store, runpod = MemoryStore(), ScriptedRunPod()
     publish(store)
