@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import re
 import unicodedata
+from collections.abc import Collection
 
 MAX_COMPONENT_BYTES = 120
 MAX_KEY_BYTES = 1024  # S3's own limit on a key
@@ -107,6 +108,12 @@ def content_type_for(filename: str) -> str:
     if dot < 0:
         return DEFAULT_CONTENT_TYPE
     return _CONTENT_TYPES.get(filename[dot:].lower(), DEFAULT_CONTENT_TYPE)
+
+
+def extensions_of(content_types: Collection[str]) -> dict[str, str]:
+    """Every extension (`.png`) whose content type is one of `content_types`, with its type:
+    the table above, read the other way."""
+    return {ext: kind for ext, kind in _CONTENT_TYPES.items() if kind in content_types}
 
 
 def shown(value: str, limit: int = 80) -> str:

@@ -25,6 +25,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterable, Mapping
 from contextlib import AsyncExitStack
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Self
@@ -54,6 +55,7 @@ __all__ = [
     "ArtifactStore",
     "IntegrityError",
     "ObjectMissing",
+    "PresignedPut",
     "S3Settings",
     "SourceStreamError",
     "StorageConfigError",
@@ -66,6 +68,7 @@ log = structlog.get_logger("durable_comfy.storage")
 MAX_PRESIGN_TTL_S = 7 * 24 * 3600  # SigV4's ceiling
 _DOWNLOAD_CHUNK = 1024 * 1024
 _METADATA_KEY = re.compile(r"^[a-z0-9-]{1,64}$")
+_SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 
 
 class StoredObject(BaseModel):
@@ -77,6 +80,17 @@ class StoredObject(BaseModel):
     size: int
     sha256: str  # "" when the object carries no sha256 metadata (it then never verifies)
     content_type: str
+
+
+class PresignedPut(BaseModel):
+    """`presign_put`'s answer: the URL (a bearer credential: never log it), the headers the PUT
+    must send as they are (the signature covers each one), and when the URL stops working."""
+
+    model_config = ConfigDict(frozen=True)
+
+    url: str
+    headers: dict[str, str]
+    expires_at: datetime
 
 
 class ArtifactStore:
@@ -260,6 +274,59 @@ class ArtifactStore:
         except S3_FAILURES as exc:
             raise translate(exc, "presign", bucket, key) from exc
         return url
+
+    async def presign_put(
+        self,
+        key: str,
+        *,
+        size: int,
+        sha256: str,
+        content_type: str,
+        ttl_s: int,
+        bucket: str | None = None,
+    ) -> PresignedPut:
+        """A PUT URL for exactly one file, valid for `ttl_s` seconds: the signature covers its
+        Content-Length, its Content-Type, its sha256 as `x-amz-checksum-sha256` (so the store
+        refuses other bytes with BadDigest and keeps none of them) and as the `sha256` metadata
+        that `head` reads. A client that sends anything else, or leaves a header out, is
+        refused (SignatureDoesNotMatch): the URL can store that file at that key and nothing
+        else. It is a bearer credential all the same: never log it."""
+        if not 1 <= ttl_s <= MAX_PRESIGN_TTL_S:
+            raise ValueError(f"ttl_s must be within 1..{MAX_PRESIGN_TTL_S}")
+        if size < 0:
+            raise ValueError("size must not be negative")
+        if not _SHA256_HEX.match(sha256):
+            raise ValueError("sha256 must be 64 lowercase hex digits")
+        _check_header_value("content_type", content_type)
+        bucket = bucket or self.settings.bucket
+        checksum = base64.b64encode(bytes.fromhex(sha256)).decode()
+        # X-Amz-Date has whole seconds: counted from the second before signing, the stated
+        # expiry is never later than the store's.
+        signed_at = datetime.now(UTC).replace(microsecond=0)
+        params = {
+            "Bucket": bucket,
+            "Key": key,
+            "ContentLength": size,
+            "ContentType": content_type,
+            "ChecksumSHA256": checksum,
+            "Metadata": {"sha256": sha256},
+        }
+        try:
+            url: str = await self.client.generate_presigned_url(
+                "put_object", Params=params, ExpiresIn=ttl_s
+            )
+        except S3_FAILURES as exc:
+            raise translate(exc, "presign", bucket, key) from exc
+        return PresignedPut(
+            url=url,
+            headers={
+                "Content-Type": content_type,
+                "Content-Length": str(size),
+                "x-amz-checksum-sha256": checksum,
+                "x-amz-meta-sha256": sha256,
+            },
+            expires_at=signed_at + timedelta(seconds=ttl_s),
+        )
 
     async def download(
         self, key: str, dest: Path, *, expected_sha256: str, bucket: str | None = None

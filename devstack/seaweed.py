@@ -172,6 +172,10 @@ def seaweed_argv(config: StackConfig, base_dir: Path, paths: StackPaths) -> tupl
         "webdav": str(s3.webdav).lower(),
         "webdav.port": s3.webdav_port,
         "bucket": s3.bucket,
+        # The gateway's page PUTs input files straight to the bucket (POST /v1/uploads) from
+        # the gateway's origin, on whatever port it serves: the browser's CORS preflight must
+        # be answered for any origin. weed's default today; said here rather than assumed.
+        "s3.allowedOrigins": "*",
         **_local_socket_flags(paths),
     }
     # Global flags go before the subcommand. glog writes INFO for every request, and by default

@@ -19,15 +19,17 @@ from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from fastapi.staticfiles import StaticFiles
+from pydantic import BaseModel
 from temporalio.api.workflowservice.v1 import DescribeNamespaceRequest
 
-from gateway import jobs_api, stream_api
+from gateway import jobs_api, stream_api, uploads_api
 from gateway.auth import ApiKeys
 from gateway.errors import UNAVAILABLE_RETRY_AFTER_S, install_error_handlers, retry_after
 from gateway.jobs_api import JobSubmission
 from gateway.middleware import BoundedBodies, RequestLog
 from gateway.settings import GatewaySettings
 from gateway.state import ClientFactory, Gateway, gateway_of
+from gateway.uploads import UPLOAD_EXTENSIONS, UploadRequest
 from starter.client import JobClient
 from starter.connection import TemporalSettings
 
@@ -79,6 +81,7 @@ def create_app(
     install_error_handlers(app)
     app.include_router(jobs_api.router)
     app.include_router(stream_api.router)
+    app.include_router(uploads_api.router)
     _add_service_routes(app, gateway)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     # The page's files at /, after every API route (a missing folder serves 404s).
@@ -117,11 +120,15 @@ def _add_service_routes(app: FastAPI, gateway: Gateway) -> None:
     @app.get("/v1/config", tags=["service"])
     async def config() -> dict[str, Any]:
         """What the browser page needs before it asks for anything: whether a key is
-        required, the example graph, and the body limit."""
+        required, the example graph, the body limit, and which input files it may upload."""
         return {
             "auth_required": not gateway.keys.open,
             "example_graph": example,
             "max_body_bytes": gateway.settings.max_body_bytes,
+            "uploads": {
+                "max_bytes": gateway.settings.upload_max_bytes,
+                "types": UPLOAD_EXTENSIONS,
+            },
         }
 
 
@@ -134,16 +141,25 @@ def _example_graph() -> dict[str, Any] | None:
     return graph if isinstance(graph, dict) else None
 
 
+# The bodies routes read themselves (bounded, their errors in the gateway's shape), which
+# FastAPI therefore does not know: each route's requestBody names its schema here.
+OWN_BODIES: dict[str, type[BaseModel]] = {
+    "JobSubmission": JobSubmission,
+    "UploadRequest": UploadRequest,
+}
+
+
 def _openapi(app: FastAPI) -> dict[str, Any]:
-    """FastAPI's document, with the submission body the route reads itself."""
+    """FastAPI's document, with the bodies the routes read themselves."""
     if app.openapi_schema:
         return app.openapi_schema
     document = get_openapi(
         title=app.title, version=app.version, summary=app.summary, routes=app.routes
     )
-    schema = JobSubmission.model_json_schema(ref_template="#/components/schemas/{model}")
     components = document.setdefault("components", {}).setdefault("schemas", {})
-    components.update(schema.pop("$defs", {}))
-    components["JobSubmission"] = schema
+    for name, model in OWN_BODIES.items():
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(schema.pop("$defs", {}))
+        components[name] = schema
     app.openapi_schema = document
     return document

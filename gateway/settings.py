@@ -19,6 +19,7 @@ from gateway.auth import AuthSettings
 from gateway.limits import LimitSettings
 
 MiB = 1024 * 1024
+GiB = 1024 * MiB
 
 
 class GatewaySettings(AuthSettings, LimitSettings):
@@ -59,6 +60,17 @@ class GatewaySettings(AuthSettings, LimitSettings):
     # How long /readyz waits for Temporal's answer.
     ready_timeout_s: float = Field(
         2.0, gt=0, validation_alias="DURABLE_COMFY_GATEWAY_READY_TIMEOUT_S"
+    )
+    # The largest file `POST /v1/uploads` presigns a PUT for: ComfyUI's own upload limit
+    # (--max-upload-size), which is also what a worker reads of one input. One PUT carries at
+    # most 5 GiB (S3's limit without multipart).
+    upload_max_bytes: int = Field(
+        100 * MiB, ge=1, le=5 * GiB, validation_alias="DURABLE_COMFY_GATEWAY_UPLOAD_MAX_BYTES"
+    )
+    # How long an upload's presigned PUT works: long enough for a slow link to send the largest
+    # file, short enough that a leaked URL soon stops working (it can only ever store that file).
+    upload_ttl_s: int = Field(
+        900, ge=1, le=7 * 24 * 3600, validation_alias="DURABLE_COMFY_GATEWAY_UPLOAD_TTL_S"
     )
     log_level: str = Field("INFO", validation_alias="DURABLE_COMFY_LOG_LEVEL")
     # The worker's development allow-list of webhook hosts (activities.settings.WebhookSettings):

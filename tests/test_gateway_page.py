@@ -18,6 +18,7 @@ load nothing from another origin.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import re
@@ -33,6 +34,7 @@ from typing import Any
 import httpx
 import pytest
 
+from activities.comfyui.activities import upload_name
 from devstack.models import RunningStack
 from starter import JobClient, JobState
 from tests.cli_support import ROOT, cli_env, running_worker
@@ -237,6 +239,103 @@ async def test_the_page_follows_a_job_through_a_gateway_kill(
     assert not [line for line in page.console if line.startswith("uncaught")], page.console
     assert second["job"] == job_id and second["state"] == "COMPLETED", second
     assert second["images"] and all(image["loaded"] for image in second["images"]), second
+
+
+# A graph that loads the file the page uploads, by its name.
+UPLOAD_GRAPH = {
+    "1": {"class_type": "LoadImage", "inputs": {"image": "photo.png"}},
+    "2": {"class_type": "ImageInvert", "inputs": {"image": ["1", 0]}},
+    "3": {"class_type": "SaveImage", "inputs": {"images": ["2", 0], "filename_prefix": "page"}},
+}
+UPLOAD_ROWS = "[...document.querySelectorAll('#uploads li')].map(li => li.textContent)"
+
+
+async def pick_files(page: Page, element_id: str, *paths: Path) -> None:
+    """Choose files in a file input, as a person would in the browser's file dialog."""
+    root = await page.call("DOM.getDocument")
+    found = await page.call(
+        "DOM.querySelector", nodeId=root["root"]["nodeId"], selector=f"#{element_id}"
+    )
+    await page.call("DOM.setFileInputFiles", nodeId=found["nodeId"], files=[str(p) for p in paths])
+
+
+@needs_chromium
+async def test_the_page_uploads_an_input_file_that_the_job_loads(
+    local_stack: RunningStack, tmp_path: Path
+) -> None:
+    """A file picked in "Input files" is hashed, presigned, PUT to the bucket, and named as an
+    `s3` input of the job, whose LoadImage gets its very bytes."""
+    key = secrets.token_urlsafe(32)
+    port = free_port()
+    photo = tmp_path / "photo.png"
+    data = b"\x89PNG\r\n\x1a\n" + os.urandom(200_000)
+    photo.write_bytes(data)
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not an image")
+    async with running_worker(local_stack, "page-upload") as worker:
+        env = cli_env(local_stack, worker.task_queue) | {"DURABLE_COMFY_API_KEYS": f"up:{key}"}
+        job_id = ""
+        try:
+            async with (
+                running_gateway(env, port, tmp_path / "gateway.log"),
+                open_page(f"http://{HOST}:{port}/", free_port(), tmp_path / "profile") as page,
+            ):
+                await page.record_console()
+                await page.record_requests()
+                try:
+                    await page.wait_for("document.body.dataset.config == 'loaded'", 30)
+                    await page.evaluate(set_field("api-key", key))
+                    await page.evaluate(set_field("graph", json.dumps(UPLOAD_GRAPH)))
+                    # A file of a type ComfyUI does not load is refused before it is read.
+                    await pick_files(page, "files", notes)
+                    await page.click_text("Submit")
+                    refused = await page.wait_for(
+                        "document.getElementById('submit-error').textContent", 10
+                    )
+                    await pick_files(page, "files", photo)
+                    await page.click_text("Submit")
+                    found = await page.wait_for(
+                        "location.hash.startsWith('#job=') && location.hash", 60
+                    )
+                    job_id = str(found).removeprefix("#job=")
+                    seen = await until_ended(page, 60)
+                    rows = json.loads(await page.evaluate(f"JSON.stringify({UPLOAD_ROWS})"))
+                    shown = await evidence(page, tmp_path, "page-upload")
+                except BaseException as failure:
+                    failure.add_note(await evidence(page, tmp_path, "failure-upload"))
+                    failure.add_note(f"gateway log: {tmp_path}/gateway.log")
+                    raise
+            ended = await worker.client.status(job_id)
+            async with httpx.AsyncClient(trust_env=False) as http:
+                received = await http.get(
+                    f"{local_stack.comfyui_url}/view",
+                    params={"filename": upload_name(job_id, "photo.png"), "type": "input"},
+                )
+        finally:
+            await settle(worker.client, job_id)
+    print(shown)
+    assert ended.state == JobState.COMPLETED, ended.error
+    assert seen[-1]["state"] == "COMPLETED", (seen[-1], shown)
+    assert refused.startswith("notes.txt: not an input file this gateway takes"), refused
+    assert ".png" in refused, refused
+    assert rows == [f"photo.png: uploaded ✓ ({len(data)} bytes)"], (rows, shown)
+    presigns = [r for r in page.requests if r["url"].endswith("/v1/uploads")]
+    puts = [r for r in page.requests if r["method"] == "PUT"]
+    [job_post] = [r for r in page.requests if r["url"].endswith("/v1/jobs")]
+    assert [json.loads(r["postData"])["filename"] for r in presigns] == ["photo.png"], presigns
+    assert [r["url"].split("?")[0] for r in puts] == [
+        f"{local_stack.s3_endpoint}/{local_stack.bucket}/_staged/up/"
+        f"{hashlib.sha256(data).hexdigest()}/photo.png"
+    ], puts
+    inputs = json.loads(job_post["postData"])["inputs"]
+    assert inputs == {
+        "photo.png": {
+            "kind": "s3",
+            "uri": puts[0]["url"].split("?")[0].replace(f"{local_stack.s3_endpoint}/", "s3://"),
+        }
+    }, inputs
+    assert received.status_code == 200 and received.content == data, "ComfyUI got other bytes"
+    assert not [line for line in page.console if line.startswith("uncaught")], page.console
 
 
 def header(request: dict[str, Any], name: str) -> str:

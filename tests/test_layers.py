@@ -3,7 +3,7 @@
     bench/      -> devstack/, starter/, activities/, workflows/   (tooling uses the product)
     devstack/   -> starter/, activities/, workflows/, endpoint/
     worker.py   -> starter/ (connection), activities/, workflows/
-    gateway/    -> starter/, workflows/, the S3 and URL-check helpers of activities/
+    gateway/    -> starter/, workflows/, the S3, key and URL-check helpers of activities/
     starter/    -> workflows/, the S3 helpers of activities/      (a client needs no worker code)
     endpoint/   -> activities/ (the ComfyUI core, progress, keys, the RunPod wire contract)
     activities/ -> workflows/
@@ -77,6 +77,8 @@ ALLOWED = {
     ("gateway", "activities.url_fetch"),
     ("gateway", "activities.webhook_target"),
     ("gateway", "activities.settings"),
+    # Uploads name their keys and types as the worker names artifacts' (pure functions).
+    ("gateway", "activities.keys"),
 }
 # Installed with runpod (runpod==1.12.0 requires boto3).
 WITH_RUNPOD = {"boto3", "botocore"}

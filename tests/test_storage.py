@@ -31,6 +31,7 @@ import tracemalloc
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -633,6 +634,51 @@ async def test_presigned_url_fetches_then_expires(store: ArtifactStore, prefix: 
         assert (await http.get(url)).status_code == 403
     with pytest.raises(ValueError):
         await store.presign_get(f"{prefix}/p.txt", ttl_s=0)
+
+
+async def test_a_presigned_put_stores_that_one_file_until_it_expires(
+    store: ArtifactStore, prefix: str
+) -> None:
+    """The signature holds the PUT to the declared length, type, sha256 and metadata; a header
+    added is refused too; and the URL stops working at `expires_at` (the store's own expiry is
+    never earlier). What each refusal looks like through the gateway: test_gateway_uploads.py."""
+    data = os.urandom(2000)
+    digest = hashlib.sha256(data).hexdigest()
+    key = f"{prefix}/upload.png"
+    declared: dict[str, Any] = {
+        "size": len(data),
+        "sha256": digest,
+        "content_type": "image/png",
+        "ttl_s": 2,
+    }
+    await asyncio.sleep(1 - time.time() % 1 + 0.01)  # SigV4 dates have whole seconds
+    put = await store.presign_put(key, **declared)
+    assert "X-Amz-Signature" in put.url
+    ttl = timedelta(seconds=declared["ttl_s"])
+    assert datetime.now(UTC) + ttl - timedelta(seconds=1.5) <= put.expires_at
+    assert put.expires_at <= datetime.now(UTC) + ttl
+    async with httpx.AsyncClient(trust_env=False) as http:
+        added = await http.put(put.url, content=data, headers=put.headers | {"x-amz-acl": "x"})
+        assert added.status_code == 403, added.text
+        stored = await http.put(put.url, content=data, headers=put.headers)
+        assert stored.status_code == 200, stored.text
+        found = await store.head(key)
+        assert found is not None
+        assert (found.size, found.sha256, found.content_type) == (len(data), digest, "image/png")
+        await asyncio.sleep(max(0.0, (put.expires_at - datetime.now(UTC)).total_seconds()) + 1.1)
+        late = await http.put(put.url, content=data, headers=put.headers)
+        assert late.status_code == 403, late.text
+    wrong: list[dict[str, Any]] = [
+        {"ttl_s": 0},
+        {"ttl_s": 7 * 24 * 3600 + 1},
+        {"sha256": digest.upper()},
+        {"sha256": digest[:-1]},
+        {"size": -1},
+        {"content_type": "image/png\r\nx-amz-acl: public-read"},
+    ]
+    for changed in wrong:
+        with pytest.raises(ValueError):
+            await store.presign_put(key, **(declared | changed))
 
 
 async def test_download_checks_sha256_and_leaves_nothing_on_mismatch(

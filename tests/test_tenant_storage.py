@@ -188,3 +188,47 @@ async def _image_bytes(gateway: RunningGateway, worker: RunningWorker) -> bytes:
         view = await wait_state(http, gateway, answer.json()["job_id"], "beta")
     key = view["artifacts"][0]["key"]
     return await worker.store.read_bytes(key, limit=10 * 1024 * 1024)
+
+
+async def test_an_upload_is_an_input_of_its_own_tenants_jobs_only(
+    gateway: RunningGateway, worker: RunningWorker
+) -> None:
+    """`POST /v1/uploads` as beta, the PUT, a job of beta's using it: COMPLETED. The same uri
+    in acme's job: refused by the gateway, and by the worker for a client that skips it."""
+    data = await _image_bytes(gateway, worker)
+    declared = {
+        "filename": "shared.png",
+        "size": len(data),
+        "sha256": hashlib.sha256(data).hexdigest(),
+        "content_type": "image/png",
+    }
+    async with httpx.AsyncClient(timeout=60, trust_env=False) as http:
+        presigned = await http.post(
+            f"{gateway.url}/v1/uploads", json=declared, headers=gateway.auth("beta")
+        )
+        assert presigned.status_code == 201, presigned.text
+        upload = presigned.json()
+        assert upload["uri"].split("/", 3)[3].startswith("_staged/beta/")
+        stored = await http.put(upload["put_url"], content=data, headers=upload["headers"])
+        assert stored.status_code == 200, stored.text
+
+        own = await http.post(
+            f"{gateway.url}/v1/jobs",
+            json=load_and_save(upload["uri"]),
+            headers=gateway.auth("beta"),
+        )
+        assert own.status_code == 201, own.text
+        view = await wait_state(http, gateway, own.json()["job_id"], "beta")
+        assert view["state"] == "COMPLETED", view
+
+        other = await http.post(
+            f"{gateway.url}/v1/jobs", json=load_and_save(upload["uri"]), headers=gateway.auth()
+        )
+    assert other.status_code == 422, other.text
+    assert other.json()["error"]["problems"][0]["loc"] == ["inputs", "stolen.png", "uri"]
+    request = JobRequest.model_validate(
+        {**load_and_save(upload["uri"]), "labels": {"tenant": "acme"}}
+    )
+    final = await worker.client.wait((await worker.client.submit(request)).job_id)
+    assert final.state == JobState.FAILED and final.error is not None
+    assert final.error.type == ErrorType.INVALID_REQUEST

@@ -1,4 +1,5 @@
-// The gateway's browser page: submit a graph, then follow the job until it ends.
+// The gateway's browser page: submit a graph (with input files uploaded to the bucket first),
+// then follow the job until it ends.
 //
 // Following is one loop per job: stream the events (Server-Sent Events, read with fetch(),
 // because EventSource cannot send an Authorization header); when the stream fails, say
@@ -75,6 +76,10 @@ const sleep = (ms, signal) =>
 
 let exampleGraph = null;
 let maxBodyBytes = Infinity; // the gateway's limit: a larger graph is refused before it is sent
+// Input files the gateway takes: extension → the type it is sent as, and the largest size.
+// Unknown (no configuration): the gateway's answer to each upload says.
+let uploadTypes = null;
+let uploadMaxBytes = Infinity;
 
 async function loadConfig() {
   try {
@@ -83,6 +88,9 @@ async function loadConfig() {
     const config = await response.json();
     exampleGraph = config.example_graph ?? null;
     maxBodyBytes = config.max_body_bytes ?? Infinity;
+    uploadTypes = config.uploads?.types ?? null;
+    uploadMaxBytes = config.uploads?.max_bytes ?? Infinity;
+    if (uploadTypes) $("files").accept = Object.keys(uploadTypes).join(",");
     $("key-section").hidden = config.auth_required === false;
     document.body.dataset.config = "loaded";
   } catch {
@@ -110,29 +118,146 @@ function readGraph() {
 async function submit() {
   const button = $("submit");
   showSubmitError("");
-  let body;
+  let graph;
+  let files;
   try {
-    // Not detached: a job nobody follows any more is abandoned, so a closed tab frees the GPU.
-    body = JSON.stringify({ graph: readGraph(), detached: false });
-    const size = new TextEncoder().encode(body).length;
-    if (size > maxBodyBytes) {
-      throw new Refused(`The request is ${size} bytes; this gateway takes at most ${maxBodyBytes}.`);
-    }
+    graph = readGraph();
+    files = chosenFiles();
   } catch (error) {
     showSubmitError(error.message);
     return;
   }
-  // One key per click: a POST sent again after a lost answer finds the job the first started.
-  const idempotencyKey = newIdempotencyKey();
   button.disabled = true;
   try {
-    const job = await postJob(body, idempotencyKey);
+    // Not detached: a job nobody follows any more is abandoned, so a closed tab frees the GPU.
+    const request = { graph, detached: false };
+    if (files.length) request.inputs = await uploadFiles(files);
+    const body = JSON.stringify(request);
+    const size = new TextEncoder().encode(body).length;
+    if (size > maxBodyBytes) {
+      throw new Refused(`The request is ${size} bytes; this gateway takes at most ${maxBodyBytes}.`);
+    }
+    // One key per click: a POST sent again after a lost answer finds the job the first started.
+    const job = await postJob(body, newIdempotencyKey());
     location.hash = `job=${encodeURIComponent(job.job_id)}`; // the hashchange follows it
   } catch (error) {
     showSubmitError(error.message);
   } finally {
     button.disabled = false;
   }
+}
+
+// --- input files: hashed here, presigned by the gateway, PUT straight to the bucket ------
+
+// The files picked, each checked against what the gateway takes before any is read.
+function chosenFiles() {
+  const files = [...$("files").files];
+  $("uploads").replaceChildren();
+  for (const file of files) {
+    const type = uploadType(file);
+    if (!type) {
+      const accepted = Object.keys(uploadTypes).join(" ");
+      throw new Refused(`${file.name}: not an input file this gateway takes (${accepted}).`);
+    }
+    if (file.size > uploadMaxBytes) {
+      const most = `this gateway takes files of at most ${uploadMaxBytes}`;
+      throw new Refused(`${file.name} is ${file.size} bytes; ${most}.`);
+    }
+  }
+  // crypto.subtle exists only on https or localhost pages.
+  if (files.length && !globalThis.crypto?.subtle) {
+    throw new Refused(
+      "Uploading needs this page over https (or on localhost): the browser hashes files only there.",
+    );
+  }
+  return files;
+}
+
+// The type a file is sent as: the gateway's for its extension (the only one it accepts).
+function uploadType(file) {
+  if (!uploadTypes) return file.type || "application/octet-stream";
+  const dot = file.name.lastIndexOf(".");
+  return dot < 0 ? null : uploadTypes[file.name.slice(dot).toLowerCase()] ?? null;
+}
+
+// Uploads each file in turn; the job's inputs, each under its file's name.
+async function uploadFiles(files) {
+  const inputs = {};
+  for (const file of files) {
+    const row = document.createElement("li");
+    $("uploads").append(row);
+    const show = (state, text) => {
+      row.dataset.upload = state;
+      row.textContent = `${file.name}: ${text}`;
+    };
+    try {
+      show("hashing", "hashing…");
+      const sha256 = await sha256Hex(file);
+      show("asking", "asking the gateway where to put it…");
+      const answer = await presignUpload(file, sha256);
+      if (answer.exists) {
+        show("done", "already uploaded ✓");
+      } else {
+        const progress = (fraction) => show("uploading", `uploading… ${Math.floor(fraction * 100)} %`);
+        await putFile(answer, file, progress);
+        show("done", `uploaded ✓ (${file.size} bytes)`);
+      }
+      inputs[file.name] = { kind: "s3", uri: answer.uri };
+    } catch (error) {
+      show("failed", `not uploaded: ${error.message}`);
+      throw new Refused(`Not submitted: ${file.name} was not uploaded (${error.message}).`);
+    }
+  }
+  return inputs;
+}
+
+async function sha256Hex(file) {
+  const digest = await crypto.subtle.digest("SHA-256", await file.arrayBuffer());
+  return Array.from(new Uint8Array(digest), (b) => b.toString(16).padStart(2, "0")).join("");
+}
+
+async function presignUpload(file, sha256) {
+  let response;
+  try {
+    response = await fetch("v1/uploads", {
+      method: "POST",
+      headers: headers({ "Content-Type": "application/json" }),
+      body: JSON.stringify({
+        filename: file.name,
+        size: file.size,
+        sha256,
+        content_type: uploadType(file),
+      }),
+      signal: AbortSignal.timeout(RETRY.requestTimeoutMs),
+    });
+  } catch (error) {
+    throw new Refused(`the gateway did not answer (${error.message})`);
+  }
+  if (!response.ok) throw new Refused(await errorText(response));
+  return await response.json();
+}
+
+// The PUT, with the headers the gateway signed (XMLHttpRequest: fetch reports no upload
+// progress). The bucket refuses any other bytes, length or type.
+function putFile(answer, file, onProgress) {
+  return new Promise((resolve, reject) => {
+    const xhr = new XMLHttpRequest();
+    xhr.open("PUT", answer.put_url);
+    for (const [name, value] of Object.entries(answer.headers)) {
+      // The browser sends the file's own Content-Length; a page may not set it.
+      if (name.toLowerCase() !== "content-length") xhr.setRequestHeader(name, value);
+    }
+    xhr.upload.addEventListener("progress", (e) => e.lengthComputable && onProgress(e.loaded / e.total));
+    xhr.addEventListener("load", () => {
+      if (xhr.status >= 200 && xhr.status < 300) return resolve();
+      const code = /<Code>([^<]*)<\/Code>/.exec(xhr.responseText || "")?.[1];
+      reject(new Error(`the bucket refused it: HTTP ${xhr.status}${code ? ` ${code}` : ""}`));
+    });
+    xhr.addEventListener("error", () =>
+      reject(new Error("the bucket did not answer, or its CORS rules do not let this page PUT")),
+    );
+    xhr.send(file);
+  });
 }
 
 async function postJob(body, idempotencyKey) {
