@@ -24,7 +24,7 @@ from activities.url_fetch import FetchFailed, UrlFetcher, UrlFetchError, default
 from workflows.activity_io import PrepareInput
 from workflows.contracts import MAX_INLINE_INPUT_BYTES, InlineInput, InputRef, S3Input, UrlInput
 from workflows.shared import ErrorType
-from workflows.tenancy import InputOutsideArea, check_input_uri
+from workflows.tenancy import inputs_outside_area
 
 log = structlog.get_logger(__name__)
 
@@ -76,23 +76,16 @@ def refuse_inputs_outside_area(req: PrepareInput, storage: S3Settings) -> None:
     without a tenant (the SDK's single-tenant use) is not confined."""
     if req.tenant is None:
         return
-    bucket = req.output.bucket or storage.bucket
-    for name, ref in req.inputs.items():
-        if not isinstance(ref, S3Input):
-            continue
-        try:
-            check_input_uri(
-                name,
-                ref.uri,
-                tenant=req.tenant,
-                bucket=bucket,
-                allowed=storage.allowed_input_prefixes,
-            )
-        except InputOutsideArea as exc:
-            log.warning("s3_input.refused", job_id=req.job_id, tenant=req.tenant, input=name)
-            raise fatal(
-                ErrorType.INVALID_REQUEST, str(exc), input=name, rule="tenant_area"
-            ) from exc
+    refused = inputs_outside_area(
+        req.inputs,
+        tenant=req.tenant,
+        bucket=req.output.bucket or storage.bucket,
+        allowed=storage.allowed_input_prefixes,
+    )
+    if refused:
+        name, exc = refused[0]
+        log.warning("s3_input.refused", job_id=req.job_id, tenant=req.tenant, input=name)
+        raise fatal(ErrorType.INVALID_REQUEST, str(exc), input=name, rule="tenant_area") from exc
 
 
 def from_url_fetch(exc: UrlFetchError, name: str) -> ApplicationError:

@@ -156,6 +156,8 @@ class WorkerComfyUI(BaseModel):
     log_file: Path
     output_dir: Path
     input_dir: Path
+    # ComfyUI's temp folder itself (`temp/` inside what --temp-directory names).
+    temp_dir: Path
 
     @classmethod
     def of(cls, worker_dir: Path) -> WorkerComfyUI:
@@ -174,7 +176,8 @@ class RealComfyPerWorker:
     bills, as a worker-comfyui container starts its ComfyUI), a real ComfyUI from
     REAL_COMFYUI_DIR on a free port with its own output, input, temp and user folders and
     database under the worker's directory (`comfy/`), its log in `comfyui.log`; stopped with the
-    worker. The worker gets COMFY_URL, COMFY_HOST and COMFY_PID, as with ComfySimPerWorker;
+    worker. The worker gets COMFY_URL, COMFY_HOST, COMFY_PID and the folders (COMFY_INPUT_DIR,
+    COMFY_OUTPUT_DIR, COMFY_TEMP_DIR: as ComfyUI was given them), as with ComfySimPerWorker;
     `comfyui.json` in the worker's directory says the same to tests (WorkerComfyUI.of).
 
     ComfyUI gets the few variables a worker inherits, none of the simulator's secrets.
@@ -229,9 +232,18 @@ class RealComfyPerWorker:
             log_file=log_file,
             output_dir=dirs["output"],
             input_dir=dirs["input"],
+            temp_dir=dirs["temp"] / "temp",
         )
         (slot.work_dir / WORKER_RECORD).write_text(record.model_dump_json())
-        return {"COMFY_URL": url, "COMFY_HOST": f"127.0.0.1:{port}", "COMFY_PID": str(proc.pid)}
+        return {
+            "COMFY_URL": url,
+            "COMFY_HOST": f"127.0.0.1:{port}",
+            "COMFY_PID": str(proc.pid),
+            # The handler removes each job's files from the folders this ComfyUI uses.
+            "COMFY_INPUT_DIR": str(dirs["input"]),
+            "COMFY_OUTPUT_DIR": str(dirs["output"]),
+            "COMFY_TEMP_DIR": str(dirs["temp"]),
+        }
 
     async def _wait_ready(self, url: str, proc: ChildProcess, log_file: Path) -> None:
         deadline = time.monotonic() + self.startup_timeout_s

@@ -15,6 +15,7 @@ from activities.comfyui.client import ComfyClient, ComfyError
 from activities.comfyui.follower import ComfyGone
 from activities.runpod.contract import InputImage
 from endpoint.inputs import decode_image
+from endpoint.job_files import JobFiles
 
 log = structlog.get_logger(__name__)
 
@@ -66,9 +67,12 @@ async def wait_for_comfy(
         await asyncio.sleep(POLL_S)
 
 
-async def stage_images(client: ComfyClient, images: list[InputImage]) -> None:
-    """Upload the job's input files to ComfyUI's input folder under their own names."""
+async def stage_images(client: ComfyClient, images: list[InputImage], files: JobFiles) -> None:
+    """Upload the job's input files to ComfyUI's input folder under their own names (`files`
+    keeps them, for their removal once the prompt has ended)."""
     for index, image in enumerate(images):
         data = decode_image(index, image)
+        files.uploading(image.name)
         stored = await client.upload_image(image.name, data, overwrite=True)
+        files.uploaded(stored)
         log.info("input_staged", name=image.name, stored_as=stored, size=len(data))

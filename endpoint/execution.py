@@ -22,6 +22,7 @@ from activities.comfyui.follower import PromptEnd, PromptFollower, Stage
 from activities.progress import ProgressTracker
 from activities.runpod.contract import ArtifactRecord, InputImage, ProgressStage
 from endpoint.comfy import stage_images, wait_for_comfy
+from endpoint.job_files import JobFiles, with_fresh_outputs
 from endpoint.outputs import OutputCollector, OutputSink
 from endpoint.reporting import ProgressReporter
 from endpoint.settings import EndpointSettings
@@ -62,12 +63,16 @@ class Execution:
     ) -> None:
         self.client = client
         self.settings = settings
+        # Its outputs removed after the run, a repeated graph must not answer from the cache.
+        graph = with_fresh_outputs(graph, prompt_id)
         self.graph = graph
         self.on_ready = on_ready
         self.images = images
         self.staged = staged
         self.prompt_id = prompt_id
         self.reporter = reporter
+        # What the run puts in ComfyUI's folders; endpoint/job.py has it removed at the end.
+        self.files = JobFiles(settings.comfy_folders)
         self.collector = OutputCollector(client, sink, self._stored, run_tag=run_tag)
         self.follower = PromptFollower(
             client,
@@ -124,11 +129,12 @@ class Execution:
                 timeout_s=self.settings.comfy_start_timeout_s,
                 on_waiting=lambda: self.stage_changed("starting"),
             )
+            await self.files.locate()
             if self.on_ready is not None:
                 self.on_ready()
-            await stage_images(self.client, self.images)
+            await stage_images(self.client, self.images, self.files)
             if self.staged is not None:
-                await self.staged.stage(self.client)
+                await self.staged.stage(self.client, self.files)
             end = await self.follower.run()
             if end.outcome == "error" and is_out_of_memory(end.error):
                 await self._free_memory()
@@ -183,9 +189,11 @@ class Execution:
 
     async def executed(self, node: str, output: dict[str, Any]) -> None:
         await self.moved()
+        self.files.list_outputs({node: output})
         self.collector.add({node: output})
 
     async def outputs(self, outputs: dict[str, Any]) -> None:
+        self.files.list_outputs(outputs)
         self.collector.add(outputs)
 
     def beat(self) -> None:
@@ -197,5 +205,6 @@ class Execution:
             raise failure
 
     def _stored(self, record: ArtifactRecord) -> None:
+        self.files.mark_stored(record.subfolder, record.filename)
         if self.reporter is not None:
             self.reporter.add_artifact(record)

@@ -183,12 +183,18 @@ class JobStop:
         )
         replace = record.prompt == "still_running"
         record.worker_replaced = replace
+        # No claim: nobody comes back for this run's outputs.
+        recorded = True
         if lease is not None:
             # First the verdict, then the worker: the claim must say why the worker went.
-            await self._record(lease, execution.records(), record)
+            recorded = await self._record(lease, execution.records(), record)
         if not replace:
             await asyncio.gather(work, return_exceptions=True)
+            # The prompt is gone and the uploads have ended: the run's files go (outputs only
+            # once the claim says the run is over: until then a later delivery may need them).
+            await execution.files.clear(stored_outputs=recorded)
             return
+        # The files stay under a prompt that still runs; the worker goes, and they with it.
         self.log.warning(
             "worker_replaced",
             job_id=self.job_id,
@@ -204,12 +210,15 @@ class JobStop:
             self.replace_worker()
         await asyncio.wait({work}, timeout=REPLACED_CLEANUP_S)
 
-    async def _record(self, lease: Lease, images: list[ArtifactRecord], record: StopRecord) -> None:
+    async def _record(self, lease: Lease, images: list[ArtifactRecord], record: StopRecord) -> bool:
+        """Finish the claim as cancelled; True when it is recorded."""
         outcome = _outcome("cancelled", images=images, error="cancelled", stop=record)
         try:
             await lease.finish(outcome)
         except (ClaimConflict, ClaimError) as exc:
             self.log.warning("claim_outcome_not_recorded", state="cancelled", error=str(exc))
+            return False
+        return True
 
 
 class StockJob:
@@ -257,6 +266,8 @@ class StockJob:
                 job_id=self.job_id,
             )
             await stop.stopped(execution, work)
+        # A stock answer is final (nobody re-attaches to its prompt): the run's files go.
+        await _clear_files(execution, stored_outputs=True)
         try:
             result = work.result()
         except Exception as exc:
@@ -455,6 +466,8 @@ class OrchestratedJob:
             await asyncio.wait({work})
         except asyncio.CancelledError:
             await self._stop().stopped(execution, work)
+        # Without a claim no delivery re-attaches to the prompt: the run's files go.
+        await _clear_files(execution, stored_outputs=True)
         try:
             result = work.result()
         except Exception as exc:
@@ -489,7 +502,13 @@ class OrchestratedJob:
             outcome = _outcome(
                 "failed", images=records, error=failure.error, error_type=failure.error_type
             )
-        recorded = await self._finish(lease, outcome)
+        recorded = False
+        try:
+            recorded = await self._finish(lease, outcome)
+        finally:
+            # Outputs only once the claim holds the outcome: until then a later delivery of the
+            # submission may re-attach to the prompt and store every output again from here.
+            await _clear_files(execution, stored_outputs=recorded)
         if failure is None:
             return self._success(records)
         return self._error(failure, records, claim_recorded=recorded)
@@ -508,7 +527,11 @@ class OrchestratedJob:
             await asyncio.gather(work, return_exceptions=True)
 
         stopping = asyncio.create_task(stop(), name="stop the prompt")
-        if await wait_out(stopping, "stopping the prompt"):
+        cancelled = await wait_out(stopping, "stopping the prompt")
+        # The new holder answers for the submission, and may re-attach to this prompt here (on
+        # this worker, once it is free): it needs the outputs, not the inputs (it stages its own).
+        await _clear_files(execution, stored_outputs=False)
+        if cancelled:
             raise asyncio.CancelledError
         holder = lease.lost_to.claim if lease.lost_to is not None else None
         return self._output(
@@ -651,6 +674,16 @@ class OrchestratedJob:
             claim_recorded=claim_recorded,
         )
         return _dump(error)
+
+
+async def _clear_files(execution: Execution, *, stored_outputs: bool) -> None:
+    """Remove the run's files from ComfyUI's folders (endpoint/job_files.py). A stop meanwhile
+    lets it finish, then ends the job, as it does the claim's finish."""
+    task = asyncio.create_task(
+        execution.files.clear(stored_outputs=stored_outputs), name="remove the run's files"
+    )
+    if await wait_out(task, "removing the run's files"):
+        raise asyncio.CancelledError
 
 
 def _outcome(

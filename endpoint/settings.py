@@ -9,15 +9,28 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
 
 DEFAULT_COMFY_URL = "http://127.0.0.1:8188"
+# ComfyUI's root in worker-comfyui's images, which endpoint/Dockerfile builds on.
+DEFAULT_COMFY_DIR = Path("/comfyui")
 
 
 class SettingsError(ValueError):
     """The environment is not usable; the message names the variable to fix."""
+
+
+@dataclass(frozen=True)
+class ComfyFolders:
+    """ComfyUI's three file folders on this worker (its `input`, `output` and `temp` types)."""
+
+    input: Path
+    output: Path
+    temp: Path
 
 
 class BucketSettings(BaseModel):
@@ -62,6 +75,23 @@ class EndpointSettings(BaseModel):
     # DURABLE_COMFY_BUCKET: the orchestrator's default bucket; when set, the worker publishes
     # its ComfyUI's node registry there at start (`contract.nodes_key(endpoint_id)`).
     nodes_bucket: str | None = None
+    # Where ComfyUI keeps files, so that each job's can be removed (endpoint/job_files.py):
+    # COMFY_DIR, its root; the others as given to ComfyUI's --input-directory,
+    # --output-directory and --temp-directory when it runs with them.
+    comfy_dir: Path = DEFAULT_COMFY_DIR
+    comfy_input_dir: Path | None = None
+    comfy_output_dir: Path | None = None
+    comfy_temp_dir: Path | None = None
+
+    @property
+    def comfy_folders(self) -> ComfyFolders:
+        """The folders ComfyUI reads inputs from and writes outputs and previews to."""
+        return ComfyFolders(
+            input=self.comfy_input_dir or self.comfy_dir / "input",
+            output=self.comfy_output_dir or self.comfy_dir / "output",
+            # ComfyUI puts its temp folder *inside* --temp-directory (main.py joins "temp").
+            temp=(self.comfy_temp_dir or self.comfy_dir) / "temp",
+        )
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> EndpointSettings:
@@ -77,6 +107,10 @@ class EndpointSettings(BaseModel):
             "BUCKET_RETRY_S": "bucket_retry_s",
             "RUNPOD_ENDPOINT_ID": "endpoint_id",
             "DURABLE_COMFY_BUCKET": "nodes_bucket",
+            "COMFY_DIR": "comfy_dir",
+            "COMFY_INPUT_DIR": "comfy_input_dir",
+            "COMFY_OUTPUT_DIR": "comfy_output_dir",
+            "COMFY_TEMP_DIR": "comfy_temp_dir",
         }
         for variable, field in optional.items():
             if env.get(variable):

@@ -18,6 +18,7 @@ import structlog
 from activities.comfyui.client import ComfyClient
 from activities.runpod.contract import MAX_INPUT_FILE_BYTES, StagedInput
 from endpoint.inputs import InputProblem
+from endpoint.job_files import JobFiles
 from endpoint.s3 import S3, S3_FAILURES, is_missing
 
 log = structlog.get_logger(__name__)
@@ -48,11 +49,14 @@ class StagedInputs:
                     f"this job's inputs folder {self.folder}/"
                 )
 
-    async def stage(self, client: ComfyClient) -> None:
+    async def stage(self, client: ComfyClient, files: JobFiles) -> None:
+        """Fetch, check and upload each file (`files` keeps them, for their removal)."""
         self.check()
         for item in self.files:
             data = await self._fetch(item)
+            files.uploading(item.name)
             stored = await client.upload_image(item.name, data, overwrite=True)
+            files.uploaded(stored)
             log.info("input_staged", name=item.name, stored_as=stored, size=len(data), staged=True)
 
     async def _fetch(self, item: StagedInput) -> bytes:

@@ -23,14 +23,8 @@ from pydantic import ValidationError
 
 from activities.settings import S3Settings
 from gateway.errors import bad_request, invalid, validation_problems
-from workflows.contracts import JobRequest, S3Input
-from workflows.tenancy import (
-    InputOutsideArea,
-    OutputOutsideArea,
-    check_input_uri,
-    check_output,
-    output_area,
-)
+from workflows.contracts import JobRequest
+from workflows.tenancy import OutputOutsideArea, check_output, inputs_outside_area, output_area
 
 IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e][\x20-\x7e]{0,198}[\x21-\x7e]$|^[\x21-\x7e]$")
 
@@ -93,22 +87,16 @@ def _check_storage(request: JobRequest, tenant: str, storage: S3Settings | None)
         raise invalid([{"loc": ["output", exc.field], "message": str(exc)}]) from None
     if storage is None:
         return
-    problems = []
-    for name, ref in request.inputs.items():
-        if not isinstance(ref, S3Input):
-            continue
-        try:
-            check_input_uri(
-                name,
-                ref.uri,
-                tenant=tenant,
-                bucket=request.output.bucket or storage.bucket,
-                allowed=storage.allowed_input_prefixes,
-            )
-        except InputOutsideArea as exc:
-            problems.append({"loc": ["inputs", name, "uri"], "message": str(exc)})
-    if problems:
-        raise invalid(problems)
+    refused = inputs_outside_area(
+        request.inputs,
+        tenant=tenant,
+        bucket=request.output.bucket or storage.bucket,
+        allowed=storage.allowed_input_prefixes,
+    )
+    if refused:
+        raise invalid(
+            [{"loc": ["inputs", name, "uri"], "message": str(exc)} for name, exc in refused]
+        )
 
 
 def cancel_reason(raw: bytes) -> str | None:

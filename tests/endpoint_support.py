@@ -9,7 +9,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import inspect
 import signal
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -22,11 +24,13 @@ import httpx
 from botocore.config import Config
 from pydantic import SecretStr
 
-from activities.runpod.contract import ProgressUpdate
+from activities.runpod.contract import Claim, ProgressUpdate, S3Target, claim_key
 from devstack.free_ports import free_port
 from devstack.seaweed import load_credentials
 from devstack.services import StackPaths
 from devstack.stack import start_service, stop_service
+from endpoint.claims import ClaimStore
+from endpoint.s3 import S3
 from endpoint.settings import BucketSettings, EndpointSettings
 from tests.conftest import make_stack_config
 
@@ -219,3 +223,24 @@ async def sim_post(url: str, path: str, body: Any) -> Any:
 
 def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+async def read_claim(bucket: Bucket, block: dict[str, Any]) -> Claim | None:
+    """The claim of an orchestrated input's submission, as the bucket holds it."""
+    key = claim_key(S3Target.model_validate(block["output"]), block["job_id"], block["submission"])
+    stored = await ClaimStore(S3(bucket.settings), bucket.name).read(key)
+    return stored.claim if stored is not None else None
+
+
+async def until(check: Any, within: float = 15.0, interval: float = 0.05) -> Any:
+    """The first truthy answer of `check` (a function, sync or async), polled every
+    `interval`; AssertionError after `within` seconds."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        result = check()
+        if inspect.isawaitable(result):
+            result = await result
+        if result:
+            return result
+        await asyncio.sleep(interval)
+    raise AssertionError(f"condition not met within {within}s")

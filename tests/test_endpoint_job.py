@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import inspect
 import json
 import os
 import time
@@ -52,10 +51,12 @@ from tests.endpoint_support import (
     Progress,
     endpoint_settings,
     orchestrated_input,
+    read_claim,
     seaweedfs,
     sha256,
     sim_get,
     sim_post,
+    until,
 )
 
 EP_PYTHON = REPO_ROOT / ".venv-endpoint" / "bin" / "python"
@@ -91,24 +92,6 @@ def slow_graph(steps: int) -> dict[str, Any]:
     checks for interrupts at every step."""
     graph: dict[str, Any] = ksampler_graph(prefix(), steps=steps, seed=uuid.uuid4().int % 10**9)
     return graph
-
-
-async def read_claim(bucket: Bucket, block: dict[str, Any]) -> Claim | None:
-    key = claim_key(S3Target.model_validate(block["output"]), block["job_id"], block["submission"])
-    stored = await ClaimStore(S3(bucket.settings), bucket.name).read(key)
-    return stored.claim if stored is not None else None
-
-
-async def until(check: Any, within: float = 15.0, interval: float = 0.05) -> Any:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        result = check()
-        if inspect.isawaitable(result):
-            result = await result
-        if result:
-            return result
-        await asyncio.sleep(interval)
-    raise AssertionError(f"condition not met within {within}s")
 
 
 async def prompt_runs(sim: str, prompt_id: str) -> int:

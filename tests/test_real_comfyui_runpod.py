@@ -35,9 +35,13 @@ from typing import Any, TypeVar
 import httpx
 import pytest
 import pytest_asyncio
+from temporalio.client import WorkflowFailureError
+from temporalio.exceptions import ApplicationError
 
+from activities.comfyui.events import output_files
 from activities.runpod.claims import claim_target, read_claim
 from activities.runpod.contract import Claim, StopRecord, nodes_key
+from activities.runpod.follow import one_chunk
 from activities.settings import PoolConfig
 from activities.storage import ArtifactStore
 from devstack.chaos.worker_proc import WorkerFleet
@@ -47,6 +51,7 @@ from devstack.runpod_sim import Ledger
 from devstack.runpod_sim.ledger import LedgerJob
 from starter import JobClient
 from starter.connection import connect_temporal
+from tests.comfy_sim_support import make_png, png_chunks, png_size
 from tests.runpod_e2e_support import (
     API_KEY,
     IDLE_TIMEOUT_S,
@@ -68,9 +73,17 @@ from tests.runpod_sim_support import (
     stock_fixture_dir,
 )
 from tests.test_real_comfyui import REAL_DIR, accepted_prompts, blur_graph
-from workflows.contracts import Artifact, JobPolicy, JobRequest, JobState, JobStatus, OutputSpec
+from workflows.contracts import (
+    Artifact,
+    JobPolicy,
+    JobRequest,
+    JobState,
+    JobStatus,
+    OutputSpec,
+    S3Input,
+)
 from workflows.graph import safe_tag
-from workflows.shared import ErrorType
+from workflows.shared import WORKFLOW_TYPE, ErrorType
 
 pytestmark = [
     pytest.mark.skipif(
@@ -101,6 +114,8 @@ SHORT_TEARDOWN_S = 25.0
 QUICK_JOB_MAX_S = 8.0
 STATUS_POLL_S = 0.05
 WATCH_POLL_S = 0.1
+# How soon after recording that it gave up the handler has its worker's ComfyUI killed.
+REPLACED_WITHIN_S = 2.0
 
 T = TypeVar("T")
 
@@ -278,9 +293,10 @@ def explain(final: JobStatus) -> str:
 
 
 def written_for(sim: RunpodSim, job_id: str, folder: str | None = None) -> dict[str, str]:
-    """The files the workers' ComfyUIs wrote for a job (path under its output folder ->
+    """The files the workers' ComfyUIs hold for a job (path under its output folder ->
     sha256): in the run folders the orchestrator's save prefixes name (`dc_{job}_...`), or in
-    `folder` (a linked prefix names its own)."""
+    `folder` (a linked prefix names its own). Our handler removes them once stored: for its
+    jobs this is what was left behind; the stock handler leaves them all."""
     found: dict[str, str] = {}
     for output in (sim.work_dir / "workers").glob("*/comfy/output"):
         roots = [output / folder] if folder else list(output.glob(f"dc_{safe_tag(job_id)}_*"))
@@ -290,6 +306,26 @@ def written_for(sim: RunpodSim, job_id: str, folder: str | None = None) -> dict[
                     relative = str(path.relative_to(output))
                     found[relative] = hashlib.sha256(path.read_bytes()).hexdigest()
     return found
+
+
+async def saved_by_comfyui(store: ArtifactStore, artifact: Artifact) -> dict[str, Any]:
+    """The artifact's bytes are a PNG a real ComfyUI's SaveImage wrote (our handler leaves no
+    file behind to compare them with): its `prompt` text chunk, the graph ComfyUI ran, is
+    returned; and its size and sha256 are the record's."""
+    data = await store.read_bytes(artifact.key, limit=64 * 2**20)
+    assert len(data) == artifact.size and hashlib.sha256(data).hexdigest() == artifact.sha256
+    texts = dict(body.split(b"\0", 1) for kind, body in png_chunks(data) if kind == b"tEXt")
+    assert b"prompt" in texts, f"{artifact.key}: no `prompt` chunk, not SaveImage's PNG"
+    prompt: dict[str, Any] = json.loads(texts[b"prompt"])
+    assert prompt[artifact.node_id]["class_type"] == "SaveImage", prompt
+    return prompt
+
+
+def run_prefix(prompt: dict[str, Any], job_id: str) -> str:
+    """The save prefix ComfyUI ran, which the orchestrator put in the job's run folder."""
+    prefix = str(prompt[SAVE_NODE]["inputs"]["filename_prefix"])
+    assert prefix.startswith(f"dc_{safe_tag(job_id)}_"), prefix
+    return prefix
 
 
 async def assert_stored(store: ArtifactStore, artifacts: list[Artifact]) -> None:
@@ -407,17 +443,89 @@ async def claim_of(endpoint: Endpoint, final: JobStatus) -> Claim | None:
 async def test_happy_path_stores_the_file_the_workers_comfyui_wrote(ours: Endpoint) -> None:
     final = await finish(ours.client, job_of(blur_graph(256, 1, radius=3)))
     assert final.state == JobState.COMPLETED, explain(final)
-    written = written_for(ours.sim, final.job_id)
-    assert len(written) == 1, written
     [artifact] = final.artifacts
     assert artifact.node_id == SAVE_NODE
-    assert artifact.sha256 == next(iter(written.values())), (artifact, written)
+    run_prefix(await saved_by_comfyui(ours.store, artifact), final.job_id)
+    assert png_size(await ours.store.read_bytes(artifact.key, limit=2**24)) == (256, 256)
+    assert written_for(ours.sim, final.job_id) == {}, "stored, then removed from the worker"
     await assert_stored(ours.store, final.artifacts)
     assert final.teardown.state == "CONFIRMED", final.teardown
     assert ours.logs.accepted_prompts() == 1
     [provider_job] = await ours.provider_jobs(submission_of(final))
     assert provider_job.status == "COMPLETED" and len(provider_job.deliveries) == 1
     cost_matches(final.cost, await ours.sim.ledger(), submission_of(final))
+
+
+async def test_a_finished_job_leaves_no_file_in_the_workers_comfyui(ours: Endpoint) -> None:
+    """Everything the job put in its worker's real ComfyUI is gone once it completed: the
+    input our handler uploaded (staged in S3 by the orchestrator), each file the prompt's
+    history lists (its outputs, stored in S3 first, and its preview) and the run's folder; so
+    the next job on that warm worker finds none of it."""
+    key = f"uploads/{uuid.uuid4().hex}.png"
+    await ours.store.upload_stream(
+        key, one_chunk(make_png(32, 24, (200, 30, 60))), content_type="image/png"
+    )
+    graph = {
+        "1": {"class_type": "LoadImage", "inputs": {"image": "in.png"}},
+        BLUR_NODE: {"class_type": "ImageInvert", "inputs": {"image": ["1", 0]}},
+        SAVE_NODE: save_node(BLUR_NODE, "real/out"),
+        "4": {"class_type": "PreviewImage", "inputs": {"images": ["1", 0]}},
+    }
+    uri = f"s3://{ours.store.settings.bucket}/{key}"
+    policy = job_of(blur_graph(8, 1)).policy
+    request = JobRequest(graph=graph, policy=policy, inputs={"in.png": S3Input(uri=uri)})
+    final = await finish(ours.client, request)
+    assert final.state == JobState.COMPLETED, explain(final)
+    [artifact] = final.artifacts
+    await assert_stored(ours.store, final.artifacts)
+    prefix = run_prefix(await saved_by_comfyui(ours.store, artifact), final.job_id)
+
+    prompt_id = submission_of(final)
+    comfy = ours.comfy(await worker_of(ours, prompt_id))
+    entry = (await comfy_get(comfy, f"/history/{prompt_id}"))[prompt_id]
+    listed = [item for _node, item in output_files(entry["outputs"])]
+    assert {item["type"] for item in listed} == {"output", "temp"}, listed
+    folders = {"output": comfy.output_dir, "temp": comfy.temp_dir}
+    for item in listed:
+        path = folders[item["type"]] / item["subfolder"] / item["filename"]
+        assert not path.exists(), f"{path} is left on the worker"
+    uploaded = entry["prompt"][2]["1"]["inputs"]["image"]  # the name the handler uploaded
+    assert not (comfy.input_dir / uploaded).exists(), f"input {uploaded} is left on the worker"
+    assert not (comfy.output_dir / prefix.split("/")[0]).exists(), "the run's folder is left"
+    assert written_for(ours.sim, final.job_id) == {}
+
+
+async def test_a_saved_output_is_out_of_every_loaders_reach_before_any_runpod_job(
+    ours: Endpoint,
+) -> None:
+    """A job saves an image; `LoadImageOutput` of it and an `[output]`-annotated `LoadImage` of
+    it, sent raw past the client's check, fail typed with no RunPod job and no prompt reaching
+    any worker's ComfyUI (a warm worker's folders outlive the job that wrote them)."""
+    saved = await finish(ours.client, job_of(blur_graph(64, 1, radius=1)))
+    assert saved.state == JobState.COMPLETED, explain(saved)
+    prefix = run_prefix(await saved_by_comfyui(ours.store, saved.artifacts[0]), saved.job_id)
+    theirs = f"{prefix}_00001_.png"
+    jobs_before = len((await ours.sim.ledger()).jobs)
+    accepted_before = ours.logs.accepted_prompts()
+    for class_type, image in (("LoadImageOutput", theirs), ("LoadImage", f"{theirs} [output]")):
+        graph = {
+            "1": {"class_type": class_type, "inputs": {"image": image}},
+            "2": save_node("1", "x"),
+        }
+        with pytest.raises(ValueError, match="not the job's own"):
+            JobRequest(graph=graph)
+        handle = await ours.client.temporal.start_workflow(
+            WORKFLOW_TYPE,
+            {"graph": graph, "pool": POOL},
+            id=f"real-raw-{uuid.uuid4().hex[:8]}",
+            task_queue=ours.client.task_queue,
+        )
+        with pytest.raises(WorkflowFailureError) as refused:
+            await asyncio.wait_for(handle.result(), JOB_WITHIN_S)
+        cause = refused.value.cause
+        assert isinstance(cause, ApplicationError) and cause.type == ErrorType.INVALID_GRAPH
+    assert len((await ours.sim.ledger()).jobs) == jobs_before, "no RunPod job for them"
+    assert ours.logs.accepted_prompts() == accepted_before, "no prompt reached a ComfyUI"
 
 
 async def test_a_typo_class_is_refused_before_any_runpod_job_once_the_nodes_are_published(
@@ -452,10 +560,13 @@ async def test_a_linked_save_prefix_completes_with_its_artifact(ours: Endpoint) 
     final = await finish(ours.client, job_of(graph))
     assert final.state == JobState.COMPLETED, explain(final)
     # Named by the linked string, not by the run tag: found from the prompt's own record.
-    written = written_for(ours.sim, final.job_id, folder=folder)
-    assert len(written) == 1, written
-    assert shas(final.artifacts) == sorted(written.values()), (final.artifacts, written)
-    assert [a.node_id for a in final.artifacts] == [SAVE_NODE]
+    [artifact] = final.artifacts
+    assert artifact.node_id == SAVE_NODE
+    prompt = await saved_by_comfyui(ours.store, artifact)
+    assert prompt["4"]["inputs"]["value"] == f"{folder}/out", prompt
+    # Stored, then removed from the worker, with the folder the linked prefix made.
+    assert written_for(ours.sim, final.job_id, folder=folder) == {}
+    assert not list((ours.sim.work_dir / "workers").glob(f"*/comfy/output/{folder}"))
     await assert_stored(ours.store, final.artifacts)
 
 
@@ -469,14 +580,16 @@ async def test_a_batch_through_two_save_nodes_keeps_every_image_and_no_preview(
     graph["6"] = {"class_type": "PreviewImage", "inputs": {"images": [BLUR_NODE, 0]}}
     final = await finish(ours.client, job_of(graph))
     assert final.state == JobState.COMPLETED, explain(final)
-    written = written_for(ours.sim, final.job_id)
-    assert len(written) == 2 * batch, written
-    for node, folder in ((SAVE_NODE, "/a/"), ("5", "/b/")):
+    for node, folder in ((SAVE_NODE, "/a/img"), ("5", "/b/img")):
         from_node = [a for a in final.artifacts if a.node_id == node]
-        on_disk = sorted(sha for path, sha in written.items() if folder in path)
-        assert shas(from_node) == on_disk, (node, final.artifacts, written)
+        assert len(from_node) == batch, (node, final.artifacts)
+        for artifact in from_node:
+            prompt = await saved_by_comfyui(ours.store, artifact)
+            assert prompt[node]["inputs"]["filename_prefix"].endswith(folder), prompt
+            assert run_prefix(prompt, final.job_id)
     assert not [a for a in final.artifacts if a.node_id == "6"], "a preview is not an output"
     assert len(final.artifacts) == 2 * batch
+    assert written_for(ours.sim, final.job_id) == {}, "stored, then removed from the worker"
     await assert_stored(ours.store, final.artifacts)
 
 
@@ -541,7 +654,9 @@ async def test_a_cancel_during_a_node_deaf_to_interrupts_past_the_lease(
         assert worker_id in final.teardown.detail, final.teardown
         assert queue_at_end is None and watch.released_at is None, timing
         assert watch.unreachable_since is not None, timing
-        assert watch.unreachable_since <= seen_terminal_at, timing
+        # The verdict is written first, then ComfyUI killed: the job may be seen terminal a
+        # moment (and a poll of the watch) before ComfyUI stops answering, never much later.
+        assert watch.unreachable_since <= seen_terminal_at + REPLACED_WITHIN_S, timing
         assert ledger.worker(worker_id).stop_reason != "idle", ledger.worker(worker_id)
     else:
         assert final.state == JobState.CANCELLED, explain(final)
@@ -627,9 +742,10 @@ async def test_orchestrator_worker_kill_9_mid_prompt_completes_with_one_executio
     submission = submission_of(final)
     [provider_job] = await ours.provider_jobs(submission)
     assert provider_job.status == "COMPLETED" and len(provider_job.deliveries) == 1, provider_job
-    written = written_for(ours.sim, final.job_id)
-    assert len(written) == MID_BLUR[1], written
-    assert shas(final.artifacts) == sorted(written.values())
+    assert len(final.artifacts) == MID_BLUR[1], final.artifacts
+    for artifact in final.artifacts:
+        run_prefix(await saved_by_comfyui(ours.store, artifact), final.job_id)
+    assert written_for(ours.sim, final.job_id) == {}, "stored, then removed from the worker"
     await assert_stored(ours.store, final.artifacts)
     ledger = await ours.ledger_checks(client)
     cost_matches(final.cost, ledger, submission)

@@ -17,8 +17,10 @@ Pure: the gateway, the clients and the activities use these rules; the workflow 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Final
+
+from workflows.contracts import InputRef, S3Input
 
 JOBS_ROOT: Final = "jobs"
 STAGING_ROOT: Final = "_staged"
@@ -96,6 +98,22 @@ def check_input_uri(
         "and outside the folders this service allows: upload the file first (POST /v1/uploads "
         "answers with a uri to use), or send it inline or by https URL"
     )
+
+
+def inputs_outside_area(
+    inputs: Mapping[str, InputRef], *, tenant: str, bucket: str, allowed: Iterable[str] = ()
+) -> list[tuple[str, InputOutsideArea]]:
+    """Each `s3://` input of a tenant's request that `check_input_uri` refuses, with its name
+    (every other kind of input is not the bucket's: not judged here)."""
+    refused = []
+    for name, ref in inputs.items():
+        if not isinstance(ref, S3Input):
+            continue
+        try:
+            check_input_uri(name, ref.uri, tenant=tenant, bucket=bucket, allowed=allowed)
+        except InputOutsideArea as exc:
+            refused.append((name, exc))
+    return refused
 
 
 def normalised_allowed_prefix(value: str) -> str:

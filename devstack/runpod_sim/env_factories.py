@@ -59,9 +59,11 @@ class StaticEnv:
 
 class ComfySimPerWorker:
     """Starts `python -m devstack.comfy_sim` (the app venv's python) on a free port for each
-    worker and stops it with the worker. The worker gets COMFY_URL (http://127.0.0.1:PORT),
-    COMFY_HOST (127.0.0.1:PORT, worker-comfyui's form) and COMFY_PID (its process, so a handler
-    can tell a ComfyUI still starting from a dead one)."""
+    worker, with its input, output and temp folders under the worker's `comfy/`, and stops it
+    with the worker. The worker gets COMFY_URL (http://127.0.0.1:PORT), COMFY_HOST
+    (127.0.0.1:PORT, worker-comfyui's form), COMFY_PID (its process, so a handler can tell a
+    ComfyUI still starting from a dead one) and the folders (COMFY_INPUT_DIR, COMFY_OUTPUT_DIR,
+    COMFY_TEMP_DIR), from which our handler removes each job's files."""
 
     def __init__(
         self,
@@ -79,10 +81,12 @@ class ComfySimPerWorker:
     async def start(self, slot: WorkerSlot) -> dict[str, str]:
         port = free_port()
         folder = slot.work_dir / "comfy"
+        # The temp folder named, not left to the simulator's default beside --output-dir, so
+        # that the handler is told the one the simulator uses.
         argv = [
             self.python, "-m", "devstack.comfy_sim", "--host", "127.0.0.1", "--port", str(port),
             "--output-dir", str(folder / "output"), "--input-dir", str(folder / "input"),
-            *self.extra_args,
+            "--temp-dir", str(folder / "temp"), *self.extra_args,
         ]  # fmt: skip
         pythonpath = os.pathsep.join(
             p for p in (str(PROJECT_ROOT), os.environ.get("PYTHONPATH")) if p
@@ -97,7 +101,16 @@ class ComfySimPerWorker:
         url = f"http://127.0.0.1:{port}"
         await self._wait_ready(url, proc)
         log.info("ComfyUI simulator up", worker_id=slot.worker_id, url=url, pid=proc.pid)
-        return {"COMFY_URL": url, "COMFY_HOST": f"127.0.0.1:{port}", "COMFY_PID": str(proc.pid)}
+        return {
+            "COMFY_URL": url,
+            "COMFY_HOST": f"127.0.0.1:{port}",
+            "COMFY_PID": str(proc.pid),
+            "COMFY_INPUT_DIR": str(folder / "input"),
+            "COMFY_OUTPUT_DIR": str(folder / "output"),
+            # As ComfyUI's --temp-directory: the folder its `temp/` is in (the simulator's
+            # --temp-dir names `temp/` itself).
+            "COMFY_TEMP_DIR": str(folder),
+        }
 
     async def _wait_ready(self, url: str, proc: ChildProcess) -> None:
         deadline = time.monotonic() + self.startup_timeout_s

@@ -655,7 +655,8 @@ async def test_idle_scale_down_cold_start_and_billing(tmp_path: Path) -> None:
         assert worker.cold_start_s == 5  # --cold-start 2 + the slow cold start fault's 3
         assert worker.ready_at is not None and worker.ready_at - worker.started_at >= 5
         assert worker.env_keys == [
-            "COMFY_HOST", "COMFY_PID", "COMFY_URL", "PLAIN", "SIM_SECRET_FOR_WORKERS"
+            "COMFY_HOST", "COMFY_INPUT_DIR", "COMFY_OUTPUT_DIR", "COMFY_PID", "COMFY_TEMP_DIR",
+            "COMFY_URL", "PLAIN", "SIM_SECRET_FOR_WORKERS",
         ]  # fmt: skip
         # Billed from launch (cold start included) to the idle stop; never past the idle timeout.
         assert worker.stop_requested_at is not None
