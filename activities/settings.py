@@ -101,6 +101,7 @@ _RUNPOD_ONLY = (
     "execution_timeout_s",
     "idle_timeout_s",
     "claim_lease_s",
+    "fence_after_s",
     "node_registry",
 )
 
@@ -119,6 +120,10 @@ class PoolConfig(BaseModel):
     what a worker keeps billing after its last job (RunPod's default 5 s when unset).
     `claim_lease_s`: how long our handler's claim holds without renewal (default 60): how long a
     crashed worker's submission waits before another delivery may take it over.
+    `fence_after_s`: how long past a lapsed lease its holder is certainly fenced (default 30:
+    its handler stops the prompt before the lease ends, and its worker's watchdog stops it and
+    takes the worker down by then when the handler is frozen); nobody runs the submission again
+    before (docs/architecture.md, *Fencing*). Sent to the handler with every submission.
     `node_registry`: what a runpod pool checks each graph against before any RunPod job exists
     (a class that is not installed, a required input missing, a link to an output a node does
     not have: `InvalidGraph`, naming node and class, teardown SKIPPED), as a comfyui pool checks
@@ -165,6 +170,7 @@ class PoolConfig(BaseModel):
     execution_timeout_s: float | None = Field(None, ge=MIN_EXECUTION_TIMEOUT_S, le=MAX_POLICY_S)
     idle_timeout_s: float | None = Field(None, ge=0)
     claim_lease_s: float | None = Field(None, ge=5, le=3600)
+    fence_after_s: float | None = Field(None, ge=1, le=3600)
     # None means `published` (kept unset so a pool's dump is what it was given).
     node_registry: Literal["published", "off"] | Path | None = None
     allowed_node_classes: list[str] | None = None

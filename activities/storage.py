@@ -53,6 +53,7 @@ from activities.storage_errors import (
 
 __all__ = [
     "ArtifactStore",
+    "DatedBytes",
     "IntegrityError",
     "ObjectMissing",
     "PresignedPut",
@@ -80,6 +81,16 @@ class StoredObject(BaseModel):
     size: int
     sha256: str  # "" when the object carries no sha256 metadata (it then never verifies)
     content_type: str
+
+
+class DatedBytes(BaseModel):
+    """An object's bytes with the S3 server's `Last-Modified` of it and `Date` of the answer."""
+
+    model_config = ConfigDict(frozen=True)
+
+    data: bytes
+    last_modified: datetime | None = None
+    server_date: str | None = None
 
 
 class PresignedPut(BaseModel):
@@ -367,6 +378,11 @@ class ArtifactStore:
 
     async def read_bytes(self, key: str, *, limit: int, bucket: str | None = None) -> bytes:
         """A small object's bytes (an input file), refusing anything larger than `limit`."""
+        return (await self.read_dated(key, limit=limit, bucket=bucket)).data
+
+    async def read_dated(self, key: str, *, limit: int, bucket: str | None = None) -> DatedBytes:
+        """`read_bytes`, with the object's `Last-Modified` and the answer's `Date`, both the S3
+        server's: how old the object is by that clock (what a claim's lease is judged by)."""
         bucket = bucket or self.settings.bucket
         try:
             resp = await self.client.get_object(Bucket=bucket, Key=key)
@@ -377,7 +393,13 @@ class ArtifactStore:
                 data: bytes = await body.read()
         except S3_FAILURES as exc:
             raise translate(exc, "get", bucket, key) from exc
-        return data
+        headers = resp.get("ResponseMetadata", {}).get("HTTPHeaders", {})
+        modified = resp.get("LastModified")
+        return DatedBytes(
+            data=data,
+            last_modified=modified if isinstance(modified, datetime) else None,
+            server_date=headers.get("date") if isinstance(headers.get("date"), str) else None,
+        )
 
     async def put_small(
         self, key: str, data: bytes, *, content_type: str, bucket: str | None = None

@@ -22,6 +22,7 @@ from workflows.contracts import (
     BackendInfo,
     Checkpoint,
     Decision,
+    Delivery,
     JobCost,
     JobError,
     JobState,
@@ -212,6 +213,23 @@ def test_a_cost_per_provider_job_the_latest_reading_wins(wf: FakeWorkflow) -> No
         JobCost(provider_job_id="rp-1", execution_s=9.0),
     ]
     assert book.status.seq == 3
+
+
+def test_each_provider_job_is_a_delivery_with_what_became_of_it(wf: FakeWorkflow) -> None:
+    """A fenced delivery and the one that completed the job, each with its billed seconds; a
+    later reading of a job without an outcome (its final figures) keeps what became of it."""
+    book = _book()
+    book.add_cost(
+        JobCost(provider_job_id="rp-1", execution_s=9.0, outcome="fenced", lower_bound=True)
+    )
+    book.add_cost(JobCost(provider_job_id="rp-2", execution_s=7.0, billed_after_end_s=5.0))
+    book.add_cost(JobCost(provider_job_id="rp-2", execution_s=7.5, outcome="completed"))
+    book.add_cost(JobCost(provider_job_id="rp-1", execution_s=12.0, billed_after_end_s=5.0))
+    assert book.status.deliveries == [
+        Delivery(provider_job_id="rp-2", outcome="completed", billed_s=7.5),
+        Delivery(provider_job_id="rp-1", outcome="fenced", billed_s=17.0),
+    ]
+    assert [c.outcome for c in book.status.cost] == ["completed", "fenced"]
 
 
 def test_teardown_and_contact(wf: FakeWorkflow) -> None:

@@ -28,13 +28,16 @@ from activities.runpod.contract import (
     ArtifactRecord,
     Claim,
     ClaimOutcome,
+    FenceRecord,
+    OutputFile,
+    PromptEnd,
     S3Target,
     StopRecord,
     claim_key,
 )
 from activities.runpod.retry import RetryPolicy
 from activities.settings import PoolConfig, S3Settings
-from activities.storage import StoredObject
+from activities.storage import DatedBytes, StoredObject
 from activities.storage_errors import ObjectMissing
 from workflows.activity_io import (
     FollowHeartbeat,
@@ -63,15 +66,21 @@ class MemoryStore:
     def __init__(self) -> None:
         self.settings = S3Settings(bucket=BUCKET)
         self.objects: dict[tuple[str, str], tuple[bytes, str]] = {}
+        # When each object was written (a test may age one, as the S3 server's clock would).
+        self.modified: dict[tuple[str, str], datetime] = {}
 
     def put(self, key: str, data: bytes, *, sha256: str | None = None) -> None:
         self.objects[(BUCKET, key)] = (data, sha256 or hashlib.sha256(data).hexdigest())
+        self.modified[(BUCKET, key)] = datetime.now(UTC)
 
     async def read_bytes(self, key: str, *, limit: int, bucket: str | None = None) -> bytes:
+        return (await self.read_dated(key, limit=limit, bucket=bucket)).data
+
+    async def read_dated(self, key: str, *, limit: int, bucket: str | None = None) -> DatedBytes:
         found = self.objects.get((bucket or BUCKET, key))
         if found is None:
             raise ObjectMissing(f"s3://{bucket}/{key} does not exist")
-        return found[0]
+        return DatedBytes(data=found[0], last_modified=self.modified.get((bucket or BUCKET, key)))
 
     async def head(self, key: str, *, bucket: str | None = None) -> StoredObject | None:
         found = self.objects.get((bucket or BUCKET, key))
@@ -105,6 +114,7 @@ class MemoryStore:
         self, key: str, data: bytes, *, content_type: str, bucket: str | None = None
     ) -> None:
         self.objects[(bucket or BUCKET, key)] = (data, "")
+        self.modified[(bucket or BUCKET, key)] = datetime.now(UTC)
 
     async def list_keys(self, prefix: str, *, bucket: str | None = None) -> list[str]:
         return sorted(
@@ -507,8 +517,23 @@ def put_claim(store: MemoryStore, *, lease_left_s: float, holder: str = HOLDER) 
         lease_until=now + timedelta(seconds=lease_left_s),
         renewed_at=now + timedelta(seconds=lease_left_s - 60),
     )
-    store.put(claim_key(S3Target(bucket=BUCKET), JOB_ID, PROMPT), claim.model_dump_json().encode())
+    key = claim_key(S3Target(bucket=BUCKET), JOB_ID, PROMPT)
+    store.put(key, claim.model_dump_json().encode())
+    # Written when it was last renewed, by the S3 server's clock (what its age is judged by).
+    store.modified[(BUCKET, key)] = claim.renewed_at
     return claim
+
+
+def write_claim(store: MemoryStore, claim: Claim) -> None:
+    """`claim` as the holder last wrote it, at its `renewed_at` by the S3 server's clock."""
+    key = claim_key(S3Target(bucket=BUCKET), JOB_ID, PROMPT)
+    store.put(key, claim.model_dump_json().encode())
+    store.modified[(BUCKET, key)] = claim.renewed_at
+
+
+def holder_ended(status: str = "TIMED_OUT") -> dict[str, Any]:
+    """The dead holder's RunPod job, as `/status` tells it: read once for what it billed."""
+    return {"id": HOLDER, "status": status, "workerId": "w0", "executionTime": 9000}
 
 
 async def test_a_claim_left_by_a_dead_holder_is_submitted_again_not_followed() -> None:
@@ -518,11 +543,13 @@ async def test_a_claim_left_by_a_dead_holder_is_submitted_again_not_followed() -
     store = MemoryStore()
     store.put(OUR_KEY, PNG)
     put_claim(store, lease_left_s=-30)
-    runpod = ScriptedRunPod(statuses=[completed([record(OUR_KEY)])])
-    result = await env([]).run(backend(runpod, store).follow, follow_input())
-    assert runpod.requests[0] == ("POST", "run")
-    assert ("GET", "status") in runpod.requests and HOLDER not in str(runpod.requests)
+    runpod = ScriptedRunPod(statuses=[holder_ended(), completed([record(OUR_KEY)])])
+    result = await env([]).run(backend(runpod, store, fence_after_s=1).follow, follow_input())
+    # The dead holder's job is read once, for what it billed, then the submission goes out.
+    assert runpod.requests[:2] == [("GET", "status"), ("POST", "run")]
     assert result.checkpoint.provider_job_id == RUNPOD_JOB
+    [dead] = result.other_costs
+    assert (dead.provider_job_id, dead.outcome, dead.execution_s) == (HOLDER, "fenced", 9.0)
 
 
 async def test_a_delivery_refused_for_a_dead_holders_claim_is_sent_again() -> None:
@@ -537,8 +564,8 @@ async def test_a_delivery_refused_for_a_dead_holders_claim_is_sent_again() -> No
         "status": "COMPLETED",
         "output": {"status": "claimed_elsewhere", "claim_holder": HOLDER, "submission": PROMPT},
     }
-    runpod = ScriptedRunPod(statuses=[elsewhere, completed([record(OUR_KEY)])])
-    result = await env([]).run(backend(runpod, store).follow, follow_input())
+    runpod = ScriptedRunPod(statuses=[holder_ended(), elsewhere, completed([record(OUR_KEY)])])
+    result = await env([]).run(backend(runpod, store, fence_after_s=1).follow, follow_input())
     assert [r for r in runpod.requests if r[1] == "run"] == [("POST", "run")] * 2
     assert result.checkpoint.provider_job_id == RUNPOD_JOB
 
@@ -566,9 +593,12 @@ async def test_a_live_holder_is_still_followed_after_a_refused_delivery() -> Non
     assert result.checkpoint.provider_job_id == HOLDER
 
 
-async def test_a_crashed_holder_is_resubmitted_only_after_its_lease_and_a_margin(
+async def test_a_crashed_holder_is_resubmitted_only_once_it_is_fenced(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """Its lease ran out, and the pool's `fence_after_s` past it (by the S3 server's clock,
+    a second of resolution and the takeover margin more): only then may another delivery run
+    the submission, since a silent holder's prompt may run on until its watchdog fences it."""
     from activities.runpod import follow as runpod_follow
 
     monkeypatch.setattr(runpod_follow, "TAKEOVER_MARGIN_S", 0.3)
@@ -584,15 +614,17 @@ async def test_a_crashed_holder_is_resubmitted_only_after_its_lease_and_a_margin
     known = Checkpoint(job_id=JOB_ID, prompt_id=PROMPT, provider_job_id=RUNPOD_JOB)
     began = datetime.now(UTC)
     with pytest.raises(ApplicationError) as lost:
-        await env([]).run(backend(runpod, store).follow, follow_input(checkpoint=known))
+        follow = backend(runpod, store, fence_after_s=1).follow
+        await env([]).run(follow, follow_input(checkpoint=known))
     assert lost.value.type == ErrorType.PROMPT_LOST, "submitted again by the workflow"
     # With claims it cannot run twice: the workflow resubmits without asking a person.
     assert resubmit_cannot_run_twice(lost.value)
-    assert (datetime.now(UTC) - began).total_seconds() >= 0.5 - 0.05
+    assert (datetime.now(UTC) - began).total_seconds() >= 0.2 + 1 + 1 + 0.3 - 0.05
     # The crashed job was paid for: its cost goes to the workflow with the failure.
     details = lost.value.details[0]
     assert details["cost"]["provider_job_id"] == RUNPOD_JOB
     assert details["cost"]["execution_s"] == 4.0
+    assert details["cost"]["outcome"] == "crashed"
 
 
 async def test_a_redelivered_jobs_progress_is_read_from_its_new_workers_first_update() -> None:
@@ -715,7 +747,7 @@ async def test_a_job_left_in_progress_by_a_dead_worker_is_cancelled_and_sent_aga
         lease_until=datetime.now(UTC) - timedelta(minutes=1),
         renewed_at=datetime.now(UTC) - timedelta(minutes=2),
     )
-    store.put(claim_key(S3Target(bucket=BUCKET), JOB_ID, PROMPT), stale.model_dump_json().encode())
+    write_claim(store, stale)
     runpod = ScriptedRunPod(statuses=[{"id": RUNPOD_JOB, "status": "IN_PROGRESS"}])
     known = Checkpoint(job_id=JOB_ID, prompt_id=PROMPT, provider_job_id=RUNPOD_JOB)
     with pytest.raises(ApplicationError) as lost:
@@ -724,16 +756,123 @@ async def test_a_job_left_in_progress_by_a_dead_worker_is_cancelled_and_sent_aga
     assert resubmit_cannot_run_twice(lost.value)
     assert "stopped renewing the claim" in lost.value.message
     assert ("POST", "cancel") in runpod.requests, "the dead job stops costing its time"
+    cost = lost.value.details[0]["cost"]
+    assert cost["outcome"] == "fenced" and cost["lower_bound"], "not final when given up"
 
     # A holder still renewing is left alone.
-    live = stale.model_copy(update={"lease_until": datetime.now(UTC) + timedelta(minutes=1)})
-    store.put(claim_key(S3Target(bucket=BUCKET), JOB_ID, PROMPT), live.model_dump_json().encode())
+    live = stale.model_copy(
+        update={
+            "lease_until": datetime.now(UTC) + timedelta(minutes=1),
+            "renewed_at": datetime.now(UTC),
+        }
+    )
+    write_claim(store, live)
     runpod = ScriptedRunPod(
         statuses=[{"id": RUNPOD_JOB, "status": "IN_PROGRESS"}, completed([record(OUR_KEY)])]
     )
     store.put(OUR_KEY, PNG)
     result = await env([]).run(backend(runpod, store).follow, follow_input(checkpoint=known))
     assert ("POST", "cancel") not in runpod.requests and result.artifacts
+
+
+def silent_holder(seconds_lapsed: float, **fields: Any) -> Claim:
+    """Our RunPod job's claim, no longer renewed: its 60 s lease ran out that long ago."""
+    now = datetime.now(UTC)
+    return Claim(
+        submission=PROMPT,
+        job_id=JOB_ID,
+        prompt_id=PROMPT,
+        holder=RUNPOD_JOB,
+        worker_id="w1",
+        lease_until=now - timedelta(seconds=seconds_lapsed),
+        renewed_at=now - timedelta(seconds=seconds_lapsed + 60),
+        **fields,
+    )
+
+
+IN_PROGRESS = {"id": RUNPOD_JOB, "status": "IN_PROGRESS", "workerId": "w1", "executionTime": 7000}
+KNOWN = Checkpoint(job_id=JOB_ID, prompt_id=PROMPT, provider_job_id=RUNPOD_JOB)
+
+
+async def test_a_silent_holder_is_left_running_until_it_is_fenced(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its lease ran out, but not yet by `fence_after_s`: its prompt may still run (a frozen
+    handler, a worker cut off from S3), so it is neither cancelled nor run again; when it
+    answers after all, its result is the job's."""
+    monkeypatch.setattr("activities.runpod.follow.CLAIM_LEASE_S", 0.0)
+    store = MemoryStore()
+    store.put(OUR_KEY, PNG)
+    write_claim(store, silent_holder(5))
+    runpod = ScriptedRunPod(statuses=[IN_PROGRESS] * 5 + [completed([record(OUR_KEY)])])
+    follow = backend(runpod, store, fence_after_s=600).follow
+    result = await env([]).run(follow, follow_input(checkpoint=KNOWN))
+    assert ("POST", "cancel") not in runpod.requests and ("POST", "run") not in runpod.requests
+    assert result.artifacts and result.cost is not None and result.cost.outcome == "completed"
+
+
+async def test_a_holder_that_recorded_its_fence_is_given_up_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("activities.runpod.follow.CLAIM_LEASE_S", 0.0)
+    store = MemoryStore()
+    fence = FenceRecord(action="interrupted", at=datetime.now(UTC), worker_id="w1")
+    write_claim(store, silent_holder(0.5, fenced=fence))
+    runpod = ScriptedRunPod(statuses=[IN_PROGRESS])
+    with pytest.raises(ApplicationError) as lost:
+        follow = backend(runpod, store, fence_after_s=600).follow
+        await env([]).run(follow, follow_input(checkpoint=KNOWN))
+    assert lost.value.type == ErrorType.PROMPT_LOST and resubmit_cannot_run_twice(lost.value)
+    assert ("POST", "cancel") in runpod.requests
+    assert lost.value.details[0]["cost"]["outcome"] == "fenced"
+
+
+def done_claim(*keys: str, stored: int | None = None) -> Claim:
+    """A silent holder's claim whose prompt succeeded with an output per key, the first
+    `stored` of them (all by default) stored."""
+    outputs = [OutputFile(node_id=str(n), filename=f"t_{n}.png") for n in range(len(keys))]
+    records = [
+        ArtifactRecord.model_validate(record(key) | {"node_id": str(n), "filename": f"t_{n}.png"})
+        for n, key in enumerate(keys)
+    ]
+    end = PromptEnd(outcome="success", at=datetime.now(UTC), outputs=outputs)
+    kept = records if stored is None else records[:stored]
+    return silent_holder(90, prompt_end=end, stored=kept)
+
+
+async def test_a_fenced_holder_whose_work_was_done_completes_the_job_without_a_rerun(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its prompt succeeded and every output is in the bucket (the claim says so, the bucket
+    confirms size and sha256): the GPU does not run the graph again."""
+    monkeypatch.setattr("activities.runpod.follow.CLAIM_LEASE_S", 0.0)
+    store = MemoryStore()
+    keys = [f"jobs/{JOB_ID}/0/{n}/t_{n}.png" for n in range(2)]
+    for key in keys:
+        store.put(key, PNG)
+    write_claim(store, done_claim(*keys))
+    runpod = ScriptedRunPod(statuses=[IN_PROGRESS])
+    follow = backend(runpod, store, fence_after_s=1).follow
+    result = await env([]).run(follow, follow_input(checkpoint=KNOWN))
+    assert ("POST", "run") not in runpod.requests, "nothing submitted again"
+    assert sorted(a.key for a in result.artifacts) == keys
+    assert result.cost is not None and result.cost.provider_job_id == RUNPOD_JOB
+    assert result.cost.outcome == "fenced"
+
+
+async def test_a_fenced_holder_with_an_output_missing_is_submitted_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("activities.runpod.follow.CLAIM_LEASE_S", 0.0)
+    store = MemoryStore()
+    keys = [f"jobs/{JOB_ID}/0/{n}/t_{n}.png" for n in range(2)]
+    store.put(keys[0], PNG)
+    write_claim(store, done_claim(*keys, stored=1))
+    runpod = ScriptedRunPod(statuses=[IN_PROGRESS])
+    with pytest.raises(ApplicationError) as lost:
+        follow = backend(runpod, store, fence_after_s=1).follow
+        await env([]).run(follow, follow_input(checkpoint=KNOWN))
+    assert lost.value.type == ErrorType.PROMPT_LOST, "the new delivery runs what is missing"
 
 
 # -- input files ----------------------------------------------------------------------------------

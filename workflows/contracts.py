@@ -365,6 +365,17 @@ class Notice(StrictModel):
 MAX_NOTICES = 20
 
 
+# What became of one provider job (a RunPod job: a delivery of a submission to a worker):
+#   completed    it ran the prompt to its end (or its outcome, recorded, was used)
+#   failed       it ended with an error of the prompt's or the handler's
+#   crashed      its worker died (RunPod says so): the submission went to another
+#   fenced       its worker fell silent (frozen, cut off from storage) and was fenced: its prompt
+#                stopped and its worker taken down before anyone ran the submission again
+#   cancelled    the job was stopped (cancel, abandonment, deadline)
+#   ran_nothing  it found the submission claimed by another and ran nothing
+DeliveryOutcome = Literal["completed", "failed", "crashed", "fenced", "cancelled", "ran_nothing"]
+
+
 class JobCost(StrictModel):
     """What the job cost on a provider that bills by the second (RunPod): its own figures.
 
@@ -373,6 +384,8 @@ class JobCost(StrictModel):
     """
 
     provider_job_id: str | None = None
+    # What became of it (None: not said, as by a worker before 0.4.0).
+    outcome: DeliveryOutcome | None = None
     queue_s: float = 0.0
     execution_s: float = 0.0
     billed_after_end_s: float = 0.0
@@ -392,6 +405,26 @@ class JobCost(StrictModel):
         if self.usd_per_second is None:
             return None
         return round(self.billed_s * self.usd_per_second, 6)
+
+
+class Delivery(StrictModel):
+    """One provider job (RunPod job) of the job, as `JobStatus.deliveries` lists them: built
+    from `cost`, an entry per job."""
+
+    provider_job_id: str
+    outcome: DeliveryOutcome | None = None
+    billed_s: float = 0.0
+    # The figure is what is known so far, at least (`JobCost.note` says why).
+    lower_bound: bool = False
+
+    @classmethod
+    def of(cls, cost: JobCost) -> Delivery:
+        return cls(
+            provider_job_id=cost.provider_job_id or "",
+            outcome=cost.outcome,
+            billed_s=round(cost.billed_s, 3),
+            lower_bound=cost.lower_bound,
+        )
 
 
 WebhookDeliveryState = Literal["pending", "retrying", "delivered", "failed"]
@@ -469,6 +502,9 @@ class JobStatus(StrictModel):
     notices: list[Notice] = Field(default_factory=list)
     # Per provider job (one per submission that reached a per-second-billed backend).
     cost: list[JobCost] = Field(default_factory=list)
+    # Each provider job of the job (a RunPod job: one delivery of a submission to a worker),
+    # what became of it and what it billed: one per entry of `cost`.
+    deliveries: list[Delivery] = Field(default_factory=list)
     # Set when the request has a webhook: each event's delivery.
     webhook: WebhookStatus | None = None
     detached: bool = False

@@ -27,6 +27,7 @@ with workflow.unsafe.imports_passed_through():
         BackendInfo,
         Checkpoint,
         Decision,
+        Delivery,
         JobCost,
         JobError,
         JobEvent,
@@ -466,8 +467,13 @@ class JobBook:
 
     def _put_cost(self, cost: JobCost) -> None:
         costs = self.status.cost
+        earlier = next((c for c in costs if c.provider_job_id == cost.provider_job_id), None)
+        if earlier is not None and cost.outcome is None:
+            # A later reading of the same job (its final figures) keeps what became of it.
+            cost = cost.model_copy(update={"outcome": earlier.outcome})
         costs[:] = [c for c in costs if c.provider_job_id != cost.provider_job_id]
         costs.append(cost)
+        self.status.deliveries = [Delivery.of(c) for c in costs if c.provider_job_id]
 
     def _merge(self, artifacts: list[Artifact]) -> bool:
         known = {a.key for a in self.status.artifacts}

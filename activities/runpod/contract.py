@@ -14,8 +14,9 @@ Credentials never travel in a job: the handler reads its bucket's from its own e
 
 from __future__ import annotations
 
+import email.utils
 import json
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -37,6 +38,12 @@ MAX_UPDATE_BYTES = 512 * 1024
 DEFAULT_STOP_HORIZON_S = 120.0
 # Where handlers publish their ComfyUI's node registry, in the orchestrator's default bucket.
 ENDPOINTS_FOLDER = "_durable_comfy/endpoints"
+# How long after a claim's lease ran out its holder is certainly fenced (its prompt stopped, or
+# its worker gone), unless the job says (`Orchestration.fence_after_s`, the pool's setting): a
+# holder that cannot renew stops its prompt before its lease ends, and the worker's watchdog
+# (endpoint/watchdog.py) stops it and takes the worker down by then when the handler itself
+# is frozen. Only past this does anyone run the submission again.
+DEFAULT_FENCE_AFTER_S = 30.0
 
 
 class _Contract(BaseModel):
@@ -105,6 +112,9 @@ class Orchestration(_Contract):
     # Where to publish this worker's ComfyUI node registry (`/object_info`), once per handler
     # process, so the orchestrator checks graphs before a job reaches a paid worker.
     nodes: NodesTarget | None = None
+    # How long past a lapsed lease its holder is certainly fenced (DEFAULT_FENCE_AFTER_S): a
+    # delivery takes a lapsed claim over only past it, or once the claim records the fence.
+    fence_after_s: float = Field(DEFAULT_FENCE_AFTER_S, ge=1.0)
 
 
 class EndpointInput(_Contract):
@@ -257,6 +267,43 @@ class ClaimOutcome(_Contract):
     stop: StopRecord | None = None
 
 
+class OutputFile(_Contract):
+    """One file the prompt's `/history` lists as a node's output (type `output`)."""
+
+    node_id: str
+    filename: str
+    subfolder: str = ""
+
+
+class PromptEnd(_Contract):
+    """How the held prompt ended on ComfyUI, recorded in the claim before any upload: with
+    `success`, the outputs ComfyUI listed. A later delivery (or the orchestrator, after a lost
+    holder) then knows the GPU work is done and what must be in the bucket for the job to be."""
+
+    outcome: Literal["success", "error", "interrupted"]
+    at: datetime
+    outputs: list[OutputFile] = Field(default_factory=list)
+
+
+# What a holder that could not renew its claim did to its prompt before its lease ran out:
+#   dequeued / interrupted   as in PromptFate
+#   ended                    it had ended already (its `prompt_end` says how)
+#   never_submitted          no prompt was sent
+#   still_running            it would not stop: the worker's ComfyUI was killed
+FenceAction = Literal["dequeued", "interrupted", "ended", "never_submitted", "still_running"]
+
+
+class FenceRecord(_Contract):
+    """A holder fenced itself: it could not renew its lease, so it stopped its prompt before
+    the lease ran out (`at`), and wrote this once it could write again. A claim with a fence
+    may be taken over at once."""
+
+    action: FenceAction
+    at: datetime
+    worker_id: str = ""
+    detail: str = ""
+
+
 class Claim(_Contract):
     """`{prefix}/{job_id}/_claims/{submission}.json`: who runs a submission, until when.
 
@@ -276,6 +323,12 @@ class Claim(_Contract):
     # When the platform stopped the job and the handler began stopping its prompt (the lease is
     # renewed meanwhile; the outcome, with its `stop` record, follows once the prompt is gone).
     stopping_since: datetime | None = None
+    # The prompt ended (written at once, before any upload), and each output as it is stored
+    # (written with the next renewal, or at once): after a lost holder, what is left to do.
+    prompt_end: PromptEnd | None = None
+    stored: list[ArtifactRecord] = Field(default_factory=list)
+    # The holder could not renew and stopped its prompt before its lease ran out.
+    fenced: FenceRecord | None = None
     outcome: ClaimOutcome | None = None
 
 
@@ -287,6 +340,21 @@ class PublishedNodes(_Contract):
     published_at: datetime
     # ComfyUI's `GET /object_info`, whole: {class_type: {input: {required, optional}, ...}}.
     object_info: dict[str, Any]
+
+
+def server_age_s(last_modified: datetime | None, date_header: str | None) -> float:
+    """How old an object is by the S3 server's clock: its `Date` header less its
+    `Last-Modified` (the local clock stands in for a missing `Date`). A claim's lease is judged
+    by this on both sides, so a holder's and a reader's clocks need not agree."""
+    if last_modified is None:
+        return 0.0
+    now = datetime.now(UTC)
+    if date_header:
+        try:
+            now = email.utils.parsedate_to_datetime(date_header)
+        except (TypeError, ValueError):
+            pass
+    return max(0.0, (now - last_modified).total_seconds())
 
 
 def nodes_key(endpoint_id: str) -> str:

@@ -22,7 +22,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Coroutine, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import Any, NoReturn, TypeVar
 
 import structlog
@@ -48,12 +48,20 @@ from activities.runpod.artifacts import (
     record_keys,
     s3_location,
 )
-from activities.runpod.claims import claim_target, lease_running, read_claim
+from activities.runpod.claims import (
+    AgedClaim,
+    claim_target,
+    lease_running,
+    read_aged_claim,
+    read_claim,
+)
 from activities.runpod.client import RunPodClient
 from activities.runpod.contract import (
+    DEFAULT_FENCE_AFTER_S,
     DEFAULT_LEASE_S,
     DEFAULT_STOP_HORIZON_S,
     ArtifactRecord,
+    Claim,
     EndpointInput,
     InputImage,
     Orchestration,
@@ -77,7 +85,7 @@ from activities.runpod.outcome import (
 from activities.settings import PoolConfig
 from activities.storage import ArtifactStore
 from workflows.activity_io import FollowHeartbeat, FollowInput, FollowResult
-from workflows.contracts import Artifact, Checkpoint, JobCost, ProgressReport
+from workflows.contracts import Artifact, Checkpoint, DeliveryOutcome, JobCost, ProgressReport
 from workflows.shared import AT_MOST_ONCE, ErrorType
 
 log = structlog.get_logger(__name__)
@@ -94,9 +102,10 @@ DEFAULT_IDLE_TIMEOUT_S = 5.0
 CLAIM_LEASE_S = DEFAULT_LEASE_S
 # How long a replayed delivery waits for the holder's RunPod job to end, to read what it cost.
 HOLDER_END_WAIT_S = 15.0
-# How long after a dead holder's `lease_until` a new delivery is sent to take its claim over.
-# The handler judges expiry by the S3 server's clock in whole seconds (`Last-Modified`, `Date`)
-# and adds a second of its own, so a takeover sent at `lease_until` would often be refused.
+# How long after a silent holder is certainly fenced (its lease out by the pool's
+# `fence_after_s`, by the S3 server's clock) a new delivery is sent to take its claim over: the
+# handler reads the same clock in whole seconds and adds a second of its own, so a takeover
+# sent on the dot would often be refused.
 TAKEOVER_MARGIN_S = 3.0
 # Submissions one attempt sends after finding the claim held by a dead holder (each one a
 # delivery that may find the lease not yet out by the S3 server's clock); then the workflow
@@ -112,6 +121,16 @@ MIN_STOP_HORIZON_S = 5.0
 KEEPALIVE_S = 1.0
 
 T = TypeVar("T")
+
+
+class _CompletedFromClaim(Exception):
+    """The submission's work turned out done, by a holder that is gone: its claim says the
+    prompt succeeded and every output is in the bucket. Raised from wherever that is found,
+    answered by `run` with the result."""
+
+    def __init__(self, result: FollowResult) -> None:
+        super().__init__("completed from the claim")
+        self.result = result
 
 
 @dataclass(frozen=True)
@@ -145,6 +164,7 @@ class RunPodFollower:
         self.inputs = inputs
         self.poll_s = poll_s
         self.lease_s = pool.claim_lease_s or CLAIM_LEASE_S
+        self.fence_after_s = pool.fence_after_s or DEFAULT_FENCE_AFTER_S
         heartbeat = FollowHeartbeat.from_details(activity.info().heartbeat_details)
         self.checkpoint = restore_checkpoint(heartbeat, req)
         stored = list(req.stored) + (heartbeat.artifacts if heartbeat is not None else [])
@@ -176,7 +196,9 @@ class RunPodFollower:
         self.node: str | None = None
         self.milestones = Milestones(req.progress_interval_s)
         self.worker_id = worker_identity()
-        self.last_lease_check = time.monotonic()
+        self.next_lease_check = time.monotonic() + self.lease_s / 3
+        # The silent holder already logged as waited for (once per holder).
+        self.waiting_for_fence: str | None = None
         self.log = log.bind(job_id=req.job_id, prompt_id=req.prompt_id, segment=req.segment)
 
     # -- the attempt -------------------------------------------------------------------------
@@ -189,6 +211,8 @@ class RunPodFollower:
         try:
             job_id = self.checkpoint.provider_job_id or await self._submit_or_find()
             return await self._follow(job_id)
+        except _CompletedFromClaim as done:
+            return done.result
         except RunPodError as exc:
             error = self._with_progress(from_runpod(exc, "following the RunPod job"))
             raise self._at_most_once(error) from None
@@ -225,7 +249,12 @@ class RunPodFollower:
                 return self._known_as(claim.holder)
             if claim is not None:
                 self.log.info("runpod_claim_holder_dead", runpod_job_id=claim.holder)
-                await self._wait_out_lease()
+                aged = await self._wait_for_fence()
+                if aged is not None and aged.claim.renewed_at > claim.renewed_at:
+                    # Renewed meanwhile: the holder is alive after all.
+                    return self._known_as(aged.claim.holder)
+                if aged is not None and aged.claim.outcome is None:
+                    await self._gone_holder(aged.claim)
         elif self.checkpoint.submit_sent_at is not None:
             raise fatal(
                 ErrorType.SUBMISSION_AMBIGUOUS,
@@ -300,6 +329,7 @@ class RunPodFollower:
                 inputs=self.inputs.staged,
                 stop_horizon_s=stop_horizon(req.teardown_horizon_s),
                 nodes=published_target(self.pool, self.store.settings.bucket),
+                fence_after_s=self.fence_after_s,
             ),
         )
 
@@ -311,9 +341,9 @@ class RunPodFollower:
                 await self._report("queued")
             elif isinstance(outcome, Running):
                 await self._running(outcome)
-                await self._fail_if_holder_died(job)
+                await self._fail_if_holder_silent(job)
             elif isinstance(outcome, ClaimedElsewhere):
-                self.other_costs[job.id] = self.cost_of(job)
+                self.other_costs[job.id] = self.cost_of(job, "ran_nothing")
                 job_id = await self._holder(outcome)
                 continue
             elif isinstance(outcome, Succeeded):
@@ -352,7 +382,7 @@ class RunPodFollower:
             self.takeover_submits += 1
             self.log.info("runpod_claim_holder_dead", runpod_job_id=holder)
             self.last_state = None
-            return await self._submit_or_find()
+            return await self._submit_or_find()  # which waits for the fence first
         if holder is None or holder == self.checkpoint.provider_job_id:
             raise retryable(
                 ErrorType.BACKEND_UNAVAILABLE,
@@ -363,34 +393,58 @@ class RunPodFollower:
         self.last_state = None
         return self._known_as(holder)
 
-    async def _fail_if_holder_died(self, job: RunPodJob) -> None:
+    async def _fail_if_holder_silent(self, job: RunPodJob) -> None:
         """RunPod may keep a job IN_PROGRESS after its worker died (until its execution
-        timeout, billing nothing but costing the job its time). Our handler renews its claim's
-        lease while it runs: a lease run out with no outcome means nobody runs the prompt.
-        The job is cancelled and the submission goes out again (it may take the claim over)."""
+        timeout), or while its worker is alive but silent: its handler frozen, or cut off from
+        S3, its ComfyUI running on. Our handler renews its claim's lease while it runs; a lease
+        run out means the holder stopped renewing, not that its prompt stopped. So nothing is
+        run again until the holder is fenced (docs/architecture.md, *Fencing*): the claim
+        records that it fenced itself, or its lease has run out by the pool's `fence_after_s`
+        (by the S3 server's clock), past which its handler and its worker's watchdog have
+        stopped the prompt and taken the worker down. Then the job is cancelled, and completed
+        from the claim when the holder's work was done, else submitted again."""
         if not self.pool.claims:
             return
         now = time.monotonic()
-        if now - self.last_lease_check < self.lease_s / 3:
+        if now < self.next_lease_check:
             return
-        self.last_lease_check = now
-        claim = await read_claim(self.store, self.target, self.req.job_id, self.submission)
-        if claim is None:
+        self.next_lease_check = now + self.lease_s / 3
+        aged = await read_aged_claim(self.store, self.target, self.req.job_id, self.submission)
+        if aged is None:
             await self._fail_if_silent_before_claiming(job)
             return
+        claim = aged.claim
         if claim.holder != job.id or claim.outcome is not None:
             return
-        free_at = claim.lease_until + timedelta(seconds=TAKEOVER_MARGIN_S)
-        if datetime.now(UTC) < free_at:
+        if claim.fenced is None and not aged.lapsed_by(self.fence_after_s + TAKEOVER_MARGIN_S):
+            if aged.lapsed_by(0):
+                left = aged.lapses_in_s(self.fence_after_s + TAKEOVER_MARGIN_S)
+                self.next_lease_check = now + min(self.lease_s / 3, max(left, self.poll_s))
+                if self.waiting_for_fence != job.id:
+                    self.waiting_for_fence = job.id
+                    self.log.warning(
+                        "runpod_holder_silent",
+                        runpod_job_id=job.id,
+                        worker_id=job.worker_id,
+                        lease_until=claim.lease_until,
+                        fenced_in_s=round(left, 1),
+                    )
             return
         self.log.warning(
-            "runpod_holder_silent", runpod_job_id=job.id, lease_until=claim.lease_until
+            "runpod_holder_fenced",
+            runpod_job_id=job.id,
+            worker_id=job.worker_id,
+            lease_until=claim.lease_until,
+            recorded=claim.fenced.action if claim.fenced is not None else None,
         )
-        await self._alive_while(self.client.cancel(job.id))
+        cost = await self._given_up(job.id, "fenced")
+        await self._complete_from(claim, cost)
         raise fatal(
             ErrorType.PROMPT_LOST,
             f"RunPod job {job.id} is still IN_PROGRESS, but its worker stopped renewing the "
-            f"claim at {claim.lease_until:%H:%M:%S} UTC: the worker is gone; submitting again",
+            f"claim at {claim.lease_until:%H:%M:%S} UTC and has been fenced since: submitting "
+            "again",
+            cost=cost.model_dump(mode="json"),
         )
 
     async def _fail_if_silent_before_claiming(self, job: RunPodJob) -> None:
@@ -402,12 +456,95 @@ class RunPodFollower:
         if silent_s <= self.lease_s + TAKEOVER_MARGIN_S:
             return
         self.log.warning("runpod_delivery_silent", runpod_job_id=job.id, silent_s=round(silent_s))
-        await self._alive_while(self.client.cancel(job.id))
+        cost = await self._given_up(job.id, "crashed")
         raise fatal(
             ErrorType.PROMPT_LOST,
             f"RunPod job {job.id} is IN_PROGRESS on worker {job.worker_id or '?'}, but its "
             f"handler has neither claimed prompt {self.submission} nor reported for "
             f"{silent_s:.0f} s: the worker is gone; submitting again",
+            cost=cost.model_dump(mode="json"),
+        )
+
+    async def _gone_holder(self, claim: Claim) -> None:
+        """A holder that is gone for good (fenced, or dead): what its RunPod job billed joins
+        the job's cost, and when its work was done the job completes from it."""
+        if claim.holder not in self.other_costs:
+            self.other_costs[claim.holder] = await self._given_up(claim.holder, "fenced")
+        await self._complete_from(claim, self.other_costs[claim.holder])
+
+    async def _given_up(self, job_id: str, outcome: DeliveryOutcome) -> JobCost:
+        """Cancel a RunPod job whose delivery is given up (a silent or dead worker: RunPod
+        stops counting it) and read what it cost. Figures RunPod has not made final yet are a
+        lower bound, and say so."""
+        job: RunPodJob | None = None
+        try:
+            job = await self._alive_while(self.client.status(job_id))
+            if job.state is None or not job.state.terminal:
+                await self._alive_while(self.client.cancel(job_id))
+                job = await self._alive_while(self.client.status(job_id))
+        except RunPodError as exc:
+            self.log.warning("runpod_given_up_cost_unread", runpod_job_id=job_id, error=str(exc))
+        if job is None:
+            return JobCost(
+                provider_job_id=job_id,
+                outcome=outcome,
+                usd_per_second=self.pool.usd_per_second,
+                lower_bound=True,
+                note="RunPod did not say what this job billed when it was given up",
+            )
+        cost = self.cost_of(job, outcome)
+        if not cost.lower_bound and (job.state is None or not job.state.terminal):
+            cost = cost.model_copy(
+                update={
+                    "lower_bound": True,
+                    "note": "RunPod had not ended the job when it was given up: what it "
+                    "counted so far",
+                }
+            )
+        return cost
+
+    async def _complete_from(self, claim: Claim, cost: JobCost) -> None:
+        """When a gone holder's claim says its prompt succeeded and lists an output stored for
+        every file it made, the job is done: raise `_CompletedFromClaim` once each is verified
+        in the bucket (size, sha256). Anything missing: return, and the submission goes out
+        again (a new delivery runs only what is missing)."""
+        end = claim.prompt_end
+        if end is None or end.outcome != "success" or not end.outputs:
+            return
+        stored = {(r.node_id, r.subfolder, r.filename): r for r in claim.stored}
+        missing = [o for o in end.outputs if (o.node_id, o.subfolder, o.filename) not in stored]
+        if missing:
+            self.log.info(
+                "runpod_claim_outputs_missing",
+                runpod_job_id=claim.holder,
+                missing=len(missing),
+                outputs=len(end.outputs),
+            )
+            return
+        records = [stored[(o.node_id, o.subfolder, o.filename)] for o in end.outputs]
+        try:
+            for record, key in self._unkept(records):
+                await self._keep(record, key, verifiable=True)
+        except ApplicationError as exc:
+            self.log.warning("runpod_claim_outputs_unverified", error=exc.message)
+            return
+        self.log.info(
+            "runpod_completed_from_claim", runpod_job_id=claim.holder, outputs=len(records)
+        )
+        self._heartbeat()
+        await submissions.ended(self.store, self.req.pool, self.req.job_id, self.submission)
+        raise _CompletedFromClaim(
+            FollowResult(
+                prompt_id=self.req.prompt_id,
+                outcome="success",
+                artifacts=list(self.artifacts.values()),
+                checkpoint=self._checkpoint(),
+                cost=cost,
+                other_costs=[
+                    c for c in self.other_costs.values() if c.provider_job_id != claim.holder
+                ],
+                worker_id=self.worker_id,
+            )
         )
 
     async def _running(self, outcome: Running) -> None:
@@ -452,7 +589,8 @@ class RunPodFollower:
                 f"RunPod job {job.id} completed without any stored output (add a SaveImage node?)",
             )
         holder = outcome.output.claim_holder if outcome is not None else None
-        if outcome is not None and outcome.output.replayed and holder and holder != job.id:
+        replayed = bool(outcome is not None and outcome.output.replayed and holder != job.id)
+        if replayed and holder:
             await self._read_holder_cost(holder)
         self._heartbeat()
         await submissions.ended(self.store, self.req.pool, self.req.job_id, self.submission)
@@ -462,7 +600,7 @@ class RunPodFollower:
             outcome="success",
             artifacts=list(self.artifacts.values()),
             checkpoint=self._checkpoint(),
-            cost=self.cost_of(job),
+            cost=self.cost_of(job, "ran_nothing" if replayed else "completed"),
             other_costs=[c for c in self.other_costs.values() if c.provider_job_id != job.id],
             worker_id=self.worker_id,
         )
@@ -476,7 +614,7 @@ class RunPodFollower:
             while True:
                 job = await self._alive_while(self.client.status(holder))
                 if job.state is not None and job.state.terminal:
-                    self.other_costs[holder] = self.cost_of(job)
+                    self.other_costs[holder] = self.cost_of(job, "completed")
                     return
                 if time.monotonic() > deadline:
                     break
@@ -503,9 +641,13 @@ class RunPodFollower:
                 await self._keep(record, key, verifiable=True)
             except ApplicationError as exc:  # what failed to verify is not kept
                 self.log.warning("runpod_partial_output_unusable", error=exc.message)
+        outcome: DeliveryOutcome = "crashed" if failed.resubmit else "failed"
+        cost = self.cost_of(job, outcome) if job is not None else None
         if failed.resubmit and self.pool.claims:
-            await self._wait_out_lease()
-        raise from_failure(failed, self.cost_of(job) if job is not None else None)
+            aged = await self._wait_for_fence()
+            if aged is not None and aged.claim.holder == failed.job_id and cost is not None:
+                await self._complete_from(aged.claim, cost)
+        raise from_failure(failed, cost)
 
     async def _recovered(self, failed: Failed) -> Failed | list[ArtifactRecord]:
         """A StorageError of our handler is final only once its claim says so: the claim is
@@ -522,20 +664,25 @@ class RunPodFollower:
             self.log.warning("runpod_storage_failure_resubmitting", runpod_job_id=failed.job_id)
         return verdict
 
-    async def _wait_out_lease(self) -> None:
-        """Until a new delivery may take the claim over: its holder's lease ran out, with
-        `TAKEOVER_MARGIN_S` for the handler's stricter reading. A renewal meanwhile (the holder
-        is alive after all) moves the end; an outcome ends the wait."""
+    async def _wait_for_fence(self) -> AgedClaim | None:
+        """Until a new delivery may run the submission: the claim has an outcome or a fence
+        record, or its holder's lease has run out by the pool's `fence_after_s` (by the S3
+        server's clock; `TAKEOVER_MARGIN_S` more for the handler's stricter reading). A renewal
+        meanwhile (the holder is alive after all) also ends the wait: the caller follows it.
+        Returns the claim as last read (None: there is none)."""
+        first: datetime | None = None
         while True:
-            claim = await read_claim(self.store, self.target, self.req.job_id, self.submission)
-            if claim is None or claim.outcome is not None:
-                return
-            free_at = claim.lease_until + timedelta(seconds=TAKEOVER_MARGIN_S)
-            wait = (free_at - datetime.now(UTC)).total_seconds()
-            if wait <= 0:
-                return
+            aged = await read_aged_claim(self.store, self.target, self.req.job_id, self.submission)
+            if aged is None or aged.claim.outcome is not None or aged.claim.fenced is not None:
+                return aged
+            if first is not None and aged.claim.renewed_at > first:
+                return aged
+            first = first or aged.claim.renewed_at
+            left = aged.lapses_in_s(self.fence_after_s + TAKEOVER_MARGIN_S)
+            if left <= 0:
+                return aged
             self._heartbeat()
-            await asyncio.sleep(min(max(wait, 0.1), self.poll_s * 5))
+            await asyncio.sleep(min(max(left, 0.1), self.poll_s * 5))
 
     # -- outputs -----------------------------------------------------------------------------
 
@@ -628,8 +775,8 @@ class RunPodFollower:
 
     # -- reporting ---------------------------------------------------------------------------
 
-    def cost_of(self, job: RunPodJob) -> JobCost:
-        return job_cost(job, self.pool)
+    def cost_of(self, job: RunPodJob, outcome: DeliveryOutcome | None = None) -> JobCost:
+        return job_cost(job, self.pool, outcome=outcome)
 
     def _checkpoint(self) -> Checkpoint:
         return self.checkpoint.model_copy(
@@ -750,7 +897,13 @@ def stop_horizon(teardown_horizon_s: float | None) -> float:
     return max(MIN_STOP_HORIZON_S, teardown_horizon_s - margin)
 
 
-def job_cost(job: RunPodJob, pool: PoolConfig, stop: StopRecord | None = None) -> JobCost:
+def job_cost(
+    job: RunPodJob,
+    pool: PoolConfig,
+    stop: StopRecord | None = None,
+    *,
+    outcome: DeliveryOutcome | None = None,
+) -> JobCost:
     """What RunPod job `job` cost, from its own figures (a later `/status` with a larger
     executionTime is read as it comes); the idle time a worker bills after its last job is the
     pool's `idle_timeout_s` (RunPod's default 5 s when unset).
@@ -778,8 +931,11 @@ def job_cost(job: RunPodJob, pool: PoolConfig, stop: StopRecord | None = None) -
             else f"a stock worker-comfyui handler cannot stop its prompt, which runs on "
             f"worker {job.worker_id}, billing, until it ends"
         )
+    if outcome is None and job.state is RunPodState.CANCELLED:
+        outcome = "cancelled"
     return JobCost(
         provider_job_id=job.id,
+        outcome=outcome,
         queue_s=(job.delay_time_ms or 0.0) / 1000,
         execution_s=(job.execution_time_ms or 0.0) / 1000,
         billed_after_end_s=after,
