@@ -875,6 +875,25 @@ async def test_a_fenced_holder_with_an_output_missing_is_submitted_again(
     assert lost.value.type == ErrorType.PROMPT_LOST, "the new delivery runs what is missing"
 
 
+async def test_a_worker_lost_after_it_recorded_its_outcome_completes_the_job() -> None:
+    """RunPod times the job out (the worker is gone), but the claim says the run completed
+    and names its outputs: they are the result, nothing is submitted again."""
+    store = MemoryStore()
+    store.put(OUR_KEY, PNG)
+    outcome = ClaimOutcome(
+        state="completed",
+        images=[ArtifactRecord.model_validate(record(OUR_KEY))],
+        at=datetime.now(UTC),
+    )
+    write_claim(store, silent_holder(0, outcome=outcome))
+    lost = {"id": RUNPOD_JOB, "status": "TIMED_OUT", "workerId": "w1", "executionTime": 6000}
+    runpod = ScriptedRunPod(statuses=[lost])
+    result = await env([]).run(backend(runpod, store).follow, follow_input(checkpoint=KNOWN))
+    assert [a.key for a in result.artifacts] == [OUR_KEY]
+    assert ("POST", "run") not in runpod.requests
+    assert result.cost is not None and result.cost.outcome == "completed"
+
+
 # -- input files ----------------------------------------------------------------------------------
 
 LOAD_GRAPH = {

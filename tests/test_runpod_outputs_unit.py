@@ -174,14 +174,16 @@ async def test_a_storage_failure_the_handler_could_not_record_is_submitted_again
         runpod = ScriptedRunPod(statuses=[storage_failed()])
         began = datetime.now(UTC)
         with pytest.raises(ApplicationError) as lost:
-            await env([]).run(backend(runpod, store).follow, follow_input())
+            follow = backend(runpod, store, fence_after_s=1).follow
+            await env([]).run(follow, follow_input())
         assert lost.value.type == ErrorType.PROMPT_LOST and lost.value.non_retryable, claimed
         details = lost.value.details[0]
         assert details["cause_type"] == ErrorType.STORAGE_ERROR
         assert details["cost"]["execution_s"] == 42.0, "the failed run was paid for"
         waited = datetime.now(UTC) - began
         if claimed:
-            assert waited >= timedelta(seconds=0.25), "not before the lease and its margin"
+            # The lease, the server clock's second, the fence and the margin.
+            assert waited >= timedelta(seconds=0.1 + 1 + 1 + 0.2), "not before the fence"
             assert "its claim records no outcome" in lost.value.message
         else:
             assert "it holds no claim" in lost.value.message

@@ -650,10 +650,19 @@ class RunPodFollower:
         raise from_failure(failed, cost)
 
     async def _recovered(self, failed: Failed) -> Failed | list[ArtifactRecord]:
-        """A StorageError of our handler is final only once its claim says so: the claim is
-        read again (the orchestrator's own S3 calls are retried by Temporal), and
-        `after_storage_failure` decides: the claim's records (a success after all), a
-        resubmission, or the failure as it is."""
+        """A lost worker (`resubmit`) whose claim records the run completed did the work: its
+        records are the result. A StorageError of our handler is final only once its claim
+        says so: the claim is read again (the orchestrator's own S3 calls are retried by
+        Temporal), and `after_storage_failure` decides: the claim's records (a success after
+        all), a resubmission, or the failure as it is."""
+        if self.pool.claims and failed.resubmit and failed.job_id:
+            # A worker lost after it recorded its outcome: the work is done, nothing runs again.
+            claim = await read_claim(self.store, self.target, self.req.job_id, self.submission)
+            done = claim.outcome if claim is not None and claim.holder == failed.job_id else None
+            if done is not None and done.state == "completed":
+                self.log.warning("runpod_lost_worker_claim_completed", runpod_job_id=failed.job_id)
+                return list(done.images)
+            return failed
         if not (self.pool.claims and failed.error_type == ErrorType.STORAGE_ERROR):
             return failed
         claim = await read_claim(self.store, self.target, self.req.job_id, self.submission)
