@@ -6,8 +6,13 @@ The protocol, with only S3 conditional writes (no lock service):
   gets 200, the others 412 (or 409 on AWS under a race) and read who won;
 - renew: `PutObject If-Match: <etag of our last write>` every lease_s/3; a 412 means someone
   took the claim over after our lease ran out, so we no longer hold it;
-- take over: a claim whose lease expired (and that has no outcome) is replaced with
-  `If-Match: <etag read>`; of several takers exactly one wins;
+- take over: a claim without an outcome whose lease ran out more than the job's
+  `fence_after_s` ago, or whose holder recorded that it fenced itself (`fenced`), is replaced
+  with `If-Match: <etag read>`; of several takers exactly one wins. A holder that cannot renew
+  stops its prompt before its lease ends (endpoint/fencing.py), and the worker's watchdog does
+  it when the holder is frozen (endpoint/watchdog.py), both well within `fence_after_s` of the
+  lease's end: so a takeover never runs the graph beside a holder that is alive but silent. The
+  taker keeps what the claim says is done (`prompt_end`, `stored`: endpoint/takeover.py);
 - finish: the holder writes the outcome (`If-Match` again); a claim with an outcome is never
   written again by anyone, so its artifact records are final.
 
@@ -26,6 +31,7 @@ else wrote the claim.
 from __future__ import annotations
 
 import email.utils
+import time
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -57,6 +63,10 @@ class StoredClaim:
     etag: str
     # Seconds since the object was last written, by the S3 server's clock (0 for our writes).
     age_s: float = 0.0
+    # Our writes: time.monotonic() when the write was sent (its first try). The lease it gives
+    # starts on the S3 server when the write lands, which is later: a lease reckoned from here
+    # ends no later than the server's.
+    sent_at: float | None = None
 
     @property
     def lease_s(self) -> float:
@@ -69,6 +79,21 @@ class StoredClaim:
     @property
     def expires_in_s(self) -> float:
         return max(0.0, self.lease_s + CLOCK_RESOLUTION_S - self.age_s)
+
+    def takeable(self, fence_after_s: float) -> bool:
+        """Another delivery may take the claim over: no outcome, and its holder fenced itself
+        (said so in the claim), or its lease ran out more than `fence_after_s` ago, by when the
+        holder is surely fenced (its prompt stopped, or its worker gone)."""
+        if self.claim.outcome is not None:
+            return False
+        lapsed = self.age_s > self.lease_s + CLOCK_RESOLUTION_S + fence_after_s
+        return self.claim.fenced is not None or lapsed
+
+    def takeable_in_s(self, fence_after_s: float) -> float:
+        """How long until `takeable` holds, as far as time can tell (0: now)."""
+        if self.claim.fenced is not None:
+            return 0.0
+        return max(0.0, self.lease_s + CLOCK_RESOLUTION_S + fence_after_s - self.age_s)
 
 
 @dataclass(frozen=True)
@@ -137,12 +162,17 @@ class ClaimStore:
         """Overwrite the claim last seen with `etag`; ClaimConflict when it changed since."""
         return await self._write(key, claim, patience, IfMatch=etag)
 
-    async def acquire(self, key: str, template: Claim, lease_s: float) -> Decision:
+    async def acquire(
+        self, key: str, template: Claim, lease_s: float, *, fence_after_s: float
+    ) -> Decision:
         """Claim the submission for `template.holder`, unless someone else lawfully holds it.
 
-        A claim is ours to take over when its lease expired, or when it is held by the same
-        RunPod job on the same worker: the platform runs one handler per worker, so that holder
-        is this job's earlier handler process, which died (a restarted handler re-attaches).
+        A claim is ours to take over when it is `takeable(fence_after_s)` (its holder fenced,
+        or its lease ran out that long ago), or when it is held by the same RunPod job on the
+        same worker: the platform runs one handler per worker, so that holder is this job's
+        earlier handler process, which died (a restarted handler re-attaches). A takeover keeps
+        what the claim says is done when its prompt succeeded (`prompt_end`, `stored`), so a
+        delivery after this one knows it too.
         """
         for _ in range(ACQUIRE_ROUNDS):
             current = await self.read(key)
@@ -153,10 +183,9 @@ class ClaimStore:
                     continue  # someone created it meanwhile: read who
             if current.claim.outcome is not None:
                 return Finished(current)
-            if not (current.expired or _same_handler(current.claim, template)):
+            if not (current.takeable(fence_after_s) or _same_handler(current.claim, template)):
                 return HeldElsewhere(current)
-            update = {"takeovers": current.claim.takeovers + 1}
-            taken = fresh_claim(template.model_copy(update=update), lease_s)
+            taken = fresh_claim(_taken_over(template, current.claim), lease_s)
             try:
                 held = await self.replace(key, taken, current.etag)
             except ClaimConflict:
@@ -168,18 +197,31 @@ class ClaimStore:
         """Extend our lease; ClaimConflict when the claim is no longer ours."""
         return await self.replace(key, fresh_claim(held.claim, lease_s), held.etag)
 
-    async def finish(self, key: str, held: StoredClaim, outcome: ClaimOutcome) -> StoredClaim:
+    async def finish(
+        self,
+        key: str,
+        held: StoredClaim,
+        outcome: ClaimOutcome,
+        *,
+        patience: Patience | None = None,
+    ) -> StoredClaim:
         """Record the outcome; from then on nobody writes this claim again."""
         now = datetime.now(UTC)
         done = held.claim.model_copy(
             update={"outcome": outcome, "renewed_at": now, "lease_until": now}
         )
-        return await self.replace(key, done, held.etag)
+        return await self.replace(key, done, held.etag, patience=patience)
+
+    @property
+    def retry_s(self) -> float:
+        """How long one call rides out a storage outage unless told (BUCKET_RETRY_S)."""
+        return self._s3.retry_s
 
     async def _write(
         self, key: str, claim: Claim, patience: Patience | None, **condition: str
     ) -> StoredClaim:
         body = claim.model_dump_json().encode()
+        sent_at = time.monotonic()
         try:
             resp = await self._s3.call(
                 "put_object",
@@ -197,9 +239,20 @@ class ClaimStore:
             # first try. It is ours exactly when the stored claim is the one we wrote.
             current = await self.read(key)
             if current is not None and current.claim == claim:
-                return StoredClaim(claim, current.etag)
+                return StoredClaim(claim, current.etag, sent_at=sent_at)
             raise ClaimConflict(f"s3://{self.bucket}/{key} changed: {error_code(exc)}") from exc
-        return StoredClaim(claim, str(resp["ETag"]))
+        return StoredClaim(claim, str(resp["ETag"]), sent_at=sent_at)
+
+
+def _taken_over(template: Claim, previous: Claim) -> Claim:
+    """The claim a taker writes: its own, one takeover more, and what the previous holders
+    finished when their prompt succeeded (a failed or cut-short prompt is run again whole, so
+    nothing of it is kept)."""
+    update: dict[str, Any] = {"takeovers": previous.takeovers + 1}
+    ended = previous.prompt_end
+    if ended is not None and ended.outcome == "success":
+        update |= {"prompt_end": ended, "stored": previous.stored}
+    return template.model_copy(update=update)
 
 
 def _same_handler(current: Claim, template: Claim) -> bool:

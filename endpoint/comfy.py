@@ -1,6 +1,6 @@
-"""The worker's own ComfyUI: waiting for it to come up and staging input files (stopping our
-prompt is endpoint/stopping.py). The HTTP calls themselves are
-`activities.comfyui.client.ComfyClient`'s."""
+"""The worker's own ComfyUI: waiting for it to come up, staging input files, and forgetting a
+prompt a takeover must run again (stopping our prompt is endpoint/stopping.py). The HTTP calls
+themselves are `activities.comfyui.client.ComfyClient`'s, but for `POST /history`."""
 
 from __future__ import annotations
 
@@ -9,9 +9,11 @@ import os
 import time
 from collections.abc import Callable
 
+import httpx
 import structlog
 
-from activities.comfyui.client import ComfyClient, ComfyError
+from activities.comfyui.client import ComfyClient, ComfyError, ComfyHTTPError, ComfyUnavailable
+from activities.comfyui.events import ending_of
 from activities.comfyui.follower import ComfyGone
 from activities.runpod.contract import InputImage
 from endpoint.inputs import decode_image
@@ -65,6 +67,28 @@ async def wait_for_comfy(
             if on_waiting is not None:
                 on_waiting()
         await asyncio.sleep(POLL_S)
+
+
+async def forget_interrupted(client: ComfyClient, prompt_id: str) -> bool:
+    """Drop the prompt's history entry when it says the prompt was interrupted; True if so.
+
+    A delivery that takes a claim over runs the prompt again under the same ID, and the
+    follower re-attaches to any prompt ComfyUI knows, even an ended one: right for a prompt
+    that runs or succeeded here (a re-delivery to this worker), wrong for one a fence or a lost
+    claim interrupted here, which would answer for the new run as interrupted. ComfyUI's
+    `POST /history {"delete": [id]}` forgets it, and the prompt is submitted anew."""
+    entry = await client.history(prompt_id)
+    if entry is None or ending_of(entry).outcome != "interrupted":
+        return False
+    async with httpx.AsyncClient(timeout=10.0, trust_env=False) as http:
+        try:
+            response = await http.post(f"{client.base_url}/history", json={"delete": [prompt_id]})
+        except httpx.TransportError as exc:
+            raise ComfyUnavailable(f"POST /history: {type(exc).__name__}: {exc}") from exc
+    if response.status_code != 200:
+        raise ComfyHTTPError(f"POST /history: HTTP {response.status_code}", response.status_code)
+    log.info("interrupted_prompt_forgotten", prompt_id=prompt_id)
+    return True
 
 
 async def stage_images(client: ComfyClient, images: list[InputImage], files: JobFiles) -> None:

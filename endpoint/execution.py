@@ -21,7 +21,7 @@ from activities.comfyui.events import is_out_of_memory
 from activities.comfyui.follower import PromptEnd, PromptFollower, Stage
 from activities.progress import ProgressTracker
 from activities.runpod.contract import ArtifactRecord, InputImage, ProgressStage
-from endpoint.comfy import stage_images, wait_for_comfy
+from endpoint.comfy import forget_interrupted, stage_images, wait_for_comfy
 from endpoint.job_files import JobFiles, with_fresh_outputs
 from endpoint.outputs import OutputCollector, OutputSink
 from endpoint.reporting import ProgressReporter
@@ -60,20 +60,34 @@ class Execution:
         staged: StagedInputs | None = None,
         run_tag: str = "",
         on_ready: Callable[[], None] | None = None,
+        on_prompt_end: Callable[[PromptEnd], None] | None = None,
+        on_stored: Callable[[ArtifactRecord], None] | None = None,
+        prior: list[ArtifactRecord] | None = None,
+        rerun_interrupted: bool = False,
     ) -> None:
+        """`on_prompt_end`: the prompt ended (before the uploads it leaves are done);
+        `on_stored`: an output is stored; `prior`: outputs an earlier delivery stored, not
+        stored again when this run finds them (endpoint/takeover.py); `rerun_interrupted`:
+        a prompt of this ID that ComfyUI saw interrupted runs again rather than answer for
+        this run (a takeover after a fence or a lost claim stopped it on this worker)."""
+        self.rerun_interrupted = rerun_interrupted
         self.client = client
         self.settings = settings
         # Its outputs removed after the run, a repeated graph must not answer from the cache.
         graph = with_fresh_outputs(graph, prompt_id)
         self.graph = graph
         self.on_ready = on_ready
+        self.on_prompt_end = on_prompt_end
+        self.on_stored = on_stored
         self.images = images
         self.staged = staged
         self.prompt_id = prompt_id
         self.reporter = reporter
         # What the run puts in ComfyUI's folders; endpoint/job.py has it removed at the end.
         self.files = JobFiles(settings.comfy_folders)
-        self.collector = OutputCollector(client, sink, self._stored, run_tag=run_tag)
+        self.collector = OutputCollector(
+            client, sink, self._stored, run_tag=run_tag, prior=prior or ()
+        )
         self.follower = PromptFollower(
             client,
             self,
@@ -92,6 +106,11 @@ class Execution:
     def records(self) -> list[ArtifactRecord]:
         """Outputs stored so far."""
         return self.collector.records()
+
+    @property
+    def prompt_over(self) -> bool:
+        """The prompt has ended on ComfyUI (as the follower saw it)."""
+        return self.follower.ended is not None
 
     def stop_subject(self) -> StopSubject:
         """What a stop of this run's prompt needs to know, as of now."""
@@ -130,12 +149,16 @@ class Execution:
                 on_waiting=lambda: self.stage_changed("starting"),
             )
             await self.files.locate()
+            if self.rerun_interrupted:
+                await forget_interrupted(self.client, self.prompt_id)
             if self.on_ready is not None:
                 self.on_ready()
             await stage_images(self.client, self.images, self.files)
             if self.staged is not None:
                 await self.staged.stage(self.client, self.files)
             end = await self.follower.run()
+            if self.on_prompt_end is not None:
+                self.on_prompt_end(end)
             if end.outcome == "error" and is_out_of_memory(end.error):
                 await self._free_memory()
             self.stage_changed("uploading")
@@ -206,5 +229,7 @@ class Execution:
 
     def _stored(self, record: ArtifactRecord) -> None:
         self.files.mark_stored(record.subfolder, record.filename)
+        if self.on_stored is not None:
+            self.on_stored(record)
         if self.reporter is not None:
             self.reporter.add_artifact(record)

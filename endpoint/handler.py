@@ -26,6 +26,7 @@ if _ROOT not in sys.path:
 
 import runpod  # type: ignore[import-not-found,unused-ignore]  # noqa: E402
 
+from endpoint.fence_file import FenceFile  # noqa: E402
 from endpoint.job import run_job  # noqa: E402
 from endpoint.logs import configure_logging  # noqa: E402
 from endpoint.nodes import publish_at_start  # noqa: E402
@@ -51,6 +52,11 @@ async def handler(job: dict[str, Any]) -> dict[str, Any]:
 
 def main() -> None:
     configure_logging()
+    # No claim is held yet: a fence file left by an earlier handler process must not make the
+    # watchdog end this one (endpoint/fence_file.py).
+    fence_file = settings().fence_file
+    if fence_file is not None:
+        FenceFile(fence_file).released()
     # The node registry, in a daemon thread: neither the SDK nor the process waits for it.
     publish_at_start(settings())
     runpod.serverless.start(

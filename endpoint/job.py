@@ -26,6 +26,7 @@ import httpx
 import structlog
 
 from activities.comfyui.client import ComfyClient
+from activities.comfyui.follower import PromptEnd as FollowedEnd
 from activities.keys import artifact_key
 from activities.progress import ProgressTracker
 from activities.runpod.contract import (
@@ -49,9 +50,12 @@ from endpoint.claims import (
     Decision,
     Finished,
     HeldElsewhere,
+    StoredClaim,
 )
 from endpoint.execution import Execution, ExecutionResult
 from endpoint.failures import failure_of, failure_of_end
+from endpoint.fence_file import FenceFile
+from endpoint.fencing import SelfFence, fenced_error
 from endpoint.inputs import InputProblem, read_input
 from endpoint.lease import Lease
 from endpoint.nodes import PUBLISHER
@@ -61,6 +65,7 @@ from endpoint.s3 import S3
 from endpoint.settings import EndpointSettings
 from endpoint.staged_inputs import StagedInputs
 from endpoint.stopping import WorkerReplacer, stop_prompt, wait_out
+from endpoint.takeover import Left, recorded_end, what_is_left, with_kept
 
 log = structlog.get_logger(__name__)
 
@@ -172,15 +177,30 @@ class JobStop:
         subject = execution.stop_subject()
         execution.cancel_outputs()
         work.cancel()
-        record = await stop_prompt(
-            self.client,
-            subject,
-            horizon_s=self.horizon_s,
-            since=since,
-            started_at=started_at,
-            worker_id=self.settings.worker_id,
-            comfy_pid=self.settings.comfy_pid,
+        stopping = asyncio.create_task(
+            stop_prompt(
+                self.client,
+                subject,
+                horizon_s=self.horizon_s,
+                since=since,
+                started_at=started_at,
+                worker_id=self.settings.worker_id,
+                comfy_pid=self.settings.comfy_pid,
+            ),
+            name="stop the prompt",
         )
+        if lease is not None and await _fence_first(lease, stopping):
+            # The claim could not be renewed meanwhile: the prompt must be gone by the lease's
+            # end, whatever the stop horizon, and the claim records the fence, not an outcome.
+            fence = SelfFence(
+                self.client, self.settings, replace_worker=self.replace_worker, log=self.log
+            )
+            fenced = await fence.fence(execution, work, lease)
+            if fenced.record.action != "still_running":
+                # No outcome: its outputs stay for a later delivery (the worker's go with it).
+                await execution.files.clear(stored_outputs=False)
+            return
+        record = await stopping
         replace = record.prompt == "still_running"
         record.worker_replaced = replace
         # No claim: nobody comes back for this run's outputs.
@@ -385,11 +405,37 @@ class OrchestratedJob:
                     prompt_id=holder.prompt_id,
                 )
             )
+        left = what_is_left(decision.held.claim, self.request.workflow)
         if decision.took_over is not None:
             previous = decision.took_over
-            self.log.info("claim_taken_over", previous=previous.holder, worker=previous.worker_id)
-        async with Lease(store, key, decision.held, o.lease_s) as lease:
-            return await self._run_claimed(lease)
+            self.log.info(
+                "claim_taken_over",
+                previous=previous.holder,
+                worker=previous.worker_id,
+                fenced=previous.fenced.action if previous.fenced is not None else None,
+                prompt_end=previous.prompt_end.outcome if previous.prompt_end else None,
+                stored=len(previous.stored),
+                left_to_run="nothing" if left.done else "all" if not left.dropped else "some",
+                dropped=list(left.dropped),
+            )
+        async with self._lease(store, key, decision.held, left.kept) as lease:
+            if left.done and decision.took_over is not None:
+                return await self._complete_from_claim(lease, left, decision.took_over)
+            return await self._run_claimed(lease, left, took_over=decision.took_over is not None)
+
+    def _lease(
+        self, store: ClaimStore, key: str, held: StoredClaim, stored: list[ArtifactRecord] | None
+    ) -> Lease:
+        fence_file = self.settings.fence_file
+        return Lease(
+            store,
+            key,
+            held,
+            self.o.lease_s,
+            fence_after_s=self.o.fence_after_s,
+            fence_file=FenceFile(fence_file) if fence_file is not None else None,
+            stored=stored,
+        )
 
     async def _report_while_claiming(self) -> None:
         """A "claiming" update now and every CLAIMING_REPORT_FACTOR of the lease: the
@@ -401,8 +447,9 @@ class OrchestratedJob:
 
     async def _acquire(self, store: ClaimStore, key: str) -> Decision:
         """Claim the token. A claim held by this same RunPod job on another worker is an
-        earlier delivery the platform gave up on: wait for its lease to run out (it may still
-        be running somewhere), then take over; if it keeps being renewed, it is alive."""
+        earlier delivery the platform gave up on: wait until it may be taken over (its lease
+        run out by `fence_after_s`: it may still be running somewhere until it fenced itself),
+        then take over; if it keeps being renewed, it is alive."""
         template = Claim(
             submission=self.o.submission,
             job_id=self.o.job_id,
@@ -413,21 +460,27 @@ class OrchestratedJob:
             lease_until=datetime.now(UTC),
             renewed_at=datetime.now(UTC),
         )
-        decision = await store.acquire(key, template, self.o.lease_s)
-        give_up = asyncio.get_running_loop().time() + WAIT_OUT_FACTOR * self.o.lease_s
+        fence_after_s = self.o.fence_after_s
+        decision = await store.acquire(key, template, self.o.lease_s, fence_after_s=fence_after_s)
+        give_up = (
+            asyncio.get_running_loop().time() + WAIT_OUT_FACTOR * self.o.lease_s + fence_after_s
+        )
         while (
             isinstance(decision, HeldElsewhere)
             and decision.current.claim.holder == self.job_id
             and asyncio.get_running_loop().time() < give_up
             and not self._stopping.is_set()
         ):
-            self.log.info("claim_wait_out", expires_in_s=round(decision.current.expires_in_s, 1))
+            takeable_in_s = decision.current.takeable_in_s(fence_after_s)
+            self.log.info("claim_wait_out", takeable_in_s=round(takeable_in_s, 1))
             self.reporter.set_stage("claiming")
-            wait = min(max(decision.current.expires_in_s, 0.5), 5.0)
+            wait = min(max(takeable_in_s, 0.5), 5.0)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stopping.wait(), wait)
                 break
-            decision = await store.acquire(key, template, self.o.lease_s)
+            decision = await store.acquire(
+                key, template, self.o.lease_s, fence_after_s=fence_after_s
+            )
         return decision
 
     async def _stopped_while_claiming(
@@ -444,7 +497,7 @@ class OrchestratedJob:
         decision = acquiring.result()
         if not isinstance(decision, Acquired):
             raise asyncio.CancelledError
-        async with Lease(store, key, decision.held, self.o.lease_s) as lease:
+        async with self._lease(store, key, decision.held, None) as lease:
             never_ran = asyncio.create_task(asyncio.sleep(0))
             stop = self._stop()
             await stop.stopped(self._execution(), never_ran, lease, since=(since, started_at))
@@ -477,25 +530,31 @@ class OrchestratedJob:
             return self._error(failure, records)
         return self._success(records)
 
-    async def _run_claimed(self, lease: Lease) -> dict[str, Any]:
-        execution = self._execution()
+    async def _run_claimed(self, lease: Lease, left: Left, *, took_over: bool) -> dict[str, Any]:
+        execution = self._execution(left, lease, rerun_interrupted=took_over)
         work = asyncio.create_task(execution.run(), name=f"run {self.o.prompt_id}")
         lost = asyncio.create_task(lease.lost.wait(), name="claim lost")
+        fence = asyncio.create_task(lease.fence_due.wait(), name="claim fence due")
         try:
-            await asyncio.wait({work, lost}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({work, lost, fence}, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
             # The platform stopped the job (cancel, executionTimeout): stop the prompt, then
             # record the claim as cancelled so no other delivery runs it.
             lost.cancel()
+            fence.cancel()
             await self._stop().stopped(execution, work, lease)
         finally:
             lost.cancel()
+            fence.cancel()
         if not work.done():
+            if lease.fence_due.is_set():
+                return await self._fenced(execution, work, lease, left)
             return await self._lost(execution, work, lease)
         try:
             failure, records = self._verdict(work.result())
         except Exception as exc:
             failure, records = failure_of(exc), execution.records()
+        records = with_kept(left.kept, records)
         if failure is None:
             outcome = _outcome("completed", images=records)
         else:
@@ -512,6 +571,51 @@ class OrchestratedJob:
         if failure is None:
             return self._success(records)
         return self._error(failure, records, claim_recorded=recorded)
+
+    async def _fenced(
+        self, execution: Execution, work: asyncio.Task[ExecutionResult], lease: Lease, left: Left
+    ) -> dict[str, Any]:
+        """No renewal succeeded in time: stop everything before the lease ends, record the
+        fence, and answer that the submission is not finished (endpoint/fencing.py)."""
+        fence = SelfFence(
+            self.client, self.settings, replace_worker=self.replace_worker, log=self.log
+        )
+        fencing = asyncio.create_task(fence.fence(execution, work, lease), name="fence")
+        cancelled = await wait_out(fencing, "fencing")
+        fenced = fencing.result()
+        if fenced.record.action != "still_running":
+            # The outcome is not recorded: a later delivery may re-attach to the prompt here and
+            # store its outputs from the folder (it stages its own inputs). A worker being
+            # replaced keeps its files: they go with it.
+            await _clear_files(execution, stored_outputs=False)
+        if cancelled:
+            raise asyncio.CancelledError
+        return self._error(fenced_error(fenced), with_kept(left.kept, execution.records()))
+
+    async def _complete_from_claim(
+        self, lease: Lease, left: Left, previous: Claim
+    ) -> dict[str, Any]:
+        """The claim taken over says the prompt succeeded and every output it listed is
+        stored: nothing runs; the claim is finished with those records, and the answer is the
+        one a replay would give."""
+        recorded = await self._finish(lease, _outcome("completed", images=left.kept))
+        self.log.info(
+            "claim_completed_from_record",
+            holder=previous.holder,
+            images=len(left.kept),
+            recorded=recorded,
+        )
+        self.tracker.complete()
+        status = "success" if left.kept else "success_no_images"
+        return self._output(
+            EndpointOutput(
+                images=left.kept,
+                status=status,
+                claim_holder=previous.holder,
+                prompt_id=previous.prompt_id,
+                replayed=True,
+            )
+        )
 
     async def _lost(
         self, execution: Execution, work: asyncio.Task[ExecutionResult], lease: Lease
@@ -560,11 +664,27 @@ class OrchestratedJob:
             raise asyncio.CancelledError
         return recorded
 
-    def _execution(self) -> Execution:
+    def _execution(
+        self,
+        left: Left | None = None,
+        lease: Lease | None = None,
+        *,
+        rerun_interrupted: bool = False,
+    ) -> Execution:
+        """The run of the graph, or of what is `left` of it after a takeover; with a `lease`,
+        the claim hears of the prompt's end and of each stored output."""
+        on_prompt_end = on_stored = None
+        if lease is not None:
+            kept = left.kept_outputs if left is not None else []
+
+            def on_prompt_end(end: FollowedEnd) -> None:
+                lease.prompt_ended(recorded_end(end, kept))
+
+            on_stored = lease.output_stored
         return Execution(
             self.client,
             self.settings,
-            graph=self.request.workflow,
+            graph=left.graph if left is not None else self.request.workflow,
             images=self.request.images,
             prompt_id=self.o.prompt_id,
             client_id=self.o.client_id,
@@ -583,6 +703,10 @@ class OrchestratedJob:
             staged=self._staged(),
             run_tag=self.o.run_tag,
             on_ready=self._publish_nodes,
+            on_prompt_end=on_prompt_end,
+            on_stored=on_stored,
+            prior=left.kept if left is not None else None,
+            rerun_interrupted=rerun_interrupted,
         )
 
     def _publish_nodes(self) -> None:
@@ -674,6 +798,21 @@ class OrchestratedJob:
             claim_recorded=claim_recorded,
         )
         return _dump(error)
+
+
+async def _fence_first(lease: Lease, work: asyncio.Task[Any]) -> bool:
+    """Wait for `work` or the lease's fence, whichever comes first; True for the fence (then
+    `work` is cancelled and has ended)."""
+    fence = asyncio.ensure_future(lease.fence_due.wait())
+    try:
+        await asyncio.wait({work, fence}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        fence.cancel()
+    if work.done():
+        return False
+    work.cancel()
+    await asyncio.gather(work, return_exceptions=True)
+    return True
 
 
 async def _clear_files(execution: Execution, *, stored_outputs: bool) -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Protocol
 
@@ -172,11 +172,23 @@ class OutputCollector:
     """Stores every saved output of one prompt once; `records()` in the order they appeared."""
 
     def __init__(
-        self, client: ComfyClient, sink: OutputSink, on_stored: OnStored, *, run_tag: str = ""
+        self,
+        client: ComfyClient,
+        sink: OutputSink,
+        on_stored: OnStored,
+        *,
+        run_tag: str = "",
+        prior: Iterable[ArtifactRecord] = (),
     ) -> None:
         self._client = client
         self._sink = sink
         self._on_stored = on_stored
+        # Outputs an earlier delivery of the submission stored (endpoint/takeover.py): listed
+        # again (this worker re-attached to that delivery's prompt), they are not stored twice.
+        self._prior = {
+            sink.identity(r.node_id, {"filename": r.filename, "subfolder": r.subfolder}): r
+            for r in prior
+        }
         # The orchestrator's folder for this run (every literal save prefix was rewritten into
         # it); empty for a stock request.
         self._run_tag = run_tag
@@ -194,7 +206,9 @@ class OutputCollector:
             if item.get("type", "output") != "output":
                 continue  # previews are not artifacts
             identity = self._sink.identity(node_id, item)
-            if self._closed or identity in self._tasks or identity in self._refused:
+            if self._closed or identity in self._refused:
+                continue
+            if identity in self._tasks or identity in self._stored:
                 continue
             subfolder = item.get("subfolder", "")
             if self._run_tag and in_another_run(subfolder, self._run_tag):
@@ -211,6 +225,10 @@ class OutputCollector:
                 self._refused.add(identity)
                 continue
             self._order.append(identity)
+            if identity in self._prior:
+                self._stored[identity] = self._prior[identity]
+                self._on_stored(self._prior[identity])
+                continue
             self._tasks[identity] = asyncio.create_task(
                 self._store(identity, node_id, item), name=f"store {identity}"
             )

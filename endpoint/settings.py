@@ -15,6 +15,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
 
+from endpoint.fence_file import DEFAULT_FENCE_FILE
+
 DEFAULT_COMFY_URL = "http://127.0.0.1:8188"
 # ComfyUI's root in worker-comfyui's images, which endpoint/Dockerfile builds on.
 DEFAULT_COMFY_DIR = Path("/comfyui")
@@ -82,6 +84,9 @@ class EndpointSettings(BaseModel):
     comfy_input_dir: Path | None = None
     comfy_output_dir: Path | None = None
     comfy_temp_dir: Path | None = None
+    # DURABLE_COMFY_FENCE_FILE: where the handler tells its watchdog (endpoint/watchdog.py) until
+    # when the claim it holds is surely its own (endpoint/fence_file.py); None writes none.
+    fence_file: Path | None = DEFAULT_FENCE_FILE
 
     @property
     def comfy_folders(self) -> ComfyFolders:
@@ -111,6 +116,7 @@ class EndpointSettings(BaseModel):
             "COMFY_INPUT_DIR": "comfy_input_dir",
             "COMFY_OUTPUT_DIR": "comfy_output_dir",
             "COMFY_TEMP_DIR": "comfy_temp_dir",
+            "DURABLE_COMFY_FENCE_FILE": "fence_file",
         }
         for variable, field in optional.items():
             if env.get(variable):

@@ -29,7 +29,7 @@ from devstack.free_ports import free_port
 from devstack.seaweed import load_credentials
 from devstack.services import StackPaths
 from devstack.stack import start_service, stop_service
-from endpoint.claims import ClaimStore
+from endpoint.claims import ClaimConflict, ClaimStore, fresh_claim
 from endpoint.s3 import S3
 from endpoint.settings import BucketSettings, EndpointSettings
 from tests.conftest import make_stack_config
@@ -93,6 +93,8 @@ def endpoint_settings(
         "comfy_start_timeout_s": 10.0,
         # A failing test fails within a minute, not the production five.
         "bucket_retry_s": 60.0,
+        # No watchdog reads it here: a test that wants one names its own file.
+        "fence_file": None,
     }
     return EndpointSettings.model_validate(values | overrides)
 
@@ -113,6 +115,7 @@ class Gate:
         self.shut_by_itself = asyncio.Event()
         self._server: asyncio.Server | None = None
         self._links: set[asyncio.StreamWriter] = set()
+        self._relays: set[asyncio.Task[Any]] = set()
 
     async def __aenter__(self) -> Gate:
         await self.open()
@@ -147,12 +150,31 @@ class Gate:
         return self.shut_by_itself
 
     async def _relay(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        # Held while it runs: asyncio keeps no strong reference to a connection's task, and one
+        # whose only pending read is on the server side (held weakly by its protocol) would be
+        # collected, its connection left open and silent (a request that hangs, a transport
+        # never closed).
+        task = asyncio.current_task()
+        if task is not None:
+            self._relays.add(task)
+            task.add_done_callback(self._relays.discard)
+        if not self.is_open:  # accepted as the gate shut: it must not live on
+            client_w.transport.abort()
+            return
+        # Held from the start: a shut while the server side is being reached cuts it too.
+        self._links.add(client_w)
         try:
             server_r, server_w = await asyncio.open_connection(*self.target)
         except OSError:
+            self._links.discard(client_w)
             client_w.transport.abort()
             return
-        self._links.update((client_w, server_w))
+        if client_w not in self._links or not self.is_open:  # shut meanwhile
+            self._links.discard(client_w)
+            server_w.transport.abort()
+            client_w.transport.abort()
+            return
+        self._links.add(server_w)
         try:
             await asyncio.gather(
                 self._pipe(client_r, server_w, upstream=True),
@@ -230,6 +252,21 @@ async def read_claim(bucket: Bucket, block: dict[str, Any]) -> Claim | None:
     key = claim_key(S3Target.model_validate(block["output"]), block["job_id"], block["submission"])
     stored = await ClaimStore(S3(bucket.settings), bucket.name).read(key)
     return stored.claim if stored is not None else None
+
+
+async def take_over(bucket: Bucket, key: str, holder: str, worker_id: str) -> Claim:
+    """Write the claim as another delivery that took it over would (as after a lapsed lease),
+    whatever the holder writes meanwhile: its renewals and news race our conditional write,
+    which is tried again on the claim as it then is."""
+    store = ClaimStore(S3(bucket.settings), bucket.name)
+    while True:
+        current = await store.read(key)
+        assert current is not None
+        taker = current.claim.model_copy(update={"holder": holder, "worker_id": worker_id})
+        try:
+            return (await store.replace(key, fresh_claim(taker, 60), current.etag)).claim
+        except ClaimConflict:
+            continue
 
 
 async def until(check: Any, within: float = 15.0, interval: float = 0.05) -> Any:

@@ -12,7 +12,15 @@ from datetime import UTC, datetime, timedelta
 import pytest
 import pytest_asyncio
 
-from activities.runpod.contract import Claim, ClaimOutcome, S3Target, claim_key
+from activities.runpod.contract import (
+    ArtifactRecord,
+    Claim,
+    ClaimOutcome,
+    FenceRecord,
+    PromptEnd,
+    S3Target,
+    claim_key,
+)
 from endpoint.claims import (
     Acquired,
     ClaimConflict,
@@ -79,14 +87,16 @@ def test_claim_key_sits_in_the_jobs_folder() -> None:
 
 async def test_first_claimer_creates_and_a_second_gets_412(store: ClaimStore) -> None:
     key = new_key()
-    first = await store.acquire(key, template("rp-A"), lease_s=30)
+    first = await store.acquire(key, template("rp-A"), lease_s=30, fence_after_s=0)
     assert isinstance(first, Acquired) and first.took_over is None
     assert first.held.claim.holder == "rp-A"
     assert first.held.claim.lease_until - first.held.claim.renewed_at == timedelta(seconds=30)
 
     with pytest.raises(ClaimConflict):  # the raw conditional create: If-None-Match: * -> 412
         await store.create(key, fresh_claim(template("rp-B"), 30))
-    second = await store.acquire(key, template("rp-B", worker="worker-b"), lease_s=30)
+    second = await store.acquire(
+        key, template("rp-B", worker="worker-b"), lease_s=30, fence_after_s=0
+    )
     assert isinstance(second, HeldElsewhere)
     assert second.current.claim.holder == "rp-A" and not second.current.expired
     assert second.current.etag == first.held.etag
@@ -94,7 +104,7 @@ async def test_first_claimer_creates_and_a_second_gets_412(store: ClaimStore) ->
 
 async def test_renewal_moves_the_lease_and_a_stale_etag_is_refused(store: ClaimStore) -> None:
     key = new_key()
-    acquired = await store.acquire(key, template("rp-A"), lease_s=30)
+    acquired = await store.acquire(key, template("rp-A"), lease_s=30, fence_after_s=0)
     assert isinstance(acquired, Acquired)
     renewed = await store.renew(key, acquired.held, lease_s=30)
     assert renewed.etag != acquired.held.etag
@@ -107,19 +117,81 @@ async def test_renewal_moves_the_lease_and_a_stale_etag_is_refused(store: ClaimS
 
 async def test_an_expired_lease_is_taken_over_once(store: ClaimStore) -> None:
     key = new_key()
-    old = await store.acquire(key, template("rp-A"), lease_s=1)
+    old = await store.acquire(key, template("rp-A"), lease_s=1, fence_after_s=0)
     assert isinstance(old, Acquired)
-    live = await store.acquire(key, template("rp-B", worker="worker-b"), lease_s=30)
+    live = await store.acquire(
+        key, template("rp-B", worker="worker-b"), lease_s=30, fence_after_s=0
+    )
     assert isinstance(live, HeldElsewhere)  # not before it expired
 
     await wait_expired(store, key)
-    taken = await store.acquire(key, template("rp-B", worker="worker-b"), lease_s=30)
+    taken = await store.acquire(
+        key, template("rp-B", worker="worker-b"), lease_s=30, fence_after_s=0
+    )
     assert isinstance(taken, Acquired)
     assert taken.took_over is not None and taken.took_over.holder == "rp-A"
     assert taken.held.claim.holder == "rp-B" and taken.held.claim.takeovers == 1
     # The old holder's next renewal learns it lost the claim.
     with pytest.raises(ClaimConflict):
         await store.renew(key, old.held, lease_s=1)
+
+
+async def test_a_lapsed_lease_is_taken_over_only_once_it_ran_out_by_fence_after_s(
+    store: ClaimStore,
+) -> None:
+    """The holder may be alive but silent: it stops its prompt by its lease's end, its
+    watchdog soon after; only past fence_after_s is it surely fenced."""
+    key = new_key()
+    old = await store.acquire(key, template("rp-A"), lease_s=1, fence_after_s=3)
+    assert isinstance(old, Acquired)
+    await wait_expired(store, key)
+    early = await store.acquire(key, template("rp-B", "worker-b"), lease_s=30, fence_after_s=3)
+    assert isinstance(early, HeldElsewhere) and early.current.expired
+    assert not early.current.takeable(3) and 0 < early.current.takeable_in_s(3) <= 3.5
+    await asyncio.sleep(early.current.takeable_in_s(3) + 1.2)  # the server's whole seconds
+    taken = await store.acquire(key, template("rp-B", "worker-b"), lease_s=30, fence_after_s=3)
+    assert isinstance(taken, Acquired) and taken.took_over is not None
+
+
+async def test_a_claim_whose_holder_recorded_its_fence_is_taken_over_at_once(
+    store: ClaimStore,
+) -> None:
+    key = new_key()
+    fence = FenceRecord(action="interrupted", at=datetime.now(UTC))
+    await store.create(key, fresh_claim(template("rp-A").model_copy(update={"fenced": fence}), 60))
+    taken = await store.acquire(key, template("rp-B", "worker-b"), lease_s=30, fence_after_s=30)
+    assert isinstance(taken, Acquired)
+    assert taken.took_over is not None and taken.took_over.fenced == fence
+    assert taken.held.claim.fenced is None and taken.held.claim.holder == "rp-B"
+
+
+@pytest.mark.parametrize("outcome", ["success", "interrupted"])
+async def test_a_takeover_keeps_what_a_successful_prompt_left(
+    store: ClaimStore, outcome: str
+) -> None:
+    key = new_key()
+    end = PromptEnd.model_validate(
+        {
+            "outcome": outcome,
+            "at": datetime.now(UTC),
+            "outputs": [{"node_id": "7", "filename": "a"}],
+        }
+    )
+    stored = [ArtifactRecord(filename="a", type="s3_url", data="s3://b/k", node_id="7", key="k")]
+    fence = FenceRecord(action="ended", at=datetime.now(UTC))
+    left = template("rp-A").model_copy(
+        update={"prompt_end": end, "stored": stored, "fenced": fence}
+    )
+    await store.create(key, fresh_claim(left, 60))
+    taken = await store.acquire(key, template("rp-B", "worker-b"), lease_s=30, fence_after_s=30)
+    assert isinstance(taken, Acquired)
+    claim = taken.held.claim
+    if outcome == "success":
+        assert claim.prompt_end == end and claim.stored == stored
+    else:  # run again whole: nothing of it is kept
+        assert claim.prompt_end is None and claim.stored == []
+    current = await store.read(key)
+    assert current is not None and current.claim == claim
 
 
 async def test_expiry_is_judged_by_the_servers_clock_not_the_holders(store: ClaimStore) -> None:
@@ -130,24 +202,28 @@ async def test_expiry_is_judged_by_the_servers_clock_not_the_holders(store: Clai
     await store.create(key, fresh_claim(template("rp-A"), 30, now=skewed))
     current = await store.read(key)
     assert current is not None and not current.expired and current.lease_s == 30
-    assert isinstance(await store.acquire(key, template("rp-B", "w-b"), 30), HeldElsewhere)
+    assert isinstance(
+        await store.acquire(key, template("rp-B", "w-b"), 30, fence_after_s=0), HeldElsewhere
+    )
 
 
 async def test_the_same_job_on_the_same_worker_rejoins_a_live_claim(store: ClaimStore) -> None:
     key = new_key()
-    first = await store.acquire(key, template("rp-A"), lease_s=30)
+    first = await store.acquire(key, template("rp-A"), lease_s=30, fence_after_s=0)
     assert isinstance(first, Acquired)
     # A restarted handler process: same RunPod job, same worker. It takes the claim over at once.
-    again = await store.acquire(key, template("rp-A"), lease_s=30)
+    again = await store.acquire(key, template("rp-A"), lease_s=30, fence_after_s=0)
     assert isinstance(again, Acquired) and again.held.claim.takeovers == 1
     # The same job re-delivered to another worker is not the same handler: it must wait.
-    other = await store.acquire(key, template("rp-A", worker="worker-b"), lease_s=30)
+    other = await store.acquire(
+        key, template("rp-A", worker="worker-b"), lease_s=30, fence_after_s=0
+    )
     assert isinstance(other, HeldElsewhere)
 
 
 async def test_an_outcome_is_final(store: ClaimStore, bucket: Bucket) -> None:
     key = new_key()
-    acquired = await store.acquire(key, template("rp-A"), lease_s=1)
+    acquired = await store.acquire(key, template("rp-A"), lease_s=1, fence_after_s=0)
     assert isinstance(acquired, Acquired)
     done = await store.finish(key, acquired.held, outcome("completed"))
     body_before, _ = bucket.read(key)
@@ -158,7 +234,7 @@ async def test_an_outcome_is_final(store: ClaimStore, bucket: Bucket) -> None:
         await store.finish(key, acquired.held, outcome("failed"))
     await asyncio.sleep(2.5)  # far past the 1 s lease: an outcome never expires
     for holder, worker in (("rp-B", "worker-b"), ("rp-A", "worker-a")):
-        decision = await store.acquire(key, template(holder, worker), lease_s=30)
+        decision = await store.acquire(key, template(holder, worker), lease_s=30, fence_after_s=0)
         assert isinstance(decision, Finished)
         assert decision.current.claim.outcome is not None
         assert decision.current.claim.outcome.state == "completed"
@@ -176,7 +252,10 @@ async def test_concurrent_claimers_exactly_one_wins(store: ClaimStore, bucket: B
     # out, and took it over lawfully.
     assert [await s.read(key) for s in stores] == [None] * len(stores)
     decisions = await asyncio.gather(
-        *(s.acquire(key, template(f"rp-{i}", f"w-{i}"), 2) for i, s in enumerate(stores))
+        *(
+            s.acquire(key, template(f"rp-{i}", f"w-{i}"), 2, fence_after_s=0)
+            for i, s in enumerate(stores)
+        )
     )
     winners = [d for d in decisions if isinstance(d, Acquired)]
     assert len(winners) == 1
@@ -190,7 +269,10 @@ async def test_concurrent_claimers_exactly_one_wins(store: ClaimStore, bucket: B
     # And once it expired, of many takers exactly one takes it over.
     await wait_expired(store, key)
     decisions = await asyncio.gather(
-        *(s.acquire(key, template(f"rp-t{i}", f"wt-{i}"), 30) for i, s in enumerate(stores))
+        *(
+            s.acquire(key, template(f"rp-t{i}", f"wt-{i}"), 30, fence_after_s=0)
+            for i, s in enumerate(stores)
+        )
     )
     takers = [d for d in decisions if isinstance(d, Acquired)]
     assert len(takers) == 1 and takers[0].took_over is not None
@@ -208,7 +290,7 @@ async def test_a_retried_write_that_had_landed_counts_as_ours(store: ClaimStore)
 
 async def test_the_lease_renews_and_notices_a_takeover(store: ClaimStore) -> None:
     key = new_key()
-    acquired = await store.acquire(key, template("rp-A"), lease_s=30)
+    acquired = await store.acquire(key, template("rp-A"), lease_s=30, fence_after_s=0)
     assert isinstance(acquired, Acquired)
     async with Lease(store, key, acquired.held, lease_s=0.6) as lease:
         await asyncio.sleep(0.7)  # renewals every 0.2 s
@@ -227,7 +309,7 @@ async def test_the_lease_renews_and_notices_a_takeover(store: ClaimStore) -> Non
 
 async def test_the_lease_finishes_with_the_outcome(store: ClaimStore) -> None:
     key = new_key()
-    acquired = await store.acquire(key, template("rp-A"), lease_s=30)
+    acquired = await store.acquire(key, template("rp-A"), lease_s=30, fence_after_s=0)
     assert isinstance(acquired, Acquired)
     async with Lease(store, key, acquired.held, lease_s=0.3) as lease:
         await asyncio.sleep(0.35)
@@ -258,7 +340,7 @@ async def test_a_renewal_that_landed_without_an_answer_is_still_ours(bucket: Buc
     """The next renewal's 412 is against our own write: the lease goes on, not lost."""
     store = LosingAnswers(S3(bucket.settings), bucket.name)
     key = new_key()
-    acquired = await store.acquire(key, template("rp-A"), lease_s=30)
+    acquired = await store.acquire(key, template("rp-A"), lease_s=30, fence_after_s=0)
     assert isinstance(acquired, Acquired)
     async with Lease(store, key, acquired.held, lease_s=0.6) as lease:
         store.lose_next = True
@@ -275,7 +357,7 @@ async def test_marking_the_stop_writes_stopping_since_at_once_and_keeps_it(
     store: ClaimStore,
 ) -> None:
     key = new_key()
-    acquired = await store.acquire(key, template("rp-A"), lease_s=30)
+    acquired = await store.acquire(key, template("rp-A"), lease_s=30, fence_after_s=0)
     assert isinstance(acquired, Acquired)
     async with Lease(store, key, acquired.held, lease_s=30) as lease:  # renewals 10 s apart
         since = datetime.now(UTC)

@@ -56,6 +56,7 @@ from tests.endpoint_support import (
     sha256,
     sim_get,
     sim_post,
+    take_over,
     until,
 )
 
@@ -306,11 +307,7 @@ async def test_a_lost_claim_stops_the_prompt(
 
     # As if our lease had lapsed and another delivery had taken the submission over.
     key = claim_key(S3Target.model_validate(block["output"]), block["job_id"], block["submission"])
-    store = ClaimStore(S3(bucket.settings), bucket.name)
-    current = await store.read(key)
-    assert current is not None
-    taker = current.claim.model_copy(update={"holder": "rp-taker", "worker_id": "worker-b"})
-    await store.replace(key, fresh_claim(taker, 60), current.etag)
+    await take_over(bucket, key, "rp-taker", "worker-b")
 
     result = await asyncio.wait_for(task, timeout=10)
     assert result["status"] == "claimed_elsewhere" and result["claim_holder"] == "rp-taker"

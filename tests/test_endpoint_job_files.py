@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ import pytest_asyncio
 from structlog.testing import capture_logs
 
 from activities.runpod.contract import S3Target, claim_key, inputs_folder
-from endpoint.claims import ClaimStore, fresh_claim
+from endpoint.claims import ClaimStore
 from endpoint.job import run_job
 from endpoint.s3 import S3
 from endpoint.settings import EndpointSettings
@@ -40,6 +39,7 @@ from tests.endpoint_support import (
     sha256,
     sim_get,
     sim_post,
+    take_over,
     until,
 )
 
@@ -318,11 +318,7 @@ async def test_a_delivery_that_lost_its_claim_leaves_its_outputs_for_the_new_hol
         lambda: any(len(u.artifacts) == 2 and u.step > 0 for u in progress.updates), within=30.0
     )
     key = claim_key(S3Target.model_validate(block["output"]), block["job_id"], block["submission"])
-    store = ClaimStore(S3(bucket.settings), bucket.name)
-    current = await store.read(key)
-    assert current is not None
-    taker = current.claim.model_copy(update={"holder": "rp-taker", "worker_id": "worker-b"})
-    await store.replace(key, fresh_claim(taker, 60), current.etag)
+    await take_over(bucket, key, "rp-taker", "worker-b")
 
     result = await asyncio.wait_for(task, timeout=20)
 
@@ -352,9 +348,14 @@ async def test_an_output_that_could_not_be_stored_stays_for_a_later_delivery(
     output from the folder: so every output stays until then, and goes after it."""
     budget_s = 3.0
     # Recorded: no renewal falls in the outage, whose end is timed against the upload's
-    # budget. Not written: a short lease, for the later delivery to take the claim over soon.
-    lease_s = 60.0 if back_in_time else 6.0
-    job_input, names = files_job(bucket, slow_steps=200, lease_s=lease_s)
+    # budget. Not written: a lease short enough for the later delivery to take the claim over
+    # soon, long enough that the handler gives the output up (the upload's budget, then the
+    # finish's) before its fence point (a quarter of the lease before its end, counted from a
+    # renewal up to a third of the lease before the outage), and a short fence_after_s.
+    lease_s, fence_after_s = (60.0, 30.0) if back_in_time else (24.0, 2.0)
+    job_input, names = files_job(
+        bucket, slow_steps=200, lease_s=lease_s, fence_after_s=fence_after_s
+    )
     block = job_input["durable_comfy"]
     tag = run_folder(block)
     settings = behind(gate, bucket, comfy, bucket_retry_s=budget_s)
@@ -389,10 +390,18 @@ async def test_an_output_that_could_not_be_stored_stays_for_a_later_delivery(
     assert len(left) == 3 and not {f for f in left if f.startswith("input/")}, left
     assert (kept["outputs"], kept["stored"]) == (3, 2), kept
 
-    # The orchestrator's resubmission of the same submission, once the lease has run out.
+    # The orchestrator's resubmission of the same submission, once the lease has run out by
+    # fence_after_s (by the S3 server's whole-second clock, as the handler judges it).
     claim = await read_claim(bucket, block)
     assert claim is not None and claim.outcome is None
-    await asyncio.sleep(max(0.0, claim.lease_until.timestamp() - time.time()) + 1.0)
+    store = ClaimStore(S3(bucket.settings), bucket.name)
+    key = claim_key(S3Target.model_validate(block["output"]), block["job_id"], block["submission"])
+
+    async def takeable() -> bool:
+        current = await store.read(key)
+        return current is not None and current.takeable(fence_after_s)
+
+    await until(takeable, within=lease_s + fence_after_s + 10, interval=0.25)
     settings = endpoint_settings(comfy.url, bucket, comfy_dir=comfy.root)
     again = await run_job(job(job_input), settings)
 

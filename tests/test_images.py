@@ -44,13 +44,12 @@ from tests.package_support import (
     pins,
     run,
 )
-from tests.test_layers import PROJECT, imported_modules, project_files, reached_from
+from tests.test_layers import PROJECT, endpoint_reach, imported_modules, project_files
 
 WORKER_DOCKERFILE = ROOT / "Dockerfile"
 ENDPOINT_DOCKERFILE = ROOT / "endpoint" / "Dockerfile"
 ENDPOINT_PINS = ROOT / "endpoint" / "requirements.txt"
 ENDPOINT_VENV = ROOT / ".venv-endpoint"
-HANDLER = ROOT / "endpoint" / "handler.py"
 START = ROOT / "endpoint" / "start.sh"
 # What `pip freeze` leaves out, and a venv may hold besides the pins.
 INSTALLERS = {"pip", "setuptools", "wheel"}
@@ -353,7 +352,7 @@ def test_the_worker_health_check_asks_the_metrics_endpoint() -> None:
 
 
 def endpoint_needs() -> frozenset[str]:
-    reached = {path.relative_to(ROOT).as_posix() for path in reached_from(HANDLER)}
+    reached = {path.relative_to(ROOT).as_posix() for path in endpoint_reach()}
     return frozenset(reached | {"endpoint/start.sh", "endpoint/requirements.txt"})
 
 
@@ -370,6 +369,7 @@ def test_the_endpoint_image_starts_the_copied_script() -> None:
     [command] = exec_form(text, "CMD")
     assert PurePosixPath(command) == root / "endpoint/start.sh"
     assert f"{root}/endpoint/handler.py" in START.read_text()
+    assert f"{root}/endpoint/watchdog.py" in START.read_text()
 
 
 def test_the_endpoint_requirements_are_pinned_inside_their_ranges() -> None:

@@ -34,6 +34,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 ENDPOINT = ROOT / "endpoint"
 HANDLER = ENDPOINT / "handler.py"
+# Started beside the handler in the same image and venv (endpoint/start.sh).
+WATCHDOG = ENDPOINT / "watchdog.py"
 EP_PYTHON = ROOT / ".venv-endpoint" / "bin" / "python"
 PROJECT = {
     "activities",
@@ -181,6 +183,11 @@ def requirement_names() -> set[str]:
     return names
 
 
+def endpoint_reach() -> set[Path]:
+    """Every project file the image's two entry points (handler, watchdog) import."""
+    return reached_from(HANDLER) | reached_from(WATCHDOG)
+
+
 def test_the_handler_reaches_the_core_it_is_meant_to() -> None:
     """The walk itself: it finds the shared core and the contract, and nothing of Temporal's."""
     reached = {str(p.relative_to(ROOT)) for p in reached_from(HANDLER)}
@@ -209,7 +216,7 @@ def test_every_module_the_handler_imports_is_in_the_image() -> None:
     folders = copied_folders()
     missing = sorted(
         str(path.relative_to(ROOT))
-        for path in reached_from(HANDLER)
+        for path in endpoint_reach()
         if not any(path.is_relative_to(folder) for folder in folders)
     )
     assert missing == []
@@ -218,7 +225,7 @@ def test_every_module_the_handler_imports_is_in_the_image() -> None:
 def test_only_the_entry_point_imports_runpod() -> None:
     offenders = [
         str(path.relative_to(ROOT))
-        for path in reached_from(HANDLER)
+        for path in endpoint_reach()
         if path != HANDLER and any(m.split(".")[0] == "runpod" for m in imported_modules(path))
     ]
     assert offenders == []
@@ -230,7 +237,7 @@ def test_what_the_handler_imports_is_in_the_endpoints_requirements() -> None:
     lacks) fails here, not in the GPU image."""
     third_party = {
         module.split(".")[0]
-        for path in reached_from(HANDLER)
+        for path in endpoint_reach()
         for module in imported_modules(path)
         if module.split(".")[0] not in sys.stdlib_module_names | PROJECT
     }
@@ -266,7 +273,7 @@ def test_the_handler_imports_in_the_endpoints_venv() -> None:
     """`import endpoint.handler` from the repository root, PYTHONPATH unset: the runpod SDK and
     every module the handler needs are there, and no temporalio is asked for."""
     done = subprocess.run(
-        [str(EP_PYTHON), "-c", "import endpoint.handler"],
+        [str(EP_PYTHON), "-c", "import endpoint.handler, endpoint.watchdog"],
         cwd=ROOT,
         env=clean_env(),
         capture_output=True,
@@ -281,7 +288,7 @@ def test_the_image_layout_imports_with_only_the_copied_files(tmp_path: Path) -> 
     root = image_layout(tmp_path)
     assert not (root / "workflows").exists()
     done = subprocess.run(
-        [str(EP_PYTHON), "-c", "import endpoint.handler, endpoint.job"],
+        [str(EP_PYTHON), "-c", "import endpoint.handler, endpoint.job, endpoint.watchdog"],
         cwd=root,
         env=clean_env(),
         capture_output=True,
