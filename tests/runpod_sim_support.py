@@ -5,6 +5,7 @@ none of its workers outlived it.
     async with run_runpod_sim(tmp_path, "--clock-speed", "10", handler=handler_script("echo")) as s:
         httpx.post(f"{s.api_url}/run", headers=s.headers, json={"input": {...}})
         ledger = await s.ledger()
+        assert await completed_executions(s, prompt_id) == 1  # across every worker's ComfyUI
 
 Plain helpers, no pytest fixtures here. Worker processes run in .venv-endpoint (the app venv
 cannot import runpod): check `ENDPOINT_VENV_MISSING` and skip when it is set; the stock
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import sys
@@ -28,6 +30,8 @@ import httpx
 
 from devstack.free_ports import free_port
 from devstack.runpod_sim import Ledger
+from devstack.runpod_sim.env_factories import COMFY_FINAL_FILE
+from devstack.runpod_sim.ledger import LedgerWorker
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 ENDPOINT_PYTHON = REPO_ROOT / ".venv-endpoint" / "bin" / "python"
@@ -105,7 +109,10 @@ class RunpodSim:
 
     async def ledger(self) -> Ledger:
         ledger = Ledger.model_validate(await self._sim("GET", "/sim/ledger"))
-        self.seen_worker_pids.update(w.pid for w in ledger.workers if w.pid)
+        # Each of these leads a process group of its own: the worker, its watchdog, its ComfyUI.
+        for worker in ledger.workers:
+            pids = (worker.pid, worker.watchdog_pid, worker.comfy_pid)
+            self.seen_worker_pids.update(pid for pid in pids if pid)
         return ledger
 
     async def faults(self, **faults: Any) -> dict[str, Any]:
@@ -200,3 +207,80 @@ async def run_runpod_sim(
                 os.killpg(pgid, signal.SIGKILL)
     if leaked and check_leaks:
         raise AssertionError(f"worker process groups left running after shutdown: {leaked}")
+
+
+# -- GPU executions across workers -----------------------------------------------------------------
+
+# How long a stopped worker's ComfyUI counters may take to reach its folder: the simulator asks
+# the ComfyUI for them, writes them, then stops it, just after the ledger says the worker went.
+FINAL_COUNTERS_WAIT_S = 15.0
+
+
+@dataclass(frozen=True)
+class PromptExecutions:
+    """One prompt id on one worker's ComfyUI simulator, from its `/sim/stats`."""
+
+    worker_id: str
+    queued: int  # POST /prompt accepted with this id
+    executions: int  # runs started
+    outcome: str | None  # its latest run: success, error, interrupted; None while running
+
+    @property
+    def complete(self) -> int:
+        """Complete executions: the latest run when it succeeded, and every earlier run of the
+        id on the same ComfyUI, whatever became of it (nothing should queue an id twice
+        there, so those count against a test rather than for it)."""
+        return max(0, self.executions - 1) + (1 if self.outcome == "success" else 0)
+
+
+async def _comfy_stats(worker: LedgerWorker) -> dict[str, Any] | None:
+    """The worker's ComfyUI counters: asked while the worker lives, read from what the
+    simulator kept (`comfy-final.json`) once it is gone; None without a ComfyUI."""
+    final = Path(worker.log).parent / COMFY_FINAL_FILE
+    deadline = time.monotonic() + FINAL_COUNTERS_WAIT_S
+    while True:
+        if final.exists():
+            kept: dict[str, Any] = json.loads(final.read_text())
+            if "stats" not in kept:
+                raise RuntimeError(f"{worker.id}'s ComfyUI left no counters: {kept}")
+            stats: dict[str, Any] = kept["stats"]
+            return stats
+        if worker.comfy_url is None:
+            return None
+        if worker.exited_at is None:
+            with contextlib.suppress(httpx.TransportError):
+                async with httpx.AsyncClient(timeout=10, trust_env=False) as http:
+                    answer = await http.get(f"{worker.comfy_url}/sim/stats")
+                answer.raise_for_status()
+                live: dict[str, Any] = answer.json()
+                return live
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no counters from {worker.id}'s ComfyUI ({worker.comfy_url})")
+        await asyncio.sleep(0.1)
+
+
+async def prompt_executions(sim: RunpodSim, prompt_id: str) -> list[PromptExecutions]:
+    """`prompt_id` on every worker's ComfyUI the simulator ever started (`--comfy-sim-per-worker`
+    or a factory built on `ComfySimPerWorker`), alive or gone: the workers that saw it."""
+    found = []
+    for worker in (await sim.ledger()).workers:
+        stats = await _comfy_stats(worker)
+        if stats is None:
+            continue
+        queued = int((stats.get("prompts") or {}).get(prompt_id, 0))
+        executions = int((stats.get("executions") or {}).get(prompt_id, 0))
+        if not queued and not executions:
+            continue
+        # A run started and not ended is still running: its outcome is not the latest one.
+        running = prompt_id in (stats.get("started_at") or {}) and prompt_id not in (
+            stats.get("ended_at") or {}
+        )
+        outcome = None if running else (stats.get("executed") or {}).get(prompt_id)
+        found.append(PromptExecutions(worker.id, queued, executions, outcome))
+    return found
+
+
+async def completed_executions(sim: RunpodSim, prompt_id: str) -> int:
+    """How many times `prompt_id` ran to its end, summed across every worker's ComfyUI: a
+    test says "the graph completed once" with `== 1`."""
+    return sum(run.complete for run in await prompt_executions(sim, prompt_id))

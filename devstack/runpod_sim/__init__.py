@@ -26,7 +26,12 @@ What it simulates (PROTOCOLS.md, "RunPod serverless"):
   timeout, replacement after refresh_worker, the job of a dead worker (TIMED_OUT, re-delivered,
   or stuck until the execution timeout). Every platform timer runs on a simulator clock
   `--clock-speed` times faster than real.
-- A ledger (GET /sim/ledger, ledger.py) and fault injection (POST /sim/faults, faults.py).
+- Beside each worker's handler, as endpoint/start.sh does on the image, its watchdog
+  (worker_watchdog.py; `--watchdog auto|on|off`, on for endpoint/handler.py), and its own road
+  to the bucket, a TCP proxy (s3_proxy.py) that a `partition` fault shuts.
+- A ledger (GET /sim/ledger, ledger.py) and fault injection (POST /sim/faults, faults.py): on
+  the platform (bursts, dropped answers, lost results, slow cold starts) and on a job's worker
+  (crash, freeze, partition; worker_faults.py), each of the latter an event in the ledger.
 
 What it does not: GPUs, regions, network volumes, FlashBoot, the active workers' discount,
 lowPriority (accepted, no effect), concurrency modifiers beyond what the SDK does itself, the
@@ -34,10 +39,12 @@ GraphQL and REST management APIs, per-account limits, the exact wording of RunPo
 (ours are `{"error": "..."}`), and a 413/400 exactly where RunPod draws the line (limits are MiB
 here). What happens to a dead worker's job is undocumented at RunPod: the simulator offers the
 three behaviours seen in the wild. Pings are recorded, never used to judge a worker: the
-simulator owns the processes and sees them die. `health.workers.ready` counts idle plus running
-workers (the simulator's reading of a field RunPod does not define), `throttled` and `unhealthy`
-stay 0. A simulator killed with SIGKILL cannot stop its workers (each runs in its own session):
-stop it with SIGTERM or SIGINT and give it --stop-grace plus a few seconds.
+simulator owns the processes and sees them die (a frozen one keeps its job and its bill, as a
+hung container does on RunPod, until its watchdog or a timeout ends it).
+`health.workers.ready` counts idle plus running workers (the simulator's reading of a field
+RunPod does not define), `throttled` and `unhealthy` stay 0. A simulator killed with SIGKILL
+cannot stop its workers (each runs in its own session): stop it with SIGTERM or SIGINT and give
+it --stop-grace plus a few seconds.
 """
 
 from .ledger import Ledger

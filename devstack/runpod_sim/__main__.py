@@ -69,6 +69,20 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--work-dir", type=Path, default=None, help="worker logs (default: a temp dir)")
     p.add_argument(
+        "--watchdog", choices=["auto", "on", "off"], default=d.watchdog,
+        help="a watchdog beside each worker's handler (auto: when the worker runs "
+        "endpoint/handler.py and endpoint/watchdog.py exists)",
+    )  # fmt: skip
+    p.add_argument(
+        "--watchdog-command", default=None,
+        help="the watchdog (quoted; `--pid PID` is appended; default: the worker command's "
+        "interpreter running endpoint/watchdog.py)",
+    )  # fmt: skip
+    p.add_argument(
+        "--no-s3-proxy", dest="s3_proxy", action="store_false",
+        help="give workers the bucket's own URL (no `partition` fault then)",
+    )  # fmt: skip
+    p.add_argument(
         "--clock-speed", type=float, default=d.clock_speed,
         help="simulated seconds per real second for the platform's timers",
     )  # fmt: skip
@@ -134,6 +148,11 @@ def _settings(args: argparse.Namespace) -> SimSettings:
         comfy_sim_per_worker=args.comfy_sim_per_worker,
         comfy_sim_args=tuple(shlex.split(args.comfy_sim_args)),
         work_dir=args.work_dir,
+        watchdog=args.watchdog,
+        watchdog_command=tuple(shlex.split(args.watchdog_command))
+        if args.watchdog_command
+        else None,
+        s3_proxy=args.s3_proxy,
         clock_speed=args.clock_speed,
         max_workers=args.max_workers,
         min_workers=args.min_workers,

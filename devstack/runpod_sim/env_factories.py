@@ -2,7 +2,10 @@
 
 A WorkerEnvFactory is asked for variables before each worker starts (while it is "initializing",
 billed, like a container booting) and told when the worker is gone. The integrator can give each
-worker its own ComfyUI (`ComfySimPerWorker`, `--comfy-sim-per-worker`), bucket settings
+worker its own ComfyUI (`ComfySimPerWorker`, `--comfy-sim-per-worker`; it leaves `comfy.json`,
+its URL and PID, in the worker's directory when it starts and `comfy-final.json`, its
+`/sim/stats`, when the worker goes: a worker's ComfyUI dies with it, its execution counters must
+not), bucket settings
 (`--worker-env KEY=VALUE`) or anything else (`--worker-env-factory module:attr`, a callable that
 returns a WorkerEnvFactory).
 """
@@ -11,23 +14,29 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import json
 import os
 import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import aiohttp
 import structlog
 
+from devstack.files import write_atomic
 from devstack.free_ports import free_port
 
 from .procs import ChildProcess
 from .settings import PROJECT_ROOT, SimSettings
 
 log = structlog.get_logger("runpod_sim.env")
+# In each worker's directory: its ComfyUI's URL and PID while it lives, and what its ComfyUI
+# held (its counters) when the worker went.
+COMFY_HANDLE_FILE = "comfy.json"
+COMFY_FINAL_FILE = "comfy-final.json"
 
 
 @dataclass(frozen=True)
@@ -77,6 +86,7 @@ class ComfySimPerWorker:
         self.startup_timeout_s = startup_timeout_s
         self.stop_grace_s = stop_grace_s
         self._procs: dict[str, ChildProcess] = {}
+        self._urls: dict[str, str] = {}
 
     async def start(self, slot: WorkerSlot) -> dict[str, str]:
         port = free_port()
@@ -101,6 +111,8 @@ class ComfySimPerWorker:
         url = f"http://127.0.0.1:{port}"
         await self._wait_ready(url, proc)
         log.info("ComfyUI simulator up", worker_id=slot.worker_id, url=url, pid=proc.pid)
+        self._urls[slot.worker_id] = url
+        _write_json(slot.work_dir / COMFY_HANDLE_FILE, {"url": url, "pid": proc.pid})
         return {
             "COMFY_URL": url,
             "COMFY_HOST": f"127.0.0.1:{port}",
@@ -128,10 +140,30 @@ class ComfySimPerWorker:
                 await asyncio.sleep(0.05)
         raise RuntimeError(f"ComfyUI simulator at {url} not ready in {self.startup_timeout_s}s")
 
+    async def final_state(self, url: str) -> dict[str, Any]:
+        """What to keep of a ComfyUI simulator whose worker went: `{"stats": /sim/stats}`."""
+        timeout = aiohttp.ClientTimeout(total=10)
+        async with aiohttp.ClientSession(timeout=timeout, trust_env=False) as http:
+            async with http.get(f"{url}/sim/stats") as response:
+                response.raise_for_status()
+                return {"stats": await response.json()}
+
     async def stop(self, slot: WorkerSlot) -> None:
+        url = self._urls.pop(slot.worker_id, None)
+        if url is not None:
+            try:
+                final = await self.final_state(url)
+            except Exception as exc:  # the worker's files must still say what happened
+                final = {"error": f"{type(exc).__name__}: {exc}"}
+            _write_json(slot.work_dir / COMFY_FINAL_FILE, final)
         proc = self._procs.pop(slot.worker_id, None)
         if proc is not None:
             await proc.terminate(self.stop_grace_s)
+
+
+def _write_json(path: Path, body: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, json.dumps(body))
 
 
 def load_factory(spec: str) -> WorkerEnvFactory:

@@ -2,12 +2,31 @@
 ways RunPod is known to. None of this is part of RunPod's API.
 
 Every fault is a countdown taken by the next matching event; fields left out of a POST keep their
-current value, `null` or 0 disarms. POST /sim/reset disarms everything.
+current value, `null` or 0 disarms. POST /sim/reset disarms everything (a frozen or partitioned
+worker stays so until its own timer, or its end).
 
-- `crash`: kill -9 the worker (its whole process group, as a container dying) during its
-  `on_delivery`-th job delivery from now, `after_s` simulator seconds after it took the job or once
-  `after_progress` progress updates arrived. The job then goes TIMED_OUT, is re-delivered to
-  another worker, or stays IN_PROGRESS until its execution timeout (`outcome`).
+Three faults are armed on a job delivery: they are taken by the `on_delivery`-th delivery from
+now (counting only deliveries to `worker_id` and of `job_id` when those are given: per worker,
+per job) and fire `after_s` simulator seconds after the worker took the job or once
+`after_progress` progress updates arrived, or once an update reported `after_artifacts` stored
+outputs (our handler's updates list them), whichever comes first (none: 1 s). A delivery that
+ends first takes its plan with it. Each fired one is an event of its worker in the ledger
+(`workers[].events`: kind, simulator time, job).
+
+- `crash`: kill -9 the worker (its whole process group and its watchdog, as a container dying).
+  The job then goes TIMED_OUT, is re-delivered to another worker, or stays IN_PROGRESS until its
+  execution timeout (`outcome`).
+- `freeze`: SIGSTOP the handler's process group (the handler and whatever it started in its
+  group; not the worker's ComfyUI nor its watchdog, each in a session of its own): a hung
+  handler. The platform keeps the job IN_PROGRESS and the worker billed, as RunPod does for a
+  hung container. SIGCONT after `thaw_after_s` simulator seconds (event `thaw`), else frozen
+  until the worker ends (its watchdog kills it, the execution timeout stops it). `outcome`:
+  what its job becomes should the worker die meanwhile (default: --worker-death).
+- `partition`: cut the worker (its handler and watchdog) off from S3 while its ComfyUI runs on:
+  its S3 proxy (s3_proxy.py) resets every open and new connection; reopened after
+  `heal_after_s` simulator seconds (event `heal`), else for as long as the worker lives. Only
+  that worker loses S3. A worker without a proxy (no http BUCKET_ENDPOINT_URL) records
+  `partition_skipped`.
 - `burst_429` / `burst_5xx`: the next N public API requests (optionally only those of
   `burst_429_routes` / `burst_5xx_routes`) are answered 429 (with Retry-After) or
   `burst_5xx_status`, before authentication, as a gateway would. Each burst keeps its own routes:
@@ -25,7 +44,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .jobs import CrashPlan
+from .jobs import DeliveryFaultKind, FaultPlan
 from .settings import DeathOutcome
 
 PublicRoute = Literal[
@@ -33,13 +52,35 @@ PublicRoute = Literal[
 ]
 
 
-class CrashFault(BaseModel):
+class DeliveryFault(BaseModel):
+    """Which delivery a fault is armed on, and when in it it fires."""
+
     model_config = ConfigDict(extra="forbid")
 
     on_delivery: int = Field(default=1, ge=1)
     after_s: float | None = Field(default=None, ge=0)
     after_progress: int | None = Field(default=None, ge=1)
+    after_artifacts: int | None = Field(default=None, ge=1)
+    # Only deliveries to this worker / of this job count (None: any).
+    worker_id: str | None = None
+    job_id: str | None = None
+
+    def matches(self, worker_id: str, job_id: str) -> bool:
+        return self.worker_id in (None, worker_id) and self.job_id in (None, job_id)
+
+
+class CrashFault(DeliveryFault):
     outcome: DeathOutcome = "timed_out"
+
+
+class FreezeFault(DeliveryFault):
+    thaw_after_s: float | None = Field(default=None, gt=0)
+    outcome: DeathOutcome | None = None
+
+
+class PartitionFault(DeliveryFault):
+    heal_after_s: float | None = Field(default=None, gt=0)
+    outcome: DeathOutcome | None = None
 
 
 class FaultConfig(BaseModel):
@@ -48,6 +89,8 @@ class FaultConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     crash: CrashFault | None = None
+    freeze: FreezeFault | None = None
+    partition: PartitionFault | None = None
     burst_429: int = Field(default=0, ge=0)
     burst_5xx: int = Field(default=0, ge=0)
     burst_5xx_status: int = Field(default=503, ge=500, le=599)
@@ -59,47 +102,49 @@ class FaultConfig(BaseModel):
     lost_result: int = Field(default=0, ge=0)
 
 
+DELIVERY_FAULTS: tuple[DeliveryFaultKind, ...] = ("crash", "freeze", "partition")
+
+
 class FaultState:
     def __init__(self) -> None:
         self.armed = FaultConfig()
-        self.deliveries_until_crash: int | None = None
+        # Per delivery fault: matching deliveries left until it is taken (None: not armed).
+        self.deliveries_until: dict[DeliveryFaultKind, int | None] = dict.fromkeys(DELIVERY_FAULTS)
         # How often each fault fired, for GET /sim/faults.
         self.taken: dict[str, int] = {}
 
     def arm(self, update: FaultConfig) -> None:
         changes = update.model_dump(exclude_unset=True)
         self.armed = self.armed.model_copy(update={k: getattr(update, k) for k in changes})
-        if "crash" in changes:
-            crash = self.armed.crash
-            self.deliveries_until_crash = crash.on_delivery if crash else None
+        for kind in DELIVERY_FAULTS:
+            if kind in changes:
+                fault: DeliveryFault | None = getattr(self.armed, kind)
+                self.deliveries_until[kind] = fault.on_delivery if fault else None
 
     def reset(self) -> None:
         self.armed = FaultConfig()
-        self.deliveries_until_crash = None
+        self.deliveries_until = dict.fromkeys(DELIVERY_FAULTS)
         self.taken.clear()
 
     def _count(self, name: str) -> None:
         self.taken[name] = self.taken.get(name, 0) + 1
 
-    def take_crash(self, now: float) -> CrashPlan | None:
-        """Called at each job delivery: the crash plan for it, if this is the one."""
-        crash = self.armed.crash
-        if crash is None or self.deliveries_until_crash is None:
-            return None
-        self.deliveries_until_crash -= 1
-        if self.deliveries_until_crash > 0:
-            return None
-        self.armed = self.armed.model_copy(update={"crash": None})
-        self.deliveries_until_crash = None
-        self._count("crash")
-        after_s = crash.after_s
-        if after_s is None and crash.after_progress is None:
-            after_s = 1.0
-        return CrashPlan(
-            outcome=crash.outcome,
-            at=None if after_s is None else now + after_s,
-            after_progress=crash.after_progress,
-        )
+    def take_plans(self, now: float, worker_id: str, job_id: str) -> list[FaultPlan]:
+        """Called at each job delivery: the fault plans for it, if it is the one."""
+        plans = []
+        for kind in DELIVERY_FAULTS:
+            fault: DeliveryFault | None = getattr(self.armed, kind)
+            left = self.deliveries_until[kind]
+            if fault is None or left is None or not fault.matches(worker_id, job_id):
+                continue
+            self.deliveries_until[kind] = left - 1
+            if left > 1:
+                continue
+            self.armed = self.armed.model_copy(update={kind: None})
+            self.deliveries_until[kind] = None
+            self._count(kind)
+            plans.append(_plan(kind, fault, now))
+        return plans
 
     def take_burst(self, route: str) -> int | None:
         """The status to answer instead of serving this public request, if a burst is on."""
@@ -137,9 +182,31 @@ class FaultState:
     def as_json(self) -> dict[str, Any]:
         return {
             **self.armed.model_dump(),
-            "deliveries_until_crash": self.deliveries_until_crash,
+            **{f"deliveries_until_{k}": v for k, v in self.deliveries_until.items()},
             "taken": dict(self.taken),
         }
+
+
+def _plan(kind: DeliveryFaultKind, fault: DeliveryFault, now: float) -> FaultPlan:
+    after_s = fault.after_s
+    if after_s is None and fault.after_progress is None and fault.after_artifacts is None:
+        after_s = 1.0
+    lasts_s: float | None = None
+    outcome: DeathOutcome | None = None
+    if isinstance(fault, CrashFault):
+        outcome = fault.outcome
+    elif isinstance(fault, FreezeFault):
+        lasts_s, outcome = fault.thaw_after_s, fault.outcome
+    elif isinstance(fault, PartitionFault):
+        lasts_s, outcome = fault.heal_after_s, fault.outcome
+    return FaultPlan(
+        kind=kind,
+        at=None if after_s is None else now + after_s,
+        after_progress=fault.after_progress,
+        after_artifacts=fault.after_artifacts,
+        outcome=outcome,
+        lasts_s=lasts_s,
+    )
 
 
 def _in(route: str, routes: list[PublicRoute] | None) -> bool:

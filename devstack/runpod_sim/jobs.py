@@ -11,7 +11,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import structlog
 
@@ -29,14 +29,35 @@ class StateEntry:
     note: str | None = None
 
 
+# The faults armed on a job delivery (faults.py): kill -9 the worker, SIGSTOP its handler's
+# process group, or cut it off from S3.
+DeliveryFaultKind = Literal["crash", "freeze", "partition"]
+
+
 @dataclass
-class CrashPlan:
-    """A crash fault armed on one delivery: kill -9 the worker at `at` (simulator time) or once
+class FaultPlan:
+    """A fault armed on one delivery: it fires at `at` (simulator time) or once
     `after_progress` progress updates arrived, whichever comes first."""
 
-    outcome: DeathOutcome
+    kind: DeliveryFaultKind
     at: float | None = None
     after_progress: int | None = None
+    # Once a progress update says this many outputs were stored (our handler's updates list
+    # them): a worker lost between its uploads, or after them but before its outcome.
+    after_artifacts: int | None = None
+    # crash: what its job becomes; freeze/partition: what it becomes should the worker die
+    # meanwhile (its watchdog killing it); None: --worker-death.
+    outcome: DeathOutcome | None = None
+    # freeze: SIGCONT this many simulator seconds later; partition: reopen its S3 (None: for
+    # as long as the worker lives).
+    lasts_s: float | None = None
+
+    def due(self, now: float, progress_updates: int, artifacts: int = 0) -> bool:
+        if self.at is not None and now >= self.at:
+            return True
+        if self.after_artifacts is not None and artifacts >= self.after_artifacts:
+            return True
+        return self.after_progress is not None and progress_updates >= self.after_progress
 
 
 @dataclass
@@ -48,8 +69,10 @@ class Delivery:
     ended_at: float | None = None
     outcome: str | None = None
     progress_updates: int = 0
+    # The most stored outputs a progress update of this delivery reported.
+    artifacts_reported: int = 0
     stream_chunks: int = 0
-    crash: CrashPlan | None = None
+    plans: list[FaultPlan] = field(default_factory=list)
 
     def billed_s(self, now: float) -> float:
         return (self.ended_at if self.ended_at is not None else now) - self.taken_at

@@ -1,7 +1,8 @@
 """GET /sim/ledger: the simulator's bill. Every job (its submission token, every state with its
 time, the worker of each delivery, billed seconds) and every worker (started, stopped, billed
-seconds, why it stopped), so tests can prove nothing ran twice, nothing was paid for twice and
-nothing was left running.
+seconds, why it stopped, its ComfyUI, its watchdog, and the faults done to it as events: when it
+was frozen and thawed, cut off from S3 and healed, crashed), so tests can prove nothing ran
+twice, nothing was paid for twice and nothing was left running.
 
 All times are simulator seconds since the simulator started (`now` is the current one); billed
 seconds are simulator seconds too. These models are the ledger's schema: tests read it back with
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from .clock import SimClock
 from .jobs import Delivery, Job, JobTable
@@ -60,6 +61,16 @@ class LedgerJob(BaseModel):
     webhook_answers: list[str]
 
 
+class LedgerWorkerEvent(BaseModel):
+    """A fault done to the worker (crash, freeze, thaw, partition, heal, partition_skipped) or
+    its watchdog's end (watchdog_exited, watchdog_failed), at a simulator time."""
+
+    kind: str
+    at: float
+    job_id: str | None = None
+    detail: str = ""
+
+
 class LedgerWorker(BaseModel):
     id: str
     pid: int | None
@@ -69,7 +80,9 @@ class LedgerWorker(BaseModel):
     ready_at: float | None  # its first job-take
     stop_requested_at: float | None  # billing ends here when the platform stopped it
     exited_at: float | None
-    stop_reason: str | None  # idle, crash, exited, refresh, execution_timeout, shutdown, ...
+    # idle, crash, watchdog (killed by its watchdog), exited, refresh, execution_timeout,
+    # shutdown, start_failed
+    stop_reason: str | None
     exit_code: int | None
     billed_s: float
     jobs: list[str]
@@ -81,6 +94,24 @@ class LedgerWorker(BaseModel):
     fitness_failures: list[dict[str, str]]
     env_keys: list[str]
     log: str
+    # Its ComfyUI (from the env factories), for tests that count executions across workers.
+    comfy_url: str | None = None
+    comfy_pid: int | None = None
+    # Its watchdog: off, running, exited (by itself, while the worker lived), stopped (with it).
+    watchdog: str = "off"
+    watchdog_pid: int | None = None
+    watchdog_exit_code: int | None = None
+    watchdog_log: str | None = None
+    fence_file: str | None = None
+    # The BUCKET_ENDPOINT_URL it was given: its own S3 proxy's when it has one.
+    s3_url: str | None = None
+    s3_proxied: bool = False
+    frozen: bool = False  # now (a freeze fault not thawed yet)
+    partitioned: bool = False  # now (a partition fault not healed yet)
+    events: list[LedgerWorkerEvent] = Field(default_factory=list)
+
+    def events_of(self, kind: str) -> list[LedgerWorkerEvent]:
+        return [e for e in self.events if e.kind == kind]
 
 
 class LedgerTotals(BaseModel):
@@ -111,6 +142,10 @@ class Ledger(BaseModel):
 
     def jobs_for(self, submission: str) -> list[LedgerJob]:
         return [j for j in self.jobs if j.submission == submission]
+
+    def epoch(self, at: float) -> float:
+        """A simulator time as epoch seconds."""
+        return self.started_at_unix + at / self.clock_speed
 
 
 def _delivery(d: Delivery, now: float) -> LedgerDelivery:
@@ -146,6 +181,7 @@ def _job(job: Job, now: float) -> LedgerJob:
 
 
 def _worker(worker: Worker, now: float) -> LedgerWorker:
+    watchdog = worker.watchdog
     end = worker.billing_end()
     after_last = None
     if worker.last_job_end_at is not None:
@@ -171,6 +207,21 @@ def _worker(worker: Worker, now: float) -> LedgerWorker:
         fitness_failures=list(worker.fitness_failures),
         env_keys=list(worker.env_keys),
         log=str(worker.log_path),
+        comfy_url=worker.comfy_url,
+        comfy_pid=worker.comfy_pid,
+        watchdog=watchdog.state if watchdog is not None else "off",
+        watchdog_pid=watchdog.pid if watchdog is not None else None,
+        watchdog_exit_code=watchdog.exit_code if watchdog is not None else None,
+        watchdog_log=str(watchdog.log_path) if watchdog is not None else None,
+        fence_file=str(watchdog.fence_file) if watchdog is not None else None,
+        s3_url=worker.s3_url,
+        s3_proxied=worker.s3_proxy is not None,
+        frozen=worker.frozen,
+        partitioned=worker.partitioned,
+        events=[
+            LedgerWorkerEvent(kind=e.kind, at=round(e.at, 3), job_id=e.job_id, detail=e.detail)
+            for e in worker.events
+        ],
     )
 
 

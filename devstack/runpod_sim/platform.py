@@ -16,6 +16,7 @@ from .faults import FaultState
 from .jobs import Job, JobTable
 from .models import RunRequest
 from .settings import DeathOutcome, SimSettings
+from .worker_faults import WorkerFaults
 from .workers import Worker, WorkerPool
 
 log = structlog.get_logger("runpod_sim.platform")
@@ -40,6 +41,7 @@ class Platform:
         self.table = table
         self.pool = pool
         self.faults = faults
+        self.worker_faults = WorkerFaults(clock)
         self.shutting_down = False
         # Workers that died before asking for work (a broken command, a failed fitness check):
         # new launches back off, so a broken handler is not respawned in a tight loop.
@@ -120,7 +122,7 @@ class Platform:
             worker.state = "running"
             worker.idle_since = None
             delivery = job.deliveries[-1]
-            delivery.crash = self.faults.take_crash(self.clock.now())
+            delivery.plans = self.faults.take_plans(self.clock.now(), worker.id, job.id)
             taken.append(job)
         return taken
 
@@ -136,9 +138,8 @@ class Platform:
         delivery = job.delivery
         assert delivery is not None
         delivery.progress_updates += 1
-        crash = delivery.crash
-        if crash and crash.after_progress and delivery.progress_updates >= crash.after_progress:
-            self._crash(job)
+        delivery.artifacts_reported = max(delivery.artifacts_reported, _artifacts_in(output))
+        self._fire_due(job)
         self.table.changes.notify()
 
     def stream_chunk(self, job: Job, chunk: Any) -> None:
@@ -199,19 +200,33 @@ class Platform:
             worker.to_stop.setdefault(job_id, None)
             self.table.changes.notify()
 
-    def _crash(self, job: Job) -> None:
+    def _fire_due(self, job: Job) -> None:
+        """Fire the delivery's fault plans that are due (faults.py, worker_faults.py)."""
         delivery = job.delivery
         worker = self.pool.workers.get(job.worker_id or "")
-        if delivery is None or delivery.crash is None or worker is None:
+        if delivery is None or worker is None or not delivery.plans:
             return
-        outcome = delivery.crash.outcome
-        delivery.crash = None
-        self.pool.crash(worker, outcome)
+        now = self.clock.now()
+        due = [
+            p
+            for p in delivery.plans
+            if p.due(now, delivery.progress_updates, delivery.artifacts_reported)
+        ]
+        for plan in due:
+            delivery.plans.remove(plan)
+            if plan.kind == "crash":
+                self.pool.crash(worker, plan.outcome or self.settings.worker_death, job.id)
+            elif plan.kind == "freeze":
+                self.worker_faults.freeze(worker, job.id, plan)
+            else:
+                self.worker_faults.partition(worker, job.id, plan)
+        if due:
+            self.table.changes.notify()
 
     # -- a worker is gone ----------------------------------------------------------------------
 
     def on_worker_exit(self, worker: Worker) -> None:
-        died = worker.stop_reason in ("crash", "exited", "start_failed")
+        died = worker.stop_reason in ("crash", "watchdog", "exited", "start_failed")
         if died and worker.ready_at is None:
             self.boot_failures += 1
             backoff = min(MAX_BOOT_BACKOFF_S, 0.5 * 2**self.boot_failures)
@@ -223,7 +238,7 @@ class Platform:
                 log=str(worker.log_path),
                 next_launch_in_s=backoff,
             )
-        outcome: DeathOutcome = worker.crash_outcome or self.settings.worker_death
+        outcome: DeathOutcome = worker.death_outcome or self.settings.worker_death
         if died and worker.jobs:
             # Its jobs ended on it when it died: the time since the job before is work, not
             # idle time (a crash a few seconds into a job is no idle bill).
@@ -269,10 +284,8 @@ class Platform:
         for job in self.table.retention_over(now):
             self.table.delete(job, "retention")
         for job in self.table.in_progress():
-            delivery = job.delivery
-            if delivery and delivery.crash and delivery.crash.at is not None:
-                if now >= delivery.crash.at:
-                    self._crash(job)
+            self._fire_due(job)
+        self.worker_faults.tick(list(self.pool.workers.values()))
         self._scale_down_idle(now)
         self.autoscale()
 
@@ -327,3 +340,12 @@ class Platform:
         self.shutting_down = True
         self.table.changes.notify()
         await self.pool.shutdown()
+
+
+def _artifacts_in(output: Any) -> int:
+    """How many stored outputs a progress update reports (our handler's `artifacts`, with the
+    oldest left out counted); 0 for anything else."""
+    if not isinstance(output, dict) or not isinstance(output.get("artifacts"), list):
+        return 0
+    omitted = output.get("artifacts_omitted")
+    return len(output["artifacts"]) + (omitted if isinstance(omitted, int) else 0)

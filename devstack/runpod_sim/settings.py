@@ -15,6 +15,11 @@ PROJECT_ROOT = Path(__file__).resolve().parents[2]
 # TIMED_OUT, a re-delivery to another worker (reported for OOM-killed workers), or IN_PROGRESS until
 # the execution timeout.
 DeathOutcome = Literal["timed_out", "redeliver", "stuck"]
+# Whether each worker gets a watchdog beside its handler (worker_watchdog.py). auto: when the
+# worker runs our handler (endpoint/handler.py), as endpoint/start.sh starts one on the image.
+WatchdogMode = Literal["auto", "on", "off"]
+OUR_HANDLER = "endpoint/handler.py"
+OUR_WATCHDOG = "endpoint/watchdog.py"
 MB = 1024 * 1024
 
 
@@ -48,6 +53,14 @@ class SimSettings(BaseModel):
     comfy_sim_args: tuple[str, ...] = ()
     # Worker logs and per-worker files; a fresh temporary directory when not given.
     work_dir: Path | None = None
+    # The watchdog beside each worker's handler: started with `--pid <handler pid>` and the
+    # handler's environment, in a session of its own. The command defaults to the handler's
+    # interpreter running endpoint/watchdog.py.
+    watchdog: WatchdogMode = "auto"
+    watchdog_command: tuple[str, ...] | None = None
+    # Each worker's BUCKET_ENDPOINT_URL (http only) goes through a TCP proxy of the simulator's
+    # own, which the `partition` fault shuts: that worker alone loses S3.
+    s3_proxy: bool = True
 
     # Every duration the platform measures (TTL, execution timeout, retention, idle timeout, cold
     # start, runsync's wait, delayTime/executionTime, billing) runs on the simulator clock, which
@@ -101,3 +114,20 @@ class SimSettings(BaseModel):
 
     def limit_bytes(self, megabytes: float) -> int:
         return round(megabytes * MB)
+
+    def runs_our_handler(self) -> bool:
+        return any(Path(arg).as_posix().endswith(OUR_HANDLER) for arg in self.worker_command)
+
+    def watchdog_argv(self) -> tuple[str, ...] | None:
+        """The watchdog's command (without `--pid`), or None when workers get none. In auto
+        mode a missing endpoint/watchdog.py means none (a checkout from before it existed);
+        with `on`, a missing script is the watchdog's own failure to start, in its log."""
+        if self.watchdog == "off":
+            return None
+        if self.watchdog == "auto" and not self.runs_our_handler():
+            return None
+        if self.watchdog_command:
+            return self.watchdog_command
+        if self.watchdog == "auto" and not (self.worker_cwd / OUR_WATCHDOG).is_file():
+            return None
+        return (self.worker_command[0], OUR_WATCHDOG)

@@ -5,6 +5,10 @@ A worker is billed from the moment it is launched (its cold start included) unti
 decides to stop it (idle, refresh, execution timeout, shutdown) or, when it dies on its own, until
 it is found dead. Stopping is SIGTERM to the worker (the SDK finishes its in-flight job, then
 exits), SIGKILL to its process group after the grace period.
+
+Beside its process a worker may have a watchdog (worker_watchdog.py: its own session, stopped
+once the worker's process is gone) and an S3 proxy (s3_proxy.py: its BUCKET_ENDPOINT_URL goes
+through it, for the `partition` fault).
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ import structlog
 from .clock import Changes, SimClock
 from .env_factories import WorkerEnvFactory, WorkerSlot
 from .procs import ChildProcess
+from .s3_proxy import TcpProxy, proxied_url, upstream_of
 from .settings import DeathOutcome, SimSettings
+from .worker_watchdog import WorkerWatchdog
 
 log = structlog.get_logger("runpod_sim.workers")
 
@@ -38,6 +44,22 @@ INHERITED_ENV = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "LC_CTYPE"
 # Real seconds a stopping worker is given to collect its job-stop signals before SIGTERM: the SDK
 # re-polls job-stop at least every second (its floor delay after an empty answer).
 STOP_SIGNAL_WAIT_S = 2.0
+FENCE_VARIABLE = "DURABLE_COMFY_FENCE_FILE"
+# Real seconds a handler may take to be seen gone after its watchdog exited (having killed it).
+WATCHDOG_FOLLOW_S = 1.0
+BUCKET_VARIABLE = "BUCKET_ENDPOINT_URL"
+
+
+@dataclass(frozen=True)
+class WorkerEvent:
+    """Something done to a worker or seen of it, for the ledger: a fault (crash, freeze, thaw,
+    partition, heal, partition_skipped) or its watchdog's end (watchdog_exited,
+    watchdog_failed). `at` is simulator time."""
+
+    kind: str
+    at: float
+    job_id: str | None = None
+    detail: str = ""
 
 
 @dataclass
@@ -63,12 +85,33 @@ class Worker:
     exited_at: float | None = None
     stop_reason: str | None = None
     exit_code: int | None = None
-    crash_outcome: DeathOutcome | None = None
+    # What its jobs become should it die now (a crash fault's, or a freeze's or partition's
+    # choice; None: --worker-death).
+    death_outcome: DeathOutcome | None = None
+    # The simulator itself killed it (the crash fault): not its watchdog.
+    sim_killed: bool = False
     pings: int = 0
     last_ping_at: float | None = None
     last_ping_jobs: list[str] = field(default_factory=list)
     fitness_failures: list[dict[str, str]] = field(default_factory=list)
     env_keys: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict, repr=False)  # its handler's (and watchdog's)
+    comfy_url: str | None = None  # from the env factories' COMFY_URL / COMFY_PID
+    comfy_pid: int | None = None
+    watchdog: WorkerWatchdog | None = None
+    s3_proxy: TcpProxy | None = None
+    s3_url: str | None = None  # the BUCKET_ENDPOINT_URL it was given (its proxy's)
+    # The freeze and partition faults: in effect now, and when they end (simulator time; None:
+    # with the worker).
+    frozen: bool = False
+    thaw_at: float | None = None
+    partitioned: bool = False
+    heal_at: float | None = None
+    events: list[WorkerEvent] = field(default_factory=list)
+
+    def record(self, kind: str, at: float, job_id: str | None = None, detail: str = "") -> None:
+        self.events.append(WorkerEvent(kind, at, job_id, detail))
+        log.warning("worker event", worker_id=self.id, kind=kind, job_id=job_id, detail=detail)
 
     @property
     def alive(self) -> bool:
@@ -175,10 +218,15 @@ class WorkerPool:
         # The platform's variables win over the factories' and the simulator's own environment.
         inherited = {k: os.environ[k] for k in INHERITED_ENV if k in os.environ}
         env = {**inherited, **extra, **self._runpod_env(worker)}
-        worker.env_keys = sorted(extra)
+        own = await self._own_env(worker, env)
+        env.update(own)
+        worker.env_keys = sorted({*extra, *own})
+        worker.comfy_url = extra.get("COMFY_URL")
+        worker.comfy_pid = int(extra["COMFY_PID"]) if extra.get("COMFY_PID", "").isdigit() else None
         (worker.slot.work_dir / "tmp").mkdir(parents=True, exist_ok=True)
         with worker.log_path.open("ab") as out:
             out.write(f"=== {worker.id}: {' '.join(self.settings.worker_command)}\n".encode())
+        worker.env = env
         return await ChildProcess.spawn(
             self.settings.worker_command,
             env=env,
@@ -186,12 +234,57 @@ class WorkerPool:
             log_path=worker.log_path,
         )
 
+    async def _own_env(self, worker: Worker, env: dict[str, str]) -> dict[str, str]:
+        """What the simulator itself adds: the fence file shared by the handler and its
+        watchdog, and the bucket through this worker's own S3 proxy."""
+        own: dict[str, str] = {}
+        watchdog_argv = self.settings.watchdog_argv()
+        if watchdog_argv is not None:
+            worker.watchdog = WorkerWatchdog(watchdog_argv, worker.slot.work_dir)
+            own[FENCE_VARIABLE] = str(worker.watchdog.fence_file)
+        bucket_url = env.get(BUCKET_VARIABLE)
+        if self.settings.s3_proxy and bucket_url:
+            upstream = upstream_of(bucket_url)
+            if upstream is None:
+                log.warning("no S3 proxy for an https bucket", worker_id=worker.id)
+            else:
+                worker.s3_proxy = TcpProxy(*upstream, name=worker.id)
+                own[BUCKET_VARIABLE] = proxied_url(bucket_url, await worker.s3_proxy.start())
+        worker.s3_url = own.get(BUCKET_VARIABLE, bucket_url)
+        return own
+
+    async def _start_watchdog(self, worker: Worker) -> None:
+        watchdog, process = worker.watchdog, worker.process
+        if watchdog is None or process is None:
+            return
+
+        def exited(code: int) -> None:
+            # One that follows its handler out (endpoint/watchdog.py exits once --pid is gone,
+            # or once it has killed it) is no news; one that leaves a live handler unwatched
+            # is. The handler's end may reach us a moment after the watchdog's.
+            at = self.clock.now()
+
+            def judge() -> None:
+                if process.returncode is None:
+                    worker.record("watchdog_exited", at, detail=f"exit code {code}")
+                    self.changes.notify()
+
+            asyncio.get_running_loop().call_later(WATCHDOG_FOLLOW_S, judge)
+
+        try:
+            await watchdog.start(process.pid, worker.env, self.settings.worker_cwd, exited)
+        except Exception as exc:  # the worker runs on without one, as on an image without
+            worker.record("watchdog_failed", self.clock.now(), detail=repr(exc))
+            return
+        log.info("watchdog started", worker_id=worker.id, pid=watchdog.pid)
+
     async def _run(self, worker: Worker) -> None:
         code: int | None = None
         try:
             worker.process = await self._start_process(worker)
             if worker.process is not None:
                 log.info("worker process started", worker_id=worker.id, pid=worker.process.pid)
+                await self._start_watchdog(worker)
                 if worker.state == "stopping":  # stopped while its process was being spawned
                     await worker.process.terminate(self.settings.stop_grace_s)
                 code = await worker.process.wait()
@@ -204,11 +297,14 @@ class WorkerPool:
             worker.exited_at = self.clock.now()
             worker.exit_code = code
             if worker.stop_reason is None:
-                worker.stop_reason = "crash" if code != 0 else "exited"
+                worker.stop_reason = _death_reason(worker, code)
             worker.state = "stopped"
-            for factory in self.factories:
-                with contextlib.suppress(Exception):
-                    await factory.stop(worker.slot)
+            worker.frozen = worker.partitioned = False
+            # The platform learns of it at once (its jobs are lost now, not once the
+            # companions are down), as RunPod sees a container exit.
+            self.on_exit(worker)
+            self.changes.notify()
+            await self._stop_companions(worker)
             log.info(
                 "worker stopped",
                 worker_id=worker.id,
@@ -216,8 +312,23 @@ class WorkerPool:
                 exit_code=code,
                 billed_s=round(worker.billed_s(self.clock.now()), 3),
             )
-            self.on_exit(worker)
-            self.changes.notify()
+
+    async def _stop_companions(self, worker: Worker) -> None:
+        """Whatever lived beside the worker's process goes with it: its watchdog, its S3 proxy,
+        what the factories started (its ComfyUI). Its own group's last members (orphans of a
+        killed handler, reaped by whoever adopts them) are waited for too: a simulator that
+        has stopped leaves nothing of its workers behind."""
+        if worker.process is not None:
+            await worker.process.group_gone()
+        if worker.watchdog is not None:
+            with contextlib.suppress(Exception):
+                await worker.watchdog.stop(self.settings.stop_grace_s)
+        if worker.s3_proxy is not None:
+            with contextlib.suppress(Exception):
+                await worker.s3_proxy.close()
+        for factory in self.factories:
+            with contextlib.suppress(Exception):
+                await factory.stop(worker.slot)
 
     def _mark_stopping(self, worker: Worker, reason: str) -> bool:
         """Synchronously, so no job-take can hand the worker a job once it is being stopped."""
@@ -253,13 +364,18 @@ class WorkerPool:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def crash(self, worker: Worker, outcome: DeathOutcome) -> None:
-        """kill -9 the worker's whole process group (the crash fault)."""
+    def crash(self, worker: Worker, outcome: DeathOutcome, job_id: str | None = None) -> None:
+        """kill -9 the worker's whole process group and its watchdog (the crash fault): the
+        container dies with everything in it."""
         if worker.process is None or not worker.alive:
             return
         log.warning("fault: killing worker", worker_id=worker.id, pid=worker.process.pid)
-        worker.crash_outcome = outcome
+        worker.death_outcome = outcome
+        worker.sim_killed = True
+        worker.record("crash", self.clock.now(), job_id, f"kill -9; the job {outcome}")
         worker.process.kill_group()
+        if worker.watchdog is not None:
+            worker.watchdog.kill()
 
     async def shutdown(self) -> None:
         await asyncio.gather(
@@ -272,3 +388,14 @@ class WorkerPool:
 
     def pids(self) -> list[dict[str, Any]]:
         return [{"worker_id": w.id, "pid": w.pid} for w in self.workers.values() if w.pid]
+
+
+def _death_reason(worker: Worker, code: int | None) -> str:
+    """Why a worker the platform did not stop is gone. Killed by a signal the simulator did not
+    send while it had a watchdog: its watchdog killed it (nothing else in here kills a
+    handler; an OOM killer would read the same, and is not simulated)."""
+    if worker.sim_killed:
+        return "crash"
+    if code is not None and code < 0 and worker.watchdog is not None and worker.watchdog.started:
+        return "watchdog"
+    return "crash" if code != 0 else "exited"

@@ -15,17 +15,30 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from devstack.soak.evidence import Evidence, FaultRecord, JobEvidence, PromptRun, QueueSnapshot
+from devstack.soak.evidence import (
+    Evidence,
+    FaultRecord,
+    JobEvidence,
+    PromptRun,
+    ProviderRun,
+    QueueSnapshot,
+    WorkerBill,
+)
 
 # A RunPod worker that stops for these reasons takes its ComfyUI down with it: a prompt it held
 # did not outlive it (a crash is an injected fault; a refresh is the handler replacing a worker
-# whose prompt would not stop; an execution timeout is the platform's own kill).
-EXCUSED_STOPS = frozenset({"crash", "refresh", "execution_timeout"})
+# whose prompt would not stop; an execution timeout is the platform's own kill; a watchdog kills
+# a handler that froze or lost S3, once it has interrupted its prompt).
+EXCUSED_STOPS = frozenset({"crash", "refresh", "execution_timeout", "watchdog"})
 # A worker may bill this much beyond the idle timeout (the simulator's own stop takes a moment).
 IDLE_TOLERANCE_S = 1.0
 # WorkflowTaskFailed with this cause is the server making the worker see new events (a signal
 # arrived while the task completed): not a failure of the workflow's code.
 BENIGN_TASK_FAILURES = frozenset({"WORKFLOW_TASK_FAILED_CAUSE_UNHANDLED_COMMAND"})
+# Per RunPod delivery, what the ledger may bill beyond a job's `cost` reading of it: the
+# simulator's clock ticks every 50 ms and RunPod reports whole milliseconds. A RunPod job the
+# cost does not list at all gets none.
+COST_SLACK_S = 1.0
 # A fault's effects outlast it (a crashed worker's claim lease runs a minute, retries back off):
 # a job counts as hit by a fault that was in effect during its life or ended this shortly before.
 AFTERMATH_S = 60.0
@@ -200,15 +213,43 @@ def complete_runs(run: PromptRun) -> int:
     return earlier + (1 if run.outcome == "success" else 0)
 
 
+def _job_key(run: PromptRun) -> str:
+    return run.job_id or f"(unattributed) {run.sim} {run.prompt_id}"
+
+
+def _per_submission(ev: Evidence) -> list[dict[str, Any]]:
+    """Each submission's graph (its prompt id) ran to its end at most once, across every
+    ComfyUI: a worker frozen or cut off from S3 whose ComfyUI ran on, then another delivery
+    running it again, is a duplicate even when the job's total stays within its segments."""
+    by_submission: dict[tuple[str, str], list[PromptRun]] = defaultdict(list)
+    for run in ev.prompt_runs:
+        by_submission[(_job_key(run), run.prompt_id)].append(run)
+    rows = []
+    for (job_id, prompt_id), runs in sorted(by_submission.items()):
+        complete = sum(complete_runs(run) for run in runs)
+        if complete > 1:
+            rows.append(
+                {
+                    "job_id": job_id,
+                    "submission": prompt_id,
+                    "source": "comfy counters",
+                    "runs": complete,
+                    "where": [f"{r.sim}:{r.prompt_id}" for r in runs if complete_runs(r)],
+                }
+            )
+    return rows
+
+
 def _duplicates(ev: Evidence) -> Check:
     segments = {job.job_id: job.segments for job in ev.jobs}
+    rows = _per_submission(ev)
+    flagged = {row["job_id"] for row in rows}
     by_job: dict[str, list[PromptRun]] = defaultdict(list)
     for run in ev.prompt_runs:
-        by_job[run.job_id or f"(unattributed) {run.sim} {run.prompt_id}"].append(run)
-    rows: list[dict[str, Any]] = []
+        by_job[_job_key(run)].append(run)
     for job_id, runs in sorted(by_job.items()):
         complete = sum(complete_runs(run) for run in runs)
-        if complete > segments.get(job_id, 1):
+        if complete > segments.get(job_id, 1) and job_id not in flagged:
             rows.append(
                 {
                     "job_id": job_id,
@@ -236,13 +277,16 @@ def _duplicates(ev: Evidence) -> Check:
         ok=not rows,
         figure=f"{len(rows)} (comfy counters {comfy}, ledger {ledger}; {partial} run(s) cut short)",
         details=[
-            f"{r['job_id']}: {r['runs']} complete runs by {r['source']} ({', '.join(r['where'])})"
+            f"{r['job_id']}"
+            + (f" submission {r['submission']}" if "submission" in r else "")
+            + f": {r['runs']} complete runs by {r['source']} ({', '.join(r['where'])})"
             for r in rows
         ],
         value={
             "count": len(rows),
             "comfy": comfy,
             "ledger": ledger,
+            "per_submission": len(flagged),
             "cut_short": partial,
             "jobs": rows,
         },
@@ -302,6 +346,93 @@ def _idle_billing(ev: Evidence) -> Check:
             "workers": len(ev.worker_bills),
             "over": [b.worker_id for b in over],
         },
+    )
+
+
+def _provider_jobs(ev: Evidence) -> dict[str, str | None]:
+    return {p.runpod_job_id: p.job_id for p in ev.provider_runs}
+
+
+def _still_billing(ev: Evidence) -> Check:
+    """Once the ledgers settled, no worker is billed any more: one the platform never stopped
+    and that never exited (a handler frozen with nobody to kill it) bills on."""
+    left = [bill for bill in ev.worker_bills if bill.billing]
+    whose = _provider_jobs(ev)
+
+    def jobs(bill: WorkerBill) -> str:
+        named = [f"{j} ({whose.get(j) or '?'})" for j in bill.jobs]
+        return ", ".join(named) or "none"
+
+    return Check(
+        name="still_billing",
+        label="workers still billing at the end",
+        ok=not left,
+        figure=f"{len(left)} of {len(ev.worker_bills)}",
+        details=[f"{b.pool}/{b.worker_id}: still billed; its RunPod jobs: {jobs(b)}" for b in left],
+        value={
+            "count": len(left),
+            "workers": [b.worker_id for b in left],
+            "jobs": sorted({whose.get(j) or j for b in left for j in b.jobs}),
+        },
+    )
+
+
+def _short(run: ProviderRun, claimed: dict[str | None, float]) -> bool:
+    """The job's cost claims less than the ledger billed for this RunPod job: beyond the slack
+    when it lists it, by anything at all when it does not (a delivery missing from the cost)."""
+    if run.runpod_job_id not in claimed:
+        return run.billed_s > 0
+    slack = COST_SLACK_S * max(1, len(run.delivery_outcomes))
+    return claimed[run.runpod_job_id] + slack < run.billed_s
+
+
+def _cost_covers_bill(ev: Evidence) -> Check:
+    """Per job on a RunPod pool: its `JobStatus.cost` claims at least what the ledger billed
+    for each of its RunPod jobs (every delivery, a frozen or cut-off one too)."""
+    rows: list[dict[str, Any]] = []
+    judged = 0
+    for job in ev.jobs:
+        runs = [p for p in ev.provider_runs if p.job_id == job.job_id]
+        if job.pool_kind != "runpod" or not runs:
+            continue
+        judged += 1
+        claimed: dict[str | None, float] = defaultdict(float)
+        for cost in job.costs:
+            claimed[cost.provider_job_id] += cost.billed_s
+        short = [(run, claimed.get(run.runpod_job_id, 0.0)) for run in runs if _short(run, claimed)]
+        if short:
+            rows.append(
+                {
+                    "job_id": job.job_id,
+                    "pool": job.pool,
+                    "cost_s": round(sum(c.billed_s for c in job.costs), 3),
+                    "billed_s": round(sum(r.billed_s for r in runs), 3),
+                    "short": [
+                        {
+                            "runpod_job_id": run.runpod_job_id,
+                            "cost_s": round(cost_s, 3),
+                            "billed_s": round(run.billed_s, 3),
+                            "in_cost": run.runpod_job_id in claimed,
+                        }
+                        for run, cost_s in short
+                    ],
+                }
+            )
+    return Check(
+        name="cost_covers_bill",
+        label="job cost below the RunPod bill",
+        ok=not rows,
+        figure=f"{len(rows)} of {judged}",
+        details=[
+            f"{r['job_id']} ({r['pool']}): cost {r['cost_s']:.1f} s, ledger {r['billed_s']:.1f} s; "
+            + ", ".join(
+                f"{s['runpod_job_id']} {s['cost_s']:.1f} < {s['billed_s']:.1f} s"
+                + ("" if s["in_cost"] else " (not in its cost)")
+                for s in r["short"]
+            )
+            for r in rows
+        ],
+        value={"count": len(rows), "judged": judged, "jobs": rows},
     )
 
 
@@ -449,6 +580,8 @@ def audit(evidence: Evidence) -> Audit:
             _duplicates(evidence),
             _left_running(evidence),
             _idle_billing(evidence),
+            _still_billing(evidence),
+            _cost_covers_bill(evidence),
             _artifacts(evidence),
             _outputs_missing(evidence),
             _multipart(evidence),

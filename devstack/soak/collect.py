@@ -33,6 +33,7 @@ from devstack.soak.driver import JobRecord
 from devstack.soak.endpoints import IDLE_TIMEOUT_S, RunpodEndpoint
 from devstack.soak.evidence import (
     ArtifactCheck,
+    CostReading,
     Evidence,
     JobEvidence,
     PromptRun,
@@ -79,6 +80,12 @@ def job_evidence(record: JobRecord) -> JobEvidence:
         if status.checkpoint is not None and status.checkpoint.prompt_id:
             evidence.submissions = [status.checkpoint.prompt_id]
         evidence.provider_job_ids = [c.provider_job_id for c in status.cost if c.provider_job_id]
+        evidence.costs = [
+            CostReading(
+                provider_job_id=c.provider_job_id, billed_s=c.billed_s, lower_bound=c.lower_bound
+            )
+            for c in status.cost
+        ]
     return evidence
 
 
@@ -351,6 +358,7 @@ class Collector:
                     gone=job.gone,
                     delivery_outcomes=[d.outcome for d in job.deliveries],
                     ran_graph=ran,
+                    billed_s=job.billed_s,
                 )
             )
         held = delivery_intervals(ledger)
@@ -364,6 +372,8 @@ class Collector:
                     idle_timeout_s=ledger.idle_timeout_s,
                     stop_reason=worker.stop_reason,
                     alive=alive,
+                    billing=alive and worker.stop_requested_at is None,
+                    jobs=list(worker.jobs),
                 )
             )
             snap = await _final_snapshot(endpoint, worker.id) if not alive else None

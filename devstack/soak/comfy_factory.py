@@ -1,15 +1,16 @@
 """A ComfyUI simulator per RunPod worker that leaves its counters behind when its worker goes.
 
 Loaded by the RunPod simulator (`--worker-env-factory devstack.soak.comfy_factory:
-SoakComfyPerWorker`), in the simulator's process. It is the stock `ComfySimPerWorker` plus two
-files in the worker's directory:
+SoakComfyPerWorker`), in the simulator's process. It is the stock `ComfySimPerWorker`, which
+leaves two files in the worker's directory:
 
 - `comfy.json` when the worker starts: its ComfyUI's URL and PID, so the soak can arm socket
   faults on it and ask its queue while it lives;
-- `comfy-final.json` when the worker is gone, just before its ComfyUI is stopped: `/sim/stats`
-  (prompts queued and executed per prompt id), `/queue` and a summary of `/history` (each
-  prompt's extra_data tag: whose it was). A worker's ComfyUI dies with it, and its counters would
-  die too: this is what the soak counts duplicate GPU executions and left-over prompts from.
+- `comfy-final.json` when the worker is gone, just before its ComfyUI is stopped; here not only
+  `/sim/stats` (prompts queued and executed per prompt id) but also `/queue` and a summary of
+  `/history` (each prompt's extra_data tag: whose it was). A worker's ComfyUI dies with it, and
+  its counters would die too: this is what the soak counts duplicate GPU executions and
+  left-over prompts from.
 
 The simulator's own arguments for each ComfyUI come from $SOAK_COMFY_SIM_ARGS (the factory is
 built without any).
@@ -17,20 +18,21 @@ built without any).
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from devstack.files import write_atomic
-from devstack.runpod_sim.env_factories import ComfySimPerWorker, WorkerSlot
+from devstack.runpod_sim.env_factories import (
+    COMFY_FINAL_FILE,
+    COMFY_HANDLE_FILE,
+    ComfySimPerWorker,
+)
 
 ARGS_VAR = "SOAK_COMFY_SIM_ARGS"
-HANDLE_FILE = "comfy.json"
-FINAL_FILE = "comfy-final.json"
+HANDLE_FILE = COMFY_HANDLE_FILE
+FINAL_FILE = COMFY_FINAL_FILE
 
 
 def prompt_tags(history: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -71,26 +73,6 @@ async def snapshot(url: str) -> dict[str, Any]:
 class SoakComfyPerWorker(ComfySimPerWorker):
     def __init__(self) -> None:
         super().__init__(shlex.split(os.environ.get(ARGS_VAR, "")))
-        self._urls: dict[str, str] = {}
 
-    async def start(self, slot: WorkerSlot) -> dict[str, str]:
-        env = await super().start(slot)
-        self._urls[slot.worker_id] = env["COMFY_URL"]
-        handle = {"url": env["COMFY_URL"], "pid": int(env["COMFY_PID"])}
-        _write(slot.work_dir / HANDLE_FILE, handle)
-        return env
-
-    async def stop(self, slot: WorkerSlot) -> None:
-        url = self._urls.pop(slot.worker_id, None)
-        if url is not None:
-            try:
-                final = await snapshot(url)
-            except Exception as exc:  # the worker's files must still say what happened
-                final = {"error": f"{type(exc).__name__}: {exc}"}
-            _write(slot.work_dir / FINAL_FILE, final)
-        await super().stop(slot)
-
-
-def _write(path: Path, body: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, json.dumps(body))
+    async def final_state(self, url: str) -> dict[str, Any]:
+        return await snapshot(url)

@@ -27,7 +27,7 @@ import httpx
 
 from devstack.free_ports import free_port
 from devstack.processes import PidRecord, is_alive, log_tail, spawn_detached, terminate
-from devstack.runpod_sim import Ledger
+from devstack.runpod_sim import Ledger, SimSettings
 from devstack.soak.comfy_factory import ARGS_VAR, FINAL_FILE, HANDLE_FILE
 from devstack.soak.options import StockMode
 
@@ -53,6 +53,11 @@ CLAIMS_FAULTS = frozenset(
         "runpod_crash_timed_out",
         "runpod_crash_redeliver",
         "runpod_crash_stuck",
+        # Our handler's endpoint only: its watchdog (endpoint/watchdog.py, started beside each
+        # handler by the simulator) is what ends a frozen or cut-off worker's run.
+        "runpod_freeze",
+        "runpod_freeze_thaw",
+        "runpod_partition",
         "comfy_socket_cut",
         "comfy_socket_stall",
     }
@@ -79,7 +84,14 @@ class EndpointSpec:
 
     @property
     def kind_label(self) -> str:
-        return f"runpod, {self.handler}" + ("" if self.claims else ", claims: false")
+        watchdog = ", watchdog" if self.runs_watchdog else ""
+        return f"runpod, {self.handler}{watchdog}" + ("" if self.claims else ", claims: false")
+
+    @property
+    def runs_watchdog(self) -> bool:
+        """The simulator starts a watchdog beside each worker (its `--watchdog auto`)."""
+        settings = SimSettings(worker_command=self.worker_command, worker_cwd=ROOT)
+        return settings.watchdog_argv() is not None
 
 
 def ours() -> EndpointSpec:
@@ -248,7 +260,10 @@ class RunpodEndpoint:
         response = await self._http.get(f"{self.base_url}/sim/ledger")
         response.raise_for_status()
         ledger = Ledger.model_validate(response.json())
-        self.seen_groups.update(w.pid for w in ledger.workers if w.pid)
+        # Each leads a process group of its own: the worker, its watchdog, its ComfyUI.
+        for worker in ledger.workers:
+            pids = (worker.pid, worker.watchdog_pid, worker.comfy_pid)
+            self.seen_groups.update(pid for pid in pids if pid)
         return ledger
 
     async def arm(self, faults: dict[str, Any]) -> dict[str, Any]:

@@ -48,6 +48,14 @@ class ArtifactCheck(BaseModel):
         return self.head_ok and (not self.downloaded or self.download_ok is True)
 
 
+class CostReading(BaseModel):
+    """One entry of a job's `JobStatus.cost`: what the job says a RunPod job cost."""
+
+    provider_job_id: str | None = None
+    billed_s: float = 0.0  # execution plus the idle time billed after it
+    lower_bound: bool = False
+
+
 class JobEvidence(BaseModel):
     job_id: str
     pool: str
@@ -72,6 +80,7 @@ class JobEvidence(BaseModel):
     # The job's submission tokens (= prompt ids) and provider job ids, as its status lists them.
     submissions: list[str] = Field(default_factory=list)
     provider_job_ids: list[str] = Field(default_factory=list)
+    costs: list[CostReading] = Field(default_factory=list)
 
 
 class PromptRun(BaseModel):
@@ -100,6 +109,8 @@ class ProviderRun(BaseModel):
     # A delivery ran the graph to its end (completed, and not answered from another delivery's
     # claim or a recorded outcome).
     ran_graph: bool = False
+    # What the ledger billed for it: every delivery's seconds, from taken to ended.
+    billed_s: float = 0.0
 
 
 class QueueSnapshot(BaseModel):
@@ -120,6 +131,10 @@ class WorkerBill(BaseModel):
     idle_timeout_s: float
     stop_reason: str | None = None
     alive: bool = False
+    # Still billed when the ledger was read at the end: neither stopped by the platform nor
+    # exited (a frozen worker nobody killed, say).
+    billing: bool = False
+    jobs: list[str] = Field(default_factory=list)  # the RunPod jobs it took
 
 
 class RunInfo(BaseModel):

@@ -4,8 +4,11 @@ deck of every kind (so a short run still meets each kind), on a target drawn at 
 Faults that are done by doing them (a kill -9 and restart) are over when the service answers
 again. Faults that are armed on a simulator (socket cuts and stalls on a ComfyUI simulator,
 RunPod 429/5xx bursts, dropped /run answers, RunPod worker crashes) are over when they were seen
-to happen: the simulator's log line, its `taken` counters, the ledger's crashed workers. One
-never taken by the end of the run is disarmed and recorded as such.
+to happen: the simulator's log line, its `taken` counters, the ledger's crashed workers. A
+RunPod worker frozen (SIGSTOP of its handler's process group) or cut off from S3 (its S3 proxy
+shut) is in effect from the ledger's `freeze` / `partition` event of the worker to its `thaw` /
+`heal`, or to the worker's end (its watchdog killing it, or the platform stopping it). One never
+taken by the end of the run is disarmed and recorded as such.
 
 Each fault's window goes into the evidence, which the audit compares with each failed job's
 life.
@@ -26,6 +29,8 @@ import httpx
 import structlog
 
 from devstack.chaos.sim import DROP_LOGGED, STALL_LOGGED, LogWatch
+from devstack.runpod_sim import Ledger
+from devstack.runpod_sim.ledger import LedgerWorker, LedgerWorkerEvent
 from devstack.soak.endpoints import RunpodEndpoint
 from devstack.soak.evidence import FaultRecord
 from devstack.soak.stack import RESTART_ATTEMPTS, SoakStack, SoakStackError
@@ -44,6 +49,9 @@ FaultKind = Literal[
     "runpod_crash_timed_out",
     "runpod_crash_redeliver",
     "runpod_crash_stuck",
+    "runpod_freeze",
+    "runpod_freeze_thaw",
+    "runpod_partition",
 ]
 ALL_KINDS: tuple[FaultKind, ...] = get_args(FaultKind)
 # The simulator's `taken` counter of each RunPod fault.
@@ -52,10 +60,28 @@ TAKEN_NAME = {
     "runpod_5xx": "burst_5xx",
     "drop_run_answer": "drop_run_answer",
 }
-# A crash is armed for the next delivery and fires `after_s` into it; a delivery that ended
-# first took the plan with it. Past this long after being taken, it missed.
+# A crash, a freeze or a partition is armed for the next delivery and fires `after_s` into it;
+# a delivery that ended first took the plan with it. Past this long after being taken, it missed.
 CRASH_MISS_S = 60.0
 WATCH_S = 1.0
+# Simulator seconds a thawed freeze or a healed partition lasts: from shorter than the claim's
+# renewal to longer than its lease (60 s), so both the handler riding it out and its lease
+# lapsing (the watchdog's turn) are met.
+LASTS_S = (3.0, 90.0)
+# The simulator's fault (its own slot: one armed at a time per endpoint), the ledger event that
+# says it happened and the one that ends it, per kind of delivery fault.
+WORKER_FAULT = {
+    "runpod_freeze": ("freeze", "thaw"),
+    "runpod_freeze_thaw": ("freeze", "thaw"),
+    "runpod_partition": ("partition", "heal"),
+}
+
+
+def delivery_slot(kind: str) -> str | None:
+    """Which of the simulator's delivery faults `kind` arms (each one at a time)."""
+    if kind.startswith("runpod_crash"):
+        return "crash"
+    return WORKER_FAULT[kind][0] if kind in WORKER_FAULT else None
 
 
 @dataclass
@@ -168,6 +194,17 @@ class FaultInjector:
         return self._deck.pop()
 
     async def inject_one(self) -> None:
+        deferred: list[FaultKind] = []
+        try:
+            await self._inject_one(deferred)
+        finally:
+            # A kind with no target right now (a RunPod fault armed there already) is drawn
+            # first next time, not dropped from the deck: a short run still meets each kind.
+            for kind in reversed(deferred):
+                if kind not in self._deck:
+                    self._deck.append(kind)
+
+    async def _inject_one(self, deferred: list[FaultKind]) -> None:
         for _ in range(len(ALL_KINDS) * 2):
             kind = self._draw()
             record = FaultRecord(
@@ -190,6 +227,7 @@ class FaultInjector:
                     error=record.error,
                 )
                 return
+            deferred.append(kind)
 
     # -- the faults -----------------------------------------------------------------------------
 
@@ -298,8 +336,8 @@ class FaultInjector:
 
     async def _runpod(self, kind: FaultKind, record: FaultRecord) -> bool:
         endpoints = [e for e in self.stack.endpoints.values() if kind in e.spec.faults]
-        busy = {p.record.target for p in self._pending if p.record.kind.startswith("runpod_crash")}
-        if kind.startswith("runpod_crash"):
+        if delivery_slot(kind) is not None:
+            busy = await self._delivery_busy(kind)
             endpoints = [e for e in endpoints if e.spec.pool not in busy]
         if not endpoints:
             return False
@@ -307,6 +345,9 @@ class FaultInjector:
         record.target = endpoint.spec.pool
         if kind.startswith("runpod_crash"):
             await self._crash(kind, record, endpoint)
+            return True
+        if kind in WORKER_FAULT:
+            await self._worker_fault(kind, record, endpoint)
             return True
         taken_name = TAKEN_NAME[kind]
         if kind == "runpod_429":
@@ -383,6 +424,89 @@ class FaultInjector:
             return "its delivery ended before the kill"
 
         self._pending.append(Pending(record, taken, check, disarm, why_not))
+
+    async def _delivery_busy(self, kind: FaultKind) -> set[str]:
+        """Endpoints where `kind` cannot be armed now: one whose same fault is still pending
+        (its slot, and the ledger events it reads, are its own until it is over), or one with
+        another delivery fault armed and not taken yet (both would land on one delivery, and
+        whatever broke could not be told apart)."""
+        busy = set()
+        for pending in self._pending:
+            other = delivery_slot(pending.record.kind)
+            if other is None:
+                continue
+            if other == delivery_slot(kind):
+                busy.add(pending.record.target)
+                continue
+            with contextlib.suppress(Exception):
+                if not await pending.taken():
+                    busy.add(pending.record.target)
+        return busy
+
+    async def _worker_fault(
+        self, kind: FaultKind, record: FaultRecord, endpoint: RunpodEndpoint
+    ) -> None:
+        """Freeze the next delivery's handler, or cut its worker off from S3, `after_s` into
+        the delivery; thawed / healed after a while, or (a freeze without thaw) for as long as
+        the worker lives: its watchdog's turn."""
+        event, undo = WORKER_FAULT[kind]
+        after_s = round(self.rng.uniform(1.0, 8.0), 1)
+        lasts_s = None if kind == "runpod_freeze" else round(self.rng.uniform(*LASTS_S), 1)
+        if event == "freeze":
+            what = "the next delivery's handler is frozen (SIGSTOP)"
+            body: dict[str, Any] = {"after_s": after_s, "thaw_after_s": lasts_s}
+        else:
+            what = "the next delivery's worker is cut off from S3"
+            body = {"after_s": after_s, "heal_after_s": lasts_s}
+        until = "until its worker ends" if lasts_s is None else f"for {lasts_s} s"
+        record.detail = f"{what} {after_s} s in, {until}"
+        seen_before = len(_events(await endpoint.ledger(), event))
+        baseline = int((await endpoint.fault_state()).get("taken", {}).get(event, 0))
+        await endpoint.arm({event: {"on_delivery": 1, **body}})
+        taken_at: list[float] = []
+
+        async def check() -> bool:
+            if not taken_at:
+                if not await taken():
+                    return False
+                taken_at.append(time.time())
+            ledger = await endpoint.ledger()
+            events = _events(ledger, event)
+            if len(events) <= seen_before:
+                if time.time() - taken_at[0] > CRASH_MISS_S:
+                    record.fired = False
+                    record.detail += f"; {await why_not()}"
+                    return True
+                return False
+            worker, fired = events[seen_before]
+            if record.fired_at is None:
+                record.fired, record.fired_at = True, ledger.epoch(fired.at)
+                record.detail += f"; {worker.id}, RunPod job {fired.job_id}"
+            ended = [e.at for e in worker.events_of(undo) if e.at >= fired.at]
+            if ended:
+                record.ended_at = ledger.epoch(ended[0])
+            elif worker.exited_at is not None:
+                record.ended_at = ledger.epoch(worker.exited_at)
+                record.detail += f"; ended with its worker ({worker.stop_reason})"
+            return record.ended_at is not None
+
+        async def taken() -> bool:
+            state = await endpoint.fault_state()
+            return int(state.get("taken", {}).get(event, 0)) > baseline
+
+        async def disarm() -> None:
+            await endpoint.arm({event: None})
+
+        async def why_not() -> str:
+            return f"its delivery ended before the {event}"
+
+        self._pending.append(Pending(record, taken, check, disarm, why_not))
+
+
+def _events(ledger: Ledger, kind: str) -> list[tuple[LedgerWorker, LedgerWorkerEvent]]:
+    """Every `kind` event of the ledger's workers, oldest first."""
+    found = [(w, e) for w in ledger.workers for e in w.events if e.kind == kind]
+    return sorted(found, key=lambda pair: pair[1].at)
 
 
 def _crashed(ledger: Any) -> int:

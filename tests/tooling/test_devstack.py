@@ -382,16 +382,20 @@ async def test_down_stops_the_runpod_simulator_with_its_busy_worker_and_its_comf
     assert [w.state for w in workers] == ["running"], [w.model_dump() for w in workers]
     worker_groups = [w.pid for w in workers if w.pid]
     assert worker_groups and all(group_alive(pgid) for pgid in worker_groups)
+    # Each worker leads a group, and so do its ComfyUI and (beside our handler) its watchdog.
+    watchdogs = [w.watchdog_pid for w in workers if w.watchdog_pid]
+    groups = len(worker_groups) + sum(1 for w in workers if w.comfy_pid) + len(watchdogs)
     assert processes_mentioning(work_dir), "the worker's ComfyUI simulator is not running"
 
     down = await run_cli("down", "--json", config=cli_stack.config_file)
     assert down.code == 0, down.err
     stopped = down.json()["services"]["runpod_sim"]
     assert stopped["pid"] == info["services"]["runpod_sim"]["pid"]
-    # It stopped its worker and that worker's ComfyUI itself: nothing had to be killed after it.
-    assert stopped["detail"] == "2 child process group(s) stopped with it", stopped
+    # It stopped its worker, that worker's ComfyUI and its watchdog itself: nothing had to be
+    # killed after it.
+    assert stopped["detail"] == f"{groups} child process group(s) stopped with it", stopped
     assert not pid_alive(stopped["pid"])
-    assert [pgid for pgid in worker_groups if group_alive(pgid)] == []
+    assert [pgid for pgid in worker_groups + watchdogs if group_alive(pgid)] == []
     assert processes_mentioning(work_dir) == []
     assert processes_mentioning(f"--port {sim.port} ") == []
     async with httpx.AsyncClient(timeout=2, trust_env=False) as http:

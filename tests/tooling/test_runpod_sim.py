@@ -13,7 +13,9 @@ import asyncio
 import json
 import sys
 import time
+import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +25,18 @@ import pytest_asyncio
 from aiohttp import web
 
 from devstack.chaos.wait import eventually
-from devstack.runpod_sim import Ledger
+from devstack.runpod_sim import Ledger, SimSettings
+from devstack.runpod_sim.ledger import LedgerWorker
+from devstack.runpod_sim.s3_proxy import TcpProxy
 from tests.aiohttp_support import served
+from tests.cli_support import example
 from tests.runpod_sim_support import (
     ENDPOINT_VENV_MISSING,
     RunpodSim,
+    completed_executions,
+    handler_command,
     handler_script,
+    prompt_executions,
     run_runpod_sim,
 )
 
@@ -667,3 +675,386 @@ async def test_idle_scale_down_cold_start_and_billing(tmp_path: Path) -> None:
         assert 20 <= worker.billed_after_last_job_s < 26
         assert job.billed_s == pytest.approx(body["executionTime"] / 1000, abs=0.01)
         assert ledger.totals.workers_alive == 0 and ledger.totals.jobs_in_progress == 0
+
+
+# -- a worker's watchdog, freeze and partition (issue 39) ------------------------------------------
+
+STANDIN = "tests/runpod_handlers/watchdog_standin.py"
+
+
+def test_the_watchdog_is_on_for_our_handler_and_off_for_any_other(tmp_path: Path) -> None:
+    ours = (".venv-endpoint/bin/python", "endpoint/handler.py")
+    stock = (".venv-stock/bin/python", "tests/runpod_handlers/worker_comfyui.py")
+    image = tmp_path / "image"
+    (image / "endpoint").mkdir(parents=True)
+
+    def argv(**settings: Any) -> tuple[str, ...] | None:
+        return SimSettings(worker_cwd=image, **settings).watchdog_argv()
+
+    # Before endpoint/watchdog.py exists, auto gives none; `on` insists.
+    assert argv(worker_command=ours) is None
+    assert argv(worker_command=ours, watchdog="on") == (ours[0], "endpoint/watchdog.py")
+    (image / "endpoint" / "watchdog.py").write_text("")
+    assert argv(worker_command=ours) == (ours[0], "endpoint/watchdog.py")
+    assert argv(worker_command=ours, watchdog="off") is None
+    assert argv(worker_command=stock) is None  # the stock handler has none
+    other = ("python", "w.py")
+    assert argv(worker_command=stock, watchdog="on", watchdog_command=other) == other
+
+
+async def test_the_s3_proxy_cuts_open_connections_and_resets_new_ones_until_reopened() -> None:
+    release = asyncio.Event()
+
+    async def ok(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def slow(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse()
+        await response.prepare(request)
+        await response.write(b"first")
+        await release.wait()
+        await response.write(b"second")
+        return response
+
+    app = web.Application()
+    app.router.add_get("/", ok)
+    app.router.add_get("/slow", slow)
+    async with served(app) as port:
+        proxy = TcpProxy("127.0.0.1", port, name="test")
+        url = f"http://127.0.0.1:{await proxy.start()}"
+        try:
+            async with httpx.AsyncClient(trust_env=False, timeout=5) as http:
+                assert (await http.get(f"{url}/")).text == "ok"
+            async with (
+                httpx.AsyncClient(trust_env=False, timeout=5) as http,
+                http.stream("GET", f"{url}/slow") as streaming,
+            ):
+                chunks = streaming.aiter_raw()
+                assert await anext(chunks) == b"first"
+                proxy.shut()  # a connection that is open: cut
+                release.set()
+                with pytest.raises(httpx.TransportError):
+                    async for _ in chunks:
+                        pass
+            async with httpx.AsyncClient(trust_env=False, timeout=5) as http:
+                with pytest.raises(httpx.TransportError):  # a new one: reset
+                    await http.get(f"{url}/")
+            proxy.reopen()
+            async with httpx.AsyncClient(trust_env=False, timeout=5) as http:
+                assert (await http.get(f"{url}/")).text == "ok"
+            assert proxy.counters.cut == 1 and proxy.counters.refused >= 1
+        finally:
+            await proxy.close()
+
+
+@dataclass
+class FakeBucket:
+    """An HTTP server standing for S3: every request it got, (epoch seconds, path)."""
+
+    url: str = ""
+    hits: list[tuple[float, str]] = field(default_factory=list)
+
+
+@pytest_asyncio.fixture(scope="module")
+async def fake_bucket() -> AsyncIterator[FakeBucket]:
+    bucket = FakeBucket()
+
+    async def anything(request: web.Request) -> web.Response:
+        bucket.hits.append((time.time(), request.path))
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", anything)
+    async with served(app) as port:
+        bucket.url = f"http://127.0.0.1:{port}"
+        yield bucket
+
+
+def probe_sim_args(bucket: FakeBucket, *more: str, watchdog: bool = True) -> list[str]:
+    """Workers running tests/runpod_handlers/worker_probe.py beside a ComfyUI simulator each,
+    the watchdog stand-in, and the fake bucket as theirs (through their S3 proxies)."""
+    standin = ["--watchdog", "on", "--watchdog-command", handler_command(STANDIN)]
+    return [
+        "--comfy-sim-per-worker", "--comfy-sim-args", "--step-delay-ms 20",
+        *(standin if watchdog else ["--watchdog", "off"]),
+        "--worker-env", f"BUCKET_ENDPOINT_URL={bucket.url}",
+        "--stop-grace", "2", "--take-poll", "1", *more,
+    ]  # fmt: skip
+
+
+@pytest_asyncio.fixture(scope="module")
+async def probe_sim(
+    tmp_path_factory: pytest.TempPathFactory, fake_bucket: FakeBucket
+) -> AsyncIterator[RunpodSim]:
+    async with run_runpod_sim(
+        tmp_path_factory.mktemp("probe_sim"),
+        *probe_sim_args(fake_bucket, "--max-workers", "2", "--idle-timeout", "4"),
+        handler=handler_script("worker_probe"),
+    ) as sim:
+        yield sim
+
+
+def standin_report(worker: LedgerWorker) -> dict[str, Any]:
+    report: dict[str, Any] = json.loads(
+        (Path(worker.log).parent / "watchdog-standin.json").read_text()
+    )
+    return report
+
+
+def proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state, process group) of a live process; None once it is gone (or a zombie)."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2 :].split()
+    return None if fields[0] == "Z" else (fields[0], int(fields[2]))
+
+
+def group_states(pgid: int) -> dict[int, str]:
+    """The state of every live process in the group (T: stopped)."""
+    states = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (stat := proc_stat(int(entry.name))) and stat[1] == pgid:
+            states[int(entry.name)] = stat[0]
+    return states
+
+
+def is_file(path: str) -> bool:
+    return Path(path).is_file()
+
+
+def gone(pid: int | None) -> bool:
+    return pid is not None and proc_stat(pid) is None
+
+
+def prompt_input(prompt_id: str, steps: int, **more: Any) -> dict[str, Any]:
+    return {"prompt": {"graph": example(steps=steps), "prompt_id": prompt_id}, **more}
+
+
+@needs_endpoint_venv
+async def test_the_watchdog_runs_beside_the_handler_in_its_own_session_and_goes_with_it(
+    probe_sim: RunpodSim, fake_bucket: FakeBucket
+) -> None:
+    names = ["COMFY_URL", "COMFY_PID", "DURABLE_COMFY_FENCE_FILE", "BUCKET_ENDPOINT_URL"]
+    body = await wait_status(probe_sim, await submit(probe_sim, {"env": names}), TERMINAL, 30)
+    assert body["status"] == "COMPLETED", body
+    env = body["output"]["env"]
+    worker = (await probe_sim.ledger()).worker(body["workerId"])
+    folder = Path(worker.log).parent
+    report = await eventually(
+        lambda: asyncio.sleep(0, standin_report(worker)), timeout_s=10, what="the report"
+    )
+    assert worker.watchdog == "running" and worker.watchdog_pid == report["pid"]
+    # A session and a group of its own, not the handler's: a freeze of the handler's group
+    # does not reach it.
+    assert report["sid"] == report["pgid"] == report["pid"]
+    assert report["handler_pid"] == report["handler_pgid"] == worker.pid == body["output"]["pid"]
+    assert report["argv"] == ["--pid", str(worker.pid)]
+    # The handler's environment, with a fence file of the worker's own given to both.
+    fence = str(folder / "fence")
+    assert report["env"]["DURABLE_COMFY_FENCE_FILE"] == env["DURABLE_COMFY_FENCE_FILE"] == fence
+    assert worker.fence_file == fence
+    assert report["env"]["COMFY_URL"] == env["COMFY_URL"] == worker.comfy_url
+    assert report["env"]["COMFY_PID"] == env["COMFY_PID"] == str(worker.comfy_pid)
+    assert report["env"]["BUCKET_ENDPOINT_URL"] == env["BUCKET_ENDPOINT_URL"] == worker.s3_url
+    assert worker.s3_proxied and worker.s3_url != fake_bucket.url  # through its S3 proxy
+    assert worker.watchdog_log == str(folder / "watchdog.log")
+    assert all(map(is_file, (worker.watchdog_log, worker.log)))
+    # The worker goes (its idle timeout): its watchdog goes with it.
+    ledger = await wait_ledger(
+        probe_sim, "idle stop", lambda led: led.worker(worker.id).state == "stopped", 30
+    )
+    assert ledger.worker(worker.id).stop_reason == "idle"
+    assert ledger.worker(worker.id).watchdog == "stopped"
+    await eventually(
+        lambda: asyncio.sleep(0, gone(worker.watchdog_pid)), timeout_s=10, what="watchdog gone"
+    )
+
+
+@needs_endpoint_venv
+async def test_freeze_stops_the_handlers_group_not_its_comfyui_nor_its_watchdog_and_thaws(
+    probe_sim: RunpodSim,
+) -> None:
+    prompt_id = f"freeze-{uuid.uuid4().hex[:8]}"
+    # Frozen once the prompt is on ComfyUI (its progress update), for 6 s.
+    await probe_sim.faults(freeze={"after_progress": 1, "thaw_after_s": 6})
+    job_id = await submit(probe_sim, prompt_input(prompt_id, steps=40))
+    ledger = await wait_ledger(
+        probe_sim,
+        "frozen",
+        lambda led: any(e.job_id == job_id for w in led.workers for e in w.events_of("freeze")),
+        timeout_s=30,
+    )
+    worker = next(w for w in ledger.workers if job_id in w.jobs)
+    assert worker.frozen and worker.pid is not None and worker.watchdog_pid is not None
+    # The handler and everything in its group stop; its ComfyUI and its watchdog do not.
+    states = await eventually(
+        lambda: asyncio.sleep(0, group_states(worker.pid or 0)),
+        timeout_s=5,
+        what="the handler's group stopped",
+        accept=lambda found: bool(found) and set(found.values()) == {"T"},
+    )
+    assert worker.pid in states
+    assert worker.comfy_pid is not None and worker.comfy_pid not in states
+    for other in (worker.comfy_pid, worker.watchdog_pid):
+        stat = proc_stat(other)
+        assert stat is not None and stat[0] != "T" and stat[1] == other, stat
+    ticks = standin_report(worker)["ticks"]
+    # ComfyUI runs the prompt to its end while the handler is frozen.
+    await eventually(
+        lambda: completed_executions(probe_sim, prompt_id),
+        timeout_s=5,
+        what="the prompt done on ComfyUI",
+        accept=lambda n: n == 1,
+    )
+    assert standin_report(worker)["ticks"] > ticks  # the watchdog lives on
+    # The platform keeps the job running and the worker billed, as for a hung container.
+    still = await probe_sim.ledger()
+    assert still.job(job_id).status == "IN_PROGRESS"
+    assert still.worker(worker.id).billed_s > worker.billed_s
+    assert (await status(probe_sim, job_id)).json()["status"] == "IN_PROGRESS"
+    # Thawed after its 6 s: the handler goes on and the job completes, the prompt run once.
+    body = await wait_status(probe_sim, job_id, TERMINAL, timeout_s=30)
+    assert body["status"] == "COMPLETED" and body["output"]["prompt"]["status_str"] == "success"
+    ledger = await probe_sim.ledger()
+    done = ledger.worker(worker.id)
+    [freeze], [thaw] = done.events_of("freeze"), done.events_of("thaw")
+    assert freeze.job_id == thaw.job_id == job_id
+    assert 6 <= thaw.at - freeze.at < 7.5
+    assert not done.frozen and "T" not in group_states(worker.pid).values()
+    assert await completed_executions(probe_sim, prompt_id) == 1
+
+
+@needs_endpoint_venv
+async def test_a_frozen_handler_killed_by_its_watchdog_ends_the_worker_and_its_billing(
+    probe_sim: RunpodSim,
+) -> None:
+    prompt_id = f"killed-{uuid.uuid4().hex[:8]}"
+    await probe_sim.faults(freeze={"after_progress": 1})  # no thaw: frozen until it ends
+    job_id = await submit(probe_sim, prompt_input(prompt_id, steps=20, sleep_s=60))
+    ledger = await wait_ledger(
+        probe_sim,
+        "frozen",
+        lambda led: any(e.job_id == job_id for w in led.workers for e in w.events_of("freeze")),
+        timeout_s=30,
+    )
+    worker = next(w for w in ledger.workers if job_id in w.jobs)
+    await eventually(
+        lambda: completed_executions(probe_sim, prompt_id),
+        timeout_s=10,
+        what="the prompt done on ComfyUI",
+        accept=lambda n: n == 1,
+    )
+    await asyncio.sleep(1.0)
+    frozen = await probe_sim.ledger()
+    assert frozen.worker(worker.id).frozen and frozen.job(job_id).status == "IN_PROGRESS"
+    # The watchdog (here the stand-in, told so) kills the frozen handler.
+    (Path(worker.log).parent / "watchdog-kill").touch()
+    ledger = await wait_ledger(
+        probe_sim, "worker gone", lambda led: led.worker(worker.id).state == "stopped", 15
+    )
+    dead = ledger.worker(worker.id)
+    assert dead.stop_reason == "watchdog" and dead.exit_code == -9
+    assert ledger.job(job_id).status == "TIMED_OUT"  # --worker-death's default
+    assert ledger.job(job_id).deliveries[-1].outcome == "worker_lost"
+    # Billing ended with the container, and its job's seconds are no idle time.
+    assert dead.stop_requested_at is None and dead.exited_at is not None
+    assert dead.billed_s == pytest.approx(dead.exited_at - dead.started_at, abs=0.01)
+    assert dead.billed_after_last_job_s is not None and dead.billed_after_last_job_s < 0.5
+    await asyncio.sleep(0.5)
+    assert (await probe_sim.ledger()).worker(worker.id).billed_s == dead.billed_s
+    assert not dead.frozen and [e.job_id for e in dead.events_of("thaw")].count(job_id) == 0
+    # Nothing of it is left: its watchdog stopped with it, its ComfyUI too (its counters kept).
+    await wait_ledger(
+        probe_sim, "watchdog stopped", lambda led: led.worker(worker.id).watchdog == "stopped"
+    )
+    for pid in (worker.watchdog_pid, worker.comfy_pid, worker.pid):
+        await eventually(lambda: asyncio.sleep(0, gone(pid)), timeout_s=10, what=f"{pid} gone")  # noqa: B023
+    [seen] = await prompt_executions(probe_sim, prompt_id)
+    assert seen.worker_id == worker.id and seen.complete == 1
+
+
+@needs_endpoint_venv
+async def test_completed_executions_add_up_across_workers_alive_or_gone(
+    probe_sim: RunpodSim,
+) -> None:
+    prompt_id = f"twice-{uuid.uuid4().hex[:8]}"
+    # The same prompt id on two workers at once (max 2): each ComfyUI runs it once.
+    jobs = [await submit(probe_sim, prompt_input(prompt_id, steps=5, sleep_s=1)) for _ in "ab"]
+    bodies = [await wait_status(probe_sim, j, TERMINAL, timeout_s=30) for j in jobs]
+    assert [b["status"] for b in bodies] == ["COMPLETED"] * 2
+    workers = {b["workerId"] for b in bodies}
+    assert len(workers) == 2
+    assert await completed_executions(probe_sim, prompt_id) == 2
+    await wait_ledger(
+        probe_sim,
+        "both idle-stopped",
+        lambda led: all(led.worker(w).state == "stopped" for w in workers),
+        timeout_s=30,
+    )
+    # Gone, their ComfyUIs with them: the counters they left say the same.
+    found = await prompt_executions(probe_sim, prompt_id)
+    assert {run.worker_id for run in found} == workers
+    assert await completed_executions(probe_sim, prompt_id) == 2
+
+
+@needs_endpoint_venv
+async def test_partition_cuts_one_worker_off_s3_while_another_keeps_it_and_heal_restores_it(
+    tmp_path: Path, fake_bucket: FakeBucket
+) -> None:
+    async with run_runpod_sim(
+        tmp_path,
+        *probe_sim_args(fake_bucket, "--min-workers", "2", "--max-workers", "2", watchdog=False),
+        handler=handler_script("worker_probe"),
+    ) as sim:  # fmt: skip
+        ledger = await wait_ledger(
+            sim,
+            "two workers ready",
+            lambda led: [w.state for w in led.workers] == ["idle", "idle"],
+            timeout_s=30,
+        )
+        cut, spared = (w.id for w in ledger.workers)
+        # Per worker: its first delivery, after 5 probes; reopened 2.5 s later.
+        await sim.faults(partition={"worker_id": cut, "after_progress": 5, "heal_after_s": 2.5})
+        probe = {"s3_probe": {"seconds": 6, "every_s": 0.1}}
+        jobs = [await submit(sim, probe) for _ in "ab"]
+        bodies = {
+            body["workerId"]: body
+            for body in [await wait_status(sim, j, TERMINAL, timeout_s=30) for j in jobs]
+        }
+        assert set(bodies) == {cut, spared}
+        ledger = await sim.ledger()
+    worker = ledger.worker(cut)
+    [partition], [heal] = worker.events_of("partition"), worker.events_of("heal")
+    assert partition.job_id == heal.job_id == bodies[cut]["id"]
+    assert 2.5 <= heal.at - partition.at < 3.5
+    assert not ledger.worker(spared).events and not worker.partitioned
+    start, end = ledger.epoch(partition.at), ledger.epoch(heal.at)
+    probes = bodies[cut]["output"]["probes"]
+    margin = 0.3  # the two clocks, and a probe in flight when the cut came
+    before = [p["ok"] for p in probes if p["at"] < start - margin]
+    during = [p["ok"] for p in probes if start + margin < p["at"] < end - margin]
+    after = [p["ok"] for p in probes if p["at"] > end + margin]
+    assert before and all(before), probes
+    assert during and not any(during), probes
+    assert after and all(after), probes
+    assert all(p["ok"] for p in bodies[spared]["output"]["probes"])
+    # The bucket heard from the other worker while this one was cut off, not from this one.
+    window = [path for at, path in fake_bucket.hits if start + margin < at < end - margin]
+    assert any(path.endswith(spared) for path in window)
+    assert not any(path.endswith(cut) for path in window)
+
+
+def test_a_delivery_fault_may_wait_for_a_number_of_stored_outputs() -> None:
+    """`after_artifacts`: fired once a progress update of the delivery lists that many stored
+    outputs (a worker lost between its uploads, or after them), not before."""
+    from devstack.runpod_sim.faults import CrashFault, _plan
+    from devstack.runpod_sim.platform import _artifacts_in
+
+    plan = _plan("crash", CrashFault(after_artifacts=2), now=0.0)
+    assert plan.at is None, "no time of its own"
+    assert not plan.due(1000.0, progress_updates=50, artifacts=1)
+    assert plan.due(1000.0, progress_updates=50, artifacts=2)
+    update = {"artifacts": [{"filename": "a.png"}], "artifacts_omitted": 2}
+    assert _artifacts_in(update) == 3 and _artifacts_in({"step": 4}) == 0

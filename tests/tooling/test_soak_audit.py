@@ -13,6 +13,7 @@ from devstack.soak.audit import AFTERMATH_S, Audit, audit, overlapping_faults
 from devstack.soak.collect import attribute_by_time, prompt_runs
 from devstack.soak.evidence import (
     ArtifactCheck,
+    CostReading,
     Evidence,
     FaultRecord,
     JobEvidence,
@@ -56,6 +57,7 @@ def job(job_id: str = "soak-1", **fields: object) -> JobEvidence:
         "teardown_state": "CONFIRMED",
         "artifacts": [artifact(f"jobs/{job_id}/0/9/a.png")],
         "submissions": [f"sub-{job_id}"],
+        "costs": [CostReading(provider_job_id="r1", billed_s=25.0)] if job_id == "soak-1" else [],
     }
     return JobEvidence.model_validate(values | fields)
 
@@ -99,6 +101,7 @@ def clean() -> Evidence:
                 job_id="soak-1",
                 delivery_outcomes=["completed"],
                 ran_graph=True,
+                billed_s=20.0,
             ),
         ],
         queues=[
@@ -471,3 +474,128 @@ def test_faults_that_did_not_happen_are_listed_but_fail_nothing() -> None:
     check = result.check("faults")
     assert check.value["injected"] == 2 and check.value["did_not_happen"] == 1
     assert any("runpod_crash_stuck#2" in line for line in check.details)
+
+
+# -- issue 39: a worker frozen or cut off from S3 after its work -----------------------------------
+
+
+def test_a_submission_run_to_its_end_on_two_workers_is_a_duplicate_within_the_segments() -> None:
+    """A frozen handler's ComfyUI ran the graph on, then another delivery of the same
+    submission ran it again: two complete runs of one submission, though the job's total (2)
+    does not exceed its segments (2)."""
+    evidence = clean()
+    evidence.jobs[0] = evidence.jobs[0].model_copy(update={"segments": 2})
+    evidence.prompt_runs.append(
+        PromptRun(
+            pool="runpod",
+            sim="w2",
+            prompt_id="sub-soak-1",
+            job_id="soak-1",
+            queued=1,
+            executions=1,
+            outcome="success",
+        )
+    )
+    result = audit(evidence)
+    assert failed_checks(result) == {"duplicates"}
+    check = result.check("duplicates")
+    assert check.value["per_submission"] == 1 and check.value["count"] == 1
+    [row] = check.value["jobs"]
+    assert row["submission"] == "sub-soak-1" and row["where"] == ["w1:sub-soak-1", "w2:sub-soak-1"]
+    assert "submission sub-soak-1" in check.details[0]
+    # Two submissions of a two-segment job, each run once, are not.
+    evidence.prompt_runs[-1] = evidence.prompt_runs[-1].model_copy(
+        update={"prompt_id": "sub-soak-1-b"}
+    )
+    assert failed_checks(audit(evidence)) == set()
+
+
+def test_a_run_its_watchdog_cut_short_then_one_complete_run_is_no_duplicate_nor_left() -> None:
+    """The watchdog interrupted the frozen worker's prompt and killed its handler; the
+    worker's ComfyUI went with it, its prompt still listed; the next delivery ran it."""
+    evidence = clean()
+    evidence.prompt_runs.append(
+        PromptRun(
+            pool="runpod",
+            sim="w0",
+            prompt_id="sub-soak-1",
+            job_id="soak-1",
+            queued=1,
+            executions=1,
+            outcome="interrupted",
+        )
+    )
+    evidence.queues.append(
+        QueueSnapshot(pool="runpod", sim="w0", running=["sub-soak-1"], when="watchdog")
+    )
+    result = audit(evidence)
+    assert failed_checks(result) == set()
+    assert result.check("duplicates").value["cut_short"] == 1
+
+
+def test_a_worker_still_billing_at_the_end_fails_and_names_its_jobs() -> None:
+    evidence = clean()
+    evidence.worker_bills.append(
+        WorkerBill(
+            pool="runpod",
+            worker_id="w9",
+            billed_after_last_job_s=None,
+            idle_timeout_s=5.0,
+            alive=True,
+            billing=True,
+            jobs=["r1"],
+        )
+    )
+    # Being stopped (billing over, its process not gone yet) is not billing.
+    evidence.worker_bills.append(
+        WorkerBill(
+            pool="runpod",
+            worker_id="w8",
+            billed_after_last_job_s=1.0,
+            idle_timeout_s=5.0,
+            alive=True,
+            billing=False,
+        )
+    )
+    result = audit(evidence)
+    assert failed_checks(result) == {"still_billing"}
+    check = result.check("still_billing")
+    assert check.value == {"count": 1, "workers": ["w9"], "jobs": ["soak-1"]}
+    assert check.figure == "1 of 3" and "r1 (soak-1)" in check.details[0]
+
+
+def test_a_job_whose_cost_is_below_what_the_ledger_billed_fails() -> None:
+    evidence = clean()
+    # A re-delivered RunPod job: the ledger billed both deliveries, the cost read one.
+    evidence.provider_runs[0] = evidence.provider_runs[0].model_copy(
+        update={"delivery_outcomes": ["worker_lost", "completed"], "billed_s": 40.0}
+    )
+    result = audit(evidence)
+    assert failed_checks(result) == {"cost_covers_bill"}
+    [row] = result.check("cost_covers_bill").value["jobs"]
+    assert row["job_id"] == "soak-1" and row["short"][0]["runpod_job_id"] == "r1"
+    # A RunPod job of the job that its cost does not list at all.
+    evidence = clean()
+    evidence.provider_runs.append(
+        ProviderRun(
+            pool="runpod",
+            runpod_job_id="r2",
+            submission="sub-soak-1",
+            status="TIMED_OUT",
+            job_id="soak-1",
+            delivery_outcomes=["worker_lost"],
+            billed_s=8.0,
+        )
+    )
+    check = audit(evidence).check("cost_covers_bill")
+    assert check.ok is False and "r2 0.0 < 8.0 s (not in its cost)" in check.details[0]
+    # Missing by less than the slack still fails: the slack is for a reading, not its absence.
+    evidence.provider_runs[-1] = evidence.provider_runs[-1].model_copy(update={"billed_s": 0.3})
+    assert failed_checks(audit(evidence)) == {"cost_covers_bill"}
+    # Within a second per delivery (clock ticks, whole milliseconds), or on a comfyui pool: ok.
+    evidence.provider_runs[-1] = evidence.provider_runs[-1].model_copy(update={"billed_s": 8.0})
+    evidence.jobs[0].costs.append(CostReading(provider_job_id="r2", billed_s=7.2))
+    assert failed_checks(audit(evidence)) == set()
+    comfy = clean()
+    comfy.jobs[0] = comfy.jobs[0].model_copy(update={"pool_kind": "comfyui", "costs": []})
+    assert audit(comfy).check("cost_covers_bill").value["judged"] == 0
