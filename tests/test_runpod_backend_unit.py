@@ -830,9 +830,14 @@ async def test_a_holder_that_recorded_its_fence_is_given_up_at_once(
 def done_claim(*keys: str, stored: int | None = None) -> Claim:
     """A silent holder's claim whose prompt succeeded with an output per key, the first
     `stored` of them (all by default) stored."""
-    outputs = [OutputFile(node_id=str(n), filename=f"t_{n}.png") for n in range(len(keys))]
+    outputs = [
+        OutputFile(node_id=str(n), filename=f"t_{n}.png", subfolder="dc_run")
+        for n in range(len(keys))
+    ]
     records = [
-        ArtifactRecord.model_validate(record(key) | {"node_id": str(n), "filename": f"t_{n}.png"})
+        ArtifactRecord.model_validate(
+            record(key) | {"node_id": str(n), "filename": f"t_{n}.png", "subfolder": "dc_run"}
+        )
         for n, key in enumerate(keys)
     ]
     end = PromptEnd(outcome="success", at=datetime.now(UTC), outputs=outputs)
@@ -875,6 +880,25 @@ async def test_a_fenced_holder_with_an_output_missing_is_submitted_again(
     assert lost.value.type == ErrorType.PROMPT_LOST, "the new delivery runs what is missing"
 
 
+async def test_an_output_stored_but_not_yet_recorded_in_the_claim_is_found_at_its_key(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The holder stored its second output and was lost before its claim said so: the object
+    at the output's key (whole, with the sha256 our upload writes) completes the job."""
+    monkeypatch.setattr("activities.runpod.follow.CLAIM_LEASE_S", 0.0)
+    store = MemoryStore()
+    keys = [f"jobs/{JOB_ID}/0/{n}/t_{n}.png" for n in range(2)]
+    for key in keys:
+        store.put(key, PNG)
+    write_claim(store, done_claim(*keys, stored=1))
+    runpod = ScriptedRunPod(statuses=[IN_PROGRESS])
+    follow = backend(runpod, store, fence_after_s=1).follow
+    result = await env([]).run(follow, follow_input(checkpoint=KNOWN))
+    assert ("POST", "run") not in runpod.requests, "nothing submitted again"
+    assert sorted(a.key for a in result.artifacts) == keys
+    assert {a.node_id for a in result.artifacts} == {"0", "1"}
+
+
 async def test_a_worker_lost_after_it_recorded_its_outcome_completes_the_job() -> None:
     """RunPod times the job out (the worker is gone), but the claim says the run completed
     and names its outputs: they are the result, nothing is submitted again."""
@@ -891,6 +915,47 @@ async def test_a_worker_lost_after_it_recorded_its_outcome_completes_the_job() -
     result = await env([]).run(backend(runpod, store).follow, follow_input(checkpoint=KNOWN))
     assert [a.key for a in result.artifacts] == [OUR_KEY]
     assert ("POST", "run") not in runpod.requests
+    assert result.cost is not None and result.cost.outcome == "completed"
+
+
+async def test_a_worker_lost_between_recording_its_outcome_and_returning_it_completes_the_job(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """RunPod keeps the job IN_PROGRESS (the `stuck` crash), but the claim recorded the run
+    completed longer ago than a lease and `fence_after_s`: the claim's records are the result,
+    the RunPod job is cancelled and costed, nothing is submitted again."""
+    monkeypatch.setattr("activities.runpod.follow.CLAIM_LEASE_S", 0.0)
+    store = MemoryStore()
+    store.put(OUR_KEY, PNG)
+    images = [ArtifactRecord.model_validate(record(OUR_KEY))]
+    outcome = ClaimOutcome(state="completed", images=images, at=datetime.now(UTC))
+    write_claim(store, silent_holder(30, outcome=outcome))
+    runpod = ScriptedRunPod(statuses=[IN_PROGRESS])
+    follow = backend(runpod, store, fence_after_s=1).follow
+    result = await asyncio.wait_for(env([]).run(follow, follow_input(checkpoint=KNOWN)), 30)
+    assert [a.key for a in result.artifacts] == [OUR_KEY]
+    assert ("POST", "run") not in runpod.requests and ("POST", "cancel") in runpod.requests
+    assert result.cost is not None and result.cost.provider_job_id == RUNPOD_JOB
+    assert result.cost.outcome == "completed"
+
+
+async def test_a_just_recorded_outcome_is_left_to_the_handlers_own_answer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The outcome was written a moment ago: the handler's answer is on its way, so the job is
+    neither cancelled nor given up."""
+    monkeypatch.setattr("activities.runpod.follow.CLAIM_LEASE_S", 0.0)
+    store = MemoryStore()
+    store.put(OUR_KEY, PNG)
+    images = [ArtifactRecord.model_validate(record(OUR_KEY))]
+    claim = silent_holder(
+        -60, outcome=ClaimOutcome(state="completed", images=images, at=datetime.now(UTC))
+    )
+    write_claim(store, claim)
+    runpod = ScriptedRunPod(statuses=[IN_PROGRESS] * 3 + [completed([record(OUR_KEY)])])
+    follow = backend(runpod, store, fence_after_s=1).follow
+    result = await asyncio.wait_for(env([]).run(follow, follow_input(checkpoint=KNOWN)), 30)
+    assert ("POST", "cancel") not in runpod.requests
     assert result.cost is not None and result.cost.outcome == "completed"
 
 

@@ -37,7 +37,7 @@ from activities.follow_common import (
     send_progress,
     worker_identity,
 )
-from activities.keys import content_type_for, job_folder
+from activities.keys import artifact_key, content_type_for, job_folder
 from activities.live_progress import LiveProgress
 from activities.runpod import submissions
 from activities.runpod.artifacts import (
@@ -49,6 +49,7 @@ from activities.runpod.artifacts import (
     s3_location,
 )
 from activities.runpod.claims import (
+    CLOCK_RESOLUTION_S,
     AgedClaim,
     claim_target,
     lease_running,
@@ -65,6 +66,7 @@ from activities.runpod.contract import (
     EndpointInput,
     InputImage,
     Orchestration,
+    OutputFile,
     StagedInput,
     StopRecord,
 )
@@ -414,7 +416,10 @@ class RunPodFollower:
             await self._fail_if_silent_before_claiming(job)
             return
         claim = aged.claim
-        if claim.holder != job.id or claim.outcome is not None:
+        if claim.holder != job.id:
+            return
+        if claim.outcome is not None:
+            await self._complete_from_outcome(job, aged)
             return
         if claim.fenced is None and not aged.lapsed_by(self.fence_after_s + TAKEOVER_MARGIN_S):
             if aged.lapsed_by(0):
@@ -444,6 +449,37 @@ class RunPodFollower:
             f"RunPod job {job.id} is still IN_PROGRESS, but its worker stopped renewing the "
             f"claim at {claim.lease_until:%H:%M:%S} UTC and has been fenced since: submitting "
             "again",
+            cost=cost.model_dump(mode="json"),
+        )
+
+    async def _complete_from_outcome(self, job: RunPodJob, aged: AgedClaim) -> None:
+        """The holder recorded its outcome, yet RunPod still has its job IN_PROGRESS: the
+        handler returns its result the moment the outcome is written, so once the claim is
+        older than a lease and `fence_after_s`, the worker was lost in between (RunPod may keep
+        the job for its whole execution timeout). A completed run is the job's result; any
+        other outcome is answered by a new delivery, which replays it from the claim."""
+        outcome = aged.claim.outcome
+        bound = aged.lease_s + CLOCK_RESOLUTION_S + self.fence_after_s + TAKEOVER_MARGIN_S
+        if outcome is None or aged.age_s <= bound:
+            return
+        self.log.warning(
+            "runpod_holder_lost_after_outcome",
+            runpod_job_id=job.id,
+            worker_id=job.worker_id,
+            recorded=outcome.state,
+        )
+        cost = await self._given_up(
+            job.id, "completed" if outcome.state == "completed" else "crashed"
+        )
+        if outcome.state == "completed" and outcome.images:
+            for record, key in self._unkept(list(outcome.images)):
+                await self._keep(record, key, verifiable=True)
+            raise await self._completed_by(job.id, cost)
+        raise fatal(
+            ErrorType.PROMPT_LOST,
+            f"RunPod job {job.id} is still IN_PROGRESS, but its worker recorded the run "
+            f"{outcome.state} {aged.age_s:.0f} s ago and never returned it: submitting again "
+            "(the new delivery answers with the recorded outcome)",
             cost=cost.model_dump(mode="json"),
         )
 
@@ -504,15 +540,26 @@ class RunPodFollower:
         return cost
 
     async def _complete_from(self, claim: Claim, cost: JobCost) -> None:
-        """When a gone holder's claim says its prompt succeeded and lists an output stored for
-        every file it made, the job is done: raise `_CompletedFromClaim` once each is verified
-        in the bucket (size, sha256). Anything missing: return, and the submission goes out
-        again (a new delivery runs only what is missing)."""
+        """When a gone holder's claim says its prompt succeeded, the job is done once every file
+        it made is in the bucket: raise `_CompletedFromClaim`. An output the claim lists as
+        stored is verified (size, sha256); one the holder stored but died before recording is
+        found at its key (kept already from a progress update, or an object whose sha256 our
+        upload wrote: an upload completes whole or not at all). Anything missing: return, and
+        the submission goes out again (a new delivery runs only what is missing)."""
         end = claim.prompt_end
         if end is None or end.outcome != "success" or not end.outputs:
             return
         stored = {(r.node_id, r.subfolder, r.filename): r for r in claim.stored}
-        missing = [o for o in end.outputs if (o.node_id, o.subfolder, o.filename) not in stored]
+        try:
+            for record, key in self._unkept(list(stored.values())):
+                await self._keep(record, key, verifiable=True)
+            unrecorded = [
+                o for o in end.outputs if (o.node_id, o.subfolder, o.filename) not in stored
+            ]
+            missing = [o for o in unrecorded if not await self._found_at_key(o)]
+        except ApplicationError as exc:
+            self.log.warning("runpod_claim_outputs_unverified", error=exc.message)
+            return
         if missing:
             self.log.info(
                 "runpod_claim_outputs_missing",
@@ -521,31 +568,49 @@ class RunPodFollower:
                 outputs=len(end.outputs),
             )
             return
-        records = [stored[(o.node_id, o.subfolder, o.filename)] for o in end.outputs]
-        try:
-            for record, key in self._unkept(records):
-                await self._keep(record, key, verifiable=True)
-        except ApplicationError as exc:
-            self.log.warning("runpod_claim_outputs_unverified", error=exc.message)
-            return
         self.log.info(
-            "runpod_completed_from_claim", runpod_job_id=claim.holder, outputs=len(records)
+            "runpod_completed_from_claim", runpod_job_id=claim.holder, outputs=len(end.outputs)
         )
+        raise await self._completed_by(claim.holder, cost)
+
+    async def _completed_by(self, holder: str, cost: JobCost) -> _CompletedFromClaim:
+        """The job's result when a gone `holder` did its work (every output kept already)."""
         self._heartbeat()
         await submissions.ended(self.store, self.req.pool, self.req.job_id, self.submission)
-        raise _CompletedFromClaim(
+        return _CompletedFromClaim(
             FollowResult(
                 prompt_id=self.req.prompt_id,
                 outcome="success",
                 artifacts=list(self.artifacts.values()),
                 checkpoint=self._checkpoint(),
                 cost=cost,
-                other_costs=[
-                    c for c in self.other_costs.values() if c.provider_job_id != claim.holder
-                ],
+                other_costs=[c for c in self.other_costs.values() if c.provider_job_id != holder],
                 worker_id=self.worker_id,
             )
         )
+
+    async def _found_at_key(self, output: OutputFile) -> bool:
+        """Whether `output` is in the bucket under the key its holder stores it at."""
+        req = self.req
+        # Our handler keys an output by its node and file name (its subfolder is the run's own
+        # folder, `dc_...`, which the key's job and segment levels say already).
+        key = artifact_key(
+            req.output.prefix, req.job_id, req.segment, output.node_id, output.filename
+        )
+        if key in self.artifacts:
+            return True
+        head = await self.store.head(key, bucket=self.target.bucket)
+        if head is None or not head.sha256:
+            return False
+        record = ArtifactRecord(
+            filename=output.filename,
+            subfolder=output.subfolder,
+            type="s3_url",
+            data=head.uri,
+            node_id=output.node_id,
+        )
+        self._remember(record, head.uri, key, head.size, head.sha256, head.content_type)
+        return True
 
     async def _running(self, outcome: Running) -> None:
         update = outcome.progress
