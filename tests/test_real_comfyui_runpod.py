@@ -24,6 +24,8 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import os
+import signal
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -97,6 +99,9 @@ FACTORY = "devstack.real_comfyui:RealComfyPerWorker"
 STOCK_POOL = "stock"
 # Far shorter than what is left of the blur the cancel test stops.
 CLAIM_LEASE_S = 10.0
+# How long past a lapsed lease a silent holder is surely fenced (its watchdog is done within
+# half of it): short, so the frozen-handler test waits seconds, not the default's 30.
+FENCE_AFTER_S = 6.0
 # A worker's cold start includes its real ComfyUI's (~7-15 s on 2 cores).
 JOB_WITHIN_S = 240.0
 BLUR_NODE, SAVE_NODE = "2", "3"
@@ -227,7 +232,7 @@ class Endpoint:
 @pytest_asyncio.fixture(loop_scope="session")
 async def ours(local_stack: RunningStack, ours_sim: RunpodSim) -> AsyncIterator[Endpoint]:
     await ours_sim.reset_faults()
-    pool = runpod_pool(ours_sim, claim_lease_s=CLAIM_LEASE_S)
+    pool = runpod_pool(ours_sim, claim_lease_s=CLAIM_LEASE_S, fence_after_s=FENCE_AFTER_S)
     async with serving(local_stack, {POOL: pool}) as (client, store):
         endpoint = Endpoint(local_stack, ours_sim, pool, client, store, ComfyLogs(ours_sim))
         yield endpoint
@@ -748,6 +753,53 @@ async def test_orchestrator_worker_kill_9_mid_prompt_completes_with_one_executio
     assert written_for(ours.sim, final.job_id) == {}, "stored, then removed from the worker"
     await assert_stored(ours.store, final.artifacts)
     ledger = await ours.ledger_checks(client)
+    cost_matches(final.cost, ledger, submission)
+
+
+async def test_a_frozen_handler_mid_node_is_fenced_and_the_graph_completes_once(
+    ours: Endpoint,
+) -> None:
+    """The handler's process group is SIGSTOPped while the blur runs on its worker's real
+    ComfyUI (a hung handler: nothing renews the claim, ComfyUI runs on). Its watchdog stops the
+    prompt (the blur ignores the interrupt, so ComfyUI is killed or the save is skipped) and
+    takes the worker down; only then does the submission go out again: the graph completes
+    once, on the second worker, and both RunPod jobs are in the cost."""
+    started = await ours.client.submit(job_of(blur_graph(*SLOW_BLUR)))
+    running = await status_where(
+        ours.client,
+        started.job_id,
+        lambda s: s.checkpoint is not None and s.checkpoint.prompt_id is not None,
+        "the job is submitted",
+    )
+    submission = submission_of(running)
+    worker_id = await worker_of(ours, submission)
+    comfy = ours.comfy(worker_id)
+    prompt_id = await running_prompt(comfy)
+    [frozen] = [w for w in (await ours.sim.ledger()).workers if w.id == worker_id]
+    assert frozen.pid is not None, frozen
+    frozen_at = time.time()
+    async with PromptWatch(comfy, prompt_id) as watch:
+        # The handler leads its process group (the worker's session): its ComfyUI and its
+        # watchdog lead sessions of their own and run on, as in a hung container.
+        os.killpg(frozen.pid, signal.SIGSTOP)
+        final = await asyncio.wait_for(ours.client.wait(started.job_id), JOB_WITHIN_S)
+        saw = watch.render(frozen_at)
+    assert final.state == JobState.COMPLETED, explain(final)
+    done = watch.entry is not None and watch.entry.get("status", {}).get("status_str") == "success"
+    assert not done, f"the frozen worker's prompt completed: {saw}, {watch.entry}"
+    output = ours.sim.work_dir / "workers" / worker_id / "comfy" / "output"
+    saved = [p for p in output.glob(f"dc_{safe_tag(final.job_id)}_*/**/*") if p.is_file()]
+    assert saved == [], f"the frozen worker saved its outputs: {saved}"
+    ledger = await ours.ledger_checks()
+    [gone] = [w for w in ledger.workers if w.id == worker_id]
+    assert gone.stop_reason == "watchdog", gone
+    assert gone.exited_at is not None, gone
+    jobs = ledger.jobs_for(submission)
+    assert len(jobs) == 2, jobs
+    assert {d.provider_job_id for d in final.deliveries} == {j.id for j in jobs}
+    assert [d.outcome for d in final.deliveries] == ["fenced", "completed"], final.deliveries
+    for artifact in final.artifacts:
+        run_prefix(await saved_by_comfyui(ours.store, artifact), final.job_id)
     cost_matches(final.cost, ledger, submission)
 
 
