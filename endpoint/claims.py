@@ -193,6 +193,17 @@ class ClaimStore:
             return Acquired(held, took_over=current.claim)
         raise ClaimError(f"s3://{self.bucket}/{key} kept changing while being claimed")
 
+    async def mark_delivery(self, key: str, *, patience: Patience) -> bool:
+        """Leave the delivery's marker (an empty object; `contract.delivery_key`). Only the
+        job's cost needs it, so a failure is not the job's: False, and the run goes on."""
+        try:
+            await self._s3.call(
+                "put_object", patience=patience, Bucket=self.bucket, Key=key, Body=b""
+            )
+        except S3_FAILURES:
+            return False
+        return True
+
     async def renew(self, key: str, held: StoredClaim, lease_s: float) -> StoredClaim:
         """Extend our lease; ClaimConflict when the claim is no longer ours."""
         return await self.replace(key, fresh_claim(held.claim, lease_s), held.etag)

@@ -40,6 +40,7 @@ from activities.runpod.contract import (
     Orchestration,
     StopRecord,
     claim_key,
+    delivery_key,
     inputs_folder,
 )
 from endpoint.claims import (
@@ -61,7 +62,7 @@ from endpoint.lease import Lease
 from endpoint.nodes import PUBLISHER
 from endpoint.outputs import Base64Sink, OutputSink, S3Sink
 from endpoint.reporting import ProgressReporter, ProgressSink
-from endpoint.s3 import S3
+from endpoint.s3 import S3, Patience
 from endpoint.settings import EndpointSettings
 from endpoint.staged_inputs import StagedInputs
 from endpoint.stopping import WorkerReplacer, stop_prompt, wait_out
@@ -461,6 +462,9 @@ class OrchestratedJob:
             renewed_at=datetime.now(UTC),
         )
         fence_after_s = self.o.fence_after_s
+        marker = delivery_key(self.o.output, self.o.job_id, self.o.submission, self.job_id)
+        if not await store.mark_delivery(marker, patience=Patience(self.o.lease_s / 3)):
+            self.log.warning("delivery_unmarked", key=marker)
         decision = await store.acquire(key, template, self.o.lease_s, fence_after_s=fence_after_s)
         give_up = (
             asyncio.get_running_loop().time() + WAIT_OUT_FACTOR * self.o.lease_s + fence_after_s

@@ -34,6 +34,7 @@ from activities.runpod.contract import (
     S3Target,
     StopRecord,
     claim_key,
+    delivery_key,
 )
 from activities.runpod.retry import RetryPolicy
 from activities.settings import PoolConfig, S3Settings
@@ -957,6 +958,29 @@ async def test_a_just_recorded_outcome_is_left_to_the_handlers_own_answer(
     result = await asyncio.wait_for(env([]).run(follow, follow_input(checkpoint=KNOWN)), 30)
     assert ("POST", "cancel") not in runpod.requests
     assert result.cost is not None and result.cost.outcome == "completed"
+
+
+async def test_a_delivery_whose_run_answer_was_lost_is_in_the_cost_by_its_marker() -> None:
+    """A `/run` whose answer was lost made a RunPod job the follow never heard of; it found the
+    claim held and ended, billing a little. Its marker in the deliveries folder puts it in the
+    cost beside the job that ran the graph."""
+    store = MemoryStore()
+    store.put(OUR_KEY, PNG)
+    target = S3Target(bucket=BUCKET)
+    for job_id in (RUNPOD_JOB, "lost-answer-job"):
+        store.put(delivery_key(target, JOB_ID, PROMPT, job_id), b"")
+    unseen = {
+        "id": "lost-answer-job",
+        "status": "COMPLETED",
+        "workerId": "w2",
+        "executionTime": 300,
+    }
+    runpod = ScriptedRunPod(statuses=[completed([record(OUR_KEY)]), unseen])
+    result = await env([]).run(backend(runpod, store).follow, follow_input(checkpoint=KNOWN))
+    [other] = result.other_costs
+    assert other.provider_job_id == "lost-answer-job" and other.outcome == "ran_nothing"
+    assert other.execution_s == pytest.approx(0.3)
+    assert ("POST", "cancel") not in runpod.requests, "an ended job is only read"
 
 
 # -- input files ----------------------------------------------------------------------------------

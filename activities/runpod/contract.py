@@ -371,3 +371,17 @@ def claim_key(target: S3Target, job_id: str, submission: str) -> str:
     """The claim's object key, in the job's own folder beside its artifacts (the same sanitised
     folder `activities.keys.artifact_key` uses)."""
     return f"{job_folder(target.prefix, job_id)}/{CLAIMS_FOLDER}/{safe_component(submission)}.json"
+
+
+def deliveries_folder(target: S3Target, job_id: str, submission: str) -> str:
+    """Where each delivery of a submission leaves an empty object named after its RunPod job,
+    before it claims anything: a `/run` whose answer was lost makes a RunPod job whose id only
+    this folder tells the orchestrator, which reads what it billed for the job's cost."""
+    return (
+        f"{job_folder(target.prefix, job_id)}/{CLAIMS_FOLDER}/"
+        f"{safe_component(submission)}.deliveries"
+    )
+
+
+def delivery_key(target: S3Target, job_id: str, submission: str, runpod_job_id: str) -> str:
+    return f"{deliveries_folder(target, job_id, submission)}/{safe_component(runpod_job_id)}"

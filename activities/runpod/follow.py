@@ -69,6 +69,7 @@ from activities.runpod.contract import (
     OutputFile,
     StagedInput,
     StopRecord,
+    deliveries_folder,
 )
 from activities.runpod.errors import RunPodError, RunPodJobGone, RunPodSubmissionAmbiguous
 from activities.runpod.failures import from_failure, from_runpod
@@ -86,6 +87,7 @@ from activities.runpod.outcome import (
 )
 from activities.settings import PoolConfig
 from activities.storage import ArtifactStore
+from activities.storage_errors import StorageError
 from workflows.activity_io import FollowHeartbeat, FollowInput, FollowResult
 from workflows.contracts import Artifact, Checkpoint, DeliveryOutcome, JobCost, ProgressReport
 from workflows.shared import AT_MOST_ONCE, ErrorType
@@ -575,6 +577,7 @@ class RunPodFollower:
 
     async def _completed_by(self, holder: str, cost: JobCost) -> _CompletedFromClaim:
         """The job's result when a gone `holder` did its work (every output kept already)."""
+        await self._cost_unseen_deliveries(holder)
         self._heartbeat()
         await submissions.ended(self.store, self.req.pool, self.req.job_id, self.submission)
         return _CompletedFromClaim(
@@ -657,6 +660,7 @@ class RunPodFollower:
         replayed = bool(outcome is not None and outcome.output.replayed and holder != job.id)
         if replayed and holder:
             await self._read_holder_cost(holder)
+        await self._cost_unseen_deliveries(job.id)
         self._heartbeat()
         await submissions.ended(self.store, self.req.pool, self.req.job_id, self.submission)
         # No "finished" signal: the result tells the workflow the same, a round trip sooner.
@@ -669,6 +673,28 @@ class RunPodFollower:
             other_costs=[c for c in self.other_costs.values() if c.provider_job_id != job.id],
             worker_id=self.worker_id,
         )
+
+    async def _cost_unseen_deliveries(self, current: str) -> None:
+        """Every delivery of the submission leaves a marker before it claims anything
+        (`contract.deliveries_folder`): a RunPod job this follow never heard of (its `/run`
+        answer was lost, and another delivery held the claim) ran, billed a little, and is
+        in the job's cost too. Each is read (cancelled first if it still runs: it cannot hold
+        the claim) once; a folder that cannot be listed leaves the cost as it is, said so in
+        the log."""
+        if not self.pool.claims:
+            return
+        folder = deliveries_folder(self.target, self.req.job_id, self.submission) + "/"
+        try:
+            keys = await self.store.list_keys(folder, bucket=self.target.bucket)
+        except StorageError as exc:
+            self.log.warning("runpod_deliveries_unlisted", error=str(exc))
+            return
+        for key in keys:
+            runpod_job_id = key.rsplit("/", 1)[-1]
+            if runpod_job_id == current or runpod_job_id in self.other_costs:
+                continue
+            self.log.info("runpod_unseen_delivery", runpod_job_id=runpod_job_id)
+            self.other_costs[runpod_job_id] = await self._given_up(runpod_job_id, "ran_nothing")
 
     async def _read_holder_cost(self, holder: str) -> None:
         """Our delivery replayed the outcome another RunPod job recorded (one whose `/run`
