@@ -434,7 +434,11 @@ class OrchestratedJob:
             held,
             self.o.lease_s,
             fence_after_s=self.o.fence_after_s,
-            fence_file=FenceFile(fence_file) if fence_file is not None else None,
+            fence_file=(
+                FenceFile(fence_file, output=self.o.output, run_tag=self.o.run_tag)
+                if fence_file is not None
+                else None
+            ),
             stored=stored,
         )
 

@@ -343,6 +343,14 @@ class Lease:
             lease_s=self.lease_s,
             fence_after_s=self.fence_after_s,
             fence_by=epoch_of(fence_by),
+            # What the watchdog needs to salvage a prompt that finishes while we are frozen.
+            lease_end=epoch_of(self.ends_at),
+            holder=claim.holder,
+            worker_id=claim.worker_id,
+            claim_bucket=self.store.bucket,
+            claim_key=self.key,
+            job_id=claim.job_id,
+            segment=claim.segment,
         )
 
     async def _adopt_unanswered(self) -> bool:

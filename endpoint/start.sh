@@ -7,7 +7,8 @@
 # The handler runs as this script's child rather than exec'd in its place: in a container
 # without an init this script is PID 1, and the kernel ignores a SIGKILL sent to PID 1 from
 # inside its own namespace, so the watchdog could not end an exec'd handler. As a child it can:
-# when the handler exits (or is killed), this script exits with it, and so does the container.
+# when the handler exits (or is killed), this script exits once the watchdog has too, and so
+# does the container.
 set -euo pipefail
 
 # tcmalloc, as worker-comfyui's start script: less fragmentation in long-lived torch processes.
@@ -32,6 +33,7 @@ export DURABLE_COMFY_FENCE_FILE="${DURABLE_COMFY_FENCE_FILE:-/tmp/durable-comfy-
 HANDLER_PID=$!
 # A session of its own: nothing sent to the handler's process group reaches the watchdog.
 setsid "${ENDPOINT_PYTHON}" -u "${ENDPOINT_WATCHDOG}" --pid "${HANDLER_PID}" &
+WATCHDOG_PID=$!
 
 # The platform's stop (and a Ctrl-C) is a SIGTERM to the handler: the SDK's graceful shutdown.
 # (A background job of a script ignores SIGINT, so that would not do.)
@@ -41,5 +43,11 @@ while :; do
     wait "${HANDLER_PID}" && status=0 || status=$?
     # A trapped signal ends `wait` early: wait again while the handler lives.
     kill -0 "${HANDLER_PID}" 2>/dev/null || break
+done
+# The watchdog follows the handler out within half a second; one that has just killed a frozen
+# handler whose prompt had finished first stores its outputs (by the lease's end and
+# fence_after_s), so the container, and its ComfyUI, live until it is done.
+while kill -0 "${WATCHDOG_PID}" 2>/dev/null; do
+    wait "${WATCHDOG_PID}" 2>/dev/null || true
 done
 exit "${status}"

@@ -6,7 +6,9 @@ run with the endpoint venv's python, in a session of its own (`setsid`: a signal
 handler's process group does not reach it), beside the handler; endpoint/start.sh starts it.
 Environment: `COMFY_URL` (default http://127.0.0.1:8188), `COMFY_PID` (ComfyUI's process, to
 kill when the prompt will not stop; optional), `DURABLE_COMFY_FENCE_FILE` (default
-/tmp/durable-comfy-fence.json). It exits by itself once `--pid` is gone.
+/tmp/durable-comfy-fence.json), and the handler's bucket settings (`BUCKET_ENDPOINT_URL`,
+`BUCKET_ACCESS_KEY_ID`, `BUCKET_SECRET_ACCESS_KEY`, ...: endpoint/settings.py; without them there
+is no salvage). It exits by itself once `--pid` is gone.
 
 Why: the handler fences itself when it cannot renew its claim (endpoint/fencing.py), but a
 handler that is frozen (SIGSTOP, a deadlock, starved of CPU) cannot, and its ComfyUI runs the
@@ -22,8 +24,14 @@ a fencing handler moves `fence_by` to its lease's end), it
 3. SIGKILLs `COMFY_PID` if the prompt is still there (or ComfyUI did not say);
 4. SIGKILLs `--pid`, the container's main process: the container exits and RunPod stops
    billing and replaces the worker;
+5. when the prompt had left the queue, salvages it (endpoint/salvage.py): a prompt that
+   finished with success while the handler was frozen has its outputs stored at the handler's
+   keys and recorded in the claim, with a fence (`action: ended`), so that the orchestrator
+   completes the job from the claim instead of running the graph again;
 
-and exits. Each HTTP call is cut off at what is left of the stop wait.
+and exits. Each HTTP call of steps 1 to 3 is cut off at what is left of the stop wait. A SIGTERM
+during the salvage (a worker's companions are stopped once its main process is gone) waits for
+it, which ends by its deadline.
 
 The bound. `fence_by` is no later than the lease's end as the S3 server sees it (the handler
 reckons its lease from when it sent its last successful write, before the server stamped it).
@@ -37,6 +45,12 @@ that is at most 7.5 s after the lease's end by default, and never more than half
 `fence_after_s` plus a second (endpoint/claims.py). It reads the local wall clock, as the
 handler wrote it: a step of that clock between a write and its reading shifts the bound by the
 step.
+
+The salvage does not move that bound: it comes after the prompt is known to be gone from
+ComfyUI and the handler is dead, so nothing of the submission runs on here meanwhile. It ends
+by the lease's end plus `fence_after_s` less a margin (salvage.SALVAGE_MARGIN_S), before anyone
+may take the claim over, and its claim write is guarded by If-Match on a claim it read still
+held by this handler: a takeover meanwhile wins, and the salvage writes nothing over it.
 """
 
 from __future__ import annotations
@@ -65,7 +79,13 @@ from activities.comfyui.client import ComfyClient, ComfyError  # noqa: E402
 from endpoint.comfy import process_alive  # noqa: E402
 from endpoint.fence_file import DEFAULT_FENCE_FILE, FenceState, read_fence  # noqa: E402
 from endpoint.logs import configure_logging  # noqa: E402
-from endpoint.settings import DEFAULT_COMFY_URL  # noqa: E402
+from endpoint.salvage import salvage  # noqa: E402
+from endpoint.settings import (  # noqa: E402
+    DEFAULT_COMFY_URL,
+    BucketSettings,
+    EndpointSettings,
+    SettingsError,
+)
 
 log = structlog.get_logger("endpoint.watchdog")
 
@@ -91,6 +111,8 @@ class Watch:
     comfy_url: str
     comfy_pid: int | None = None
     poll_s: float = POLL_S
+    # The handler's bucket settings: without them, no salvage.
+    bucket: BucketSettings | None = None
 
 
 def grace_s(state: FenceState) -> float:
@@ -113,6 +135,7 @@ async def watch(config: Watch) -> str:
         fence_file=str(config.fence_file),
         comfy_url=config.comfy_url,
         comfy_pid=config.comfy_pid,
+        salvage=config.bucket is not None,
     )
     while True:
         if not process_alive(config.pid):
@@ -129,7 +152,7 @@ async def watch(config: Watch) -> str:
 
 async def end_worker(config: Watch, state: FenceState, late_s: float) -> None:
     """Stop the prompt the frozen handler holds, kill ComfyUI if it will not let go, then end
-    the worker's main process."""
+    the worker's main process; then salvage the prompt if it had left the queue."""
     bound = log.bind(submission=state.submission, prompt_id=state.prompt_id)
     bound.warning(
         "watchdog_fencing",
@@ -149,7 +172,34 @@ async def end_worker(config: Watch, state: FenceState, late_s: float) -> None:
         _kill(config.comfy_pid, "comfyui", bound, prompt_held=held)
     else:
         bound.warning("watchdog_comfyui_not_killed", reason="COMFY_PID unknown", prompt_held=held)
-    _kill(config.pid, "worker", bound)
+    salvaging = held is False and config.bucket is not None and state.claim is not None
+    if salvaging:
+        # Before the kill: the handler's end is what brings the SIGTERM (its companions go).
+        _defer_sigterm(bound)
+    # First the handler, dead before the salvage starts: nothing of it writes the claim or
+    # the outputs any more.
+    killed = _kill(config.pid, "worker", bound)
+    if not salvaging:
+        return
+    try:
+        if not killed:
+            bound.warning("watchdog_salvage_skipped", reason="the handler may live on")
+        elif config.bucket is not None:
+            await salvage(state, config.comfy_url, config.bucket, bound)
+    except Exception:
+        # The worker is ended already; a salvage that breaks only costs a rerun.
+        bound.exception("watchdog_salvage_failed")
+    finally:
+        asyncio.get_running_loop().remove_signal_handler(signal.SIGTERM)
+
+
+def _defer_sigterm(bound: Any) -> None:
+    """A SIGTERM waits for the salvage (which ends by its deadline); a SIGKILL does not."""
+
+    def deferred() -> None:
+        bound.warning("watchdog_sigterm_deferred", reason="salvaging; it ends by its deadline")
+
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, deferred)
 
 
 async def stop_prompt(url: str, prompt_id: str, deadline: float, bound: Any) -> bool | None:
@@ -194,16 +244,18 @@ async def _within(call: Awaitable[T], deadline: float) -> T | None:
         return None
 
 
-def _kill(pid: int, what: str, bound: Any, **facts: object) -> None:
+def _kill(pid: int, what: str, bound: Any, **facts: object) -> bool:
+    """SIGKILL `pid`; False when that was refused (it may live on)."""
     try:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         bound.info("watchdog_already_gone", process=what, pid=pid)
-        return
+        return True
     except PermissionError as exc:
         bound.error("watchdog_kill_refused", process=what, pid=pid, error=str(exc))
-        return
+        return False
     bound.warning("watchdog_killed", process=what, pid=pid, **facts)
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -219,9 +271,24 @@ def main(argv: list[str] | None = None) -> int:
         fence_file=Path(os.environ.get("DURABLE_COMFY_FENCE_FILE") or DEFAULT_FENCE_FILE),
         comfy_url=os.environ.get("COMFY_URL") or DEFAULT_COMFY_URL,
         comfy_pid=int(comfy_pid) if comfy_pid else None,
+        bucket=_bucket_from_env(),
     )
     asyncio.run(watch(config))
     return 0
+
+
+def _bucket_from_env() -> BucketSettings | None:
+    """The handler's bucket, as the handler reads it; None (said once) without one."""
+    try:
+        bucket = EndpointSettings.from_env().bucket
+    except SettingsError as exc:
+        log.warning(
+            "watchdog_salvage_off", reason="the handler's settings are not usable", error=str(exc)
+        )
+        return None
+    if bucket is None:
+        log.info("watchdog_salvage_off", reason="no bucket settings (BUCKET_ENDPOINT_URL)")
+    return bucket
 
 
 if __name__ == "__main__":
