@@ -85,6 +85,16 @@ class WorkerWatchdog:
             self.state = "exited"
             on_exit(code)
 
+    async def outlived(self, within_s: float) -> None:
+        """Until it exits by itself (it follows its handler out, after any salvage of a prompt
+        that had finished), for at most `within_s`: endpoint/start.sh waits for it the same way
+        before the container exits."""
+        if self._waiter is None or self.state != "running":
+            return
+        self.state = "stopped"  # with its worker: its exit now is no news
+        with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+            await asyncio.wait_for(asyncio.shield(self._waiter), within_s)
+
     async def stop(self, grace_s: float) -> None:
         """With its worker: SIGTERM, SIGKILL to its group after `grace_s`."""
         if self.process is None:

@@ -45,6 +45,9 @@ INHERITED_ENV = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "LC_CTYPE"
 # re-polls job-stop at least every second (its floor delay after an empty answer).
 STOP_SIGNAL_WAIT_S = 2.0
 FENCE_VARIABLE = "DURABLE_COMFY_FENCE_FILE"
+# Real seconds a worker's watchdog may outlive its handler (salvaging a prompt that finished
+# while the handler was frozen: endpoint/salvage.py ends by the lease's end and fence_after_s).
+WATCHDOG_OUTLIVES_S = 120.0
 # Real seconds a handler may take to be seen gone after its watchdog exited (having killed it).
 WATCHDOG_FOLLOW_S = 1.0
 BUCKET_VARIABLE = "BUCKET_ENDPOINT_URL"
@@ -294,6 +297,9 @@ class WorkerPool:
         finally:
             if worker.process is not None:
                 worker.process.kill_group()
+            if worker.watchdog is not None:
+                # The container lives until its watchdog is done too (endpoint/start.sh).
+                await worker.watchdog.outlived(WATCHDOG_OUTLIVES_S)
             worker.exited_at = self.clock.now()
             worker.exit_code = code
             if worker.stop_reason is None:

@@ -5,8 +5,9 @@ started as and does what the test asks:
 - `watchdog-standin.json` beside its DURABLE_COMFY_FENCE_FILE, rewritten every 0.1 s: its pid,
   process group and session, its parent, argv, the variables a watchdog reads, and `ticks`
   (how often it woke up: a frozen watchdog's ticks stop);
-- when a file `watchdog-kill` appears there, it SIGKILLs the handler (`killed_at` in the report)
-  and runs on, as a watchdog whose worker the platform has yet to clear away.
+- when a file `watchdog-kill` appears there, it SIGKILLs the handler (`killed_at` in the report);
+- once the handler is gone it exits, as the watchdog follows its handler out (and the
+  simulator, as endpoint/start.sh, waits for that before the worker's container is gone).
 """
 
 from __future__ import annotations
@@ -30,6 +31,16 @@ VARIABLES = (
 )
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--pid", type=int, required=True)
@@ -48,7 +59,7 @@ def main() -> None:
         "killed_at": None,
     }
     ticks = 0
-    while True:
+    while _alive(args.pid):
         if report["killed_at"] is None and (folder / KILL).exists():
             os.kill(args.pid, signal.SIGKILL)
             report["killed_at"] = time.time()
