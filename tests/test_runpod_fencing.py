@@ -32,7 +32,12 @@ from tests.runpod_e2e_support import (
     serving,
     settled_ledger,
 )
-from tests.runpod_sim_support import ENDPOINT_VENV_MISSING, RunpodSim, completed_executions
+from tests.runpod_sim_support import (
+    ENDPOINT_VENV_MISSING,
+    RunpodSim,
+    completed_executions,
+    prompt_executions,
+)
 from workflows.contracts import JobRequest, JobState, JobStatus
 
 pytestmark = pytest.mark.skipif(
@@ -136,6 +141,13 @@ async def test_a_stuck_crash_puts_both_runpod_jobs_in_the_cost(
     assert len(ledger.jobs_for(submission_of(final))) == 2
     assert_every_job_costed(final, ledger)
     assert await completed_executions(sim, submission_of(final)) == 1
+    # Its container died: its ComfyUI's prompt stopped with it, not run on until the
+    # simulator stopped that ComfyUI too.
+    crashed = faulted_worker(ledger, "crash").id
+    runs = await prompt_executions(sim, submission_of(final))
+    for run in (r for r in runs if r.worker_id == crashed):
+        started = run.executions > 0
+        assert run.outcome == ("interrupted" if started else None), runs
 
 
 def two_saves(steps: int, slow_steps: int = 60) -> dict[str, Any]:

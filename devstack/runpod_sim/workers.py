@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import httpx
 import structlog
 
 from .clock import Changes, SimClock
@@ -382,6 +383,13 @@ class WorkerPool:
         worker.process.kill_group()
         if worker.watchdog is not None:
             worker.watchdog.kill()
+        if worker.comfy_url is not None:
+            # Its ComfyUI runs in a session of its own, and is stopped only with the worker's
+            # companions (after its counters are read): meanwhile a dead container's GPU must
+            # not finish the prompt, so it is interrupted and its queue cleared at once.
+            task = asyncio.create_task(_halt_comfy(worker.comfy_url))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
     async def shutdown(self) -> None:
         await asyncio.gather(
@@ -405,3 +413,11 @@ def _death_reason(worker: Worker, code: int | None) -> str:
     if code is not None and code < 0 and worker.watchdog is not None and worker.watchdog.started:
         return "watchdog"
     return "crash" if code != 0 else "exited"
+
+
+async def _halt_comfy(url: str) -> None:
+    """Stop whatever a crashed worker's ComfyUI runs or holds: it died with its container."""
+    with contextlib.suppress(httpx.HTTPError):
+        async with httpx.AsyncClient(base_url=url, timeout=5, trust_env=False) as http:
+            await http.post("/queue", json={"clear": True})
+            await http.post("/interrupt")
