@@ -193,12 +193,18 @@ class ClaimStore:
             return Acquired(held, took_over=current.claim)
         raise ClaimError(f"s3://{self.bucket}/{key} kept changing while being claimed")
 
-    async def mark_delivery(self, key: str, *, patience: Patience) -> bool:
-        """Leave the delivery's marker (an empty object; `contract.delivery_key`). Only the
-        job's cost needs it, so a failure is not the job's: False, and the run goes on."""
+    async def mark_delivery(self, key: str, body: bytes, *, patience: Patience) -> bool:
+        """Leave the delivery's marker (`contract.delivery_key`; a small JSON body: an empty
+        PUT left SeaweedFS's answer on the pooled connection, read as the next call's). Only
+        the job's cost needs it, so a failure is not the job's: False, and the run goes on."""
         try:
             await self._s3.call(
-                "put_object", patience=patience, Bucket=self.bucket, Key=key, Body=b""
+                "put_object",
+                patience=patience,
+                Bucket=self.bucket,
+                Key=key,
+                Body=body,
+                ContentType="application/json",
             )
         except S3_FAILURES:
             return False

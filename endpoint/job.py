@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import time
 import uuid
@@ -356,6 +357,8 @@ class OrchestratedJob:
         self.replace_worker: WorkerReplacer | None = None
         # Set when the platform stops the job while its claim is being taken.
         self._stopping = asyncio.Event()
+        # The delivery marker's write: it runs on by itself (a reference keeps it alive).
+        self._marking: asyncio.Task[None] | None = None
 
     async def run(self) -> dict[str, Any]:
         o = self.o
@@ -383,6 +386,8 @@ class OrchestratedJob:
         store = ClaimStore(self.s3, o.output.bucket)
         key = claim_key(o.output, o.job_id, o.submission)
         acquiring = asyncio.create_task(self._acquire(store, key), name="claim")
+        # Beside the claim, not before it: through an outage the claim gets the whole budget.
+        self._marking = asyncio.create_task(self._mark_delivery(store), name="delivery marker")
         # Until a claim is written (its reads may ride out a storage outage for minutes), the
         # platform's progress updates are the only sign that this handler lives.
         keepalive = asyncio.create_task(self._report_while_claiming(), name="claiming")
@@ -442,6 +447,20 @@ class OrchestratedJob:
             stored=stored,
         )
 
+    async def _mark_delivery(self, store: ClaimStore) -> None:
+        """This delivery's marker (`contract.delivery_key`): how the orchestrator learns of a
+        RunPod job whose `/run` answer it lost, to put what it billed in the job's cost."""
+        marker = delivery_key(self.o.output, self.o.job_id, self.o.submission, self.job_id)
+        body = json.dumps(
+            {
+                "runpod_job_id": self.job_id,
+                "worker_id": self.settings.worker_id,
+                "at": datetime.now(UTC).isoformat(),
+            }
+        ).encode()
+        if not await store.mark_delivery(marker, body, patience=Patience(self.o.lease_s / 3)):
+            self.log.warning("delivery_unmarked", key=marker)
+
     async def _report_while_claiming(self) -> None:
         """A "claiming" update now and every CLAIMING_REPORT_FACTOR of the lease: the
         orchestrator judges a delivery with neither a claim nor an update for a lease dead."""
@@ -466,9 +485,6 @@ class OrchestratedJob:
             renewed_at=datetime.now(UTC),
         )
         fence_after_s = self.o.fence_after_s
-        marker = delivery_key(self.o.output, self.o.job_id, self.o.submission, self.job_id)
-        if not await store.mark_delivery(marker, patience=Patience(self.o.lease_s / 3)):
-            self.log.warning("delivery_unmarked", key=marker)
         decision = await store.acquire(key, template, self.o.lease_s, fence_after_s=fence_after_s)
         give_up = (
             asyncio.get_running_loop().time() + WAIT_OUT_FACTOR * self.o.lease_s + fence_after_s
