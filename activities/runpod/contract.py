@@ -374,8 +374,8 @@ def claim_key(target: S3Target, job_id: str, submission: str) -> str:
 
 
 def deliveries_folder(target: S3Target, job_id: str, submission: str) -> str:
-    """Where each delivery of a submission leaves an empty object named after its RunPod job,
-    before it claims anything: a `/run` whose answer was lost makes a RunPod job whose id only
+    """Where each delivery of a submission leaves a marker named after its RunPod job as it
+    claims: a `/run` whose answer was lost makes a RunPod job whose id only
     this folder tells the orchestrator, which reads what it billed for the job's cost."""
     return (
         f"{job_folder(target.prefix, job_id)}/{CLAIMS_FOLDER}/"

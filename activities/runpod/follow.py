@@ -675,7 +675,7 @@ class RunPodFollower:
         )
 
     async def _cost_unseen_deliveries(self, current: str) -> None:
-        """Every delivery of the submission leaves a marker before it claims anything
+        """Every delivery of the submission leaves a marker as it claims
         (`contract.deliveries_folder`): a RunPod job this follow never heard of (its `/run`
         answer was lost, and another delivery held the claim) ran, billed a little, and is
         in the job's cost too. Each is read (cancelled first if it still runs: it cannot hold
