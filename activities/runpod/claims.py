@@ -58,9 +58,12 @@ class AgedClaim:
     def lapsed_by(self, seconds: float) -> bool:
         """No outcome, and the lease ran out more than `seconds` ago (by the server's
         whole-second clock: a second more, as the handler allows)."""
-        return (
-            self.claim.outcome is None and self.age_s > self.lease_s + CLOCK_RESOLUTION_S + seconds
-        )
+        return self.claim.outcome is None and self.written_before_lease_and(seconds)
+
+    def written_before_lease_and(self, seconds: float) -> bool:
+        """The claim was last written more than its lease and `seconds` ago (a second more
+        for the server's clock), whatever it says."""
+        return self.age_s > self.lease_s + CLOCK_RESOLUTION_S + seconds
 
     def lapses_in_s(self, seconds: float) -> float:
         """How long until `lapsed_by(seconds)` holds (0: it does)."""

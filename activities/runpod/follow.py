@@ -49,7 +49,6 @@ from activities.runpod.artifacts import (
     s3_location,
 )
 from activities.runpod.claims import (
-    CLOCK_RESOLUTION_S,
     AgedClaim,
     claim_target,
     lease_running,
@@ -461,8 +460,9 @@ class RunPodFollower:
         the job for its whole execution timeout). A completed run is the job's result; any
         other outcome is answered by a new delivery, which replays it from the claim."""
         outcome = aged.claim.outcome
-        bound = aged.lease_s + CLOCK_RESOLUTION_S + self.fence_after_s + TAKEOVER_MARGIN_S
-        if outcome is None or aged.age_s <= bound:
+        if outcome is None or not aged.written_before_lease_and(
+            self.fence_after_s + TAKEOVER_MARGIN_S
+        ):
             return
         self.log.warning(
             "runpod_holder_lost_after_outcome",
