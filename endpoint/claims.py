@@ -38,7 +38,7 @@ from typing import Any
 
 from botocore.exceptions import BotoCoreError, ClientError
 
-from activities.runpod.contract import Claim, ClaimOutcome
+from activities.runpod.contract import MAX_EARLIER_HOLDERS, Claim, ClaimOutcome, EarlierHolder
 from endpoint.s3 import S3, S3_FAILURES, Patience, error_code, is_conflict, is_missing
 
 # Date and Last-Modified have a resolution of one second.
@@ -262,10 +262,24 @@ class ClaimStore:
 
 
 def _taken_over(template: Claim, previous: Claim) -> Claim:
-    """The claim a taker writes: its own, one takeover more, and what the previous holders
-    finished when their prompt succeeded (a failed or cut-short prompt is run again whole, so
-    nothing of it is kept)."""
+    """The claim a taker writes: its own, one takeover more, the holders before it (what a
+    redelivered RunPod job billed on an earlier worker is read from them), and what the
+    previous holders finished when their prompt succeeded (a failed or cut-short prompt is run
+    again whole, so nothing of it is kept). A restarted handler of the same delivery
+    (`_same_handler`) is no new holder: its claim keeps the time it was taken."""
     update: dict[str, Any] = {"takeovers": previous.takeovers + 1}
+    if _same_handler(previous, template):
+        update |= {"claimed_at": previous.claimed_at or template.claimed_at}
+        update |= {"earlier": previous.earlier}
+    else:
+        holder = EarlierHolder(
+            holder=previous.holder,
+            worker_id=previous.worker_id,
+            claimed_at=previous.claimed_at,
+            renewed_at=previous.renewed_at,
+            lease_until=previous.lease_until,
+        )
+        update |= {"earlier": [*previous.earlier, holder][-MAX_EARLIER_HOLDERS:]}
     ended = previous.prompt_end
     if ended is not None and ended.outcome == "success":
         update |= {"prompt_end": ended, "stored": previous.stored}

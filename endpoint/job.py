@@ -483,6 +483,7 @@ class OrchestratedJob:
             worker_id=self.settings.worker_id,
             lease_until=datetime.now(UTC),
             renewed_at=datetime.now(UTC),
+            claimed_at=datetime.now(UTC),
         )
         fence_after_s = self.o.fence_after_s
         decision = await store.acquire(key, template, self.o.lease_s, fence_after_s=fence_after_s)

@@ -221,6 +221,36 @@ async def test_the_same_job_on_the_same_worker_rejoins_a_live_claim(store: Claim
     assert isinstance(other, HeldElsewhere)
 
 
+async def test_a_takeover_names_the_holders_before_it_a_restart_does_not(
+    store: ClaimStore,
+) -> None:
+    """What a redelivered RunPod job billed on its lost worker is read from `earlier`
+    (activities/runpod/cost.py): every holder a takeover replaced, as its claim last said; a
+    restarted handler of the same delivery is no new holder and keeps its claim's start."""
+    key = new_key()
+    start = datetime.now(UTC) - timedelta(seconds=20)
+    first = template("rp-A").model_copy(update={"claimed_at": start})
+    await store.create(key, fresh_claim(first, 60))
+    restarted = await store.acquire(key, template("rp-A"), lease_s=60, fence_after_s=0)
+    assert isinstance(restarted, Acquired)
+    assert restarted.held.claim.claimed_at == start and restarted.held.claim.earlier == []
+    lost = restarted.held.claim
+    fence = FenceRecord(action="interrupted", at=datetime.now(UTC))
+    await store.replace(key, lost.model_copy(update={"fenced": fence}), restarted.held.etag)
+    redelivered = template("rp-A", worker="worker-b").model_copy(
+        update={"claimed_at": datetime.now(UTC)}
+    )
+    taken = await store.acquire(key, redelivered, lease_s=60, fence_after_s=0)
+    assert isinstance(taken, Acquired)
+    [before] = taken.held.claim.earlier
+    assert (before.holder, before.worker_id) == ("rp-A", "worker-a")
+    assert before.claimed_at == start and before.lease_until == lost.lease_until
+    assert taken.held.claim.claimed_at == redelivered.claimed_at
+    renewed = await store.renew(key, taken.held, lease_s=60)
+    assert renewed.claim.earlier == [before], "a renewal keeps them"
+    assert renewed.claim.claimed_at == redelivered.claimed_at
+
+
 async def test_an_outcome_is_final(store: ClaimStore, bucket: Bucket) -> None:
     key = new_key()
     acquired = await store.acquire(key, template("rp-A"), lease_s=1, fence_after_s=0)

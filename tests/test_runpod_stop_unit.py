@@ -21,12 +21,17 @@ from activities.runpod.contract import (
     DEFAULT_STOP_HORIZON_S,
     Claim,
     ClaimOutcome,
+    EarlierHolder,
     PromptFate,
     S3Target,
     StopRecord,
     claim_key,
+    delivery_key,
 )
+from activities.runpod.cost import job_cost
 from activities.runpod.follow import stop_horizon
+from activities.runpod.models import RunPodJob
+from activities.settings import PoolConfig
 from tests.test_runpod_backend_unit import (
     BUCKET,
     HOLDER,
@@ -391,3 +396,96 @@ async def test_a_stop_that_sees_the_runpod_job_ended_forgets_its_submission_reco
     assert (BUCKET, key) in store.objects
     await check(store, [RUNNING, CANCELLED])
     assert (BUCKET, key) not in store.objects
+
+
+# -- the job's other RunPod jobs ------------------------------------------------------------------
+
+OTHER_JOB = "rp-lost-answer"
+
+
+@pytest.mark.parametrize("still_running", [False, True], ids=["ended", "running"])
+async def test_a_stop_with_a_verdict_costs_the_deliveries_only_their_markers_name(
+    still_running: bool,
+) -> None:
+    """A `/run` whose answer was lost made a RunPod job the workflow never heard of; its
+    delivery marker names it. The stop reads what it billed once it has a verdict; one still
+    running is cancelled (the job is being stopped). What became of one that ended before the
+    stop (here: given up by the follow as `crashed`, so CANCELLED) is the follow's word: the
+    reading says nothing of it, and the workflow keeps it."""
+    store = MemoryStore()
+    put_claim(store, outcome=stopped("interrupted"))
+    for runpod_job in (RUNPOD_JOB, OTHER_JOB):
+        store.put(delivery_key(S3Target(bucket=BUCKET), JOB_ID, PROMPT, runpod_job), b"{}")
+    other = {"id": OTHER_JOB, "workerId": "w-gpu-8", "delayTime": 300, "executionTime": 1_200}
+    after = [{**other, "status": "IN_PROGRESS"}, {**other, "status": "CANCELLED"}]
+    result, runpod = await check(
+        store, [CANCELLED, *(after if still_running else [{**other, "status": "CANCELLED"}])]
+    )
+    assert result.position == "gone" and result.cost is not None
+    assert result.cost.provider_job_id == RUNPOD_JOB
+    [cost] = result.other_costs
+    assert cost.provider_job_id == OTHER_JOB and cost.execution_s == 1.2
+    assert cost.outcome == ("cancelled" if still_running else None)
+    assert (("POST", "cancel") in runpod.requests) == still_running
+
+
+async def test_a_stop_still_waiting_on_the_handler_reads_no_other_delivery() -> None:
+    """Until the stop has a verdict no listing is made: a check runs every few seconds."""
+    store = MemoryStore()
+    put_claim(store, stopping_since=datetime.now(UTC))
+    store.put(delivery_key(S3Target(bucket=BUCKET), JOB_ID, PROMPT, OTHER_JOB), b"{}")
+    result, _ = await check(store, [RUNNING, CANCELLED])
+    assert result.position == "running" and result.other_costs == []
+
+
+def test_the_dead_holder_of_a_redelivered_job_is_in_its_cost() -> None:
+    """RunPod gave the job to another worker after its first one died, then it was cancelled
+    while queued: RunPod's figures say 0 s, the dead worker billed until it died, which is
+    before its lease's end. The cost counts the claim's span, and says so."""
+    now = datetime.now(UTC)
+    claim = Claim(
+        submission=PROMPT,
+        job_id=JOB_ID,
+        prompt_id=PROMPT,
+        holder=RUNPOD_JOB,
+        worker_id=WORKER,
+        claimed_at=now - timedelta(seconds=12),
+        renewed_at=now - timedelta(seconds=4),
+        lease_until=now + timedelta(seconds=1),
+    )
+    requeued = RunPodJob.model_validate({"id": RUNPOD_JOB, "status": "CANCELLED"})
+    cost = job_cost(requeued, PoolConfig(kind="runpod", endpoint_id="ep1"), claim=claim)
+    assert cost.execution_s == pytest.approx(13.0) and cost.outcome == "cancelled"
+    assert f"1 earlier delivery of the job (worker {WORKER})" in cost.note
+    # Taken over by its next delivery (worker w-2), which then completed: the span is read from
+    # `earlier`, and the holder now is no earlier delivery.
+    taken = claim.model_copy(
+        update={
+            "worker_id": "w-2",
+            "claimed_at": now,
+            "earlier": [
+                EarlierHolder(
+                    holder=RUNPOD_JOB,
+                    worker_id=WORKER,
+                    claimed_at=claim.claimed_at,
+                    renewed_at=claim.renewed_at,
+                    lease_until=claim.lease_until,
+                ),
+                EarlierHolder(  # another RunPod job's holder: its own cost
+                    holder=OTHER_JOB, worker_id="w-3", renewed_at=now, lease_until=now
+                ),
+            ],
+        }
+    )
+    done = RunPodJob.model_validate(
+        {"id": RUNPOD_JOB, "status": "COMPLETED", "workerId": "w-2", "executionTime": 5_000}
+    )
+    assert job_cost(
+        done, PoolConfig(kind="runpod", endpoint_id="ep1"), claim=taken
+    ).execution_s == (pytest.approx(18.0))
+    # The holder on the worker the job is on now is the job's own delivery: nothing added.
+    assert job_cost(
+        done,
+        PoolConfig(kind="runpod", endpoint_id="ep1"),
+        claim=taken.model_copy(update={"earlier": []}),
+    ).execution_s == pytest.approx(5.0)

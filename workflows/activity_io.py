@@ -201,8 +201,10 @@ class StopCheck(StrictModel):
     node_type: str | None = None
     message: str = ""
     freed_memory: bool = False
-    # Once gone from a per-second-billed backend: what the provider job cost.
+    # Once gone from a per-second-billed backend: what the provider job cost, and what the
+    # job's other provider jobs cost (RunPod jobs whose `/run` answer was lost, read once).
     cost: JobCost | None = None
+    other_costs: list[JobCost] = Field(default_factory=list)
     # The pool checked and its kind, when the job named none: a job stopped before its
     # follow, which checked the request, said which pool took it.
     pool: str | None = None

@@ -178,8 +178,8 @@ class PromptStop:
             return None
 
     def _note(self, check: StopCheck, *, submitted: bool, settled: bool) -> None:
-        if check.cost is not None:
-            self._book.add_cost(check.cost)
+        for cost in [*check.other_costs, *([check.cost] if check.cost is not None else [])]:
+            self._book.add_cost(cost)
         if check.position == "unreachable":
             self._add("check_failed", at_check=check, detail=check.message)
             return

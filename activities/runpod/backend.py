@@ -32,6 +32,7 @@ from activities.runpod.contract import (
     StagedInput,
     inputs_folder,
 )
+from activities.runpod.deliveries import other_delivery_costs
 from activities.runpod.errors import RunPodError, RunPodJobGone
 from activities.runpod.failures import from_runpod
 from activities.runpod.follow import POLL_S, RunInputs, RunPodFollower, one_chunk
@@ -256,7 +257,22 @@ class RunPodBackend:
             # Nothing left for the orphan sweep to cancel (the handler may still be stopping
             # the prompt: that is the claim's business, not the sweep's).
             await submissions.ended(self._store, req.pool, req.job_id, req.prompt_id)
-        return stop_verdict(job, pool, claim, action, req.prompt_id, now)
+        verdict = stop_verdict(job, pool, claim, action, req.prompt_id, now)
+        if pool.claims and verdict.position in ("gone", "stuck"):
+            # The RunPod jobs the workflow may not know of (a `/run` whose answer was lost)
+            # billed too: read once the stop has a verdict, not at every check.
+            others = await other_delivery_costs(
+                self._store,
+                client,
+                pool,
+                target,
+                job_id=req.job_id,
+                submission=req.prompt_id,
+                judged=job.id,
+                claim=claim,
+            )
+            verdict = verdict.model_copy(update={"other_costs": others})
+        return verdict
 
     async def _cancelled(
         self, client: RunPodClient, job_id: str, pool: PoolConfig

@@ -44,6 +44,9 @@ ENDPOINTS_FOLDER = "_durable_comfy/endpoints"
 # (endpoint/watchdog.py) stops it and takes the worker down by then when the handler itself
 # is frozen. Only past this does anyone run the submission again.
 DEFAULT_FENCE_AFTER_S = 30.0
+# A claim keeps this many holders before its last takeover (`Claim.earlier`, newest kept): a
+# bound on the claim's size that only a submission lost again and again would reach.
+MAX_EARLIER_HOLDERS = 16
 
 
 class _Contract(BaseModel):
@@ -304,6 +307,19 @@ class FenceRecord(_Contract):
     detail: str = ""
 
 
+class EarlierHolder(_Contract):
+    """A delivery that held the claim before a takeover, as the claim said when it was taken:
+    a redelivered RunPod job (the same job on another worker) is billed for it, but RunPod's
+    figures for the job count only its last delivery."""
+
+    holder: str
+    worker_id: str = ""
+    # None: written by a handler before claims said when they were taken.
+    claimed_at: datetime | None = None
+    renewed_at: datetime
+    lease_until: datetime
+
+
 class Claim(_Contract):
     """`{prefix}/{job_id}/_claims/{submission}.json`: who runs a submission, until when.
 
@@ -319,7 +335,11 @@ class Claim(_Contract):
     worker_id: str = ""
     lease_until: datetime
     renewed_at: datetime
+    # When this holder took the claim (created it or took it over); kept by its renewals.
+    claimed_at: datetime | None = None
     takeovers: int = 0
+    # The holders before a takeover, oldest first (`MAX_EARLIER_HOLDERS` at most).
+    earlier: list[EarlierHolder] = Field(default_factory=list)
     # When the platform stopped the job and the handler began stopping its prompt (the lease is
     # renewed meanwhile; the outcome, with its `stop` record, follows once the prompt is gone).
     stopping_since: datetime | None = None

@@ -67,9 +67,9 @@ from activities.runpod.contract import (
     Orchestration,
     OutputFile,
     StagedInput,
-    StopRecord,
-    deliveries_folder,
 )
+from activities.runpod.cost import job_cost
+from activities.runpod.deliveries import delivery_ids
 from activities.runpod.errors import RunPodError, RunPodJobGone, RunPodSubmissionAmbiguous
 from activities.runpod.failures import from_failure, from_runpod
 from activities.runpod.models import RunPodJob, RunPodState, RunPolicy
@@ -97,9 +97,6 @@ log = structlog.get_logger(__name__)
 POLL_S = 1.0
 # A job's default limit when neither the pool nor the job sets one (RunPod's own default).
 DEFAULT_EXECUTION_TIMEOUT_S = 600.0
-# What a worker keeps billing after its last job when the pool does not say (RunPod's default
-# idle timeout).
-DEFAULT_IDLE_TIMEOUT_S = 5.0
 # The claim lease our handler is asked to hold (and renew every third of it) while it runs a
 # submission, unless the pool sets `claim_lease_s`: how long a crashed holder blocks a takeover.
 CLAIM_LEASE_S = DEFAULT_LEASE_S
@@ -530,7 +527,7 @@ class RunPodFollower:
                 lower_bound=True,
                 note="RunPod did not say what this job billed when it was given up",
             )
-        cost = self.cost_of(job, outcome)
+        cost = await self._cost_read(job, outcome)
         if not cost.lower_bound and (job.state is None or not job.state.terminal):
             cost = cost.model_copy(
                 update={
@@ -669,7 +666,7 @@ class RunPodFollower:
             outcome="success",
             artifacts=list(self.artifacts.values()),
             checkpoint=self._checkpoint(),
-            cost=self.cost_of(job, "ran_nothing" if replayed else "completed"),
+            cost=await self._cost_read(job, "ran_nothing" if replayed else "completed"),
             other_costs=[c for c in self.other_costs.values() if c.provider_job_id != job.id],
             worker_id=self.worker_id,
         )
@@ -683,14 +680,12 @@ class RunPodFollower:
         the log."""
         if not self.pool.claims:
             return
-        folder = deliveries_folder(self.target, self.req.job_id, self.submission) + "/"
         try:
-            keys = await self.store.list_keys(folder, bucket=self.target.bucket)
+            ids = await delivery_ids(self.store, self.target, self.req.job_id, self.submission)
         except StorageError as exc:
             self.log.warning("runpod_deliveries_unlisted", error=str(exc))
             return
-        for key in keys:
-            runpod_job_id = key.rsplit("/", 1)[-1]
+        for runpod_job_id in ids:
             if runpod_job_id == current or runpod_job_id in self.other_costs:
                 continue
             self.log.info("runpod_unseen_delivery", runpod_job_id=runpod_job_id)
@@ -733,7 +728,7 @@ class RunPodFollower:
             except ApplicationError as exc:  # what failed to verify is not kept
                 self.log.warning("runpod_partial_output_unusable", error=exc.message)
         outcome: DeliveryOutcome = "crashed" if failed.resubmit else "failed"
-        cost = self.cost_of(job, outcome) if job is not None else None
+        cost = await self._cost_read(job, outcome) if job is not None else None
         if failed.resubmit and self.pool.claims:
             aged = await self._wait_for_fence()
             if aged is not None and aged.claim.holder == failed.job_id and cost is not None:
@@ -878,6 +873,18 @@ class RunPodFollower:
     def cost_of(self, job: RunPodJob, outcome: DeliveryOutcome | None = None) -> JobCost:
         return job_cost(job, self.pool, outcome=outcome)
 
+    async def _cost_read(self, job: RunPodJob, outcome: DeliveryOutcome | None) -> JobCost:
+        """`cost_of`, with what the claim says the job's earlier deliveries held (a job RunPod
+        delivered again after its worker was lost: its figures count the last delivery only).
+        An unreadable claim leaves RunPod's figures as they are, said so in the log."""
+        claim = None
+        if self.pool.claims:
+            try:
+                claim = await read_claim(self.store, self.target, self.req.job_id, self.submission)
+            except StorageError as exc:
+                self.log.warning("runpod_cost_claim_unread", runpod_job_id=job.id, error=str(exc))
+        return job_cost(job, self.pool, outcome=outcome, claim=claim)
+
     def _checkpoint(self) -> Checkpoint:
         return self.checkpoint.model_copy(
             update={"uploaded": sorted(self.artifacts), "updated_at": datetime.now(UTC)}
@@ -995,51 +1002,3 @@ def stop_horizon(teardown_horizon_s: float | None) -> float:
         return DEFAULT_STOP_HORIZON_S
     margin = max(STOP_MARGIN_MIN_S, STOP_MARGIN_SHARE * teardown_horizon_s)
     return max(MIN_STOP_HORIZON_S, teardown_horizon_s - margin)
-
-
-def job_cost(
-    job: RunPodJob,
-    pool: PoolConfig,
-    stop: StopRecord | None = None,
-    *,
-    outcome: DeliveryOutcome | None = None,
-) -> JobCost:
-    """What RunPod job `job` cost, from its own figures (a later `/status` with a larger
-    executionTime is read as it comes); the idle time a worker bills after its last job is the
-    pool's `idle_timeout_s` (RunPod's default 5 s when unset).
-
-    Never less than was billed: RunPod's executionTime of a job cancelled on a worker ends at
-    the cancel, but the worker goes on. Our handler (claims) keeps stopping the prompt and
-    records how long in the claim (`stop`, added to what the worker billed after the job);
-    until it has, and on a stock endpoint, whose handler cannot stop its prompt and runs it to
-    its end, the figure is a lower bound and says so."""
-    finished = job.state is not None and job.state.terminal and job.execution_time_ms is not None
-    idle = pool.idle_timeout_s
-    after = (DEFAULT_IDLE_TIMEOUT_S if idle is None else idle) if finished else 0.0
-    lower_bound, note = False, ""
-    if stop is not None:
-        stopping = max(0.0, (stop.at - stop.started_at).total_seconds())
-        after += stopping
-        note = (
-            f"includes {stopping:.1f} s the handler spent stopping the prompt after RunPod's stop"
-        )
-    elif job.state is RunPodState.CANCELLED and job.worker_id:
-        lower_bound = True
-        note = "RunPod stopped counting at the cancel; " + (
-            "the handler has not yet recorded how long it took to stop the prompt"
-            if pool.claims
-            else f"a stock worker-comfyui handler cannot stop its prompt, which runs on "
-            f"worker {job.worker_id}, billing, until it ends"
-        )
-    if outcome is None and job.state is RunPodState.CANCELLED:
-        outcome = "cancelled"
-    return JobCost(
-        provider_job_id=job.id,
-        outcome=outcome,
-        queue_s=(job.delay_time_ms or 0.0) / 1000,
-        execution_s=(job.execution_time_ms or 0.0) / 1000,
-        billed_after_end_s=after,
-        usd_per_second=pool.usd_per_second,
-        lower_bound=lower_bound,
-        note=note,
-    )

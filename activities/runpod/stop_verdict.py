@@ -22,7 +22,7 @@ from datetime import UTC, datetime
 from typing import Literal
 
 from activities.runpod.contract import Claim, PromptFate, StopRecord
-from activities.runpod.follow import job_cost
+from activities.runpod.cost import job_cost
 from activities.runpod.models import RunPodJob, RunPodState
 from activities.runpod.outcome import Failed, read_job
 from activities.settings import PoolConfig
@@ -69,13 +69,13 @@ def stop_verdict(
     if claim is None or claim.holder != job.id:
         # This job never held the submission (cancelled before its handler claimed it, or
         # refused before): RunPod's word is all there is.
-        return _ended_alone(job, pool, action, now)
+        return _ended_alone(job, pool, action, now, claim)
     outcome = claim.outcome
     if outcome is None:
         if state in (RunPodState.COMPLETED, RunPodState.FAILED):
             # The handler's own answer reached RunPod, so it had returned: only recording the
             # outcome failed (a storage outage). Its answer says how the prompt ended.
-            return _ended_alone(job, pool, action, now)
+            return _ended_alone(job, pool, action, now, claim)
         given_up = _runpod_gave_up_on(job, claim)
         if given_up and claim.lease_until <= now:
             # Two witnesses that the worker is gone: RunPod gave up on it (below) and its
@@ -93,7 +93,7 @@ def stop_verdict(
                     f"stopped renewing the claim at {claim.lease_until:%H:%M:%S} UTC: prompt "
                     f"{prompt_id} went with its worker"
                 ),
-                cost=job_cost(job, pool),
+                cost=job_cost(job, pool, claim=claim),
             )
         return StopCheck(
             at=now,
@@ -104,7 +104,7 @@ def stop_verdict(
         )
     worker = claim.worker_id or job.worker_id
     if outcome.stop is not None:
-        return _stopped(job, pool, outcome.stop, action, worker, prompt_id, now)
+        return _stopped(job, pool, outcome.stop, action, worker, prompt_id, now, claim)
     if outcome.state == "cancelled":
         return StopCheck(
             at=now,
@@ -118,7 +118,7 @@ def stop_verdict(
                 f"of prompt {prompt_id} on worker {worker or '?'} (a handler from before stop "
                 "records)"
             ),
-            cost=job_cost(job, pool),
+            cost=job_cost(job, pool, claim=claim),
         )
     rejected = outcome.error_type == ErrorType.PROMPT_REJECTED
     return StopCheck(
@@ -129,7 +129,7 @@ def stop_verdict(
         worker_id=worker,
         message=f"RunPod job {job.id}: {job.status}, the handler recorded it {outcome.state}"
         + (f": {outcome.error[:300]}" if outcome.error else ""),
-        cost=job_cost(job, pool),
+        cost=job_cost(job, pool, claim=claim),
     )
 
 
@@ -170,10 +170,11 @@ def _stopped(
     worker: str | None,
     prompt_id: str,
     now: datetime,
+    claim: Claim,
 ) -> StopCheck:
     """The handler's verdict on the prompt (`StopRecord`)."""
     worker = stop.worker_id or worker
-    cost = job_cost(job, pool, stop)
+    cost = job_cost(job, pool, stop, claim=claim)
     said = f": {stop.detail}" if stop.detail else ""
     if stop.prompt == "still_running" or stop.worker_replaced:
         replaced = (
@@ -229,7 +230,9 @@ def _stock(job: RunPodJob, pool: PoolConfig, action: StopAction, now: datetime) 
     return _ended_alone(job, pool, action, now)
 
 
-def _ended_alone(job: RunPodJob, pool: PoolConfig, action: StopAction, now: datetime) -> StopCheck:
+def _ended_alone(
+    job: RunPodJob, pool: PoolConfig, action: StopAction, now: datetime, claim: Claim | None = None
+) -> StopCheck:
     """A job that ended on RunPod's word alone: as its handler answered, or cancelled before
     any handler ran it."""
     read = read_job(job)
@@ -244,5 +247,5 @@ def _ended_alone(job: RunPodJob, pool: PoolConfig, action: StopAction, now: date
         ended=ended,
         worker_id=job.worker_id,
         message=read.message if isinstance(read, Failed) else f"RunPod job {job.id}: {job.status}",
-        cost=job_cost(job, pool),
+        cost=job_cost(job, pool, claim=claim),
     )
