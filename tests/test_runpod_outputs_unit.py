@@ -31,7 +31,7 @@ from tests.test_runpod_backend_unit import (
     follow_input,
     record,
 )
-from tests.test_runpod_stop_unit import put_claim
+from tests.test_runpod_stop_unit import WORKER, put_claim
 from workflows.activity_io import FollowHeartbeat
 from workflows.contracts import Checkpoint
 from workflows.shared import ErrorType
@@ -138,7 +138,7 @@ def storage_failed() -> dict[str, Any]:
     return {
         "id": RUNPOD_JOB,
         "status": "FAILED",
-        "workerId": "w1",
+        "workerId": WORKER,  # the claim's holder (put_claim) on its worker
         "executionTime": 42_000,
         "error": "storage: EndpointConnectionError",
         "output": output,
