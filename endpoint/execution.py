@@ -85,6 +85,8 @@ class Execution:
         self.reporter = reporter
         # What the run puts in ComfyUI's folders; endpoint/job.py has it removed at the end.
         self.files = JobFiles(settings.comfy_folders)
+        # How the prompt ended, once read from its history (before the uploads it leaves).
+        self.end: PromptEnd | None = None
         self.collector = OutputCollector(
             client, sink, self._stored, run_tag=run_tag, prior=prior or ()
         )
@@ -156,7 +158,7 @@ class Execution:
             await stage_images(self.client, self.images, self.files)
             if self.staged is not None:
                 await self.staged.stage(self.client, self.files)
-            end = await self.follower.run()
+            end = self.end = await self.follower.run()
             if self.on_prompt_end is not None:
                 self.on_prompt_end(end)
             if end.outcome == "error" and is_out_of_memory(end.error):

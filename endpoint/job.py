@@ -58,6 +58,7 @@ from endpoint.execution import Execution, ExecutionResult
 from endpoint.failures import failure_of, failure_of_end
 from endpoint.fence_file import FenceFile
 from endpoint.fencing import SelfFence, fenced_error
+from endpoint.handover import inline_outputs, succeeded
 from endpoint.inputs import InputProblem, read_input
 from endpoint.lease import Lease
 from endpoint.nodes import PUBLISHER
@@ -601,7 +602,13 @@ class OrchestratedJob:
         self, execution: Execution, work: asyncio.Task[ExecutionResult], lease: Lease, left: Left
     ) -> dict[str, Any]:
         """No renewal succeeded in time: stop everything before the lease ends, record the
-        fence, and answer that the submission is not finished (endpoint/fencing.py)."""
+        fence, and answer that the submission is not finished (endpoint/fencing.py). A prompt
+        that had succeeded has its outputs handed over in the answer instead
+        (endpoint/handover.py)."""
+        if succeeded(execution):
+            handed = await self._handed_over(execution, work, lease, left)
+            if handed is not None:
+                return handed
         fence = SelfFence(
             self.client, self.settings, replace_worker=self.replace_worker, log=self.log
         )
@@ -616,6 +623,26 @@ class OrchestratedJob:
         if cancelled:
             raise asyncio.CancelledError
         return self._error(fenced_error(fenced), with_kept(left.kept, execution.records()))
+
+    async def _handed_over(
+        self, execution: Execution, work: asyncio.Task[ExecutionResult], lease: Lease, left: Left
+    ) -> dict[str, Any] | None:
+        """The prompt succeeded, but the claim cannot be written: the outputs in the answer
+        (none stored any more to S3 from here), or None to fence as usual."""
+        execution.cancel_outputs()
+        work.cancel()
+        await asyncio.gather(work, return_exceptions=True)
+        within_s = max(0.0, lease.ends_at - time.monotonic()) + self.o.fence_after_s / 2
+        records = await inline_outputs(
+            self.client, execution, run_tag=self.o.run_tag, within_s=within_s, log=self.log
+        )
+        if records is None:
+            return None
+        # Nothing of the submission runs here any more; the watchdog has nothing to stop.
+        lease.let_go()
+        # Kept on the worker: an answer RunPod loses leaves a later delivery here the files.
+        await _clear_files(execution, stored_outputs=False)
+        return self._success(with_kept(left.kept, records))
 
     async def _complete_from_claim(
         self, lease: Lease, left: Left, previous: Claim

@@ -254,6 +254,10 @@ class RunPodFollower:
                     # Renewed meanwhile: the holder is alive after all.
                     return self._known_as(aged.claim.holder)
                 if aged is not None and aged.claim.outcome is None:
+                    if await self._answered_success(aged.claim.holder):
+                        # Cut off from S3 after its prompt succeeded, the holder handed its
+                        # outputs over in its answer (endpoint/handover.py): that is the result.
+                        return self._known_as(aged.claim.holder)
                     await self._gone_holder(aged.claim)
         elif self.checkpoint.submit_sent_at is not None:
             raise fatal(
@@ -499,6 +503,14 @@ class RunPodFollower:
             f"{silent_s:.0f} s: the worker is gone; submitting again",
             cost=cost.model_dump(mode="json"),
         )
+
+    async def _answered_success(self, job_id: str) -> bool:
+        """RunPod job `job_id` COMPLETED: its handler answered, whatever its claim says."""
+        try:
+            job = await self._alive_while(self.client.status(job_id))
+        except RunPodError:
+            return False
+        return job.state is RunPodState.COMPLETED
 
     async def _gone_holder(self, claim: Claim) -> None:
         """A holder that is gone for good (fenced, or dead): what its RunPod job billed joins
