@@ -254,11 +254,8 @@ class RunPodFollower:
                     # Renewed meanwhile: the holder is alive after all.
                     return self._known_as(aged.claim.holder)
                 if aged is not None and aged.claim.outcome is None:
-                    if await self._answered_success(aged.claim.holder):
-                        # Cut off from S3 after its prompt succeeded, the holder handed its
-                        # outputs over in its answer (endpoint/handover.py): that is the result.
+                    if await self._gone_holder(aged.claim):
                         return self._known_as(aged.claim.holder)
-                    await self._gone_holder(aged.claim)
         elif self.checkpoint.submit_sent_at is not None:
             raise fatal(
                 ErrorType.SUBMISSION_AMBIGUOUS,
@@ -504,25 +501,30 @@ class RunPodFollower:
             cost=cost.model_dump(mode="json"),
         )
 
-    async def _answered_success(self, job_id: str) -> bool:
-        """RunPod job `job_id` COMPLETED: its handler answered, whatever its claim says."""
-        try:
-            job = await self._alive_while(self.client.status(job_id))
-        except RunPodError:
-            return False
-        return job.state is RunPodState.COMPLETED
-
-    async def _gone_holder(self, claim: Claim) -> None:
+    async def _gone_holder(self, claim: Claim) -> bool:
         """A holder that is gone for good (fenced, or dead): what its RunPod job billed joins
-        the job's cost, and when its work was done the job completes from it."""
+        the job's cost, and when its work was done the job completes from it. True when its
+        job COMPLETED after all: cut off from S3 after its prompt succeeded, the holder handed
+        its outputs over in its answer (endpoint/handover.py), which is to be followed."""
         if claim.holder not in self.other_costs:
-            self.other_costs[claim.holder] = await self._given_up(claim.holder, "fenced")
+            cost, job = await self._read_given_up(claim.holder, "fenced")
+            if job is not None and job.state is RunPodState.COMPLETED:
+                return True
+            self.other_costs[claim.holder] = cost
         await self._complete_from(claim, self.other_costs[claim.holder])
+        return False
 
     async def _given_up(self, job_id: str, outcome: DeliveryOutcome) -> JobCost:
         """Cancel a RunPod job whose delivery is given up (a silent or dead worker: RunPod
         stops counting it) and read what it cost. Figures RunPod has not made final yet are a
         lower bound, and say so."""
+        cost, _ = await self._read_given_up(job_id, outcome)
+        return cost
+
+    async def _read_given_up(
+        self, job_id: str, outcome: DeliveryOutcome
+    ) -> tuple[JobCost, RunPodJob | None]:
+        """`_given_up`, and the job as it was last read (None: RunPod did not answer)."""
         job: RunPodJob | None = None
         try:
             job = await self._alive_while(self.client.status(job_id))
@@ -532,13 +534,14 @@ class RunPodFollower:
         except RunPodError as exc:
             self.log.warning("runpod_given_up_cost_unread", runpod_job_id=job_id, error=str(exc))
         if job is None:
-            return JobCost(
+            unread = JobCost(
                 provider_job_id=job_id,
                 outcome=outcome,
                 usd_per_second=self.pool.usd_per_second,
                 lower_bound=True,
                 note="RunPod did not say what this job billed when it was given up",
             )
+            return unread, None
         cost = await self._cost_read(job, outcome)
         if not cost.lower_bound and (job.state is None or not job.state.terminal):
             cost = cost.model_copy(
@@ -548,7 +551,7 @@ class RunPodFollower:
                     "counted so far",
                 }
             )
-        return cost
+        return cost, job
 
     async def _complete_from(self, claim: Claim, cost: JobCost) -> None:
         """When a gone holder's claim says its prompt succeeded, the job is done once every file
