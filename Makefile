@@ -58,8 +58,9 @@ demo-chaos: $(STAMP)
 	$(BIN)/python -m devstack.chaos_demo $(if $(CONFIG),--config '$(CONFIG)')
 
 ## test: unit, workflow (time-skipping), integration (real Temporal + SeaweedFS + simulator)
-## (TEST_WORKERS=N: pytest-xdist processes, each with its own local stack; 1 runs them in one)
-TEST_WORKERS ?= 2
+## (TEST_WORKERS=N: pytest-xdist processes, each with its own local stack; 1 runs them in one.
+## 3 on 2 cores: most tests wait on services, and 2 left the cores half idle)
+TEST_WORKERS ?= 3
 test: $(STAMP) $(EP_STAMP) $(STOCK_STAMP) nginx
 	$(BIN)/pytest -q -n $(TEST_WORKERS) --durations=15
 

@@ -63,6 +63,10 @@ GPULESS_CLOCK = 10.0
 # The shortest claim lease a job may ask for: a crashed holder's claim may be taken over this
 # long after its last renewal (the default, a minute, would make each crash test wait for it).
 SHORT_LEASE_S = 5.0
+# And how long past a crashed holder's lease the takeover waits (the pools' `fence_after_s`; the
+# default, 30 s, would add as much to each crash test). tests/test_runpod_fencing.py checks
+# that a holder is fenced within it.
+FENCE_AFTER_S = 5.0
 JOB_WITHIN_S = 120.0
 
 
@@ -107,7 +111,7 @@ async def endpoints(
     for sim in (runpod_sim, stock_sim, gpuless_sim):
         await sim.reset_faults()
     pools = {
-        POOL: runpod_pool(runpod_sim),
+        POOL: runpod_pool(runpod_sim, fence_after_s=FENCE_AFTER_S),
         STOCK_POOL: runpod_pool(stock_sim, claims=False),
         GPULESS_POOL: runpod_pool(gpuless_sim, execution_timeout_s=5),
     }

@@ -48,8 +48,12 @@ pytestmark = pytest.mark.skipif(
 LEASE_S = 5.0
 FENCE_AFTER_S = 5.0
 JOB_WITHIN_S = 180.0
-# A prompt that outlives the fence: 1,500 steps of the simulator's 20 ms.
-LONG_STEPS = 1500
+# A prompt that outlives the fence: 750 steps of the simulator's 20 ms, 15 s. The fault comes
+# about 3 s in (6 progress updates, one per half second), the lease ends at most LEASE_S after
+# it and the watchdog is done within half of FENCE_AFTER_S and half a second past that: the
+# first delivery's prompt still has 4 s and more to run when it is fenced. Every delivery after
+# it runs the whole prompt again, so each step here is paid twice.
+LONG_STEPS = 750
 SLACK_S = 3.0
 
 
