@@ -13,7 +13,7 @@ from pydantic import BaseModel
 from devstack.chaos.graphs import sampler_graph
 from starter import JobClient, JobRequest
 from starter.errors import TemporalUnreachable
-from workflows.contracts import JobState, JobStatus
+from workflows.contracts import JobState, JobStatus, ReadState
 
 
 class BenchFailure(RuntimeError):
@@ -30,7 +30,7 @@ class Seen(BaseModel):
     """One status a watching client was handed, and when (epoch seconds)."""
 
     at: float
-    state: JobState
+    state: ReadState
     step: int
     total_steps: int
 

@@ -101,7 +101,8 @@ StreamKind = Literal["state", "output_stored", "progress", "status", "end"]
 class StreamEvent:
     """One event of a stream: SSE's `event`, `id` and `data`, or a WebSocket message."""
 
-    kind: StreamKind
+    # A `StreamKind`, or a journal kind from a newer worker, passed on under its own name.
+    kind: StreamKind | str
     id: str
     data: dict[str, Any]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from temporalio.client import WorkflowExecutionDescription, WorkflowExecutionStatus
 
-from workflows.contracts import JobError, JobState, JobStatus, Progress
+from workflows.contracts import JobError, JobState, JobStatus, Progress, UnknownState
 from workflows.shared import PROGRESS_KEY, STATE_KEY
 
 # Error types of the states only a client reports (the job never sets them itself).
@@ -55,14 +55,22 @@ def bare_status(job_id: str, description: WorkflowExecutionDescription) -> JobSt
     attributes = description.typed_search_attributes
     percent = attributes.get(PROGRESS_KEY)
     recorded = attributes.get(STATE_KEY)
-    state = JobState(recorded) if recorded and recorded in JobState.__members__ else JobState.QUEUED
+    # A state a newer worker recorded is shown by its name, never as QUEUED; it has ended when
+    # the workflow has.
+    closed = description.status not in (None, WorkflowExecutionStatus.RUNNING)
+    state: JobState | UnknownState = JobState.QUEUED
+    if recorded:
+        state = JobState(recorded) if recorded in JobState.__members__ else UnknownState(recorded)
     if description.status == WorkflowExecutionStatus.CANCELED:
         state = JobState.CANCELLED
     progress = Progress(fraction=min(1.0, max(0.0, percent / 100)) if percent else 0.0)
-    return JobStatus(
-        job_id=job_id,
-        state=state,
-        progress=progress,
-        created_at=description.start_time,
-        updated_at=description.close_time,
+    return JobStatus.model_validate(
+        {
+            "job_id": job_id,
+            "state": state,
+            "terminal": closed,
+            "progress": progress,
+            "created_at": description.start_time,
+            "updated_at": description.close_time,
+        }
     )

@@ -535,7 +535,7 @@ async def test_a_late_query_answer_does_not_hold_up_the_heartbeats_steps() -> No
         return answers[min(asked, len(answers)) - 1]
 
     calls.client._query = slow_query  # type: ignore[method-assign]
-    seen: list[tuple[JobState, int]] = []
+    seen: list[tuple[str, int]] = []
     async with asyncio.timeout(10):  # a watch stuck on the query would never see 1300
         async for status in calls.client.watch(JOB, poll_interval_s=0.02, keepalive_s=3600):
             seen.append((status.state, status.progress.step))
@@ -631,7 +631,7 @@ async def test_a_late_first_answer_shows_the_records_status_meanwhile() -> None:
     for a job not yet known to be attached, then the job's own answer."""
     released = asyncio.Event()
     calls = await late_answering(released)
-    seen: list[tuple[JobState, int, int]] = []
+    seen: list[tuple[str, int, int]] = []
     asked_meanwhile: list[str] = []
 
     def answer() -> None:

@@ -38,7 +38,7 @@ async def test_a_long_jobs_history_stays_small_while_its_steps_are_seen(
     graph = example(STEPS)
     graph["3"]["inputs"]["seed"] = uuid.uuid4().int % 2**32  # never served from a cache
     submitted = await client.submit(JobRequest(graph=graph))
-    seen: list[tuple[JobState, int]] = []
+    seen: list[tuple[str, int]] = []
     async for status in client.watch(submitted.job_id):  # the default poll, as the CLI
         seen.append((status.state, status.progress.step))
     final = await client.wait(submitted.job_id)

@@ -62,6 +62,24 @@ async def test_recorded_history_replays(name: str) -> None:
     await replayer.replay_workflow(history)
 
 
+PREVIOUS = HISTORIES / "previous"
+PREVIOUS_RECORDED = sorted(path.stem for path in PREVIOUS.glob("*.json"))
+
+
+@pytest.mark.parametrize("name", PREVIOUS_RECORDED)
+async def test_the_previous_releases_history_replays(name: str) -> None:
+    """What the release before this one wrote is read by this one (tests/histories/previous):
+    a job pinned to the old version is served by old workers, but its inputs, results and
+    status are read by every client and gateway of both versions during an upgrade."""
+    history = WorkflowHistory.from_json(f"previous-{name}", (PREVIOUS / f"{name}.json").read_text())
+    replayer = Replayer(workflows=[InferenceJob], data_converter=pydantic_data_converter)
+    await replayer.replay_workflow(history)
+
+
+def test_the_previous_release_kept_every_scenario() -> None:
+    assert set(PREVIOUS_RECORDED) <= set(ENDINGS) and len(PREVIOUS_RECORDED) >= 10
+
+
 def test_no_recording_holds_a_marker() -> None:
     """The baseline has no open patches (a `workflow.patched()` call writes a marker), and no
     local activity (its result is a marker too): a request that stages nothing is checked by

@@ -128,9 +128,9 @@ class Backend(FakeWorkflow):
         default_factory=list
     )
     follows: list[FollowInput] = field(default_factory=list)
-    states_at_follow: list[JobState] = field(default_factory=list)
+    states_at_follow: list[str] = field(default_factory=list)
     offloads: list[OffloadInput] = field(default_factory=list)
-    during_sleep: list[tuple[JobState, JobError | None, int]] = field(default_factory=list)
+    during_sleep: list[tuple[str, JobError | None, int]] = field(default_factory=list)
     book: JobBook | None = None
 
     async def follow(self, req: FollowInput, policy: JobPolicy) -> FollowResult:

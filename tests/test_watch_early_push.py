@@ -247,7 +247,7 @@ def pushed_beat(step: int) -> FollowHeartbeat:
 async def test_steps_pushed_before_the_jobs_first_answer_are_seen_and_never_taken_back() -> None:
     live = LiveProgress()
     current = pushed_beat(0)
-    seen: list[tuple[JobState, int]] = []
+    seen: list[tuple[str, int]] = []
     async with pushing_worker(live) as url:
         late = LateFirstAnswer(url)
         try:
@@ -282,7 +282,7 @@ async def test_without_the_submits_answer_early_steps_wait_for_the_first_answer(
         late = LateFirstAnswer(url)
         try:
             with live.following(JOB, lambda: pushed_beat(250)):
-                seen: list[tuple[JobState, int]] = []
+                seen: list[tuple[str, int]] = []
 
                 async def watch() -> None:
                     async for status in late.client.watch(
@@ -366,7 +366,7 @@ async def test_a_job_that_ran_during_its_attached_start_is_seen_by_the_watch_at_
             # The worker follows the prompt no more: a subscription made now would get nothing.
 
         attached_start(late, the_prompt_runs)
-        seen: list[tuple[JobState, int]] = []
+        seen: list[tuple[str, int]] = []
         try:
             outcome = await late.client.start(a_request(), job_id=JOB, detached=False)
             async with asyncio.timeout(20):

@@ -391,7 +391,7 @@ async def test_watch_yields_the_wait_appearing_changing_and_gone() -> None:
             ),
         ],
     )
-    seen: list[tuple[JobState, str | None, int | None]] = []
+    seen: list[tuple[str, str | None, int | None]] = []
     async with asyncio.timeout(10):
         async for shown in scripted.client.watch(JOB, poll_interval_s=0, keepalive_s=3600):
             wait = shown.worker_wait

@@ -13,10 +13,15 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    GetCoreSchemaHandler,
+    PrivateAttr,
     ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    computed_field,
     field_validator,
     model_validator,
 )
+from pydantic_core import core_schema
 
 from workflows.graph import check_graph, check_input_files, check_segment_files
 from workflows.request_checks import (
@@ -29,9 +34,19 @@ from workflows.shared import JOB_ID_PATTERN
 
 
 class StrictModel(BaseModel):
-    """Base of every contract: an unknown field is an error, never silently dropped."""
+    """Base of every request: an unknown field is an error, never silently dropped (a typo in
+    a request must not pass as a default)."""
 
     model_config = ConfigDict(extra="forbid")
+
+
+class ReadModel(BaseModel):
+    """Base of what a worker writes and any client reads (the status, its journal, webhook
+    payloads, activity results): a field from a newer version is ignored, so a client, CLI,
+    gateway or page one version behind the worker that wrote it still reads it during a
+    rolling upgrade (docs/upgrading.md). States and kinds are open too (`ReadState`)."""
+
+    model_config = ConfigDict(extra="ignore")
 
 
 class JobState(StrEnum):
@@ -72,6 +87,42 @@ TERMINAL_STATES = frozenset(
         JobState.TIMED_OUT,
     }
 )
+
+
+class UnknownState(str):
+    """A state a newer worker wrote that this version does not know (`ReadState`): shown by its
+    name. Whether it is terminal is the status's own word (`JobStatus.terminal`, written by the
+    worker), never this version's guess."""
+
+    @property
+    def value(self) -> str:
+        return str(self)
+
+    @property
+    def name(self) -> str:
+        return str(self)
+
+    @property
+    def terminal(self) -> bool:
+        return False
+
+    @classmethod
+    def __get_pydantic_core_schema__(
+        cls, source: type[Any], handler: GetCoreSchemaHandler
+    ) -> core_schema.CoreSchema:
+        return core_schema.no_info_after_validator_function(cls, core_schema.str_schema())
+
+
+# A state as a reader takes it: one of this version's `JobState`s, else by its name.
+ReadState = Annotated[JobState | UnknownState, Field(union_mode="left_to_right")]
+
+
+def known_state(state: JobState | UnknownState) -> JobState:
+    """`state` as the workflow holds it: always one of its own version's (a job is pinned to
+    its version, so its carry was written by the same code)."""
+    if isinstance(state, JobState):
+        return state
+    raise ValueError(f"state {state!r} is not one of this version's")
 
 
 # Numbers in policies are strict: `true` or "30" is refused, never read as 1 or 30 seconds.
@@ -238,7 +289,7 @@ class JobRequest(StrictModel):
         return policy
 
 
-class Checkpoint(StrictModel):
+class Checkpoint(ReadModel):
     """The durable answer to "where do I resume": heartbeated on every progress event."""
 
     job_id: str
@@ -260,7 +311,7 @@ class Checkpoint(StrictModel):
     updated_at: datetime | None = None
 
 
-class Artifact(StrictModel):
+class Artifact(ReadModel):
     key: str
     uri: str
     size: int = Field(ge=0)
@@ -271,7 +322,7 @@ class Artifact(StrictModel):
     url: str | None = Field(None, description="Presigned GET URL; filled by clients, never stored.")
 
 
-class Progress(StrictModel):
+class Progress(ReadModel):
     segment: int = 0
     segments: int = 1
     step: int = 0
@@ -284,13 +335,13 @@ class Progress(StrictModel):
     node: str | None = None
 
 
-class JobError(StrictModel):
+class JobError(ReadModel):
     type: str
     message: str
     retryable: bool = False
 
 
-class BackendInfo(StrictModel):
+class BackendInfo(ReadModel):
     pool: str
     kind: str = "comfyui"
     provider_job_id: str | None = None
@@ -318,7 +369,7 @@ StopAction = Literal[
 ]
 
 
-class TeardownStep(StrictModel):
+class TeardownStep(ReadModel):
     """One thing teardown did or saw, in order."""
 
     at: datetime
@@ -327,7 +378,7 @@ class TeardownStep(StrictModel):
     detail: str = ""
 
 
-class Teardown(StrictModel):
+class Teardown(ReadModel):
     """How the job made sure its prompt no longer runs, kept across retries and stops."""
 
     # CONFIRMED: the prompt is gone from the backend. FAILED: it was still there at the
@@ -344,7 +395,7 @@ class Teardown(StrictModel):
     steps: list[TeardownStep] = Field(default_factory=list)
 
 
-class Decision(StrictModel):
+class Decision(ReadModel):
     """Why a NEEDS_DECISION job waits, and what each way out does."""
 
     reason: str
@@ -355,7 +406,7 @@ class Decision(StrictModel):
     since: datetime | None = None
 
 
-class Notice(StrictModel):
+class Notice(ReadModel):
     """A message the job received but could not use as sent (what was dropped, and why)."""
 
     at: datetime
@@ -376,7 +427,7 @@ MAX_NOTICES = 20
 DeliveryOutcome = Literal["completed", "failed", "crashed", "fenced", "cancelled", "ran_nothing"]
 
 
-class JobCost(StrictModel):
+class JobCost(ReadModel):
     """What the job cost on a provider that bills by the second (RunPod): its own figures.
 
     `billed_after_end_s` is what a worker keeps billing once the job is over (its idle timeout)
@@ -407,7 +458,7 @@ class JobCost(StrictModel):
         return round(self.billed_s * self.usd_per_second, 6)
 
 
-class Delivery(StrictModel):
+class Delivery(ReadModel):
     """One provider job (RunPod job) of the job, as `JobStatus.deliveries` lists them: built
     from `cost`, an entry per job."""
 
@@ -430,7 +481,7 @@ class Delivery(StrictModel):
 WebhookDeliveryState = Literal["pending", "retrying", "delivered", "failed"]
 
 
-class WebhookDelivery(StrictModel):
+class WebhookDelivery(ReadModel):
     """One event's delivery to the job's webhook, as far as it got."""
 
     # The same on every attempt (Standard Webhooks' `webhook-id`): a receiver deduplicates on it.
@@ -449,7 +500,7 @@ class WebhookDelivery(StrictModel):
 MAX_WEBHOOK_DELIVERIES = 20
 
 
-class WebhookStatus(StrictModel):
+class WebhookStatus(ReadModel):
     """Where the job's events go and how their deliveries went (never the signing secret)."""
 
     url: str  # without its query string, which may carry a token
@@ -463,7 +514,7 @@ class WebhookStatus(StrictModel):
     deliveries: list[WebhookDelivery] = Field(default_factory=list)
 
 
-class WorkerWait(StrictModel):
+class WorkerWait(ReadModel):
     """One of the job's activities is scheduled but no worker has started it yet: every slot of
     the workers that poll its task queue is taken, or no worker polls it.
 
@@ -483,11 +534,11 @@ class WorkerWait(StrictModel):
     backlog: int | None = None
 
 
-class JobStatus(StrictModel):
+class JobStatus(ReadModel):
     """What every client sees, by query, poll or push."""
 
     job_id: str
-    state: JobState = JobState.QUEUED
+    state: ReadState = JobState.QUEUED
     seq: int = 0
     progress: Progress = Field(default_factory=Progress)
     checkpoint: Checkpoint | None = None
@@ -519,13 +570,28 @@ class JobStatus(StrictModel):
     # Set by clients only: where the worker following the job pushes its steps as they happen
     # (`FollowHeartbeat.live`), for a gateway to subscribe to; the HTTP API never shows it.
     live_progress: str | None = None
+    # `terminal` as the writer said it, for a state this version does not know.
+    _terminal_as_written: bool = PrivateAttr(default=False)
 
+    @model_validator(mode="wrap")
+    @classmethod
+    def _read_terminal(cls, data: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        status = handler(data)
+        if isinstance(status, JobStatus) and isinstance(data, dict):
+            status._terminal_as_written = data.get("terminal") is True
+        return status
+
+    @computed_field  # type: ignore[prop-decorator]
     @property
     def terminal(self) -> bool:
-        return self.state.terminal
+        """Whether the job has ended: written with every status, so that a reader that does not
+        know the state (a newer worker's) still knows whether to wait for more."""
+        if isinstance(self.state, JobState):
+            return self.state.terminal
+        return self._terminal_as_written
 
 
-class JobEvent(StrictModel):
+class JobEvent(ReadModel):
     """One entry of the job's journal: what a client following the job must not miss.
 
     `seq` is the status `seq` the change produced, so a client that saw seq N asks for the
@@ -534,8 +600,11 @@ class JobEvent(StrictModel):
 
     seq: int
     at: datetime
-    kind: Literal["state", "output_stored", "progress"]
-    state: JobState | None = None  # kind "state": the state entered
+    # Open to a reader: a kind a newer worker journals is kept by its name.
+    kind: Annotated[
+        Literal["state", "output_stored", "progress"] | str, Field(union_mode="left_to_right")
+    ]
+    state: ReadState | None = None  # kind "state": the state entered
     error: JobError | None = None  # kind "state", a failed, cancelled or abandoned ending
     artifact: Artifact | None = None  # kind "output_stored"
     percent: int | None = None  # kind "progress": whole tens of the job's fraction
@@ -546,7 +615,7 @@ class JobEvent(StrictModel):
 MAX_JOURNAL = 500
 
 
-class JobEvents(StrictModel):
+class JobEvents(ReadModel):
     """The `events` query's answer: the journal after `since`, and the status it leads to."""
 
     status: JobStatus

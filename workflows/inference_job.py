@@ -31,6 +31,7 @@ with workflow.unsafe.imports_passed_through():
         Progress,
         Teardown,
         WebhookStatus,
+        known_state,
     )
     from workflows.failures import job_error, refused_before_submission
     from workflows.graph import GraphFormatError, run_tag, sampler_steps
@@ -79,7 +80,7 @@ class InferenceJob(JobMessages):
         """The job to its end state; every way out stops the prompt and keeps the outputs."""
         if self._reading.refusal is not None:
             await self._refuse(self._reading.refusal)  # typed, before any activity
-        self._book.set_state(self._status.state if self._carry else JobState.QUEUED)
+        self._book.set_state(known_state(self._status.state) if self._carry else JobState.QUEUED)
         self._start_webhooks()
         self._work = asyncio.create_task(self._run_job())
         if self._controls.stop is not None:

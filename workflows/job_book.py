@@ -72,7 +72,7 @@ class JobBook:
         # numbered by the seq that wrote them: the `events` query and the webhooks read it.
         # A continued run carries it; a new job journals its first state too.
         self.journal: list[JobEvent] = journal if journal is not None else []
-        self._journaled_state: JobState | None = status.state if journal is not None else None
+        self._journaled_state: str | None = status.state if journal is not None else None
         self._journaled_artifacts = len(status.artifacts)
         self._journaled_percent = self._percent()
         # When the job last moved (a step, an artifact, a submission): the reconnect horizon

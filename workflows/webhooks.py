@@ -46,7 +46,7 @@ BEFORE_EVERYTHING: Final[JournalKey] = (0, -1)
 RETRY_BASE_S: Final = 1.0
 RETRY_CEILING_S: Final = 600.0
 
-_STATE_EVENTS: Final[dict[JobState, WebhookEventName]] = {
+_STATE_EVENTS: Final[dict[str, WebhookEventName]] = {
     JobState.COMPLETED: "completed",
     JobState.FAILED: "failed",
     JobState.CANCELLED: "cancelled",

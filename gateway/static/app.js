@@ -22,6 +22,12 @@ const RETRY = {
 };
 
 const TERMINAL = new Set(["COMPLETED", "FAILED", "CANCELLED", "ABANDONED", "TERMINATED", "TIMED_OUT"]);
+// Whether the job has ended, as its worker wrote it (`terminal`): a state a newer worker added
+// is shown by its name and still ends the page's following. A status from before the flag falls
+// back to the states this page knows.
+function isTerminal(status) {
+  return typeof status.terminal === "boolean" ? status.terminal : TERMINAL.has(status.state);
+}
 const KEY_STORAGE = "durable-comfy.api-key";
 
 const $ = (id) => document.getElementById(id);
@@ -485,7 +491,7 @@ function applyStatus(run, status) {
   run.status = status;
   for (const artifact of status.artifacts || []) addOutput(run, artifact);
   renderStatus(status);
-  if (TERMINAL.has(status.state)) endFollowing(run);
+  if (isTerminal(status)) endFollowing(run);
 }
 
 function endFollowing(run) {
@@ -561,12 +567,12 @@ function renderStatus(status) {
   $("queue").textContent = waiting ? `(queue position ${p.queue_position}; 1 is next)` : "";
   showJobError(status.error ? `${status.error.type}: ${status.error.message}` : "");
   const teardown = status.teardown;
-  const showTeardown = TERMINAL.has(status.state) && teardown;
+  const showTeardown = isTerminal(status) && teardown;
   $("teardown").hidden = !showTeardown;
   if (showTeardown) {
     $("teardown").textContent = `Teardown: ${teardown.state}${teardown.detail ? ` — ${teardown.detail}` : ""}`;
   }
-  $("cancel").hidden = TERMINAL.has(status.state);
+  $("cancel").hidden = isTerminal(status);
   renderDecision(status);
   const hook = status.webhook;
   $("webhook").hidden = !hook;

@@ -214,7 +214,7 @@ def _detail(status: JobStatus) -> str:
     return "  ".join(parts)
 
 
-_COLOURS = {JobState.COMPLETED: "green", JobState.NEEDS_DECISION: "yellow"}
+_COLOURS: dict[str, str] = {JobState.COMPLETED: "green", JobState.NEEDS_DECISION: "yellow"}
 
 
 def print_summary(status: JobStatus, console: Console, ui_url: str | None = None) -> None:
