@@ -64,6 +64,7 @@ from starter.errors import (
     JobConflict,
     JobNotFound,
     JobUnanswered,
+    NamespaceMissing,
     RequestTooLarge,
     ResumeRefused,
     SearchAttributesMissing,
@@ -73,6 +74,7 @@ from starter.errors import (
     TemporalRefused,
     TemporalUnreachable,
     UnsafeArtifactKey,
+    is_namespace_missing,
 )
 from starter.execution import bare_status, ended_from_outside
 from starter.live import LiveRelay, Pushed
@@ -320,6 +322,8 @@ class JobClient:
         except RPCError as exc:
             if exc.status in _UNREACHABLE_CODES:
                 raise TemporalUnreachable(self._target(), exc.message) from exc
+            if is_namespace_missing(exc.status.name, exc.message):
+                raise NamespaceMissing(self.temporal.namespace, self._target()) from exc
             if exc.status == RPCStatusCode.INVALID_ARGUMENT and (
                 missing := _NO_MAPPING.search(exc.message)
             ):
@@ -505,7 +509,9 @@ class JobClient:
             )
             return events
         except RPCError as exc:
-            if exc.status == RPCStatusCode.NOT_FOUND:
+            if exc.status == RPCStatusCode.NOT_FOUND and not is_namespace_missing(
+                exc.status.name, exc.message
+            ):
                 raise JobNotFound(job_id) from exc
             if exc.status not in _UNANSWERED_CODES:
                 raise
@@ -607,7 +613,9 @@ class JobClient:
             )
             return status
         except RPCError as exc:
-            if exc.status == RPCStatusCode.NOT_FOUND:
+            if exc.status == RPCStatusCode.NOT_FOUND and not is_namespace_missing(
+                exc.status.name, exc.message
+            ):
                 raise JobNotFound(job_id) from exc
             if exc.status not in _UNANSWERED_CODES:
                 raise
@@ -654,7 +662,9 @@ class JobClient:
         try:
             return await self.handle(job_id).describe()
         except RPCError as exc:
-            if exc.status == RPCStatusCode.NOT_FOUND:
+            if exc.status == RPCStatusCode.NOT_FOUND and not is_namespace_missing(
+                exc.status.name, exc.message
+            ):
                 raise JobNotFound(job_id) from exc
             raise
 
@@ -1028,7 +1038,9 @@ class JobClient:
             details = cause.details if isinstance(cause, ApplicationError) else ()
             final = _final_status(details[0] if details else None)
         except RPCError as exc:
-            if exc.status == RPCStatusCode.NOT_FOUND:
+            if exc.status == RPCStatusCode.NOT_FOUND and not is_namespace_missing(
+                exc.status.name, exc.message
+            ):
                 raise JobNotFound(job_id) from exc
             raise
         if final is not None and final.job_id == job_id:

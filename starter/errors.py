@@ -18,6 +18,7 @@
     ├── ResumeRefused        the job turned the resume down; `.reason` says why
     ├── TemporalUnreachable  no connection to the Temporal server, or no answer in time
     ├── TemporalRefused      Temporal answered the call with an error (`.status` names it)
+    ├── NamespaceMissing     the configured namespace does not exist on the server
     ├── SearchAttributesMissing  the namespace lacks search attributes a job is started with
     │                        (the message holds the commands that register them)
     ├── JobUnanswered        the job exists but no worker answered for it
@@ -151,6 +152,24 @@ class TemporalRefused(ClientError):
         super().__init__(f"Temporal refused: {status}: {message}")
         self.status = status
         self.detail = message
+
+
+class NamespaceMissing(ClientError):
+    """The Temporal server has no namespace of the configured name (a typo, another
+    deployment's name, a dev server started without it): a setting to fix, as `doctor` says."""
+
+    def __init__(self, namespace: str, target: str) -> None:
+        super().__init__(
+            f"namespace {namespace!r} does not exist on {target}: set TEMPORAL_NAMESPACE to "
+            f"yours, or create it (`temporal operator namespace create --namespace {namespace}`)"
+        )
+        self.namespace = namespace
+        self.target = target
+
+
+def is_namespace_missing(status: str, message: str) -> bool:
+    """Temporal's NOT_FOUND for the namespace itself, not for a workflow in it."""
+    return status == "NOT_FOUND" and message.lower().startswith("namespace ")
 
 
 class SearchAttributesMissing(ClientError):

@@ -20,9 +20,18 @@ def load_graph(path: str | Path) -> dict[str, Any]:
     """Read an API-format graph file (a path as `str` or `Path`)."""
     path = Path(path)
     try:
-        raw = json.loads(path.read_text())
+        raw = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError as exc:
         raise InputFileError(f"graph file not found: {path}") from exc
+    except IsADirectoryError:
+        raise InputFileError(f"{path} is a directory: give the graph's JSON file") from None
+    except UnicodeDecodeError:
+        raise InputFileError(
+            f"{path} is not a text file (an image?): give the graph's API-format JSON file "
+            "(ComfyUI: Workflow > Export (API))"
+        ) from None
+    except OSError as exc:
+        raise InputFileError(f"graph file {path}: {exc.strerror or exc}") from None
     except json.JSONDecodeError as exc:
         raise InputFileError(f"{path} is not JSON: {exc}") from exc
     except RecursionError:
@@ -79,8 +88,8 @@ def request_from_files(
     segments: list[Any] = []
     if segments_path is not None:
         try:
-            segments = json.loads(Path(segments_path).read_text())
-        except (OSError, json.JSONDecodeError) as exc:
+            segments = json.loads(Path(segments_path).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise InputFileError(f"segments file {segments_path}: {exc}") from exc
     request = JobRequest.model_validate(
         {

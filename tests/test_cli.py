@@ -109,6 +109,28 @@ def test_an_invalid_job_id_is_one_line_and_exit_2(args: list[str]) -> None:
     assert err.startswith("error: job id ") and err.count("\n") == 1, err
 
 
+@pytest.mark.parametrize("kind", ["png", "directory", "missing", "not-json", "list"])
+def test_an_unreadable_graph_file_is_one_line_and_exit_2(tmp_path: Path, kind: str) -> None:
+    """docs/cli.md: bad input is one line on stderr and exit 2, never a traceback (a PNG given
+    as the graph raised UnicodeDecodeError, a directory IsADirectoryError, exit 1)."""
+    path = tmp_path / "graph.json"
+    if kind == "png":
+        path = tmp_path / "cat.png"
+        path.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\xff\xfe")
+    elif kind == "directory":
+        path.mkdir()
+    elif kind == "not-json":
+        path.write_text("{nodes: 1}")
+    elif kind == "list":
+        path.write_text("[]")
+    code, out, err = invoke(
+        "submit", str(path), env={"TEMPORAL_ADDRESS": f"127.0.0.1:{free_port()}"}
+    )
+    assert (code, out) == (ExitCode.BAD_INPUT, ""), err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert "Traceback" not in err and str(path) in err
+
+
 def test_an_s3_input_travels_as_a_reference(tmp_path: Path) -> None:
     request = request_from_files(EXAMPLE, inputs=["face.png=s3://inputs/faces/1.png"])
     assert request.inputs == {"face.png": S3Input(uri="s3://inputs/faces/1.png")}
@@ -278,6 +300,20 @@ async def until_running(worker: RunningWorker, job_id: str) -> JobStatus:
             if status.state == JobState.RUNNING or status.terminal:
                 return status
             await asyncio.sleep(0.05)
+
+
+@pytest.mark.parametrize("args", [["status", "some-job"], ["list"]], ids=lambda a: a[0])
+async def test_a_namespace_the_server_lacks_says_how_to_fix_it(
+    local_stack: RunningStack, args: list[str]
+) -> None:
+    """As `doctor` says it: exit 2, one line naming the namespace and the server, and the
+    command that creates it (it was exit 3, "Temporal refused", and no hint)."""
+    env = cli_env(local_stack, "cli-no-namespace") | {"TEMPORAL_NAMESPACE": "no-such-namespace"}
+    code, out, err = await run_cli(*args, env=env)
+    assert (code, out) == (ExitCode.BAD_INPUT, ""), err
+    assert "namespace 'no-such-namespace' does not exist on" in err, err
+    assert "temporal operator namespace create --namespace no-such-namespace" in err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
 
 
 async def test_exit_0_and_stdout_holds_only_json_lines(

@@ -90,17 +90,19 @@ def list_jobs(
     async def go() -> list[dict[str, str | int | None]]:
         rows: list[dict[str, str | int | None]] = []
         async with job_client(config) as client:
-            async for execution in client.temporal.list_workflows(query, limit=limit):
-                attributes = {k.name: v for k, v in execution.typed_search_attributes}
-                rows.append(
-                    {
-                        "job_id": execution.id,
-                        "state": _text_or_none(attributes.get(SA_JOB_STATE)),
-                        "progress": _int_or_none(attributes.get(SA_JOB_PROGRESS)),
-                        "pool": _text_or_none(attributes.get(SA_JOB_POOL)),
-                        "started": execution.start_time.isoformat(),
-                    }
-                )
+            # The SDK's errors as the client's (a namespace the server lacks says how to fix it).
+            with client.translated_errors():
+                async for execution in client.temporal.list_workflows(query, limit=limit):
+                    attributes = {k.name: v for k, v in execution.typed_search_attributes}
+                    rows.append(
+                        {
+                            "job_id": execution.id,
+                            "state": _text_or_none(attributes.get(SA_JOB_STATE)),
+                            "progress": _int_or_none(attributes.get(SA_JOB_PROGRESS)),
+                            "pool": _text_or_none(attributes.get(SA_JOB_POOL)),
+                            "started": execution.start_time.isoformat(),
+                        }
+                    )
         return rows
 
     rows = run(go)
