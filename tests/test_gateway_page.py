@@ -226,8 +226,8 @@ async def test_the_page_follows_a_job_through_a_gateway_kill(
     assert any(s["connection"] == "live" and s["state"] == "RUNNING" for s in seen), shown
     streams = [r for r in resumed if r["url"].endswith(f"/v1/jobs/{job_id}/events")]
     assert streams and all(header(r, "Last-Event-ID") for r in streams), streams
-    # One POST: attached (an abandoned tab stops the GPU work), with its Idempotency-Key.
-    assert [json.loads(r["postData"])["detached"] for r in submits] == [False], submits
+    # One POST: detached (the job outlives the tab), with its Idempotency-Key.
+    assert [json.loads(r["postData"])["detached"] for r in submits] == [True], submits
     assert all(len(header(r, "Idempotency-Key")) >= 16 for r in submits), submits
     assert "contact lost" in lost["connectionText"], lost
     assert "goes on server-side" in lost["connectionText"], lost
@@ -485,6 +485,7 @@ TWO_SUBMITS = """(async () => {
   try {
     await submit();
     const first = location.hash;
+    document.getElementById("stop-on-close").checked = true;
     await submit();
     return JSON.stringify({sent, first, second: location.hash});
   } finally {
@@ -503,7 +504,9 @@ async def test_a_submit_sent_again_carries_the_same_idempotency_key(tmp_path: Pa
     # second click is another job, with a key of its own.
     assert len(keys) == 4 and keys[0] == keys[1] == keys[2] != keys[3], keys
     assert all(len(key) >= 16 for key in keys), keys
-    assert all(sent["body"]["detached"] is False for sent in result["sent"]), result
+    # Detached by default (following is a view, not a lease); attached when the page was asked
+    # to stop the job once it closes.
+    assert [sent["body"]["detached"] for sent in result["sent"]] == [True, True, True, False]
     assert (result["first"], result["second"]) == ("#job=j1", "#job=j2"), result
 
 

@@ -135,8 +135,10 @@ async function submit() {
   }
   button.disabled = true;
   try {
-    // Not detached: a job nobody follows any more is abandoned, so a closed tab frees the GPU.
-    const request = { graph, detached: false };
+    // Detached unless asked otherwise: following is a view, not a lease, so the job outlives
+    // the tab. "Stop the job when I close this page" submits it attached: nobody following it
+    // for its abandon horizon abandons it, and frees the GPU.
+    const request = { graph, detached: !$("stop-on-close").checked };
     if (files.length) request.inputs = await uploadFiles(files);
     const body = JSON.stringify(request);
     const size = new TextEncoder().encode(body).length;
