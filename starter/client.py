@@ -56,7 +56,12 @@ from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
 from activities.storage_errors import StorageConfigError, StorageError
-from starter.connection import connect_failure_gist, connect_target, connect_temporal
+from starter.connection import (
+    connect_failure_gist,
+    connect_target,
+    connect_temporal,
+    dialled_by_default,
+)
 from starter.errors import (
     ContactLost,
     InvalidJobId,
@@ -269,7 +274,12 @@ class JobClient:
             temporal = await connect_temporal(address, namespace)
         except RuntimeError as exc:  # how the SDK reports a refused or failed connection
             target, tls = connect_target(address)
-            raise TemporalUnreachable(target, connect_failure_gist(exc), tls=tls) from exc
+            raise TemporalUnreachable(
+                target,
+                connect_failure_gist(exc),
+                tls=tls,
+                by_default=dialled_by_default(address),
+            ) from exc
         client = cls(
             temporal,
             task_queue=task_queue or settings.task_queue,

@@ -132,6 +132,19 @@ def connect_target(address: str | None = None) -> tuple[str, bool]:
     return str(address or config.get("target_host") or DEFAULT_ADDRESS), bool(config.get("tls"))
 
 
+def dialled_by_default(address: str | None = None) -> bool:
+    """Whether `connect_temporal(address)` dials `DEFAULT_ADDRESS` because nothing named an
+    address (no `address`, no TEMPORAL_ADDRESS, no profile's): on a shared machine that may be
+    someone else's server, so a failure says so."""
+    if address:
+        return False
+    try:
+        config = ClientConfig.load_client_connect_config()
+    except Exception:  # a broken profile names something: connecting says what
+        return False
+    return not config.get("target_host")
+
+
 def connect_failure_gist(exc: BaseException) -> str:
     """The gist of the SDK's connect error ("Connection refused", "400 Bad Request"): its last
     quoted message, not its nested Rust debug rendering."""

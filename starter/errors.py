@@ -138,10 +138,20 @@ class TemporalUnreachable(ClientError):
     """Nothing answered at `target`, or it refused the connection; `tls`: the connection was
     configured with TLS (a refusal is then most often a certificate the front does not take)."""
 
-    def __init__(self, target: str, detail: str, *, tls: bool = False) -> None:
-        super().__init__(f"cannot reach Temporal at {target}: {detail}")
+    def __init__(
+        self, target: str, detail: str, *, tls: bool = False, by_default: bool = False
+    ) -> None:
+        why = (
+            " (Temporal's default address: no TEMPORAL_ADDRESS is set and no temporal.toml "
+            "profile names one; load your stack's env file, `. .devstack/env`, or "
+            "`<state_dir>/env` for a stack started with CONFIG=...)"
+            if by_default
+            else ""
+        )
+        super().__init__(f"cannot reach Temporal at {target}: {detail}{why}")
         self.target = target
         self.tls = tls
+        self.by_default = by_default
 
 
 class TemporalRefused(ClientError):

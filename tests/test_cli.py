@@ -131,6 +131,27 @@ def test_an_unreadable_graph_file_is_one_line_and_exit_2(tmp_path: Path, kind: s
     assert "Traceback" not in err and str(path) in err
 
 
+def test_a_client_that_dialled_the_default_address_says_so_and_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No TEMPORAL_ADDRESS, no profile: the client dials Temporal's default, which on a shared
+    machine may be someone else's server; when nothing answers it names the address and why."""
+    nobody = f"127.0.0.1:{free_port()}"
+    monkeypatch.setattr("starter.connection.DEFAULT_ADDRESS", nobody)
+    unset = {k: None for k in os.environ if k.startswith("TEMPORAL_")}
+    env: dict[str, str | None] = unset | {"HOME": str(tmp_path)}
+    result = CliRunner().invoke(build_app(), ["status", "some-job"], env=env)
+    code, out, err = result.exit_code, result.stdout, result.stderr
+    assert (code, out) == (ExitCode.UNREACHABLE, ""), err
+    assert f"cannot reach Temporal at {nobody}" in err, err
+    assert "no TEMPORAL_ADDRESS is set and no temporal.toml profile names one" in err, err
+    # Named by a variable, it is that address, without the default's warning.
+    result = CliRunner().invoke(
+        build_app(), ["status", "some-job"], env=env | {"TEMPORAL_ADDRESS": nobody}
+    )
+    assert result.exit_code == ExitCode.UNREACHABLE and "default" not in result.stderr
+
+
 def test_an_s3_input_travels_as_a_reference(tmp_path: Path) -> None:
     request = request_from_files(EXAMPLE, inputs=["face.png=s3://inputs/faces/1.png"])
     assert request.inputs == {"face.png": S3Input(uri="s3://inputs/faces/1.png")}
