@@ -1,0 +1,143 @@
+"""The gateway reads a status a newer worker wrote (issue 40): on the real dev server, a stand-in
+for a later version's `InferenceJob` answers the `status` and `events` queries with a state and
+a journal kind this version does not know, and fields it does not have. The gateway's GET shows
+the state by its name, its SSE stream passes the entries on and ends when the status says it is
+`terminal`, whatever the state is called."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from typing import Any
+
+import httpx
+import pytest_asyncio
+from temporalio import workflow
+from temporalio.common import SearchAttributePair, TypedSearchAttributes
+from temporalio.worker import Worker
+
+from devstack.models import RunningStack
+from starter import JobClient
+from starter.client import TENANT_KEY
+from tests.gateway_support import RunningGateway, running_gateway, sse_events
+from workflows.shared import QUERY_EVENTS, QUERY_STATUS, STATE_KEY
+
+SIGNAL_FINISH = "finish_for_the_test"
+
+
+@workflow.defn(name="InferenceJob", sandboxed=False)
+class NewerInferenceJob:
+    """What a later version's job answers: a `PAUSED` state, then an `ARCHIVED` one that has
+    ended, a `queue_moved` journal kind, and fields this version lacks."""
+
+    def __init__(self) -> None:
+        self.state, self.terminal, self.seq = "PAUSED", False, 2
+
+    @workflow.run
+    async def run(self, _: Any) -> dict[str, Any]:
+        await workflow.wait_condition(lambda: self.terminal)
+        return self.status()
+
+    @workflow.signal(name=SIGNAL_FINISH)
+    def finish(self) -> None:
+        self.state, self.terminal, self.seq = "ARCHIVED", True, 3
+
+    @workflow.query(name=QUERY_STATUS)
+    def status_query(self) -> dict[str, Any]:
+        return self.status()
+
+    @workflow.query(name=QUERY_EVENTS)
+    def events_query(self, _: Any) -> dict[str, Any]:
+        at = datetime(2026, 12, 6, tzinfo=UTC).isoformat()
+        events = [
+            {"seq": 1, "at": at, "kind": "state", "state": "QUEUED"},
+            {"seq": 2, "at": at, "kind": "queue_moved", "position": 2, "tier": "gold"},
+        ]
+        if self.terminal:
+            events.append({"seq": 3, "at": at, "kind": "state", "state": "ARCHIVED"})
+        return {"status": self.status(), "events": events, "first_seq": 1, "window": 500}
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "job_id": workflow.info().workflow_id,
+            "state": self.state,
+            "terminal": self.terminal,
+            "seq": self.seq,
+            "detached": True,
+            "queue": {"position": 2, "tier": "gold"},
+            "progress": {"step": 0, "total_steps": 20, "fraction": 0.0, "eta_s": 30},
+            "teardown": {"state": "PENDING", "budget_s": 30},
+        }
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def newer(local_stack: RunningStack) -> AsyncIterator[tuple[RunningGateway, JobClient]]:
+    task_queue = f"newer-{uuid.uuid4().hex[:8]}"
+    client = await JobClient.connect(
+        local_stack.temporal_address,
+        local_stack.namespace,
+        task_queue=task_queue,
+        s3_from_environment=False,
+    )
+
+    async def factory() -> JobClient:
+        return client
+
+    async with (
+        Worker(client.temporal, task_queue=task_queue, workflows=[NewerInferenceJob]),
+        running_gateway(factory) as gateway,
+    ):
+        yield gateway, client
+
+
+async def start_newer(client: JobClient) -> str:
+    job_id = f"acme.newer-{uuid.uuid4().hex[:12]}"
+    attributes = TypedSearchAttributes(
+        [SearchAttributePair(TENANT_KEY, "acme"), SearchAttributePair(STATE_KEY, "PAUSED")]
+    )
+    await client.temporal.start_workflow(
+        "InferenceJob",
+        {},
+        id=job_id,
+        task_queue=client.task_queue,
+        search_attributes=attributes,
+    )
+    return job_id
+
+
+async def test_get_shows_a_newer_workers_state_by_its_name(
+    newer: tuple[RunningGateway, JobClient],
+) -> None:
+    gateway, client = newer
+    job_id = await start_newer(client)
+    async with httpx.AsyncClient(trust_env=False, timeout=30) as http:
+        answer = await http.get(f"{gateway.url}/v1/jobs/{job_id}", headers=gateway.auth())
+    assert answer.status_code == 200, answer.text
+    view = answer.json()
+    assert (view["state"], view["terminal"]) == ("PAUSED", False), view
+    assert "queue" not in view and "eta_s" not in view["progress"], view
+    await client.temporal.get_workflow_handle(job_id).signal(SIGNAL_FINISH)
+
+
+async def test_the_stream_passes_unknown_kinds_on_and_ends_on_terminal(
+    newer: tuple[RunningGateway, JobClient],
+) -> None:
+    gateway, client = newer
+    job_id = await start_newer(client)
+    seen: list[tuple[str, dict[str, Any]]] = []
+    async with httpx.AsyncClient(trust_env=False, timeout=60) as http:
+        url = f"{gateway.url}/v1/jobs/{job_id}/events?since=0"
+        async with asyncio.timeout(60):
+            async for event in sse_events(http, url, gateway.auth()):
+                seen.append((event.event, event.data))
+                if event.event == "status" and event.data["state"] == "PAUSED":
+                    await client.temporal.get_workflow_handle(job_id).signal(SIGNAL_FINISH)
+                if event.event == "end":
+                    break
+    kinds = [kind for kind, _ in seen]
+    assert "queue_moved" in kinds, seen
+    statuses = [data for kind, data in seen if kind == "status"]
+    assert statuses[0]["state"] == "PAUSED" and statuses[-1]["state"] == "ARCHIVED", seen
+    assert seen[-1] == ("end", {"state": "ARCHIVED"}), seen
