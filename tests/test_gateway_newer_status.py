@@ -2,7 +2,7 @@
 for a later version's `InferenceJob` answers the `status` and `events` queries with a state and
 a journal kind this version does not know, and fields it does not have. The gateway's GET shows
 the state by its name, its SSE stream passes the entries on and ends when the status says it is
-`terminal`, whatever the state is called."""
+`terminal`, whatever the state is called; the CLI's `status` and `watch` do the same."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from temporalio.worker import Worker
 from devstack.models import RunningStack
 from starter import JobClient
 from starter.client import TENANT_KEY
+from tests.cli_support import cli_env, json_lines, run_cli
 from tests.gateway_support import RunningGateway, running_gateway, sse_events
 from workflows.shared import QUERY_EVENTS, QUERY_STATUS, STATE_KEY
 
@@ -141,3 +142,26 @@ async def test_the_stream_passes_unknown_kinds_on_and_ends_on_terminal(
     statuses = [data for kind, data in seen if kind == "status"]
     assert statuses[0]["state"] == "PAUSED" and statuses[-1]["state"] == "ARCHIVED", seen
     assert seen[-1] == ("end", {"state": "ARCHIVED"}), seen
+
+
+async def test_the_cli_shows_and_watches_a_newer_workers_state(
+    newer: tuple[RunningGateway, JobClient], local_stack: RunningStack
+) -> None:
+    """`status` prints the unknown state by its name (exit 0); `watch` waits while the status
+    says it has not ended and stops when it says it has, whatever the state is called."""
+    _gateway, client = newer
+    job_id = await start_newer(client)
+    env = cli_env(local_stack, client.task_queue)
+    code, out, err = await run_cli("status", job_id, "--json", env=env)
+    assert code == 0, err
+    [shown] = json_lines(out)
+    assert (shown["state"], shown["terminal"]) == ("PAUSED", False), shown
+    code, out, err = await run_cli("status", job_id, env=env)
+    assert code == 0 and f"job {job_id}: PAUSED" in out, out + err
+    watching = asyncio.create_task(run_cli("watch", job_id, "--json", env=env))
+    await asyncio.sleep(3)
+    assert not watching.done(), "a job that has not ended is watched on"
+    await client.temporal.get_workflow_handle(job_id).signal(SIGNAL_FINISH)
+    code, out, err = await asyncio.wait_for(watching, 60)
+    assert json_lines(out)[-1]["state"] == "ARCHIVED", out
+    assert code == 1, "ended, not COMPLETED"
