@@ -2,14 +2,16 @@
 for a later version's `InferenceJob` answers the `status` and `events` queries with a state and
 a journal kind this version does not know, and fields it does not have. The gateway's GET shows
 the state by its name, its SSE stream passes the entries on and ends when the status says it is
-`terminal`, whatever the state is called; the CLI's `status` and `watch` do the same."""
+`terminal`, whatever the state is called; the CLI's `status` and `watch`, and the page, do the
+same."""
 
 from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -18,11 +20,14 @@ from temporalio import workflow
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
 from temporalio.worker import Worker
 
+from devstack.free_ports import free_port
 from devstack.models import RunningStack
 from starter import JobClient
 from starter.client import TENANT_KEY
 from tests.cli_support import cli_env, json_lines, run_cli
-from tests.gateway_support import RunningGateway, running_gateway, sse_events
+from tests.gateway_support import KEYS, RunningGateway, running_gateway, sse_events
+from tests.headless_chromium import Page, open_page
+from tests.test_gateway_page import needs_chromium, page_state, set_field
 from workflows.shared import QUERY_EVENTS, QUERY_STATUS, STATE_KEY
 
 SIGNAL_FINISH = "finish_for_the_test"
@@ -165,3 +170,39 @@ async def test_the_cli_shows_and_watches_a_newer_workers_state(
     code, out, err = await asyncio.wait_for(watching, 60)
     assert json_lines(out)[-1]["state"] == "ARCHIVED", out
     assert code == 1, "ended, not COMPLETED"
+
+
+async def page_until(page: Page, ok: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+    """The page's state once `ok`; past a minute, the failure shows the last one seen."""
+    shown: dict[str, Any] = {}
+    deadline = asyncio.get_running_loop().time() + 60
+    while asyncio.get_running_loop().time() < deadline:
+        shown = await page_state(page)
+        if ok(shown):
+            return shown
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"the page never got there: {shown}, console {page.console}")
+
+
+@needs_chromium
+async def test_the_page_shows_a_newer_workers_state_and_ends_on_terminal(
+    newer: tuple[RunningGateway, JobClient], tmp_path: Path
+) -> None:
+    """The page (gateway/static/app.js, in a real Chromium) shows the unknown state by its name
+    and stops following when the status says it has ended, not when a state it knows appears."""
+    gateway, client = newer
+    job_id = await start_newer(client)
+    url = f"{gateway.url}/#job={job_id}"
+    async with open_page(url, free_port(), tmp_path / "profile") as page:
+        await page.record_console()
+        await page.wait_for("document.body.dataset.config", 30)
+        await page.evaluate(set_field("api-key", KEYS["acme"]))
+        shown = await page_until(page, lambda seen: seen["state"] == "PAUSED")
+        assert shown["connection"] != "ended", shown
+        await client.temporal.get_workflow_handle(job_id).signal(SIGNAL_FINISH)
+        shown = await page_until(page, lambda seen: seen["connection"] == "ended")
+        assert shown["state"] == "ARCHIVED", shown
+        # An ended job offers no cancel, by the status's word (the page knows no ARCHIVED).
+        cancel_hidden = await page.evaluate("String(document.getElementById('cancel').hidden)")
+        assert cancel_hidden == "true", shown
+        assert not [line for line in page.console if line.startswith("uncaught")], page.console
