@@ -24,6 +24,7 @@ from starter import (
     JobClient,
     JobPolicy,
     JobRequest,
+    NamespaceMissing,
     StorageFailed,
     StorageNotConfigured,
     TemporalRefused,
@@ -101,10 +102,15 @@ async def test_temporal_errors_reach_the_caller_as_client_errors(
     env: WorkflowEnvironment,
 ) -> None:
     client = JobClient(env.client)
-    refused = RPCError("namespace not found", RPCStatusCode.NOT_FOUND, b"")
+    refused = RPCError("request unauthorized", RPCStatusCode.PERMISSION_DENIED, b"")
     with pytest.raises(TemporalRefused) as raised, client.translated_errors():
         raise refused
-    assert raised.value.status == "NOT_FOUND" and raised.value.__cause__ is refused
+    assert raised.value.status == "PERMISSION_DENIED" and raised.value.__cause__ is refused
+    # A namespace the server lacks is a setting to fix, said as `doctor` says it.
+    missing = RPCError("Namespace nowhere is not found.", RPCStatusCode.NOT_FOUND, b"")
+    with pytest.raises(NamespaceMissing, match="temporal operator namespace create"):
+        with client.translated_errors():
+            raise missing
     down = RPCError("connection refused", RPCStatusCode.UNAVAILABLE, b"")
     with pytest.raises(TemporalUnreachable, match=target_of(env)), client.translated_errors():
         raise down
