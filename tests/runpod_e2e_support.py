@@ -129,6 +129,18 @@ async def serving(
         await asyncio.wait_for(task, timeout=30)
 
 
+@contextlib.asynccontextmanager
+async def fencing_pool(
+    stack: RunningStack, sim: RunpodSim, *, lease_s: float, fence_after_s: float
+) -> AsyncIterator[tuple[JobClient, ArtifactStore]]:
+    """`serving` our handler's pool on `sim` with a short claim lease and fence bound (a test
+    waits seconds for a silent or lost holder, not the defaults' 90 s), its faults reset."""
+    await sim.reset_faults()
+    pool = runpod_pool(sim, claim_lease_s=lease_s, fence_after_s=fence_after_s)
+    async with serving(stack, {POOL: pool}) as served:
+        yield served
+
+
 @pytest_asyncio.fixture(loop_scope="session")
 async def runpod_worker(
     local_stack: RunningStack, runpod_sim: RunpodSim

@@ -24,14 +24,7 @@ from devstack.runpod_sim import Ledger
 from devstack.runpod_sim.ledger import LedgerWorker
 from starter import JobClient
 from tests.cli_support import example
-from tests.runpod_e2e_support import (
-    IDLE_TIMEOUT_S,
-    POOL,
-    job,
-    runpod_pool,
-    serving,
-    settled_ledger,
-)
+from tests.runpod_e2e_support import IDLE_TIMEOUT_S, fencing_pool, job, settled_ledger
 from tests.runpod_sim_support import (
     ENDPOINT_VENV_MISSING,
     RunpodSim,
@@ -61,9 +54,8 @@ SLACK_S = 3.0
 async def client(
     local_stack: RunningStack, runpod_sim: RunpodSim
 ) -> AsyncIterator[tuple[JobClient, RunpodSim]]:
-    await runpod_sim.reset_faults()
-    pool = runpod_pool(runpod_sim, claim_lease_s=LEASE_S, fence_after_s=FENCE_AFTER_S)
-    async with serving(local_stack, {POOL: pool}) as (job_client, _store):
+    served = fencing_pool(local_stack, runpod_sim, lease_s=LEASE_S, fence_after_s=FENCE_AFTER_S)
+    async with served as (job_client, _store):
         yield job_client, runpod_sim
 
 

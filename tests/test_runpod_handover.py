@@ -15,7 +15,7 @@ import pytest_asyncio
 from activities.storage import ArtifactStore
 from devstack.models import RunningStack
 from starter import JobClient
-from tests.runpod_e2e_support import POOL, job, runpod_pool, serving, settled_ledger
+from tests.runpod_e2e_support import fencing_pool, job, settled_ledger
 from tests.runpod_sim_support import ENDPOINT_VENV_MISSING, RunpodSim, completed_executions
 from workflows.contracts import JobState
 
@@ -34,9 +34,8 @@ WITHIN_S = 120.0
 async def client(
     local_stack: RunningStack, runpod_sim: RunpodSim
 ) -> AsyncIterator[tuple[JobClient, ArtifactStore, RunpodSim]]:
-    await runpod_sim.reset_faults()
-    pool = runpod_pool(runpod_sim, claim_lease_s=LEASE_S, fence_after_s=FENCE_AFTER_S)
-    async with serving(local_stack, {POOL: pool}) as (job_client, store):
+    served = fencing_pool(local_stack, runpod_sim, lease_s=LEASE_S, fence_after_s=FENCE_AFTER_S)
+    async with served as (job_client, store):
         yield job_client, store, runpod_sim
 
 
