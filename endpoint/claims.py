@@ -198,14 +198,7 @@ class ClaimStore:
         PUT left SeaweedFS's answer on the pooled connection, read as the next call's). Only
         the job's cost needs it, so a failure is not the job's: False, and the run goes on."""
         try:
-            await self._s3.call(
-                "put_object",
-                patience=patience,
-                Bucket=self.bucket,
-                Key=key,
-                Body=body,
-                ContentType="application/json",
-            )
+            await self._put_json(key, body, patience)
         except S3_FAILURES:
             return False
         return True
@@ -234,21 +227,27 @@ class ClaimStore:
         """How long one call rides out a storage outage unless told (BUCKET_RETRY_S)."""
         return self._s3.retry_s
 
+    async def _put_json(
+        self, key: str, body: bytes, patience: Patience | None, **condition: str
+    ) -> dict[str, Any]:
+        answer: dict[str, Any] = await self._s3.call(
+            "put_object",
+            patience=patience,
+            Bucket=self.bucket,
+            Key=key,
+            Body=body,
+            ContentType="application/json",
+            **condition,
+        )
+        return answer
+
     async def _write(
         self, key: str, claim: Claim, patience: Patience | None, **condition: str
     ) -> StoredClaim:
         body = claim.model_dump_json().encode()
         sent_at = time.monotonic()
         try:
-            resp = await self._s3.call(
-                "put_object",
-                patience=patience,
-                Bucket=self.bucket,
-                Key=key,
-                Body=body,
-                ContentType="application/json",
-                **condition,
-            )
+            resp = await self._put_json(key, body, patience, **condition)
         except S3_FAILURES as exc:
             if not is_conflict(exc):
                 raise ClaimError(f"writing s3://{self.bucket}/{key}: {error_code(exc)}") from exc

@@ -279,13 +279,10 @@ class RunPodBackend:
     ) -> tuple[RunPodJob, StopAction]:
         """The job's state, once cancelled unless it had ended, and what the cancel was: a
         stock handler never hears of it (it cannot stop its prompt), ours interrupts."""
-        job = await client.status(job_id)
+        job, was = await client.cancelled_unless_ended(job_id)
         action: StopAction = "none"
-        if job.state is not None and not job.state.terminal:
-            if job.state is RunPodState.IN_QUEUE:
-                action = "dequeued"
-            else:
-                action = "interrupt_sent" if pool.claims else "cancel_sent"
-            await client.cancel(job_id)
-            job = await client.status(job_id)
+        if was is RunPodState.IN_QUEUE:
+            action = "dequeued"
+        elif was is not None:
+            action = "interrupt_sent" if pool.claims else "cancel_sent"
         return job, action

@@ -44,6 +44,7 @@ from activities.runpod.models import (
     RunPodHealth,
     RunPodJob,
     RunPodPurged,
+    RunPodState,
     RunPodStream,
     RunPolicy,
     is_job_id,
@@ -184,6 +185,15 @@ class RunPodClient:
         read the state back with `status` to confirm."""
         data = await self._call("POST", self._job_route("cancel", job_id), job_id=job_id)
         return self._model(RunPodJob, data, f"POST /cancel/{job_id}")
+
+    async def cancelled_unless_ended(self, job_id: str) -> tuple[RunPodJob, RunPodState | None]:
+        """The job as `status` reads it, cancelled first unless it had ended, and the state it
+        was in when this cancelled it (None: it had ended, and nothing was sent)."""
+        job = await self.status(job_id)
+        if job.state is None or job.state.terminal:
+            return job, None
+        await self.cancel(job_id)
+        return await self.status(job_id), job.state
 
     async def retry(self, job_id: str) -> RunPodJob:
         """`POST /retry/{id}`: a FAILED or TIMED_OUT job back to IN_QUEUE under the same id

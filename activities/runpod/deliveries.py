@@ -55,12 +55,8 @@ async def other_delivery_costs(
     for runpod_job_id in ids:
         if runpod_job_id == judged:
             continue
-        cancelled = False
         try:
-            job = await client.status(runpod_job_id)
-            if job.state is not None and not job.state.terminal:
-                await client.cancel(runpod_job_id)
-                job, cancelled = await client.status(runpod_job_id), True
+            job, was = await client.cancelled_unless_ended(runpod_job_id)
         except RunPodJobGone:
             continue  # RunPod no longer keeps it: nothing to read
         except RunPodError as exc:
@@ -80,7 +76,7 @@ async def other_delivery_costs(
             )
             continue
         cost = job_cost(job, pool, claim=claim)
-        if not cancelled:
+        if was is None:
             # It ended before this stop: what became of it is the follow's word (`crashed`,
             # `ran_nothing`, ...), kept by the workflow when this reading says nothing.
             cost = cost.model_copy(update={"outcome": None})

@@ -527,10 +527,7 @@ class RunPodFollower:
         """`_given_up`, and the job as it was last read (None: RunPod did not answer)."""
         job: RunPodJob | None = None
         try:
-            job = await self._alive_while(self.client.status(job_id))
-            if job.state is None or not job.state.terminal:
-                await self._alive_while(self.client.cancel(job_id))
-                job = await self._alive_while(self.client.status(job_id))
+            job, _ = await self._alive_while(self.client.cancelled_unless_ended(job_id))
         except RunPodError as exc:
             self.log.warning("runpod_given_up_cost_unread", runpod_job_id=job_id, error=str(exc))
         if job is None:
