@@ -195,7 +195,11 @@ async def test_the_page_shows_a_newer_workers_state_and_ends_on_terminal(
     url = f"{gateway.url}/#job={job_id}"
     async with open_page(url, free_port(), tmp_path / "profile") as page:
         await page.record_console()
-        await page.wait_for("document.body.dataset.config", 30)
+        # Without a key the page's first read is refused and it stops; the key then restarts it
+        # (set before that answer, the key would race it).
+        await page.wait_for(
+            "document.getElementById('connection').dataset.connection == 'stopped'", 30
+        )
         await page.evaluate(set_field("api-key", KEYS["acme"]))
         shown = await page_until(page, lambda seen: seen["state"] == "PAUSED")
         assert shown["connection"] != "ended", shown
