@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -53,20 +54,21 @@ class Comfy:
 
     def files(self) -> set[str]:
         """Every file in the input, output and temp folders, as `folder/relative path`."""
-        return {
-            str(path.relative_to(self.root))
-            for folder in ("input", "output", "temp")
-            for path in (self.root / folder).rglob("*")
-            if path.is_file()
-        }
+        return self._walk(files=True)
 
     def folders(self) -> set[str]:
-        return {
-            str(path.relative_to(self.root))
-            for folder in ("input", "output", "temp")
-            for path in (self.root / folder).rglob("*")
-            if path.is_dir()
-        }
+        return self._walk(files=False)
+
+    def _walk(self, *, files: bool) -> set[str]:
+        # os.walk, not Path.rglob: the handler removes a job's folders while this
+        # looks (the test samples them during the run), and rglob raises on a
+        # folder that went between listing and entering it; os.walk skips it.
+        found: set[str] = set()
+        for folder in ("input", "output", "temp"):
+            for parent, dirs, names in os.walk(self.root / folder):
+                for name in names if files else dirs:
+                    found.add(str((Path(parent) / name).relative_to(self.root)))
+        return found
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
