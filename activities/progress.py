@@ -19,6 +19,7 @@ class ProgressTracker:
         nodes_total: int,
         *,
         min_interval_s: float = 1.0,
+        min_fraction: float = MIN_FRACTION_DELTA,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._sampler_steps = dict(sampler_steps)
@@ -27,6 +28,7 @@ class ProgressTracker:
         self.node_steps: dict[str, int] = {}
         self.nodes_done: list[str] = []
         self._min_interval_s = min_interval_s
+        self._min_fraction = min_fraction
         self._clock = clock
         self._signalled_fraction = -1.0
         self._signalled_at = float("-inf")
@@ -81,7 +83,11 @@ class ProgressTracker:
         """True when the workflow should hear of it; marks it as told."""
         now = self._clock()
         moved = self.fraction - self._signalled_fraction
-        due = moved >= MIN_FRACTION_DELTA and now - self._signalled_at >= self._min_interval_s
+        due = (
+            moved > 0
+            and moved >= self._min_fraction
+            and now - self._signalled_at >= self._min_interval_s
+        )
         if force or due:
             self._signalled_fraction = self.fraction
             self._signalled_at = now

@@ -102,6 +102,8 @@ _RUNPOD_ONLY = (
     "idle_timeout_s",
     "claim_lease_s",
     "fence_after_s",
+    "status_poll_s",
+    "report_interval_s",
     "node_registry",
 )
 
@@ -124,6 +126,12 @@ class PoolConfig(BaseModel):
     its handler stops the prompt before the lease ends, and its worker's watchdog stops it and
     takes the worker down by then when the handler is frozen); nobody runs the submission again
     before (docs/architecture.md, *Fencing*). Sent to the handler with every submission.
+    `status_poll_s`: how often the follow of one job reads its `/status` while RunPod runs it
+    (default 0.8, start to start; twice that while it is queued), and `report_interval_s`: how
+    often our handler sends the platform a progress update while the steps move (default 0.25,
+    sent with every submission): together, a running job's step reaches clients at least once
+    a second. Each follow reads `/status` itself, so a pool's calls are about
+    `running / status_poll_s` a second, against RunPod's 200 a second per endpoint.
     `node_registry`: what a runpod pool checks each graph against before any RunPod job exists
     (a class that is not installed, a required input missing, a link to an output a node does
     not have: `InvalidGraph`, naming node and class, teardown SKIPPED), as a comfyui pool checks
@@ -171,6 +179,8 @@ class PoolConfig(BaseModel):
     idle_timeout_s: float | None = Field(None, ge=0)
     claim_lease_s: float | None = Field(None, ge=5, le=3600)
     fence_after_s: float | None = Field(None, ge=1, le=3600)
+    status_poll_s: float | None = Field(None, ge=0.2, le=60)
+    report_interval_s: float | None = Field(None, ge=0.05, le=60)
     # None means `published` (kept unset so a pool's dump is what it was given).
     node_registry: Literal["published", "off"] | Path | None = None
     allowed_node_classes: list[str] | None = None

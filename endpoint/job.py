@@ -342,6 +342,9 @@ class OrchestratedJob:
             orchestration.sampler_steps,
             orchestration.nodes_total,
             min_interval_s=orchestration.progress_interval_s,
+            # An update to the platform costs no workflow history (unlike the orchestrator's
+            # signals, which the fraction rule bounds): every step may go, at the interval.
+            min_fraction=0.0,
         )
         self.reporter = ProgressReporter(
             progress or _discard,
