@@ -5,6 +5,7 @@ default), `-n 30` [N] the measured repetitions where a benchmark repeats, `--war
 `--history-steps`, `--latency-steps`, `--step-delay-ms` (the second simulator's time per step),
 `--throughput-clients`, `--throughput-jobs`, `--recovery-heartbeat-s`, `--scale-jobs 100,300,1000`,
 `--scale-serial-jobs`, `--offload-sizes 100,1024` (MiB; `100` skips the 1 GiB upload),
+`--runpod-jobs 100` (group 9's running jobs per round),
 `--keep` (leave the stack's temporary state and logs), `--note` [NOTE] (what else ran meanwhile,
 recorded in RESULTS.md).
 Writes bench/results.json and bench/RESULTS.md (or `--out DIR`). Exit code 1 when a benchmark
@@ -101,6 +102,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         default=defaults.offload_sizes_mib,
         help="group 5: output sizes in MiB (100 skips the 1 GiB one)",
     )
+    parser.add_argument(
+        "--runpod-jobs",
+        type=int,
+        default=defaults.runpod_jobs,
+        help="group 9: running jobs per round on the RunPod path (a handler process each)",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the stack's state and logs")
     parser.add_argument("--out", type=Path, default=HERE, help="where results.json/RESULTS.md go")
     parser.add_argument("--command", default=None, help="the command to record (make passes it)")
@@ -124,6 +131,7 @@ async def bench(args: argparse.Namespace) -> int:
         scale_jobs=args.scale_jobs,
         scale_serial_jobs=args.scale_serial_jobs,
         offload_sizes_mib=args.offload_sizes,
+        runpod_jobs=args.runpod_jobs,
     )
     command = args.command or shlex.join(["python", "-m", "bench", *sys.argv[1:]])
     host = machine()

@@ -42,6 +42,8 @@ class BenchOptions(BaseModel):
     scale_serial_jobs: int = Field(60, ge=1)
     # Group 5: output sizes in MiB (drop 1024 to skip the 1 GiB upload).
     offload_sizes_mib: tuple[int, ...] = (100, 1024)
+    # Group 9: running jobs per round on the RunPod path (a handler process each).
+    runpod_jobs: int = Field(100, ge=1)
 
 
 class Section(BaseModel):

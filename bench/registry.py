@@ -10,6 +10,7 @@ from bench.groups import (
     overhead,
     push,
     recovery,
+    runpod_path,
     scale,
     throughput,
 )
@@ -24,6 +25,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     history_size.BENCHMARK,
     client_latency.BENCHMARK,
     push.BENCHMARK,
+    runpod_path.BENCHMARK,
 )
 
 # Issue 10's groups without a module yet: listed in RESULTS.md as not yet measured.

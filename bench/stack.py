@@ -39,6 +39,7 @@ from devstack.config import StackConfig
 from devstack.free_ports import free_port, make_stack_config
 from devstack.models import RunningStack
 from devstack.processes import PidRecord, is_alive, log_tail, spawn_detached, terminate
+from devstack.services import ENDPOINT_HANDLER, ENDPOINT_PYTHON, RUNPOD_SIM_KEY_VAR
 from devstack.stack import start_service, start_stack, stop_service, stop_stack
 from starter import JobClient
 from starter.connection import connect_temporal
@@ -288,17 +289,19 @@ async def extra_worker(
     *,
     max_concurrent_activities: int | None = None,
     env: dict[str, str] | None = None,
+    pool_settings: dict[str, dict[str, object]] | None = None,
 ) -> AsyncIterator[BenchWorker]:
     """The project's worker (`python worker.py` as it ships) serving `pools` on a task queue of
     its own, stopped by PID at the end; `max_concurrent_activities` sets
     DURABLE_COMFY_MAX_CONCURRENT_ACTIVITIES (how many prompts it follows at once); `env`: more
-    of its variables."""
+    of its variables; `pool_settings`: the pools as DURABLE_COMFY_POOLS takes them, instead
+    of a `comfyui` pool per simulator of `pools`."""
     task_queue = f"bench-{name}-{uuid.uuid4().hex[:8]}"
     variables = {
         **ctx.stack.worker_env(),
         "DURABLE_COMFY_TASK_QUEUE": task_queue,
         "DURABLE_COMFY_POOLS": json.dumps(
-            {pool.name: {"kind": "comfyui", "url": pool.url} for pool in pools}
+            pool_settings or {pool.name: {"kind": "comfyui", "url": pool.url} for pool in pools}
         ),
         "DURABLE_COMFY_DEFAULT_POOL": pools[0].name,
     }
@@ -312,3 +315,87 @@ async def extra_worker(
         yield BenchWorker(task_queue, log_file, killable=killable)
     finally:
         await killable.terminate(grace_s=10)
+
+
+@dataclass(frozen=True)
+class RunPodSimProcess:
+    api_url: str  # the public API's base, `{url}/v2/{endpoint_id}`
+    url: str
+    endpoint_id: str
+    api_key: str
+    record: PidRecord
+
+
+@asynccontextmanager
+async def extra_runpod_sim(
+    ctx: BenchContext, name: str, comfy_url: str, *, max_workers: int
+) -> AsyncIterator[RunPodSimProcess]:
+    """A RunPod simulator (`python -m devstack.runpod_sim`) whose workers run our handler
+    (endpoint/handler.py under the real `runpod` loop, from the endpoint's venv) against one
+    shared ComfyUI simulator at `comfy_url`, with the stack's bucket; no watchdog and no S3
+    proxy per worker (a benchmark of the API path, not of fencing: two processes fewer per
+    worker), each handler at idle CPU priority. Stopped by PID at the end; it stops its
+    workers itself."""
+    port = free_port()
+    endpoint_id = f"bench-{name}"
+    api_key = f"bench-{uuid.uuid4().hex}"
+    stack = ctx.stack
+    bucket = {
+        "BUCKET_ENDPOINT_URL": stack.s3_endpoint,
+        "BUCKET_ACCESS_KEY_ID": stack.access_key_id,
+        "BUCKET_SECRET_ACCESS_KEY": stack.secret_access_key.get_secret_value(),
+        "BUCKET_REGION": stack.region,
+    }
+    argv = [
+        sys.executable,
+        "-m",
+        "devstack.runpod_sim",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--endpoint-id",
+        endpoint_id,
+        "--worker-command",
+        # At idle priority (SCHED_IDLE): on RunPod each runs on a machine of its own, and a
+        # hundred of them here would otherwise take the CPU the measured worker needs.
+        f"chrt --idle 0 {ENDPOINT_PYTHON} {ENDPOINT_HANDLER}",
+        "--worker-cwd",
+        str(ROOT),
+        *(f"--worker-env={variable}" for variable in bucket),
+        f"--worker-env=COMFY_URL={comfy_url}",
+        "--work-dir",
+        str(ctx.work_dir / "runpod" / name),
+        "--watchdog",
+        "off",
+        "--no-s3-proxy",
+        "--max-workers",
+        str(max_workers),
+        "--idle-timeout",
+        "120",
+        "--stop-grace",
+        "5",
+    ]
+    log_file = ctx.work_dir / "logs" / f"runpod-{name}.log"
+    record = spawn_detached(
+        argv,
+        log_file,
+        ROOT,
+        ctx.work_dir / "pids" / f"runpod-{name}.pid",
+        env={**bucket, RUNPOD_SIM_KEY_VAR: api_key},
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if (await ctx.http.get(f"{url}/sim/health", timeout=2)).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if not is_alive(record) or time.monotonic() > deadline:
+                raise RuntimeError(f"RunPod simulator {name} did not start:\n{log_tail(log_file)}")
+            await asyncio.sleep(0.1)
+        yield RunPodSimProcess(f"{url}/v2/{endpoint_id}", url, endpoint_id, api_key, record)
+    finally:
+        await terminate(record, grace_s=60)

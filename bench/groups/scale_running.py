@@ -86,7 +86,7 @@ async def _worker_metrics(http: httpx.AsyncClient, url: str | None) -> str:
     )
 
 
-async def _grow(
+async def grow(
     ctx: BenchContext,
     jobs: JobClient,
     pool: Pool,
@@ -125,7 +125,7 @@ async def _seen_for(jobs: JobClient, job_id: str, seen: list[Seen]) -> None:
         )
 
 
-async def _window(
+async def window(
     ctx: BenchContext, pool: Pool, pushing: JobClient, polling: JobClient, watched: list[str]
 ) -> tuple[list[float], list[float]]:
     pushed: dict[str, list[Seen]] = {job_id: [] for job_id in watched}
@@ -180,12 +180,12 @@ async def measure(
     try:
         for n in sorted(counts):
             try:
-                await _grow(ctx, polling, pool, ids, n, metrics_url)
+                await grow(ctx, polling, pool, ids, n, metrics_url)
             except Stalled as exc:
                 stalled = str(exc)
                 break
             population = Population(n, started_s=time.monotonic() - began)
-            population.pushed, population.polled = await _window(
+            population.pushed, population.polled = await window(
                 ctx, pool, pushing, polling, ids[:WATCHED]
             )
             populations.append(population)

@@ -133,6 +133,9 @@ class Ledger(BaseModel):
     jobs: list[LedgerJob]
     workers: list[LedgerWorker]
     totals: LedgerTotals
+    # Public API calls by route (run, status, cancel, ...) that passed the key and endpoint
+    # checks, refused by the rate limit or not: what a client spends of RunPod's limits.
+    api_calls: dict[str, int] = Field(default_factory=dict)
 
     def job(self, job_id: str) -> LedgerJob:
         return next(j for j in self.jobs if j.id == job_id)
@@ -226,7 +229,11 @@ def _worker(worker: Worker, now: float) -> LedgerWorker:
 
 
 def build_ledger(
-    settings: SimSettings, clock: SimClock, table: JobTable, pool: WorkerPool
+    settings: SimSettings,
+    clock: SimClock,
+    table: JobTable,
+    pool: WorkerPool,
+    api_calls: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     now = clock.now()
     jobs = [_job(j, now) for j in table.jobs.values()]
@@ -248,5 +255,6 @@ def build_ledger(
             workers_stopping=sum(1 for w in pool.workers.values() if w.state == "stopping"),
             jobs_in_progress=len(table.in_progress()),
         ),
+        api_calls=dict(api_calls or {}),
     )
     return ledger.model_dump(mode="json")

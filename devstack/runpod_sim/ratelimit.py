@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections import deque
+from collections import Counter, deque
 
 from .settings import RateLimits
 
@@ -25,9 +25,12 @@ class RateLimiter:
         self.limits = limits
         self._hits: dict[str, deque[float]] = {}
         self.refused = 0
+        # Every public API call by route, answered or refused (the ledger's `api_calls`).
+        self.calls: Counter[str] = Counter()
 
     def hit(self, route: str) -> int | None:
         """Count a request; None if allowed, else the seconds to wait (Retry-After)."""
+        self.calls[route] += 1
         bucket = BUCKETS.get(route)
         if bucket is None:
             return None

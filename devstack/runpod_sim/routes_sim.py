@@ -34,7 +34,9 @@ async def sim_health(request: web.Request) -> web.Response:
 @routes.get("/sim/ledger")
 async def sim_ledger(request: web.Request) -> web.Response:
     rt = runtime_of(request)
-    return web.json_response(build_ledger(rt.settings, rt.clock, rt.table, rt.pool))
+    return web.json_response(
+        build_ledger(rt.settings, rt.clock, rt.table, rt.pool, rt.limiter.calls)
+    )
 
 
 @routes.get("/sim/faults")
