@@ -13,6 +13,8 @@ check it needs failed):
     runpod             each runpod pool's endpoint answers `GET /health` with the pool's key
                        (the worker's check, worker.py: the pools are worker settings)
     encryption         DURABLE_COMFY_CODEC_KEYS(_FILE), when set, hold usable keys
+    gateway            only with `--gateway URL`: the HTTP gateway there answers `/readyz`
+                       (it serves, and reaches Temporal)
 
 A failure is a `CONFIGURATION` problem (fix a setting, register something: exit 2) or an
 `UNREACHABLE` one (something is down or not started: exit 3); configuration wins when both.
@@ -29,6 +31,7 @@ from datetime import timedelta
 from enum import IntEnum, StrEnum
 from typing import Any
 
+import httpx
 import structlog
 from botocore.exceptions import ClientError as BotoClientError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -87,6 +90,7 @@ class Check(StrEnum):
     BUCKET = "bucket"
     RUNPOD = "runpod"
     ENCRYPTION = "encryption"
+    GATEWAY = "gateway"
 
 
 class Outcome(StrEnum):
@@ -182,13 +186,17 @@ class Inputs:
     s3: S3Settings | None = None
     codec: EncryptionCodec | None = None
     runpod: RunPodCheck | None = None
+    # An HTTP gateway to check as well (`doctor --gateway URL`); None: no gateway check.
+    gateway_url: str | None = None
     errors: dict[Check, str] = field(default_factory=dict)
 
     @classmethod
-    def from_environment(cls, runpod: RunPodCheck | None = None) -> Inputs:
+    def from_environment(
+        cls, runpod: RunPodCheck | None = None, gateway_url: str | None = None
+    ) -> Inputs:
         """Read as the job commands and the worker read them, without stopping at the first
         bad one: each problem fails the check that needs the setting."""
-        inputs = cls(runpod=runpod)
+        inputs = cls(runpod=runpod, gateway_url=gateway_url)
         codec_problem = inputs._read_codec()
         try:
             inputs.temporal = TemporalSettings()
@@ -267,9 +275,10 @@ class Doctor:
             (Check.BUCKET, (), self._bucket),
             (Check.RUNPOD, (), self._runpod),
             (Check.ENCRYPTION, (), self._encryption),
+            (Check.GATEWAY, (), self._gateway),
         )
         for check, needs, run in steps:
-            if check in skip:
+            if check in skip or (check is Check.GATEWAY and self.inputs.gateway_url is None):
                 continue
             result = await needing(check, needs, run)
             log.debug("doctor_check", check=check.value, outcome=result.outcome.value)
@@ -435,6 +444,33 @@ class Doctor:
         return ok(
             Check.ENCRYPTION,
             f"on: {len(codec.ring.ids)} key(s), active {codec.active_id!r}",
+        )
+
+    async def _gateway(self) -> CheckResult:
+        url = str(self.inputs.gateway_url).rstrip("/")
+        try:
+            async with httpx.AsyncClient(timeout=CALL_TIMEOUT_S, trust_env=False) as http:
+                answer = await http.get(f"{url}/readyz")
+        except httpx.HTTPError as exc:
+            return fail(
+                Check.GATEWAY,
+                f"nothing answers at {url} ({type(exc).__name__}): start `durable-comfy gateway` "
+                "there, or give the URL its clients use",
+                Problem.UNREACHABLE,
+            )
+        if answer.status_code == 200:
+            return ok(Check.GATEWAY, f"{url} is ready (it serves and reaches Temporal)")
+        if answer.status_code == 503:
+            return fail(
+                Check.GATEWAY,
+                f"{url} serves but is not ready: Temporal does not answer it (give the gateway "
+                "the same TEMPORAL_* settings as the workers)",
+                Problem.UNREACHABLE,
+            )
+        return fail(
+            Check.GATEWAY,
+            f"{url}/readyz answered {answer.status_code}: not a durable-comfy gateway, or not "
+            "its base path (the URL its clients use, before /v1)",
         )
 
     def _codec(self) -> PayloadCodec | None:

