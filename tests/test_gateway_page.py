@@ -85,10 +85,10 @@ def set_field(element_id: str, value: str) -> str:
 
 @asynccontextmanager
 async def running_gateway(
-    env: dict[str, str], port: int, log: Path
+    env: dict[str, str], port: int, log: Path, until: str = "/readyz"
 ) -> AsyncIterator[asyncio.subprocess.Process]:
-    """`durable-comfy gateway` on 127.0.0.1:`port`, once /readyz answers 200; killed by its PID
-    on the way out if it still runs."""
+    """`durable-comfy gateway` on 127.0.0.1:`port`, once `until` (/readyz: it reaches Temporal;
+    /healthz: it serves) answers 200; killed by its PID on the way out if it still runs."""
     with log.open("ab") as out:
         process = await asyncio.create_subprocess_exec(
             str(GATEWAY), "gateway", "--host", HOST, "--port", str(port),
@@ -99,7 +99,7 @@ async def running_gateway(
             for _ in range(300):
                 assert process.returncode is None, f"the gateway exited: {tail(log)}"
                 with suppress(httpx.HTTPError):
-                    if (await http.get(f"http://{HOST}:{port}/readyz")).status_code == 200:
+                    if (await http.get(f"http://{HOST}:{port}{until}")).status_code == 200:
                         break
                 await asyncio.sleep(0.2)
             else:
@@ -125,8 +125,9 @@ async def evidence(page: Page, folder: Path, name: str) -> str:
     return f"screenshot {shot}"
 
 
-async def submit_example(page: Page, key: str) -> str:
-    """Types the key, loads the example with STEPS steps and a fresh seed, submits; the job ID."""
+async def submit_example(page: Page, key: str, steps: int = STEPS) -> str:
+    """Types the key, loads the example with `steps` steps and a fresh seed, submits; the job
+    ID."""
     await page.wait_for("document.body.dataset.config", 30)
     assert await page.evaluate("!document.getElementById('key-section').hidden"), (
         "the key field must show when the gateway has keys"
@@ -135,7 +136,7 @@ async def submit_example(page: Page, key: str) -> str:
     await page.click_text("Load the example")
     graph = json.loads(await page.wait_for("document.getElementById('graph').value", 10))
     assert graph["3"]["class_type"] == "KSampler", graph
-    graph["3"]["inputs"]["steps"] = STEPS
+    graph["3"]["inputs"]["steps"] = steps
     # A seed of its own: the simulator would answer a graph it ran before from its cache.
     graph["3"]["inputs"]["seed"] = uuid.uuid4().int % 2**32
     await page.evaluate(set_field("graph", json.dumps(graph)))

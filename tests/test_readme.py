@@ -9,6 +9,7 @@ process on a task queue of its own, and the script and the CLI get the environme
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import shlex
 import sys
@@ -112,3 +113,66 @@ async def test_the_readme_cli_lines_run_as_written(
         ran.append(args[0])
     assert job_id and "result" in ran
     assert any((tmp_path / "out").rglob("*.png")), "result --download wrote no file"
+
+
+# Everything that says where Temporal, S3 or RunPod is: what the README's env line must set.
+STACK_VARIABLES = ("TEMPORAL_", "AWS_", "DURABLE_COMFY_", "RUNPOD_")
+
+
+def readme_shell_script(env_file: Path, out: Path) -> str:
+    """The README's shell block as one bash script for a stack whose env file is `env_file`
+    (what the README says of a `CONFIG` stack: `<state_dir>/env` instead of `.devstack/env`),
+    JOB_ID taken from the `--json` submit's line, as a user copies it."""
+    block = fenced_block(README.read_text(), "From the shell", "sh")
+    lines = ["set -euo pipefail"]
+    for line in block.splitlines():
+        argv = shlex.split(line, comments=True)
+        if not argv:
+            continue
+        if argv == [".", ".devstack/env"]:
+            lines.append(f". {shlex.quote(str(env_file))}")
+            continue
+        command = shlex.join([str(out) if arg == "./out" else arg for arg in argv])
+        command = command.replace("JOB_ID", '"$JOB_ID"')
+        if argv[:2] == ["durable-comfy", "submit"] and "--json" in argv:
+            read = "import json, sys; print(json.loads(sys.stdin.readline())['job_id'])"
+            command = f"JOB_ID=$({command} | python -c {shlex.quote(read)})"
+        lines.append(command)
+    return "\n".join(lines) + "\n"
+
+
+async def test_the_readme_shell_block_runs_on_a_moved_port_stack_from_its_env_file(
+    local_stack: RunningStack, tmp_path: Path
+) -> None:
+    """The session's stack is a second stack as a user makes one (free ports, its state in a
+    folder of its own): the README's lines, with its env file loaded instead of .devstack/env
+    and nothing else of the environment saying where anything is, reach it."""
+    env_file = local_stack.env_file
+    assert env_file.exists() and not local_stack.temporal_address.endswith(":7233")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(STACK_VARIABLES)}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    queue = await bash(
+        f". {shlex.quote(str(env_file))} && python -c "
+        "'from starter.settings import ClientSettings; print(ClientSettings().task_queue)'",
+        env,
+    )
+    async with running_worker(local_stack, "readme-shell", task_queue=queue.strip()):
+        out = await bash(readme_shell_script(env_file, tmp_path / "out"), env, timeout_s=240)
+    assert any((tmp_path / "out").rglob("*.png")), f"result --download wrote no file:\n{out}"
+    assert "COMPLETED" in out, out
+
+
+async def bash(script: str, env: dict[str, str], timeout_s: float = 60) -> str:
+    process = await asyncio.create_subprocess_exec(
+        "bash",
+        "-c",
+        script,
+        env=env,
+        cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    out, _ = await asyncio.wait_for(process.communicate(), timeout=timeout_s)
+    text = out.decode(errors="replace")
+    assert process.returncode == 0, f"exit {process.returncode}:\n{script}\n{text[-3000:]}"
+    return text
