@@ -21,6 +21,7 @@ import pytest_asyncio
 from devstack.models import RunningStack
 from starter.cli.common import ExitCode
 from tests.cli_support import ROOT, RunningWorker, cli_env, json_lines, run_cli, running_worker
+from tests.conftest import free_port
 
 README = ROOT / "README.md"
 QUICKSTART = ROOT / "examples" / "quickstart.py"
@@ -176,3 +177,43 @@ async def bash(script: str, env: dict[str, str], timeout_s: float = 60) -> str:
     text = out.decode(errors="replace")
     assert process.returncode == 0, f"exit {process.returncode}:\n{script}\n{text[-3000:]}"
     return text
+
+
+def readme_http_script(env_file: Path, port: int, log: Path) -> str:
+    """The README's HTTP block as one bash script: its gateway on `port` (a second stack's
+    gateway takes a port of its own) in the background, until it is ready; the POST's job_id
+    kept for the lines that name JOB_ID; the event stream read to its end."""
+    block = fenced_block(README.read_text(), "Over HTTP", "sh").replace("8080", str(port))
+    block = block.replace(". .devstack/env", f". {shlex.quote(str(env_file))}")
+    commands = [c.strip() for c in block.replace("\\\n", " ").splitlines() if c.strip()]
+    serve, post, *reads = commands
+    read = "import json, sys; print(json.load(sys.stdin)['job_id'])"
+    lines = [
+        "set -euo pipefail",
+        f"{serve.split('#')[0].strip()} > {shlex.quote(str(log))} 2>&1 &",
+        "trap 'kill $!' EXIT",
+        f"until curl -sf localhost:{port}/readyz > /dev/null; do sleep 0.2; done",
+        f"JOB_ID=$({post} | python -c {shlex.quote(read)})",
+    ]
+    for command in reads:
+        command = command.replace("JOB_ID", '"$JOB_ID"')
+        lines.append(f"timeout 120 {command}" if "/events" in command else command)
+    return "\n".join(lines) + "\n"
+
+
+async def test_the_readme_http_block_runs_on_a_moved_port_stack_from_its_env_file(
+    local_stack: RunningStack, tmp_path: Path
+) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(STACK_VARIABLES)}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env_file = local_stack.env_file
+    queue = await bash(
+        f". {shlex.quote(str(env_file))} && python -c "
+        "'from starter.settings import ClientSettings; print(ClientSettings().task_queue)'",
+        env,
+    )
+    script = readme_http_script(env_file, free_port(), tmp_path / "gateway.log")
+    async with running_worker(local_stack, "readme-http", task_queue=queue.strip()):
+        out = await bash(script, env, timeout_s=240)
+    assert '"state":"COMPLETED"' in out.replace(" ", ""), out[-3000:]
+    assert "event: end" in out, out[-3000:]
