@@ -9,9 +9,11 @@ process on a task queue of its own, and the script and the CLI get the environme
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import shlex
+import signal
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -164,6 +166,8 @@ async def test_the_readme_shell_block_runs_on_a_moved_port_stack_from_its_env_fi
 
 
 async def bash(script: str, env: dict[str, str], timeout_s: float = 60) -> str:
+    """`script` run by bash in a session of its own, whose processes (a README line's
+    background gateway among them) are all killed, by process group, when it ends."""
     process = await asyncio.create_subprocess_exec(
         "bash",
         "-c",
@@ -172,8 +176,13 @@ async def bash(script: str, env: dict[str, str], timeout_s: float = 60) -> str:
         cwd=ROOT,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
+        start_new_session=True,
     )
-    out, _ = await asyncio.wait_for(process.communicate(), timeout=timeout_s)
+    try:
+        out, _ = await asyncio.wait_for(process.communicate(), timeout=timeout_s)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
     text = out.decode(errors="replace")
     assert process.returncode == 0, f"exit {process.returncode}:\n{script}\n{text[-3000:]}"
     return text
@@ -190,8 +199,9 @@ def readme_http_script(env_file: Path, port: int, log: Path) -> str:
     read = "import json, sys; print(json.load(sys.stdin)['job_id'])"
     lines = [
         "set -euo pipefail",
-        f"{serve.split('#')[0].strip()} > {shlex.quote(str(log))} 2>&1 &",
-        "trap 'kill $!' EXIT",
+        # The whole line in the background with its output in the log: nothing of it holds
+        # the script's stdout, and `bash` kills what is left by process group.
+        f"{{ {serve.split('#')[0].strip()}; }} > {shlex.quote(str(log))} 2>&1 &",
         f"until curl -sf localhost:{port}/readyz > /dev/null; do sleep 0.2; done",
         f"JOB_ID=$({post} | python -c {shlex.quote(read)})",
     ]
