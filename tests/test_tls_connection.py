@@ -18,6 +18,7 @@ Needs Debian's nginx (`/usr/sbin/nginx`): `make test` installs it; without it th
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator
@@ -164,7 +165,14 @@ async def refused_cli(setup: TlsSetup) -> tuple[int, list[str], list[dict[str, s
     assert "Traceback" not in err and "Traceback" not in out
     assert out == ""
     lines = [line for line in err.splitlines() if line.strip()]
-    return code, lines, setup.front.grpc_calls()[calls_before:]
+    # nginx writes a call's line when the connection ends, which may be after the CLI has
+    # exited (a CI run read the log too soon and found nothing): give it a few seconds.
+    deadline = asyncio.get_running_loop().time() + 10
+    while True:
+        refused = setup.front.grpc_calls()[calls_before:]
+        if refused or asyncio.get_running_loop().time() > deadline:
+            return code, lines, refused
+        await asyncio.sleep(0.1)
 
 
 async def test_a_client_without_a_certificate_is_refused_with_one_clear_error(
