@@ -29,6 +29,7 @@ RUN python -m venv /opt/venv \
 # throwaway build environment. The sources stay root-owned and read-only to the worker's user.
 COPY pyproject.toml README.md worker.py /opt/durable-comfy/src/
 COPY workflows/ /opt/durable-comfy/src/workflows/
+COPY protocol/ /opt/durable-comfy/src/protocol/
 COPY activities/ /opt/durable-comfy/src/activities/
 COPY starter/ /opt/durable-comfy/src/starter/
 COPY gateway/ /opt/durable-comfy/src/gateway/

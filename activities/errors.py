@@ -12,14 +12,14 @@ from typing import Any
 
 from temporalio.exceptions import ApplicationError
 
-from activities.comfyui.client import (
+from activities.storage_errors import StorageError
+from protocol.comfyui.client import (
     ComfyError,
     ComfyHTTPError,
     ComfyPromptRejected,
     ComfyUnavailable,
 )
-from activities.comfyui.events import is_fatal_device_error, is_out_of_memory
-from activities.storage_errors import StorageError
+from protocol.comfyui.events import is_fatal_device_error, is_out_of_memory
 from workflows.shared import ErrorType
 
 

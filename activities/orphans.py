@@ -34,7 +34,6 @@ from temporalio import activity
 from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.service import RPCError, RPCStatusCode
 
-from activities.comfyui.client import ComfyClient, ComfyError
 from activities.runpod import submissions
 from activities.runpod.claims import read_claim
 from activities.runpod.client import RunPodClient
@@ -43,6 +42,7 @@ from activities.runpod.submissions import SubmissionRecord
 from activities.settings import PoolConfig
 from activities.storage import ArtifactStore
 from activities.storage_errors import StorageError
+from protocol.comfyui.client import ComfyClient, ComfyError
 
 log = structlog.get_logger(__name__)
 

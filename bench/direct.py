@@ -16,8 +16,8 @@ import httpx
 from botocore.exceptions import ConnectTimeoutError
 from pydantic import BaseModel
 
-from activities.comfyui.socket import comfy_socket
 from activities.storage import ArtifactStore
+from protocol.comfyui.socket import comfy_socket
 
 PUT_ATTEMPTS = 4
 

@@ -25,11 +25,11 @@ from typing import Any
 
 import httpx
 
-from activities.comfyui.client import ComfyClient
 from activities.comfyui.offload import OutputUploader
 from activities.s3_multipart import MAX_IN_FLIGHT, PART_SIZE
 from activities.storage import ArtifactStore, S3Settings
 from bench.procs import hwm_bytes, reset_hwm, rss_bytes
+from protocol.comfyui.client import ComfyClient
 from workflows.contracts import OutputSpec
 
 

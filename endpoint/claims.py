@@ -38,8 +38,8 @@ from typing import Any
 
 from botocore.exceptions import BotoCoreError, ClientError
 
-from activities.runpod.contract import MAX_EARLIER_HOLDERS, Claim, ClaimOutcome, EarlierHolder
 from endpoint.s3 import S3, S3_FAILURES, Patience, error_code, is_conflict, is_missing
+from protocol.runpod.contract import MAX_EARLIER_HOLDERS, Claim, ClaimOutcome, EarlierHolder
 
 # Date and Last-Modified have a resolution of one second.
 CLOCK_RESOLUTION_S = 1.0

@@ -1,6 +1,6 @@
 """The worker's own ComfyUI: waiting for it to come up, staging input files, and forgetting a
 prompt a takeover must run again (stopping our prompt is endpoint/stopping.py). The HTTP calls
-themselves are `activities.comfyui.client.ComfyClient`'s, but for `POST /history`."""
+themselves are `protocol.comfyui.client.ComfyClient`'s, but for `POST /history`."""
 
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ from collections.abc import Callable
 import httpx
 import structlog
 
-from activities.comfyui.client import ComfyClient, ComfyError, ComfyHTTPError, ComfyUnavailable
-from activities.comfyui.events import ending_of
-from activities.comfyui.follower import ComfyGone
-from activities.runpod.contract import InputImage
 from endpoint.inputs import decode_image
 from endpoint.job_files import JobFiles
+from protocol.comfyui.client import ComfyClient, ComfyError, ComfyHTTPError, ComfyUnavailable
+from protocol.comfyui.events import ending_of
+from protocol.comfyui.follower import ComfyGone
+from protocol.runpod.contract import InputImage
 
 log = structlog.get_logger(__name__)
 

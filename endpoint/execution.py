@@ -16,11 +16,6 @@ from typing import Any
 
 import structlog
 
-from activities.comfyui.client import ComfyClient, ComfyError
-from activities.comfyui.events import is_out_of_memory
-from activities.comfyui.follower import PromptEnd, PromptFollower, Stage
-from activities.progress import ProgressTracker
-from activities.runpod.contract import ArtifactRecord, InputImage, ProgressStage
 from endpoint.comfy import forget_interrupted, stage_images, wait_for_comfy
 from endpoint.job_files import JobFiles, with_fresh_outputs
 from endpoint.outputs import OutputCollector, OutputSink
@@ -28,6 +23,11 @@ from endpoint.reporting import ProgressReporter
 from endpoint.settings import EndpointSettings
 from endpoint.staged_inputs import StagedInputs
 from endpoint.stopping import StopSubject, stop_prompt
+from protocol.comfyui.client import ComfyClient, ComfyError
+from protocol.comfyui.events import is_out_of_memory
+from protocol.comfyui.follower import PromptEnd, PromptFollower, Stage
+from protocol.progress import ProgressTracker
+from protocol.runpod.contract import ArtifactRecord, InputImage, ProgressStage
 
 log = structlog.get_logger(__name__)
 

@@ -9,16 +9,6 @@ from __future__ import annotations
 
 import structlog
 
-from activities.comfyui.client import (
-    ComfyHTTPError,
-    ComfyPromptRejected,
-    ComfyUnavailable,
-    UnsafeOutputName,
-)
-from activities.comfyui.events import is_fatal_device_error, is_out_of_memory
-from activities.comfyui.follower import ComfyGone, PromptEnd, PromptLost
-from activities.comfyui.history import HistoryMissing
-from activities.runpod.contract import EndpointError
 from endpoint.claims import ClaimConflict, ClaimError
 from endpoint.inputs import InputProblem
 from endpoint.outputs import OutputTooLarge
@@ -26,6 +16,16 @@ from endpoint.s3 import S3_FAILURES, error_code
 from endpoint.settings import SettingsError
 from endpoint.staged_inputs import StagedInputMissing
 from endpoint.upload import UploadError
+from protocol.comfyui.client import (
+    ComfyHTTPError,
+    ComfyPromptRejected,
+    ComfyUnavailable,
+    UnsafeOutputName,
+)
+from protocol.comfyui.events import is_fatal_device_error, is_out_of_memory
+from protocol.comfyui.follower import ComfyGone, PromptEnd, PromptLost
+from protocol.comfyui.history import HistoryMissing
+from protocol.runpod.contract import EndpointError
 
 log = structlog.get_logger(__name__)
 

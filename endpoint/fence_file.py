@@ -34,7 +34,7 @@ from pathlib import Path
 import structlog
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from activities.runpod.contract import S3Target
+from protocol.runpod.contract import S3Target
 
 log = structlog.get_logger(__name__)
 
@@ -53,7 +53,7 @@ class ClaimPlace(BaseModel):
     worker_id: str = ""
     claim_bucket: str
     claim_key: str
-    # `activities.keys.artifact_key(output_prefix, job_id, segment, node_id, filename)` in
+    # `protocol.keys.artifact_key(output_prefix, job_id, segment, node_id, filename)` in
     # `output_bucket`, as the handler's S3Sink keys outputs.
     output_bucket: str
     output_prefix: str

@@ -31,12 +31,12 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from activities.comfyui.client import ComfyClient
-from activities.runpod.contract import EndpointError, FenceAction, FenceRecord, PromptFate
 from endpoint.execution import Execution
 from endpoint.lease import Lease
 from endpoint.settings import EndpointSettings
 from endpoint.stopping import WorkerReplacer, stop_prompt
+from protocol.comfyui.client import ComfyClient
+from protocol.runpod.contract import EndpointError, FenceAction, FenceRecord, PromptFate
 
 # Once the worker is being replaced, how long the run's own clean-up (aborting uploads) may
 # keep the fence.

@@ -23,11 +23,11 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from activities.comfyui.client import ComfyClient
-from activities.comfyui.history import outputs_of
-from activities.runpod.contract import ArtifactRecord
 from endpoint.execution import Execution
 from endpoint.outputs import MAX_BASE64_BYTES, Base64Sink, OutputCollector
+from protocol.comfyui.client import ComfyClient
+from protocol.comfyui.history import outputs_of
+from protocol.runpod.contract import ArtifactRecord
 
 
 def succeeded(execution: Execution) -> bool:

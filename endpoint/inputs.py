@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from activities.runpod.contract import EndpointInput, InputImage
+from protocol.runpod.contract import EndpointInput, InputImage
 
 
 class InputProblem(ValueError):

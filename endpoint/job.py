@@ -26,24 +26,6 @@ from typing import Any, NoReturn
 import httpx
 import structlog
 
-from activities.comfyui.client import ComfyClient
-from activities.comfyui.follower import PromptEnd as FollowedEnd
-from activities.keys import artifact_key
-from activities.progress import ProgressTracker
-from activities.runpod.contract import (
-    DEFAULT_STOP_HORIZON_S,
-    ArtifactRecord,
-    Claim,
-    ClaimOutcome,
-    EndpointError,
-    EndpointInput,
-    EndpointOutput,
-    Orchestration,
-    StopRecord,
-    claim_key,
-    delivery_key,
-    inputs_folder,
-)
 from endpoint.claims import (
     Acquired,
     ClaimConflict,
@@ -69,6 +51,24 @@ from endpoint.settings import EndpointSettings
 from endpoint.staged_inputs import StagedInputs
 from endpoint.stopping import WorkerReplacer, stop_prompt, wait_out
 from endpoint.takeover import Left, recorded_end, what_is_left, with_kept
+from protocol.comfyui.client import ComfyClient
+from protocol.comfyui.follower import PromptEnd as FollowedEnd
+from protocol.keys import artifact_key
+from protocol.progress import ProgressTracker
+from protocol.runpod.contract import (
+    DEFAULT_STOP_HORIZON_S,
+    ArtifactRecord,
+    Claim,
+    ClaimOutcome,
+    EndpointError,
+    EndpointInput,
+    EndpointOutput,
+    Orchestration,
+    StopRecord,
+    claim_key,
+    delivery_key,
+    inputs_folder,
+)
 
 log = structlog.get_logger(__name__)
 

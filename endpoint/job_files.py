@@ -34,9 +34,9 @@ from typing import Any, Literal
 
 import structlog
 
-from activities.comfyui.events import output_files
-from activities.keys import shown
 from endpoint.settings import ComfyFolders
+from protocol.comfyui.events import output_files
+from protocol.keys import shown
 
 log = structlog.get_logger(__name__)
 

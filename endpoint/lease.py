@@ -37,7 +37,10 @@ from typing import Self
 
 import structlog
 
-from activities.runpod.contract import (
+from endpoint.claims import ClaimConflict, ClaimError, ClaimStore, StoredClaim, fresh_claim
+from endpoint.fence_file import FenceFile, epoch_of
+from endpoint.s3 import Patience
+from protocol.runpod.contract import (
     DEFAULT_FENCE_AFTER_S,
     ArtifactRecord,
     Claim,
@@ -45,9 +48,6 @@ from activities.runpod.contract import (
     FenceRecord,
     PromptEnd,
 )
-from endpoint.claims import ClaimConflict, ClaimError, ClaimStore, StoredClaim, fresh_claim
-from endpoint.fence_file import FenceFile, epoch_of
-from endpoint.s3 import Patience
 
 log = structlog.get_logger(__name__)
 

@@ -19,10 +19,10 @@ from typing import Any
 import httpx
 import structlog
 
-from activities.runpod.contract import NodesTarget, PublishedNodes, nodes_key
 from endpoint.comfy import POLL_S, process_alive
 from endpoint.s3 import S3
 from endpoint.settings import EndpointSettings
+from protocol.runpod.contract import NodesTarget, PublishedNodes, nodes_key
 
 log = structlog.get_logger(__name__)
 

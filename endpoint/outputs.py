@@ -8,7 +8,7 @@ Output names are untrusted (any custom node writes them). Files are read through
 `/view`, never opened by name here, and a record whose names could leave the output folder is
 refused before it is asked for (`ComfyClient.view` raises `UnsafeOutputName`): the job fails
 naming it and keeps what was stored. Keys are built by the job's `key_for`
-(`activities.keys.artifact_key`): inside the job's folder whatever the name.
+(`protocol.keys.artifact_key`): inside the job's folder whatever the name.
 
 A finished output stays in ComfyUI's output folder until it is stored: an upload that fails in
 a way a fresh start can get past is streamed again from `/view`, within the bucket's retry
@@ -26,12 +26,12 @@ from typing import Any, Protocol
 
 import structlog
 
-from activities.comfyui.client import ComfyClient, UnsafeOutputName
-from activities.comfyui.events import output_files
-from activities.keys import content_type_for, in_another_run, shown
-from activities.runpod.contract import ArtifactRecord
 from endpoint.s3 import DEFAULT_RETRY_S, S3, Patience
 from endpoint.upload import UploadError, stream_to_s3
+from protocol.comfyui.client import ComfyClient, UnsafeOutputName
+from protocol.comfyui.events import output_files
+from protocol.keys import content_type_for, in_another_run, shown
+from protocol.runpod.contract import ArtifactRecord
 
 log = structlog.get_logger(__name__)
 

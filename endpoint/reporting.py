@@ -16,8 +16,8 @@ from typing import Any
 
 import structlog
 
-from activities.progress import ProgressTracker
-from activities.runpod.contract import (
+from protocol.progress import ProgressTracker
+from protocol.runpod.contract import (
     MAX_UPDATE_BYTES,
     ArtifactRecord,
     ProgressStage,

@@ -43,17 +43,17 @@ import boto3
 import httpx
 from botocore.config import Config
 
-from activities.comfyui.client import ComfyClient, ComfyError
-from activities.comfyui.follower import PromptEnd as FollowedEnd
-from activities.comfyui.history import HistoryMissing, history_when_written, outputs_of
-from activities.keys import artifact_key
-from activities.runpod.contract import ArtifactRecord, Claim, FenceRecord, OutputFile, PromptEnd
 from endpoint.claims import ClaimConflict, ClaimError, ClaimStore, StoredClaim
 from endpoint.fence_file import ClaimPlace, FenceState
 from endpoint.outputs import OutputCollector, S3Sink
 from endpoint.s3 import S3, Patience
 from endpoint.settings import BucketSettings
 from endpoint.takeover import recorded_end
+from protocol.comfyui.client import ComfyClient, ComfyError
+from protocol.comfyui.follower import PromptEnd as FollowedEnd
+from protocol.comfyui.history import HistoryMissing, history_when_written, outputs_of
+from protocol.keys import artifact_key
+from protocol.runpod.contract import ArtifactRecord, Claim, FenceRecord, OutputFile, PromptEnd
 
 # The salvage ends this long before anyone may take the claim over (the lease's end plus
 # `fence_after_s`): room for the wall clock's reading of it, and for a write in flight.

@@ -15,11 +15,11 @@ from typing import Any
 
 import structlog
 
-from activities.comfyui.client import ComfyClient
-from activities.runpod.contract import MAX_INPUT_FILE_BYTES, StagedInput
 from endpoint.inputs import InputProblem
 from endpoint.job_files import JobFiles
 from endpoint.s3 import S3, S3_FAILURES, is_missing
+from protocol.comfyui.client import ComfyClient
+from protocol.runpod.contract import MAX_INPUT_FILE_BYTES, StagedInput
 
 log = structlog.get_logger(__name__)
 

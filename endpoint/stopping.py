@@ -27,10 +27,10 @@ from typing import Any
 
 import structlog
 
-from activities.comfyui.client import ComfyClient, ComfyError, QueuePlace
-from activities.comfyui.events import ending_of
-from activities.runpod.contract import PromptFate, StopRecord
 from endpoint.comfy import process_alive
+from protocol.comfyui.client import ComfyClient, ComfyError, QueuePlace
+from protocol.comfyui.events import ending_of
+from protocol.runpod.contract import PromptFate, StopRecord
 
 log = structlog.get_logger(__name__)
 

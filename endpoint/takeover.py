@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from activities.comfyui.events import output_files
-from activities.comfyui.follower import PromptEnd as FollowedEnd
-from activities.comfyui.history import outputs_of
-from activities.runpod.contract import ArtifactRecord, Claim, OutputFile, PromptEnd
+from protocol.comfyui.events import output_files
+from protocol.comfyui.follower import PromptEnd as FollowedEnd
+from protocol.comfyui.history import outputs_of
+from protocol.runpod.contract import ArtifactRecord, Claim, OutputFile, PromptEnd
 
 OutputName = tuple[str, str, str]  # node_id, subfolder, filename
 

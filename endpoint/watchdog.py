@@ -75,7 +75,6 @@ if _ROOT not in sys.path:
 import httpx  # noqa: E402
 import structlog  # noqa: E402
 
-from activities.comfyui.client import ComfyClient, ComfyError  # noqa: E402
 from endpoint.comfy import process_alive  # noqa: E402
 from endpoint.fence_file import DEFAULT_FENCE_FILE, FenceState, read_fence  # noqa: E402
 from endpoint.logs import configure_logging  # noqa: E402
@@ -86,6 +85,7 @@ from endpoint.settings import (  # noqa: E402
     EndpointSettings,
     SettingsError,
 )
+from protocol.comfyui.client import ComfyClient, ComfyError  # noqa: E402
 
 log = structlog.get_logger("endpoint.watchdog")
 

@@ -8,7 +8,7 @@ what to send instead; the presigned PUT then holds the client to exactly what it
 The accepted files are what ComfyUI's load nodes read: images (LoadImage, LoadImageMask),
 video (LoadVideo), audio (LoadAudio), 3D models (Load3D: `.glb`, `.gltf`, `.obj`) and latents
 (LoadLatent: `.latent`). Each is accepted by its extension, with the one type the extension
-table gives it (`activities.keys.content_type_for`, what outputs are stored with). That table
+table gives it (`protocol.keys.content_type_for`, what outputs are stored with). That table
 gives `application/octet-stream` to `.latent` and to every extension it does not know, so that
 type is accepted only on a `.latent` file: taken as a type alone it would let in any file at
 all (a `.html` page to be served from the bucket's origin). `.safetensors` is not an input:
@@ -22,8 +22,8 @@ from typing import Any, Final
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from activities.keys import content_type_for, extensions_of, safe_component
 from gateway.errors import bad_request, invalid, validation_problems
+from protocol.keys import content_type_for, extensions_of, safe_component
 
 IMAGE_TYPES: Final = (
     "image/png",
@@ -167,6 +167,6 @@ def upload_problems(upload: UploadRequest, max_bytes: int) -> list[dict[str, Any
 
 
 def extension(filename: str) -> str:
-    """`.png` of `Cat.PNG`; "" without one (as `activities.keys.content_type_for` reads it)."""
+    """`.png` of `Cat.PNG`; "" without one (as `protocol.keys.content_type_for` reads it)."""
     dot = filename.rfind(".")
     return filename[dot:].lower() if dot >= 0 else ""

@@ -22,8 +22,8 @@ from typing import Any
 
 import aiohttp
 
-from activities.comfyui.events import PROMPT_EVENTS
 from devstack.free_ports import free_port
+from protocol.comfyui.events import PROMPT_EVENTS
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Events that belong to one prompt and must only reach that prompt's client socket: the

@@ -24,7 +24,6 @@ import httpx
 from botocore.config import Config
 from pydantic import SecretStr
 
-from activities.runpod.contract import Claim, ProgressUpdate, S3Target, claim_key
 from devstack.free_ports import free_port
 from devstack.seaweed import load_credentials
 from devstack.services import StackPaths
@@ -32,6 +31,7 @@ from devstack.stack import start_service, stop_service
 from endpoint.claims import ClaimConflict, ClaimStore, fresh_claim
 from endpoint.s3 import S3
 from endpoint.settings import BucketSettings, EndpointSettings
+from protocol.runpod.contract import Claim, ProgressUpdate, S3Target, claim_key
 from tests.conftest import make_stack_config
 
 

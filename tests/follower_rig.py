@@ -26,10 +26,10 @@ from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
 from activities import follow_common
-from activities.comfyui.client import ComfyClient
 from activities.comfyui.follow import FollowAttempt
 from activities.comfyui.pools import PoolHealth
 from activities.heartbeat_budget import HeartbeatBudget
+from protocol.comfyui.client import ComfyClient
 from tests.comfy_unit_fakes import (
     PNG,
     FakeComfy,

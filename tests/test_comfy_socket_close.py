@@ -1,5 +1,5 @@
 """A follower's socket closes at once when its prompt has ended, even while ComfyUI goes on
-sending (activities/comfyui/socket.py): websockets stops reading after 16 unread frames, and
+sending (protocol/comfyui/socket.py): websockets stops reading after 16 unread frames, and
 the server's close frame then waited behind them for the whole close timeout."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from contextlib import asynccontextmanager
 import websockets
 from aiohttp import web
 
-from activities.comfyui.socket import comfy_socket
+from protocol.comfyui.socket import comfy_socket
 from tests.aiohttp_support import served
 
 CHATTER = 200  # `status` frames the server sends after the prompt's end (16 fill the queue)

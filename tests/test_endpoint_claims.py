@@ -12,15 +12,6 @@ from datetime import UTC, datetime, timedelta
 import pytest
 import pytest_asyncio
 
-from activities.runpod.contract import (
-    ArtifactRecord,
-    Claim,
-    ClaimOutcome,
-    FenceRecord,
-    PromptEnd,
-    S3Target,
-    claim_key,
-)
 from endpoint.claims import (
     Acquired,
     ClaimConflict,
@@ -33,6 +24,15 @@ from endpoint.claims import (
 )
 from endpoint.lease import Lease
 from endpoint.s3 import S3, Patience
+from protocol.runpod.contract import (
+    ArtifactRecord,
+    Claim,
+    ClaimOutcome,
+    FenceRecord,
+    PromptEnd,
+    S3Target,
+    claim_key,
+)
 from tests.endpoint_support import Bucket, seaweedfs
 
 

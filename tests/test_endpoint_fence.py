@@ -24,13 +24,13 @@ import pytest
 import pytest_asyncio
 from structlog.testing import capture_logs
 
-from activities.runpod.contract import Claim, ClaimOutcome, FenceRecord, S3Target, claim_key
 from endpoint.claims import ClaimError, ClaimStore, StoredClaim, fresh_claim
 from endpoint.fence_file import read_fence
 from endpoint.job import run_job
 from endpoint.lease import Lease, fence_margin_s
 from endpoint.s3 import S3
 from endpoint.settings import EndpointSettings
+from protocol.runpod.contract import Claim, ClaimOutcome, FenceRecord, S3Target, claim_key
 from tests.comfy_sim_support import basic_graph, ksampler_graph, run_simulator
 from tests.endpoint_support import (
     Bucket,

@@ -15,8 +15,14 @@ from typing import Any
 
 import pytest
 
-from activities.comfyui.follower import PromptEnd as FollowedEnd
-from activities.runpod.contract import (
+from endpoint.claims import ClaimConflict, ClaimError, ClaimStore, StoredClaim, fresh_claim
+from endpoint.fence_file import FenceFile, FenceState, read_fence
+from endpoint.fencing import Fenced, fence_action, fenced_error
+from endpoint.lease import Lease, fence_margin_s
+from endpoint.s3 import Patience
+from endpoint.takeover import recorded_end, what_is_left, with_kept
+from protocol.comfyui.follower import PromptEnd as FollowedEnd
+from protocol.runpod.contract import (
     ArtifactRecord,
     Claim,
     ClaimOutcome,
@@ -24,12 +30,6 @@ from activities.runpod.contract import (
     OutputFile,
     PromptEnd,
 )
-from endpoint.claims import ClaimConflict, ClaimError, ClaimStore, StoredClaim, fresh_claim
-from endpoint.fence_file import FenceFile, FenceState, read_fence
-from endpoint.fencing import Fenced, fence_action, fenced_error
-from endpoint.lease import Lease, fence_margin_s
-from endpoint.s3 import Patience
-from endpoint.takeover import recorded_end, what_is_left, with_kept
 
 KEY = "jobs/job-1/_claims/sub-12345678.json"
 

@@ -21,9 +21,14 @@ import pytest_asyncio
 from botocore.exceptions import ClientError
 from structlog.testing import capture_logs
 
-from activities.comfyui.events import ending_of
-from activities.keys import artifact_key
-from activities.runpod.contract import (
+from endpoint.claims import ClaimStore, fresh_claim
+from endpoint.job import run_job
+from endpoint.nodes import PUBLISHER, publish_at_start
+from endpoint.s3 import S3
+from endpoint.settings import EndpointSettings
+from protocol.comfyui.events import ending_of
+from protocol.keys import artifact_key
+from protocol.runpod.contract import (
     ArtifactRecord,
     Claim,
     NodesTarget,
@@ -33,11 +38,6 @@ from activities.runpod.contract import (
     inputs_folder,
     nodes_key,
 )
-from endpoint.claims import ClaimStore, fresh_claim
-from endpoint.job import run_job
-from endpoint.nodes import PUBLISHER, publish_at_start
-from endpoint.s3 import S3
-from endpoint.settings import EndpointSettings
 from tests.comfy_sim_support import (
     REPO_ROOT,
     basic_graph,

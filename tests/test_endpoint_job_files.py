@@ -23,11 +23,11 @@ import pytest
 import pytest_asyncio
 from structlog.testing import capture_logs
 
-from activities.runpod.contract import S3Target, claim_key, inputs_folder
 from endpoint.claims import ClaimStore
 from endpoint.job import run_job
 from endpoint.s3 import S3
 from endpoint.settings import EndpointSettings
+from protocol.runpod.contract import S3Target, claim_key, inputs_folder
 from tests.comfy_sim_support import make_png, run_simulator
 from tests.endpoint_support import (
     Bucket,

@@ -22,11 +22,11 @@ import pytest
 import pytest_asyncio
 from structlog.testing import capture_logs
 
-from activities.runpod.contract import Claim, S3Target, claim_key
 from endpoint.claims import ClaimStore
 from endpoint.job import run_job
 from endpoint.s3 import S3
 from endpoint.settings import EndpointSettings
+from protocol.runpod.contract import Claim, S3Target, claim_key
 from tests.comfy_sim_support import ksampler_graph, run_simulator
 from tests.endpoint_support import (
     Bucket,

@@ -26,9 +26,6 @@ from botocore.exceptions import (
 )
 from pydantic import SecretStr
 
-from activities.comfyui.client import ComfyClient, ComfyPromptRejected
-from activities.progress import ProgressTracker
-from activities.runpod.contract import MAX_UPDATE_BYTES, ArtifactRecord, InputImage, ProgressUpdate
 from endpoint.failures import failure_of
 from endpoint.inputs import InputProblem, decode_image, read_input
 from endpoint.outputs import S3Sink
@@ -37,6 +34,9 @@ from endpoint.s3 import S3, Patience, is_transient
 from endpoint.settings import BucketSettings, EndpointSettings, SettingsError
 from endpoint.stopping import StopSubject, stop_prompt
 from endpoint.upload import MAX_IN_FLIGHT, PART_SIZE, stream_to_s3
+from protocol.comfyui.client import ComfyClient, ComfyPromptRejected
+from protocol.progress import ProgressTracker
+from protocol.runpod.contract import MAX_UPDATE_BYTES, ArtifactRecord, InputImage, ProgressUpdate
 
 ROOT = Path(__file__).resolve().parent.parent
 

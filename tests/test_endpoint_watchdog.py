@@ -36,14 +36,14 @@ import pytest_asyncio
 import structlog
 from aiohttp import web
 
-from activities.keys import artifact_key
-from activities.runpod.contract import Claim, OutputFile, PromptEnd, S3Target, claim_key
 from endpoint.claims import ClaimStore, fresh_claim
 from endpoint.fence_file import ClaimPlace, FenceState, read_fence
 from endpoint.s3 import S3
 from endpoint.salvage import SALVAGE_MARGIN_S, Salvage
 from endpoint.takeover import what_is_left
 from endpoint.watchdog import GRACE_S, POLL_S, STOP_WAIT_S
+from protocol.keys import artifact_key
+from protocol.runpod.contract import Claim, OutputFile, PromptEnd, S3Target, claim_key
 from tests.aiohttp_support import served
 from tests.comfy_sim_support import REPO_ROOT, ksampler_graph, run_simulator
 from tests.endpoint_support import (

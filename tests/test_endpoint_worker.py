@@ -20,10 +20,10 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from activities.runpod.contract import S3Target, claim_key
 from devstack.runpod_sim import Ledger
 from endpoint.claims import ClaimStore
 from endpoint.s3 import S3
+from protocol.runpod.contract import S3Target, claim_key
 from tests.comfy_sim_support import basic_graph
 from tests.endpoint_support import Bucket, orchestrated_input, seaweedfs
 from tests.runpod_sim_support import ENDPOINT_VENV_MISSING, RunpodSim, run_runpod_sim

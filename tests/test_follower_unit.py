@@ -27,15 +27,15 @@ from structlog.testing import capture_logs
 from temporalio.exceptions import ApplicationError
 
 import activities.comfyui.follow as follow_module
-import activities.comfyui.follower as follower_module
+import protocol.comfyui.follower as follower_module
 from activities.comfyui.backend import ComfyBackend
-from activities.comfyui.client import ComfyClient
 from activities.comfyui.follow import FollowActivities
 from activities.follow_common import process_identity
 from activities.orphans import TAG_KEY
-from activities.progress import ProgressTracker
 from activities.storage import StoredObject
 from activities.storage_errors import StorageError
+from protocol.comfyui.client import ComfyClient
+from protocol.progress import ProgressTracker
 from tests.comfy_unit_fakes import (
     CLIENT_ID,
     GRAPH,

@@ -18,9 +18,9 @@ import pytest_asyncio
 import structlog
 
 from activities.comfyui.activities import upload_name
-from activities.keys import safe_component
 from devstack.models import RunningStack
 from gateway.settings import GatewaySettings
+from protocol.keys import safe_component
 from starter import JobClient
 from tests.cli_support import RunningWorker, running_worker
 from tests.gateway_support import (

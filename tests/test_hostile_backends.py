@@ -27,9 +27,6 @@ from hypothesis import strategies as st
 from temporalio.client import Client
 from temporalio.exceptions import ApplicationError
 
-from activities.comfyui.client import ComfyClient, UnsafeOutputName, check_view_request
-from activities.keys import job_folder
-from activities.runpod.contract import EndpointInput, Orchestration, S3Target
 from activities.runpod.models import RunPodJob
 from activities.runpod.outcome import Failed, read_job
 from activities.storage import ArtifactStore
@@ -37,6 +34,9 @@ from devstack.models import RunningStack
 from endpoint.failures import failure_of
 from endpoint.job import OrchestratedJob
 from endpoint.outputs import OutputCollector
+from protocol.comfyui.client import ComfyClient, UnsafeOutputName, check_view_request
+from protocol.keys import job_folder
+from protocol.runpod.contract import EndpointInput, Orchestration, S3Target
 from starter import JobClient, JobRequest, JobState
 from starter.errors import UnsafeArtifactKey
 from tests.cli_support import example, running_worker

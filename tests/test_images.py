@@ -501,4 +501,4 @@ def test_an_image_without_activities_is_caught(
     )
     assert dropped != text
     missing = missing_from_image(dropped, needs(), image_root(text, entry))
-    assert "activities/comfyui/follower.py" in missing
+    assert "protocol/comfyui/follower.py" in missing

@@ -7,7 +7,7 @@ import unicodedata
 
 import pytest
 
-from activities.keys import (
+from protocol.keys import (
     MAX_COMPONENT_BYTES,
     PLACEHOLDER,
     artifact_key,

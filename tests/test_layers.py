@@ -1,17 +1,18 @@
 """Layers point one way, and the RunPod handler's image holds everything the handler imports.
 
-    bench/      -> devstack/, starter/, activities/, workflows/   (tooling uses the product)
-    devstack/   -> starter/, activities/, workflows/, endpoint/
-    worker.py   -> starter/ (connection), activities/, workflows/
-    gateway/    -> starter/, workflows/, the S3, key and URL-check helpers of activities/
+    bench/      -> devstack/, starter/, activities/, protocol/, workflows/  (tooling uses them)
+    devstack/   -> starter/, activities/, protocol/, workflows/, endpoint/
+    worker.py   -> starter/ (connection), activities/, protocol/, workflows/
+    gateway/    -> starter/, workflows/, protocol/ (keys), S3 and URL-check helpers of activities/
     starter/    -> workflows/, the S3 helpers of activities/      (a client needs no worker code)
-    endpoint/   -> activities/ (the ComfyUI core, progress, keys, the RunPod wire contract)
-    activities/ -> workflows/
+    endpoint/   -> protocol/ (the ComfyUI core, progress, keys, the RunPod wire contract)
+    activities/ -> protocol/, workflows/
     workflows/  -> nothing of the project
+    protocol/   -> nothing of the project (and no Temporal: the handler's venv has none)
 
 Nothing in the product (workflows, activities, starter, worker.py, endpoint) imports the tooling
-(devstack, bench) or the tests, and `activities/` never imports `endpoint/`: the handler's side
-depends on the orchestrator's core, never the other way round.
+(devstack, bench) or the tests, and `activities/` never imports `endpoint/`: the orchestrator and
+the handler share the protocol core, and neither imports the other.
 
 The handler runs in a venv of its own (`endpoint/requirements.txt`, the `runpod` SDK, no
 Temporal): every module `endpoint/handler.py` reaches, transitively, must lie in a folder that
@@ -38,6 +39,7 @@ HANDLER = ENDPOINT / "handler.py"
 WATCHDOG = ENDPOINT / "watchdog.py"
 EP_PYTHON = ROOT / ".venv-endpoint" / "bin" / "python"
 PROJECT = {
+    "protocol",
     "activities",
     "workflows",
     "starter",
@@ -51,14 +53,16 @@ PROJECT = {
 TOOLING = {"devstack", "bench", "tests"}
 
 FORBIDDEN = {
-    "workflows": TOOLING | {"activities", "starter", "gateway", "worker", "endpoint"},
+    "workflows": TOOLING | {"protocol", "activities", "starter", "gateway", "worker", "endpoint"},
+    # Shared by the worker and the handler's image: Temporal stays out (test below).
+    "protocol": TOOLING | {"workflows", "activities", "starter", "gateway", "worker", "endpoint"},
     "activities": TOOLING | {"starter", "gateway", "worker", "endpoint"},
     "starter": TOOLING | {"gateway", "worker", "activities", "endpoint"},
     # The HTTP face is a client: JobClient's, with no worker code.
     "gateway": TOOLING | {"worker", "activities", "endpoint"},
     "worker.py": TOOLING | {"gateway", "endpoint"},
     # The handler's image has no Temporal: workflows/ (which imports it) stays out too.
-    "endpoint": TOOLING | {"starter", "gateway", "worker", "workflows"},
+    "endpoint": TOOLING | {"starter", "gateway", "worker", "workflows", "activities"},
     "devstack": {"bench", "tests"},
     "bench": {"tests"},
 }
@@ -79,8 +83,6 @@ ALLOWED = {
     ("gateway", "activities.url_fetch"),
     ("gateway", "activities.webhook_target"),
     ("gateway", "activities.settings"),
-    # Uploads name their keys and types as the worker names artifacts' (pure functions).
-    ("gateway", "activities.keys"),
 }
 # Installed with runpod (runpod==1.12.0 requires boto3).
 WITH_RUNPOD = {"boto3", "botocore"}
@@ -119,6 +121,17 @@ def test_layer_imports_point_one_way(layer: str) -> None:
         }
     )
     assert offences == []
+
+
+def test_the_protocol_core_imports_no_temporal() -> None:
+    """The worker and the handler share protocol/: a Temporal import there breaks the image."""
+    offences = sorted(
+        f"{path.relative_to(ROOT)} imports {module}"
+        for path in files_of("protocol")
+        for module in imported_modules(path)
+        if module.split(".")[0] == "temporalio"
+    )
+    assert files_of("protocol") and offences == []
 
 
 # --- the handler's image ---------------------------------------------------------------------
@@ -192,9 +205,9 @@ def test_the_handler_reaches_the_core_it_is_meant_to() -> None:
     """The walk itself: it finds the shared core and the contract, and nothing of Temporal's."""
     reached = {str(p.relative_to(ROOT)) for p in reached_from(HANDLER)}
     assert {
-        "activities/comfyui/follower.py",
-        "activities/comfyui/history.py",
-        "activities/runpod/contract.py",
+        "protocol/comfyui/follower.py",
+        "protocol/comfyui/history.py",
+        "protocol/runpod/contract.py",
         "endpoint/job.py",
     } <= reached
     assert "activities/comfyui/follow.py" not in reached, "the orchestrator's listener"
@@ -209,7 +222,7 @@ def test_the_dockerfile_copies_whole_folders_only() -> None:
         if not (ROOT / source).is_dir()
     ]
     assert all(not name.endswith(".py") for name in files), files
-    assert {f.name for f in copied_folders()} >= {"activities", "endpoint"}
+    assert {f.name for f in copied_folders()} == {"protocol", "endpoint"}
 
 
 def test_every_module_the_handler_imports_is_in_the_image() -> None:
@@ -286,7 +299,7 @@ def test_the_handler_imports_in_the_endpoints_venv() -> None:
 @needs_endpoint_venv
 def test_the_image_layout_imports_with_only_the_copied_files(tmp_path: Path) -> None:
     root = image_layout(tmp_path)
-    assert not (root / "workflows").exists()
+    assert not (root / "workflows").exists() and not (root / "activities").exists()
     done = subprocess.run(
         [str(EP_PYTHON), "-c", "import endpoint.handler, endpoint.job, endpoint.watchdog"],
         cwd=root,

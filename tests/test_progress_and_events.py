@@ -9,14 +9,14 @@ from typing import Any
 import pytest
 from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError, TimeoutType
 
-from activities.comfyui.events import (
+from protocol.comfyui.events import (
     for_prompt,
     is_fatal_device_error,
     is_out_of_memory,
     output_files,
     parse_frame,
 )
-from activities.progress import ProgressTracker
+from protocol.progress import ProgressTracker
 from workflows.activity_io import FollowHeartbeat
 from workflows.contracts import Artifact, Checkpoint
 from workflows.failures import recovered_progress

@@ -40,9 +40,7 @@ import pytest_asyncio
 from temporalio.client import WorkflowFailureError
 from temporalio.exceptions import ApplicationError
 
-from activities.comfyui.events import output_files
 from activities.runpod.claims import claim_target, read_claim
-from activities.runpod.contract import Claim, StopRecord, nodes_key
 from activities.runpod.follow import one_chunk
 from activities.settings import PoolConfig
 from activities.storage import ArtifactStore
@@ -51,6 +49,8 @@ from devstack.models import RunningStack
 from devstack.real_comfyui import WorkerComfyUI
 from devstack.runpod_sim import Ledger
 from devstack.runpod_sim.ledger import LedgerJob
+from protocol.comfyui.events import output_files
+from protocol.runpod.contract import Claim, StopRecord, nodes_key
 from starter import JobClient
 from starter.connection import connect_temporal
 from tests.comfy_sim_support import make_png, png_chunks, png_size

@@ -24,7 +24,11 @@ from temporalio.testing import ActivityEnvironment
 from activities.live_progress import LiveProgress
 from activities.runpod.backend import RunPodBackend
 from activities.runpod.client import MAX_RUN_BYTES, RunPodClient
-from activities.runpod.contract import (
+from activities.runpod.retry import RetryPolicy
+from activities.settings import PoolConfig, S3Settings
+from activities.storage import DatedBytes, StoredObject
+from activities.storage_errors import ObjectMissing
+from protocol.runpod.contract import (
     ArtifactRecord,
     Claim,
     ClaimOutcome,
@@ -36,10 +40,6 @@ from activities.runpod.contract import (
     claim_key,
     delivery_key,
 )
-from activities.runpod.retry import RetryPolicy
-from activities.settings import PoolConfig, S3Settings
-from activities.storage import DatedBytes, StoredObject
-from activities.storage_errors import ObjectMissing
 from workflows.activity_io import (
     FollowHeartbeat,
     FollowInput,

@@ -33,14 +33,6 @@ from activities.runpod.artifacts import (
     s3_location,
 )
 from activities.runpod.client import MAX_RUN_BYTES, RunPodClient, run_body
-from activities.runpod.contract import (
-    ArtifactRecord,
-    EndpointInput,
-    InputImage,
-    Orchestration,
-    ProgressUpdate,
-    S3Target,
-)
 from activities.runpod.errors import (
     RunPodAuthError,
     RunPodError,
@@ -65,6 +57,14 @@ from activities.runpod.outcome import (
 )
 from activities.runpod.retry import RetryPolicy, parse_retry_after
 from activities.settings import PoolConfig
+from protocol.runpod.contract import (
+    ArtifactRecord,
+    EndpointInput,
+    InputImage,
+    Orchestration,
+    ProgressUpdate,
+    S3Target,
+)
 from workflows.shared import ErrorType
 
 KEY = "rpa_K3Y_never_to_be_shown_0123456789abcdef"

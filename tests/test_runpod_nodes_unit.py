@@ -17,9 +17,9 @@ from structlog.testing import capture_logs
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
-from activities.runpod.contract import PublishedNodes, nodes_key
 from activities.runpod.nodes import NodeRegistries, check_captured_registries
 from activities.settings import PoolConfig
+from protocol.runpod.contract import PublishedNodes, nodes_key
 from tests.cli_support import example
 from tests.test_runpod_backend_unit import (
     OUR_KEY,

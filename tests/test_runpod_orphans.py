@@ -19,10 +19,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 import pytest_asyncio
 
-from activities.runpod.contract import nodes_key
 from activities.runpod.submissions import pool_folder
 from activities.storage import ArtifactStore
 from devstack.models import RunningStack
+from protocol.runpod.contract import nodes_key
 from starter import JobClient
 from tests.runpod_e2e_support import (
     POOL,

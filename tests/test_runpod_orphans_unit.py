@@ -19,10 +19,10 @@ from temporalio.service import RPCError, RPCStatusCode
 from activities.orphans import OrphanSweeper, RunPodSweep, SweptPrompt
 from activities.runpod import submissions
 from activities.runpod.client import RunPodClient
-from activities.runpod.contract import Claim, S3Target, claim_key
 from activities.runpod.retry import RetryPolicy
 from activities.runpod.submissions import SubmissionRecord, record_key
 from activities.settings import PoolConfig
+from protocol.runpod.contract import Claim, S3Target, claim_key
 from tests.test_runpod_backend_unit import (
     BUCKET,
     HOLDER,

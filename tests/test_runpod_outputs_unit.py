@@ -18,7 +18,7 @@ import pytest
 from temporalio.exceptions import ApplicationError
 
 from activities.runpod.artifacts import KeyCollision, record_keys
-from activities.runpod.contract import ArtifactRecord, ClaimOutcome
+from protocol.runpod.contract import ArtifactRecord, ClaimOutcome
 from tests.test_runpod_backend_unit import (
     JOB_ID,
     OUR_KEY,

@@ -17,7 +17,11 @@ import pytest
 from temporalio.exceptions import ApplicationError
 
 from activities.runpod import submissions
-from activities.runpod.contract import (
+from activities.runpod.cost import job_cost
+from activities.runpod.follow import stop_horizon
+from activities.runpod.models import RunPodJob
+from activities.settings import PoolConfig
+from protocol.runpod.contract import (
     DEFAULT_STOP_HORIZON_S,
     Claim,
     ClaimOutcome,
@@ -28,10 +32,6 @@ from activities.runpod.contract import (
     claim_key,
     delivery_key,
 )
-from activities.runpod.cost import job_cost
-from activities.runpod.follow import stop_horizon
-from activities.runpod.models import RunPodJob
-from activities.settings import PoolConfig
 from tests.test_runpod_backend_unit import (
     BUCKET,
     HOLDER,

@@ -1,7 +1,7 @@
 """SilenceTimer: a follower's allowance for a silent socket. It must time out a wait that gets
 nothing, never count the time between waits, keep one timer per socket however many frames
 come, and never swallow or disguise someone else's cancel (the Python 3.11 trap that rules out
-`asyncio.wait_for` in activities/comfyui/follower.py)."""
+`asyncio.wait_for` in protocol/comfyui/follower.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from activities.comfyui.silence import SilenceTimer
+from protocol.comfyui.silence import SilenceTimer
 
 ALLOWANCE_S = 0.05
 

@@ -11,11 +11,11 @@ import pytest_asyncio
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
-from activities.comfyui.client import ComfyClient
 from activities.comfyui.offload import OffloadActivities, OutputUploader
 from activities.comfyui.pools import ComfyPools
 from activities.settings import PoolConfig, WorkerSettings
 from activities.storage_errors import StorageError
+from protocol.comfyui.client import ComfyClient
 from tests.comfy_unit_fakes import PROMPT_ID, RUN_TAG, FakeComfy, FakeStore, image
 from workflows.activity_io import OffloadInput, OffloadResult
 from workflows.contracts import Artifact, OutputSpec
@@ -196,7 +196,7 @@ def test_view_reads_the_socket_in_large_pieces() -> None:
     # also sends the parts (bench group 5); importing the client raises them to 256 KiB.
     import httpcore
 
-    from activities.comfyui import client
+    from protocol.comfyui import client
 
     assert client.HTTP11_READ_BYTES == 256 * 1024
     assert httpcore.AsyncHTTP11Connection.READ_NUM_BYTES >= client.HTTP11_READ_BYTES

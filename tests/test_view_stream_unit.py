@@ -12,13 +12,13 @@ import pytest
 import pytest_asyncio
 from aiohttp import web
 
-from activities.comfyui.client import (
+from activities.comfyui.offload import OutputUploader, _reads_network, _tls_context, view_stream
+from protocol.comfyui.client import (
     ComfyClient,
     ComfyHTTPError,
     ComfyUnavailable,
     UnsafeOutputName,
 )
-from activities.comfyui.offload import OutputUploader, _reads_network, _tls_context, view_stream
 from tests.aiohttp_support import served
 from tests.comfy_unit_fakes import RUN_TAG, FakeStore, image
 from workflows.contracts import OutputSpec

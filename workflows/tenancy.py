@@ -138,7 +138,7 @@ def check_output(tenant: str, prefix: str, bucket: str | None, own_bucket: str |
     """Refuse (`OutputOutsideArea`) an `output.prefix` that is not the tenant's area or a
     folder in it, and an `output.bucket` other than `own_bucket` (the service's bucket).
 
-    Levels are compared as given, `""` and `.` levels dropped as `activities.keys.job_folder`
+    Levels are compared as given, `""` and `.` levels dropped as `protocol.keys.job_folder`
     drops them: the prefix the artifacts' keys are built from is then under the area."""
     area = output_area(tenant)
     levels = [level for level in prefix.split("/") if level not in ("", ".")]

@@ -11,14 +11,14 @@ from typing import Any, Literal
 
 import structlog
 
-from activities.comfyui.client import ComfyClient, ComfyError
-from activities.comfyui.events import ending_of
 from activities.comfyui.graph import output_nodes, refuse_foreign_files, refuse_hostile_graph
 from activities.comfyui.pools import ComfyPools, PoolHealth
 from activities.comfyui.registry import PoolRegistries
 from activities.errors import fatal, from_comfy
 from activities.inputs import input_bytes
 from activities.storage import ArtifactStore
+from protocol.comfyui.client import ComfyClient, ComfyError
+from protocol.comfyui.events import ending_of
 from workflows.activity_io import (
     PreparedJob,
     PrepareInput,

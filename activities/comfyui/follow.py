@@ -2,7 +2,7 @@
 
 `follow_prompt` is the one long-running activity of a job. The protocol itself (socket before
 POST, submit unless known, reconcile on silence, reopen a deaf socket, lost-prompt rechecks) is
-`activities.comfyui.follower.PromptFollower`, shared with the RunPod handler; `FollowAttempt` is
+`protocol.comfyui.follower.PromptFollower`, shared with the RunPod handler; `FollowAttempt` is
 this side's listener: it heartbeats a `FollowHeartbeat` (its `Checkpoint` and the artifacts
 stored so far) on every event, uploads each output as its node finishes (offload.py's
 `OutputUploader`), and tells the workflow about progress with `progress` signals on milestones
@@ -26,10 +26,6 @@ import websockets
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from activities.comfyui.client import ComfyClient, ComfyError
-from activities.comfyui.events import output_files
-from activities.comfyui.follower import PromptFollower, PromptLost, Stage
-from activities.comfyui.history import failed_in_history, history_messages
 from activities.comfyui.offload import OutputUploader, finished_history
 from activities.comfyui.pools import ComfyPools, PoolHealth
 from activities.errors import (
@@ -49,8 +45,12 @@ from activities.follow_common import Stage as ReportStage
 from activities.heartbeat_budget import HeartbeatBudget
 from activities.live_progress import LiveProgress
 from activities.orphans import prompt_tag
-from activities.progress import ProgressTracker
 from activities.storage import ArtifactStore
+from protocol.comfyui.client import ComfyClient, ComfyError
+from protocol.comfyui.events import output_files
+from protocol.comfyui.follower import PromptFollower, PromptLost, Stage
+from protocol.comfyui.history import failed_in_history, history_messages
+from protocol.progress import ProgressTracker
 from workflows.activity_io import FollowHeartbeat, FollowInput, FollowResult
 from workflows.contracts import Artifact, Checkpoint, ProgressReport
 from workflows.shared import ErrorType

@@ -13,7 +13,7 @@ save prefix is rewritten into this run's folder, and a saving node whose prefix 
 hits another run's cache, so no record of ours points there; following it would read another
 job's output. A record outside every run folder is kept: a prefix we could not rewrite (linked
 from a `PrimitiveString`) saves there, and a cache hit then names an earlier identical run's
-file. Whatever the names, the S3 key is `activities.keys.artifact_key`, inside the job's folder.
+file. Whatever the names, the S3 key is `protocol.keys.artifact_key`, inside the job's folder.
 
 `/view` is read with aiohttp (`view_stream`), not through the shared httpx client: httpx's
 HTTP/1.1 path (anyio, h11's buffers) costs the event loop that also sends the parts to S3 about
@@ -40,7 +40,11 @@ import structlog
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from activities.comfyui.client import (
+from activities.comfyui.pools import ComfyPools
+from activities.errors import fatal, from_comfy, from_storage, history_failure, retryable
+from activities.metrics import count_offloaded
+from activities.storage import ArtifactStore, StorageError
+from protocol.comfyui.client import (
     ComfyClient,
     ComfyError,
     ComfyHTTPError,
@@ -48,19 +52,15 @@ from activities.comfyui.client import (
     UnsafeOutputName,
     check_view_request,
 )
-from activities.comfyui.events import output_files
-from activities.comfyui.history import (
+from protocol.comfyui.events import output_files
+from protocol.comfyui.history import (
     HistoryMissing,
     failed_in_history,
     history_messages,
     history_when_written,
     outputs_of,
 )
-from activities.comfyui.pools import ComfyPools
-from activities.errors import fatal, from_comfy, from_storage, history_failure, retryable
-from activities.keys import artifact_key, content_type_for, in_another_run, shown
-from activities.metrics import count_offloaded
-from activities.storage import ArtifactStore, StorageError
+from protocol.keys import artifact_key, content_type_for, in_another_run, shown
 from workflows.activity_io import OffloadInput, OffloadResult
 from workflows.contracts import Artifact, OutputSpec
 from workflows.shared import ErrorType

@@ -22,9 +22,9 @@ import uuid
 import httpx
 import structlog
 
-from activities.comfyui.client import ComfyClient, ComfyError
 from activities.errors import fatal
 from activities.settings import PoolConfig, WorkerSettings
+from protocol.comfyui.client import ComfyClient, ComfyError
 from workflows.shared import ErrorType
 
 log = structlog.get_logger(__name__)

@@ -1,7 +1,6 @@
-"""Everything that talks to a RunPod serverless endpoint, one module per concern.
+"""Everything that talks to a RunPod serverless endpoint, one module per concern. The wire
+contract with our handler, which both sides import, is `protocol/runpod/contract.py`.
 
-    contract.py  the wire contract with our handler (endpoint/): its input and output, progress
-                 updates, artifact records, claims; pydantic only, imported by both sides
     errors.py    the exception tree `RunPodClient` raises (translated from httpx at its edge)
     models.py    the public API's answers as typed models, and the `/run` policy with its ranges
     retry.py     the client's own bounded, jittered waits for 429 / 5xx, and `Retry-After`

@@ -10,9 +10,9 @@ Three shapes reach the orchestrator in `output.images`:
               orchestrator decodes it and streams it to S3 itself
 
 Records come from the worker and are untrusted. Keys for what the orchestrator stores itself
-("url", "inline") are built by `activities.keys` from the record's filename, never from a path
+("url", "inline") are built by `protocol.keys` from the record's filename, never from a path
 the record gives. An "s3" record's key is refused (`UnusableArtifact`, before anything reads it)
-unless it is a key `activities.keys` could have built: non-empty levels that are each already a
+unless it is a key `protocol.keys` could have built: non-empty levels that are each already a
 safe component, so no absolute key, no `.`/`..` level, no control character, backslash or `%`.
 Whether its bucket and folder are this job's is checked where the job is known, before any
 read (`activities.runpod.follow`).
@@ -31,8 +31,8 @@ import re
 from collections.abc import Sequence
 from typing import Literal
 
-from activities.keys import MAX_KEY_BYTES, artifact_key, safe_component, shown
-from activities.runpod.contract import ArtifactRecord
+from protocol.keys import MAX_KEY_BYTES, artifact_key, safe_component, shown
+from protocol.runpod.contract import ArtifactRecord
 
 ArtifactSource = Literal["s3", "url", "inline"]
 
@@ -131,7 +131,7 @@ def artifact_source(record: ArtifactRecord, *, verifiable: bool) -> ArtifactSour
 
 def s3_location(record: ArtifactRecord) -> tuple[str, str]:
     """(bucket, key) of an "s3" record: the explicit fields, else parsed from `data`; refused
-    when the two disagree or the key is not one `activities.keys` builds (module docstring)."""
+    when the two disagree or the key is not one `protocol.keys` builds (module docstring)."""
     parts = _s3_parts(record.data)
     if record.bucket and record.key:
         if parts is not None and parts != (record.bucket, record.key):

@@ -20,18 +20,11 @@ import structlog
 from activities.comfyui.graph import refuse_foreign_files, refuse_hostile_graph
 from activities.errors import fatal, retryable
 from activities.inputs import input_bytes
-from activities.keys import content_type_for, job_folder, safe_component
 from activities.live_progress import LiveProgress
 from activities.runpod import submissions
 from activities.runpod.artifacts import key_problem
 from activities.runpod.claims import claim_target, lease_running, read_claim
 from activities.runpod.client import MAX_RUN_BYTES, RunPodClient
-from activities.runpod.contract import (
-    MAX_INPUT_FILE_BYTES,
-    InputImage,
-    StagedInput,
-    inputs_folder,
-)
 from activities.runpod.deliveries import other_delivery_costs
 from activities.runpod.errors import RunPodError, RunPodJobGone
 from activities.runpod.failures import from_runpod
@@ -41,6 +34,13 @@ from activities.runpod.nodes import registries_for
 from activities.runpod.stop_verdict import StopAction, stop_verdict
 from activities.settings import PoolConfig
 from activities.storage import ArtifactStore
+from protocol.keys import content_type_for, job_folder, safe_component
+from protocol.runpod.contract import (
+    MAX_INPUT_FILE_BYTES,
+    InputImage,
+    StagedInput,
+    inputs_folder,
+)
 from workflows.activity_io import (
     FollowInput,
     FollowResult,

@@ -13,9 +13,9 @@ from datetime import UTC, datetime
 
 from pydantic import ValidationError
 
-from activities.runpod.contract import Claim, S3Target, claim_key, server_age_s
 from activities.storage import ArtifactStore
 from activities.storage_errors import ObjectMissing
+from protocol.runpod.contract import Claim, S3Target, claim_key, server_age_s
 from workflows.contracts import OutputSpec
 
 # A claim is a small JSON document: anything bigger is not one of ours.

@@ -29,7 +29,6 @@ import httpx
 import structlog
 from pydantic import BaseModel, SecretStr, ValidationError
 
-from activities.runpod.contract import EndpointInput
 from activities.runpod.errors import (
     RunPodAuthError,
     RunPodJobGone,
@@ -51,6 +50,7 @@ from activities.runpod.models import (
 )
 from activities.runpod.retry import RetryPolicy, parse_retry_after
 from activities.settings import RUNPOD_API_KEY_ENV, PoolConfig
+from protocol.runpod.contract import EndpointInput
 
 log = structlog.get_logger(__name__)
 

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from activities.runpod.contract import Claim, StopRecord
 from activities.runpod.models import RunPodJob, RunPodState
 from activities.settings import PoolConfig
+from protocol.runpod.contract import Claim, StopRecord
 from workflows.contracts import DeliveryOutcome, JobCost
 
 # What a worker keeps billing after its last job when the pool does not say (RunPod's default

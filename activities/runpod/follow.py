@@ -37,7 +37,6 @@ from activities.follow_common import (
     send_progress,
     worker_identity,
 )
-from activities.keys import artifact_key, content_type_for, job_folder
 from activities.live_progress import LiveProgress
 from activities.runpod import submissions
 from activities.runpod.artifacts import (
@@ -56,18 +55,6 @@ from activities.runpod.claims import (
     read_claim,
 )
 from activities.runpod.client import RunPodClient
-from activities.runpod.contract import (
-    DEFAULT_FENCE_AFTER_S,
-    DEFAULT_LEASE_S,
-    DEFAULT_STOP_HORIZON_S,
-    ArtifactRecord,
-    Claim,
-    EndpointInput,
-    InputImage,
-    Orchestration,
-    OutputFile,
-    StagedInput,
-)
 from activities.runpod.cost import job_cost
 from activities.runpod.deliveries import delivery_ids
 from activities.runpod.errors import RunPodError, RunPodJobGone, RunPodSubmissionAmbiguous
@@ -87,6 +74,19 @@ from activities.runpod.outcome import (
 from activities.settings import PoolConfig
 from activities.storage import ArtifactStore
 from activities.storage_errors import StorageError
+from protocol.keys import artifact_key, content_type_for, job_folder
+from protocol.runpod.contract import (
+    DEFAULT_FENCE_AFTER_S,
+    DEFAULT_LEASE_S,
+    DEFAULT_STOP_HORIZON_S,
+    ArtifactRecord,
+    Claim,
+    EndpointInput,
+    InputImage,
+    Orchestration,
+    OutputFile,
+    StagedInput,
+)
 from workflows.activity_io import FollowHeartbeat, FollowInput, FollowResult
 from workflows.contracts import Artifact, Checkpoint, DeliveryOutcome, JobCost, ProgressReport
 from workflows.shared import AT_MOST_ONCE, ErrorType

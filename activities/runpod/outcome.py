@@ -41,11 +41,11 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from activities.comfyui.events import is_fatal_device_error, is_out_of_memory
 from activities.runpod.artifacts import UnusableArtifact, artifact_source
-from activities.runpod.contract import ArtifactRecord, Claim, EndpointOutput, ProgressUpdate
 from activities.runpod.models import RunPodJob, RunPodState, RunPolicy, is_job_id
 from activities.runpod.rejection import stock_rejection
+from protocol.comfyui.events import is_fatal_device_error, is_out_of_memory
+from protocol.runpod.contract import ArtifactRecord, Claim, EndpointOutput, ProgressUpdate
 from workflows.shared import ErrorType
 
 PROGRESS_KIND = "durable_comfy.progress"
@@ -95,7 +95,7 @@ class ClaimedElsewhere:
     """This delivery ran nothing: RunPod job `holder` holds the submission's claim.
 
     `holder` None: the answer did not say (or said something that is not a job id); read the
-    claim object (`activities.runpod.contract.claim_key`) to find it.
+    claim object (`protocol.runpod.contract.claim_key`) to find it.
     """
 
     job_id: str

@@ -25,12 +25,12 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from temporalio import activity
 
 from activities.errors import retryable
-from activities.keys import safe_component
-from activities.runpod.contract import S3Target
 from activities.runpod.models import RunPolicy
 from activities.settings import PoolConfig
 from activities.storage import ArtifactStore
 from activities.storage_errors import IntegrityError, ObjectMissing, StorageError
+from protocol.keys import safe_component
+from protocol.runpod.contract import S3Target
 from workflows.activity_io import FollowInput
 from workflows.shared import ErrorType
 

@@ -23,11 +23,11 @@ import httpx
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from activities.comfyui.client import ComfyClient
-from activities.comfyui.whereabouts import whereabouts
 from devstack.comfy_sim import SimSettings, create_app
 from devstack.comfy_sim.__main__ import parse_args
 from devstack.real_comfyui import RealComfyUI
+from protocol.comfyui.client import ComfyClient
+from protocol.comfyui.whereabouts import whereabouts
 from tests.comfy_sim_support import (
     HOOKLESS_EXTRA,
     PRIMITIVES,
@@ -99,7 +99,7 @@ async def view(comfy: ComfyAPI, item: dict[str, Any]) -> tuple[int, bytes, str]:
         return response.status, await response.read(), response.content_type
 
 
-# Every route our handler and orchestrator (activities/comfyui/client.py) and the stock
+# Every route our handler and orchestrator (protocol/comfyui/client.py) and the stock
 # worker-comfyui 5.8.5 handler call, with a minimal request and what ComfyUI 0.8.0 answers it
 # (status, content type), plain and under /api. "ours" / "stock": who calls it.
 ROUTES_USED: list[tuple[str, str, dict[str, Any], int, str, str]] = [
@@ -725,7 +725,7 @@ async def test_jobs_endpoint(comfy: ComfyAPI) -> None:
 async def test_jobs_api_says_where_queued_prompts_are_without_their_graphs(
     comfy: ComfyAPI,
 ) -> None:
-    """What activities/comfyui/whereabouts.py reads instead of /queue: the same places."""
+    """What protocol/comfyui/whereabouts.py reads instead of /queue: the same places."""
     client_id = new_id()
     async with comfy.socket(client_id) as reader:
         slow = await comfy.submit(slow_graph(prefix(), comfy.target.is_sim), client_id=client_id)

@@ -152,7 +152,7 @@ def _character_problem(value: str) -> str | None:
 def _quoted(value: str, limit: int = 80) -> str:
     """An untrusted name for a message: ASCII-escaped (no control characters, no newlines, no
     look-alikes), bounded, inside a Markdown code span (the Temporal UI's details render
-    Markdown, where a name could otherwise be a link). `activities.keys.shown` does the same;
+    Markdown, where a name could otherwise be a link). `protocol.keys.shown` does the same;
     this module imports nothing of the project."""
     cut = value[:limit] + ("..." if len(value) > limit else "")
     return "`" + ascii(cut)[1:-1].replace("`", "\\x60") + "`"

@@ -30,13 +30,13 @@ from typing import Any, Literal, Protocol
 import structlog
 import websockets
 
-from activities.comfyui.client import ComfyClient, ComfyUnavailable
-from activities.comfyui.events import ComfyEvent, ending_of, for_prompt, parse_frame
-from activities.comfyui.history import history_when_written, outputs_of
-from activities.comfyui.silence import SilenceTimer
-from activities.comfyui.socket import comfy_socket
-from activities.comfyui.whereabouts import is_known, whereabouts
-from activities.progress import ProgressTracker
+from protocol.comfyui.client import ComfyClient, ComfyUnavailable
+from protocol.comfyui.events import ComfyEvent, ending_of, for_prompt, parse_frame
+from protocol.comfyui.history import history_when_written, outputs_of
+from protocol.comfyui.silence import SilenceTimer
+from protocol.comfyui.socket import comfy_socket
+from protocol.comfyui.whereabouts import is_known, whereabouts
+from protocol.progress import ProgressTracker
 
 # A socket silent this many polls while the prompt runs is reopened: ComfyUI unregisters a
 # client_id when any socket of that ID closes, so an older socket closing late can leave ours
@@ -324,7 +324,7 @@ class PromptFollower:
             self.end_data = dict(data)
 
     async def _reconcile(self) -> None:
-        """Ask ComfyUI where the prompt is (activities/comfyui/whereabouts.py). Only when it
+        """Ask ComfyUI where the prompt is (protocol/comfyui/whereabouts.py). Only when it
         knows it nowhere, twice, is it lost: a prompt is briefly in neither its queue nor its
         history as it finishes."""
         for look in range(2):

@@ -12,7 +12,7 @@ import asyncio
 import time
 from typing import Any
 
-from activities.comfyui.client import ComfyClient
+from protocol.comfyui.client import ComfyClient
 
 # `execution_success` arrives before ComfyUI writes the history entry: this long, at most.
 HISTORY_WAIT_S = 10.0

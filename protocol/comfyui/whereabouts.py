@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from activities.comfyui.client import ComfyClient, JobLookup
+from protocol.comfyui.client import ComfyClient, JobLookup
 
 Where = Literal["pending", "running", "finished", "unknown"]
 

@@ -1,5 +1,5 @@
 """What the orchestrator and the RunPod handler exchange: the job's input, its progress updates,
-its output, and the claim object in S3. pydantic and `activities.keys` only, so both sides
+its output, and the claim object in S3. pydantic and `protocol.keys` only, so both sides
 import this one file: the orchestrator (`activities/runpod/`) and the handler (`endpoint/`, in its
 own venv, which has no Temporal).
 
@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from activities.keys import job_folder, safe_component
+from protocol.keys import job_folder, safe_component
 
 # The claim of one submission token lives beside the job's artifacts; the orchestrator reads it.
 CLAIMS_FOLDER = "_claims"
@@ -389,7 +389,7 @@ def inputs_folder(target: S3Target, job_id: str) -> str:
 
 def claim_key(target: S3Target, job_id: str, submission: str) -> str:
     """The claim's object key, in the job's own folder beside its artifacts (the same sanitised
-    folder `activities.keys.artifact_key` uses)."""
+    folder `protocol.keys.artifact_key` uses)."""
     return f"{job_folder(target.prefix, job_id)}/{CLAIMS_FOLDER}/{safe_component(submission)}.json"
 
 
