@@ -29,7 +29,7 @@ $(EP_STAMP): endpoint/requirements.txt
 
 # The stock runpod-workers/worker-comfyui handler (a test fixture, AGPL-3.0, outside the
 # repository: STOCK_WORKER_COMFYUI=path/to/worker-comfyui) gets a venv of its own from its
-# requirements (runpod~=1.7.12), for tests/test_runpod_stock.py; without the folder there is
+# requirements (runpod~=1.7.12), for tests/stack/test_runpod_stock.py; without the folder there is
 # nothing to build and those tests skip (docs/testing.md).
 # Beside the checkout by default (as for REAL_COMFYUI), so CI runs the stock-handler tests.
 export STOCK_WORKER_COMFYUI ?= $(wildcard ../shared/worker-comfyui)
@@ -64,7 +64,7 @@ TEST_WORKERS ?= 3
 test: $(STAMP) $(EP_STAMP) $(STOCK_STAMP) nginx
 	$(BIN)/pytest -q -n $(TEST_WORKERS) --durations=15
 
-# Debian's nginx-light (grpc_pass, http2): tests/test_tls_connection.py puts a TLS front that
+# Debian's nginx-light (grpc_pass, http2): tests/stack/test_tls_connection.py puts a TLS front that
 # requires client certificates before the dev server, so the production connection path is run.
 .PHONY: nginx
 nginx:
@@ -72,7 +72,7 @@ nginx:
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx-light; }
 
 # Debian's chromium: the headless browser of `make test-ui` (the Temporal UI and the gateway's
-# page, tests/headless_chromium.py).
+# page, tests/support/chromium.py).
 .PHONY: chromium
 chromium:
 	@command -v chromium >/dev/null || { apt-get update -qq && \
@@ -93,13 +93,13 @@ test-real-comfyui: $(STAMP) $(EP_STAMP) $(STOCK_STAMP)
 	@test -n "$(REAL_COMFYUI)" -a -x "$(REAL_COMFYUI)" || { echo "no real-comfyui installer: set REAL_COMFYUI=path/to/real-comfyui (docs/testing.md)" >&2; exit 2; }
 	$(REAL_COMFYUI) install $(REAL_COMFYUI_DIR)
 	REAL_COMFYUI_DIR=$(abspath $(REAL_COMFYUI_DIR)) $(BIN)/pytest -q --durations=10 \
-		tests/tooling/test_comfy_sim_conformance.py tests/test_real_comfyui.py \
-		tests/test_real_comfyui_runpod.py
+		tests/tooling/test_comfy_sim_conformance.py tests/stack/test_real_comfyui.py \
+		tests/stack/test_real_comfyui_runpod.py
 
 ## test-ui: the Temporal UI shows a running job's live progress, and the gateway's browser page
 ## follows a job through a gateway kill -9 to its image (headless Chromium from Debian)
 test-ui: $(STAMP) chromium
-	REQUIRE_CHROMIUM=1 $(BIN)/pytest -q tests/test_temporal_ui.py tests/test_gateway_page.py
+	REQUIRE_CHROMIUM=1 $(BIN)/pytest -q tests/client/test_temporal_ui.py tests/gateway/test_gateway_page.py
 
 ## mutate: mutation testing of workflows/ and the follower against the fast tests (not in `make test`)
 .PHONY: mutate

@@ -226,8 +226,8 @@ def workflow_runner() -> SandboxedWorkflowRunner:
     each: the worker's CPU per job 72 ms with that, 57 ms without). Every module of `workflows/`
     is deterministic and keeps no state between runs, and the others were already imported
     passed through; the sandbox's other restrictions stay as they are, and the tests
-    (tests/test_replay_histories.py, the workflow tests' workers) still run the workflow under
-    the default sandbox."""
+    (tests/workflows/test_replay_histories.py, the workflow tests' workers) still run the
+    workflow under the default sandbox."""
     restrictions = SandboxRestrictions.default.with_passthrough_modules("workflows")
     return SandboxedWorkflowRunner(restrictions=restrictions)
 

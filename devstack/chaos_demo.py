@@ -16,7 +16,7 @@ Exit code 0 only then. The detached demo worker is stopped first and started aga
 
 The timeline recorder, worker process and simulator controls are the chaos tests' own harness
 (devstack/chaos): one implementation of "kill a worker and watch what the job does", shown
-here and asserted on in tests/test_chaos.py.
+here and asserted on in tests/stack/test_chaos.py.
 """
 
 from __future__ import annotations

@@ -19,14 +19,8 @@ from devstack.config import StackConfig
 from devstack.free_ports import HOST, free_port, make_stack_config, port_is_free
 from devstack.models import RunningStack
 from devstack.stack import start_stack, stop_stack
-
-# The RunPod integration fixtures (the simulator with our handler, a worker with a runpod pool).
-from tests.runpod_e2e_support import (  # noqa: F401 (fixtures)
-    nothing_left_running,
-    runpod_sim,
-    runpod_worker,
-)
-from tests.workflow_fakes import start_time_skipping
+from tests.support.cli import RunningWorker, running_worker
+from tests.support.workflow_fakes import start_time_skipping
 
 # The free-port helpers live in devstack/ (bench/ uses them too); imported here for the tests
 # that take them from conftest.
@@ -85,8 +79,19 @@ async def env() -> AsyncIterator[WorkflowEnvironment]:
     Per module, not per session: the server skips time for everyone on it, and an activity or
     timer a module leaves behind would hold up (or jump) the clock of the next. Starting one
     takes about 0.1 s. A test that needs a server nobody else touched starts its own (see
-    `clean_env` in tests/test_workflow_durability.py).
+    `clean_env` in tests/workflows/test_workflow_durability.py).
     """
     environment = await start_time_skipping()
     yield environment
     await environment.shutdown()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def worker(
+    local_stack: RunningStack, request: pytest.FixtureRequest
+) -> AsyncIterator[RunningWorker]:
+    """A worker process on the local stack for the module, on a task queue of the module's own
+    (named after it), so no module's jobs land on another's worker."""
+    name = request.module.__name__.rsplit(".", 1)[-1].removeprefix("test_").replace("_", "-")
+    async with running_worker(local_stack, name) as running:
+        yield running

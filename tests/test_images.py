@@ -38,7 +38,7 @@ from pathlib import Path, PurePosixPath
 import pytest
 from packaging.requirements import Requirement
 
-from tests.package_support import (
+from tests.support.package_build import (
     ROOT,
     SERVER_DISTRIBUTIONS,
     WORKER_PINS,
@@ -492,12 +492,12 @@ def test_the_endpoint_pins_are_complete_and_consistent() -> None:
     ],
     ids=["worker", "endpoint", "gateway"],
 )
-def test_an_image_without_activities_is_caught(
+def test_an_image_without_the_protocol_core_is_caught(
     dockerfile: Path, entry: str, needs: Callable[[], frozenset[str]]
 ) -> None:
     text = dockerfile.read_text()
     dropped = "\n".join(
-        line for line in text.splitlines() if not line.startswith("COPY activities/")
+        line for line in text.splitlines() if not line.startswith("COPY protocol/")
     )
     assert dropped != text
     missing = missing_from_image(dropped, needs(), image_root(text, entry))

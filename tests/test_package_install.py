@@ -3,7 +3,7 @@ and what it installs is exactly the worker image's pins (constraints/worker.txt)
 
 The project is built as a wheel from a copy of the files the package holds and installed into a
 fresh venv by pip's own resolution of its requirements (no extras), held to the image's pins as
-constraints, offline from the local wheelhouse (tests/package_support.py): only the runtime
+constraints, offline from the local wheelhouse (tests/support/package_build.py): only the runtime
 requirements are ever downloaded into it, so a server binary that crept back into them makes
 the offline install fail instead of passing unnoticed. One venv proves both: if the install
 holds exactly the pins and passes `pip check`, the image's `--no-deps` install of the same pins
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.package_support import (
+from tests.support.package_build import (
     BUDGET_S,
     SERVER_DISTRIBUTIONS,
     WORKER_PINS,

@@ -3,7 +3,7 @@ for byte, and that script and the README's CLI lines run against the local stack
 
 The stack is the session's (tests/conftest.py, free loopback ports); the worker runs in this
 process on a task queue of its own, and the script and the CLI get the environment
-`. .devstack/env` would give them (tests/cli_support.py).
+`. .devstack/env` would give them (tests/support/cli.py).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import pytest_asyncio
 
 from devstack.models import RunningStack
 from starter.cli.common import ExitCode
-from tests.cli_support import ROOT, RunningWorker, cli_env, json_lines, run_cli, running_worker
 from tests.conftest import free_port
+from tests.support.cli import ROOT, RunningWorker, cli_env, json_lines, run_cli, running_worker
 
 README = ROOT / "README.md"
 QUICKSTART = ROOT / "examples" / "quickstart.py"

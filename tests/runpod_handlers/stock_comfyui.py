@@ -6,7 +6,8 @@ It is our handler's stock path (endpoint/job.py `StockJob`) with the orchestrato
 `durable_comfy` block dropped, so a durable-comfy `runpod` pool with `claims: false` meets what
 it would meet on a stock endpoint. Run by the RunPod simulator in the endpoint's venv, for the
 tests that must run without the stock handler itself; the real one (from the fixture folder,
-under runpod 1.7.x) runs under worker_comfyui.py beside this file (tests/test_runpod_stock.py).
+under runpod 1.7.x) runs under worker_comfyui.py beside this file
+(tests/stack/test_runpod_stock.py).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from devstack.models import RunningStack
 from devstack.services import StackPaths
 from devstack.temporal_server import temporal_argv, write_temporal_toml
 from starter.codec import KEYS_FILE_ENV, codec_from_environ
-from tests.cli_support import ROOT
+from tests.support.cli import ROOT
 
 
 def codec_on(tmp_path: Path) -> StackConfig:

@@ -28,7 +28,8 @@ from devstack.comfy_sim.__main__ import parse_args
 from devstack.real_comfyui import RealComfyUI
 from protocol.comfyui.client import ComfyClient
 from protocol.comfyui.whereabouts import whereabouts
-from tests.comfy_sim_support import (
+from tests.conftest import free_port
+from tests.support.comfy_sim import (
     HOOKLESS_EXTRA,
     PRIMITIVES,
     PROMPT_SCOPED,
@@ -53,7 +54,6 @@ from tests.comfy_sim_support import (
     slow_graph,
     summary,
 )
-from tests.conftest import free_port
 
 REAL_URL = os.environ.get("COMFYUI_URL")
 # `make test-real-comfyui`: a real ComfyUI installed there, started by this module.

@@ -50,8 +50,8 @@ from devstack.services import StackPaths
 from devstack.stack import stack_ports, start_service, start_stack, stop_service
 from devstack.temporal_server import db_file, temporal_argv
 from devstack.worker_process import ensure_worker
-from tests.cli_support import example
-from tests.runpod_sim_support import ENDPOINT_VENV_MISSING
+from tests.support.cli import example
+from tests.support.runpod_sim import ENDPOINT_VENV_MISSING
 
 ROOT = Path(__file__).resolve().parents[2]
 DEV_CONFIG = ROOT / "temporal-dev.yaml"

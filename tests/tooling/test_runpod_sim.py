@@ -1,7 +1,7 @@
 """The RunPod serverless simulator (devstack/runpod_sim) against PROTOCOLS.md: the public API, the
 real runpod 1.12.0 worker loop running tests/runpod_handlers/, scaling, every fault, the ledger.
 
-Each simulator is a subprocess on its own free port (tests/runpod_sim_support.py), stopped by PID
+Each simulator is a subprocess on its own free port (tests/support/runpod_sim.py), stopped by PID
 at the end of its module fixture with a check that no worker process outlived it. Platform timers
 run on a fast simulator clock; the real cost is the workers' boot (~2 s each: the SDK imports
 py-cpuinfo, which probes the CPU at import time).
@@ -28,9 +28,9 @@ from devstack.chaos.wait import eventually
 from devstack.runpod_sim import Ledger, SimSettings
 from devstack.runpod_sim.ledger import LedgerWorker
 from devstack.runpod_sim.s3_proxy import TcpProxy
-from tests.aiohttp_support import served
-from tests.cli_support import example
-from tests.runpod_sim_support import (
+from tests.support.aiohttp_servers import served
+from tests.support.cli import example
+from tests.support.runpod_sim import (
     ENDPOINT_VENV_MISSING,
     RunpodSim,
     completed_executions,

@@ -1,0 +1,238 @@
+"""Record the replay histories: `python -m tests.workflows.histories.record [scenario ...]`.
+
+Runs InferenceJob on the time-skipping server with the stand-in activities
+(tests/support/workflow_fakes.py) through every way a job ends, and a job that continued as
+new, reconnected or waited for a decision, and writes each history (of the last run) as
+`<scenario>.json` beside this file.
+tests/workflows/test_replay_histories.py replays every one against today's code.
+
+These are the 1.0 baseline. A change to the workflow's commands fails their replay: a job still
+running when its workers are upgraded would fail the same way. Running jobs stay on the worker
+version they started on (Worker Versioning, docs/upgrading.md), so the usual answer is to
+re-record the histories here with the change; a `workflow.patched()` branch is for a change that
+must reach jobs already running (docs/upgrading.md says when, and how it is retired).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from temporalio import activity
+from temporalio.client import WorkflowFailureError, WorkflowHandle
+from temporalio.worker import Worker
+
+from tests.support.workflow_fakes import (
+    GRAPH,
+    FakeBackend,
+    Script,
+    start_job,
+    start_time_skipping,
+)
+from workflows.activity_io import WebhookAttempt, WebhookDeliveryInput
+from workflows.contracts import (
+    CancelRequest,
+    JobPolicy,
+    JobRequest,
+    JobState,
+    JobStatus,
+    ResumeRequest,
+    WebhookSpec,
+)
+from workflows.inference_job import InferenceJob
+from workflows.shared import (
+    ACTIVITY_DELIVER_WEBHOOK,
+    QUERY_STATUS,
+    SIGNAL_CANCEL,
+    SIGNAL_CANCEL_REASON,
+    SIGNAL_CLIENT_SEEN,
+    SIGNAL_RESUME,
+    UPDATE_ENDED,
+    UPDATE_RESUME,
+    ErrorType,
+)
+
+HERE = Path(__file__).parent
+SEGMENTS = "segments"  # in a scenario's settings: the request's segments, not a policy field
+# In a scenario's settings: a graph sent unchecked (as a client that skips the checks would).
+UNCHECKED_GRAPH = "unchecked_graph"
+# In a scenario's settings: the request's webhook.
+WEBHOOK = "webhook"
+CYCLE = {
+    "1": {"class_type": "A", "inputs": {"x": ["2", 0]}},
+    "2": {"class_type": "B", "inputs": {"y": ["1", 0]}},
+}
+Scenario = tuple[
+    Script, dict[str, Any], Callable[[WorkflowHandle[Any, JobStatus]], Awaitable[None]] | None
+]
+
+
+async def cancel_soon(handle: WorkflowHandle[Any, JobStatus]) -> None:
+    await asyncio.sleep(0.5)
+    await handle.signal(SIGNAL_CANCEL, CancelRequest(reason="recorded cancel"))
+
+
+async def decide_after_malformed_messages(handle: WorkflowHandle[Any, JobStatus]) -> None:
+    """What plain clients send (nothing, misspelt fields), then the resume update."""
+    for _ in range(100):
+        status = await handle.query(QUERY_STATUS, result_type=JobStatus)
+        if status.state == JobState.NEEDS_DECISION:
+            break
+        await asyncio.sleep(0.05)
+    await handle.signal(SIGNAL_CLIENT_SEEN)
+    await handle.signal(SIGNAL_RESUME, {"resubmt": True})
+    await handle.execute_update(UPDATE_RESUME, ResumeRequest(resubmit=True))
+
+
+async def cancel_with_reason(handle: WorkflowHandle[Any, JobStatus]) -> None:
+    await asyncio.sleep(0.5)
+    await handle.signal(SIGNAL_CANCEL_REASON, CancelRequest(reason="recorded reason"))
+    await handle.cancel()
+
+
+class FakeReceiver:
+    """`deliver_webhook` without a network: each event's first attempt answered 503, the next
+    delivered (so the history holds a retry's timer)."""
+
+    def __init__(self) -> None:
+        self.attempts: Counter[str] = Counter()
+
+    @activity.defn(name=ACTIVITY_DELIVER_WEBHOOK)
+    async def deliver_webhook(self, req: WebhookDeliveryInput) -> WebhookAttempt:
+        self.attempts[req.webhook_id] += 1
+        now = activity.info().current_attempt_scheduled_time
+        if self.attempts[req.webhook_id] == 1:
+            return WebhookAttempt(outcome="retry", status_code=503, error="HTTP 503", at=now)
+        return WebhookAttempt(outcome="delivered", status_code=204, at=now)
+
+
+async def wait_for_the_end(handle: WorkflowHandle[Any, JobStatus]) -> None:
+    """JobClient.wait's update: answered once the job is terminal, deliveries or not."""
+    await handle.execute_update(UPDATE_ENDED, result_type=JobStatus)
+
+
+SCENARIOS: dict[str, Scenario] = {
+    # The follow stores the outputs and saw the prompt end: no offload, no stop check.
+    "completed": (Script(), {"abandon_after_s": None}, None),
+    "cancelled": (
+        Script(follow_failures=[ErrorType.CONNECTION_LOST] * 20),
+        {"abandon_after_s": None, "reconnect": {"base_delay_s": 30, "max_delay_s": 30}},
+        cancel_soon,
+    ),
+    "abandoned": (
+        Script(follow_failures=[ErrorType.CONNECTION_LOST] * 20),
+        {"abandon_after_s": 120, "reconnect": {"base_delay_s": 50, "max_delay_s": 50}},
+        None,
+    ),
+    "reconnected": (
+        Script(follow_failures=[ErrorType.CONNECTION_LOST] * 3),
+        {"abandon_after_s": None},
+        None,
+    ),
+    # A stop confirmed over several checks, and a prompt the backend lost.
+    "stopped_slowly": (
+        Script(block_in="follow_prompt", stop_running_checks=3),
+        {"abandon_after_s": None},
+        cancel_soon,
+    ),
+    "lost": (
+        Script(follow_failures=[ErrorType.PROMPT_LOST]),
+        {"abandon_after_s": None},
+        None,
+    ),
+    # Messages from plain clients, the resume update, a reasoned Temporal cancel.
+    "decided": (
+        Script(follow_failures=[ErrorType.PROMPT_LOST] * 2),
+        {"abandon_after_s": None},
+        decide_after_malformed_messages,
+    ),
+    "canceled_with_reason": (
+        Script(block_in="follow_prompt"),
+        {"abandon_after_s": None},
+        cancel_with_reason,
+    ),
+    "queue_timeout": (
+        Script(block_in="follow_prompt", queued_at=2),
+        {"abandon_after_s": None, "queue_timeout_s": 2},
+        None,
+    ),
+    # A prompt that fails on the backend: stopped, outputs kept, FAILED typed.
+    "failed": (
+        Script(fatal_in={"follow_prompt": ErrorType.OUT_OF_MEMORY}),
+        {"abandon_after_s": None},
+        None,
+    ),
+    # An input that breaks a check fails the workflow typed, before any activity.
+    "refused": (Script(), {"abandon_after_s": None, UNCHECKED_GRAPH: CYCLE}, None),
+    # The last run of a job that continued as new twice, carry and all.
+    "continued": (
+        Script(),
+        {"abandon_after_s": None, "history_budget_events": 10, SEGMENTS: [{}, {}, {}]},
+        None,
+    ),
+    # A job with a webhook: its outputs and its end delivered, each after one retry, while
+    # the `ended` update answered at the job's end.
+    "webhook": (
+        Script(),
+        {
+            "abandon_after_s": None,
+            WEBHOOK: WebhookSpec(
+                url="https://hooks.example.com/jobs", events=["output_stored", "completed"]
+            ),
+        },
+        wait_for_the_end,
+    ),
+}
+
+
+async def record(only: list[str] | None = None) -> None:
+    env = await start_time_skipping()
+    try:
+        for name, (script, policy, action) in SCENARIOS.items():
+            if only and name not in only:
+                continue
+            backend = FakeBackend(script)
+            task_queue = f"record-{name}"
+            async with Worker(
+                env.client,
+                task_queue=task_queue,
+                workflows=[InferenceJob],
+                activities=[*backend.activities(), FakeReceiver().deliver_webhook],
+                graceful_shutdown_timeout=timedelta(seconds=1),
+            ):
+                settings = dict(policy)
+                unchecked = settings.pop(UNCHECKED_GRAPH, None)
+                fields = {
+                    "segments": settings.pop(SEGMENTS, []),
+                    "webhook": settings.pop(WEBHOOK, None),
+                    "policy": JobPolicy.model_validate({"heartbeat_timeout_s": 1} | settings),
+                }
+                request = (
+                    JobRequest(graph=GRAPH, **fields)
+                    if unchecked is None
+                    else JobRequest.model_construct(graph=unchecked, **fields)
+                )
+                handle = await start_job(env.client, task_queue, request)
+                if action is not None:
+                    await action(handle)
+                try:
+                    await handle.result()
+                except WorkflowFailureError:
+                    pass
+                history = await handle.fetch_history()
+            path = HERE / f"{name}.json"
+            path.write_text(json.dumps(json.loads(history.to_json()), indent=1) + "\n")
+            print(f"wrote {path} ({len(history.events)} events)")
+    finally:
+        await env.shutdown()
+
+
+if __name__ == "__main__":
+    # `record.py decided lost` records only those scenarios.
+    asyncio.run(record(sys.argv[1:]))

@@ -1,0 +1,98 @@
+"""`workflows/guards.py` on its own: which timer each guard starts, when it fires, what it says.
+
+The guards only wait (`workflow.sleep`, `workflow.wait_condition`) and then ask for a stop. Here
+each wait is a step of a script that checks the condition waited on and either lets it hold or
+lets the timer fire; the stop requests are recorded word for word.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from tests.support.workflow_fakes import FakeWorkflow, Step, fires, holds
+from workflows import guards
+from workflows.contracts import JobPolicy, JobState, JobStatus
+from workflows.job_book import JobBook
+from workflows.shared import ErrorType
+
+
+class Stops:
+    def __init__(self) -> None:
+        self.requests: list[tuple[JobState, str, str]] = []
+
+    def __call__(self, state: JobState, error_type: str, message: str) -> None:
+        self.requests.append((state, error_type, message))
+
+
+@pytest.fixture
+def book(wf: FakeWorkflow) -> JobBook:
+    return JobBook(JobStatus(job_id="j1"))
+
+
+def _run(wf: FakeWorkflow, guard: Any) -> None:
+    asyncio.run(guard)
+    assert wf.conditions == [], "the guard waited fewer times than the script says"
+
+
+def test_the_execution_deadline_fails_the_job_when_its_timer_fires(wf: FakeWorkflow) -> None:
+    stop = Stops()
+    _run(wf, guards.execution_deadline(JobPolicy(execution_timeout_s=90.4), stop))
+    assert wf.sleeps == [(90.4, "execution deadline")] and wf.waits == []
+    assert stop.requests == [
+        (JobState.FAILED, ErrorType.TIMEOUT, "the job ran past execution_timeout_s (90 s)")
+    ]
+
+
+def test_each_client_contact_restarts_the_abandon_watchdog(wf: FakeWorkflow, book: JobBook) -> None:
+    def contact(fn: Callable[[], bool]) -> None:
+        assert not fn()
+        book.contacts += 1
+        assert fn()
+
+    wf.conditions, stop = [contact, contact, fires], Stops()
+    _run(wf, guards.abandon_watchdog(299.6, book, stop))
+    assert wf.waits == [(299.6, "abandon watchdog")] * 3
+    assert stop.requests == [
+        (JobState.ABANDONED, ErrorType.ABANDONED, "no client contact for 300 s")
+    ]
+
+
+def test_a_prompt_waiting_past_the_queue_timeout_fails_the_job(
+    wf: FakeWorkflow, book: JobBook
+) -> None:
+    def queued(prompt: str) -> Step:
+        def step(fn: Callable[[], bool]) -> None:
+            assert not fn()  # running, or a new prompt not yet heard of
+            book.backend_state, book.prompt_id = JobState.WAITING, prompt
+            book.status.progress.queue_position = 3
+            assert fn()
+
+        return step
+
+    def moves_on(fn: Callable[[], bool]) -> None:
+        assert not fn()
+        book.backend_state = JobState.RUNNING
+        assert fn()
+
+    def is_replaced(fn: Callable[[], bool]) -> None:
+        assert not fn()
+        book.prompt_id = "p-2"  # resubmitted: the new prompt waits again, its own timer
+        assert fn()
+
+    wf.conditions = [queued("p-1"), moves_on, queued("p-1"), is_replaced, holds, fires]
+    stop = Stops()
+    book.backend_state = JobState.RUNNING
+    _run(wf, guards.queue_watchdog(59.6, book, stop))
+    waiting, timed = (None, None), (59.6, "queue timeout")
+    assert wf.waits == [waiting, timed] * 3 and wf.sleeps == []
+    assert stop.requests == [
+        (
+            JobState.FAILED,
+            ErrorType.QUEUE_TIMEOUT,
+            "prompt p-2 waited in the backend's queue (place 3) longer than queue_timeout_s (60 s)",
+        )
+    ]
