@@ -496,9 +496,7 @@ def test_an_image_without_the_protocol_core_is_caught(
     dockerfile: Path, entry: str, needs: Callable[[], frozenset[str]]
 ) -> None:
     text = dockerfile.read_text()
-    dropped = "\n".join(
-        line for line in text.splitlines() if not line.startswith("COPY protocol/")
-    )
+    dropped = "\n".join(line for line in text.splitlines() if not line.startswith("COPY protocol/"))
     assert dropped != text
     missing = missing_from_image(dropped, needs(), image_root(text, entry))
     assert "protocol/comfyui/follower.py" in missing
