@@ -61,8 +61,8 @@ demo-chaos: $(STAMP)
 ## (TEST_WORKERS=N: pytest-xdist processes, each with its own local stack; 1 runs them in one.
 ## 3 on 2 cores: most tests wait on services, and 2 left the cores half idle)
 TEST_WORKERS ?= 3
-test: $(STAMP) $(EP_STAMP) $(STOCK_STAMP) nginx
-	$(BIN)/pytest -q -n $(TEST_WORKERS) --durations=15
+test: $(STAMP) $(EP_STAMP) $(STOCK_STAMP) debs
+	REQUIRE_CHROMIUM=1 $(BIN)/pytest -q -n $(TEST_WORKERS) --durations=15
 
 # Debian's nginx-light (grpc_pass, http2): tests/stack/test_tls_connection.py puts a TLS front that
 # requires client certificates before the dev server, so the production connection path is run.
@@ -78,8 +78,8 @@ chromium:
 	@command -v chromium >/dev/null || { apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
 
-# Both Debian packages the tests use, whichever are missing, in one apt-get call: CI installs
-# them together rather than updating the package lists twice.
+# Both Debian packages the tests use, whichever are missing, in one apt-get call (`make test`
+# runs the browser tests too), rather than updating the package lists twice.
 .PHONY: debs
 debs:
 	@missing="$$(test -x /usr/sbin/nginx || echo nginx-light) $$(command -v chromium >/dev/null || echo chromium)"; \
