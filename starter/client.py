@@ -98,7 +98,6 @@ from starter.settings import ClientSettings
 from starter.staging import stage_inputs
 from starter.worker_wait import WAIT_STATES, QueueReader, with_worker_wait
 from workflows.activity_io import FollowHeartbeat
-from workflows.backoff import reconnect_delay
 from workflows.contracts import (
     Artifact,
     CancelRequest,
@@ -128,6 +127,7 @@ from workflows.shared import (
     UPDATE_ENDED,
     UPDATE_RESUME,
     WORKFLOW_TYPE,
+    reconnect_delay,
 )
 
 if TYPE_CHECKING:

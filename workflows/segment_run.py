@@ -15,7 +15,7 @@ from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
     from workflows import activity_calls as calls
-    from workflows import backoff
+    from workflows import shared
     from workflows.activity_io import FollowInput, FollowResult, PreparedJob, PrepareInput
     from workflows.contracts import Checkpoint, Decision, JobRequest, JobState
     from workflows.failures import (
@@ -178,7 +178,7 @@ class SegmentRun:
                 type=ErrorType.CONNECTION_LOST,
                 non_retryable=True,
             )
-        delay = backoff.reconnect_delay(
+        delay = shared.reconnect_delay(
             attempt, reconnect.base_delay_s, reconnect.max_delay_s, workflow.random().random()
         )
         counter("reconnects", "Durable reconnect timers").add(1)

@@ -23,7 +23,6 @@ from temporalio import workflow
 with workflow.unsafe.imports_passed_through():
     from workflows import activity_calls as calls
     from workflows.activity_io import StopCheck, StopInput
-    from workflows.backoff import reconnect_delay
     from workflows.contracts import (
         JobError,
         JobPolicy,
@@ -35,7 +34,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from workflows.failures import job_error
     from workflows.job_book import JobBook
-    from workflows.shared import ErrorType
+    from workflows.shared import ErrorType, reconnect_delay
 
 # Checks never wait longer than this apart: a prompt that stopped should not keep its job
 # waiting for long, and the horizon still bounds how many checks there are.

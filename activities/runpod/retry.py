@@ -6,7 +6,7 @@ and a total budget kept under the follow activity's heartbeat timeout); past it 
 to the caller, and Temporal's retry (with `next_retry_delay` from Retry-After) takes over.
 
 The delay is the workflow's reconnect formula, `min(base·2^n, max)·U(0.5, 1)` (one function,
-`workflows.backoff.reconnect_delay`), added on top of Retry-After: Retry-After is a floor the
+`workflows.shared.reconnect_delay`), added on top of Retry-After: Retry-After is a floor the
 platform asked for, and the jitter keeps every worker that was throttled in the same window
 from coming back in the same instant.
 """
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 
-from workflows.backoff import reconnect_delay
+from workflows.shared import reconnect_delay
 
 # A Retry-After beyond this is not believed (a misconfigured proxy); the caller still backs off.
 MAX_RETRY_AFTER_S = 3600.0

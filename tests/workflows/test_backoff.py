@@ -14,7 +14,7 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
-import workflows.backoff
+import workflows.shared
 from tests.support.workflow_fakes import (
     GRAPH,
     FakeBackend,
@@ -22,9 +22,8 @@ from tests.support.workflow_fakes import (
     job_worker,
     start_job,
 )
-from workflows.backoff import reconnect_delay
 from workflows.contracts import JobPolicy, JobRequest, JobState, JobStatus
-from workflows.shared import QUERY_STATUS, ErrorType
+from workflows.shared import QUERY_STATUS, ErrorType, reconnect_delay
 
 DRAWS = [0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.999999]
 
@@ -83,7 +82,7 @@ async def test_the_workflows_reconnect_timers_are_the_functions_answers(
     env: WorkflowEnvironment, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     answers: list[tuple[tuple[int, float, float, float], float]] = []
-    real = workflows.backoff.reconnect_delay
+    real = workflows.shared.reconnect_delay
 
     def recorded(attempt: int, base_s: float, max_s: float, u: float) -> float:
         delay = real(attempt, base_s, max_s, u)
@@ -91,7 +90,7 @@ async def test_the_workflows_reconnect_timers_are_the_functions_answers(
         return delay
 
     # The workflow looks the function up in this passed-through module at each reconnect.
-    monkeypatch.setattr(workflows.backoff, "reconnect_delay", recorded)
+    monkeypatch.setattr(workflows.shared, "reconnect_delay", recorded)
     backend = FakeBackend(Script(follow_failures=[ErrorType.CONNECTION_LOST] * 4))
     policy = JobPolicy.model_validate(
         {

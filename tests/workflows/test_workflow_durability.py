@@ -32,7 +32,6 @@ from tests.support.workflow_fakes import (
     start_job,
     start_time_skipping,
 )
-from workflows.backoff import reconnect_delay
 from workflows.contracts import (
     CancelRequest,
     JobPolicy,
@@ -50,6 +49,7 @@ from workflows.shared import (
     SIGNAL_CLIENT_SEEN,
     SIGNAL_RESUME,
     ErrorType,
+    reconnect_delay,
 )
 
 
