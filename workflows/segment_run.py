@@ -27,9 +27,8 @@ with workflow.unsafe.imports_passed_through():
         resubmit_cannot_run_twice,
     )
     from workflows.graph import apply_overrides, run_tag, with_unique_save_prefixes
-    from workflows.job_book import JobBook
+    from workflows.job_book import JobBook, counter
     from workflows.job_controls import JobControls
-    from workflows.job_metrics import counter
     from workflows.shared import AT_MOST_ONCE_RESUBMITS, ErrorType
 
 
