@@ -35,11 +35,10 @@ with workflow.unsafe.imports_passed_through():
     )
     from workflows.failures import job_error, refused_before_submission
     from workflows.graph import GraphFormatError, run_tag, sampler_steps
-    from workflows.input_refusal import Refusal, read_job_input
     from workflows.job_book import JobBook, counter
     from workflows.job_controls import JobControls, StopOrder
     from workflows.job_handlers import JobMessages
-    from workflows.job_input import JobCarry, JobInput
+    from workflows.job_input import JobCarry, JobInput, Refusal, read_job_input
     from workflows.segment_run import SegmentRun
     from workflows.shared import DEFAULT_TENANT, TENANT_LABEL, WORKFLOW_TYPE, ErrorType
     from workflows.stopping import ConfirmedStop

@@ -31,8 +31,7 @@ from tests.support.properties import (
 )
 from workflows.contracts import JobRequest
 from workflows.graph import CORE_FILE_INPUTS, GraphFormatError
-from workflows.input_refusal import read_job_input
-from workflows.job_input import JobInput
+from workflows.job_input import JobInput, read_job_input
 from workflows.request_checks import MAX_LABEL_VALUE_CHARS, MAX_POLICY_SECONDS, RequestRefused
 
 
