@@ -66,7 +66,7 @@ class Outcome(BaseModel):
 @dataclass(frozen=True)
 class Benchmark:
     name: str  # what BENCH= selects
-    group: int  # issue 10's numbering
+    group: int  # the groups' numbering (bench/README.md)
     title: str
     run: Callable[[BenchContext, BenchOptions], Awaitable[Outcome]]
     # The harness gives up on a benchmark after this long (its error is recorded, the rest run).

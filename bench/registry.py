@@ -28,7 +28,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     runpod_path.BENCHMARK,
 )
 
-# Issue 10's groups without a module yet: listed in RESULTS.md as not yet measured.
+# Planned groups without a module yet: listed in RESULTS.md as not yet measured.
 PLANNED: dict[int, str] = {}
 
 

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict
 
 
 class Target(BaseModel):
-    """A goal from issue 10: `metric op limit`, on the value itself or on value / baseline."""
+    """A benchmark's goal: `metric op limit`, on the value itself or on value / baseline."""
 
     model_config = ConfigDict(frozen=True)
 

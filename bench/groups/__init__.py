@@ -1,1 +1,1 @@
-"""One module per benchmark group of issue 10; bench/registry.py lists them."""
+"""One module per benchmark group; bench/registry.py lists them."""

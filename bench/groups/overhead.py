@@ -48,7 +48,7 @@ from starter import JobClient
 
 STEPS = 10
 ADDED_P50_MAX_MS = 100.0
-# Issue 20: what durability adds to a short job, at most 1.5x a bare one-activity workflow.
+# What durability adds to a short job, at most 1.5x a bare one-activity workflow.
 ADDED_VS_BARE_MAX = 1.5
 ADDED_P95_MAX_MS = 250.0
 KINDS = ("job", "direct", "bare")

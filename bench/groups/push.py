@@ -39,7 +39,7 @@ from devstack.free_ports import free_port
 from workflows.contracts import JobState
 
 FANOUT_JOBS = 100
-# Issue 20: a step at the simulator is seen by an SSE client within 50 ms (p50) at 100 jobs.
+# A step at the simulator is seen by an SSE client within 50 ms (p50) at 100 jobs.
 PUSH_P50_MAX_MS = 50.0
 FOLLOWERS_PER_JOB = (1, 10)
 FANOUT_WINDOW_S = 10.0

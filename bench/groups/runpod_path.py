@@ -5,8 +5,8 @@ A RunPod simulator whose workers run our handler under the real `runpod` loop (o
 ComfyUI simulator at 500 ms a step, the pace of scale_running.py's populations) serves two
 pools of one worker of ours, on the same endpoint:
 
-- **today's** (the baseline): `status_poll_s: 1.0`, `report_interval_s: 2.0`, the cadences
-  before issue 40 (the follow then slept a second after each answer; here it reads start to
+- **today's** (the baseline): `status_poll_s: 1.0`, `report_interval_s: 2.0`, the earlier
+  cadences (the follow then slept a second after each answer; here it reads start to
   start, a little more often than it did);
 - **the default**: the pool's defaults (activities/runpod/follow.py `POLL_S`, `REPORT_S`).
 
@@ -234,7 +234,7 @@ def _outcome(today: Round, now: Round) -> Outcome:
                 "follow's wait for its next read (at most its interval, start to start), "
                 "RunPod's answer and the push. On a 2-core machine the 100 handlers (at idle "
                 "priority) share the cores with the worker, whose event loop the `/status` "
-                "reads mostly fill (bench/RESULTS.md, *Issue 40*)."
+                "reads mostly fill (bench/RESULTS.md, *The RunPod path*)."
             ]
         },
     )

@@ -41,7 +41,8 @@ from bench.server_calls import calls_table, server_calls
 from bench.stack import BenchContext, extra_sim, extra_worker
 
 RATIO_MIN = 0.5
-# Half the Temporal server's CPU per short job recorded before issue 20 (115 ms, this machine).
+# Half the Temporal server's CPU per short job recorded before the scale work of 2026-12-02
+# (115 ms, this machine).
 SERVER_CPU_MAX_MS = 57.5
 SERVER = "Temporal server"
 WORKER = "worker"

@@ -1,6 +1,6 @@
 """The RunPod client and the outcome reader, against scripted answers (httpx.MockTransport).
 
-Every status sequence of issue 9's client item, the error translation at the client's edge
+Every status sequence the client must read, the error translation at the client's edge
 (auth, 404, 429 with Retry-After, 5xx, transport errors, 413 and the 10 MB limit, an ambiguous
 `/run`), the client's own bounded and really jittered waits, and the API key kept out of every
 log line, repr and message. No server, no real sleeping: the waits go to a recording fake.

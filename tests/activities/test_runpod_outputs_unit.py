@@ -1,5 +1,5 @@
 """No output of a RunPod job is dropped, and a storage failure the orchestrator can recover from
-does not fail the job (issue 16, defects 3 and 8): against the scripted RunPod and the
+does not fail the job: against the scripted RunPod and the
 in-memory bucket of test_runpod_backend_unit, no server.
 
 Stock records carry no node id and no subfolder: two images both named `out_00001_.png` are two
@@ -62,7 +62,7 @@ def sha(data: bytes) -> str:
 
 
 async def test_two_stock_outputs_of_one_name_are_two_artifacts() -> None:
-    """Defect 3: `a/out` and `b/out` both wrote out_00001_.png; one artifact was silently kept."""
+    """`a/out` and `b/out` both write out_00001_.png; one artifact used to be kept, silently."""
     store = MemoryStore()
     runpod = ScriptedRunPod(statuses=[stock_done([inline(A), inline(B)])])
     heartbeats: list[Any] = []
@@ -164,7 +164,7 @@ async def test_a_storage_failure_with_a_completed_claim_is_a_success() -> None:
 async def test_a_storage_failure_the_handler_could_not_record_is_submitted_again(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Defect 8: the handler's outcome never reached the claim. Worker trouble: submitted
+    """The handler's outcome never reached the claim. Worker trouble: submitted
     again (PromptLost, the workflow resubmits the same token), once the lease has run out."""
     monkeypatch.setattr("activities.runpod.follow.TAKEOVER_MARGIN_S", 0.2)
     for claimed in (True, False):

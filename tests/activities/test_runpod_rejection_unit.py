@@ -1,7 +1,6 @@
-"""A graph refused by ComfyUI on a RunPod worker reads as a rejection, in plain words (issue 16,
-defect 7): the stock worker-comfyui handler's texts (its `queue_workflow`, 5.8.5) are typed
-PromptRejected with ComfyUI's reason per node, never a Python repr; our handler's reason is not
-said twice."""
+"""A graph refused by ComfyUI on a RunPod worker reads as a rejection, in plain words: the
+stock worker-comfyui handler's texts (its `queue_workflow`, 5.8.5) are typed PromptRejected
+with ComfyUI's reason per node, never a Python repr; our handler's reason is not said twice."""
 
 from __future__ import annotations
 

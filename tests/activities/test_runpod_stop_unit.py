@@ -1,4 +1,4 @@
-"""A stop on a RunPod pool says only what is known (issue 16, defects 1, 4 and 7a): against the
+"""A stop on a RunPod pool says only what is known: against the
 scripted RunPod and the in-memory bucket of test_runpod_backend_unit, no server.
 
 Our handler (claims): RunPod's CANCELLED is not the prompt's end; only the handler's stop record
@@ -127,7 +127,7 @@ async def test_a_cancelled_job_whose_handler_is_still_stopping_is_running() -> N
 
 
 async def test_a_lapsed_lease_is_never_read_as_the_prompts_end() -> None:
-    """Defect 1: the handler stopped renewing, the claim has no outcome: nothing says the
+    """The handler stopped renewing, the claim has no outcome: nothing says the
     prompt stopped (it ran 41 s more on the real ComfyUI). The workflow keeps checking and
     fails the teardown at its horizon."""
     store = MemoryStore()
@@ -144,7 +144,7 @@ async def test_a_lapsed_lease_is_never_read_as_the_prompts_end() -> None:
 async def test_a_worker_runpod_lost_with_its_lease_lapsed_took_its_prompt_along() -> None:
     """TIMED_OUT short of the execution limit (RunPod stopped hearing from the worker) and a
     lapsed lease with no outcome: two witnesses that the worker, one container with its
-    ComfyUI, is gone. Only a CANCELLED job's lapse is not evidence (defect 1)."""
+    ComfyUI, is gone. Only a CANCELLED job's lapse is not evidence (its prompt may run on)."""
     store = MemoryStore()
     put_claim(store, lease_left_s=-6)
     lost = {**CANCELLED, "status": "TIMED_OUT"}
@@ -161,7 +161,7 @@ async def test_a_worker_runpod_lost_with_its_lease_lapsed_took_its_prompt_along(
 async def test_a_job_runpod_took_off_its_claims_worker_left_the_prompt_with_that_worker() -> None:
     """The worker crashed, RunPod put the job back in its queue (no worker, no execution) and
     the cancel found it there: the claim's worker is not the job's any more, and its lease
-    lapsed. A CANCELLED job still on the claim's worker is not judged so (defect 1)."""
+    lapsed. A CANCELLED job still on the claim's worker is not judged so (its prompt may run on)."""
     store = MemoryStore()
     put_claim(store, lease_left_s=-6)
     requeued = {"id": RUNPOD_JOB, "status": "IN_QUEUE", "delayTime": 900}
@@ -281,7 +281,7 @@ async def test_the_claims_holder_is_stopped_when_the_known_job_has_ended() -> No
 
 
 async def test_a_stock_cancel_is_a_cancel_sent_and_the_prompts_end_is_unknown() -> None:
-    """Defect 4: runpod 1.7.x has no job-stop and the stock handler never calls /interrupt."""
+    """runpod 1.7.x has no job-stop and the stock handler never calls /interrupt."""
     store = MemoryStore()
     first, runpod = await check(store, [RUNNING, CANCELLED], claims=False)
     assert ("POST", "cancel") in runpod.requests

@@ -1,4 +1,4 @@
-"""A reader one version behind the worker that wrote a status still reads it (issue 40): what a
+"""A reader one version behind the worker that wrote a status still reads it: what a
 worker writes and a client reads ignores fields it does not know and takes states and kinds it
 does not know by their name, reading whether the job has ended from the status's own
 `terminal`; requests stay strict."""

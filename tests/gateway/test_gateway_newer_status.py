@@ -1,4 +1,4 @@
-"""The gateway reads a status a newer worker wrote (issue 40): on the real dev server, a stand-in
+"""The gateway reads a status a newer worker wrote: on the real dev server, a stand-in
 for a later version's `InferenceJob` answers the `status` and `events` queries with a state and
 a journal kind this version does not know, and fields it does not have. The gateway's GET shows
 the state by its name, its SSE stream passes the entries on and ends when the status says it is

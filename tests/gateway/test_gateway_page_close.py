@@ -1,5 +1,5 @@
 """The page's job outlives its closed tab, unless "Stop the job when I close this page" was
-chosen (issue 40; `make test-ui`).
+chosen (`make test-ui`).
 
 Two headless Chromiums open the page of one gateway, each submits the example. The first leaves
 the choice unchecked (detached: following is a view, not a lease); the second checks it

@@ -1,4 +1,4 @@
-"""Issue 11, hostile backends: output names and artifact records are untrusted.
+"""Hostile backends: output names and artifact records are untrusted.
 
 Every name a backend hands us (ComfyUI's `filename`, `subfolder` and `type`; a RunPod worker's
 records) is refused before anything is asked for or read, or ends up in a key inside the job's
@@ -63,7 +63,7 @@ BASE_URL = "http://127.0.0.1:1"  # never dialled: the mock transports answer
 COMFY_FOLDER = "jobs/job-1"  # job_folder("jobs", "job-1"), the ComfyUI fakes' job
 RUNPOD_FOLDER = job_folder("jobs", JOB_ID)
 
-# The issue's list, each a ComfyUI output `filename`.
+# The hostile names, each a ComfyUI output `filename`.
 HOSTILE_FILENAMES = {
     "traversal": "../../x",
     "absolute": "/etc/passwd",

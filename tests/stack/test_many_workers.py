@@ -1,4 +1,4 @@
-"""Three worker processes on one task queue (issue 18): jobs spread over them, and a `kill -9`.
+"""Three worker processes on one task queue: jobs spread over them, and a `kill -9`.
 
 Three `python worker.py` subprocesses serve one task queue of the session's stack (Temporal dev
 server, SeaweedFS); their ComfyUI pool is a simulator of this module's own in parallel mode (many

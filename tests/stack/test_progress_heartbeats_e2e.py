@@ -1,5 +1,5 @@
 """A long job on the local stack: its history stays small while a watcher still sees its steps
-move about once a second (issue 10, group 6).
+move about once a second (what bench group 6 measures).
 
 The follow activity signals the workflow only on milestones (its first report, stage changes,
 each tenth of the steps, an artifact stored while the prompt runs); every step in between is in

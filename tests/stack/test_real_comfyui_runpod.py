@@ -611,7 +611,7 @@ async def test_a_cancel_during_a_node_deaf_to_interrupts_past_the_lease(
     holds the prompt (looked at the instant it is seen terminal) and its teardown CONFIRMED;
     or, with a teardown horizon shorter than the blur, with its teardown FAILED and the worker
     replaced. Either way a job sent right after the cancel, and one right after the end,
-    neither queues behind the prompt nor pays for it (issue 16, defects 1 and 2)."""
+    neither queues behind the prompt nor pays for it."""
     client = ours.client
     job = job_of(blur_graph(*SLOW_BLUR))
     if teardown_horizon_s is not None:
@@ -843,7 +843,7 @@ async def test_stock_happy_path_stores_the_bytes_its_comfyui_wrote(stock: Endpoi
 @needs_stock
 async def test_stock_two_outputs_with_one_file_name_are_both_kept(stock: Endpoint) -> None:
     """Prefixes `a/out` and `b/out`: the stock result holds two `out_00001_.png` with different
-    bytes and nothing else to tell them apart (issue 16, defect 3)."""
+    bytes and nothing else to tell them apart."""
     graph = blur_graph(64, 1, radius=3, prefix="a/out")
     graph["4"] = {"class_type": "ImageInvert", "inputs": {"image": [BLUR_NODE, 0]}}
     graph["5"] = save_node("4", "b/out")
@@ -861,7 +861,7 @@ async def test_stock_two_outputs_with_one_file_name_are_both_kept(stock: Endpoin
 async def test_stock_cancel_mid_prompt_says_only_what_is_known(stock: Endpoint) -> None:
     """The stock handler cannot be told to stop: RunPod's job is cancelled, the prompt runs to
     its end on the real ComfyUI and the handler's job-done comes late. The teardown must not
-    claim an interrupt, and the cost is a lower bound (issue 16, defect 4)."""
+    claim an interrupt, and the cost is a lower bound."""
     client = stock.client
     started = await client.submit(job_of(blur_graph(*MID_BLUR)))
     running = await status_where(

@@ -1,4 +1,4 @@
-"""A cancelled job's cost names every RunPod job it had, each at least what it billed (issue 39):
+"""A cancelled job's cost names every RunPod job it had, each at least what it billed:
 the real dev server, SeaweedFS, the RunPod simulator with the real `runpod` worker loop, and our
 handler beside a ComfyUI simulator of its own per worker.
 

@@ -1,9 +1,9 @@
-"""A RunPod worker alive but silent, or lost after its work (issue 39; docs/architecture.md,
+"""A RunPod worker alive but silent, or lost after its work (docs/architecture.md,
 *Fencing*): the real dev server, SeaweedFS, the RunPod simulator with the real `runpod` worker
 loop, our handler and its watchdog beside a ComfyUI simulator of its own per worker (each in its
 own process, so a frozen handler's ComfyUI runs on).
 
-Each test asks for a fault on the job's first delivery and checks what the issue promises: the
+Each test asks for a fault on the job's first delivery and checks what fencing promises: the
 job COMPLETED; its graph run to its end once across every worker (the ComfyUI simulators'
 counters); the silent worker taken down, its billing ended, within `fence_after_s` and the idle
 timeout of its lease's end; and `JobStatus.cost` listing every RunPod job of the job, each at

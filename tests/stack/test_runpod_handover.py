@@ -1,5 +1,5 @@
 """A worker cut off from S3 after its prompt succeeded hands its outputs over in its answer
-(endpoint/handover.py), and the graph is not run again (issue 39: finished work is never
+(endpoint/handover.py), and the graph is not run again (finished work is never
 redone): the real dev server, SeaweedFS, the RunPod simulator with the real `runpod` worker
 loop, our handler and its watchdog beside a ComfyUI simulator of its own per worker."""
 

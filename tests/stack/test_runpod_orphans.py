@@ -1,9 +1,9 @@
-"""RunPod pools against the real dev server, SeaweedFS and the RunPod simulator (issue 16):
+"""RunPod pools against the real dev server, SeaweedFS and the RunPod simulator:
 
-- orphans (defect 5): `temporal workflow terminate` mid-job leaves a RunPod job nobody stops; the
+- orphans: `temporal workflow terminate` mid-job leaves a RunPod job nobody stops; the
   orphan sweep finds it in the registry of live submissions (and, with claims, through the
   claim) and cancels it within its interval, on our handler's endpoint and on a stock one;
-- the node registry (defect 6): once a worker of the endpoint has published its ComfyUI's
+- the node registry: once a worker of the endpoint has published its ComfyUI's
   `/object_info`, a typo'd class is refused at prepare, before any RunPod job exists.
 
 After every test the simulator's ledger shows no job queued or running and no worker billed past

@@ -1,4 +1,4 @@
-"""A running job on the `runpod` pool shows a new step at least once a second (issue 40).
+"""A running job on the `runpod` pool shows a new step at least once a second.
 
 Our handler sends the platform a progress update every `report_interval_s` while the steps
 move, and the follow reads `/status` every `status_poll_s`, start to start; a client watching

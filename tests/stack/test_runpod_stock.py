@@ -237,7 +237,7 @@ async def test_two_outputs_with_one_file_name_are_both_kept(
     stock_client: JobClient, stock_sim: RunpodSim
 ) -> None:
     """Prefixes `a/out` and `b/out`: the stock result holds two `out_00001_.png` with different
-    bytes and nothing else to tell them apart; the job must keep both (issue 16, defect 3)."""
+    bytes and nothing else to tell them apart; the job must keep both."""
     final = await finish(stock_client, stock_job(model_free("a/out", "b/out")))
     assert final.state == JobState.COMPLETED, final.error
     written = written_for(stock_sim, final.job_id)

@@ -1,4 +1,4 @@
-"""Issue 11's must-show: on the real local stack, with known credentials in every process's
+"""What the hardening must show: on the real local stack, with known credentials in every process's
 environment and payload encryption on, nothing secret and no prompt text reaches Temporal's
 history or any log; the codec server decodes what the UI needs; rotation keeps old jobs readable.
 

@@ -1,4 +1,4 @@
-"""The worker and the CLI reach Temporal through TLS with a client certificate (issue 18).
+"""The worker and the CLI reach Temporal through TLS with a client certificate.
 
 The dev server speaks plain gRPC, so nginx stands in front of it (tests/stack/tls_support.py):
 TLS with a server certificate from a test CA, a client certificate required

@@ -1,6 +1,6 @@
 """Hypothesis strategies for the hostile-input property tests (tests/*/test_properties_*.py).
 
-Three families, as issue 11 asks:
+Three families:
 
 - `valid_cases()`: API-format graphs that every check must accept (random DAGs of arbitrary
   class and input names, links only to earlier nodes, load nodes naming declared inputs);

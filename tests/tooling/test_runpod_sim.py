@@ -677,7 +677,7 @@ async def test_idle_scale_down_cold_start_and_billing(tmp_path: Path) -> None:
         assert ledger.totals.workers_alive == 0 and ledger.totals.jobs_in_progress == 0
 
 
-# -- a worker's watchdog, freeze and partition (issue 39) ------------------------------------------
+# -- a worker's watchdog, freeze and partition -----------------------------------------------------
 
 STANDIN = "tests/runpod_handlers/watchdog_standin.py"
 
