@@ -32,6 +32,7 @@ from gateway.state import ClientFactory, Gateway, gateway_of
 from gateway.uploads import UPLOAD_EXTENSIONS, UploadRequest
 from starter.client import JobClient
 from starter.connection import TemporalSettings
+from workflows.contracts import TERMINAL_STATES
 
 log = structlog.get_logger("gateway")
 
@@ -120,7 +121,8 @@ def _add_service_routes(app: FastAPI, gateway: Gateway) -> None:
     @app.get("/v1/config", tags=["service"])
     async def config() -> dict[str, Any]:
         """What the browser page needs before it asks for anything: whether a key is
-        required, the example graph, the body limit, and which input files it may upload."""
+        required, the example graph, the body limit, which input files it may upload, and the
+        states a job ends in (for a status written before `terminal` was)."""
         return {
             "auth_required": not gateway.keys.open,
             "example_graph": example,
@@ -129,6 +131,7 @@ def _add_service_routes(app: FastAPI, gateway: Gateway) -> None:
                 "max_bytes": gateway.settings.upload_max_bytes,
                 "types": UPLOAD_EXTENSIONS,
             },
+            "terminal_states": sorted(state.value for state in TERMINAL_STATES),
         }
 
 

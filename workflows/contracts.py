@@ -5,9 +5,11 @@ They travel through Temporal with `temporalio.contrib.pydantic.pydantic_data_con
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import datetime
 from enum import StrEnum
-from typing import Annotated, Any, Literal
+from types import MappingProxyType
+from typing import Annotated, Any, Final, Literal, NamedTuple
 
 from pydantic import (
     BaseModel,
@@ -77,16 +79,34 @@ class JobState(StrEnum):
         return self in TERMINAL_STATES
 
 
-TERMINAL_STATES = frozenset(
+WebhookEventName = Literal[
+    "completed", "failed", "cancelled", "abandoned", "needs_decision", "output_stored", "progress"
+]
+
+
+class Ending(NamedTuple):
+    """What a terminal state means beyond its name."""
+
+    # The webhook event that tells of it; None: no webhook can (the job never sets the state:
+    # clients read it from Temporal's own record of a workflow ended from outside).
+    webhook_event: WebhookEventName | None
+    # What a stop after it is called (the teardown's detail and the Temporal UI's label).
+    stop_label: str
+
+
+# The terminal states, once: `TERMINAL_STATES`, the default webhook events, the webhook's state
+# events, the teardown's labels and the browser page (`GET /v1/config`) derive from this.
+ENDINGS: Final[Mapping[JobState, Ending]] = MappingProxyType(
     {
-        JobState.COMPLETED,
-        JobState.FAILED,
-        JobState.CANCELLED,
-        JobState.ABANDONED,
-        JobState.TERMINATED,
-        JobState.TIMED_OUT,
+        JobState.COMPLETED: Ending("completed", "after completion"),
+        JobState.FAILED: Ending("failed", "after failure"),
+        JobState.CANCELLED: Ending("cancelled", "after cancel"),
+        JobState.ABANDONED: Ending("abandoned", "after abandonment"),
+        JobState.TERMINATED: Ending(None, "after terminated"),
+        JobState.TIMED_OUT: Ending(None, "after timed_out"),
     }
 )
+TERMINAL_STATES: Final = frozenset(ENDINGS)
 
 
 class UnknownState(str):
@@ -201,15 +221,9 @@ class OutputSpec(StrictModel):
     presign_ttl_s: int = Field(3600, gt=0, le=7 * 24 * 3600)
 
 
-WebhookEventName = Literal[
-    "completed", "failed", "cancelled", "abandoned", "needs_decision", "output_stored", "progress"
-]
 # A webhook's events when the request names none: how the job ended, and a call for a person.
 DEFAULT_WEBHOOK_EVENTS: tuple[WebhookEventName, ...] = (
-    "completed",
-    "failed",
-    "cancelled",
-    "abandoned",
+    *(ending.webhook_event for ending in ENDINGS.values() if ending.webhook_event is not None),
     "needs_decision",
 )
 

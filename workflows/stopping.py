@@ -24,6 +24,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows import activity_calls as calls
     from workflows.activity_io import StopCheck, StopInput
     from workflows.contracts import (
+        ENDINGS,
         JobError,
         JobPolicy,
         JobState,
@@ -40,19 +41,13 @@ with workflow.unsafe.imports_passed_through():
 # waiting for long, and the horizon still bounds how many checks there are.
 MAX_CHECK_INTERVAL_S = 15.0
 
-STOP_REASONS = {
-    JobState.COMPLETED: "after completion",
-    JobState.FAILED: "after failure",
-    JobState.CANCELLED: "after cancel",
-    JobState.ABANDONED: "after abandonment",
-}
-
 
 def stop_reason(state: JobState, timed_out: bool = False) -> str:
     """How the Temporal UI labels the stop: what the teardown follows, never its own outcome."""
     if timed_out:
         return "after the execution deadline"
-    return STOP_REASONS.get(state, f"after {state.value.lower()}")
+    ending = ENDINGS.get(state)
+    return ending.stop_label if ending is not None else f"after {state.value.lower()}"
 
 
 class PromptStop:

@@ -32,7 +32,7 @@ from temporalio.exceptions import ActivityError, is_cancelled_exception
 with workflow.unsafe.imports_passed_through():
     from workflows import activity_calls as calls
     from workflows.activity_io import WebhookAttempt, WebhookDeliveryInput
-    from workflows.contracts import JobEvent, JobState, WebhookEventName, WebhookSpec
+    from workflows.contracts import ENDINGS, JobEvent, JobState, WebhookEventName, WebhookSpec
     from workflows.failures import job_error
 
 if TYPE_CHECKING:
@@ -47,10 +47,11 @@ RETRY_BASE_S: Final = 1.0
 RETRY_CEILING_S: Final = 600.0
 
 _STATE_EVENTS: Final[dict[str, WebhookEventName]] = {
-    JobState.COMPLETED: "completed",
-    JobState.FAILED: "failed",
-    JobState.CANCELLED: "cancelled",
-    JobState.ABANDONED: "abandoned",
+    **{
+        state: ending.webhook_event
+        for state, ending in ENDINGS.items()
+        if ending.webhook_event is not None
+    },
     JobState.NEEDS_DECISION: "needs_decision",
 }
 

@@ -21,12 +21,13 @@ const RETRY = {
   submitAttempts: 5, // a POST that got no answer is sent again, with the same key
 };
 
-const TERMINAL = new Set(["COMPLETED", "FAILED", "CANCELLED", "ABANDONED", "TERMINATED", "TIMED_OUT"]);
+// The states a job ends in, as the gateway names them (`GET /v1/config`).
+let terminalStates = new Set();
 // Whether the job has ended, as its worker wrote it (`terminal`): a state a newer worker added
 // is shown by its name and still ends the page's following. A status from before the flag falls
-// back to the states this page knows.
+// back to the gateway's terminal states.
 function isTerminal(status) {
-  return typeof status.terminal === "boolean" ? status.terminal : TERMINAL.has(status.state);
+  return typeof status.terminal === "boolean" ? status.terminal : terminalStates.has(status.state);
 }
 const KEY_STORAGE = "durable-comfy.api-key";
 
@@ -96,6 +97,7 @@ async function loadConfig() {
     maxBodyBytes = config.max_body_bytes ?? Infinity;
     uploadTypes = config.uploads?.types ?? null;
     uploadMaxBytes = config.uploads?.max_bytes ?? Infinity;
+    terminalStates = new Set(config.terminal_states ?? []);
     if (uploadTypes) $("files").accept = Object.keys(uploadTypes).join(",");
     $("key-section").hidden = config.auth_required === false;
     document.body.dataset.config = "loaded";

@@ -25,6 +25,7 @@ from tests.support.gateway import (
     sse_events,
     wait_state,
 )
+from workflows.contracts import TERMINAL_STATES
 
 
 async def submit(
@@ -267,6 +268,7 @@ async def test_the_page_its_config_and_the_openapi_document(
     config = (await http.get(f"{gateway.url}/v1/config")).json()
     assert config["auth_required"] is True
     assert config["example_graph"]["3"]["class_type"] == "KSampler"
+    assert config["terminal_states"] == sorted(s.value for s in TERMINAL_STATES)
     page = await http.get(f"{gateway.url}/")
     assert page.status_code == 200 and "text/html" in page.headers["content-type"]
     document = (await http.get(f"{gateway.url}/openapi.json")).json()

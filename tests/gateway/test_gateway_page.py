@@ -40,6 +40,7 @@ from starter import JobClient, JobState
 from tests.conftest import HOST, free_port
 from tests.support.chromium import CHROMIUM, Page, open_page
 from tests.support.cli import ROOT, cli_env, running_worker
+from workflows.contracts import TERMINAL_STATES
 
 needs_chromium = pytest.mark.skipif(
     CHROMIUM is None and not os.environ.get("REQUIRE_CHROMIUM"),
@@ -407,9 +408,16 @@ def shown(status: dict[str, Any]) -> str:
     )
 
 
-WAITING = {"state": "WAITING", "seq": 3, "progress": {"queue_position": 2, "fraction": 0}}
+# Every status the gateway serves says whether it is terminal (a computed field of JobStatus).
+WAITING = {
+    "state": "WAITING",
+    "terminal": False,
+    "seq": 3,
+    "progress": {"queue_position": 2, "fraction": 0},
+}
 DECIDING = {
     "state": "NEEDS_DECISION",
+    "terminal": False,
     "seq": 9,
     "progress": {"step": 4, "total_steps": 20, "fraction": 0.2, "unit": "steps"},
     "decision": {
@@ -420,6 +428,7 @@ DECIDING = {
 }
 FAILED = {
     "state": "FAILED",
+    "terminal": True,
     "seq": 12,
     "progress": {"step": 4, "total_steps": 20, "fraction": 0.2, "unit": "steps"},
     "error": {"type": "OutOfMemory", "message": "CUDA out of memory at node 3"},
@@ -571,6 +580,13 @@ def test_the_page_loads_nothing_from_another_origin() -> None:
         assert not re.search(r"""fetch\(\s*[`"']/""", text), name
 
 
+def test_the_page_spells_no_end_state_of_its_own() -> None:
+    """The page learns the terminal states from `GET /v1/config` (workflows.contracts.ENDINGS
+    defines them): a list of its own would drift from the workers'."""
+    text = (STATIC / "app.js").read_text()
+    assert [s.value for s in TERMINAL_STATES if f'"{s.value}"' in text] == []
+
+
 async def test_the_page_files_are_served(local_stack: RunningStack, tmp_path: Path) -> None:
     port = free_port()
     env = cli_env(local_stack, f"page-files-{uuid.uuid4().hex[:8]}")
@@ -586,3 +602,4 @@ async def test_the_page_files_are_served(local_stack: RunningStack, tmp_path: Pa
         config = (await http.get("/v1/config")).json()
         assert config["auth_required"] is False, config  # no keys: an open gateway on loopback
         assert config["example_graph"]["3"]["class_type"] == "KSampler", config
+        assert config["terminal_states"] == sorted(s.value for s in TERMINAL_STATES), config

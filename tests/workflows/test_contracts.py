@@ -5,18 +5,21 @@ End states, policy defaults, job ids, pools, and refusals compared whole.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, get_args
 
 import pytest
 from pydantic import ValidationError
 
 from workflows.contracts import (
+    DEFAULT_WEBHOOK_EVENTS,
+    ENDINGS,
     TERMINAL_STATES,
     JobPolicy,
     JobRequest,
     JobState,
     JobStatus,
     ReconnectPolicy,
+    WebhookEventName,
     validate_job_id,
 )
 
@@ -29,6 +32,24 @@ def test_exactly_the_end_states_are_terminal() -> None:
     assert {s.value for s in TERMINAL_STATES} == ended
     for state in JobState:
         assert JobStatus(job_id="j", state=state).terminal is (state.value in ended)
+
+
+def test_the_endings_name_the_webhook_events_a_request_gets_unasked() -> None:
+    """Derived from ENDINGS: the defaults stay what every earlier version sent."""
+    events = [e.webhook_event for e in ENDINGS.values() if e.webhook_event is not None]
+    assert set(events) <= set(get_args(WebhookEventName))
+    assert DEFAULT_WEBHOOK_EVENTS == (
+        "completed",
+        "failed",
+        "cancelled",
+        "abandoned",
+        "needs_decision",
+    )
+    # Set only by Temporal's own record of a workflow ended from outside: no webhook tells.
+    assert {s for s, e in ENDINGS.items() if e.webhook_event is None} == {
+        JobState.TERMINATED,
+        JobState.TIMED_OUT,
+    }
 
 
 def test_the_reconnect_ceiling_may_equal_but_not_undercut_the_base_delay() -> None:
