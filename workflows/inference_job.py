@@ -67,9 +67,14 @@ class InferenceJob(JobMessages):
         self._work: asyncio.Task[JobCarry | None] | None = None
         self._stopper = ConfirmedStop(self._book, self._request.policy, self._request.output)
         self._cancelled_via_temporal = False
-        self._tenant = self._request.labels.get(TENANT_LABEL) or DEFAULT_TENANT
         self._webhooks: WebhookSender | None = None
-        self._sender: asyncio.Task[None] | None = None
+        if self._request.webhook is not None:
+            # Built with the book: it counts the journal's subscribed entries from the first.
+            cursor = input.carry.webhook_cursor if input.carry else None
+            tenant = self._request.labels.get(TENANT_LABEL) or DEFAULT_TENANT
+            self._webhooks = WebhookSender(
+                self._book, self._request.webhook, tenant, cursor or BEFORE_EVERYTHING
+            )
         # About to continue as new: the `ended` update answers now, and is asked again.
         self._continuing = False
 
@@ -79,7 +84,8 @@ class InferenceJob(JobMessages):
         if self._reading.refusal is not None:
             await self._refuse(self._reading.refusal)  # typed, before any activity
         self._book.set_state(known_state(self._status.state) if self._carry else JobState.QUEUED)
-        self._start_webhooks()
+        if self._webhooks is not None:
+            self._webhooks.start()
         self._work = asyncio.create_task(self._run_job())
         if self._controls.stop is not None:
             self._work.cancel()  # cancelled while still queued: nothing to run
@@ -88,7 +94,7 @@ class InferenceJob(JobMessages):
         for guard in guards_running:
             guard.cancel()
         if carry is not None:
-            carry.webhook_cursor = await self._stop_webhooks()
+            carry.webhook_cursor = await self._webhooks.hand_over() if self._webhooks else None
             self._continuing = True
             await workflow.wait_condition(workflow.all_handlers_finished)
             self._book.send_search_attributes()
@@ -96,7 +102,8 @@ class InferenceJob(JobMessages):
         await self._finish_uncancellable(outcome)
         # The job has ended (and says so to every client); its last events may still be on
         # their way to the webhook.
-        await self._deliver_the_rest()
+        if self._webhooks is not None:
+            await self._webhooks.deliver_the_rest()
         await workflow.wait_condition(workflow.all_handlers_finished)
         return self._end_result()
 
@@ -208,45 +215,6 @@ class InferenceJob(JobMessages):
         return (
             info.is_continue_as_new_suggested() or info.get_current_history_length() > budget // 2
         )
-
-    # -- the webhook (workflows/webhooks.py) -------------------------------------------------
-
-    def _start_webhooks(self) -> None:
-        if self._request.webhook is None:
-            return
-        cursor = self._carry.webhook_cursor if self._carry else None
-        self._webhooks = WebhookSender(
-            self._book, self._request.webhook, self._tenant, cursor or BEFORE_EVERYTHING
-        )
-        self._sender = asyncio.create_task(self._webhooks.run())
-
-    async def _stop_webhooks(self) -> tuple[int, int] | None:
-        """Before continuing as new: the cursor the next run delivers after. An attempt cut
-        short here is made again there, with the same webhook-id."""
-        if self._sender is None or self._webhooks is None:
-            return None
-        self._sender.cancel()
-        try:
-            await self._sender
-        except asyncio.CancelledError:
-            pass
-        return self._webhooks.cursor
-
-    async def _deliver_the_rest(self) -> None:
-        """Wait for the sender to deliver (or give up) every event, within their horizons."""
-        sender = self._sender
-        if sender is None:
-            return
-        try:
-            await asyncio.shield(sender)
-        except asyncio.CancelledError:
-            # A Temporal cancel after the job ended (the UI's button): stop delivering.
-            sender.cancel()
-            try:
-                await sender
-            except asyncio.CancelledError:
-                pass
-            self._book.webhook_given_up("not delivered: the job's workflow was cancelled")
 
     # -- the end: refusal, stop, compensation -------------------------------------------------
 

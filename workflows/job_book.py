@@ -1,11 +1,13 @@
-"""The job's status, and the one writer of every change to it.
+"""The job's status, and the one place every change to it ends.
 
-Nothing else assigns to the status: every change is a method here, and each bumps `seq` once
-and `updated_at` (clients' `watch` relies on it) and refreshes the Temporal UI's current details
-(`CurrentDetails`, below: they cost no history event, so the UI stays as current as a `status`
-query). State changes (only) upsert the `JobState` and `JobProgress` search
-attributes, so the UI shows the job at a glance without a history event per progress step; all
-that changed in one workflow task goes out as one upsert (one history event), at its end.
+Nothing assigns to the status but the methods here and, for `status.webhook`, the webhook
+sender's (workflows/webhooks.py). Every write ends in `changed()`: it bumps `seq` once and
+`updated_at` (clients' `watch` relies on it), journals what a follower must see, and refreshes
+the Temporal UI's current details (`CurrentDetails`, below: no history event, so the UI stays as
+current as a `status` query). State changes (only) upsert the `JobState` and `JobProgress`
+search attributes, so the UI shows the job at a glance without a history event per progress
+step; all that changed in one workflow task goes out as one upsert (one history event), at its
+end.
 """
 
 from __future__ import annotations
@@ -19,11 +21,10 @@ from temporalio import workflow
 from temporalio.common import MetricCounter, SearchAttributeUpdate
 
 with workflow.unsafe.imports_passed_through():
-    from workflows.activity_io import FollowResult, WebhookAttempt
+    from workflows.activity_io import FollowResult
     from workflows.contracts import (
         MAX_JOURNAL,
         MAX_NOTICES,
-        MAX_WEBHOOK_DELIVERIES,
         Artifact,
         BackendInfo,
         Checkpoint,
@@ -39,12 +40,8 @@ with workflow.unsafe.imports_passed_through():
         ProgressReport,
         Teardown,
         TeardownStep,
-        WebhookDelivery,
-        WebhookDeliveryState,
-        WebhookEventName,
     )
     from workflows.shared import POOL_KEY, PROGRESS_KEY, STATE_KEY
-    from workflows.webhooks import webhook_event
 
 
 def counter(name: str, description: str) -> MetricCounter:
@@ -100,12 +97,13 @@ class JobBook:
         # Search attributes changed in this workflow task, by name: upserted once, at its end.
         self._unsent_attributes: dict[str, SearchAttributeUpdate[Any]] = {}
         self._attribute_writes = 0
+        self._journal_listeners: list[Callable[[list[JobEvent]], None]] = []
 
     # -- the run --------------------------------------------------------------------------
 
     def set_state(self, state: JobState) -> None:
         changed = self._put_state(state)
-        self._changed()
+        self.changed()
         # seq 1: the status's very first write (a run's start, unless a message came first),
         # unless the client that started the job set these values already.
         if changed or (self.status.seq == 1 and not self._started_as(state)):
@@ -123,7 +121,7 @@ class JobBook:
         if self.status.checkpoint is not None:
             self._note_provider_job(self.status.checkpoint)
         self._upsert(POOL_KEY.value_set(pool))
-        self._changed()
+        self.changed()
 
     def pool_or(self, prepared: str) -> str:
         """The job's pool as recorded, else the prepared one ("": not named yet, the worker's
@@ -138,7 +136,7 @@ class JobBook:
             fraction=segment / segments,
             unit="steps" if sampler_steps else "nodes",
         )
-        self._changed()
+        self.changed()
 
     def new_submission(self, segment: int, prompt_id: str, total_steps: int) -> Checkpoint:
         """A prompt about to be submitted; recorded before anything is sent, so a cancel
@@ -161,7 +159,7 @@ class JobBook:
         self.backend_state = JobState.RUNNING  # nothing is known of the new prompt yet
         self.status.progress.queue_position = None
         self.mark_progress()
-        self._changed()
+        self.changed()
         return checkpoint
 
     def submitted(self) -> bool:
@@ -176,7 +174,7 @@ class JobBook:
     def set_checkpoint(self, checkpoint: Checkpoint) -> None:
         self.status.checkpoint = checkpoint
         self._note_provider_job(checkpoint)
-        self._changed()
+        self.changed()
 
     def followed(self, result: FollowResult) -> None:
         """The follow saw the prompt end successfully: its outputs, checkpoint and cost."""
@@ -188,19 +186,19 @@ class JobBook:
             self._put_cost(cost)
         if self.status.backend is not None and result.worker_id:
             self.status.backend.worker_id = result.worker_id
-        self._changed()
+        self.changed()
 
     def restart_prompt(self) -> None:
         """The prompt runs again from its first step."""
         self.status.progress.step = 0
-        self._changed()
+        self.changed()
 
     def end_segment(self) -> None:
         progress = self.status.progress
         progress.step = progress.total_steps
         progress.fraction = (progress.segment + 1) / progress.segments
         self.mark_progress()
-        self._changed()
+        self.changed()
 
     def reconnecting(self, error: JobError, state: JobState) -> None:
         self.status.reconnects += 1
@@ -209,7 +207,7 @@ class JobBook:
 
     def set_error(self, error: JobError | None) -> None:
         self.status.error = error
-        self._changed()
+        self.changed()
 
     def ask(self, decision: Decision) -> None:
         """Wait for a person: the job is NEEDS_DECISION until a resume or a cancel."""
@@ -219,16 +217,16 @@ class JobBook:
     def add_cost(self, cost: JobCost) -> None:
         """A provider job's cost; a later reading of the same job replaces the earlier one."""
         self._put_cost(cost)
-        self._changed()
+        self.changed()
 
     def merge_artifacts(self, artifacts: list[Artifact]) -> None:
         if self._merge(artifacts):
-            self._changed()
+            self.changed()
 
     def contact(self) -> None:
         self.contacts += 1
         self.status.last_client_contact_at = workflow.now()
-        self._changed()
+        self.changed()
 
     def notice(self, message: str) -> None:
         """Record a message the job could not use as sent (bounded: the latest ones)."""
@@ -236,38 +234,38 @@ class JobBook:
         notices = self.status.notices
         notices.append(Notice(at=workflow.now(), message=message))
         del notices[:-MAX_NOTICES]
-        self._changed()
+        self.changed()
 
     # -- the teardown record (workflows/stopping.py keeps it true to what happened) ---------
 
     def set_teardown(self, teardown: Teardown) -> None:
         self.status.teardown = teardown
-        self._changed()
+        self.changed()
 
     def teardown_started(self) -> datetime:
         """When the stop began: its first pass, early or settled."""
         record = self.status.teardown
         if record.started_at is None:
             record.started_at = workflow.now()
-            self._changed()
+            self.changed()
         return record.started_at
 
     def stop_checked(self) -> int:
         """One more check of the stop; how many there have been."""
         self.status.teardown.checks += 1
-        self._changed()
+        self.changed()
         return self.status.teardown.checks
 
     def add_teardown_step(self, step: TeardownStep) -> None:
         self.status.teardown.steps.append(step)
-        self._changed()
+        self.changed()
 
     def teardown_waiting(self, detail: str) -> None:
         """The stop goes on: the prompt is not gone yet (or not known to be)."""
         record = self.status.teardown
         record.state = "STOPPING"
         record.detail = detail
-        self._changed()
+        self.changed()
 
     def end_teardown(
         self, state: Literal["CONFIRMED", "FAILED", "UNCONFIRMED"], detail: str
@@ -276,96 +274,8 @@ class JobBook:
         record.state = state
         record.at = workflow.now()
         record.detail = detail
-        self._changed()
+        self.changed()
         return record
-
-    # -- the webhook's deliveries (workflows/webhooks.py; no journal entry of their own) -----
-
-    def webhook_sending(self, webhook_id: str, event: WebhookEventName, seq: int) -> None:
-        """An event's first attempt is about to go (or, after a continue-as-new, its next)."""
-        webhook = self.status.webhook
-        if webhook is None or self._delivery(webhook_id) is not None:
-            return
-        webhook.deliveries.append(
-            WebhookDelivery(webhook_id=webhook_id, event=event, seq=seq, at=workflow.now())
-        )
-        del webhook.deliveries[:-MAX_WEBHOOK_DELIVERIES]
-        self._changed()
-
-    def webhook_attempted(
-        self, webhook_id: str, attempt: WebhookAttempt, state: WebhookDeliveryState
-    ) -> None:
-        """One attempt's outcome; `delivered` and `failed` end the event's delivery."""
-        webhook, delivery = self.status.webhook, self._delivery(webhook_id)
-        if webhook is None or delivery is None:
-            return
-        delivery.attempts += 1
-        delivery.last_status_code = attempt.status_code
-        delivery.last_error = attempt.error
-        delivery.at = attempt.at
-        delivery.state = state
-        if state == "delivered":
-            webhook.delivered += 1
-        elif state == "failed":
-            webhook.failed += 1
-        if state in ("delivered", "failed"):
-            webhook.pending = max(0, webhook.pending - 1)
-        self._changed()
-
-    def webhook_refused(self, reason: str) -> None:
-        """Nothing more is sent: every event not yet delivered counts as failed."""
-        webhook = self.status.webhook
-        if webhook is None:
-            return
-        webhook.refused = reason
-        webhook.failed += webhook.pending
-        webhook.pending = 0
-        self._changed()
-
-    def webhook_given_up(self, reason: str) -> None:
-        """Deliveries stop before their horizon (the workflow was cancelled after the end)."""
-        webhook = self.status.webhook
-        if webhook is None or not webhook.pending:
-            return
-        for delivery in webhook.deliveries:
-            if delivery.state in ("pending", "retrying"):
-                delivery.state = "failed"
-                delivery.last_error = reason
-                delivery.at = workflow.now()
-        webhook.failed += webhook.pending
-        webhook.pending = 0
-        self._changed()
-
-    def webhook_settled(self) -> None:
-        """The sender found nothing left: a count still pending was of entries the bounded
-        journal no longer held (a sender far behind), which can no longer be sent."""
-        self.webhook_given_up("no longer in the job's journal")
-
-    def webhook_attempts(self, webhook_id: str) -> int:
-        delivery = self._delivery(webhook_id)
-        return delivery.attempts if delivery is not None else 0
-
-    def webhook_refused_reason(self) -> str | None:
-        webhook = self.status.webhook
-        return webhook.refused if webhook is not None else None
-
-    def _delivery(self, webhook_id: str) -> WebhookDelivery | None:
-        webhook = self.status.webhook
-        if webhook is None:
-            return None
-        return next((d for d in webhook.deliveries if d.webhook_id == webhook_id), None)
-
-    def _count_webhook_events(self, entries: list[JobEvent]) -> None:
-        """New journal entries the webhook subscribes to: pending from the change that wrote
-        them, so a status that reads terminal already counts its own ending's delivery."""
-        webhook = self.status.webhook
-        if webhook is None:
-            return
-        subscribed = sum(1 for entry in entries if webhook_event(entry) in webhook.events)
-        if webhook.refused is not None:
-            webhook.failed += subscribed
-        else:
-            webhook.pending += subscribed
 
     # -- reports from the follow activity ---------------------------------------------------
 
@@ -390,7 +300,7 @@ class JobBook:
         if self.status.backend is not None and report.worker_id:
             self.status.backend.worker_id = report.worker_id
         state_changed = stage_changes and self._apply_stage(report)
-        self._changed()
+        self.changed()
         if state_changed:
             self._upsert(
                 STATE_KEY.value_set(self.status.state.value),
@@ -432,10 +342,19 @@ class JobBook:
 
     # -- the one place the status changes ---------------------------------------------------
 
-    def _changed(self) -> None:
+    def on_journal(self, listener: Callable[[list[JobEvent]], None]) -> None:
+        """Call `listener` with the entries each change journals, within that change (the
+        webhook's pending count: a status that reads terminal already counts its ending)."""
+        self._journal_listeners.append(listener)
+
+    def changed(self) -> None:
+        """Every write to the status ends here, the webhook's bookkeeping's too
+        (workflows/webhooks.py)."""
         self.status.seq += 1
         self.status.updated_at = workflow.now()
-        self._count_webhook_events(self._journal())
+        entries = self._journal()
+        for listener in self._journal_listeners:
+            listener(entries)
         # Current details cost no history event: keep the Temporal UI as current as a query.
         workflow.set_current_details(self.details())
 

@@ -24,7 +24,7 @@ import asyncio
 import hashlib
 from collections.abc import Collection, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Final
+from typing import Final
 
 from temporalio import workflow
 from temporalio.exceptions import ActivityError, is_cancelled_exception
@@ -32,10 +32,17 @@ from temporalio.exceptions import ActivityError, is_cancelled_exception
 with workflow.unsafe.imports_passed_through():
     from workflows import activity_calls as calls
     from workflows.activity_io import WebhookAttempt, WebhookDeliveryInput
-    from workflows.contracts import ENDINGS, JobEvent, JobState, WebhookEventName, WebhookSpec
+    from workflows.contracts import (
+        ENDINGS,
+        MAX_WEBHOOK_DELIVERIES,
+        JobEvent,
+        JobState,
+        WebhookDelivery,
+        WebhookDeliveryState,
+        WebhookEventName,
+        WebhookSpec,
+    )
     from workflows.failures import job_error
-
-if TYPE_CHECKING:
     from workflows.job_book import JobBook
 
 # A journal entry's place: its seq, and its index among the entries written under that seq (one
@@ -110,7 +117,8 @@ def shown_url(url: str) -> str:
 
 class WebhookSender:
     """Delivers the job's subscribed journal entries, in order, until the job has ended and
-    every one is delivered or given up. `cursor` is the last entry handled."""
+    every one is delivered or given up, and keeps `status.webhook` true to how that went.
+    `cursor` is the last entry handled."""
 
     def __init__(
         self,
@@ -126,15 +134,51 @@ class WebhookSender:
         info = workflow.info()
         self._job_id = info.workflow_id
         self._first_run_id = info.first_execution_run_id
+        self._task: asyncio.Task[None] | None = None
+        book.on_journal(self._count)
 
-    async def run(self) -> None:
+    # -- its task beside the job's work -------------------------------------------------------
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def hand_over(self) -> JournalKey | None:
+        """Before continuing as new: the cursor the next run delivers after. An attempt cut
+        short here is made again there, with the same webhook-id."""
+        if self._task is None:
+            return None
+        self._task.cancel()
+        try:
+            await self._task
+        except asyncio.CancelledError:
+            pass
+        return self.cursor
+
+    async def deliver_the_rest(self) -> None:
+        """Once the job has ended: wait for every event to be delivered (or given up), within
+        their horizons."""
+        sender = self._task
+        if sender is None:
+            return
+        try:
+            await asyncio.shield(sender)
+        except asyncio.CancelledError:
+            # A Temporal cancel after the job ended (the UI's button): stop delivering.
+            sender.cancel()
+            try:
+                await sender
+            except asyncio.CancelledError:
+                pass
+            self.given_up("not delivered: the job's workflow was cancelled")
+
+    async def _run(self) -> None:
         while True:
             await workflow.wait_condition(lambda: self._has_work() or self._book.status.terminal)
-            if self._book.webhook_refused_reason() is not None:
+            if self.refused_reason() is not None:
                 return
             pending = due(self._book.journal, self.cursor, self._spec.events)
             if not pending:
-                self._book.webhook_settled()
+                self.settled()
                 return
             key, entry, event = pending[0]
             await self._deliver(key, entry, event)
@@ -149,10 +193,10 @@ class WebhookSender:
         )
 
     async def _deliver(self, key: JournalKey, entry: JobEvent, event: WebhookEventName) -> None:
-        """Attempts until delivered or given up; the book records each one."""
-        book, spec = self._book, self._spec
+        """Attempts until delivered or given up; each one recorded in the status."""
+        spec = self._spec
         wid = webhook_id(self._job_id, self._first_run_id, key)
-        book.webhook_sending(wid, event, entry.seq)
+        self.sending(wid, event, entry.seq)
         deadline = entry.at + timedelta(seconds=spec.retry_horizon_s)
         retry = 0
         while True:
@@ -163,7 +207,7 @@ class WebhookSender:
                 webhook_id=wid,
                 event=event,
                 entry=entry,
-                attempt=book.webhook_attempts(wid) + 1,
+                attempt=self.attempts(wid) + 1,
             )
             try:
                 attempt = await calls.deliver_webhook(request)
@@ -178,14 +222,14 @@ class WebhookSender:
                 attempt = WebhookAttempt(outcome="retry", error=message, at=workflow.now())
             now = workflow.now()
             if attempt.outcome == "delivered":
-                book.webhook_attempted(wid, attempt, "delivered")
+                self.attempted(wid, attempt, "delivered")
                 return
             if attempt.outcome != "retry" or now >= deadline:
-                book.webhook_attempted(wid, attempt, "failed")
+                self.attempted(wid, attempt, "failed")
                 if attempt.outcome == "refused":
-                    book.webhook_refused(attempt.error or "refused")
+                    self.refused(attempt.error or "refused")
                 return
-            book.webhook_attempted(wid, attempt, "retrying")
+            self.attempted(wid, attempt, "retrying")
             delay = retry_delay(retry, spec.retry_horizon_s, workflow.random().random())
             remaining = (deadline - now).total_seconds()
             retry += 1
@@ -193,3 +237,91 @@ class WebhookSender:
             await workflow.sleep(
                 max(0.001, min(delay, remaining)), summary=f"webhook {event} retry {retry}"
             )
+
+    # -- the deliveries in the job's status (no journal entry of their own) -------------------
+
+    def sending(self, webhook_id: str, event: WebhookEventName, seq: int) -> None:
+        """An event's first attempt is about to go (or, after a continue-as-new, its next)."""
+        webhook = self._book.status.webhook
+        if webhook is None or self._delivery(webhook_id) is not None:
+            return
+        webhook.deliveries.append(
+            WebhookDelivery(webhook_id=webhook_id, event=event, seq=seq, at=workflow.now())
+        )
+        del webhook.deliveries[:-MAX_WEBHOOK_DELIVERIES]
+        self._book.changed()
+
+    def attempted(
+        self, webhook_id: str, attempt: WebhookAttempt, state: WebhookDeliveryState
+    ) -> None:
+        """One attempt's outcome; `delivered` and `failed` end the event's delivery."""
+        webhook, delivery = self._book.status.webhook, self._delivery(webhook_id)
+        if webhook is None or delivery is None:
+            return
+        delivery.attempts += 1
+        delivery.last_status_code = attempt.status_code
+        delivery.last_error = attempt.error
+        delivery.at = attempt.at
+        delivery.state = state
+        if state == "delivered":
+            webhook.delivered += 1
+        elif state == "failed":
+            webhook.failed += 1
+        if state in ("delivered", "failed"):
+            webhook.pending = max(0, webhook.pending - 1)
+        self._book.changed()
+
+    def refused(self, reason: str) -> None:
+        """Nothing more is sent: every event not yet delivered counts as failed."""
+        webhook = self._book.status.webhook
+        if webhook is None:
+            return
+        webhook.refused = reason
+        webhook.failed += webhook.pending
+        webhook.pending = 0
+        self._book.changed()
+
+    def given_up(self, reason: str) -> None:
+        """Deliveries stop before their horizon (the workflow was cancelled after the end)."""
+        webhook = self._book.status.webhook
+        if webhook is None or not webhook.pending:
+            return
+        for delivery in webhook.deliveries:
+            if delivery.state in ("pending", "retrying"):
+                delivery.state = "failed"
+                delivery.last_error = reason
+                delivery.at = workflow.now()
+        webhook.failed += webhook.pending
+        webhook.pending = 0
+        self._book.changed()
+
+    def settled(self) -> None:
+        """The sender found nothing left: a count still pending was of entries the bounded
+        journal no longer held (a sender far behind), which can no longer be sent."""
+        self.given_up("no longer in the job's journal")
+
+    def attempts(self, webhook_id: str) -> int:
+        delivery = self._delivery(webhook_id)
+        return delivery.attempts if delivery is not None else 0
+
+    def refused_reason(self) -> str | None:
+        webhook = self._book.status.webhook
+        return webhook.refused if webhook is not None else None
+
+    def _delivery(self, webhook_id: str) -> WebhookDelivery | None:
+        webhook = self._book.status.webhook
+        if webhook is None:
+            return None
+        return next((d for d in webhook.deliveries if d.webhook_id == webhook_id), None)
+
+    def _count(self, entries: list[JobEvent]) -> None:
+        """New journal entries the webhook subscribes to: pending from the change that wrote
+        them, so a status that reads terminal already counts its own ending's delivery."""
+        webhook = self._book.status.webhook
+        if webhook is None:
+            return
+        subscribed = sum(1 for entry in entries if webhook_event(entry) in webhook.events)
+        if webhook.refused is not None:
+            webhook.failed += subscribed
+        else:
+            webhook.pending += subscribed

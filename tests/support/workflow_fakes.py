@@ -447,7 +447,11 @@ class FakeWorkflow:
 
     def info(self) -> Any:
         """A run started with no search attributes (a client of our own sets the first state)."""
-        return SimpleNamespace(typed_search_attributes=TypedSearchAttributes.empty)
+        return SimpleNamespace(
+            typed_search_attributes=TypedSearchAttributes.empty,
+            workflow_id="j",
+            first_execution_run_id="run-1",
+        )
 
     async def execute_local_activity(self, activity: str, arg: Any, **options: Any) -> Any:
         """Recorded as activities are, with `local=True` among its options."""

@@ -1,6 +1,6 @@
-"""The job book's webhook bookkeeping on its own (workflow functions stood in): subscribed
-journal entries count as pending from the change that wrote them, each attempt updates its
-delivery, and none of it adds a journal entry."""
+"""The webhook sender's bookkeeping in the job's status, on its own (workflow functions stood
+in): subscribed journal entries count as pending from the change that wrote them, each attempt
+updates its delivery, and none of it adds a journal entry."""
 
 from __future__ import annotations
 
@@ -11,14 +11,22 @@ from workflows.contracts import (
     Artifact,
     JobState,
     JobStatus,
+    WebhookSpec,
     WebhookStatus,
 )
 from workflows.job_book import JobBook
+from workflows.webhooks import WebhookSender
 
 
 def book(events: list[str]) -> JobBook:
     webhook = WebhookStatus(url="https://h/hook", events=events)
     return JobBook(JobStatus(job_id="j", webhook=webhook))
+
+
+def sender(jobs: JobBook) -> WebhookSender:
+    assert jobs.status.webhook is not None
+    spec = WebhookSpec(url="https://h/hook?token=t", events=jobs.status.webhook.events)
+    return WebhookSender(jobs, spec, "local")
 
 
 def artifact(key: str) -> Artifact:
@@ -33,6 +41,7 @@ def attempt(outcome: str, status_code: int | None) -> WebhookAttempt:
 
 def test_subscribed_entries_are_pending_from_the_change_that_wrote_them(wf: FakeWorkflow) -> None:
     jobs = book(["completed", "output_stored"])
+    sender(jobs)
     jobs.set_state(JobState.QUEUED)
     jobs.set_state(JobState.RUNNING)
     jobs.merge_artifacts([artifact("a"), artifact("b")])
@@ -43,13 +52,14 @@ def test_subscribed_entries_are_pending_from_the_change_that_wrote_them(wf: Fake
 
 def test_each_attempt_updates_its_delivery_without_a_journal_entry(wf: FakeWorkflow) -> None:
     jobs = book(["completed"])
+    hook = sender(jobs)
     jobs.set_state(JobState.COMPLETED)
     journal, seq = list(jobs.journal), jobs.status.seq
-    jobs.webhook_sending("msg_1", "completed", seq)
-    jobs.webhook_sending("msg_1", "completed", seq)  # a continued run's next attempt: no copy
+    hook.sending("msg_1", "completed", seq)
+    hook.sending("msg_1", "completed", seq)  # a continued run's next attempt: no copy
     wf.advance(1)
-    jobs.webhook_attempted("msg_1", attempt("retry", 503), "retrying")
-    jobs.webhook_attempted("msg_1", attempt("delivered", 204), "delivered")
+    hook.attempted("msg_1", attempt("retry", 503), "retrying")
+    hook.attempted("msg_1", attempt("delivered", 204), "delivered")
     webhook = jobs.status.webhook
     assert webhook is not None
     [delivery] = webhook.deliveries
@@ -57,30 +67,32 @@ def test_each_attempt_updates_its_delivery_without_a_journal_entry(wf: FakeWorkf
     assert (webhook.delivered, webhook.failed, webhook.pending) == (1, 0, 0)
     assert jobs.journal == journal, "webhook bookkeeping is no journal entry"
     assert jobs.status.seq == seq + 3, "each write is a status change"
-    assert jobs.webhook_attempts("msg_1") == 2
+    assert hook.attempts("msg_1") == 2
 
 
 def test_a_refusal_fails_what_is_pending_and_what_comes_later(wf: FakeWorkflow) -> None:
     jobs = book(["output_stored", "completed"])
+    hook = sender(jobs)
     jobs.merge_artifacts([artifact("a"), artifact("b")])
-    jobs.webhook_sending("msg_1", "output_stored", jobs.status.seq)
-    jobs.webhook_attempted("msg_1", attempt("refused", None), "failed")
-    jobs.webhook_refused("https://h/hook: 10.0.0.1: private (10/8)")
+    hook.sending("msg_1", "output_stored", jobs.status.seq)
+    hook.attempted("msg_1", attempt("refused", None), "failed")
+    hook.refused("https://h/hook: 10.0.0.1: private (10/8)")
     jobs.set_state(JobState.COMPLETED)
     webhook = jobs.status.webhook
     assert webhook is not None
     assert (webhook.failed, webhook.pending) == (3, 0)
-    assert jobs.webhook_refused_reason() is not None
+    assert hook.refused_reason() is not None
 
 
 def test_deliveries_are_bounded_and_giving_up_fails_the_open_ones(wf: FakeWorkflow) -> None:
     jobs = book(["output_stored"])
+    hook = sender(jobs)
     jobs.merge_artifacts([artifact(str(n)) for n in range(MAX_WEBHOOK_DELIVERIES + 5)])
     for n in range(MAX_WEBHOOK_DELIVERIES + 5):
-        jobs.webhook_sending(f"msg_{n}", "output_stored", jobs.status.seq)
+        hook.sending(f"msg_{n}", "output_stored", jobs.status.seq)
     webhook = jobs.status.webhook
     assert webhook is not None and len(webhook.deliveries) == MAX_WEBHOOK_DELIVERIES
     assert webhook.deliveries[0].webhook_id == "msg_5", "the latest are kept"
-    jobs.webhook_given_up("not delivered: the job's workflow was cancelled")
+    hook.given_up("not delivered: the job's workflow was cancelled")
     assert (webhook.failed, webhook.pending) == (MAX_WEBHOOK_DELIVERIES + 5, 0)
     assert {d.state for d in webhook.deliveries} == {"failed"}
