@@ -35,8 +35,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from workflows.failures import job_error, refused_before_submission
     from workflows.graph import GraphFormatError, run_tag, sampler_steps
-    from workflows.job_book import JobBook, counter
-    from workflows.job_controls import JobControls, StopOrder
+    from workflows.job_book import JobBook, StopOrder, counter
     from workflows.job_handlers import JobMessages
     from workflows.job_input import JobCarry, JobInput, Refusal, read_job_input
     from workflows.segment_run import SegmentRun
@@ -63,7 +62,9 @@ class InferenceJob(JobMessages):
         self._unchecked: PrepareInput | None = None
         self._status = input.carry.status if input.carry else self._new_status()
         self._book = JobBook(self._status, input.carry.journal if input.carry else None)
-        self._controls = JobControls()
+        self._controls = self._book.controls
+        # The reason a Temporal cancel that follows should carry (the `cancel_reason` signal).
+        self._cancel_reason: str | None = None
         self._work: asyncio.Task[JobCarry | None] | None = None
         self._stopper = ConfirmedStop(self._book, self._request.policy, self._request.output)
         self._cancelled_via_temporal = False
@@ -144,7 +145,7 @@ class InferenceJob(JobMessages):
                     next_segment=segment,
                     journal=self._book.journal,
                 )
-            run = SegmentRun(book, self._controls, request, self._prepared, segment)
+            run = SegmentRun(book, request, self._prepared, segment)
             await run.run(check=self._unchecked)
         return None
 
@@ -199,7 +200,7 @@ class InferenceJob(JobMessages):
             if self._controls.stop is None:
                 # Temporal's cancel (UI button, handle.cancel()) takes the cancel signal's path.
                 self._cancelled_via_temporal = True
-                reason = self._controls.cancel_reason or "cancelled via Temporal"
+                reason = self._cancel_reason or "cancelled via Temporal"
                 self._request_stop(JobState.CANCELLED, ErrorType.CANCELLED, reason)
             try:
                 await self._work

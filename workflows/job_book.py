@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
 
@@ -38,6 +39,7 @@ with workflow.unsafe.imports_passed_through():
         Notice,
         Progress,
         ProgressReport,
+        ResumeRequest,
         Teardown,
         TeardownStep,
     )
@@ -68,6 +70,29 @@ def at_task_end(callback: Callable[[], None], changes: Callable[[], int]) -> Non
     asyncio.get_running_loop().create_task(when_settled())
 
 
+@dataclass(frozen=True)
+class StopOrder:
+    """Why the job stops, and the end state it will have."""
+
+    state: JobState
+    error: JobError
+
+
+@dataclass
+class JobControls:
+    """What clients asked of the running job, and what the work keeps count of across its
+    segments: read by the handlers and the work, never part of the status."""
+
+    stop: StopOrder | None = None
+    # The answer to a NEEDS_DECISION; cleared when a new question is asked.
+    resume: ResumeRequest | None = None
+    # Prompts submitted again after the backend lost them, over the whole job.
+    resubmits: int = 0
+    # Of those, the ones nobody was asked about: a backend that cannot run a prompt twice lost
+    # its worker (`AT_MOST_ONCE_RESUBMITS` at most).
+    unasked_resubmits: int = 0
+
+
 class JobBook:
     def __init__(self, status: JobStatus, journal: list[JobEvent] | None = None) -> None:
         self.status = status
@@ -94,6 +119,7 @@ class JobBook:
         self.finished_prompt: str | None = None
         # Messages from clients: the abandon watchdog waits for this to move.
         self.contacts = 0
+        self.controls = JobControls()
         # Search attributes changed in this workflow task, by name: upserted once, at its end.
         self._unsent_attributes: dict[str, SearchAttributeUpdate[Any]] = {}
         self._attribute_writes = 0

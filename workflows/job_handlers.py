@@ -24,8 +24,7 @@ with workflow.unsafe.imports_passed_through():
         ProgressReport,
         ResumeRequest,
     )
-    from workflows.job_book import JobBook
-    from workflows.job_controls import JobControls
+    from workflows.job_book import JobBook, JobControls
     from workflows.messages import M, lenient_message, strict_message
     from workflows.shared import (
         QUERY_EVENTS,
@@ -48,6 +47,7 @@ class JobMessages:
     _status: JobStatus
     _book: JobBook
     _controls: JobControls
+    _cancel_reason: str | None
     _continuing: bool
 
     def _request_stop(self, state: JobState, error_type: str, message: str) -> None:
@@ -111,7 +111,7 @@ class JobMessages:
     def cancel_reason(self, payload: Any = None) -> None:
         """The reason for a Temporal cancel that follows (JobClient.cancel sends both)."""
         request = self._read(CancelRequest, payload, "cancel_reason", scalar_field="reason")
-        self._controls.cancel_reason = request.reason
+        self._cancel_reason = request.reason
 
     @workflow.signal(name=SIGNAL_RESUME)
     def resume(self, payload: Any = None) -> None:

@@ -28,21 +28,15 @@ with workflow.unsafe.imports_passed_through():
     )
     from workflows.graph import apply_overrides, run_tag, with_unique_save_prefixes
     from workflows.job_book import JobBook, counter
-    from workflows.job_controls import JobControls
     from workflows.shared import AT_MOST_ONCE_RESUBMITS, ErrorType
 
 
 class SegmentRun:
     def __init__(
-        self,
-        book: JobBook,
-        controls: JobControls,
-        request: JobRequest,
-        prepared: PreparedJob,
-        segment: int,
+        self, book: JobBook, request: JobRequest, prepared: PreparedJob, segment: int
     ) -> None:
         self._book = book
-        self._controls = controls
+        self._controls = book.controls
         self._request = request
         self._prepared = prepared
         self._segment = segment
@@ -208,11 +202,7 @@ class SegmentRun:
             assert controls.resume is not None
             if not controls.resume.resubmit:
                 return checkpoint
-        controls.resubmits += 1
-        counter("resubmissions", "Prompts submitted again after the backend lost them").add(1)
-        self._book.restart_prompt()
-        prompt_id = checkpoint.prompt_id or str(workflow.uuid4())
-        return self._book.new_submission(self._segment, prompt_id, checkpoint.total_steps)
+        return self._submit_again(checkpoint)
 
     async def _after_ambiguous_submission(
         self, checkpoint: Checkpoint, err: BaseException
@@ -229,6 +219,10 @@ class SegmentRun:
             )
         if policy == "pause":
             await self._ask_for_resubmit(self._ambiguous_decision(checkpoint, what))
+        return self._submit_again(checkpoint)
+
+    def _submit_again(self, checkpoint: Checkpoint) -> Checkpoint:
+        """The same prompt, submitted once more from its first step."""
         self._controls.resubmits += 1
         counter("resubmissions", "Prompts submitted again after the backend lost them").add(1)
         self._book.restart_prompt()

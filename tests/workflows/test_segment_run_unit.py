@@ -45,8 +45,7 @@ from workflows.contracts import (
     ReconnectPolicy,
     ResumeRequest,
 )
-from workflows.job_book import JobBook
-from workflows.job_controls import JobControls, StopOrder
+from workflows.job_book import JobBook, JobControls, StopOrder
 from workflows.segment_run import SegmentRun
 from workflows.shared import AT_MOST_ONCE, AT_MOST_ONCE_RESUBMITS, ErrorType
 
@@ -172,10 +171,11 @@ def segment(
     book = JobBook(JobStatus(job_id="j1", state=JobState.PREPARING))
     book.prepared_on("gpu", "comfyui")
     backend.book = book
-    controls = controls or JobControls()
+    if controls is not None:
+        book.controls = controls
     job = JobRequest(graph=GRAPH, **({"policy": policy()} | request))
-    run = SegmentRun(book, controls, job, PREPARED, segment_no)
-    return run, book, controls
+    run = SegmentRun(book, job, PREPARED, segment_no)
+    return run, book, book.controls
 
 
 def sent(req: FollowInput) -> Checkpoint:
@@ -272,14 +272,14 @@ async def test_a_follow_that_checks_the_request_names_the_pool_for_what_follows(
     backend.book = book
     job = JobRequest(graph=GRAPH, policy=policy(), segments=[{}, {}])
     unchecked = PREPARED.model_copy(update={"pool": "", "kind": ""})
-    await SegmentRun(book, JobControls(), job, unchecked, 0).run(check=check)
+    await SegmentRun(book, job, unchecked, 0).run(check=check)
     first, second = backend.follows
     assert (first.pool, first.prepare) == ("", check)
     assert (second.pool, second.prepare) == ("", check), "not checked yet: checked again"
     assert book.status.backend is not None
     assert (book.status.backend.pool, book.status.backend.kind) == ("gpu", "runpod")
     assert book.status.backend.provider_job_id == PROMPT
-    await SegmentRun(book, JobControls(), job, unchecked, 1).run(check=check)
+    await SegmentRun(book, job, unchecked, 1).run(check=check)
     assert (backend.follows[2].pool, backend.follows[2].prepare) == ("gpu", None)
 
 
