@@ -243,7 +243,9 @@ async def test_cli_cancel_stops_a_running_job(
 ) -> None:
     env = cli_env(local_stack, worker.task_queue)
     graph = example()
-    graph["3"]["inputs"]["steps"] = 500  # 10 s at 20 ms a step: plenty of time to cancel
+    # 60 s at 20 ms a step: a loaded machine may take seconds to start the CLI, and the cancel
+    # ends the job long before, so the length costs nothing.
+    graph["3"]["inputs"]["steps"] = 3000
     submitted = await worker.client.submit(JobRequest(graph=graph), detached=True)
     async for status in worker.client.watch(submitted.job_id, poll_interval_s=0.05):
         if status.state == JobState.RUNNING:
