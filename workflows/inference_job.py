@@ -22,7 +22,6 @@ from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
     from workflows import activity_calls as calls
-    from workflows import guards
     from workflows.activity_io import OffloadInput, PreparedJob, PrepareInput
     from workflows.contracts import (
         JobError,
@@ -40,7 +39,12 @@ with workflow.unsafe.imports_passed_through():
     from workflows.job_input import JobCarry, JobInput, Refusal, read_job_input
     from workflows.segment_run import SegmentRun
     from workflows.shared import DEFAULT_TENANT, TENANT_LABEL, WORKFLOW_TYPE, ErrorType
-    from workflows.stopping import ConfirmedStop
+    from workflows.stopping import (
+        ConfirmedStop,
+        abandon_watchdog,
+        execution_deadline,
+        queue_watchdog,
+    )
     from workflows.webhooks import BEFORE_EVERYTHING, WebhookSender, shown_url
 
 
@@ -67,7 +71,6 @@ class InferenceJob(JobMessages):
         self._cancel_reason: str | None = None
         self._work: asyncio.Task[JobCarry | None] | None = None
         self._stopper = ConfirmedStop(self._book, self._request.policy, self._request.output)
-        self._cancelled_via_temporal = False
         self._webhooks: WebhookSender | None = None
         if self._request.webhook is not None:
             # Built with the book: it counts the journal's subscribed entries from the first.
@@ -181,13 +184,13 @@ class InferenceJob(JobMessages):
         )
 
     def _start_guards(self) -> list[asyncio.Task[None]]:
-        policy, stop = self._request.policy, self._request_stop
-        running = [asyncio.create_task(guards.execution_deadline(policy, stop))]
+        policy, stop = self._request.policy, self._stop
+        running = [asyncio.create_task(execution_deadline(policy, stop))]
         if policy.abandon_after_s is not None:
-            watchdog = guards.abandon_watchdog(policy.abandon_after_s, self._book, stop)
+            watchdog = abandon_watchdog(policy.abandon_after_s, self._book, stop)
             running.append(asyncio.create_task(watchdog))
         if policy.queue_timeout_s is not None:
-            queue = guards.queue_watchdog(policy.queue_timeout_s, self._book, stop)
+            queue = queue_watchdog(policy.queue_timeout_s, self._book, stop)
             running.append(asyncio.create_task(queue))
         return running
 
@@ -199,9 +202,7 @@ class InferenceJob(JobMessages):
         except asyncio.CancelledError:
             if self._controls.stop is None:
                 # Temporal's cancel (UI button, handle.cancel()) takes the cancel signal's path.
-                self._cancelled_via_temporal = True
-                reason = self._cancel_reason or "cancelled via Temporal"
-                self._request_stop(JobState.CANCELLED, ErrorType.CANCELLED, reason)
+                self._cancel(self._cancel_reason or "cancelled via Temporal", via_temporal=True)
             try:
                 await self._work
             except BaseException as err:
@@ -238,15 +239,22 @@ class InferenceJob(JobMessages):
             non_retryable=True,
         )
 
-    def _request_stop(self, state: JobState, error_type: str, message: str) -> None:
+    def _cancel(self, reason: str, *, via_temporal: bool = False) -> None:
+        """Every cancel: the `cancel` signal, and Temporal's own (with the `cancel_reason`
+        signal's reason, when one came first)."""
+        error = JobError(type=ErrorType.CANCELLED, message=reason)
+        self._stop(StopOrder(JobState.CANCELLED, error, via_temporal=via_temporal))
+
+    def _stop(self, order: StopOrder) -> None:
+        """The one stop path (a cancel, a guard's timer): the first order holds; the work is
+        cancelled and its prompt stopped at once."""
         if self._controls.stop is not None or self._status.terminal:
             return
-        self._controls.stop = StopOrder(state, JobError(type=error_type, message=message))
+        self._controls.stop = order
         if self._work is None or self._work.done():
             return
         self._work.cancel()
-        pool = self._pool()
-        self._stopper.begin(pool, self._book.prompt_id, state, error_type)
+        self._stopper.begin(order, self._pool(), self._book.prompt_id)
 
     async def _finish_uncancellable(self, outcome: BaseException | None) -> None:
         finishing = asyncio.create_task(self._finish(outcome))
@@ -258,32 +266,33 @@ class InferenceJob(JobMessages):
 
     async def _finish(self, outcome: BaseException | None) -> None:
         """Every exit path: stop the prompt, keep what finished, record it, then the end state."""
-        state, error = self._end_state(outcome)
-        counter("jobs_ended", "Jobs by end state").add(1, {"state": state.value})
+        ending = self._ending(outcome)
+        counter("jobs_ended", "Jobs by end state").add(1, {"state": ending.state.value})
         book, prompt_id = self._book, self._book.prompt_id
-        book.set_error(error)
+        book.set_error(ending.error)
         if self._prepared is None or prompt_id is None or refused_before_submission(outcome):
             skipped = Teardown(state="SKIPPED", at=workflow.now(), detail="nothing was submitted")
             book.set_teardown(skipped)
         else:
-            await self._stopper.settle(self._pool() or "", prompt_id, state, error)
-            if state != JobState.COMPLETED:
+            await self._stopper.settle(ending, self._pool() or "", prompt_id)
+            if ending.state != JobState.COMPLETED:
                 await self._keep_finished_outputs(self._pool() or "")
-        book.set_state(state)
+        book.set_state(ending.state)
 
     def _pool(self) -> str | None:
         return self._book.pool_or(self._prepared.pool) if self._prepared is not None else None
 
-    def _end_state(self, outcome: BaseException | None) -> tuple[JobState, JobError | None]:
-        order = self._controls.stop
-        if order is not None:
-            return order.state, order.error
+    def _ending(self, outcome: BaseException | None) -> StopOrder:
+        """The order the job stopped by, else how its work ended."""
+        if self._controls.stop is not None:
+            return self._controls.stop
         if outcome is None:
-            return JobState.COMPLETED, None
+            return StopOrder(JobState.COMPLETED)
         if isinstance(outcome, GraphFormatError):
             # A segment's overrides that do not fit the graph (a request prepare did not see).
-            return JobState.FAILED, JobError(type=ErrorType.INVALID_REQUEST, message=str(outcome))
-        return JobState.FAILED, job_error(outcome)
+            error = JobError(type=ErrorType.INVALID_REQUEST, message=str(outcome))
+            return StopOrder(JobState.FAILED, error)
+        return StopOrder(JobState.FAILED, job_error(outcome))
 
     async def _keep_finished_outputs(self, pool: str) -> None:
         checkpoint = self._status.checkpoint
@@ -314,6 +323,7 @@ class InferenceJob(JobMessages):
         if self._status.state == JobState.FAILED and error is not None:
             # The Temporal UI shows the job as failed, with the typed reason.
             raise ApplicationError(error.message, self._status, type=error.type, non_retryable=True)
-        if self._status.state == JobState.CANCELLED and self._cancelled_via_temporal:
+        order = self._controls.stop
+        if self._status.state == JobState.CANCELLED and order is not None and order.via_temporal:
             raise asyncio.CancelledError(error.message if error else "")
         return self._status

@@ -43,7 +43,7 @@ with workflow.unsafe.imports_passed_through():
         Teardown,
         TeardownStep,
     )
-    from workflows.shared import POOL_KEY, PROGRESS_KEY, STATE_KEY
+    from workflows.shared import POOL_KEY, PROGRESS_KEY, STATE_KEY, ErrorType
 
 
 def counter(name: str, description: str) -> MetricCounter:
@@ -72,10 +72,18 @@ def at_task_end(callback: Callable[[], None], changes: Callable[[], int]) -> Non
 
 @dataclass(frozen=True)
 class StopOrder:
-    """Why the job stops, and the end state it will have."""
+    """How the job ends and why: ordered while its work runs (a cancel, a guard's timer), or
+    read from how the work ended. `error` becomes the status's error (None: completed)."""
 
     state: JobState
-    error: JobError
+    error: JobError | None = None
+    # Temporal's own cancel (its UI, `temporal workflow cancel`, `JobClient.cancel`): the run
+    # then ends Canceled in Temporal too, not Completed.
+    via_temporal: bool = False
+
+    @property
+    def timed_out(self) -> bool:
+        return self.error is not None and self.error.type == ErrorType.TIMEOUT
 
 
 @dataclass

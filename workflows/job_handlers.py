@@ -37,7 +37,6 @@ with workflow.unsafe.imports_passed_through():
         UPDATE_ATTACH,
         UPDATE_ENDED,
         UPDATE_RESUME,
-        ErrorType,
     )
 
 
@@ -50,7 +49,7 @@ class JobMessages:
     _cancel_reason: str | None
     _continuing: bool
 
-    def _request_stop(self, state: JobState, error_type: str, message: str) -> None:
+    def _cancel(self, reason: str, *, via_temporal: bool = False) -> None:
         raise NotImplementedError
 
     @workflow.query(name=QUERY_STATUS)
@@ -105,7 +104,7 @@ class JobMessages:
     @workflow.signal(name=SIGNAL_CANCEL)
     def cancel(self, payload: Any = None) -> None:
         request = self._read(CancelRequest, payload, "cancel", scalar_field="reason")
-        self._request_stop(JobState.CANCELLED, ErrorType.CANCELLED, request.reason)
+        self._cancel(request.reason)
 
     @workflow.signal(name=SIGNAL_CANCEL_REASON)
     def cancel_reason(self, payload: Any = None) -> None:

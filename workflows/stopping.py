@@ -1,4 +1,9 @@
-"""Stopping a prompt for good, and the record of how it was stopped.
+"""Stopping a job: the timers that order it from outside the work, stopping its prompt for
+good, and the record of how that went.
+
+The deadline, abandonment and a queue wait each wait on a durable timer and, when it fires,
+order the stop with a typed reason; the job's one stop path (`InferenceJob._stop`) does the
+rest, as for a cancel.
 
 ComfyUI interrupts cooperatively: a node checks the flag only in its progress hook or at the
 next node boundary, so a big blur or a model load runs on for many seconds after `/interrupt`.
@@ -15,6 +20,7 @@ stop (at the moment of a cancel) and the final one (after the work settled).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Literal
 
@@ -34,7 +40,7 @@ with workflow.unsafe.imports_passed_through():
         TeardownStep,
     )
     from workflows.failures import job_error
-    from workflows.job_book import JobBook
+    from workflows.job_book import JobBook, StopOrder
     from workflows.shared import ErrorType, reconnect_delay
 
 # Checks never wait longer than this apart: a prompt that stopped should not keep its job
@@ -48,6 +54,66 @@ def stop_reason(state: JobState, timed_out: bool = False) -> str:
         return "after the execution deadline"
     ending = ENDINGS.get(state)
     return ending.stop_label if ending is not None else f"after {state.value.lower()}"
+
+
+# -- the timers that order a stop from outside the work ------------------------------------
+
+OrderStop = Callable[[StopOrder], None]
+
+
+async def execution_deadline(policy: JobPolicy, stop: OrderStop) -> None:
+    await workflow.sleep(
+        timedelta(seconds=policy.execution_timeout_s), summary="execution deadline"
+    )
+    message = f"the job ran past execution_timeout_s ({policy.execution_timeout_s:.0f} s)"
+    stop(StopOrder(JobState.FAILED, JobError(type=ErrorType.TIMEOUT, message=message)))
+
+
+async def abandon_watchdog(abandon_after_s: float, book: JobBook, stop: OrderStop) -> None:
+    """No client contact (a query does not count: it leaves no trace) for `abandon_after_s`."""
+    while True:
+        seen = book.contacts
+        try:
+            await workflow.wait_condition(
+                lambda seen=seen: book.contacts != seen,  # type: ignore[misc]
+                timeout=timedelta(seconds=abandon_after_s),
+                timeout_summary="abandon watchdog",
+            )
+        except TimeoutError:
+            message = f"no client contact for {abandon_after_s:.0f} s"
+            stop(StopOrder(JobState.ABANDONED, JobError(type=ErrorType.ABANDONED, message=message)))
+            return
+
+
+async def queue_watchdog(queue_timeout_s: float, book: JobBook, stop: OrderStop) -> None:
+    """A prompt that waits in the backend's queue longer than `queue_timeout_s` fails the job
+    (`QueueTimeout`): the GPU it waits for is not coming in time."""
+    while True:
+        await workflow.wait_condition(lambda: book.backend_state == JobState.WAITING)
+        waiting_for = book.prompt_id
+
+        def moved_on(prompt: str | None = waiting_for) -> bool:
+            return book.backend_state != JobState.WAITING or book.prompt_id != prompt
+
+        try:
+            await workflow.wait_condition(
+                moved_on,
+                timeout=timedelta(seconds=queue_timeout_s),
+                timeout_summary="queue timeout",
+            )
+        except TimeoutError:
+            position = book.status.progress.queue_position
+            message = (
+                f"prompt {waiting_for} waited in the backend's queue (place {position}) "
+                f"longer than queue_timeout_s ({queue_timeout_s:.0f} s)"
+            )
+            stop(
+                StopOrder(JobState.FAILED, JobError(type=ErrorType.QUEUE_TIMEOUT, message=message))
+            )
+            return
+
+
+# -- stopping the prompt ---------------------------------------------------------------------
 
 
 class PromptStop:
@@ -280,24 +346,22 @@ class ConfirmedStop:
         self._stop = PromptStop(book, policy, output)
         self._early: asyncio.Task[None] | None = None
 
-    def begin(
-        self, pool: str | None, prompt_id: str | None, order_state: JobState, error_type: str
-    ) -> None:
+    def begin(self, order: StopOrder, pool: str | None, prompt_id: str | None) -> None:
         self._book.set_state(JobState.STOPPING)
         if pool is not None and prompt_id is not None:
             self._early = asyncio.create_task(
                 self._stop.confirm(
                     pool,
                     prompt_id,
-                    stop_reason(order_state, error_type == ErrorType.TIMEOUT),
+                    stop_reason(order.state, order.timed_out),
                     submitted=self._book.submitted(),
                     settled=False,
                 )
             )
 
-    async def settle(
-        self, pool: str, prompt_id: str, state: JobState, error: JobError | None
-    ) -> None:
+    async def settle(self, ending: StopOrder, pool: str, prompt_id: str) -> None:
+        """`ending`: the order the job stopped by, else how its work ended."""
+        state, error = ending.state, ending.error
         if (
             state == JobState.COMPLETED
             and self._early is None
@@ -314,7 +378,7 @@ class ConfirmedStop:
         await self._stop.confirm(
             pool,
             prompt_id,
-            stop_reason(state, error is not None and error.type == ErrorType.TIMEOUT),
+            stop_reason(state, ending.timed_out),
             submitted=self._book.submitted(),
             settled=True,
             free_memory=error is not None and error.type == ErrorType.OUT_OF_MEMORY,

@@ -1,4 +1,5 @@
-"""`workflows/guards.py` on its own: which timer each guard starts, when it fires, what it says.
+"""The guards of workflows/stopping.py on their own: which timer each starts, when it fires,
+what it says.
 
 The guards only wait (`workflow.sleep`, `workflow.wait_condition`) and then ask for a stop. Here
 each wait is a step of a script that checks the condition waited on and either lets it hold or
@@ -14,18 +15,19 @@ from typing import Any
 import pytest
 
 from tests.support.workflow_fakes import FakeWorkflow, Step, fires, holds
-from workflows import guards
 from workflows.contracts import JobPolicy, JobState, JobStatus
-from workflows.job_book import JobBook
+from workflows.job_book import JobBook, StopOrder
 from workflows.shared import ErrorType
+from workflows.stopping import abandon_watchdog, execution_deadline, queue_watchdog
 
 
 class Stops:
     def __init__(self) -> None:
         self.requests: list[tuple[JobState, str, str]] = []
 
-    def __call__(self, state: JobState, error_type: str, message: str) -> None:
-        self.requests.append((state, error_type, message))
+    def __call__(self, order: StopOrder) -> None:
+        assert order.error is not None and not order.via_temporal
+        self.requests.append((order.state, order.error.type, order.error.message))
 
 
 @pytest.fixture
@@ -40,7 +42,7 @@ def _run(wf: FakeWorkflow, guard: Any) -> None:
 
 def test_the_execution_deadline_fails_the_job_when_its_timer_fires(wf: FakeWorkflow) -> None:
     stop = Stops()
-    _run(wf, guards.execution_deadline(JobPolicy(execution_timeout_s=90.4), stop))
+    _run(wf, execution_deadline(JobPolicy(execution_timeout_s=90.4), stop))
     assert wf.sleeps == [(90.4, "execution deadline")] and wf.waits == []
     assert stop.requests == [
         (JobState.FAILED, ErrorType.TIMEOUT, "the job ran past execution_timeout_s (90 s)")
@@ -54,7 +56,7 @@ def test_each_client_contact_restarts_the_abandon_watchdog(wf: FakeWorkflow, boo
         assert fn()
 
     wf.conditions, stop = [contact, contact, fires], Stops()
-    _run(wf, guards.abandon_watchdog(299.6, book, stop))
+    _run(wf, abandon_watchdog(299.6, book, stop))
     assert wf.waits == [(299.6, "abandon watchdog")] * 3
     assert stop.requests == [
         (JobState.ABANDONED, ErrorType.ABANDONED, "no client contact for 300 s")
@@ -86,7 +88,7 @@ def test_a_prompt_waiting_past_the_queue_timeout_fails_the_job(
     wf.conditions = [queued("p-1"), moves_on, queued("p-1"), is_replaced, holds, fires]
     stop = Stops()
     book.backend_state = JobState.RUNNING
-    _run(wf, guards.queue_watchdog(59.6, book, stop))
+    _run(wf, queue_watchdog(59.6, book, stop))
     waiting, timed = (None, None), (59.6, "queue timeout")
     assert wf.waits == [waiting, timed] * 3 and wf.sleeps == []
     assert stop.requests == [

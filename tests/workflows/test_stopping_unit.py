@@ -31,7 +31,7 @@ from workflows.contracts import (
     Teardown,
     TeardownStep,
 )
-from workflows.job_book import JobBook
+from workflows.job_book import JobBook, StopOrder
 from workflows.shared import ErrorType
 from workflows.stopping import ConfirmedStop, PromptStop, stop_reason
 
@@ -126,6 +126,12 @@ def world(monkeypatch: pytest.MonkeyPatch) -> World:
     w = install_fake_workflow(monkeypatch, World())
     monkeypatch.setattr(activity_calls, "stop", w.stop)
     return w
+
+
+def order(state: JobState, error_type: str | None = None) -> StopOrder:
+    """How the job ends: `state`, for an error of `error_type` (None: none)."""
+    error = JobError(type=error_type, message="it broke") if error_type is not None else None
+    return StopOrder(state, error)
 
 
 def policy(horizon_s: float = 900, base_s: float = 2, max_s: float = 30) -> JobPolicy:
@@ -492,13 +498,13 @@ async def test_a_stop_checks_at_once_then_confirms_after_the_work_settled(world:
     world.answers = [NO_RECORD]
     world.was_submitted = False
     stop = ConfirmedStop(world.book, policy())
-    stop.begin("gpu", "p1", JobState.CANCELLED, ErrorType.CANCELLED)
+    stop.begin(order(JobState.CANCELLED, ErrorType.CANCELLED), "gpu", "p1")
     assert world.states == [JobState.STOPPING]
     await asyncio.sleep(0)
     assert len(world.requests) == 1, "the early pass checks before the work has settled"
     assert world.record.detail == "after cancel: prompt p1 not on the backend (yet)"
 
-    await stop.settle("gpu", "p1", JobState.CANCELLED, None)
+    await stop.settle(order(JobState.CANCELLED), "gpu", "p1")
     assert world.states == [JobState.STOPPING, JobState.STOPPING]
     assert [(r.reason, r.submitted, r.free_memory) for r in world.requests] == [
         ("after cancel", False, False),
@@ -511,8 +517,8 @@ async def test_a_stop_checks_at_once_then_confirms_after_the_work_settled(world:
 async def test_the_settled_pass_waits_for_the_early_one(world: World) -> None:
     world.answers = [RUNNING, RUNNING, INTERRUPTED]
     stop = ConfirmedStop(world.book, policy())
-    stop.begin("gpu", "p1", JobState.CANCELLED, ErrorType.CANCELLED)
-    await stop.settle("gpu", "p1", JobState.CANCELLED, None)
+    stop.begin(order(JobState.CANCELLED, ErrorType.CANCELLED), "gpu", "p1")
+    await stop.settle(order(JobState.CANCELLED), "gpu", "p1")
     assert len(world.requests) == 4, "three early checks to the interrupt, then one settled"
     assert world.sleeps == [(1.0, "stop check 2"), (2.0, "stop check 3")]
     assert world.record.detail == "after cancel: interrupt sent, interrupted at node 3 (KSampler)"
@@ -531,9 +537,9 @@ async def test_a_failed_job_stops_for_its_error(
 ) -> None:
     world.answers = [INTERRUPTED]
     stop = ConfirmedStop(world.book, policy())
-    stop.begin("gpu", "p1", JobState.FAILED, error_type)
+    stop.begin(order(JobState.FAILED, error_type), "gpu", "p1")
     error = JobError(type=error_type, message="it broke")
-    await stop.settle("gpu", "p1", JobState.FAILED, error)
+    await stop.settle(StopOrder(JobState.FAILED, error), "gpu", "p1")
     assert [(r.reason, r.submitted, r.free_memory) for r in world.requests] == [
         (reason, True, False),
         (reason, True, free_memory),
@@ -546,16 +552,16 @@ async def test_without_a_prompt_on_a_pool_only_the_settled_pass_checks(
 ) -> None:
     world.answers = [NO_RECORD]
     stop = ConfirmedStop(world.book, policy())
-    stop.begin(pool, prompt_id, JobState.CANCELLED, ErrorType.CANCELLED)
+    stop.begin(order(JobState.CANCELLED, ErrorType.CANCELLED), pool, prompt_id)
     await asyncio.sleep(0)
     assert world.requests == [] and world.states == [JobState.STOPPING]
-    await stop.settle("gpu", "p2", JobState.CANCELLED, None)
+    await stop.settle(order(JobState.CANCELLED), "gpu", "p2")
     assert [(r.pool, r.prompt_id) for r in world.requests] == [("gpu", "p2")]
 
 
 async def test_a_completed_job_confirms_without_entering_stopping(world: World) -> None:
     world.answers = [{"position": "gone", "ended": "success"}]
-    await ConfirmedStop(world.book, policy()).settle("gpu", "p1", JobState.COMPLETED, None)
+    await ConfirmedStop(world.book, policy()).settle(order(JobState.COMPLETED), "gpu", "p1")
     assert world.states == []
     assert [(r.reason, r.free_memory) for r in world.requests] == [("after completion", False)]
     assert world.record.detail == "after completion: had already finished"
@@ -575,7 +581,7 @@ async def test_a_prompt_whose_end_the_follow_saw_needs_no_check_on_completion(
 ) -> None:
     world.finished_prompt = finished_prompt
     world.answers = [{"position": "gone", "ended": "success"}]
-    await ConfirmedStop(world.book, policy()).settle("gpu", "p1", state, None)
+    await ConfirmedStop(world.book, policy()).settle(order(state), "gpu", "p1")
     assert len(world.requests) == checks
     assert world.record.state == "CONFIRMED"
     assert [s.action for s in world.record.steps] == ["finished"]
@@ -606,7 +612,7 @@ async def test_each_check_carries_the_jobs_output_spec(world: World) -> None:
     world.answers = [RUNNING, INTERRUPTED]
     await confirm(world, PromptStop(world.book, policy(), output))
     stop = ConfirmedStop(world.book, policy(), output)
-    await stop.settle("gpu", "p1", JobState.CANCELLED, None)
+    await stop.settle(order(JobState.CANCELLED), "gpu", "p1")
     await confirm(world, PromptStop(world.book, policy()))
     assert [r.output for r in world.requests] == [output] * 3 + [OutputSpec()]
 
