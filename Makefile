@@ -55,7 +55,7 @@ demo: $(STAMP) $(EP_STAMP)
 ## (CONFIG=path/to/stack.yaml as for demo)
 .PHONY: demo-chaos
 demo-chaos: $(STAMP)
-	$(BIN)/python -m devstack.chaos_demo $(if $(CONFIG),--config '$(CONFIG)')
+	$(BIN)/python -m faults.demo $(if $(CONFIG),--config '$(CONFIG)')
 
 ## test: unit, workflow (time-skipping), integration (real Temporal + SeaweedFS + simulator)
 ## (TEST_WORKERS=N: pytest-xdist processes, each with its own local stack; 1 runs them in one.
@@ -136,7 +136,7 @@ MINUTES     ?= 15
 FAULT_EVERY ?= 20
 .PHONY: soak
 soak: $(STAMP) $(EP_STAMP) $(STOCK_STAMP)
-	$(BIN)/python -m devstack.soak --minutes $(MINUTES) --fault-every $(FAULT_EVERY) \
+	$(BIN)/python -m faults.soak --minutes $(MINUTES) --fault-every $(FAULT_EVERY) \
 		$(if $(SEED),--seed $(SEED)) $(if $(JOBS_PER_MINUTE),--jobs-per-minute $(JOBS_PER_MINUTE)) \
 		$(if $(STOCK),--stock $(STOCK)) $(if $(KEEP),--keep)
 

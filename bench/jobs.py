@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from devstack.chaos.graphs import sampler_graph
+from faults.graphs import sampler_graph
 from starter import JobClient, JobRequest
 from starter.errors import TemporalUnreachable
 from workflows.contracts import JobState, JobStatus, ReadState

@@ -34,13 +34,13 @@ from activities.storage import ArtifactStore, S3Settings
 from bench.bare import READY_MARK
 from bench.calls import CallLog, counted_client
 from bench.outcome import BenchOptions
-from devstack.chaos.worker_proc import KillableWorker
 from devstack.config import StackConfig
 from devstack.free_ports import free_port, make_stack_config
 from devstack.models import RunningStack
 from devstack.processes import PidRecord, is_alive, log_tail, spawn_detached, terminate
 from devstack.services import ENDPOINT_HANDLER, ENDPOINT_PYTHON, RUNPOD_SIM_KEY_VAR
 from devstack.stack import start_service, start_stack, stop_service, stop_stack
+from faults.worker_proc import KillableWorker
 from starter import JobClient
 from starter.connection import connect_temporal
 

@@ -1,4 +1,4 @@
-"""What `make demo` (devstack/demo.py) and `make demo-chaos` (devstack/chaos_demo.py) share.
+"""What `make demo` (devstack/demo.py) and `make demo-chaos` (faults/demo.py) share.
 
 Their start-up: logging and a console, the local stack started from a stack file and shown, a
 `JobClient` with its artifact store on that stack (built from the stack's own environment with

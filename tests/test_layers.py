@@ -1,6 +1,7 @@
 """Layers point one way, and the RunPod handler's image holds everything the handler imports.
 
-    bench/      -> devstack/, starter/, activities/, protocol/, workflows/  (tooling uses them)
+    bench/      -> faults/, devstack/, starter/, activities/, protocol/, workflows/  (tooling)
+    faults/     -> devstack/, starter/, activities/, protocol/, workflows/  (fault tooling)
     devstack/   -> starter/, activities/, protocol/, workflows/, endpoint/
     worker.py   -> starter/ (connection), activities/, protocol/, workflows/
     gateway/    -> starter/, workflows/, protocol/ (keys), S3 and URL-check helpers of activities/
@@ -11,8 +12,10 @@
     protocol/   -> nothing of the project (and no Temporal: the handler's venv has none)
 
 Nothing in the product (workflows, activities, starter, worker.py, endpoint) imports the tooling
-(devstack, bench) or the tests, and `activities/` never imports `endpoint/`: the orchestrator and
-the handler share the protocol core, and neither imports the other.
+(devstack, faults, bench) or the tests, and `activities/` never imports `endpoint/`: the
+orchestrator and the handler share the protocol core, and neither imports the other. devstack/
+ships in the wheel (`durable-comfy dev` runs its stack and simulators) and the fault tooling does
+not, so devstack/ never imports faults/.
 
 The handler runs in a venv of its own (`endpoint/requirements.txt`, the `runpod` SDK, no
 Temporal): every module `endpoint/handler.py` reaches, transitively, must lie in a folder that
@@ -45,12 +48,13 @@ PROJECT = {
     "starter",
     "gateway",
     "devstack",
+    "faults",
     "bench",
     "worker",
     "endpoint",
     "tests",
 }
-TOOLING = {"devstack", "bench", "tests"}
+TOOLING = {"devstack", "faults", "bench", "tests"}
 
 FORBIDDEN = {
     "workflows": TOOLING | {"protocol", "activities", "starter", "gateway", "worker", "endpoint"},
@@ -63,7 +67,8 @@ FORBIDDEN = {
     "worker.py": TOOLING | {"gateway", "endpoint"},
     # The handler's image has no Temporal: workflows/ (which imports it) stays out too.
     "endpoint": TOOLING | {"starter", "gateway", "worker", "workflows", "activities"},
-    "devstack": {"bench", "tests"},
+    "devstack": {"faults", "bench", "tests"},
+    "faults": {"bench", "tests"},
     "bench": {"tests"},
 }
 # The client library may use these activity modules for S3 (downloads, presigning, logging):

@@ -57,6 +57,23 @@ def test_a_no_extras_install_has_no_server_binary(clean_install: Path) -> None:
     assert not (clean_install / "bin" / "weed").exists()
 
 
+def test_the_install_ships_the_dev_stack_and_no_fault_tooling(clean_install: Path) -> None:
+    """`durable-comfy dev` runs devstack/'s stack and simulators, so they ship; the soak, the
+    chaos harness and `make demo-chaos` (faults/) are tooling and stay in the repository."""
+    [site] = (clean_install / "lib").glob("python3.*/site-packages")
+    assert not (site / "faults").exists()
+    shipped = [path.relative_to(site) for path in (site / "devstack").rglob("*.py")]
+    assert [p for p in shipped if "soak" in str(p) or "chaos" in str(p)] == []
+    for module in (
+        "devstack/cli.py",
+        "devstack/stack.py",
+        "devstack/comfy_sim/server.py",
+        "devstack/runpod_sim/server.py",
+        "devstack/runpod_sim/env_factories.py",
+    ):
+        assert (site / module).is_file(), module
+
+
 def test_the_cli_client_and_worker_work_without_extras(clean_install: Path) -> None:
     """`--help` loads the CLI, the client library and the worker's command (an entry point
     that imports worker.py): one process, since each start imports all of it."""

@@ -40,7 +40,7 @@ from bench.procs import MIB, cpu_seconds
 from bench.profile import profile_lines, record_command
 from bench.results import Result, Target, fmt, result
 from bench.stack import ROOT, BenchContext, SimProcess, extra_sim
-from devstack.chaos.worker_proc import clean_environ
+from faults.worker_proc import clean_environ
 
 THROUGHPUT_MIN_RATIO = 0.95  # raised from 0.9 on 2026-12-02
 RSS_GROWTH_MAX_MIB = 64.0

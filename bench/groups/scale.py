@@ -62,8 +62,8 @@ from bench.server_calls import ServerCalls, calls_table, server_calls
 from bench.sim import progress_times
 from bench.stack import ROOT, BenchContext, Pool, extra_sim, extra_worker
 from bench.worker_counters import worker_counters
-from devstack.chaos.worker_proc import clean_environ
 from devstack.free_ports import free_port
+from faults.worker_proc import clean_environ
 from starter import JobClient, JobState, JobStatus
 
 STEPS = 20

@@ -22,7 +22,8 @@ import pytest_asyncio
 from temporalio.client import WorkflowExecutionStatus
 
 from activities.storage import ArtifactStore
-from devstack.chaos.graphs import (
+from devstack.comfy_sim.faults import FaultConfig
+from faults.graphs import (
     EARLY_SAVE_NODE,
     SAMPLER_NODE,
     SAVE_NODE,
@@ -31,7 +32,7 @@ from devstack.chaos.graphs import (
     seed_segments,
     two_output_graph,
 )
-from devstack.chaos.harness import (
+from faults.harness import (
     DROP_LOGGED,
     ORPHAN_SWEEP_S,
     STALL_LOGGED,
@@ -42,7 +43,6 @@ from devstack.chaos.harness import (
     Timeline,
     with_step_delay,
 )
-from devstack.comfy_sim.faults import FaultConfig
 from starter.connection import connect_temporal
 from tests.conftest import StackConfigFactory, free_port
 from workflows.contracts import JobRequest, JobState, JobStatus

@@ -33,10 +33,10 @@ import pytest_asyncio
 from temporalio.client import WorkflowExecutionStatus
 
 from activities.storage import ArtifactStore
-from devstack.chaos.graphs import sampler_graph
-from devstack.chaos.worker_proc import KillableWorker
 from devstack.models import RunningStack
 from devstack.processes import is_alive, terminate
+from faults.graphs import sampler_graph
+from faults.worker_proc import KillableWorker
 from starter.client import JobClient
 from starter.connection import connect_temporal
 from starter.progress import follow_heartbeats

@@ -35,12 +35,12 @@ from temporalio.api.history.v1 import HistoryEvent
 from temporalio.client import WorkflowExecutionStatus
 
 from activities.storage import ArtifactStore
-from devstack.chaos.graphs import SAVE_NODE, chaos_policy, sampler_graph
-from devstack.chaos.harness import SimControl, eventually
-from devstack.chaos.worker_proc import KillableWorker
 from devstack.free_ports import free_port
 from devstack.models import RunningStack
 from devstack.processes import terminate
+from faults.graphs import SAVE_NODE, chaos_policy, sampler_graph
+from faults.harness import SimControl, eventually
+from faults.worker_proc import KillableWorker
 from starter.client import JobClient
 from starter.connection import connect_temporal
 from tests.stack.parallel_sim import start_parallel_sim

@@ -24,9 +24,9 @@ from temporalio.client import WorkflowFailureError
 from temporalio.exceptions import ApplicationError
 
 from activities.storage import ArtifactStore
-from devstack.chaos.graphs import chaos_policy
-from devstack.chaos.harness import ChaosCase, ChaosStack, SimControl, StepWatcher, Timeline
 from devstack.real_comfyui import RealComfyUI
+from faults.graphs import chaos_policy
+from faults.harness import ChaosCase, ChaosStack, SimControl, StepWatcher, Timeline
 from starter.connection import connect_temporal
 from tests.conftest import StackConfigFactory, free_port
 from workflows.contracts import JobRequest, JobState, JobStatus

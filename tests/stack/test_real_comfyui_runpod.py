@@ -44,11 +44,11 @@ from activities.runpod.claims import claim_target, read_claim
 from activities.runpod.follow import one_chunk
 from activities.settings import PoolConfig
 from activities.storage import ArtifactStore
-from devstack.chaos.worker_proc import WorkerFleet
 from devstack.models import RunningStack
 from devstack.real_comfyui import WorkerComfyUI
 from devstack.runpod_sim import Ledger
 from devstack.runpod_sim.ledger import LedgerJob
+from faults.worker_proc import WorkerFleet
 from protocol.comfyui.events import output_files
 from protocol.runpod.contract import Claim, StopRecord, nodes_key
 from starter import JobClient

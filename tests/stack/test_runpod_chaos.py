@@ -29,10 +29,10 @@ import pytest_asyncio
 from activities.runpod import follow as runpod_follow
 from activities.runpod.claims import claim_target, read_claim
 from activities.storage import ArtifactStore
-from devstack.chaos.worker_proc import WorkerFleet
 from devstack.models import RunningStack
 from devstack.runpod_sim import Ledger
 from devstack.runpod_sim.ledger import LedgerDelivery, LedgerJob
+from faults.worker_proc import WorkerFleet
 from protocol.runpod.contract import Claim
 from starter import JobClient
 from starter.connection import connect_temporal

@@ -29,9 +29,9 @@ import pytest
 import pytest_asyncio
 
 from activities.storage import ArtifactStore
-from devstack.chaos.graphs import SAVE_NODE, sampler_graph
-from devstack.chaos.worker_proc import KillableWorker, clean_environ
 from devstack.models import RunningStack
+from faults.graphs import SAVE_NODE, sampler_graph
+from faults.worker_proc import KillableWorker, clean_environ
 from starter.connection import connect_temporal
 from tests.stack.tls_support import NginxFront, TlsFiles, client_profile, nginx_binary, nginx_front
 from tests.support.cli import json_lines, run_cli, s3_settings

@@ -12,10 +12,10 @@ from typing import Any
 
 from aiohttp.test_utils import TestClient, TestServer
 
-from devstack.chaos.graphs import sampler_graph
 from devstack.comfy_sim import SimSettings, create_app
 from devstack.comfy_sim.__main__ import parse_args
 from devstack.comfy_sim.state import PROGRESS_LOG_PROMPTS, SimStats
+from faults.graphs import sampler_graph
 
 
 def _settings(tmp_path: Path, **values: Any) -> SimSettings:

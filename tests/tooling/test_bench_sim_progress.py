@@ -10,9 +10,9 @@ from pathlib import Path
 
 from aiohttp.test_utils import TestClient, TestServer
 
-from devstack.chaos.graphs import sampler_graph
 from devstack.comfy_sim import SimSettings, create_app
 from devstack.comfy_sim.state import PROGRESS_LOG_PROMPTS, SimStats
+from faults.graphs import sampler_graph
 
 
 async def test_progress_lists_each_step_with_when_it_was_sent(tmp_path: Path) -> None:

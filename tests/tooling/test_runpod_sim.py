@@ -24,10 +24,10 @@ import pytest
 import pytest_asyncio
 from aiohttp import web
 
-from devstack.chaos.wait import eventually
 from devstack.runpod_sim import Ledger, SimSettings
 from devstack.runpod_sim.ledger import LedgerWorker
 from devstack.runpod_sim.s3_proxy import TcpProxy
+from faults.wait import eventually
 from tests.support.aiohttp_servers import served
 from tests.support.cli import example
 from tests.support.runpod_sim import (

@@ -1,4 +1,4 @@
-"""The soak's audit and report (devstack/soak) on synthetic evidence: no stack, no server.
+"""The soak's audit and report (faults/soak) on synthetic evidence: no stack, no server.
 
 Each broken promise must show in its check, in the table and in the JSON line, and make the
 exit code non-zero; what the system is allowed to do under a fault (a crashed worker's partial
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import json
 
-from devstack.soak.audit import AFTERMATH_S, Audit, audit, overlapping_faults
-from devstack.soak.collect import attribute_by_time, prompt_runs
-from devstack.soak.evidence import (
+from faults.soak.audit import AFTERMATH_S, Audit, audit, overlapping_faults
+from faults.soak.collect import attribute_by_time, prompt_runs
+from faults.soak.evidence import (
     ArtifactCheck,
     CostReading,
     Evidence,
@@ -23,7 +23,7 @@ from devstack.soak.evidence import (
     RunInfo,
     WorkerBill,
 )
-from devstack.soak.report import json_line, table
+from faults.soak.report import json_line, table
 
 SHA = "ab" * 32
 T0 = 1_000_000.0

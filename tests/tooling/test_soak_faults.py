@@ -1,4 +1,4 @@
-"""The soak's RunPod worker faults (devstack/soak/faults.py: a handler frozen, a worker cut off
+"""The soak's RunPod worker faults (faults/soak/injector.py: a handler frozen, a worker cut off
 from S3) against a scripted endpoint: what is armed, and each fault's window read back from the
 ledger's worker events. No stack, no server.
 """
@@ -12,10 +12,10 @@ from typing import Any, cast
 import pytest_asyncio
 
 from devstack.runpod_sim import Ledger
-from devstack.soak.endpoints import CLAIMS_FAULTS, STOCK_FAULTS
-from devstack.soak.evidence import FaultRecord
-from devstack.soak.faults import FaultInjector, FaultKind
-from devstack.soak.stack import SoakStack
+from faults.soak.endpoints import CLAIMS_FAULTS, STOCK_FAULTS
+from faults.soak.evidence import FaultRecord
+from faults.soak.injector import FaultInjector, FaultKind
+from faults.soak.stack import SoakStack
 
 STARTED_AT = 1_000_000.0
 SPEED = 1.0

@@ -10,7 +10,7 @@ from temporalio.client import WorkflowFailureError, WorkflowUpdateFailedError
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
 
-from devstack.chaos.wait import eventually
+from faults.wait import eventually
 from tests.support.workflow_fakes import FakeBackend, Script, job_worker, request, start_job
 from workflows.contracts import JobState, JobStatus
 from workflows.shared import QUERY_STATUS, SIGNAL_RESUME, UPDATE_RESUME, ErrorType

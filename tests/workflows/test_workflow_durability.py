@@ -20,7 +20,7 @@ from temporalio.exceptions import ApplicationError, CancelledError
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Replayer
 
-from devstack.chaos.wait import eventually
+from faults.wait import eventually
 from tests.support.workflow_fakes import (
     GRAPH,
     HEARTBEAT_TIMEOUT,

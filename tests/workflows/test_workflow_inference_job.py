@@ -21,7 +21,7 @@ from temporalio.runtime import MetricBuffer, Runtime, TelemetryConfig
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Replayer, Worker
 
-from devstack.chaos.wait import eventually
+from faults.wait import eventually
 from tests.support.workflow_fakes import (
     GRAPH,
     FakeBackend,

@@ -22,7 +22,7 @@ from temporalio.exceptions import CancelledError
 from temporalio.service import RPCError
 from temporalio.testing import WorkflowEnvironment
 
-from devstack.chaos.wait import eventually
+from faults.wait import eventually
 from tests.support.workflow_fakes import (
     FakeBackend,
     Script,

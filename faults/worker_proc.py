@@ -20,7 +20,7 @@ from pathlib import Path
 
 from devstack.worker_process import READY_MARK
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 WORKER_PY = ROOT / "worker.py"
 # Variables a developer's shell may carry that would point a test worker at another stack.
 _FOREIGN_ENV_PREFIXES = ("TEMPORAL_", "AWS_", "DURABLE_COMFY_")

@@ -20,8 +20,8 @@ import httpx
 import websockets
 from pydantic import BaseModel, Field
 
-from devstack.chaos.wait import eventually
 from devstack.comfy_sim.faults import FaultConfig
+from faults.wait import eventually
 
 
 class SimStats(BaseModel):

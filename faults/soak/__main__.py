@@ -1,4 +1,4 @@
-"""`python -m devstack.soak --minutes N --fault-every F [--seed S] [--jobs-per-minute J] [--keep]`
+"""`python -m faults.soak --minutes N --fault-every F [--seed S] [--jobs-per-minute J] [--keep]`
 (`make soak`): the soak test of docs/reliability.md.
 
 stdout carries the table and, as its last line, the JSON summary; progress goes to stderr.
@@ -12,9 +12,9 @@ import asyncio
 import sys
 
 from activities.log_setup import configure_logging
-from devstack.soak.options import parse_args
-from devstack.soak.report import json_line, table
-from devstack.soak.run import run_soak
+from faults.soak.options import parse_args
+from faults.soak.report import json_line, table
+from faults.soak.run import run_soak
 
 
 def main(argv: list[str] | None = None) -> int:

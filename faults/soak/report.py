@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from devstack.soak.audit import Audit, Check
-from devstack.soak.evidence import RunInfo
+from faults.soak.audit import Audit, Check
+from faults.soak.evidence import RunInfo
 
 MAX_DETAILS = 15
 LABEL_WIDTH = 40

@@ -19,7 +19,7 @@ from typing import TypeVar
 import structlog
 from temporalio.client import WorkflowExecutionStatus
 
-from devstack.soak.mix import JobMix, JobPlan
+from faults.soak.mix import JobMix, JobPlan
 from starter import JobClient
 from starter.errors import JobAlreadyEnded, JobConflict
 from workflows.contracts import JobState, JobStatus

@@ -28,10 +28,10 @@ from temporalio.client import Client
 
 from activities.storage import ArtifactStore
 from devstack.runpod_sim import Ledger
-from devstack.soak.comfy_factory import snapshot
-from devstack.soak.driver import JobRecord
-from devstack.soak.endpoints import IDLE_TIMEOUT_S, RunpodEndpoint
-from devstack.soak.evidence import (
+from faults.soak.comfy_factory import snapshot
+from faults.soak.driver import JobRecord
+from faults.soak.endpoints import IDLE_TIMEOUT_S, RunpodEndpoint
+from faults.soak.evidence import (
     ArtifactCheck,
     CostReading,
     Evidence,
@@ -41,7 +41,7 @@ from devstack.soak.evidence import (
     QueueSnapshot,
     WorkerBill,
 )
-from devstack.soak.stack import COMFY_POOL, SoakStack
+from faults.soak.stack import COMFY_POOL, SoakStack
 from workflows.contracts import Artifact, JobStatus
 
 log = structlog.get_logger("soak.collect")

@@ -28,12 +28,12 @@ from typing import Any, Literal, get_args
 import httpx
 import structlog
 
-from devstack.chaos.sim import DROP_LOGGED, STALL_LOGGED, LogWatch
 from devstack.runpod_sim import Ledger
 from devstack.runpod_sim.ledger import LedgerWorker, LedgerWorkerEvent
-from devstack.soak.endpoints import RunpodEndpoint
-from devstack.soak.evidence import FaultRecord
-from devstack.soak.stack import RESTART_ATTEMPTS, SoakStack, SoakStackError
+from faults.sim import DROP_LOGGED, STALL_LOGGED, LogWatch
+from faults.soak.endpoints import RunpodEndpoint
+from faults.soak.evidence import FaultRecord
+from faults.soak.stack import RESTART_ATTEMPTS, SoakStack, SoakStackError
 
 log = structlog.get_logger("soak.faults")
 

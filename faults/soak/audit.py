@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from devstack.soak.evidence import (
+from faults.soak.evidence import (
     Evidence,
     FaultRecord,
     JobEvidence,

@@ -28,14 +28,14 @@ import structlog
 from temporalio.client import Client
 
 from activities.storage import ArtifactStore, S3Settings
-from devstack.chaos.worker_proc import KillableWorker
 from devstack.config import StackConfig
 from devstack.free_ports import make_stack_config
 from devstack.processes import PidRecord, is_alive, read_pid_file
 from devstack.seaweed import load_credentials
 from devstack.services import ServiceName, StackPaths
-from devstack.soak.endpoints import EndpointSpec, RunpodEndpoint
 from devstack.stack import start_service, stop_service
+from faults.soak.endpoints import EndpointSpec, RunpodEndpoint
+from faults.worker_proc import KillableWorker
 from starter import JobClient
 from starter.connection import connect_temporal
 

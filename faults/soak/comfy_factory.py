@@ -1,6 +1,6 @@
 """A ComfyUI simulator per RunPod worker that leaves its counters behind when its worker goes.
 
-Loaded by the RunPod simulator (`--worker-env-factory devstack.soak.comfy_factory:
+Loaded by the RunPod simulator (`--worker-env-factory faults.soak.comfy_factory:
 SoakComfyPerWorker`), in the simulator's process. It is the stock `ComfySimPerWorker`, which
 leaves two files in the worker's directory:
 

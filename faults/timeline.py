@@ -19,7 +19,7 @@ from typing import Literal, Self
 
 from pydantic import BaseModel
 
-from devstack.chaos.wait import ChaosTimeout, until
+from faults.wait import ChaosTimeout, until
 from starter.client import JobClient
 from workflows.contracts import JobState, JobStatus
 

@@ -20,15 +20,15 @@ from pathlib import Path
 
 import structlog
 
-from devstack.soak.audit import Audit, audit
-from devstack.soak.collect import collect
-from devstack.soak.driver import JobDriver
-from devstack.soak.endpoints import endpoint_specs
-from devstack.soak.evidence import Evidence, RunInfo
-from devstack.soak.faults import FaultInjector
-from devstack.soak.mix import JobMix, PoolChoice
-from devstack.soak.options import SoakOptions
-from devstack.soak.stack import COMFY_POOL, SoakStack, new_stack, running
+from faults.soak.audit import Audit, audit
+from faults.soak.collect import collect
+from faults.soak.driver import JobDriver
+from faults.soak.endpoints import endpoint_specs
+from faults.soak.evidence import Evidence, RunInfo
+from faults.soak.injector import FaultInjector
+from faults.soak.mix import JobMix, PoolChoice
+from faults.soak.options import SoakOptions
+from faults.soak.stack import COMFY_POOL, SoakStack, new_stack, running
 
 log = structlog.get_logger("soak")
 

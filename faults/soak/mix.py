@@ -15,7 +15,7 @@ import random
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from devstack.chaos.graphs import SAMPLER_NODE, sampler_graph
+from faults.graphs import SAMPLER_NODE, sampler_graph
 from workflows.contracts import JobPolicy, JobRequest, ReconnectPolicy
 
 GraphKind = Literal["short", "long", "multi"]

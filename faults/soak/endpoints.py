@@ -5,7 +5,7 @@ always; a stock worker-comfyui endpoint for a `claims: false` pool when asked or
 the real handler from `../shared/worker-comfyui` in `.venv-stock` through its launcher
 (tests/runpod_handlers/worker_comfyui.py), or the project's stand-in
 (tests/runpod_handlers/stock_comfyui.py, in `.venv-endpoint`). Each worker gets a ComfyUI
-simulator of its own from `devstack.soak.comfy_factory`, which keeps its counters when it goes.
+simulator of its own from `faults.soak.comfy_factory`, which keeps its counters when it goes.
 """
 
 from __future__ import annotations
@@ -28,15 +28,15 @@ import httpx
 from devstack.free_ports import free_port
 from devstack.processes import PidRecord, is_alive, log_tail, spawn_detached, terminate
 from devstack.runpod_sim import Ledger, SimSettings
-from devstack.soak.comfy_factory import ARGS_VAR, FINAL_FILE, HANDLE_FILE
-from devstack.soak.options import StockMode
+from faults.soak.comfy_factory import ARGS_VAR, FINAL_FILE, HANDLE_FILE
+from faults.soak.options import StockMode
 
 ROOT = Path(__file__).resolve().parents[2]
 ENDPOINT_PYTHON = ROOT / ".venv-endpoint" / "bin" / "python"
 STOCK_PYTHON = ROOT / ".venv-stock" / "bin" / "python"
 STOCK_LAUNCHER = ROOT / "tests" / "runpod_handlers" / "worker_comfyui.py"
 STANDIN_HANDLER = ROOT / "tests" / "runpod_handlers" / "stock_comfyui.py"
-FACTORY = "devstack.soak.comfy_factory:SoakComfyPerWorker"
+FACTORY = "faults.soak.comfy_factory:SoakComfyPerWorker"
 IDLE_TIMEOUT_S = 5.0
 # The simulator stops its workers on SIGTERM: job-stop signals, each worker's grace, its ComfyUI.
 STOP_GRACE_S = 40.0

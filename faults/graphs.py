@@ -13,7 +13,7 @@ from typing import Any
 
 from workflows.contracts import JobPolicy, ReconnectPolicy
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "txt2img.json"
 
 SAMPLER_NODE = "3"  # the KSampler in examples/txt2img.json

@@ -21,7 +21,12 @@ from pathlib import Path
 from temporalio.client import Client, WorkflowExecutionStatus
 
 from activities.storage import ArtifactStore, S3Settings
-from devstack.chaos.sim import (
+from devstack.config import StackConfig
+from devstack.models import RunningStack, ServiceState
+from devstack.processes import read_pid_file
+from devstack.services import ServiceName, StackPaths
+from devstack.stack import start_service, start_stack, stop_service, stop_stack
+from faults.sim import (
     DROP_LOGGED,
     STALL_LOGGED,
     LogWatch,
@@ -30,14 +35,9 @@ from devstack.chaos.sim import (
     SimStats,
     StepWatcher,
 )
-from devstack.chaos.timeline import Timeline, TimelineEntry
-from devstack.chaos.wait import ChaosTimeout, eventually, until
-from devstack.chaos.worker_proc import KillableWorker, WorkerFleet, WorkerStartError
-from devstack.config import StackConfig
-from devstack.models import RunningStack, ServiceState
-from devstack.processes import read_pid_file
-from devstack.services import ServiceName, StackPaths
-from devstack.stack import start_service, start_stack, stop_service, stop_stack
+from faults.timeline import Timeline, TimelineEntry
+from faults.wait import ChaosTimeout, eventually, until
+from faults.worker_proc import KillableWorker, WorkerFleet, WorkerStartError
 from starter.client import JobClient
 from workflows.contracts import JobRequest
 

@@ -15,7 +15,7 @@ Exit code 0 only then. The detached demo worker is stopped first and started aga
 `make down` finds the stack as `make demo` leaves it.
 
 The timeline recorder, worker process and simulator controls are the chaos tests' own harness
-(devstack/chaos): one implementation of "kill a worker and watch what the job does", shown
+(faults/): one implementation of "kill a worker and watch what the job does", shown
 here and asserted on in tests/stack/test_chaos.py.
 """
 
@@ -29,11 +29,6 @@ from pathlib import Path
 import httpx
 from rich.console import Console
 
-from devstack.chaos.graphs import SAMPLER_NODE, fresh_seed
-from devstack.chaos.sim import DROP_LOGGED, LogWatch, SimControl, StepWatcher
-from devstack.chaos.timeline import Timeline
-from devstack.chaos.wait import ChaosTimeout
-from devstack.chaos.worker_proc import KillableWorker
 from devstack.comfy_sim.faults import FaultConfig
 from devstack.config import DEFAULT_CONFIG_PATH
 from devstack.demo_support import (
@@ -49,6 +44,11 @@ from devstack.demo_support import (
 from devstack.models import RunningStack
 from devstack.services import StackPaths
 from devstack.worker_process import ensure_worker, stop_worker
+from faults.graphs import SAMPLER_NODE, fresh_seed
+from faults.sim import DROP_LOGGED, LogWatch, SimControl, StepWatcher
+from faults.timeline import Timeline
+from faults.wait import ChaosTimeout
+from faults.worker_proc import KillableWorker
 from starter.cli.render import print_summary
 from starter.requests import request_from_files
 from workflows.contracts import JobPolicy, JobState, JobStatus, ReconnectPolicy
@@ -172,7 +172,7 @@ async def _run_job(
 def main() -> None:
     config_file = (
         parse_config_path(
-            "python -m devstack.chaos_demo",
+            "python -m faults.demo",
             "The demo's job with its worker killed mid-job and its socket cut.",
         )
         .expanduser()

@@ -1,4 +1,4 @@
-"""The soak's command line: `python -m devstack.soak --minutes N --fault-every F [...]`."""
+"""The soak's command line: `python -m faults.soak --minutes N --fault-every F [...]`."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ class SoakOptions(BaseModel):
 def parse_args(argv: list[str] | None = None) -> SoakOptions:
     defaults = SoakOptions(seed=0)
     parser = argparse.ArgumentParser(
-        prog="python -m devstack.soak",
+        prog="python -m faults.soak",
         description="Mixed detached jobs on both pool kinds with a random fault every F seconds, "
         "then an audit of what the system promises (docs/reliability.md).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
