@@ -14,11 +14,14 @@ from workflows.contracts import (
     InputRef,
     JobCost,
     JobEvent,
+    JobRequest,
     OutputSpec,
     StrictModel,
     WebhookEventName,
     WebhookSpec,
 )
+from workflows.graph import sampler_steps
+from workflows.shared import TENANT_LABEL
 
 
 class PrepareInput(StrictModel):
@@ -36,6 +39,22 @@ class PrepareInput(StrictModel):
     # default tenant's). A tenant's `s3://` inputs must be in its own area.
     tenant: str | None = None
 
+    @classmethod
+    def of(cls, request: JobRequest, job_id: str) -> PrepareInput:
+        """The check of `request`, by its prepare or by its first follow."""
+        return cls(
+            job_id=job_id,
+            pool=request.pool,
+            graph=request.graph,
+            inputs=request.inputs,
+            segments=request.segments,
+            output=request.output,
+            webhook=request.webhook,
+            # The label as the request has it: a job without one is not a tenant's
+            # (activities/inputs.py confines a tenant's s3:// inputs to its own area).
+            tenant=request.labels.get(TENANT_LABEL),
+        )
+
 
 class PreparedJob(StrictModel):
     """The graph as it will be submitted, checked against the backend's node registry."""
@@ -49,6 +68,19 @@ class PreparedJob(StrictModel):
     # Input files staged in the job's bucket folder for backends that fetch them with the
     # submission (RunPod): the name a load node uses -> its object key.
     staged_inputs: dict[str, str] = Field(default_factory=dict)
+
+    @classmethod
+    def unchecked(cls, request: JobRequest) -> PreparedJob:
+        """A request that stages no input file, as its first follow will check it: the graph
+        is its own, and the pool the request's ("": the worker's default, named by the
+        check)."""
+        return cls(
+            pool=request.pool or "",
+            kind="",
+            graph=request.graph,
+            sampler_steps=sampler_steps(request.graph),
+            nodes_total=len(request.graph),
+        )
 
 
 class FollowInput(StrictModel):

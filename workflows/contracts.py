@@ -514,6 +514,12 @@ class WebhookDelivery(ReadModel):
 MAX_WEBHOOK_DELIVERIES = 20
 
 
+def shown_url(url: str) -> str:
+    """A webhook URL as the status and the logs show it: without its query or fragment (a
+    token)."""
+    return url.split("#", 1)[0].split("?", 1)[0]
+
+
 class WebhookStatus(ReadModel):
     """Where the job's events go and how their deliveries went (never the signing secret)."""
 

@@ -16,6 +16,7 @@ from temporalio.exceptions import (
 
 from workflows.activity_io import FollowHeartbeat
 from workflows.contracts import Artifact, Checkpoint, JobCost, JobError
+from workflows.graph import GraphFormatError
 from workflows.shared import AT_MOST_ONCE, ErrorType
 
 
@@ -67,6 +68,14 @@ def job_error(err: BaseException) -> JobError:
     if isinstance(cause, TimeoutError):
         return JobError(type=ErrorType.TIMEOUT, message=str(cause), retryable=True)
     return JobError(type=ErrorType.EXECUTION_ERROR, message=str(cause), retryable=False)
+
+
+def work_error(err: BaseException) -> JobError:
+    """The error of a job whose work failed (not stopped: an order says its own)."""
+    if isinstance(err, GraphFormatError):
+        # A segment's overrides that do not fit the graph (a request prepare did not see).
+        return JobError(type=ErrorType.INVALID_REQUEST, message=str(err))
+    return job_error(err)
 
 
 def failure_cost(err: BaseException) -> JobCost | None:

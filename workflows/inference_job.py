@@ -1,19 +1,18 @@
 """The `InferenceJob` workflow: one ComfyUI job, from request to confirmed artifacts.
 
-The story: prepare the graph on its pool (staging its input files; a request without any is
-checked by its first follow instead), then run each segment (workflows/segment_run.py: submit,
-follow with durable re-attaching, store the outputs), continuing as new when the history
-grows long. Cancel (signal or Temporal's own), abandonment, a queue wait, the execution deadline
-(workflows/guards.py) and every failure end the same way: stop the prompt on the backend until
-that is confirmed (workflows/stopping.py), keep what finished, record the end state. The job's
-state lives in its status, written only by its book (workflows/job_book.py); clients read it
-with the `status` query and talk to the job through the handlers in workflows/job_handlers.py.
+The story (`run`, first): prepare the graph on its pool (a request that stages no input file is
+checked by its first follow instead), run each segment (workflows/segment_run.py), continue as
+new when the history grows long. A cancel, abandonment, a queue wait, the execution deadline
+and every failure end the same way: stop the prompt until that is confirmed, keep what finished
+(workflows/stopping.py), record the end state. The status is written by the book
+(workflows/job_book.py); clients read it and talk to the job through the handlers at the end,
+which take whatever a plain client sends (workflows/messages.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from pydantic import ValidationError
 from temporalio import workflow
@@ -22,65 +21,35 @@ from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
     from workflows import activity_calls as calls
-    from workflows.activity_io import OffloadInput, PreparedJob, PrepareInput
+    from workflows import shared
+    from workflows.activity_io import PreparedJob, PrepareInput
     from workflows.contracts import (
+        CancelRequest,
+        EventsQuery,
         JobError,
+        JobEvents,
         JobState,
         JobStatus,
-        Progress,
-        Teardown,
-        WebhookStatus,
+        ResumeRequest,
         known_state,
     )
-    from workflows.failures import job_error, refused_before_submission
-    from workflows.graph import GraphFormatError, run_tag, sampler_steps
-    from workflows.job_book import JobBook, StopOrder, counter
-    from workflows.job_handlers import JobMessages
+    from workflows.failures import refused_before_submission, work_error
+    from workflows.graph import GraphFormatError
+    from workflows.job_book import JobBook, StopOrder, new_status
     from workflows.job_input import JobCarry, JobInput, Refusal, read_job_input
+    from workflows.messages import lenient_message, refuse_resume
     from workflows.segment_run import SegmentRun
-    from workflows.shared import DEFAULT_TENANT, TENANT_LABEL, WORKFLOW_TYPE, ErrorType
-    from workflows.stopping import (
-        ConfirmedStop,
-        abandon_watchdog,
-        execution_deadline,
-        queue_watchdog,
-    )
-    from workflows.webhooks import BEFORE_EVERYTHING, WebhookSender, shown_url
+    from workflows.stopping import ConfirmedStop, start_guards
+    from workflows.webhooks import BEFORE_EVERYTHING, WebhookSender
 
 
 # A ValueError that escapes workflow code otherwise fails the workflow *task*, which Temporal
 # retries forever: a graph the workflow cannot use (GraphFormatError) fails the workflow.
-@workflow.defn(name=WORKFLOW_TYPE, failure_exception_types=[ValidationError, GraphFormatError])
-class InferenceJob(JobMessages):
-    @workflow.init
-    def __init__(self, raw_input: RawValue) -> None:
-        # Raw: a typed argument that does not decode or validate would fail the workflow task
-        # (or, for ValidationError, fail it untyped); read here, a bad input is refused typed.
-        self._reading = read_job_input(raw_input)
-        input = self._reading.input
-        self._request = input.request
-        self._carry = input.carry
-        self._prepared: PreparedJob | None = input.carry.prepared if input.carry else None
-        # The request's check, for the follows until one names the pool (a request that stages
-        # nothing).
-        self._unchecked: PrepareInput | None = None
-        self._status = input.carry.status if input.carry else self._new_status()
-        self._book = JobBook(self._status, input.carry.journal if input.carry else None)
-        self._controls = self._book.controls
-        # The reason a Temporal cancel that follows should carry (the `cancel_reason` signal).
-        self._cancel_reason: str | None = None
-        self._work: asyncio.Task[JobCarry | None] | None = None
-        self._stopper = ConfirmedStop(self._book, self._request.policy, self._request.output)
-        self._webhooks: WebhookSender | None = None
-        if self._request.webhook is not None:
-            # Built with the book: it counts the journal's subscribed entries from the first.
-            cursor = input.carry.webhook_cursor if input.carry else None
-            tenant = self._request.labels.get(TENANT_LABEL) or DEFAULT_TENANT
-            self._webhooks = WebhookSender(
-                self._book, self._request.webhook, tenant, cursor or BEFORE_EVERYTHING
-            )
-        # About to continue as new: the `ended` update answers now, and is asked again.
-        self._continuing = False
+@workflow.defn(
+    name=shared.WORKFLOW_TYPE, failure_exception_types=[ValidationError, GraphFormatError]
+)
+class InferenceJob:
+    _work: asyncio.Task[JobCarry | None] | None
 
     @workflow.run
     async def run(self, raw_input: RawValue) -> JobStatus:
@@ -93,7 +62,7 @@ class InferenceJob(JobMessages):
         self._work = asyncio.create_task(self._run_job())
         if self._controls.stop is not None:
             self._work.cancel()  # cancelled while still queued: nothing to run
-        guards_running = self._start_guards()
+        guards_running = start_guards(self._request.policy, self._book, self._stop)
         outcome, carry = await self._outcome_of_work()
         for guard in guards_running:
             guard.cancel()
@@ -111,34 +80,49 @@ class InferenceJob(JobMessages):
         await workflow.wait_condition(workflow.all_handlers_finished)
         return self._end_result()
 
-    def _new_status(self) -> JobStatus:
-        now, policy = workflow.now(), self._request.policy
-        return JobStatus(
-            job_id=workflow.info().workflow_id,
-            progress=Progress(segments=self._request.segment_count),
-            detached=policy.detached,
-            abandon_after_s=policy.abandon_after_s,
-            created_at=now,
-            updated_at=now,
-            last_client_contact_at=now,
-            webhook=WebhookStatus(
-                url=shown_url(self._request.webhook.url), events=self._request.webhook.events
-            )
-            if self._request.webhook is not None
-            else None,
-        )
+    @workflow.init
+    def __init__(self, raw_input: RawValue) -> None:
+        # Raw: a typed argument that does not decode or validate would fail the workflow task
+        # (or, for ValidationError, fail it untyped); read here, a bad input is refused typed.
+        self._reading = read_job_input(raw_input)
+        request, carry = self._reading.input.request, self._reading.input.carry
+        self._request, self._carry = request, carry
+        self._prepared: PreparedJob | None = carry.prepared if carry else None
+        # The request's check, for the follows until one names the pool (a request that stages
+        # nothing).
+        self._unchecked: PrepareInput | None = None
+        self._status = carry.status if carry else new_status(request)
+        self._book = JobBook(self._status, carry.journal if carry else None)
+        self._controls = self._book.controls
+        # The reason a Temporal cancel that follows should carry (the `cancel_reason` signal).
+        self._cancel_reason: str | None = None
+        self._work = None
+        self._stopper = ConfirmedStop(self._book, request.policy, request.output)
+        self._webhooks: WebhookSender | None = None
+        if request.webhook is not None:
+            # Built with the book: it counts the journal's subscribed entries from the first.
+            tenant = request.labels.get(shared.TENANT_LABEL) or shared.DEFAULT_TENANT
+            cursor = (carry.webhook_cursor if carry else None) or BEFORE_EVERYTHING
+            self._webhooks = WebhookSender(self._book, request.webhook, tenant, cursor)
+        # About to continue as new: the `ended` update answers now, and is asked again.
+        self._continuing = False
 
     # -- the work ---------------------------------------------------------------------------
 
     async def _run_job(self) -> JobCarry | None:
         """Prepare, then run the segments; a carry when the history asks to continue as new."""
         request, book = self._request, self._book
-        if self._carry is None or self._prepared is None:
-            self._prepare_or_defer()
         if self._prepared is None:
-            book.set_state(JobState.PREPARING)
-            self._prepared = await calls.prepare(self._prepare_input())
-            book.prepared_on(self._prepared.pool, self._prepared.kind)
+            check = PrepareInput.of(request, self._status.job_id)
+            if request.inputs:
+                book.set_state(JobState.PREPARING)
+                self._prepared = await calls.prepare(check)
+                book.prepared_on(self._prepared.pool, self._prepared.kind)
+            else:
+                # Nothing to stage, nothing to prepare but the check, which the first follow
+                # does before it submits (activities/backend.py): one activity to the GPU.
+                self._unchecked = check
+                self._prepared = PreparedJob.unchecked(request)
         first = self._carry.next_segment if self._carry else 0
         for segment in range(first, request.segment_count):
             if segment > first and self._history_is_long():
@@ -152,47 +136,12 @@ class InferenceJob(JobMessages):
             await run.run(check=self._unchecked)
         return None
 
-    def _prepare_or_defer(self) -> None:
-        """A request that stages no input file has nothing to prepare but its check, which its
-        first follow does before submitting (activities/backend.py): the job's way to its GPU
-        is one activity, not two. Its prepared graph is its own."""
-        request = self._request
-        if request.inputs:
-            return
-        self._unchecked = self._prepare_input()
-        self._prepared = PreparedJob(
-            pool=request.pool or "",  # "": the worker's default pool, named by the check
-            kind="",
-            graph=request.graph,
-            sampler_steps=sampler_steps(request.graph),
-            nodes_total=len(request.graph),
+    def _history_is_long(self) -> bool:
+        info = workflow.info()
+        budget = self._request.policy.history_budget_events
+        return (
+            info.is_continue_as_new_suggested() or info.get_current_history_length() > budget // 2
         )
-
-    def _prepare_input(self) -> PrepareInput:
-        request = self._request
-        return PrepareInput(
-            job_id=self._status.job_id,
-            pool=request.pool,
-            graph=request.graph,
-            inputs=request.inputs,
-            segments=request.segments,
-            output=request.output,
-            webhook=request.webhook,
-            # The label as the request has it: a job without one is not a tenant's
-            # (activities/inputs.py confines a tenant's s3:// inputs to its own area).
-            tenant=request.labels.get(TENANT_LABEL),
-        )
-
-    def _start_guards(self) -> list[asyncio.Task[None]]:
-        policy, stop = self._request.policy, self._stop
-        running = [asyncio.create_task(execution_deadline(policy, stop))]
-        if policy.abandon_after_s is not None:
-            watchdog = abandon_watchdog(policy.abandon_after_s, self._book, stop)
-            running.append(asyncio.create_task(watchdog))
-        if policy.queue_timeout_s is not None:
-            queue = queue_watchdog(policy.queue_timeout_s, self._book, stop)
-            running.append(asyncio.create_task(queue))
-        return running
 
     async def _outcome_of_work(self) -> tuple[BaseException | None, JobCarry | None]:
         """How the work ended (None: it completed), and its carry if it continues as new."""
@@ -211,43 +160,16 @@ class InferenceJob(JobMessages):
         except BaseException as err:
             return err, None
 
-    def _history_is_long(self) -> bool:
-        info = workflow.info()
-        budget = self._request.policy.history_budget_events
-        return (
-            info.is_continue_as_new_suggested() or info.get_current_history_length() > budget // 2
-        )
-
-    # -- the end: refusal, stop, compensation -------------------------------------------------
-
-    async def _refuse(self, refusal: Refusal) -> NoReturn:
-        """Fail the job, typed, before anything ran: nothing was prepared or submitted."""
-        counter("jobs_ended", "Jobs by end state").add(1, {"state": JobState.FAILED.value})
-        book = self._book
-        book.set_error(refusal.error)
-        book.set_teardown(
-            Teardown(state="SKIPPED", at=workflow.now(), detail="nothing was submitted")
-        )
-        book.set_state(JobState.FAILED)
-        await workflow.wait_condition(workflow.all_handlers_finished)
-        book.send_search_attributes()
-        raise ApplicationError(
-            refusal.error.message,
-            self._status,
-            {"problems": refusal.problems},
-            type=refusal.error.type,
-            non_retryable=True,
-        )
+    # -- stops: one path for every cancel, guard and failure ---------------------------------
 
     def _cancel(self, reason: str, *, via_temporal: bool = False) -> None:
         """Every cancel: the `cancel` signal, and Temporal's own (with the `cancel_reason`
         signal's reason, when one came first)."""
-        error = JobError(type=ErrorType.CANCELLED, message=reason)
+        error = JobError(type=shared.ErrorType.CANCELLED, message=reason)
         self._stop(StopOrder(JobState.CANCELLED, error, via_temporal=via_temporal))
 
     def _stop(self, order: StopOrder) -> None:
-        """The one stop path (a cancel, a guard's timer): the first order holds; the work is
-        cancelled and its prompt stopped at once."""
+        """The first order holds: the work is cancelled and its prompt stopped at once."""
         if self._controls.stop is not None or self._status.terminal:
             return
         self._controls.stop = order
@@ -255,6 +177,24 @@ class InferenceJob(JobMessages):
             return
         self._work.cancel()
         self._stopper.begin(order, self._pool(), self._book.prompt_id)
+
+    def _pool(self) -> str | None:
+        return self._book.pool_or(self._prepared.pool) if self._prepared is not None else None
+
+    # -- the end: refusal, teardown, compensation ---------------------------------------------
+
+    async def _refuse(self, refusal: Refusal) -> NoReturn:
+        """Fail the job, typed, before anything ran: nothing was prepared or submitted."""
+        self._book.decided(StopOrder(JobState.FAILED, refusal.error))
+        self._book.nothing_to_stop()
+        self._book.set_state(JobState.FAILED)
+        await workflow.wait_condition(workflow.all_handlers_finished)
+        self._book.send_search_attributes()
+        error = refusal.error
+        details = {"problems": refusal.problems}
+        raise ApplicationError(
+            error.message, self._status, details, type=error.type, non_retryable=True
+        )
 
     async def _finish_uncancellable(self, outcome: BaseException | None) -> None:
         finishing = asyncio.create_task(self._finish(outcome))
@@ -267,20 +207,15 @@ class InferenceJob(JobMessages):
     async def _finish(self, outcome: BaseException | None) -> None:
         """Every exit path: stop the prompt, keep what finished, record it, then the end state."""
         ending = self._ending(outcome)
-        counter("jobs_ended", "Jobs by end state").add(1, {"state": ending.state.value})
         book, prompt_id = self._book, self._book.prompt_id
-        book.set_error(ending.error)
+        book.decided(ending)
         if self._prepared is None or prompt_id is None or refused_before_submission(outcome):
-            skipped = Teardown(state="SKIPPED", at=workflow.now(), detail="nothing was submitted")
-            book.set_teardown(skipped)
+            book.nothing_to_stop()
         else:
             await self._stopper.settle(ending, self._pool() or "", prompt_id)
             if ending.state != JobState.COMPLETED:
-                await self._keep_finished_outputs(self._pool() or "")
+                await self._stopper.keep_finished(self._pool() or "")
         book.set_state(ending.state)
-
-    def _pool(self) -> str | None:
-        return self._book.pool_or(self._prepared.pool) if self._prepared is not None else None
 
     def _ending(self, outcome: BaseException | None) -> StopOrder:
         """The order the job stopped by, else how its work ended."""
@@ -288,34 +223,7 @@ class InferenceJob(JobMessages):
             return self._controls.stop
         if outcome is None:
             return StopOrder(JobState.COMPLETED)
-        if isinstance(outcome, GraphFormatError):
-            # A segment's overrides that do not fit the graph (a request prepare did not see).
-            error = JobError(type=ErrorType.INVALID_REQUEST, message=str(outcome))
-            return StopOrder(JobState.FAILED, error)
-        return StopOrder(JobState.FAILED, job_error(outcome))
-
-    async def _keep_finished_outputs(self, pool: str) -> None:
-        checkpoint = self._status.checkpoint
-        if checkpoint is None or checkpoint.prompt_id is None:
-            return
-        try:
-            kept = await calls.offload(
-                OffloadInput(
-                    job_id=self._status.job_id,
-                    pool=pool,
-                    prompt_id=checkpoint.prompt_id,
-                    segment=checkpoint.segment,
-                    run_tag=run_tag(self._status.job_id, checkpoint.segment, checkpoint.prompt_id),
-                    output=self._request.output,
-                    stored=self._book.artifacts_of(checkpoint.segment),
-                    partial=True,
-                )
-            )
-        except Exception as err:
-            # The cause, not the ActivityError's "Activity task failed": what to look at.
-            workflow.logger.warning("keeping finished outputs failed: %s", job_error(err).message)
-            return
-        self._book.merge_artifacts(kept.artifacts)
+        return StopOrder(JobState.FAILED, work_error(outcome))
 
     def _end_result(self) -> JobStatus:
         self._book.send_search_attributes()
@@ -327,3 +235,67 @@ class InferenceJob(JobMessages):
         if self._status.state == JobState.CANCELLED and order is not None and order.via_temporal:
             raise asyncio.CancelledError(error.message if error else "")
         return self._status
+
+    # -- messages: each takes `Any` (workflows/messages.py); what it changes goes through the
+    # -- book or its controls, a cancel through `_cancel`
+
+    @workflow.query(name=shared.QUERY_STATUS)
+    def status(self, _ignored: Any = None) -> JobStatus:
+        return self._status
+
+    @workflow.query(name=shared.QUERY_EVENTS)
+    def events(self, payload: Any = None) -> JobEvents:
+        return self._book.events_after(EventsQuery.model_validate(payload or {}).since)
+
+    @workflow.signal(name=shared.SIGNAL_PROGRESS)
+    def progress(self, payload: Any = None) -> None:
+        self._book.report(payload)
+
+    @workflow.signal(name=shared.SIGNAL_CLIENT_SEEN)
+    def client_seen(self, _ignored: Any = None) -> None:
+        self._book.contact()
+
+    @workflow.update(name=shared.UPDATE_ATTACH)
+    def attach(self, payload: Any = None) -> JobStatus:
+        self._book.contact()
+        return self._status
+
+    @attach.validator
+    def _validate_attach(self, payload: Any = None) -> None:
+        if payload not in (None, {}):
+            raise ValueError("attach takes no argument (or {})")
+
+    @workflow.update(name=shared.UPDATE_ENDED)
+    async def ended(self, _ignored: Any = None) -> JobStatus:
+        """The status once it is terminal: what `JobClient.wait` needs while the workflow
+        still delivers its webhooks. A run about to continue as new answers with its last
+        status (not terminal): the caller asks the next run."""
+        await workflow.wait_condition(lambda: self._status.terminal or self._continuing)
+        return self._status
+
+    @workflow.signal(name=shared.SIGNAL_CANCEL)
+    def cancel(self, payload: Any = None) -> None:
+        request = self._book.read(CancelRequest, payload, "cancel", scalar_field="reason")
+        self._cancel(request.reason)
+
+    @workflow.signal(name=shared.SIGNAL_CANCEL_REASON)
+    def cancel_reason(self, payload: Any = None) -> None:
+        """The reason for a Temporal cancel that follows (JobClient.cancel sends both)."""
+        request = self._book.read(CancelRequest, payload, "cancel_reason", scalar_field="reason")
+        self._cancel_reason = request.reason
+
+    @workflow.signal(name=shared.SIGNAL_RESUME)
+    def resume(self, payload: Any = None) -> None:
+        self._book.answer(*lenient_message(ResumeRequest, payload, scalar_field="resubmit"))
+
+    @workflow.update(name=shared.UPDATE_RESUME)
+    async def resume_update(self, payload: Any = None) -> JobStatus:
+        """Continue a NEEDS_DECISION job; answers once the job has left that state."""
+        self._book.contact()
+        self._controls.resume = ResumeRequest.model_validate(payload or {})
+        await workflow.wait_condition(lambda: self._status.state != JobState.NEEDS_DECISION)
+        return self._status
+
+    @resume_update.validator
+    def _validate_resume(self, payload: Any = None) -> None:
+        refuse_resume(self._status, payload)

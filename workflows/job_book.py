@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
 
+from pydantic import ValidationError
 from temporalio import workflow
 from temporalio.common import MetricCounter, SearchAttributeUpdate
 
@@ -34,6 +35,8 @@ with workflow.unsafe.imports_passed_through():
         JobCost,
         JobError,
         JobEvent,
+        JobEvents,
+        JobRequest,
         JobState,
         JobStatus,
         Notice,
@@ -42,7 +45,10 @@ with workflow.unsafe.imports_passed_through():
         ResumeRequest,
         Teardown,
         TeardownStep,
+        WebhookStatus,
+        shown_url,
     )
+    from workflows.messages import M, lenient_message
     from workflows.shared import POOL_KEY, PROGRESS_KEY, STATE_KEY, ErrorType
 
 
@@ -50,6 +56,23 @@ def counter(name: str, description: str) -> MetricCounter:
     """A counter named durable_comfy_<name>, on the SDK's workflow meter (silent while
     replaying)."""
     return workflow.metric_meter().create_counter("durable_comfy_" + name, description)
+
+
+def new_status(request: JobRequest) -> JobStatus:
+    """A new job's first status (a continued run carries its own)."""
+    now, policy, webhook = workflow.now(), request.policy, request.webhook
+    return JobStatus(
+        job_id=workflow.info().workflow_id,
+        progress=Progress(segments=request.segment_count),
+        detached=policy.detached,
+        abandon_after_s=policy.abandon_after_s,
+        created_at=now,
+        updated_at=now,
+        last_client_contact_at=now,
+        webhook=WebhookStatus(url=shown_url(webhook.url), events=webhook.events)
+        if webhook is not None
+        else None,
+    )
 
 
 def at_task_end(callback: Callable[[], None], changes: Callable[[], int]) -> None:
@@ -243,6 +266,12 @@ class JobBook:
         self.status.error = error
         self.changed()
 
+    def decided(self, ending: StopOrder) -> None:
+        """How the job ends is settled: counted once, its error recorded. The state follows
+        once its prompt is stopped (`set_state`)."""
+        counter("jobs_ended", "Jobs by end state").add(1, {"state": ending.state.value})
+        self.set_error(ending.error)
+
     def ask(self, decision: Decision) -> None:
         """Wait for a person: the job is NEEDS_DECISION until a resume or a cancel."""
         self.status.decision = decision
@@ -262,6 +291,29 @@ class JobBook:
         self.status.last_client_contact_at = workflow.now()
         self.changed()
 
+    def read(
+        self, model: type[M], payload: Any, what: str, *, scalar_field: str | None = None
+    ) -> M:
+        """A signal's payload as `model`; what could not be used is noted (a signal has no
+        reply to say it in)."""
+        message, notes = lenient_message(model, payload, scalar_field=scalar_field)
+        for note in notes:
+            self.notice(f"{what}: {note}")
+        return message
+
+    def answer(self, resume: ResumeRequest, notes: list[str]) -> None:
+        """A `resume` signal: the answer to the job's question, unless garbled (`notes`) or
+        no question is asked."""
+        self.contact()
+        if notes:
+            # A decision is not guessed from a garbled message (was `resubmt` meant?).
+            self.notice(f"resume: ignored, nothing done: {'; '.join(notes)}")
+            return
+        if self.status.state != JobState.NEEDS_DECISION:
+            self.notice(f"resume: ignored, the job is {self.status.state.value}")
+            return
+        self.controls.resume = resume
+
     def notice(self, message: str) -> None:
         """Record a message the job could not use as sent (bounded: the latest ones)."""
         workflow.logger.warning("job %s: %s", self.status.job_id, message)
@@ -275,6 +327,12 @@ class JobBook:
     def set_teardown(self, teardown: Teardown) -> None:
         self.status.teardown = teardown
         self.changed()
+
+    def nothing_to_stop(self) -> None:
+        """The job ends before any prompt of it was submitted."""
+        self.set_teardown(
+            Teardown(state="SKIPPED", at=workflow.now(), detail="nothing was submitted")
+        )
 
     def teardown_started(self) -> datetime:
         """When the stop began: its first pass, early or settled."""
@@ -312,6 +370,19 @@ class JobBook:
         return record
 
     # -- reports from the follow activity ---------------------------------------------------
+
+    def report(self, payload: Any) -> None:
+        """A `progress` signal: a report of the current submission's follow, while the job
+        runs (a malformed one is noted, a stale or late one dropped)."""
+        try:
+            report = ProgressReport.model_validate(payload)
+        except ValidationError as exc:
+            self.notice(f"progress: ignored a malformed report ({exc.error_count()} errors)")
+            return
+        if report.attempt_client_id != self.client_id or self.status.terminal:
+            return  # from a socket of an earlier submission, or too late
+        # A stopping job stays STOPPING whatever the backend last said of the prompt.
+        self.apply_progress(report, stage_changes=self.controls.stop is None)
 
     def apply_progress(self, report: ProgressReport, *, stage_changes: bool = False) -> None:
         progress = self.status.progress
@@ -359,6 +430,15 @@ class JobBook:
         return False
 
     # -- reading ----------------------------------------------------------------------------
+
+    def events_after(self, since: int) -> JobEvents:
+        """The journal after `since` (a seq the caller saw), then the status it leads to."""
+        journal = self.journal
+        return JobEvents(
+            status=self.status,
+            events=[entry for entry in journal if entry.seq > since],
+            first_seq=journal[0].seq if journal else 0,
+        )
 
     def artifacts_of(self, segment: int) -> list[Artifact]:
         return [a for a in self.status.artifacts if a.segment == segment]

@@ -17,6 +17,8 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
+from workflows.contracts import JobState, JobStatus, ResumeRequest
+
 M = TypeVar("M", bound=BaseModel)
 
 _SHOWN = 60  # characters of a rejected value worth repeating in a note
@@ -93,3 +95,21 @@ def _example(model: type[BaseModel]) -> str:
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= _SHOWN else text[:_SHOWN] + "..."
+
+
+def refuse_resume(status: JobStatus, payload: Any) -> None:
+    """The `resume` update's validator: a ValueError saying why the job cannot take it now,
+    and what to do instead."""
+    request = strict_message(ResumeRequest, payload, what="resume")
+    if status.state != JobState.NEEDS_DECISION:
+        raise ValueError(
+            f"the job is {status.state.value}: resume only continues a job that waits for a "
+            "decision (NEEDS_DECISION)"
+        )
+    decision = status.decision
+    if not request.resubmit and decision is not None and not decision.reattach_possible:
+        raise ValueError(
+            f"cannot re-attach: {decision.reason}. Resume with resubmit=true "
+            f"({decision.options.get('resume --resubmit', 'run the prompt again')}), or "
+            "cancel the job"
+        )

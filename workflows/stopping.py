@@ -28,7 +28,7 @@ from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
     from workflows import activity_calls as calls
-    from workflows.activity_io import StopCheck, StopInput
+    from workflows.activity_io import OffloadInput, StopCheck, StopInput
     from workflows.contracts import (
         ENDINGS,
         JobError,
@@ -40,6 +40,7 @@ with workflow.unsafe.imports_passed_through():
         TeardownStep,
     )
     from workflows.failures import job_error
+    from workflows.graph import run_tag
     from workflows.job_book import JobBook, StopOrder
     from workflows.shared import ErrorType, reconnect_delay
 
@@ -59,6 +60,18 @@ def stop_reason(state: JobState, timed_out: bool = False) -> str:
 # -- the timers that order a stop from outside the work ------------------------------------
 
 OrderStop = Callable[[StopOrder], None]
+
+
+def start_guards(policy: JobPolicy, book: JobBook, stop: OrderStop) -> list[asyncio.Task[None]]:
+    """The policy's guards, each a task beside the job's work until it ends."""
+    running = [asyncio.create_task(execution_deadline(policy, stop))]
+    if policy.abandon_after_s is not None:
+        watchdog = abandon_watchdog(policy.abandon_after_s, book, stop)
+        running.append(asyncio.create_task(watchdog))
+    if policy.queue_timeout_s is not None:
+        queue = queue_watchdog(policy.queue_timeout_s, book, stop)
+        running.append(asyncio.create_task(queue))
+    return running
 
 
 async def execution_deadline(policy: JobPolicy, stop: OrderStop) -> None:
@@ -343,6 +356,7 @@ class ConfirmedStop:
 
     def __init__(self, book: JobBook, policy: JobPolicy, output: OutputSpec | None = None) -> None:
         self._book = book
+        self._output = output or OutputSpec()
         self._stop = PromptStop(book, policy, output)
         self._early: asyncio.Task[None] | None = None
 
@@ -383,6 +397,32 @@ class ConfirmedStop:
             settled=True,
             free_memory=error is not None and error.type == ErrorType.OUT_OF_MEMORY,
         )
+
+    async def keep_finished(self, pool: str) -> None:
+        """After a stop that was not a completion: store what the stopped prompt finished
+        (never fails the job; the warning says why nothing was kept)."""
+        book = self._book
+        job_id, checkpoint = book.status.job_id, book.status.checkpoint
+        if checkpoint is None or checkpoint.prompt_id is None:
+            return
+        try:
+            kept = await calls.offload(
+                OffloadInput(
+                    job_id=job_id,
+                    pool=pool,
+                    prompt_id=checkpoint.prompt_id,
+                    segment=checkpoint.segment,
+                    run_tag=run_tag(job_id, checkpoint.segment, checkpoint.prompt_id),
+                    output=self._output,
+                    stored=book.artifacts_of(checkpoint.segment),
+                    partial=True,
+                )
+            )
+        except Exception as err:
+            # The cause, not the ActivityError's "Activity task failed": what to look at.
+            workflow.logger.warning("keeping finished outputs failed: %s", job_error(err).message)
+            return
+        book.merge_artifacts(kept.artifacts)
 
 
 def _named(pool: str, *, quoted: bool = True) -> str:

@@ -110,11 +110,6 @@ def retry_delay(retry: int, horizon_s: float, u: float) -> float:
     return min(ceiling, RETRY_BASE_S * 2.0 ** min(retry, 62)) * u
 
 
-def shown_url(url: str) -> str:
-    """The URL as the status and the logs show it: without its query or fragment (a token)."""
-    return url.split("#", 1)[0].split("?", 1)[0]
-
-
 class WebhookSender:
     """Delivers the job's subscribed journal entries, in order, until the job has ended and
     every one is delivered or given up, and keeps `status.webhook` true to how that went.
