@@ -30,6 +30,7 @@ RUN python -m venv /opt/venv \
 COPY pyproject.toml README.md worker.py /opt/durable-comfy/src/
 COPY workflows/ /opt/durable-comfy/src/workflows/
 COPY protocol/ /opt/durable-comfy/src/protocol/
+COPY configuration/ /opt/durable-comfy/src/configuration/
 COPY activities/ /opt/durable-comfy/src/activities/
 COPY starter/ /opt/durable-comfy/src/starter/
 COPY gateway/ /opt/durable-comfy/src/gateway/

@@ -46,11 +46,18 @@ from activities.runpod.client import RunPodClient
 from activities.runpod.errors import RunPodAuthError, RunPodError, RunPodRefused
 from activities.runpod.nodes import check_captured_registries
 from activities.runpod.retry import NO_RETRY
-from activities.settings import PoolConfig, WebhookSettings, WorkerSettings, runpod_api_keys
-from activities.storage import ArtifactStore, S3Settings, StorageConfigError
+from activities.storage import ArtifactStore, StorageConfigError
 from activities.versioning import deployment_config, settle_and_report
 from activities.webhooks import WebhookDeliverer
-from starter.connection import TemporalSettings, forwarded_core_logs
+from configuration.pools import PoolConfig
+from configuration.settings import (
+    S3Settings,
+    TemporalSettings,
+    WebhookSettings,
+    WorkerSettings,
+    runpod_api_keys,
+)
+from starter.connection import forwarded_core_logs
 from starter.doctor import (
     Check,
     CheckResult,

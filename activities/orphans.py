@@ -39,9 +39,9 @@ from activities.runpod.claims import read_claim
 from activities.runpod.client import RunPodClient
 from activities.runpod.errors import RunPodError, RunPodJobGone
 from activities.runpod.submissions import SubmissionRecord
-from activities.settings import PoolConfig
 from activities.storage import ArtifactStore
 from activities.storage_errors import StorageError
+from configuration.pools import PoolConfig
 from protocol.comfyui.client import ComfyClient, ComfyError
 
 log = structlog.get_logger(__name__)

@@ -38,7 +38,6 @@ from pydantic import BaseModel, ConfigDict
 
 from activities import s3_multipart
 from activities.s3_multipart import PART_SIZE, PartBuffers, split_parts
-from activities.settings import S3Settings
 from activities.storage_errors import (
     MISSING_CODES,
     S3_FAILURES,
@@ -50,6 +49,7 @@ from activities.storage_errors import (
     error_code,
     translate,
 )
+from configuration.settings import S3Settings
 
 __all__ = [
     "ArtifactStore",

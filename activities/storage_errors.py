@@ -22,6 +22,10 @@ from botocore.exceptions import (
     PartialCredentialsError,
 )
 
+# Defined with the configuration, whose S3 settings raise them; every storage error is one.
+from configuration.errors import StorageConfigError as StorageConfigError
+from configuration.errors import StorageError as StorageError
+
 MISSING_CODES = frozenset({"NoSuchKey", "NotFound", "404"})
 _CONFIG_CODES = frozenset(
     {
@@ -52,25 +56,12 @@ S3_FAILURES: tuple[type[Exception], ...] = (
 )
 
 
-class StorageError(Exception):
-    retryable: bool = True
-
-    def __init__(self, message: str, *, retryable: bool | None = None) -> None:
-        super().__init__(message)
-        if retryable is not None:
-            self.retryable = retryable
-
-
 class ObjectMissing(StorageError):
     retryable = False
 
 
 class IntegrityError(StorageError):
     retryable = True  # a fresh upload or download usually cures it
-
-
-class StorageConfigError(StorageError):
-    retryable = False
 
 
 class SourceStreamError(StorageError):

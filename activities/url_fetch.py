@@ -38,16 +38,15 @@ import socket
 import ssl
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Final, Literal
+from typing import Final, Literal
 
 import httpcore
 import httpx
 import structlog
-from pydantic import Field, field_validator
 
 from activities import public_address
 from activities.pinned_connection import Dialer, PinnedBackend, Resolver, dial, resolve
-from activities.settings import EnvSettings
+from configuration.settings import UrlFetchSettings
 
 log = structlog.get_logger(__name__)
 
@@ -99,40 +98,6 @@ class UnacceptableBody(UrlFetchError):
 
 class FetchFailed(UrlFetchError):
     """The file could not be had from that URL (now, or at all: see `retryable`)."""
-
-
-class UrlFetchSettings(EnvSettings):
-    """Limits for URL inputs, read from the worker's environment."""
-
-    # A cap of its own; the caller's limit (what its backend accepts) applies too.
-    max_bytes: int = Field(
-        100 * 1024 * 1024, gt=0, validation_alias="DURABLE_COMFY_URL_INPUT_MAX_BYTES"
-    )
-    # Comma-separated media types; `type/*` matches a whole family.
-    content_types: tuple[str, ...] = Field(
-        ("image/*", "video/*", "audio/*", "application/octet-stream"),
-        validation_alias="DURABLE_COMFY_URL_INPUT_CONTENT_TYPES",
-    )
-    ports: tuple[int, ...] = Field((443,), validation_alias="DURABLE_COMFY_URL_INPUT_PORTS")
-    max_redirects: int = Field(5, ge=0, le=20, validation_alias="DURABLE_COMFY_URL_INPUT_REDIRECTS")
-    # The whole fetch, redirects included; prepare's own timeout is 2 minutes for all inputs.
-    timeout_s: float = Field(60.0, gt=0, validation_alias="DURABLE_COMFY_URL_INPUT_TIMEOUT_S")
-
-    @field_validator("content_types", "ports", mode="before")
-    @classmethod
-    def _comma_separated(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            return tuple(item.strip().lower() for item in value.split(",") if item.strip())
-        return value
-
-    @field_validator("content_types")
-    @classmethod
-    def _media_types(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        for item in value:
-            kind, sep, sub = item.partition("/")
-            if not sep or not kind or not sub or kind == "*":
-                raise ValueError(f"{item!r} is not a media type (e.g. image/png or image/*)")
-        return value
 
 
 @dataclass(frozen=True)

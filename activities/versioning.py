@@ -39,7 +39,8 @@ from temporalio.common import VersioningBehavior, WorkerDeploymentVersion
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.worker import WorkerDeploymentConfig
 
-from activities.settings import SetCurrent, WorkerSettings
+from configuration.settings import WorkerSettings
+from configuration.values import SetCurrent
 
 log = structlog.get_logger("worker.versioning")
 

@@ -34,7 +34,6 @@ from temporalio import activity
 
 from activities.errors import fatal
 from activities.pinned_connection import Dialer, PinnedBackend, Resolver, dial, resolve
-from activities.settings import WebhookSettings
 from activities.webhook_target import (
     UnsafeWebhookUrl,
     WebhookTarget,
@@ -42,6 +41,7 @@ from activities.webhook_target import (
     shown,
     webhook_target,
 )
+from configuration.settings import WebhookSettings
 from workflows.activity_io import WebhookAttempt, WebhookDeliveryInput
 from workflows.contracts import WebhookSpec
 from workflows.shared import ACTIVITY_DELIVER_WEBHOOK, DEFAULT_TENANT, ErrorType

@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+from configuration.codec_keys import KEYS_ENV, KEYS_FILE_ENV
 from devstack.config import StackConfig
 from devstack.errors import ServiceStartError, StackError
 from devstack.files import write_atomic
@@ -26,7 +27,7 @@ from devstack.processes import (
     terminate,
 )
 from devstack.services import PROJECT_ROOT, StackPaths
-from starter.codec import KEYS_ENV, KEYS_FILE_ENV, new_entry
+from starter.codec import new_entry
 
 NAME = "codec_server"
 FIRST_KEY_ID = "dev-1"

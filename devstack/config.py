@@ -9,17 +9,19 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from configuration.files import WorkerSection
+from configuration.pools import PoolConfig as PoolConfig
+
 # The worker's own section belongs to the product, which reads it without the dev stack; the
 # stack file embeds it. Re-exported for the dev stack's users.
-from activities.settings import EnvSettings, WorkerSection
-from activities.settings import PoolConfig as PoolConfig
+from configuration.sources import Settings
 
 DEFAULT_CONFIG_PATH = Path("temporal-dev.yaml")
 # What `durable-comfy dev` and `make demo` read when no --config is given; .devstack/env exports it.
 CONFIG_ENV = "DURABLE_COMFY_CONFIG"
 
 
-class StackFileSettings(EnvSettings):
+class StackFileSettings(Settings):
     """Which stack file to use without --config: $DURABLE_COMFY_CONFIG, else temporal-dev.yaml.
 
     (`durable-comfy dev` gets the same from its --config option's envvar.)

@@ -22,16 +22,15 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel
 from temporalio.api.workflowservice.v1 import DescribeNamespaceRequest
 
+from configuration.settings import GatewaySettings, TemporalSettings
 from gateway import jobs_api, stream_api, uploads_api
 from gateway.auth import ApiKeys
 from gateway.errors import UNAVAILABLE_RETRY_AFTER_S, install_error_handlers, retry_after
 from gateway.jobs_api import JobSubmission
 from gateway.middleware import BoundedBodies, RequestLog
-from gateway.settings import GatewaySettings
 from gateway.state import ClientFactory, Gateway, gateway_of
 from gateway.uploads import UPLOAD_EXTENSIONS, UploadRequest
 from starter.client import JobClient
-from starter.connection import TemporalSettings
 from workflows.contracts import TERMINAL_STATES
 
 log = structlog.get_logger("gateway")

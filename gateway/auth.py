@@ -29,15 +29,15 @@ from pathlib import Path
 from typing import Protocol
 
 import structlog
-from pydantic import Field, SecretStr
+from pydantic import SecretStr
 
+from configuration.settings import API_KEYS_FILE_VAR, API_KEYS_VAR
 from starter.errors import SettingsError
-from starter.variables import VariablesOnly
 
 log = structlog.get_logger("gateway.auth")
 
-KEYS_ENV = "DURABLE_COMFY_API_KEYS"
-KEYS_FILE_ENV = "DURABLE_COMFY_API_KEYS_FILE"
+KEYS_ENV = API_KEYS_VAR
+KEYS_FILE_ENV = API_KEYS_FILE_VAR
 OPEN_TENANT = "local"
 TENANT_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")
 TENANT_RULE = "1-64 of A-Z a-z 0-9 _ -"
@@ -66,18 +66,14 @@ class TenantLimits:
 
 
 class KeySources(Protocol):
-    """What `ApiKeys.from_settings` reads: `AuthSettings`, or a settings class embedding it."""
+    """What `ApiKeys.from_settings` reads: configuration.settings' `AuthSettings`, or a settings
+    class embedding it (`GatewaySettings`)."""
 
     @property
     def api_keys(self) -> SecretStr | None: ...
 
     @property
     def api_keys_file(self) -> Path | None: ...
-
-
-class AuthSettings(VariablesOnly):
-    api_keys: SecretStr | None = Field(None, validation_alias=KEYS_ENV)
-    api_keys_file: Path | None = Field(None, validation_alias=KEYS_FILE_ENV)
 
 
 def hash_key(key: str) -> str:

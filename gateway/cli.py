@@ -11,10 +11,9 @@ import uvicorn
 from pydantic import ValidationError
 
 from activities.log_setup import configure_logging
+from configuration.settings import GatewaySettings, TemporalSettings
 from gateway.app import create_app, default_client_factory
 from gateway.auth import ApiKeys
-from gateway.settings import GatewaySettings
-from starter.connection import TemporalSettings
 from starter.errors import SettingsError
 
 log = structlog.get_logger("gateway")

@@ -26,11 +26,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import structlog
-from pydantic import Field
 
 from gateway.auth import TenantLimits, check_tenant
 from starter.client import JobClient
-from starter.variables import VariablesOnly
 from workflows.contracts import TERMINAL_STATES
 from workflows.shared import SA_JOB_STATE, SA_TENANT, WORKFLOW_TYPE
 
@@ -64,7 +62,8 @@ class Overloaded(LimitExceeded):
 
 
 class LimitSources(Protocol):
-    """What `Limits.from_settings` reads: `LimitSettings`, or a settings class embedding it."""
+    """What `Limits.from_settings` reads: configuration.settings' `LimitSettings`, or a settings
+    class embedding it (`GatewaySettings`)."""
 
     @property
     def tenant_rps(self) -> float: ...
@@ -80,20 +79,6 @@ class LimitSources(Protocol):
 
     @property
     def gateway_max_streams(self) -> int: ...
-
-
-class LimitSettings(VariablesOnly):
-    tenant_rps: float = Field(
-        20.0, gt=0, allow_inf_nan=False, validation_alias="DURABLE_COMFY_TENANT_RPS"
-    )
-    tenant_burst: int = Field(40, ge=1, validation_alias="DURABLE_COMFY_TENANT_BURST")
-    tenant_max_jobs: int = Field(100, ge=1, validation_alias="DURABLE_COMFY_TENANT_MAX_JOBS")
-    gateway_max_requests: int = Field(
-        256, ge=1, validation_alias="DURABLE_COMFY_GATEWAY_MAX_REQUESTS"
-    )
-    gateway_max_streams: int = Field(
-        10_000, ge=1, validation_alias="DURABLE_COMFY_GATEWAY_MAX_STREAMS"
-    )
 
 
 def jobs_in_flight_query(tenant: str) -> str:

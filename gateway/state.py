@@ -15,10 +15,10 @@ from collections.abc import Awaitable, Callable
 import structlog
 from fastapi import Request
 
+from configuration.settings import GatewaySettings
 from gateway.auth import ApiKeys
 from gateway.feed import Hub
 from gateway.limits import Limits
-from gateway.settings import GatewaySettings
 from gateway.views import JobFacts, JobViews
 from starter.client import JobClient
 from starter.errors import TemporalUnreachable

@@ -21,7 +21,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from activities.settings import S3Settings
+from configuration.settings import S3Settings
 from gateway.errors import bad_request, invalid, validation_problems
 from workflows.contracts import JobRequest
 from workflows.tenancy import OutputOutsideArea, check_output, inputs_outside_area, output_area

@@ -56,6 +56,7 @@ from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
 from activities.storage_errors import StorageConfigError, StorageError
+from configuration.settings import ClientSettings
 from starter.connection import (
     connect_failure_gist,
     connect_target,
@@ -94,7 +95,6 @@ from starter.progress import (
     overlaid,
 )
 from starter.requests import check_segment_overrides
-from starter.settings import ClientSettings
 from starter.staging import stage_inputs
 from starter.worker_wait import WAIT_STATES, QueueReader, with_worker_wait
 from workflows.activity_io import FollowHeartbeat
@@ -131,7 +131,8 @@ from workflows.shared import (
 )
 
 if TYPE_CHECKING:
-    from activities.storage import ArtifactStore, S3Settings
+    from activities.storage import ArtifactStore
+    from configuration.settings import S3Settings
 
 TENANT_KEY = SearchAttributeKey.for_keyword(SA_TENANT)
 
@@ -207,7 +208,7 @@ class JobClient:
     """Async client for durable-comfy jobs.
 
     `JobClient.connect()` reads the same settings as the CLI: Temporal's (TEMPORAL_ADDRESS, a
-    profile, ...), the task queue and query timeout (`starter.settings.ClientSettings`) and,
+    profile, ...), the task queue and query timeout (`configuration.settings.ClientSettings`) and,
     when DURABLE_COMFY_BUCKET is set, the artifact bucket's (`S3Settings`), whose store it opens:
     `result` then adds presigned download URLs, `download` fetches the files, and `start` stages
     inputs too large for a request to S3. Without a bucket you still get `s3://` URIs, and such
@@ -294,7 +295,8 @@ class JobClient:
 
     async def _open_store(self, s3: S3Settings | None) -> None:
         # Imported here: aioboto3 is loaded only by a client that has a bucket.
-        from activities.storage import ArtifactStore, S3Settings
+        from activities.storage import ArtifactStore
+        from configuration.settings import S3Settings
 
         settings = s3 or S3Settings.from_env_if_configured()
         if settings is None:

@@ -5,10 +5,11 @@ Connection settings come from Temporal's environment configuration: `TEMPORAL_AD
 (`TEMPORAL_CONFIG_FILE` + `TEMPORAL_PROFILE`; `durable-comfy dev up` writes one). The same file
 serves the `temporal` CLI, so both see the same server.
 
-`TemporalSettings` holds the variables durable-comfy itself reads (the address, the namespace and
-the UI's URL); the worker and the CLI build it once at start-up and pass its address and namespace
-to `connect_temporal`, where, as in Temporal's own rules, they win over the profile's. Everything
-else (API key, TLS, the profile) stays with the SDK's environment configuration.
+`configuration.settings.TemporalSettings` holds the variables durable-comfy itself reads (the
+address, the namespace and the UI's URL); the worker and the CLI build it once at start-up and pass
+its address and namespace to `connect_temporal`, where, as in Temporal's own rules, they win over
+the profile's. Everything else (API key, TLS, the profile) stays with the SDK's environment
+configuration.
 
 Payload encryption (`starter.codec`) is configured the same way for every caller:
 `connect_temporal` reads DURABLE_COMFY_CODEC_KEYS / DURABLE_COMFY_CODEC_KEYS_FILE and, when a key
@@ -24,9 +25,7 @@ import logging
 import re
 from collections.abc import Mapping
 from functools import cache
-from typing import Self
 
-from pydantic import Field, model_validator
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.converter import (
@@ -43,37 +42,9 @@ from temporalio.runtime import (
     TelemetryFilter,
 )
 
-from starter.codec import CodecSettings, CodecSettingsError, codec_from_environ
-from starter.variables import VariablesOnly
+from starter.codec import codec_from_environ
 
 DEFAULT_ADDRESS = "127.0.0.1:7233"
-DEFAULT_UI_URL = "http://127.0.0.1:8233"
-
-
-class TemporalSettings(VariablesOnly):
-    """TEMPORAL_ADDRESS, TEMPORAL_NAMESPACE and TEMPORAL_UI_URL, read once at start-up.
-
-    Unset (or empty), the address and namespace are None: the profile's, else the SDK's defaults.
-    Fields are read only from their variables (case-sensitive) and set in code by those names.
-    """
-
-    address: str | None = Field(None, validation_alias="TEMPORAL_ADDRESS")
-    namespace: str | None = Field(None, validation_alias="TEMPORAL_NAMESPACE")
-    ui_url: str = Field(DEFAULT_UI_URL, validation_alias="TEMPORAL_UI_URL")
-
-    @model_validator(mode="after")
-    def _codec_keys_usable(self) -> Self:
-        """The payload codec's keys are read by `connect_temporal`; checked here as well so a
-        bad one is a settings error at start-up. The error text never holds key material."""
-        try:
-            CodecSettings.from_environ().key_ring()
-        except CodecSettingsError as exc:
-            raise ValueError(str(exc)) from None
-        return self
-
-    def ui_namespace(self) -> str:
-        """The namespace the UI's links name (Temporal's default unless TEMPORAL_NAMESPACE)."""
-        return self.namespace or "default"
 
 
 def forwarded_core_logs() -> LoggingConfig:

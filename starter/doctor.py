@@ -34,7 +34,7 @@ from typing import Any
 import httpx
 import structlog
 from botocore.exceptions import ClientError as BotoClientError
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 from temporalio.api.common.v1 import Payload
 from temporalio.api.enums.v1 import IndexedValueType
 from temporalio.api.operatorservice.v1 import ListSearchAttributesRequest
@@ -45,26 +45,26 @@ from temporalio.envconfig import ClientConfig
 from temporalio.runtime import Runtime
 from temporalio.service import RPCError, RPCStatusCode
 
-from activities.storage import ArtifactStore, S3Settings, StorageConfigError, StorageError
+from activities.storage import ArtifactStore, StorageError
 from activities.storage_errors import S3_FAILURES, error_code, translate
-from starter.client import SEARCH_ATTRIBUTES
-from starter.codec import (
-    KEYS_ENV,
-    KEYS_FILE_ENV,
+from configuration.codec_keys import KEYS_ENV, KEYS_FILE_ENV
+from configuration.errors import CodecSettingsError, StorageConfigError
+from configuration.settings import (
+    ClientSettings,
     CodecSettings,
-    CodecSettingsError,
-    EncryptionCodec,
+    S3Settings,
+    TemporalSettings,
+    TemporalTarget,
 )
+from starter.client import SEARCH_ATTRIBUTES
+from starter.codec import EncryptionCodec
 from starter.connection import (
     DEFAULT_ADDRESS,
-    TemporalSettings,
     connect_failure_gist,
     connect_temporal,
 )
 from starter.errors import register_commands
 from starter.pollers import live_pollers, workflow_pollers
-from starter.settings import ClientSettings
-from starter.variables import VariablesOnly
 from workflows.contracts import OutputSpec
 
 log = structlog.get_logger("doctor")
@@ -164,14 +164,6 @@ def exit_code(results: list[CheckResult]) -> DoctorExit:
 # --- what the checks are given ----------------------------------------------------------------
 
 
-class _TemporalTarget(VariablesOnly):
-    """`TemporalSettings`' address and namespace without its check of the codec's keys, for
-    when only those are wrong: the encryption check reports them."""
-
-    address: str | None = Field(None, validation_alias="TEMPORAL_ADDRESS")
-    namespace: str | None = Field(None, validation_alias="TEMPORAL_NAMESPACE")
-
-
 # The worker's own check of its RunPod pools (worker.py): the client library holds no worker
 # code, so the CLI gets it from the `worker` plugin (starter.cli.doctor).
 RunPodCheck = Callable[[], Awaitable[CheckResult]]
@@ -206,7 +198,7 @@ class Inputs:
             else:
                 # Only the codec's keys are wrong: the encryption check says so, and the
                 # connection is tried without them (no check sends a payload).
-                target = _TemporalTarget()
+                target = TemporalTarget()
                 inputs.temporal = TemporalSettings.model_construct(
                     address=target.address, namespace=target.namespace
                 )

@@ -29,7 +29,8 @@ from starter.errors import ClientError
 from workflows.contracts import MAX_INLINE_INPUT_BYTES, InlineInput, JobRequest, S3Input
 
 if TYPE_CHECKING:
-    from activities.storage import S3Settings, StoredObject
+    from activities.storage import StoredObject
+    from configuration.settings import S3Settings
 
 log = structlog.get_logger("durable_comfy.staging")
 

@@ -3,11 +3,13 @@
     bench/      -> faults/, devstack/, starter/, activities/, protocol/, workflows/  (tooling)
     faults/     -> devstack/, starter/, activities/, protocol/, workflows/  (fault tooling)
     devstack/   -> starter/, activities/, protocol/, workflows/, endpoint/
-    worker.py   -> starter/ (connection), activities/, protocol/, workflows/
-    gateway/    -> starter/, workflows/, protocol/ (keys), S3 and URL-check helpers of activities/
-    starter/    -> workflows/, the S3 helpers of activities/      (a client needs no worker code)
+    worker.py   -> starter/ (connection), activities/, configuration/, protocol/, workflows/
+    gateway/    -> starter/, configuration/, workflows/, protocol/ (keys), S3 and URL-check
+                   helpers of activities/
+    starter/    -> configuration/, workflows/, the S3 helpers of activities/  (no worker code)
     endpoint/   -> protocol/ (the ComfyUI core, progress, keys, the RunPod wire contract)
-    activities/ -> protocol/, workflows/
+    activities/ -> configuration/, protocol/, workflows/
+    configuration/ -> workflows/  (the settings the worker, the client and the gateway read)
     workflows/  -> nothing of the project
     protocol/   -> nothing of the project (and no Temporal: the handler's venv has none)
 
@@ -43,6 +45,7 @@ WATCHDOG = ENDPOINT / "watchdog.py"
 EP_PYTHON = ROOT / ".venv-endpoint" / "bin" / "python"
 PROJECT = {
     "protocol",
+    "configuration",
     "activities",
     "workflows",
     "starter",
@@ -57,16 +60,22 @@ PROJECT = {
 TOOLING = {"devstack", "faults", "bench", "tests"}
 
 FORBIDDEN = {
-    "workflows": TOOLING | {"protocol", "activities", "starter", "gateway", "worker", "endpoint"},
+    "workflows": TOOLING
+    | {"protocol", "configuration", "activities", "starter", "gateway", "worker", "endpoint"},
     # Shared by the worker and the handler's image: Temporal stays out (test below).
-    "protocol": TOOLING | {"workflows", "activities", "starter", "gateway", "worker", "endpoint"},
+    "protocol": TOOLING
+    | {"workflows", "configuration", "activities", "starter", "gateway", "worker", "endpoint"},
+    # Below everything that reads a setting: it reads none of their code.
+    "configuration": TOOLING
+    | {"protocol", "activities", "starter", "gateway", "worker", "endpoint"},
     "activities": TOOLING | {"starter", "gateway", "worker", "endpoint"},
     "starter": TOOLING | {"gateway", "worker", "activities", "endpoint"},
     # The HTTP face is a client: JobClient's, with no worker code.
     "gateway": TOOLING | {"worker", "activities", "endpoint"},
     "worker.py": TOOLING | {"gateway", "endpoint"},
     # The handler's image has no Temporal: workflows/ (which imports it) stays out too.
-    "endpoint": TOOLING | {"starter", "gateway", "worker", "workflows", "activities"},
+    "endpoint": TOOLING
+    | {"starter", "gateway", "worker", "workflows", "activities", "configuration"},
     "devstack": {"faults", "bench", "tests"},
     "faults": {"bench", "tests"},
     "bench": {"tests"},
@@ -77,17 +86,13 @@ ALLOWED = {
     ("starter", "activities.storage"),
     ("starter", "activities.storage_errors"),
     ("starter", "activities.log_setup"),
-    # The settings file (DURABLE_COMFY_SETTINGS_FILE) is read by the CLI and the client too.
-    ("starter", "activities.config_file"),
     # The gateway: the client's S3 helpers, and the SSRF guard URL inputs use (webhook URLs).
     ("gateway", "activities.storage"),
     ("gateway", "activities.storage_errors"),
     ("gateway", "activities.log_setup"),
-    ("gateway", "activities.config_file"),
     ("gateway", "activities.public_address"),
     ("gateway", "activities.url_fetch"),
     ("gateway", "activities.webhook_target"),
-    ("gateway", "activities.settings"),
 }
 # Installed with runpod (runpod==1.12.0 requires boto3).
 WITH_RUNPOD = {"boto3", "botocore"}

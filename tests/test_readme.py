@@ -156,7 +156,7 @@ async def test_the_readme_shell_block_runs_on_a_moved_port_stack_from_its_env_fi
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     queue = await bash(
         f". {shlex.quote(str(env_file))} && python -c "
-        "'from starter.settings import ClientSettings; print(ClientSettings().task_queue)'",
+        "'from configuration.settings import ClientSettings; print(ClientSettings().task_queue)'",
         env,
     )
     async with running_worker(local_stack, "readme-shell", task_queue=queue.strip()):
@@ -219,7 +219,7 @@ async def test_the_readme_http_block_runs_on_a_moved_port_stack_from_its_env_fil
     env_file = local_stack.env_file
     queue = await bash(
         f". {shlex.quote(str(env_file))} && python -c "
-        "'from starter.settings import ClientSettings; print(ClientSettings().task_queue)'",
+        "'from configuration.settings import ClientSettings; print(ClientSettings().task_queue)'",
         env,
     )
     script = readme_http_script(env_file, free_port(), tmp_path / "gateway.log")

@@ -21,24 +21,27 @@ from temporalio.client import Client
 from typer.testing import CliRunner
 
 import worker
-from activities.config_file import ConfigFileError, load_config_file
-from activities.settings import (
-    PoolConfig,
+from activities.storage import ArtifactStore, StorageConfigError
+from configuration.errors import CodecSettingsError, ConfigFileError
+from configuration.files import load_config_file
+from configuration.pools import PoolConfig
+from configuration.processes import CliConfig
+from configuration.settings import (
+    ClientSettings,
+    CliSettings,
+    CodecSettings,
     S3Settings,
+    TemporalSettings,
     WorkerSettings,
     runpod_api_keys,
-    variable_names,
 )
-from activities.storage import ArtifactStore, StorageConfigError
+from configuration.sources import variable_names
 from devstack.config import StackFileSettings
 from starter.cli import build_app
 from starter.cli.common import ExitCode, job_client
-from starter.cli.settings import CliConfig, CliSettings
 from starter.cli.ui import workflow_url
 from starter.client import JobClient
-from starter.codec import CodecSettings, CodecSettingsError, codec_from_environ, new_entry
-from starter.connection import TemporalSettings
-from starter.settings import ClientSettings
+from starter.codec import codec_from_environ, new_entry
 
 ROOT = Path(__file__).resolve().parent.parent
 SECRET = "s3cr3t-value-never-shown"
@@ -726,7 +729,7 @@ def test_the_clients_settings_come_from_code_then_variable_then_file_then_defaul
     environ.setenv("DURABLE_COMFY_TASK_QUEUE", "var-q")
     environ.setenv("DURABLE_COMFY_QUERY_TIMEOUT_S", "4")
     assert (ClientSettings().task_queue, ClientSettings().query_timeout_s) == ("var-q", 4)
-    code = ClientSettings(DURABLE_COMFY_TASK_QUEUE="code-q")
+    code = ClientSettings(task_queue="code-q")
     assert code.task_queue == "code-q"
 
 

@@ -14,7 +14,7 @@ from typing import Any
 from temporalio.exceptions import ApplicationError
 
 from activities.errors import fatal
-from activities.settings import PoolConfig
+from configuration.pools import PoolConfig
 from workflows.activity_io import PrepareInput
 from workflows.graph import (
     CORE_FILE_INPUTS,

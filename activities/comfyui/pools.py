@@ -23,7 +23,8 @@ import httpx
 import structlog
 
 from activities.errors import fatal
-from activities.settings import PoolConfig, WorkerSettings
+from configuration.pools import PoolConfig
+from configuration.settings import WorkerSettings
 from protocol.comfyui.client import ComfyClient, ComfyError
 from workflows.shared import ErrorType
 

@@ -12,7 +12,7 @@ platform provably did not take it (429, or a connection that was never made). On
 may have reached RunPod, a failure is `RunPodSubmissionAmbiguous` and never retried here.
 
 The API key is a `SecretStr` given at construction (read from the environment at start-up by
-`activities.settings.runpod_api_keys`), set per request as a header of the request only, and
+`configuration.settings.runpod_api_keys`), set per request as a header of the request only, and
 kept out of every log line, repr and message: text from RunPod that goes into a message is
 scrubbed of it first.
 """
@@ -49,7 +49,7 @@ from activities.runpod.models import (
     is_job_id,
 )
 from activities.runpod.retry import RetryPolicy, parse_retry_after
-from activities.settings import RUNPOD_API_KEY_ENV, PoolConfig
+from configuration.pools import RUNPOD_API_KEY_ENV, PoolConfig
 from protocol.runpod.contract import EndpointInput
 
 log = structlog.get_logger(__name__)

@@ -18,7 +18,7 @@ from __future__ import annotations
 from datetime import datetime
 
 from activities.runpod.models import RunPodJob, RunPodState
-from activities.settings import PoolConfig
+from configuration.pools import PoolConfig
 from protocol.runpod.contract import Claim, StopRecord
 from workflows.contracts import DeliveryOutcome, JobCost
 

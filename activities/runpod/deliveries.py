@@ -13,9 +13,9 @@ import structlog
 from activities.runpod.client import RunPodClient
 from activities.runpod.cost import job_cost
 from activities.runpod.errors import RunPodError, RunPodJobGone
-from activities.settings import PoolConfig
 from activities.storage import ArtifactStore
 from activities.storage_errors import StorageError
+from configuration.pools import PoolConfig
 from protocol.runpod.contract import Claim, S3Target, deliveries_folder
 from workflows.contracts import JobCost
 

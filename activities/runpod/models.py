@@ -15,17 +15,18 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from activities.runpod.errors import RunPodPolicyError
+from configuration.pools import ENDPOINT_ID_PATTERN as ENDPOINT_ID_PATTERN
+from configuration.pools import MAX_POLICY_S as MAX_POLICY_S
+from configuration.pools import MIN_EXECUTION_TIMEOUT_S as MIN_EXECUTION_TIMEOUT_S
 
 # RunPod's job ids ("<uuid>-u1", "sync-<uuid>-e1"). Checked before an id goes into a URL path:
 # ids also arrive from outputs (a claim holder), which are untrusted.
 JOB_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,199}$")
-# An endpoint's id goes into every request's path too: no `/`, no `..`.
-ENDPOINT_ID_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 
-# `/run` policy ranges (PROTOCOLS.md): below or above them the platform refuses the job.
-MIN_EXECUTION_TIMEOUT_S = 5.0
+# `/run` policy ranges (PROTOCOLS.md; the execution timeout's and the longest are
+# configuration.pools', which checks a pool's against them): outside them the platform refuses
+# the job.
 MIN_TTL_S = 10.0
-MAX_POLICY_S = 7 * 24 * 3600.0
 # RunPod's own ttl when none is sent: how long a job may wait when the job sets no queue limit.
 DEFAULT_QUEUE_WAIT_S = 24 * 3600.0
 

@@ -32,8 +32,9 @@ from pydantic_settings import SettingsError
 from activities.comfyui.graph import lacks_a_class, registry_problems
 from activities.comfyui.registry import FRESH_S  # one freshness rule for both kinds of pool
 from activities.errors import fatal
-from activities.settings import PoolConfig, S3Settings
 from activities.storage_errors import ObjectMissing, StorageError
+from configuration.pools import PoolConfig
+from configuration.settings import S3Settings
 from protocol.runpod.contract import NodesTarget, PublishedNodes, nodes_key
 from workflows.shared import ErrorType
 

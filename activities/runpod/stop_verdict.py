@@ -24,7 +24,7 @@ from typing import Literal
 from activities.runpod.cost import job_cost
 from activities.runpod.models import RunPodJob, RunPodState
 from activities.runpod.outcome import Failed, read_job
-from activities.settings import PoolConfig
+from configuration.pools import PoolConfig
 from protocol.runpod.contract import Claim, PromptFate, StopRecord
 from workflows.activity_io import StopCheck
 from workflows.shared import ErrorType

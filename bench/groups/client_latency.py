@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import time
 
-from activities.settings import WorkerSettings
 from bench.jobs import DEFAULT_POLL_S, Seen, prompt_id_of, request, watch
 from bench.outcome import Benchmark, BenchOptions, Outcome, Section
 from bench.results import fmt, percentile, result
 from bench.sim import ObserverSocket, SimProgress, progress_times
 from bench.stack import TIMED_POOL, BenchContext
+from configuration.settings import WorkerSettings
 
 # The worker's default `max_heartbeat_throttle_interval` (DURABLE_COMFY_HEARTBEAT_THROTTLE_S).
 THROTTLE_S = float(WorkerSettings.model_fields["heartbeat_throttle_s"].default)

@@ -12,13 +12,13 @@ from __future__ import annotations
 import itertools
 import time
 
-from activities.settings import WorkerSettings
 from bench.histories import job_history, round_trips
 from bench.jobs import DEFAULT_POLL_S, Seen, completed, prompt_id_of, request, watch
 from bench.outcome import Benchmark, BenchOptions, Outcome, Section
 from bench.results import Target, fmt, result
 from bench.sim import progress_times
 from bench.stack import TIMED_POOL, BenchContext
+from configuration.settings import WorkerSettings
 
 EVENTS_MAX = 150
 GAP_MAX_S = 1.0

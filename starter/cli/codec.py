@@ -12,18 +12,11 @@ import typer
 from pydantic import SecretStr, ValidationError
 
 from activities.log_setup import configure_logging
+from configuration.codec_keys import KEYS_ENV, KEYS_FILE_ENV, TOKEN_ENV
+from configuration.errors import CodecSettingsError
+from configuration.settings import CodecServerSettings, CodecSettings, TemporalSettings
 from starter.cli.common import ExitCode, fail, problems
-from starter.codec import (
-    KEYS_ENV,
-    KEYS_FILE_ENV,
-    TOKEN_ENV,
-    CodecServerSettings,
-    CodecSettings,
-    CodecSettingsError,
-    EncryptionCodec,
-    new_entry,
-)
-from starter.connection import TemporalSettings
+from starter.codec import EncryptionCodec, new_entry
 
 if TYPE_CHECKING:
     from aiohttp import web

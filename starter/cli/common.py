@@ -1,6 +1,6 @@
 """What every command shares: exit codes, running async code, reporting errors, opening clients.
 
-Settings come from `starter.cli.settings.CliConfig`, built once when a job command starts and
+Settings come from `configuration.processes.CliConfig`, built once when a job command starts and
 passed down (`config_of(ctx)`); nothing here reads the environment.
 
 Every command follows one exit-code table (docs/cli.md, "Exit codes"): `ExitCode` below, and
@@ -23,7 +23,7 @@ from temporalio.client import RPCTimeoutOrCancelledError
 from temporalio.service import RPCError, RPCStatusCode
 
 from activities.storage_errors import StorageConfigError, StorageError
-from starter.cli.settings import CliConfig
+from configuration.processes import CliConfig
 from starter.client import JobClient
 from starter.errors import (
     ClientError,

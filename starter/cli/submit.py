@@ -10,6 +10,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from configuration.processes import CliConfig
 from starter.cli.common import ExitCode, config_of, echo_json, job_client, reported, run
 from starter.cli.jobs import ended_code
 from starter.cli.render import (
@@ -20,7 +21,6 @@ from starter.cli.render import (
     submit_json,
     worker_notices,
 )
-from starter.cli.settings import CliConfig
 from starter.cli.ui import workflow_url
 from starter.client import SubmitOutcome, checked_job_id
 from starter.requests import request_from_files

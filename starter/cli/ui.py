@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from urllib.parse import quote
 
-from starter.connection import TemporalSettings
+from configuration.settings import TemporalSettings
 
 
 def workflow_url(temporal: TemporalSettings, job_id: str) -> str:

@@ -13,8 +13,9 @@ from temporalio.exceptions import ApplicationError
 
 from activities.comfyui.activities import ComfyActivities
 from activities.comfyui.pools import ComfyPools
-from activities.settings import PoolConfig, S3Settings, WorkerSettings
 from activities.storage import ArtifactStore
+from configuration.pools import PoolConfig
+from configuration.settings import S3Settings, WorkerSettings
 from workflows.activity_io import PrepareInput
 from workflows.contracts import InlineInput
 from workflows.shared import ErrorType

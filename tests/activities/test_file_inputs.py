@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from temporalio.exceptions import ApplicationError
 
 from activities.comfyui.graph import refuse_foreign_files, refuse_hostile_graph
-from activities.settings import PoolConfig
+from configuration.pools import PoolConfig
 from workflows.activity_io import PrepareInput
 from workflows.contracts import JobRequest
 from workflows.graph import (

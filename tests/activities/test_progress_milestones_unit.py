@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from temporalio.testing import ActivityEnvironment
 
 from activities.follow_common import Milestones, tenth
-from activities.settings import WorkerSettings
+from configuration.settings import WorkerSettings
 from tests.activities.follower_rig import Rig, no_quiet_start
 from tests.activities.test_runpod_backend_unit import (
     OUR_KEY,

@@ -25,9 +25,10 @@ from activities.live_progress import LiveProgress
 from activities.runpod.backend import RunPodBackend
 from activities.runpod.client import MAX_RUN_BYTES, RunPodClient
 from activities.runpod.retry import RetryPolicy
-from activities.settings import PoolConfig, S3Settings
 from activities.storage import DatedBytes, StoredObject
 from activities.storage_errors import ObjectMissing
+from configuration.pools import PoolConfig
+from configuration.settings import S3Settings
 from protocol.runpod.contract import (
     ArtifactRecord,
     Claim,

@@ -56,7 +56,7 @@ from activities.runpod.outcome import (
     read_job,
 )
 from activities.runpod.retry import RetryPolicy, parse_retry_after
-from activities.settings import PoolConfig
+from configuration.pools import PoolConfig
 from protocol.runpod.contract import (
     ArtifactRecord,
     EndpointInput,

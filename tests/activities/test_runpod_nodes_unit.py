@@ -18,7 +18,7 @@ from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
 from activities.runpod.nodes import NodeRegistries, check_captured_registries
-from activities.settings import PoolConfig
+from configuration.pools import PoolConfig
 from protocol.runpod.contract import PublishedNodes, nodes_key
 from tests.activities.test_runpod_backend_unit import (
     OUR_KEY,

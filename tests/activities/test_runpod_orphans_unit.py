@@ -21,7 +21,7 @@ from activities.runpod import submissions
 from activities.runpod.client import RunPodClient
 from activities.runpod.retry import RetryPolicy
 from activities.runpod.submissions import SubmissionRecord, record_key
-from activities.settings import PoolConfig
+from configuration.pools import PoolConfig
 from protocol.runpod.contract import Claim, S3Target, claim_key
 from tests.activities.test_runpod_backend_unit import (
     BUCKET,

@@ -20,7 +20,7 @@ from activities.runpod import submissions
 from activities.runpod.cost import job_cost
 from activities.runpod.follow import stop_horizon
 from activities.runpod.models import RunPodJob
-from activities.settings import PoolConfig
+from configuration.pools import PoolConfig
 from protocol.runpod.contract import (
     DEFAULT_STOP_HORIZON_S,
     Claim,

@@ -50,12 +50,12 @@ from activities.storage import (
     ArtifactStore,
     IntegrityError,
     ObjectMissing,
-    S3Settings,
     SourceStreamError,
     StorageConfigError,
     StorageError,
     StoredObject,
 )
+from configuration.settings import S3Settings
 
 MiB = 1024 * 1024
 WEED = Path(__file__).resolve().parents[2] / ".venv" / "bin" / "weed"

@@ -13,8 +13,9 @@ from temporalio.testing import ActivityEnvironment
 
 from activities.comfyui.offload import OffloadActivities, OutputUploader
 from activities.comfyui.pools import ComfyPools
-from activities.settings import PoolConfig, WorkerSettings
 from activities.storage_errors import StorageError
+from configuration.pools import PoolConfig
+from configuration.settings import WorkerSettings
 from protocol.comfyui.client import ComfyClient
 from tests.support.comfy_fakes import PROMPT_ID, RUN_TAG, FakeComfy, FakeStore, image
 from workflows.activity_io import OffloadInput, OffloadResult

@@ -24,13 +24,8 @@ from activities.inputs import input_bytes
 from activities.pinned_connection import PinnedBackend
 from activities.public_address import parse, refusal
 from activities.storage import ArtifactStore
-from activities.url_fetch import (
-    FetchFailed,
-    UnacceptableBody,
-    UnsafeUrl,
-    UrlFetcher,
-    UrlFetchSettings,
-)
+from activities.url_fetch import FetchFailed, UnacceptableBody, UnsafeUrl, UrlFetcher
+from configuration.settings import UrlFetchSettings
 from workflows.contracts import UrlInput
 from workflows.shared import ErrorType
 

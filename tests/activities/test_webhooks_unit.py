@@ -17,9 +17,11 @@ from temporalio.exceptions import ApplicationError
 
 from activities.backend import Backend, Backends, JobActivities
 from activities.pinned_connection import Resolver
-from activities.settings import PoolConfig, WebhookSettings, webhook_signing_key
 from activities.webhook_target import UnsafeWebhookUrl, check_webhook_url, webhook_target
 from activities.webhooks import WebhookDeliverer, signature, webhook_body
+from configuration.pools import PoolConfig
+from configuration.settings import WebhookSettings
+from configuration.values import webhook_signing_key
 from tests.activities.test_backend_routing import GRAPH, STORAGE, RecordingBackend
 from tests.support.webhook_receiver import (
     SPEC_VECTOR_SECRET,

@@ -16,14 +16,9 @@ from google.protobuf import json_format
 from pydantic import SecretStr
 from temporalio.api.common.v1 import Payload
 
-from starter.codec import (
-    KEYS_ENV,
-    TOKEN_ENV,
-    CodecServerSettings,
-    EncryptionCodec,
-    KeyRing,
-    new_entry,
-)
+from configuration.codec_keys import KEYS_ENV, TOKEN_ENV, KeyRing
+from configuration.settings import CodecServerSettings
+from starter.codec import EncryptionCodec, new_entry
 from starter.codec_server import build_codec_app
 from tests.support.cli import run_cli
 

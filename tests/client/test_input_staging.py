@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from activities.settings import S3Settings
 from activities.storage import StoredObject
+from configuration.settings import S3Settings
 from starter.errors import InputFileError
 from starter.requests import request_from_files
 from starter.staging import (

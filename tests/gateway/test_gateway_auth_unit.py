@@ -14,16 +14,9 @@ import pytest
 import structlog
 from pydantic import SecretStr
 
+from configuration.settings import AuthSettings
 from gateway import auth
-from gateway.auth import (
-    ApiKeys,
-    ApiKeysError,
-    AuthSettings,
-    TenantLimits,
-    Unauthorized,
-    hash_key,
-    new_key_line,
-)
+from gateway.auth import ApiKeys, ApiKeysError, TenantLimits, Unauthorized, hash_key, new_key_line
 
 ACME_KEY = "acme-key-0123456789abcdefghijklmnop"
 GLOBEX_KEY = "globex-key-9876543210zyxwvutsrqponm"

@@ -13,16 +13,10 @@ import pytest
 from temporalio.client import Client, WorkflowExecutionCount
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
 
+from configuration.settings import LimitSettings
 from devstack.models import RunningStack
 from gateway.auth import TenantLimits
-from gateway.limits import (
-    Limits,
-    LimitSettings,
-    Overloaded,
-    RateLimited,
-    TooManyJobs,
-    jobs_in_flight_query,
-)
+from gateway.limits import Limits, Overloaded, RateLimited, TooManyJobs, jobs_in_flight_query
 from starter import JobClient, JobRequest
 from starter.client import TENANT_KEY
 from starter.connection import connect_temporal

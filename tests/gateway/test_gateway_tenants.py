@@ -26,11 +26,11 @@ import websockets
 from temporalio.client import Client
 from typer.testing import CliRunner
 
+from configuration.settings import GatewaySettings
 from devstack.models import RunningStack
 from gateway import cli
 from gateway.auth import hash_key
 from gateway.limits import Limits, jobs_in_flight_query
-from gateway.settings import GatewaySettings
 from starter import JobClient, JobRequest
 from tests.support.cli import RunningWorker, example, s3_settings
 from tests.support.gateway import TEST_SETTINGS, job_body, serving_app

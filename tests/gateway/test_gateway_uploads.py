@@ -18,8 +18,8 @@ import pytest_asyncio
 import structlog
 
 from activities.comfyui.activities import upload_name
+from configuration.settings import GatewaySettings
 from devstack.models import RunningStack
-from gateway.settings import GatewaySettings
 from protocol.keys import safe_component
 from starter import JobClient
 from tests.support.cli import RunningWorker

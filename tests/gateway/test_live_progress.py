@@ -22,10 +22,9 @@ from websockets.asyncio.client import connect
 
 import starter.live
 from activities.live_progress import LiveProgress, serving
-from activities.settings import WorkerSettings
+from configuration.settings import GatewaySettings, WorkerSettings
 from devstack.free_ports import free_port
 from devstack.models import RunningStack
-from gateway.settings import GatewaySettings
 from starter import JobClient
 from starter.live import LiveRelay
 from starter.pollers import Poller, live_pollers, workflow_pollers

@@ -42,8 +42,8 @@ from temporalio.exceptions import ApplicationError
 
 from activities.runpod.claims import claim_target, read_claim
 from activities.runpod.follow import one_chunk
-from activities.settings import PoolConfig
 from activities.storage import ArtifactStore
+from configuration.pools import PoolConfig
 from devstack.models import RunningStack
 from devstack.real_comfyui import WorkerComfyUI
 from devstack.runpod_sim import Ledger

@@ -15,8 +15,8 @@ import pytest
 import pytest_asyncio
 from temporalio.api.enums.v1 import EventType
 
-from activities.settings import WebhookSettings, WorkerSettings
 from activities.storage import ArtifactStore
+from configuration.settings import WebhookSettings, WorkerSettings
 from devstack.config import PoolConfig
 from devstack.models import RunningStack
 from starter import JobClient, JobRequest, JobState

@@ -48,7 +48,6 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.service import RPCError, RPCStatusCode
 
 import worker
-from activities.settings import PoolConfig, S3Settings, SetCurrent, WorkerSettings
 from activities.versioning import (
     TRANSIENT,
     Routing,
@@ -58,6 +57,9 @@ from activities.versioning import (
     set_current_command,
     settle_routing,
 )
+from configuration.pools import PoolConfig
+from configuration.settings import S3Settings, TemporalSettings, WorkerSettings
+from configuration.values import SetCurrent
 from devstack.config import StackConfig
 from devstack.errors import ServiceStartError
 from devstack.free_ports import DEV_CONFIG, make_stack_config
@@ -65,7 +67,6 @@ from devstack.models import RunningStack
 from devstack.processes import find_binary
 from devstack.worker_process import ensure_worker, stop_worker
 from starter import JobClient
-from starter.connection import TemporalSettings
 from tests.support.cli import example, s3_settings
 from workflows.contracts import JobPolicy, JobRequest, JobState
 

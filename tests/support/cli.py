@@ -14,8 +14,8 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-from activities.settings import WorkerSettings
-from activities.storage import ArtifactStore, S3Settings
+from activities.storage import ArtifactStore
+from configuration.settings import S3Settings, WorkerSettings
 from devstack.config import PoolConfig
 from devstack.models import RunningStack
 from starter import JobClient

@@ -16,11 +16,11 @@ import httpx
 import uvicorn
 from fastapi import FastAPI
 
+from configuration.settings import GatewaySettings
 from devstack.free_ports import free_port
 from devstack.models import RunningStack
 from gateway.app import create_app
 from gateway.feed import Hub
-from gateway.settings import GatewaySettings
 from gateway.state import Gateway
 from starter import JobClient
 from tests.support.cli import RunningWorker, example, s3_settings
@@ -67,7 +67,7 @@ async def running_gateway(
 ) -> AsyncIterator[RunningGateway]:
     """The gateway with the tenants of `KEYS` on a free port, stopped on the way out."""
     keys = ",".join(f"{tenant}:{key}" for tenant, key in KEYS.items())
-    settings = GatewaySettings(DURABLE_COMFY_API_KEYS=keys, **TEST_SETTINGS)  # type: ignore[arg-type]
+    settings = GatewaySettings(**{"DURABLE_COMFY_API_KEYS": keys, **TEST_SETTINGS})  # type: ignore[arg-type]
     async with serving_app(settings, factory, wait_ready=wait_ready) as running:
         yield running
 

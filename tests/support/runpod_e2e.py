@@ -25,8 +25,9 @@ import pytest
 import pytest_asyncio
 from pydantic import SecretStr
 
-from activities.settings import PoolConfig, WorkerSettings
 from activities.storage import ArtifactStore
+from configuration.pools import PoolConfig
+from configuration.settings import WorkerSettings
 from devstack.models import RunningStack
 from devstack.runpod_sim import Ledger
 from starter import JobClient

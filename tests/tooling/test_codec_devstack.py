@@ -13,13 +13,14 @@ from google.protobuf import json_format
 from temporalio.api.common.v1 import Payload
 from temporalio.envconfig import ClientConfig
 
+from configuration.codec_keys import KEYS_FILE_ENV
 from devstack.codec_server import keys_file, start_codec_server, stop_codec_server
 from devstack.config import StackConfig, load_stack_config
 from devstack.free_ports import free_port, make_stack_config
 from devstack.models import RunningStack
 from devstack.services import StackPaths
 from devstack.temporal_server import temporal_argv, write_temporal_toml
-from starter.codec import KEYS_FILE_ENV, codec_from_environ
+from starter.codec import codec_from_environ
 from tests.support.cli import ROOT
 
 

@@ -36,7 +36,7 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.exceptions import ApplicationError
 from temporalio.worker import Replayer
 
-from activities.settings import PoolConfig
+from configuration.pools import PoolConfig
 from devstack.models import RunningStack
 from starter import JobClient
 from tests.support.cli import example

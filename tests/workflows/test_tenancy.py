@@ -6,8 +6,8 @@ import pytest
 from temporalio.exceptions import ApplicationError
 
 from activities.inputs import refuse_inputs_outside_area
-from activities.settings import S3Settings
 from activities.storage_errors import StorageConfigError
+from configuration.settings import S3Settings
 from gateway.errors import ApiError
 from gateway.submission import job_request
 from workflows.activity_io import PrepareInput

@@ -1,22 +1,29 @@
-"""The production configuration file: one YAML file for the worker, the CLI and the library.
+"""The two files settings come from: the production file and the dev stack file's worker section.
 
-Named by DURABLE_COMFY_SETTINGS_FILE (never by DURABLE_COMFY_CONFIG, which names the dev stack's
-file: the two have different shapes and different readers, and one variable for both would let a
-production file be read as a stack file, or the other way round). Its sections:
+The production file, named by DURABLE_COMFY_SETTINGS_FILE: one YAML file for the worker, the CLI,
+the library and the gateway's client. Its sections:
 
     worker   task queue, default pool, concurrency, orphan sweep, metrics port, log level,
              heartbeat throttle, Worker Versioning          (WorkerSettings; task_queue: clients)
     pools    {name: PoolConfig}                             (WorkerSettings.pools)
     storage  bucket, endpoint_url, region, allowed_input_prefixes (S3Settings)
-    codec    keys_file                                      (starter.codec.CodecSettings)
-    client   query_timeout_s                                (starter.settings.ClientSettings)
+    codec    keys_file                                      (CodecSettings)
+    client   query_timeout_s                                (ClientSettings)
 
-Each settings class reads the keys its `file_keys` maps to its fields, below its variables and
-above its defaults (`ConfigFileSource`). The whole file is checked whenever it is read: an unknown
-key, a bad value or a credential is a `ConfigFileError` naming the file and the key's path
-(`pools.gpu.endpoint_id`), and never quoting a value. Credentials never live in this file: it
-names the variable holding a key (`api_key_env`) or a key file (`codec.keys_file`).
-Relative paths in it (`codec.keys_file`, a pool's `node_registry`) are relative to the file.
+Each settings class (configuration.settings) reads the keys its `file_keys` maps to its fields,
+below its variables and above its defaults (configuration.sources). The whole file is checked
+whenever it is read: an unknown key, a bad value or a credential is a `ConfigFileError` naming the
+file and the key's path (`pools.gpu.endpoint_id`), and never quoting a value. Credentials never
+live in this file: it names the variable holding a key (`api_key_env`) or a key file
+(`codec.keys_file`). Relative paths in it (`codec.keys_file`, a pool's `node_registry`) are
+relative to the file.
+
+The dev stack file, named by DURABLE_COMFY_CONFIG (temporal-dev.yaml): the worker reads only its
+`worker:` section (`WorkerSection`); the rest describes the local stack (devstack.config). Never
+the same variable for both: the two have different shapes and different readers, and one
+variable for both would let a production file be read as a stack file, or the other way round.
+
+Nothing here knows a settings class: the sources read the files through these functions.
 """
 
 from __future__ import annotations
@@ -28,10 +35,10 @@ from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from pydantic_core import PydanticCustomError
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsError
 
-from activities.settings import (
+from configuration.errors import FILE_VAR, ConfigFileError
+from configuration.pools import PoolConfig
+from configuration.values import (
     AllowedInputPrefixes,
     BucketName,
     BuildId,
@@ -41,37 +48,15 @@ from activities.settings import (
     HeartbeatBudgetRate,
     HeartbeatThrottle,
     MetricsHost,
-    PoolConfig,
     Port,
     SetCurrent,
     SweepInterval,
-    current_environ,
-    taken,
-    variable_names,
 )
+from workflows.shared import DEFAULT_TASK_QUEUE
 
-FILE_VAR = "DURABLE_COMFY_SETTINGS_FILE"
+CONFIG_VAR = "DURABLE_COMFY_CONFIG"
 # Top-level keys only a dev stack file (temporal-dev.yaml) has: such a file here is a mix-up.
 _STACK_ONLY = ("state_dir", "temporal", "s3", "comfyui_sim", "runpod_sim")
-
-
-class ConfigFileError(SettingsError):
-    """The production file is unusable: says which file, which key, and what to do."""
-
-    def __init__(self, path: Path, problem: str) -> None:
-        super().__init__(f"{path} ({FILE_VAR}): {problem}")
-        self.path = path
-        self.problem = problem
-
-    def as_validation_error(self, title: str) -> ValidationError:
-        """The same problem as a settings class's `ValidationError`, located at the file's
-        variable, as a bad variable is: every caller already reports those (exit 2, etc.)."""
-        error = PydanticCustomError(
-            "config_file", "{message}", {"message": f"{self.path}: {self.problem}"}
-        )
-        return ValidationError.from_exception_data(
-            title, [{"type": error, "loc": (FILE_VAR,), "input": None}], hide_input=True
-        )
 
 
 class _Section(BaseModel):
@@ -277,54 +262,41 @@ def _problems(exc: ValidationError) -> str:
     return "; ".join(one(error) for error in exc.errors())
 
 
-class ConfigFileSource(PydanticBaseSettingsSource):
-    """The production file's values for the fields `file_keys` maps, below the variables.
-
-    The file is the one DURABLE_COMFY_SETTINGS_FILE names (or a `settings_file` given in code).
-    A field a higher source (code, a variable) gave is left alone. `exclusive`: the class's
-    fields are one setting (the codec's key ring: literal keys or a key file), so the file gives
-    nothing once a higher source gave any of them. A bad file is a `ValidationError` located at
-    DURABLE_COMFY_SETTINGS_FILE.
-    """
-
-    def __init__(
-        self, settings_cls: type[BaseSettings], file_keys: Mapping[str, str], exclusive: bool
-    ) -> None:
-        super().__init__(settings_cls)
-        self._keys = file_keys
-        self._exclusive = exclusive
-        self._environ = current_environ()
-
-    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
-        return None, field_name, False  # everything happens in __call__
-
-    def __call__(self) -> dict[str, Any]:
-        if not self._keys:
-            return {}
-        state = self.current_state
-        path = state.get("settings_file") or state.get(FILE_VAR) or self._environ.get(FILE_VAR)
-        if not path:
-            return {}
-        try:
-            config = load_config_file(Path(path))
-        except ConfigFileError as exc:
-            raise exc.as_validation_error(self.settings_cls.__name__) from exc
-        fields = self.settings_cls.model_fields
-        given = [name for name in fields if taken(state, name, fields[name])]
-        if self._exclusive and given:
-            return {}
-        # Keyed as a variable would be (by the field's alias): the classes that read the file
-        # do not all take values by field name.
-        return {
-            (variable_names(fields[name]) or [name])[0]: value
-            for name, key in self._keys.items()
-            if name not in given and (value := config.value(key)) is not None
-        }
-
-
-def file_named(environ: Mapping[str, str] | None = None) -> ConfigFile | None:
-    """The file DURABLE_COMFY_SETTINGS_FILE names in `environ` (default: the current
-    environment), checked; None when it names none."""
-    env = current_environ() if environ is None else environ
-    path = env.get(FILE_VAR)
+def file_named(environ: Mapping[str, str]) -> ConfigFile | None:
+    """The file DURABLE_COMFY_SETTINGS_FILE names in `environ`, checked; None when it names
+    none."""
+    path = environ.get(FILE_VAR)
     return load_config_file(Path(path)) if path else None
+
+
+# --- the dev stack file's worker section ----------------------------------------------------
+
+
+class WorkerSection(BaseModel):
+    """The `worker:` section of a stack file (temporal-dev.yaml): what this worker serves."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    task_queue: str = DEFAULT_TASK_QUEUE
+    default_pool: str = "comfyui"
+    pools: dict[str, PoolConfig] = Field(default_factory=dict)
+    # Worker Versioning (see WorkerSettings). None: not in the file (the variable or the default
+    # decides); a dumped stack file keeps them None.
+    versioning: bool | None = None
+    deployment_name: DeploymentName | None = None
+    build_id: BuildId | None = None
+    set_current: SetCurrent | None = None
+
+
+def read_worker_section(path: Path) -> WorkerSection:
+    """Only the worker's own section: the rest of the file describes the local stack."""
+    data: Any = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping at the top level")
+    if "pools" in data or "storage" in data:
+        # A production file here would have its pools ignored.
+        raise ValueError(
+            f"{path}: top-level pools/storage: this looks like a production configuration file; "
+            "name it with DURABLE_COMFY_SETTINGS_FILE (DURABLE_COMFY_CONFIG names a dev stack file)"
+        )
+    return WorkerSection.model_validate(data.get("worker") or {})
