@@ -8,8 +8,8 @@ registered in worker.py, with no change to the workflow.
 A request that stages no input file has no prepare activity: its first follow carries the
 check (`FollowInput.prepare`), done here before the backend submits anything. That takes an
 activity, or a local activity's two extra workflow activations, off every such job's way to
-its GPU. The workflow may then name no pool (""): each activity resolves it to the worker's
-default, as prepare would have.
+its GPU. The workflow may then name no pool (None): each activity resolves it to the worker's
+default before anything reads it, as prepare would have, and says which pool that was.
 """
 
 from __future__ import annotations
@@ -22,9 +22,8 @@ from temporalio.exceptions import ApplicationError
 
 from activities.errors import fatal
 from activities.inputs import refuse_inputs_outside_area
+from activities.settings import PoolConfig, S3Settings
 from activities.webhooks import WebhookDeliverer
-from configuration.pools import PoolConfig
-from configuration.settings import S3Settings
 from workflows.activity_io import (
     FollowInput,
     FollowResult,
@@ -82,7 +81,7 @@ class Backends:
         return self._pools[pool].kind
 
     def resolve(self, pool: str | None) -> tuple[str, Backend]:
-        name = pool or self._default
+        name = self._default if pool is None else pool
         config = self._pools.get(name)
         if config is None:
             known = ", ".join(sorted(self._pools)) or "none"
@@ -136,9 +135,9 @@ class JobActivities:
             if not refusal.non_retryable:
                 raise  # a pool slow or down: the workflow backs off and tries again
             raise as_refused_before_submission(refusal) from refusal
-        backend = self._backends.resolve(prepared.pool)[1]
-        result = await backend.follow(_on_pool(req, prepared.pool))
-        return result.model_copy(update={"pool": prepared.pool, "kind": prepared.kind})
+        pool, backend = self._backends.resolve(prepared.pool)
+        result = await backend.follow(_on_pool(req, pool))
+        return result.model_copy(update={"pool": pool, "kind": prepared.kind})
 
     @activity.defn(name=ACTIVITY_OFFLOAD)
     async def offload_outputs(self, req: OffloadInput) -> OffloadResult:
@@ -149,7 +148,7 @@ class JobActivities:
     async def stop_prompt(self, req: StopInput) -> StopCheck:
         pool, backend = self._backends.resolve(req.pool)
         check = await backend.stop(_on_pool(req, pool))
-        if req.pool:
+        if req.pool is not None:
             return check
         return check.model_copy(update={"pool": pool, "kind": self._backends.kind_of(pool)})
 
@@ -158,5 +157,5 @@ _Routed = TypeVar("_Routed", FollowInput, OffloadInput, StopInput)
 
 
 def _on_pool(req: _Routed, pool: str) -> _Routed:
-    """The request with its pool named: a backend reads `req.pool` as a configured name."""
+    """The request with its pool named: a backend reads `req.named_pool`, a configured name."""
     return req if req.pool == pool else req.model_copy(update={"pool": pool})

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationError
+from pydantic import BeforeValidator, Field, ValidationError
 
 from workflows.contracts import (
     Artifact,
@@ -22,6 +22,23 @@ from workflows.contracts import (
 )
 from workflows.graph import sampler_steps
 from workflows.shared import TENANT_LABEL
+
+
+def _unnamed(name: Any) -> Any:
+    return None if name == "" else name
+
+
+# A pool, or its kind, that may not be named yet: None until the job hears which pool took it
+# (the worker's default; each activity resolves it before anything reads it,
+# activities/backend.py). "" is how earlier versions wrote that (a continued run's carry, an
+# activity an older workflow scheduled): read as None, so "" means nothing past here.
+MaybeNamed = Annotated[str | None, BeforeValidator(_unnamed)]
+
+
+def _routed(pool: str | None) -> str:
+    if pool is None:
+        raise ValueError("an activity's input reached its backend without a pool")
+    return pool
 
 
 class PrepareInput(StrictModel):
@@ -57,10 +74,11 @@ class PrepareInput(StrictModel):
 
 
 class PreparedJob(StrictModel):
-    """The graph as it will be submitted, checked against the backend's node registry."""
+    """The graph as it will be submitted, checked against the backend's node registry (by a
+    prepare, which names its pool and kind; None: by the job's first follow, not yet)."""
 
-    pool: str
-    kind: str
+    pool: MaybeNamed
+    kind: MaybeNamed
     graph: dict[str, Any]
     sampler_steps: dict[str, int] = Field(default_factory=dict)
     nodes_total: int = 0
@@ -72,11 +90,10 @@ class PreparedJob(StrictModel):
     @classmethod
     def unchecked(cls, request: JobRequest) -> PreparedJob:
         """A request that stages no input file, as its first follow will check it: the graph
-        is its own, and the pool the request's ("": the worker's default, named by the
-        check)."""
+        is its own, its pool the request's (None: the worker's default, named by the check)."""
         return cls(
-            pool=request.pool or "",
-            kind="",
+            pool=request.pool,
+            kind=None,
             graph=request.graph,
             sampler_steps=sampler_steps(request.graph),
             nodes_total=len(request.graph),
@@ -85,7 +102,7 @@ class PreparedJob(StrictModel):
 
 class FollowInput(StrictModel):
     job_id: str
-    pool: str
+    pool: MaybeNamed
     prompt_id: str
     client_id: str
     segment: int = 0
@@ -119,6 +136,11 @@ class FollowInput(StrictModel):
     # (`workflows.failures.refused_before_submission`). Set until the workflow hears which
     # pool took the job.
     prepare: PrepareInput | None = None
+
+    @property
+    def named_pool(self) -> str:
+        """The pool, as the activity named it before its backend reads it."""
+        return _routed(self.pool)
 
 
 class FollowResult(StrictModel):
@@ -178,7 +200,7 @@ class FollowHeartbeat(StrictModel):
 
 class OffloadInput(StrictModel):
     job_id: str
-    pool: str
+    pool: MaybeNamed
     prompt_id: str
     segment: int = 0
     run_tag: str
@@ -186,6 +208,11 @@ class OffloadInput(StrictModel):
     stored: list[Artifact] = Field(default_factory=list)
     # Compensation after a failure or cancel: keep whatever finished, never fail for the rest.
     partial: bool = False
+
+    @property
+    def named_pool(self) -> str:
+        """The pool, as the activity named it before its backend reads it."""
+        return _routed(self.pool)
 
 
 class OffloadResult(StrictModel):
@@ -196,7 +223,7 @@ class StopInput(StrictModel):
     """One check of a stop: where is the prompt, and what does it take to stop it now."""
 
     job_id: str
-    pool: str
+    pool: MaybeNamed
     prompt_id: str
     reason: str
     free_memory: bool = False
@@ -207,6 +234,11 @@ class StopInput(StrictModel):
     # The backend's own job id for the prompt, when the workflow has heard it (RunPod's).
     provider_job_id: str | None = None
     output: OutputSpec = Field(default_factory=OutputSpec)
+
+    @property
+    def named_pool(self) -> str:
+        """The pool, as the activity named it before its backend reads it."""
+        return _routed(self.pool)
 
 
 class StopCheck(StrictModel):

@@ -92,7 +92,8 @@ class InferenceJob:
         # nothing).
         self._unchecked: PrepareInput | None = None
         self._status = carry.status if carry else new_status(request)
-        self._book = JobBook(self._status, carry.journal if carry else None)
+        journal = carry.journal if carry else None
+        self._book = JobBook(self._status, journal, requested_pool=request.pool)
         self._controls = self._book.controls
         # The reason a Temporal cancel that follows should carry (the `cancel_reason` signal).
         self._cancel_reason: str | None = None
@@ -176,10 +177,7 @@ class InferenceJob:
         if self._work is None or self._work.done():
             return
         self._work.cancel()
-        self._stopper.begin(order, self._pool(), self._book.prompt_id)
-
-    def _pool(self) -> str | None:
-        return self._book.pool_or(self._prepared.pool) if self._prepared is not None else None
+        self._stopper.begin(order, self._book.pool, self._book.prompt_id)
 
     # -- the end: refusal, teardown, compensation ---------------------------------------------
 
@@ -212,9 +210,9 @@ class InferenceJob:
         if self._prepared is None or prompt_id is None or refused_before_submission(outcome):
             book.nothing_to_stop()
         else:
-            await self._stopper.settle(ending, self._pool() or "", prompt_id)
+            await self._stopper.settle(ending, book.pool, prompt_id)
             if ending.state != JobState.COMPLETED:
-                await self._stopper.keep_finished(self._pool() or "")
+                await self._stopper.keep_finished(book.pool)  # as the settled pass named it
         book.set_state(ending.state)
 
     def _ending(self, outcome: BaseException | None) -> StopOrder:

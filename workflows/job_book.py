@@ -125,8 +125,15 @@ class JobControls:
 
 
 class JobBook:
-    def __init__(self, status: JobStatus, journal: list[JobEvent] | None = None) -> None:
+    def __init__(
+        self,
+        status: JobStatus,
+        journal: list[JobEvent] | None = None,
+        *,
+        requested_pool: str | None = None,
+    ) -> None:
         self.status = status
+        self._requested = requested_pool
         # What a follower must not miss (state changes, stored outputs, tenths of progress),
         # numbered by the seq that wrote them: the `events` query and the webhooks read it.
         # A continued run carries it; a new job journals its first state too.
@@ -168,9 +175,12 @@ class JobBook:
                 STATE_KEY.value_set(state.value), PROGRESS_KEY.value_set(self.coarse_progress())
             )
 
-    def prepared_on(self, pool: str, kind: str) -> None:
+    def prepared_on(self, pool: str | None, kind: str | None) -> None:
         """The job's pool, once: by its prepare, or by the follow that checked the request
-        (which may have submitted the prompt already)."""
+        (which may have submitted the prompt already). A report that names no pool and kind
+        (None) says nothing of it."""
+        if pool is None or kind is None:
+            return
         backend = self.status.backend
         if backend is not None and (backend.pool, backend.kind) == (pool, kind):
             return
@@ -180,10 +190,11 @@ class JobBook:
         self._upsert(POOL_KEY.value_set(pool))
         self.changed()
 
-    def pool_or(self, prepared: str) -> str:
-        """The job's pool as recorded, else the prepared one ("": not named yet, the worker's
-        default pool)."""
-        return self.status.backend.pool if self.status.backend is not None else prepared
+    @property
+    def pool(self) -> str | None:
+        """The job's pool: as a prepare or a follow named it, else as the request did (None:
+        the worker's default, which the next activity resolves and names)."""
+        return self.status.backend.pool if self.status.backend is not None else self._requested
 
     def begin_segment(self, segment: int, segments: int, sampler_steps: int, nodes: int) -> None:
         self.status.progress = Progress(
@@ -400,8 +411,7 @@ class JobBook:
             self._note_provider_job(report.checkpoint)
         if report.artifact is not None:
             self._merge([report.artifact])
-        if report.pool is not None and report.kind is not None:
-            self.prepared_on(report.pool, report.kind)
+        self.prepared_on(report.pool, report.kind)
         if self.status.backend is not None and report.worker_id:
             self.status.backend.worker_id = report.worker_id
         state_changed = stage_changes and self._apply_stage(report)

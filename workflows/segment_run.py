@@ -62,8 +62,7 @@ class SegmentRun:
         # The follow submits (unless the backend has the prompt), follows it to its end and
         # stores every output: a result means the segment's outputs are in the bucket.
         result = await self._follow(checkpoint)
-        if result.pool is not None and result.kind is not None:
-            book.prepared_on(result.pool, result.kind)  # unless a progress report said so
+        book.prepared_on(result.pool, result.kind)  # unless a progress report said so
         book.followed(result)
         if not book.artifacts_of(segment):
             raise ApplicationError(
@@ -119,7 +118,7 @@ class SegmentRun:
         request, prepared, book = self._request, self._prepared, self._book
         return FollowInput(
             job_id=book.status.job_id,
-            pool=book.pool_or(prepared.pool),
+            pool=book.pool,
             prompt_id=checkpoint.prompt_id or "",
             client_id=checkpoint.client_id or "",
             segment=self._segment,

@@ -144,7 +144,7 @@ class PromptStop:
 
     async def confirm(
         self,
-        pool: str,
+        pool: str | None,
         prompt_id: str,
         reason: str,
         *,
@@ -361,8 +361,9 @@ class ConfirmedStop:
         self._early: asyncio.Task[None] | None = None
 
     def begin(self, order: StopOrder, pool: str | None, prompt_id: str | None) -> None:
+        """`prompt_id` None: nothing submitted yet, the settled pass alone checks."""
         self._book.set_state(JobState.STOPPING)
-        if pool is not None and prompt_id is not None:
+        if prompt_id is not None:
             self._early = asyncio.create_task(
                 self._stop.confirm(
                     pool,
@@ -373,7 +374,7 @@ class ConfirmedStop:
                 )
             )
 
-    async def settle(self, ending: StopOrder, pool: str, prompt_id: str) -> None:
+    async def settle(self, ending: StopOrder, pool: str | None, prompt_id: str) -> None:
         """`ending`: the order the job stopped by, else how its work ended."""
         state, error = ending.state, ending.error
         if (
@@ -398,7 +399,7 @@ class ConfirmedStop:
             free_memory=error is not None and error.type == ErrorType.OUT_OF_MEMORY,
         )
 
-    async def keep_finished(self, pool: str) -> None:
+    async def keep_finished(self, pool: str | None) -> None:
         """After a stop that was not a completion: store what the stopped prompt finished
         (never fails the job; the warning says why nothing was kept)."""
         book = self._book
@@ -425,8 +426,9 @@ class ConfirmedStop:
         book.merge_artifacts(kept.artifacts)
 
 
-def _named(pool: str, *, quoted: bool = True) -> str:
-    """A pool for people; "" when the job's check had not named it yet (the worker's default)."""
-    if not pool:
+def _named(pool: str | None, *, quoted: bool = True) -> str:
+    """A pool for people; None when the job's check had not named it yet (the worker's
+    default)."""
+    if pool is None:
         return "the worker's default pool"
     return f"pool {pool!r}" if quoted else f"pool {pool}"

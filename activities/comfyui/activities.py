@@ -97,7 +97,7 @@ class ComfyActivities:
         to its end first. Re-sending a prompt-scoped interrupt is harmless (it only ever
         touches this prompt).
         """
-        client = self._pools.client(req.pool)
+        client = self._pools.client(req.named_pool)
         bound = log.bind(job_id=req.job_id, prompt_id=req.prompt_id)
         try:
             return await stop_step(client, req, self._pools.health, bound)
@@ -131,7 +131,7 @@ async def stop_step(
     now = datetime.now(UTC)
     if place.where is not None:
         if req.final:
-            health.mark_busy(req.pool, req.prompt_id, req.job_id)
+            health.mark_busy(req.named_pool, req.prompt_id, req.job_id)
         bound.info("stop_pending", position=place.where, action=action)
         return StopCheck(at=now, position=place.where, action=action, freed_memory=freed)
     ending = ending_of(await client.history(req.prompt_id))

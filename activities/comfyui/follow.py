@@ -161,7 +161,7 @@ class FollowAttempt:
             raise fatal(ErrorType.PROMPT_LOST, str(exc)) from None
         except ApplicationError as exc:
             if exc.type == ErrorType.BACKEND_FAULT:
-                self.health.mark_unhealthy(self.req.pool, exc.message)
+                self.health.mark_unhealthy(self.req.named_pool, exc.message)
             raise self._with_progress(exc) from None
         finally:
             for task in self.uploads:
@@ -189,7 +189,7 @@ class FollowAttempt:
     async def _refuse_a_bad_pool(self) -> None:
         """Nothing is submitted to a pool that is unhealthy (until a probe prompt succeeds) or
         busy (a stop that outlived its horizon still holds it)."""
-        pool = self.req.pool
+        pool = self.req.named_pool
         unhealthy = await self.health.probe(pool, self.client)
         if unhealthy is not None:
             raise retryable(
@@ -413,5 +413,5 @@ class FollowActivities:
 
     def attempt(self, req: FollowInput) -> FollowAttempt:
         """An attempt to run; its `uploader` says afterwards what it stored."""
-        client = self._pools.client(req.pool)
+        client = self._pools.client(req.named_pool)
         return FollowAttempt(req, client, self._store, self._pools.health, self._budget, self._live)

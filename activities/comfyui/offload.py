@@ -261,7 +261,7 @@ class OffloadActivities:
         passes its own, so its checkpoint stays the activity's heartbeat details. `history`: the
         ended prompt's `finished_history`, when the follow has already begun reading it."""
         beat = beat or activity.heartbeat
-        client = self._pools.client(req.pool)
+        client = self._pools.client(req.named_pool)
         uploader = OutputUploader(
             client,
             self._store,

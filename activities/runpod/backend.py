@@ -32,8 +32,8 @@ from activities.runpod.follow import POLL_S, RunInputs, RunPodFollower, one_chun
 from activities.runpod.models import RunPodJob, RunPodState
 from activities.runpod.nodes import registries_for
 from activities.runpod.stop_verdict import StopAction, stop_verdict
+from activities.settings import PoolConfig
 from activities.storage import ArtifactStore
-from configuration.pools import PoolConfig
 from protocol.keys import content_type_for, job_folder, safe_component
 from protocol.runpod.contract import (
     MAX_INPUT_FILE_BYTES,
@@ -135,7 +135,7 @@ class RunPodBackend:
         )
 
     async def follow(self, req: FollowInput) -> FollowResult:
-        pool, client = self._pools[req.pool], self._clients[req.pool]
+        pool, client = self._pools[req.named_pool], self._clients[req.named_pool]
         inputs = RunInputs()
         if req.graph is not None:
             inputs = await (self._by_reference(req) if pool.claims else self._inline(req))
@@ -173,7 +173,7 @@ class RunPodBackend:
         """Every output is in S3 by now: verify what the job holds, and after a failure add
         what the claim says the handler stored before it stopped."""
         kept = {a.key: a for a in req.stored}
-        if req.partial and self._pools[req.pool].claims:
+        if req.partial and self._pools[req.named_pool].claims:
             target = claim_target(req.output, self._store.settings.bucket)
             claim = await read_claim(self._store, target, req.job_id, req.prompt_id)
             records = claim.outcome.images if claim is not None and claim.outcome else []
@@ -218,7 +218,7 @@ class RunPodBackend:
     async def stop(self, req: StopInput) -> StopCheck:
         """One check: cancel the RunPod job unless it ended, then say where its prompt is
         (`stop_verdict`: with claims, as the handler records it, never a lapsed lease)."""
-        pool, client = self._pools[req.pool], self._clients[req.pool]
+        pool, client = self._pools[req.named_pool], self._clients[req.named_pool]
         now = datetime.now(UTC)
         target = claim_target(req.output, self._store.settings.bucket)
         claim = (
@@ -248,7 +248,7 @@ class RunPodBackend:
                 job, holder_action = await self._cancelled(client, claim.holder, pool)
                 action = holder_action if holder_action != "none" else action
         except RunPodJobGone:
-            await submissions.ended(self._store, req.pool, req.job_id, req.prompt_id)
+            await submissions.ended(self._store, req.named_pool, req.job_id, req.prompt_id)
             return StopCheck(at=now, position="gone", ended="unknown", message="unknown to RunPod")
         except RunPodError as exc:
             error = from_runpod(exc, f"stopping RunPod job {job_id}")
@@ -256,7 +256,7 @@ class RunPodBackend:
         if job.state is not None and job.state.terminal:
             # Nothing left for the orphan sweep to cancel (the handler may still be stopping
             # the prompt: that is the claim's business, not the sweep's).
-            await submissions.ended(self._store, req.pool, req.job_id, req.prompt_id)
+            await submissions.ended(self._store, req.named_pool, req.job_id, req.prompt_id)
         verdict = stop_verdict(job, pool, claim, action, req.prompt_id, now)
         if pool.claims and verdict.position in ("gone", "stuck"):
             # The RunPod jobs the workflow may not know of (a `/run` whose answer was lost)

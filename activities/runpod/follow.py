@@ -71,9 +71,9 @@ from activities.runpod.outcome import (
     read_gone,
     read_job,
 )
+from activities.settings import PoolConfig
 from activities.storage import ArtifactStore
 from activities.storage_errors import StorageError
-from configuration.pools import PoolConfig
 from protocol.keys import artifact_key, content_type_for, job_folder
 from protocol.runpod.contract import (
     DEFAULT_FENCE_AFTER_S,
@@ -602,7 +602,7 @@ class RunPodFollower:
         """The job's result when a gone `holder` did its work (every output kept already)."""
         await self._cost_unseen_deliveries(holder)
         self._heartbeat()
-        await submissions.ended(self.store, self.req.pool, self.req.job_id, self.submission)
+        await submissions.ended(self.store, self.req.named_pool, self.req.job_id, self.submission)
         return _CompletedFromClaim(
             FollowResult(
                 prompt_id=self.req.prompt_id,
@@ -685,7 +685,7 @@ class RunPodFollower:
             await self._read_holder_cost(holder)
         await self._cost_unseen_deliveries(job.id)
         self._heartbeat()
-        await submissions.ended(self.store, self.req.pool, self.req.job_id, self.submission)
+        await submissions.ended(self.store, self.req.named_pool, self.req.job_id, self.submission)
         # No "finished" signal: the result tells the workflow the same, a round trip sooner.
         return FollowResult(
             prompt_id=self.req.prompt_id,
@@ -742,7 +742,9 @@ class RunPodFollower:
         read) cost; a worker crash on a claimed submission first waits until the crashed
         holder's lease has run out, so the resubmission may take the claim over."""
         if job is None or (job.state is not None and job.state.terminal):  # gone, or ended
-            await submissions.ended(self.store, self.req.pool, self.req.job_id, self.submission)
+            await submissions.ended(
+                self.store, self.req.named_pool, self.req.job_id, self.submission
+            )
         try:
             unkept = self._unkept(failed.artifacts)
         except ApplicationError as exc:  # the failure is the answer: say why none is kept

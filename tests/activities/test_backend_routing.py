@@ -8,8 +8,7 @@ import pytest
 from temporalio.exceptions import ApplicationError
 
 from activities.backend import Backend, Backends, JobActivities
-from configuration.pools import PoolConfig
-from configuration.settings import S3Settings
+from activities.settings import PoolConfig, S3Settings
 from workflows.activity_io import (
     FollowInput,
     FollowResult,
@@ -61,7 +60,7 @@ def routed() -> tuple[JobActivities, RecordingBackend, RecordingBackend]:
     return JobActivities(Backends(pools, "local", by_kind), None, STORAGE), comfy, runpod
 
 
-def follow_input(pool: str) -> FollowInput:
+def follow_input(pool: str | None) -> FollowInput:
     checkpoint = Checkpoint(job_id="j", prompt_id="p")
     return FollowInput(
         job_id="j",
@@ -129,7 +128,7 @@ async def test_a_kind_this_worker_has_no_backend_for_fails_for_good() -> None:
 
 
 def checking(pool: str | None) -> FollowInput:
-    return follow_input("").model_copy(
+    return follow_input(None).model_copy(
         update={"prepare": PrepareInput(job_id="j", pool=pool, graph=GRAPH)}
     )
 
@@ -143,7 +142,7 @@ async def test_a_follow_checks_the_request_then_names_the_pool_that_took_it(
     jobs, comfy, runpod = routed()
     result = await jobs.follow_prompt(checking(asked))
     assert (result.pool, result.kind) == (pool, kind)
-    # Checked on the pool, then followed there under its configured name, never "".
+    # Checked on the pool, then followed there under its configured name, never None.
     backend = comfy if kind == "comfyui" else runpod
     assert backend.calls == [("prepare", pool), ("follow", pool)]
 
@@ -176,13 +175,17 @@ async def test_a_check_that_fails_retryably_is_not_a_refusal() -> None:
 
 
 async def test_activities_without_a_pool_run_on_the_default_one_by_name() -> None:
-    """A job whose check its follow has not done yet names no pool ("")."""
+    """A job whose check its follow has not done yet names no pool (None); an earlier
+    version wrote that as "", which reads the same."""
     jobs, comfy, _ = routed()
-    await jobs.follow_prompt(follow_input(""))
-    check = await jobs.stop_prompt(
-        StopInput(job_id="j", pool="", prompt_id="p", reason="after cancel")
+    await jobs.follow_prompt(follow_input(None))
+    await jobs.follow_prompt(
+        FollowInput.model_validate(follow_input(None).model_dump() | {"pool": ""})
     )
-    assert comfy.calls == [("follow", "local"), ("stop", "local")]
+    check = await jobs.stop_prompt(
+        StopInput(job_id="j", pool=None, prompt_id="p", reason="after cancel")
+    )
+    assert comfy.calls == [("follow", "local"), ("follow", "local"), ("stop", "local")]
     # A job stopped before its follow named the pool learns it from the stop.
     assert (check.pool, check.kind) == ("local", "comfyui")
     named = await jobs.stop_prompt(

@@ -271,11 +271,11 @@ async def test_a_follow_that_checks_the_request_names_the_pool_for_what_follows(
     book = JobBook(JobStatus(job_id="j1", state=JobState.QUEUED))
     backend.book = book
     job = JobRequest(graph=GRAPH, policy=policy(), segments=[{}, {}])
-    unchecked = PREPARED.model_copy(update={"pool": "", "kind": ""})
+    unchecked = PREPARED.model_copy(update={"pool": None, "kind": None})
     await SegmentRun(book, job, unchecked, 0).run(check=check)
     first, second = backend.follows
-    assert (first.pool, first.prepare) == ("", check)
-    assert (second.pool, second.prepare) == ("", check), "not checked yet: checked again"
+    assert (first.pool, first.prepare) == (None, check)
+    assert (second.pool, second.prepare) == (None, check), "not checked yet: checked again"
     assert book.status.backend is not None
     assert (book.status.backend.pool, book.status.backend.kind) == ("gpu", "runpod")
     assert book.status.backend.provider_job_id == PROMPT

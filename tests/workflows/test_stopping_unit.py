@@ -259,12 +259,12 @@ async def test_a_job_stopped_before_its_pool_was_named_learns_it_from_the_check(
     world: World,
 ) -> None:
     """A request checked by its follow, stopped before that follow said which pool took it:
-    the job names no pool (""), the worker checks its default one and says which."""
+    the job names no pool (None), the worker checks its default one and says which."""
     named = {"pool": "gpu-a", "kind": "runpod"}
     world.answers = [RUNNING | named, INTERRUPTED | named]
     stop = PromptStop(world.book, policy(base_s=2))
-    await stop.confirm("", "p1", "after cancel", submitted=True, settled=False)
-    assert [r.pool for r in world.requests] == ["", "gpu-a"]
+    await stop.confirm(None, "p1", "after cancel", submitted=True, settled=False)
+    assert [r.pool for r in world.requests] == [None, "gpu-a"]
     assert world.status.backend is not None
     assert (world.status.backend.pool, world.status.backend.kind) == ("gpu-a", "runpod")
     assert "pool 'gpu-a'" in world.records_at_sleep[0].detail
@@ -546,17 +546,28 @@ async def test_a_failed_job_stops_for_its_error(
     ]
 
 
-@pytest.mark.parametrize(("pool", "prompt_id"), [(None, "p1"), ("gpu", None), (None, None)])
-async def test_without_a_prompt_on_a_pool_only_the_settled_pass_checks(
-    world: World, pool: str | None, prompt_id: str | None
+@pytest.mark.parametrize("pool", ["gpu", None])
+async def test_without_a_prompt_only_the_settled_pass_checks(
+    world: World, pool: str | None
 ) -> None:
     world.answers = [NO_RECORD]
     stop = ConfirmedStop(world.book, policy())
-    stop.begin(order(JobState.CANCELLED, ErrorType.CANCELLED), pool, prompt_id)
+    stop.begin(order(JobState.CANCELLED, ErrorType.CANCELLED), pool, None)
     await asyncio.sleep(0)
     assert world.requests == [] and world.states == [JobState.STOPPING]
     await stop.settle(order(JobState.CANCELLED), "gpu", "p2")
     assert [(r.pool, r.prompt_id) for r in world.requests] == [("gpu", "p2")]
+
+
+async def test_a_prompt_on_a_pool_not_named_yet_is_checked_at_once_on_the_default(
+    world: World,
+) -> None:
+    """A request checked by its follow, cancelled before that follow named the pool: the
+    early pass asks the worker's default pool (None), as the follow itself did."""
+    world.answers = [NO_RECORD]
+    ConfirmedStop(world.book, policy()).begin(order(JobState.CANCELLED), None, "p1")
+    await asyncio.sleep(0)
+    assert [(r.pool, r.prompt_id) for r in world.requests] == [(None, "p1")]
 
 
 async def test_a_completed_job_confirms_without_entering_stopping(world: World) -> None:

@@ -22,6 +22,7 @@ from tests.support.workflow_fakes import (
     request,
     start_job,
 )
+from workflows.activity_io import FollowInput, PreparedJob, StopInput
 from workflows.contracts import JobPolicy, JobRequest, JobState, JobStatus
 from workflows.inference_job import InferenceJob
 from workflows.job_input import JobInput
@@ -144,3 +145,17 @@ def test_a_run_continues_past_half_its_history_budget_or_when_temporal_suggests(
     job._request = request().model_copy(update={"policy": JobPolicy(history_budget_events=100)})
     monkeypatch.setattr(workflow, "info", lambda: FakeInfo(length, suggested))
     assert job._history_is_long() is long
+
+
+def test_an_earlier_versions_unnamed_pool_reads_as_none() -> None:
+    """Earlier versions wrote a pool not named yet (the worker's default) as "": in a carry,
+    and in the activity inputs an older workflow scheduled. Read here, it is None, and a
+    backend never reads an input whose pool its activity did not name."""
+    carried = PreparedJob.model_validate({"pool": "", "kind": "", "graph": GRAPH})
+    assert (carried.pool, carried.kind) == (None, None)
+    stop = StopInput.model_validate({"job_id": "j", "pool": "", "prompt_id": "p", "reason": "r"})
+    assert stop.pool is None
+    with pytest.raises(ValueError, match="without a pool"):
+        _ = stop.named_pool
+    follow = {"job_id": "j", "pool": "gpu", "prompt_id": "p", "client_id": "c", "run_tag": "t"}
+    assert FollowInput.model_validate(follow | {"output": {}}).named_pool == "gpu"

@@ -155,7 +155,7 @@ async def test_a_request_that_stages_nothing_is_checked_by_its_follow(
     assert scheduled == ["follow_prompt", "follow_prompt"]
     assert not any(e.HasField("marker_recorded_event_attributes") for e in history.events)
     first, second = backend.followed
-    assert first.prepare is not None and first.prepare.graph == GRAPH and first.pool == ""
+    assert first.prepare is not None and first.prepare.graph == GRAPH and first.pool is None
     assert (second.prepare, second.pool) == (None, "comfyui")
     assert status.backend is not None
     assert (status.backend.pool, status.backend.kind) == ("comfyui", "comfyui")
