@@ -22,8 +22,9 @@ from temporalio.exceptions import ApplicationError
 
 from activities.errors import fatal
 from activities.inputs import refuse_inputs_outside_area
-from activities.settings import PoolConfig, S3Settings
 from activities.webhooks import WebhookDeliverer
+from configuration.pools import PoolConfig
+from configuration.settings import S3Settings
 from workflows.activity_io import (
     FollowInput,
     FollowResult,

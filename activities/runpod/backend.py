@@ -32,8 +32,8 @@ from activities.runpod.follow import POLL_S, RunInputs, RunPodFollower, one_chun
 from activities.runpod.models import RunPodJob, RunPodState
 from activities.runpod.nodes import registries_for
 from activities.runpod.stop_verdict import StopAction, stop_verdict
-from activities.settings import PoolConfig
 from activities.storage import ArtifactStore
+from configuration.pools import PoolConfig
 from protocol.keys import content_type_for, job_folder, safe_component
 from protocol.runpod.contract import (
     MAX_INPUT_FILE_BYTES,

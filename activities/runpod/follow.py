@@ -71,9 +71,9 @@ from activities.runpod.outcome import (
     read_gone,
     read_job,
 )
-from activities.settings import PoolConfig
 from activities.storage import ArtifactStore
 from activities.storage_errors import StorageError
+from configuration.pools import PoolConfig
 from protocol.keys import artifact_key, content_type_for, job_folder
 from protocol.runpod.contract import (
     DEFAULT_FENCE_AFTER_S,

@@ -8,7 +8,8 @@ import pytest
 from temporalio.exceptions import ApplicationError
 
 from activities.backend import Backend, Backends, JobActivities
-from activities.settings import PoolConfig, S3Settings
+from configuration.pools import PoolConfig
+from configuration.settings import S3Settings
 from workflows.activity_io import (
     FollowInput,
     FollowResult,
