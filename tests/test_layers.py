@@ -28,6 +28,7 @@ Temporal): every module `endpoint/handler.py` reaches, transitively, must lie in
 from __future__ import annotations
 
 import ast
+import graphlib
 import os
 import re
 import shutil
@@ -319,3 +320,25 @@ def test_the_image_layout_imports_with_only_the_copied_files(tmp_path: Path) -> 
         timeout=120,
     )
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+# --- no import cycle --------------------------------------------------------------------------
+
+
+def test_no_import_cycle_in_the_product() -> None:
+    """No product module imports itself back, through any chain. Every import counts: one
+    under `if TYPE_CHECKING:` or inside a function is a cycle all the same, only hidden."""
+    modules: dict[str, Path] = {}
+    for layer in sorted(PROJECT - TOOLING):
+        for path in files_of("worker.py" if layer == "worker" else layer):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {
+        name: {module for module in imported_modules(path) if module in modules} - {name}
+        for name, path in modules.items()
+    }
+    assert {"worker", "workflows.inference_job", "starter.client"} <= set(graph)
+    try:
+        tuple(graphlib.TopologicalSorter(graph).static_order())
+    except graphlib.CycleError as cycle:
+        pytest.fail(f"import cycle: {' -> '.join(cycle.args[1])}")
