@@ -1,7 +1,7 @@
 """Artifact storage on S3 (SeaweedFS locally, AWS or any S3 in production).
 
 One `ArtifactStore` per worker or client process holds one aioboto3 S3 client. Uploads stream with
-constant memory (see `activities.s3_multipart`); every stored object carries its sha256 as user
+constant memory (see `protocol.multipart`); every stored object carries its sha256 as user
 metadata `sha256`, which `head`, `verify` and `download` check.
 
 Exceptions (defined in `activities.storage_errors`, re-exported here; botocore errors are
@@ -36,8 +36,7 @@ from aiobotocore.config import AioConfig
 from botocore.exceptions import ClientError
 from pydantic import BaseModel, ConfigDict
 
-from activities import s3_multipart
-from activities.s3_multipart import PART_SIZE, PartBuffers, split_parts
+from activities.s3_multipart import MAX_IN_FLIGHT, AioS3Calls
 from activities.storage_errors import (
     MISSING_CODES,
     S3_FAILURES,
@@ -50,6 +49,8 @@ from activities.storage_errors import (
     translate,
 )
 from configuration.settings import S3Settings
+from protocol import multipart
+from protocol.errors import TooManyParts
 
 __all__ = [
     "ArtifactStore",
@@ -173,47 +174,26 @@ class ArtifactStore:
         _check_header_value("content_type", content_type)
         started = time.monotonic()
         source = _guard_source(chunks)
-        buffers = PartBuffers(PART_SIZE)
-        parts = split_parts(source, PART_SIZE, buffers)
         try:
-            first = await anext(parts)
-            if first.size < PART_SIZE:
-                hasher = hashlib.sha256()
-                s3_multipart.hash_part(hasher, first)
-                checksum = base64.b64encode(hasher.digest()).decode()
-                resp = await self.client.put_object(
-                    Bucket=bucket,
-                    Key=key,
-                    Body=first.body,
-                    ContentType=content_type,
-                    Metadata={**meta, "sha256": hasher.hexdigest()},
-                    ChecksumSHA256=checksum,
-                )
-                done = s3_multipart.Uploaded(first.size, hasher.hexdigest(), 0, resp["ETag"])
-                if resp.get("ChecksumSHA256") == checksum:
-                    # The store hashed what it stored and found our sha256 (it refuses the PUT
-                    # with BadDigest otherwise): confirmed without a HEAD.
-                    return self._uploaded(bucket, key, content_type, done, started)
-            else:
-                done = await s3_multipart.upload_multipart(
-                    self.client,
-                    bucket=bucket,
-                    key=key,
-                    first=first,
-                    rest=parts,
-                    content_type=content_type,
-                    metadata=meta,
-                    buffers=buffers,
-                )
+            done = await multipart.upload_stream(
+                AioS3Calls(self.client),
+                bucket=bucket,
+                key=key,
+                chunks=source,
+                content_type=content_type,
+                max_in_flight=MAX_IN_FLIGHT,
+                metadata=meta,
+            )
+            if done.confirmed:
+                return self._uploaded(bucket, key, content_type, done, started)
             stored = await self._head(bucket, key)
-        except s3_multipart.TooManyParts as exc:
+        except TooManyParts as exc:
             raise StorageError(str(exc), retryable=False) from exc
         except S3_FAILURES as exc:
             raise translate(exc, "upload", bucket, key) from exc
         finally:
-            # Close our wrappers now rather than at garbage collection; the caller's own iterator
+            # Close our wrapper now rather than at garbage collection; the caller's own iterator
             # stays theirs to close.
-            await parts.aclose()
             await source.aclose()
         if stored is None or stored.size != done.size or stored.sha256 != done.sha256:
             raise IntegrityError(
@@ -224,7 +204,7 @@ class ArtifactStore:
 
     @staticmethod
     def _uploaded(
-        bucket: str, key: str, content_type: str, done: s3_multipart.Uploaded, started: float
+        bucket: str, key: str, content_type: str, done: multipart.Uploaded, started: float
     ) -> StoredObject:
         elapsed = time.monotonic() - started
         log.info(
@@ -448,8 +428,8 @@ class ArtifactStore:
         bucket = bucket or self.settings.bucket
         uploads = await self._multipart_uploads(bucket, prefix)
         for key, upload_id in uploads:
-            await s3_multipart.abort_upload(
-                self.client, bucket=bucket, key=key, upload_id=upload_id
+            await multipart.abort_upload(
+                AioS3Calls(self.client), bucket=bucket, key=key, upload_id=upload_id
             )
         return len(uploads)
 

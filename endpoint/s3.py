@@ -134,8 +134,9 @@ class S3:
 
     async def call(self, operation: str, *, patience: Patience | None = None, **kwargs: Any) -> Any:
         """One S3 operation, retried through an outage (`patience`: the budget it shares)."""
-        method = getattr(self.client, operation)
-        return await self.attempt(functools.partial(method, **kwargs), operation, patience)
+        return await self.attempt(
+            _rewinding(getattr(self.client, operation), kwargs), operation, patience
+        )
 
     async def attempt(
         self, blocking: Callable[[], T], what: str, patience: Patience | None = None
@@ -157,10 +158,10 @@ class S3:
     ) -> Any:
         """`call` for a thread of its own (no event loop): sleeps between tries."""
         patience = patience or self.patience()
-        method = getattr(self.client, operation)
+        blocking = _rewinding(getattr(self.client, operation), kwargs)
         while True:
             try:
-                return method(**kwargs)
+                return blocking()
             except S3_FAILURES as exc:
                 wait = self._wait_after(exc, operation, patience)
                 if wait is None:
@@ -194,6 +195,21 @@ class S3:
             error=f"{type(exc).__name__}: {exc}",
         )
         return wait
+
+
+def _rewinding(method: Callable[..., T], kwargs: dict[str, Any]) -> Callable[[], T]:
+    """`method(**kwargs)`, with a file-like `Body` sent from where it stood on every try: a try
+    that failed midway has read part of it (botocore sends a stream from its position)."""
+    body: Any = kwargs.get("Body")
+    if not (hasattr(body, "seek") and hasattr(body, "tell")):
+        return functools.partial(method, **kwargs)
+    start = body.tell()
+
+    def from_start() -> T:
+        body.seek(start)
+        return method(**kwargs)
+
+    return from_start
 
 
 def error_code(exc: BaseException) -> str:

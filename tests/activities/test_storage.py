@@ -56,6 +56,7 @@ from activities.storage import (
     StoredObject,
 )
 from configuration.settings import S3Settings
+from protocol import multipart
 
 MiB = 1024 * 1024
 WEED = Path(__file__).resolve().parents[2] / ".venv" / "bin" / "weed"
@@ -314,14 +315,14 @@ async def test_part_buffers_are_reused_and_every_byte_arrives(
 ) -> None:
     # More parts than buffers: later parts are filled into buffers whose parts were stored.
     made = 0
-    presized = s3_multipart._presized
+    presized = multipart._presized
 
     def counted(size: int) -> io.BytesIO:
         nonlocal made
         made += 1
         return presized(size)
 
-    monkeypatch.setattr(s3_multipart, "_presized", counted)
+    monkeypatch.setattr(multipart, "_presized", counted)
     data = random.Random(3).randbytes(9 * s3_multipart.PART_SIZE + 4321)
     key = f"{prefix}/reused.bin"
     stored = await store.upload_stream(key, _stream(data, 777_777), content_type="x/y")
@@ -346,7 +347,7 @@ async def test_parts_go_out_while_the_sha256_is_still_on_an_earlier_part(
     # object's), and only once every part is both stored and hashed does the upload finish.
     data = random.Random(4).randbytes(3 * 8 * MiB + 5)
     real_upload_part = store.client.upload_part
-    real_hash_part = s3_multipart.hash_part
+    real_hash_part = multipart.hash_part
     third_sent = threading.Event()
     hashed_first: list[int] = []
 
@@ -355,7 +356,7 @@ async def test_parts_go_out_while_the_sha256_is_still_on_an_earlier_part(
             third_sent.set()
         return await real_upload_part(**kwargs)
 
-    def hash_part(hasher: Any, part: s3_multipart.Part) -> None:
+    def hash_part(hasher: Any, part: multipart.Part) -> None:
         with part.body.getbuffer() as view:
             first = bytes(view[:64]) == data[:64]
         if first:
@@ -364,7 +365,7 @@ async def test_parts_go_out_while_the_sha256_is_still_on_an_earlier_part(
         real_hash_part(hasher, part)
 
     monkeypatch.setattr(store.client, "upload_part", upload_part)
-    monkeypatch.setattr(s3_multipart, "hash_part", hash_part)
+    monkeypatch.setattr(multipart, "hash_part", hash_part)
     stored = await store.upload_stream(f"{prefix}/o", _stream(data, 1_000_003), content_type="x/y")
     assert hashed_first == [3], "part 3 was not sent while part 1 was hashing"
     assert (stored.size, stored.sha256) == (len(data), _sha(data))
@@ -428,8 +429,8 @@ async def test_metadata_stamped_by_part_copy_above_copy_limit(
 ) -> None:
     # The >5 GiB path, scaled down: CopyObject is skipped and the object is rewritten server-side
     # in part copies carrying the new metadata.
-    monkeypatch.setattr(s3_multipart, "COPY_OBJECT_LIMIT", 8 * MiB)
-    monkeypatch.setattr(s3_multipart, "COPY_PART_SIZE", 8 * MiB)
+    monkeypatch.setattr(multipart, "COPY_OBJECT_LIMIT", 8 * MiB)
+    monkeypatch.setattr(multipart, "COPY_PART_SIZE", 8 * MiB)
     data = random.Random(3).randbytes(20 * MiB)
     stored = await store.upload_stream(f"{prefix}/c", _stream(data, MiB), content_type="x/y")
     assert (stored.size, stored.sha256) == (len(data), _sha(data))
@@ -535,7 +536,7 @@ async def test_abort_completes_even_if_cancelled_again(
 async def test_too_many_parts_is_fatal_and_aborted(
     store: ArtifactStore, prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(s3_multipart, "MAX_PARTS", 2)
+    monkeypatch.setattr(multipart, "MAX_PARTS", 2)
     with pytest.raises(StorageError) as caught:
         data = os.urandom(20 * MiB)
         await store.upload_stream(f"{prefix}/x", _stream(data, MiB), content_type="x/y")

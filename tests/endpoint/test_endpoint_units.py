@@ -7,6 +7,7 @@ import asyncio
 import base64
 import contextlib
 import hashlib
+import io
 import signal
 import subprocess
 import sys
@@ -33,7 +34,8 @@ from endpoint.reporting import ProgressReporter
 from endpoint.s3 import S3, Patience, is_transient
 from endpoint.settings import BucketSettings, EndpointSettings, SettingsError
 from endpoint.stopping import StopSubject, stop_prompt
-from endpoint.upload import MAX_IN_FLIGHT, PART_SIZE, stream_to_s3
+from endpoint.upload import MAX_IN_FLIGHT, PART_SIZE, UploadError, stream_to_s3
+from protocol import multipart
 from protocol.comfyui.client import ComfyClient, ComfyPromptRejected
 from protocol.progress import ProgressTracker
 from protocol.runpod.contract import MAX_UPDATE_BYTES, ArtifactRecord, InputImage, ProgressUpdate
@@ -304,6 +306,15 @@ def test_replacing_the_worker_kills_comfyui_and_terminates_the_handler() -> None
         comfy.kill()
 
 
+def sent(body: Any) -> bytes:
+    """What a call sends: a part's body is a buffer that the upload fills again once the call
+    has returned, so a copy is kept."""
+    if isinstance(body, bytes):
+        return body
+    with body.getbuffer() as view:
+        return bytes(view)
+
+
 class MultipartS3:
     """What an S3Sink calls of the handler's S3 client, over dicts; the first upload's second
     part finds its upload gone (NoSuchUpload, as after a lifecycle abort)."""
@@ -323,7 +334,7 @@ class MultipartS3:
         if operation == "upload_part":
             if kw["UploadId"] == "u1" and kw["PartNumber"] == 2:
                 raise client_error("NoSuchUpload", 404)
-            self.uploads[kw["UploadId"]][kw["PartNumber"]] = kw["Body"]
+            self.uploads[kw["UploadId"]][kw["PartNumber"]] = sent(kw["Body"])
             return {"ETag": f'"p{kw["PartNumber"]}"'}
         if operation == "complete_multipart_upload":
             parts = self.uploads.pop(kw["UploadId"])
@@ -381,16 +392,17 @@ class CountingS3(MultipartS3):
 
     async def call(self, operation: str, patience: Patience | None = None, **kw: Any) -> Any:
         if operation == "put_object":
-            self.objects[kw["Key"]] = (kw["Body"], dict(kw["Metadata"]))
+            self.objects[kw["Key"]] = (sent(kw["Body"]), dict(kw["Metadata"]))
             return {}
         if operation != "upload_part":
             return await super().call(operation, patience, **kw)
         self.sending += 1
         self.most_sending = max(self.most_sending, self.sending)
         try:
+            before = sent(kw["Body"])
             await asyncio.sleep(0.01)
-            assert isinstance(kw["Body"], bytes), "a part's bytes never change under a retry"
-            self.uploads[kw["UploadId"]][kw["PartNumber"]] = kw["Body"]
+            assert sent(kw["Body"]) == before, "a part's buffer is refilled while it is sending"
+            self.uploads[kw["UploadId"]][kw["PartNumber"]] = before
             return {"ETag": f'"p{kw["PartNumber"]}"'}
         finally:
             self.sending -= 1
@@ -419,6 +431,85 @@ async def test_the_handler_streams_every_byte_in_order_and_hashes_all_of_them(si
     assert data == body and metadata["sha256"] == stored.sha256
     assert s3.most_sending <= MAX_IN_FLIGHT
     assert s3.created == (1 if size >= PART_SIZE else 0)
+
+
+async def one_chunk(data: bytes) -> AsyncIterator[bytes]:
+    yield data
+
+
+class EchoingS3(CountingS3):
+    """CountingS3 whose PutObject answers with the sha256 it checked, as S3 does; counting
+    HEADs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.heads = 0
+
+    async def call(self, operation: str, patience: Patience | None = None, **kw: Any) -> Any:
+        if operation == "head_object":
+            self.heads += 1
+        answer = await super().call(operation, patience, **kw)
+        if operation == "put_object":
+            return {"ETag": '"e"', "ChecksumSHA256": kw["ChecksumSHA256"]}
+        return answer
+
+
+async def test_a_put_the_store_confirmed_is_not_read_back_and_a_multipart_one_is() -> None:
+    s3 = EchoingS3()
+    for key, size in (("small", 5), ("large", PART_SIZE + 1)):
+        body = bytes(size)
+        stored = await stream_to_s3(
+            s3,  # type: ignore[arg-type]
+            bucket="out",
+            key=key,
+            chunks=one_chunk(body),
+            content_type="x/y",
+            patience=Patience(1),
+        )
+        assert stored.sha256 == hashlib.sha256(body).hexdigest()
+    assert s3.heads == 1
+
+
+async def test_an_output_past_the_parts_limit_is_not_streamed_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(multipart, "MAX_PARTS", 2)
+    s3 = CountingS3()
+    with pytest.raises(UploadError) as caught:
+        await stream_to_s3(
+            s3,  # type: ignore[arg-type]
+            bucket="out",
+            key="k",
+            chunks=one_chunk(bytes(2 * PART_SIZE + 1)),
+            content_type="x/y",
+            patience=Patience(1),
+        )
+    assert not caught.value.again
+    assert s3.aborted == ["u1"] and s3.uploads == {}
+
+
+class CutMidPart:
+    """A boto3 client whose first upload_part reads half its body and loses the connection."""
+
+    def __init__(self) -> None:
+        self.received: list[bytes] = []
+
+    def upload_part(self, **kw: Any) -> dict[str, str]:
+        if not self.received:
+            self.received.append(kw["Body"].read(3))
+            raise ConnectionClosedError(endpoint_url="http://s3")
+        self.received.append(kw["Body"].read())
+        return {"ETag": '"p1"'}
+
+
+async def test_a_retried_call_sends_its_body_from_the_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("endpoint.s3.FIRST_DELAY_S", 0.01)
+    client = CutMidPart()
+    s3 = flaky_s3(5.0, client)  # type: ignore[arg-type]
+    await s3.call("upload_part", Body=io.BytesIO(b"abcdef"), PartNumber=1)
+    assert client.received == [b"abc", b"abcdef"]
 
 
 class FakeQueue:
