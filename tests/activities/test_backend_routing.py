@@ -38,16 +38,16 @@ class RecordingBackend:
         return PreparedJob(pool=pool, kind=self.kind, graph=req.graph, nodes_total=1)
 
     async def follow(self, req: FollowInput) -> FollowResult:
-        self.calls.append(("follow", req.pool))
+        self.calls.append(("follow", req.named_pool))  # the activity named it
         checkpoint = Checkpoint(job_id=req.job_id, prompt_id=req.prompt_id)
         return FollowResult(prompt_id=req.prompt_id, outcome="success", checkpoint=checkpoint)
 
     async def offload(self, req: OffloadInput) -> OffloadResult:
-        self.calls.append(("offload", req.pool))
+        self.calls.append(("offload", req.named_pool))
         return OffloadResult(artifacts=[])
 
     async def stop(self, req: StopInput) -> StopCheck:
-        self.calls.append(("stop", req.pool))
+        self.calls.append(("stop", req.named_pool))
         return StopCheck(at=datetime.now(UTC), position="gone")
 
 
