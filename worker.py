@@ -1,7 +1,7 @@
 """`python worker.py` (or `durable-comfy worker`): the Temporal worker for InferenceJob.
 
 It only wires things together: settings read once from the environment at start-up
-(`activities.settings`, `starter.connection.TemporalSettings`), one httpx client, one S3 client,
+(`configuration.processes.WorkerConfig`), one httpx client, one S3 client,
 the activities built on them, and a graceful shutdown on SIGTERM/SIGINT so a running
 `follow_prompt` hands its prompt to another worker at once instead of after a heartbeat timeout.
 It polls as one version of a Worker Deployment, with InferenceJob pinned to the version a job
@@ -10,7 +10,6 @@ started on (`activities.versioning`, docs/upgrading.md).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import functools
@@ -46,10 +45,12 @@ from activities.runpod.client import RunPodClient
 from activities.runpod.errors import RunPodAuthError, RunPodError, RunPodRefused
 from activities.runpod.nodes import check_captured_registries
 from activities.runpod.retry import NO_RETRY
-from activities.storage import ArtifactStore, StorageConfigError
+from activities.storage import ArtifactStore
 from activities.versioning import deployment_config, settle_and_report
 from activities.webhooks import WebhookDeliverer
+from configuration.errors import StorageConfigError
 from configuration.pools import PoolConfig
+from configuration.processes import WorkerConfig
 from configuration.settings import (
     S3Settings,
     TemporalSettings,
@@ -367,7 +368,8 @@ def doctor_runpod_check() -> RunPodCheck:
 
 
 class SetCurrentOption(StrEnum):
-    """`--set-current` for typer, which takes an Enum for a choice (`SetCurrent` is a Literal)."""
+    """`--set-current` for typer, which takes an Enum for a choice: `SetCurrent`'s values (a
+    test holds them equal)."""
 
     FIRST = "first"
     ALWAYS = "always"
@@ -382,50 +384,27 @@ def _stop_on_signals() -> asyncio.Event:
     return stop
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="worker.py", description=(__doc__ or "").split("\n")[0])
-    parser.add_argument(
-        "--metrics-port",
-        type=int,
-        default=None,
-        help="serve Prometheus metrics on 127.0.0.1:PORT/metrics (env DURABLE_COMFY_METRICS_PORT)",
-    )
-    parser.add_argument(
-        "--build-id",
-        default=None,
-        help="this worker's Worker Deployment Version build ID "
-        "(env DURABLE_COMFY_BUILD_ID; default: the package version)",
-    )
-    parser.add_argument(
-        "--set-current",
-        choices=["first", "always", "never"],
-        default=None,
-        help="when the worker makes its version the deployment's current one "
-        "(env DURABLE_COMFY_SET_CURRENT; default: first)",
-    )
-    args = parser.parse_args(argv)
-    # An option wins over its variable; an option not given leaves the variable to decide.
-    options = {
-        name: value
-        for name in ("metrics_port", "build_id", "set_current")
-        if (value := getattr(args, name)) is not None
-    }
-    # Every setting is read here, once; a bad one stops the worker naming its variable.
+def serve(flags: Mapping[str, object]) -> None:
+    """Read every setting once (`flags`, the command's options, winning over the variables),
+    then serve until SIGTERM or SIGINT. A bad setting stops the worker, naming its variable."""
     try:
-        settings = WorkerSettings(**options)
-        s3 = S3Settings.from_env()
-        temporal = TemporalSettings()
-        runpod_keys = runpod_api_keys(settings.pools)
-        check_captured_registries(settings.pools)
-        # Checked here with the others (a bad secret stops the worker, naming its variable);
-        # run_worker reads them again, as it does when a test or a tool starts it.
-        WebhookSettings()
+        config = WorkerConfig.load(**flags)
+        check_captured_registries(config.settings.pools)
     except (ValidationError, SettingsError, StorageConfigError) as exc:
         sys.exit("\n".join(f"worker: invalid settings: {line}" for line in problem_lines(exc)))
+    settings = config.settings
     configure_logging(settings.log_level)
     raise_open_files_limit(settings.max_concurrent_activities)
     try:
-        asyncio.run(run_worker(settings, s3, temporal=temporal, runpod_keys=runpod_keys))
+        asyncio.run(
+            run_worker(
+                settings,
+                config.s3,
+                temporal=config.temporal,
+                runpod_keys=config.runpod_keys,
+                webhooks=config.webhooks,
+            )
+        )
     except ChecksFailed as refused:
         # The doctor's lines, no traceback: each says what to fix.
         for result in refused.results:
@@ -451,29 +430,42 @@ def problem_lines(exc: Exception) -> list[str]:
 def cli_command(
     metrics_port: Annotated[
         int | None,
-        typer.Option(help="Serve Prometheus metrics on 127.0.0.1:PORT/metrics."),
+        typer.Option(
+            help="Serve Prometheus metrics on HOST:PORT/metrics (DURABLE_COMFY_METRICS_PORT; "
+            "HOST: DURABLE_COMFY_METRICS_HOST, default 127.0.0.1)."
+        ),
     ] = None,
     build_id: Annotated[
         str | None,
-        typer.Option(help="Build ID of this worker's version (default: the package version)."),
+        typer.Option(
+            help="Build ID of this worker's version (DURABLE_COMFY_BUILD_ID; default: the "
+            "package version)."
+        ),
     ] = None,
     set_current: Annotated[
         SetCurrentOption | None,
         typer.Option(
             help="Make this worker's version current: first (only a deployment's first "
-            "version), always, never (an operator does; docs/upgrading.md)."
+            "version), always, never (an operator does; docs/upgrading.md) "
+            "(DURABLE_COMFY_SET_CURRENT; default: first)."
         ),
     ] = None,
 ) -> None:
     """Run the Temporal worker (pools from temporal-dev.yaml or the environment)."""
-    argv: list[str] = []
-    if metrics_port is not None:
-        argv += ["--metrics-port", str(metrics_port)]
-    if build_id is not None:
-        argv += ["--build-id", build_id]
-    if set_current is not None:
-        argv += ["--set-current", set_current.value]
-    main(argv)
+    # An option not given leaves its variable (then the file, then the default) to decide.
+    flags = {
+        "metrics_port": metrics_port,
+        "build_id": build_id,
+        "set_current": set_current.value if set_current is not None else None,
+    }
+    serve({name: value for name, value in flags.items() if value is not None})
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python worker.py [OPTIONS]`: the command `durable-comfy worker` runs, options and all."""
+    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+    app.command()(cli_command)
+    app(args=argv, prog_name="worker.py")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ people; anywhere else (a pipe, a file, a log collector) one JSON object per line
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from typing import TextIO
 
@@ -26,14 +25,16 @@ class _StderrHandler(logging.StreamHandler[TextIO]):
 
 
 def configure_logging(
-    level: str | None = None, *, json: bool | None = None, stdlib_level: str = "WARNING"
+    level: str, *, json: bool | None = None, stdlib_level: str = "WARNING"
 ) -> None:
-    """`json=None` decides by stderr: key-value on a TTY, JSON lines otherwise.
+    """`level` is the caller's setting (DURABLE_COMFY_LOG_LEVEL, read by its settings); an
+    unknown name means INFO. `json=None` decides by stderr: key-value on a TTY, JSON lines
+    otherwise.
 
     Standard-library loggers stay at `stdlib_level` or quieter: the SDK and botocore are
     chatty at INFO.
     """
-    name = (level or os.environ.get("DURABLE_COMFY_LOG_LEVEL", "INFO")).upper()
+    name = level.upper()
     numeric = logging.getLevelNamesMapping().get(name, logging.INFO)
     as_json = json if json is not None else not sys.stderr.isatty()
     renderer: structlog.typing.Processor = (

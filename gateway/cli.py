@@ -11,7 +11,7 @@ import uvicorn
 from pydantic import ValidationError
 
 from activities.log_setup import configure_logging
-from configuration.settings import GatewaySettings, TemporalSettings
+from configuration.processes import GatewayConfig
 from gateway.app import create_app, default_client_factory
 from gateway.auth import ApiKeys
 from starter.errors import SettingsError
@@ -35,8 +35,8 @@ def command(
 ) -> None:
     """Serve the HTTP API and the browser page (docs/http-api.md)."""
     try:
-        settings = GatewaySettings()
-        temporal = TemporalSettings()
+        gateway = GatewayConfig.load()
+        settings = gateway.settings
         keys = ApiKeys.from_settings(settings)
         keys.check_bind(host)
     except ValidationError as exc:
@@ -47,7 +47,7 @@ def command(
     except (SettingsError, ValueError) as exc:
         _refuse(str(exc))
     configure_logging(settings.log_level)
-    app = create_app(settings, default_client_factory(temporal), keys=keys)
+    app = create_app(settings, default_client_factory(gateway.temporal), keys=keys)
     config = uvicorn.Config(
         app,
         host=host,

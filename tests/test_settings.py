@@ -7,11 +7,13 @@ mapping or from a scrubbed process environment.
 from __future__ import annotations
 
 import ast
+import inspect
 import json
 import os
+import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, cast, get_args
 
 import pytest
 import yaml
@@ -32,10 +34,12 @@ from configuration.settings import (
     CodecSettings,
     S3Settings,
     TemporalSettings,
+    WebhookSettings,
     WorkerSettings,
     runpod_api_keys,
 )
 from configuration.sources import variable_names
+from configuration.values import SetCurrent
 from devstack.config import StackFileSettings
 from starter.cli import build_app
 from starter.cli.common import ExitCode, job_client
@@ -252,13 +256,14 @@ def test_the_worker_builds_its_settings_once_with_the_option_winning(
         *,
         temporal: TemporalSettings,
         runpod_keys: Mapping[str, SecretStr],
+        webhooks: WebhookSettings,
     ) -> None:
         seen.update(settings=settings, s3=s3, temporal=temporal, runpod_keys=runpod_keys)
 
     monkeypatch.setattr(worker, "run_worker", fake_run_worker)
     monkeypatch.setattr(worker, "exit_without_finalizing", lambda code: None)
     monkeypatch.setattr(worker, "configure_logging", lambda level: seen.update(level=level))
-    worker.main(["--metrics-port", "9464"])
+    worker.cli_command(metrics_port=9464)
     assert seen["settings"].metrics_port == 9464
     assert (seen["s3"].bucket, seen["temporal"].namespace, seen["level"]) == (
         "artifacts",
@@ -363,10 +368,33 @@ def test_the_worker_reports_bad_settings_without_their_secrets(
     environ.setenv("DURABLE_COMFY_BUCKET", "b-1")
     environ.setenv("DURABLE_COMFY_S3_ENDPOINT", f"http://user:{SECRET}@127.0.0.1:9000")
     with pytest.raises(SystemExit) as caught:
-        worker.main([])
+        worker.cli_command()
     message = str(caught.value.code)
     assert message.startswith("worker: invalid settings: ")
     assert "DURABLE_COMFY_S3_ENDPOINT" in message and SECRET not in message
+
+
+def test_the_worker_declares_its_options_once(capsys: pytest.CaptureFixture[str]) -> None:
+    """`python worker.py` and `durable-comfy worker` are one typer command: its options are
+    WorkerSettings fields (so a flag wins over the variable of the same setting), and
+    `--set-current` offers exactly SetCurrent's values."""
+    options = list(inspect.signature(worker.cli_command).parameters)
+    assert options == ["metrics_port", "build_id", "set_current"]
+    assert set(options) <= set(WorkerSettings.model_fields)
+    assert [option.value for option in worker.SetCurrentOption] == list(get_args(SetCurrent))
+    with pytest.raises(SystemExit) as helped:
+        worker.main(["--help"])
+    assert helped.value.code == 0
+    shown = capsys.readouterr().out
+    assert re.findall(r"--[a-z-]+", shown) == [
+        "--metrics-port",
+        "--build-id",
+        "--set-current",
+        "--help",
+    ]
+    with pytest.raises(SystemExit) as refused:
+        worker.main(["--set-current", "sometimes"])
+    assert refused.value.code == 2
 
 
 # --- secrets ---------------------------------------------------------------------------------
@@ -462,14 +490,10 @@ async def test_without_a_bucket_the_cli_opens_no_store(environ: pytest.MonkeyPat
 
 
 def test_no_product_module_reads_the_environment_but_the_settings() -> None:
-    """workflows/, activities/, starter/ and worker.py: only the settings classes read it."""
-    allowed = {
-        "activities/settings.py",
-        # Its fallback when called without a level; the worker and the CLI always pass one.
-        "activities/log_setup.py",
-    }
+    """The product (worker.py and its packages): only configuration.sources reads it."""
+    allowed = {"configuration/sources.py"}
     files = [ROOT / "worker.py"]
-    for layer in ("workflows", "activities", "starter"):
+    for layer in ("workflows", "protocol", "configuration", "activities", "starter", "gateway"):
         files += sorted((ROOT / layer).rglob("*.py"))
     readers = set()
     for path in files:
@@ -831,13 +855,14 @@ def test_the_worker_starts_from_the_production_file_and_the_environments_secrets
         *,
         temporal: TemporalSettings,
         runpod_keys: Mapping[str, SecretStr],
+        webhooks: WebhookSettings,
     ) -> None:
         seen.update(settings=settings, s3=s3, runpod_keys=runpod_keys)
 
     monkeypatch.setattr(worker, "run_worker", fake_run_worker)
     monkeypatch.setattr(worker, "exit_without_finalizing", lambda code: None)
     monkeypatch.setattr(worker, "configure_logging", lambda level: seen.update(level=level))
-    worker.main(["--metrics-port", "9464"])
+    worker.cli_command(metrics_port=9464)
     settings = seen["settings"]
     assert (sorted(settings.pools), settings.default_pool) == (["gpu", "local", "team-b"], "gpu")
     assert (settings.metrics_port, seen["level"]) == (9464, "DEBUG")  # the option wins

@@ -58,7 +58,7 @@ from activities.versioning import (
     settle_routing,
 )
 from configuration.pools import PoolConfig
-from configuration.settings import S3Settings, TemporalSettings, WorkerSettings
+from configuration.settings import S3Settings, TemporalSettings, WebhookSettings, WorkerSettings
 from configuration.values import SetCurrent
 from devstack.config import StackConfig
 from devstack.errors import ServiceStartError
@@ -138,15 +138,16 @@ def test_the_worker_flags_win_over_the_variables(monkeypatch: pytest.MonkeyPatch
         *,
         temporal: TemporalSettings,
         runpod_keys: Mapping[str, SecretStr],
+        webhooks: WebhookSettings,
     ) -> None:
         seen["settings"] = settings
 
     monkeypatch.setattr(worker, "run_worker", fake_run_worker)
     monkeypatch.setattr(worker, "exit_without_finalizing", lambda code: None)
     monkeypatch.setattr(worker, "configure_logging", lambda level: None)
-    worker.main(["--build-id", "from-flag", "--set-current", "never"])
+    worker.cli_command(build_id="from-flag", set_current=worker.SetCurrentOption.NEVER)
     assert (seen["settings"].build_id, seen["settings"].set_current) == ("from-flag", "never")
-    worker.main([])
+    worker.cli_command()
     assert (seen["settings"].build_id, seen["settings"].set_current) == ("from-variable", "always")
 
 
