@@ -1,30 +1,36 @@
 """One way to configure: every documented variable reaches its field, in the documented order.
 
-Fast, no server: the worker's, S3's, Temporal's and the CLI's settings classes, read from a given
-mapping or from a scrubbed process environment.
+Fast, no server: every settings class of configuration.settings (the worker's, the client's, the
+CLI's, the gateway's), read from a given mapping or from a scrubbed process environment; and the
+shape that keeps it one way: one module of settings classes, one source order (the import cycle
+the configuration once had is test_layers' to refuse).
 """
 
 from __future__ import annotations
 
 import ast
+import base64
 import inspect
 import json
 import os
 import re
+import subprocess
+import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, cast, get_args
 
 import pytest
 import yaml
-from pydantic import SecretStr, ValidationError
-from pydantic_settings import BaseSettings, SettingsError
+from pydantic import BaseModel, SecretStr, ValidationError
+from pydantic_settings import SettingsError
 from temporalio.client import Client
 from typer.testing import CliRunner
 
+import configuration.settings
 import worker
-from activities.storage import ArtifactStore, StorageConfigError
-from configuration.errors import CodecSettingsError, ConfigFileError
+from activities.storage import ArtifactStore
+from configuration.errors import CodecSettingsError, ConfigFileError, StorageConfigError
 from configuration.files import load_config_file
 from configuration.pools import PoolConfig
 from configuration.processes import CliConfig
@@ -34,11 +40,12 @@ from configuration.settings import (
     CodecSettings,
     S3Settings,
     TemporalSettings,
+    UrlFetchSettings,
     WebhookSettings,
     WorkerSettings,
     runpod_api_keys,
 )
-from configuration.sources import variable_names
+from configuration.sources import Settings, variable_names
 from configuration.values import SetCurrent
 from devstack.config import StackFileSettings
 from starter.cli import build_app
@@ -49,13 +56,18 @@ from starter.codec import codec_from_environ, new_entry
 
 ROOT = Path(__file__).resolve().parent.parent
 SECRET = "s3cr3t-value-never-shown"
-ALL_SETTINGS: list[type[BaseSettings]] = [
-    WorkerSettings,
-    S3Settings,
-    TemporalSettings,
-    CliSettings,
-    StackFileSettings,
+CODEC_ENTRY = new_entry("k1")
+# Every settings class the worker, the client, the CLI and the gateway read.
+ALL_SETTINGS: list[type[Settings]] = [
+    cls
+    for cls in vars(configuration.settings).values()
+    if isinstance(cls, type)
+    and issubclass(cls, Settings)
+    and cls.__module__ == configuration.settings.__name__
 ]
+# Not a class's field: the variable each runpod pool's `api_key_env` names, by default this one.
+RUNPOD_KEY_VARIABLE = "RUNPOD_API_KEY"
+VARIABLE = re.compile(r"DURABLE_COMFY_[A-Z0-9_]*[A-Z0-9](?![A-Za-z0-9_{*])")
 
 
 @pytest.fixture
@@ -193,16 +205,214 @@ def test_only_the_named_variables_are_read(environ: pytest.MonkeyPatch) -> None:
     assert (config.temporal.address, config.settings.task_queue) == (None, "durable-comfy")
 
 
-def test_every_variable_read_is_documented() -> None:
-    configuration = (ROOT / "docs" / "configuration.md").read_text()
-    read = {
+def variables_read() -> set[str]:
+    """Every variable a settings class reads (the names its fields' aliases give)."""
+    return {
         name
         for cls in ALL_SETTINGS
         for f in cls.model_fields.values()
         for name in variable_names(f)
     }
-    assert read >= {"DURABLE_COMFY_POOLS", "AWS_SECRET_ACCESS_KEY", "TEMPORAL_UI_URL"}
-    assert sorted(name for name in read if f"`{name}`" not in configuration) == []
+
+
+def variables_documented() -> set[str]:
+    """Every DURABLE_COMFY_ variable docs/configuration.md names in full, in backticks."""
+    text = (ROOT / "docs" / "configuration.md").read_text()
+    return set(re.findall(r"`(DURABLE_COMFY_[A-Z0-9_]*[A-Z0-9])`", text))
+
+
+def test_every_documented_variable_is_read_and_every_one_read_is_documented() -> None:
+    read, documented = variables_read(), variables_documented()
+    assert len(ALL_SETTINGS) >= 13 and read >= {"DURABLE_COMFY_POOLS", "TEMPORAL_UI_URL"}
+    ours = {name for name in read if name.startswith("DURABLE_COMFY_")}
+    assert sorted(ours - documented) == [], "read, and not in docs/configuration.md"
+    assert sorted(documented - ours) == [], "in docs/configuration.md, and read by no class"
+    # Temporal's, AWS's and RunPod's own names are documented too (not all of theirs are read).
+    text = (ROOT / "docs" / "configuration.md").read_text()
+    others = (read - ours) | {RUNPOD_KEY_VARIABLE}
+    assert sorted(name for name in others if f"`{name}`" not in text) == []
+
+
+def test_no_product_string_names_a_variable_nobody_reads() -> None:
+    """A message, a docstring or a comment naming DURABLE_COMFY_SOMETHING that no settings class
+    reads is a variable someone would set for nothing (the handler's image is apart: its
+    variables are endpoint/settings.py's, documented in endpoint/README.md)."""
+    read = variables_read()
+    unknown = sorted(
+        f"{path.relative_to(ROOT)}: {name}"
+        for path in product_files()
+        for name in VARIABLE.findall(path.read_text())
+        if name not in read
+    )
+    assert unknown == []
+
+
+@pytest.fixture
+def sample_files(tmp_path: Path) -> Path:
+    """The files the file-naming variables' samples name."""
+    stack_file(tmp_path, {"task_queue": "from-stack"})
+    production_file(tmp_path, {"client": {"query_timeout_s": 3}})
+    (tmp_path / "webhook-secrets").write_text(f"acme:{WEBHOOK_SECRET}\n")
+    (tmp_path / "codec-keys").write_text(CODEC_ENTRY + "\n")
+    (tmp_path / "api-keys").write_text("acme:sha256:" + "a" * 64 + "\n")
+    return tmp_path
+
+
+WEBHOOK_SECRET = "whsec_" + base64.b64encode(b"sixteen-byte-key" * 2).decode()
+LIVE_KEY = "k" * 16
+# Each variable a settings class reads: (a value, what its field holds then, the variables a
+# class needs besides it). `{tmp}` is `sample_files`' folder.
+SAMPLES: dict[str, tuple[str, Any, dict[str, str]]] = {
+    "DURABLE_COMFY_CONFIG": ("{tmp}/stack.yaml", "{tmp}/stack.yaml", {}),
+    "DURABLE_COMFY_SETTINGS_FILE": ("{tmp}/production.yaml", "{tmp}/production.yaml", {}),
+    "DURABLE_COMFY_POOLS": (
+        '{"gpu": {"url": "http://gpu:8188"}}',
+        {"gpu": {"kind": "comfyui", "url": "http://gpu:8188"}},
+        {},
+    ),
+    "DURABLE_COMFY_TASK_QUEUE": ("q1", "q1", {}),
+    "DURABLE_COMFY_DEFAULT_POOL": ("gpu", "gpu", {}),
+    "DURABLE_COMFY_MAX_CONCURRENT_ACTIVITIES": ("7", 7, {}),
+    "DURABLE_COMFY_ORPHAN_SWEEP_S": ("2.5", 2.5, {}),
+    "DURABLE_COMFY_METRICS_PORT": ("9464", 9464, {}),
+    "DURABLE_COMFY_METRICS_HOST": ("0.0.0.0", "0.0.0.0", {}),
+    "DURABLE_COMFY_LOG_LEVEL": ("DEBUG", "DEBUG", {}),
+    "DURABLE_COMFY_HEARTBEAT_THROTTLE_S": ("1.5", 1.5, {}),
+    "DURABLE_COMFY_HEARTBEAT_BUDGET": ("100", 100.0, {}),
+    "DURABLE_COMFY_LIVE_PROGRESS_PORT": (
+        "7441",
+        7441,
+        {"DURABLE_COMFY_LIVE_PROGRESS_KEY": LIVE_KEY},
+    ),
+    "DURABLE_COMFY_LIVE_PROGRESS_HOST": ("10.0.0.5", "10.0.0.5", {}),
+    "DURABLE_COMFY_LIVE_PROGRESS_URL": (
+        "ws://10.0.0.5:7441/v1/live",
+        "ws://10.0.0.5:7441/v1/live",
+        {},
+    ),
+    "DURABLE_COMFY_LIVE_PROGRESS_KEY": (LIVE_KEY, LIVE_KEY, {}),
+    "DURABLE_COMFY_VERSIONING": ("false", False, {}),
+    "DURABLE_COMFY_DEPLOYMENT_NAME": ("dep", "dep", {}),
+    "DURABLE_COMFY_BUILD_ID": ("b1", "b1", {}),
+    "DURABLE_COMFY_SET_CURRENT": ("never", "never", {}),
+    "DURABLE_COMFY_BUCKET": ("b-2", "b-2", {}),
+    "DURABLE_COMFY_S3_ENDPOINT": ("http://127.0.0.1:9000/", "http://127.0.0.1:9000", {}),
+    "DURABLE_COMFY_ALLOWED_INPUT_PREFIXES": (
+        "s3://assets/masks/, s3://b2",
+        ["s3://assets/masks/", "s3://b2/"],
+        {},
+    ),
+    "AWS_ACCESS_KEY_ID": ("AKID", "AKID", {"AWS_SECRET_ACCESS_KEY": SECRET}),
+    "AWS_SECRET_ACCESS_KEY": (SECRET, SECRET, {"AWS_ACCESS_KEY_ID": "AKID"}),
+    "AWS_REGION": ("eu-west-1", "eu-west-1", {}),
+    "AWS_DEFAULT_REGION": ("eu-2", "eu-2", {}),
+    "DURABLE_COMFY_WEBHOOK_SECRETS": (f"acme:{WEBHOOK_SECRET}", {"acme": WEBHOOK_SECRET}, {}),
+    "DURABLE_COMFY_WEBHOOK_SECRETS_FILE": ("{tmp}/webhook-secrets", "{tmp}/webhook-secrets", {}),
+    "DURABLE_COMFY_WEBHOOK_ALLOW_HOSTS": ("LocalHost, 127.0.0.1", ["localhost", "127.0.0.1"], {}),
+    "DURABLE_COMFY_URL_INPUT_MAX_BYTES": ("1024", 1024, {}),
+    "DURABLE_COMFY_URL_INPUT_CONTENT_TYPES": ("image/png, Video/*", ["image/png", "video/*"], {}),
+    "DURABLE_COMFY_URL_INPUT_PORTS": ("443, 8443", [443, 8443], {}),
+    "DURABLE_COMFY_URL_INPUT_REDIRECTS": ("2", 2, {}),
+    "DURABLE_COMFY_URL_INPUT_TIMEOUT_S": ("5", 5.0, {}),
+    "DURABLE_COMFY_QUERY_TIMEOUT_S": ("2.5", 2.5, {}),
+    "TEMPORAL_ADDRESS": ("temporal.example:7233", "temporal.example:7233", {}),
+    "TEMPORAL_NAMESPACE": ("prod", "prod", {}),
+    "TEMPORAL_UI_URL": ("https://ui.example", "https://ui.example", {}),
+    "DURABLE_COMFY_CODEC_KEYS": (CODEC_ENTRY, CODEC_ENTRY, {}),
+    "DURABLE_COMFY_CODEC_KEYS_FILE": ("{tmp}/codec-keys", "{tmp}/codec-keys", {}),
+    "DURABLE_COMFY_CODEC_AUTH_TOKEN": ("token-1", "token-1", {}),
+    "DURABLE_COMFY_API_KEYS": ("acme:key-1", "acme:key-1", {}),
+    "DURABLE_COMFY_API_KEYS_FILE": ("{tmp}/api-keys", "{tmp}/api-keys", {}),
+    "DURABLE_COMFY_TENANT_RPS": ("5", 5.0, {}),
+    "DURABLE_COMFY_TENANT_BURST": ("6", 6, {}),
+    "DURABLE_COMFY_TENANT_MAX_JOBS": ("7", 7, {}),
+    "DURABLE_COMFY_GATEWAY_MAX_REQUESTS": ("8", 8, {}),
+    "DURABLE_COMFY_GATEWAY_MAX_STREAMS": ("9", 9, {}),
+    "DURABLE_COMFY_GATEWAY_MAX_BODY_BYTES": ("2048", 2048, {}),
+    "DURABLE_COMFY_GATEWAY_HEARTBEAT_S": ("3", 3.0, {}),
+    "DURABLE_COMFY_GATEWAY_CLIENT_SEEN_S": ("4", 4.0, {}),
+    "DURABLE_COMFY_GATEWAY_FOLLOWER_GRACE_S": ("0", 0.0, {}),
+    "DURABLE_COMFY_GATEWAY_POLL_S": ("0.3", 0.3, {}),
+    "DURABLE_COMFY_GATEWAY_SUBSCRIBER_QUEUE": ("50", 50, {}),
+    "DURABLE_COMFY_GATEWAY_BASE_PATH": ("/comfy", "/comfy", {}),
+    "DURABLE_COMFY_GATEWAY_WS_AUTH_TIMEOUT_S": ("6", 6.0, {}),
+    "DURABLE_COMFY_GATEWAY_READY_TIMEOUT_S": ("1.5", 1.5, {}),
+    "DURABLE_COMFY_GATEWAY_UPLOAD_MAX_BYTES": ("1048576", 1048576, {}),
+    "DURABLE_COMFY_GATEWAY_UPLOAD_TTL_S": ("60", 60, {}),
+}
+# What a class needs whatever the variable: the S3 settings have no store without a bucket.
+CLASS_NEEDS: dict[type[Settings], dict[str, str]] = {S3Settings: {"DURABLE_COMFY_BUCKET": "b-1"}}
+
+
+def plain(value: Any) -> Any:
+    """A field's value as a sample's expectation writes it (secrets shown, lists as lists)."""
+    if isinstance(value, SecretStr):
+        return value.get_secret_value()
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json", exclude_none=True)
+    if isinstance(value, dict):
+        return {key: plain(item) for key, item in value.items()}
+    if isinstance(value, tuple | list):
+        return [plain(item) for item in value]
+    if isinstance(value, Path):
+        return str(value)
+    return value
+
+
+def readers(variable: str) -> list[tuple[type[Settings], str]]:
+    """Each (class, field) that reads `variable`."""
+    return [
+        (cls, name)
+        for cls in ALL_SETTINGS
+        for name, f in cls.model_fields.items()
+        if variable in variable_names(f)
+    ]
+
+
+def test_every_variable_read_has_a_sample() -> None:
+    assert sorted(variables_read() ^ set(SAMPLES)) == []
+
+
+@pytest.mark.parametrize("variable", sorted(SAMPLES))
+def test_each_variable_reaches_its_field_in_every_class_that_reads_it(
+    variable: str, sample_files: Path
+) -> None:
+    value, expected, needs = SAMPLES[variable]
+    value = value.replace("{tmp}", str(sample_files))
+    if isinstance(expected, str):
+        expected = expected.replace("{tmp}", str(sample_files))
+    assert readers(variable)
+    for cls, field in readers(variable):
+        settings = cls.from_env({**CLASS_NEEDS.get(cls, {}), **needs, variable: value})
+        assert plain(getattr(settings, field)) == expected, f"{cls.__name__}.{field}"
+
+
+def outcome(cls: type[Settings], environ: Mapping[str, str]) -> str:
+    """What a class makes of an environment: its values, or its error."""
+    try:
+        settings = cls.from_env(environ)
+    except (ValidationError, StorageConfigError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return repr({name: plain(getattr(settings, name)) for name in cls.model_fields})
+
+
+@pytest.mark.parametrize("cls", ALL_SETTINGS, ids=lambda cls: cls.__name__)
+def test_an_empty_variable_counts_as_unset_in_every_class(cls: type[Settings]) -> None:
+    needs = CLASS_NEEDS.get(cls, {})
+    for variable in {name for f in cls.model_fields.values() for name in variable_names(f)}:
+        unset = {name: value for name, value in needs.items() if name != variable}
+        assert outcome(cls, {**unset, variable: ""}) == outcome(cls, unset), variable
+
+
+def test_a_list_variable_is_comma_separated_text_never_json() -> None:
+    """A variable's value stays text for its field's own parser: `["a", "b"]` is two odd items,
+    not a JSON list (as a stock pydantic-settings source would decode it)."""
+    variable = "DURABLE_COMFY_WEBHOOK_ALLOW_HOSTS"
+    assert len(readers(variable)) == 2, "the worker's and the gateway's"
+    for cls, field in readers(variable):
+        assert getattr(cls.from_env({variable: '["Evil", "b"]'}), field) == ('["evil"', '"b"]')
+    with pytest.raises(ValidationError, match="DURABLE_COMFY_URL_INPUT_PORTS"):
+        UrlFetchSettings.from_env({"DURABLE_COMFY_URL_INPUT_PORTS": "[443]"})
 
 
 # --- precedence ------------------------------------------------------------------------------
@@ -489,14 +699,22 @@ async def test_without_a_bucket_the_cli_opens_no_store(environ: pytest.MonkeyPat
 # --- one reader ------------------------------------------------------------------------------
 
 
-def test_no_product_module_reads_the_environment_but_the_settings() -> None:
-    """The product (worker.py and its packages): only configuration.sources reads it."""
-    allowed = {"configuration/sources.py"}
+PRODUCT = ("workflows", "protocol", "configuration", "activities", "starter", "gateway")
+
+
+def product_files() -> list[Path]:
+    """The orchestrator's code: what the worker, the client and the gateway run."""
     files = [ROOT / "worker.py"]
-    for layer in ("workflows", "protocol", "configuration", "activities", "starter", "gateway"):
+    for layer in PRODUCT:
         files += sorted((ROOT / layer).rglob("*.py"))
-    readers = set()
-    for path in files:
+    return files
+
+
+def test_no_product_module_reads_the_environment_but_the_settings() -> None:
+    """Only configuration.sources reads the process's environment (for every settings class,
+    and for `runpod_api_keys`); everything else is handed the settings."""
+    found = set()
+    for path in product_files():
         for node in ast.walk(ast.parse(path.read_text())):
             reads = (isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv")) or (
                 isinstance(node, ast.ImportFrom)
@@ -504,8 +722,79 @@ def test_no_product_module_reads_the_environment_but_the_settings() -> None:
                 and any(alias.name in ("environ", "getenv") for alias in node.names)
             )
             if reads:
-                readers.add(path.relative_to(ROOT).as_posix())
-    assert sorted(readers - allowed) == []
+                found.add(path.relative_to(ROOT).as_posix())
+    assert sorted(found) == ["configuration/sources.py"]
+
+
+# --- one module, one source order -------------------------------------------------------------
+
+
+def class_bases(path: Path) -> list[tuple[str, list[str]]]:
+    """(class name, the names of its bases) of each class a file defines."""
+    return [
+        (node.name, [ast.unparse(base).rsplit(".", 1)[-1] for base in node.bases])
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ClassDef)
+    ]
+
+
+def test_every_settings_class_is_defined_in_one_module() -> None:
+    """A class built on a settings class anywhere in the product but configuration.settings
+    would be a second place to look for a variable (`Settings` itself is the source order's)."""
+    settings_names = {cls.__name__ for cls in ALL_SETTINGS} | {"Settings", "BaseSettings"}
+    elsewhere = sorted(
+        f"{path.relative_to(ROOT)}: {name}"
+        for path in product_files()
+        if path != ROOT / "configuration" / "settings.py"
+        for name, bases in class_bases(path)
+        if set(bases) & settings_names and not (name == "Settings" and path.name == "sources.py")
+    )
+    assert elsewhere == []
+    assert {cls.__name__ for cls in ALL_SETTINGS} >= {
+        "WorkerSettings",
+        "S3Settings",
+        "WebhookSettings",
+        "UrlFetchSettings",
+        "ClientSettings",
+        "CliSettings",
+        "TemporalSettings",
+        "CodecSettings",
+        "CodecServerSettings",
+        "GatewaySettings",
+    }
+
+
+def test_the_source_order_is_written_once() -> None:
+    """One `settings_customise_sources` in all the code that reads settings (tooling's included):
+    every class takes the same order and the same rule for an empty variable."""
+    files = product_files()
+    for tooling in ("devstack", "bench"):
+        files += sorted((ROOT / tooling).rglob("*.py"))
+    defined = sorted(
+        path.relative_to(ROOT).as_posix()
+        for path in files
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.FunctionDef) and node.name == "settings_customise_sources"
+    )
+    assert defined == ["configuration/sources.py"]
+    assert all(issubclass(cls, Settings) for cls in ALL_SETTINGS)
+    assert issubclass(StackFileSettings, Settings), "the dev stack's class takes the same order"
+
+
+def test_the_configuration_imports_no_worker_client_or_gateway_code() -> None:
+    """What reads settings imports the configuration, never the other way round; and reading
+    them costs no S3 client (the CLI imports aioboto3 only for a command that stores)."""
+    probe = (
+        "import sys, configuration.settings, configuration.processes; "
+        "print(sorted({m.split('.')[0] for m in sys.modules}))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    loaded = set(ast.literal_eval(done.stdout))
+    assert "configuration" in loaded
+    assert loaded & {"activities", "starter", "gateway", "worker", "aioboto3", "botocore"} == set()
 
 
 # --- runpod pools ----------------------------------------------------------------------------
@@ -620,7 +909,6 @@ def test_how_many_prompts_a_worker_follows_at_once_is_a_setting() -> None:
 # --- the production configuration file ---------------------------------------------------------
 
 FILE_VAR = "DURABLE_COMFY_SETTINGS_FILE"
-CODEC_ENTRY = new_entry("k1")
 
 
 def production_file(tmp_path: Path, data: dict[str, Any], name: str = "production.yaml") -> Path:
