@@ -14,9 +14,9 @@ process of its own on a task queue of its own (so that no other worker can quiet
 Exit code 0 only then. The detached demo worker is stopped first and started again at the end, so
 `make down` finds the stack as `make demo` leaves it.
 
-The timeline recorder, worker process and simulator controls are the chaos tests' own harness
-(faults/): one implementation of "kill a worker and watch what the job does", shown
-here and asserted on in tests/stack/test_chaos.py.
+The faults are inject.py's and the timeline recorder, worker process and simulator controls the
+chaos tests' own harness: one implementation of "kill a worker and watch what the job does",
+shown here, asserted on in tests/stack/test_chaos.py and run at random by `make soak`.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from pathlib import Path
 import httpx
 from rich.console import Console
 
-from devstack.comfy_sim.faults import FaultConfig
 from devstack.config import DEFAULT_CONFIG_PATH
 from devstack.demo_support import (
     EXAMPLE,
@@ -45,7 +44,8 @@ from devstack.models import RunningStack
 from devstack.services import StackPaths
 from devstack.worker_process import ensure_worker, stop_worker
 from faults.graphs import SAMPLER_NODE, fresh_seed
-from faults.sim import DROP_LOGGED, LogWatch, SimControl, StepWatcher
+from faults.inject import ArmedComfyFault, ComfyFaults, crash_worker
+from faults.sim import SimControl, StepWatcher
 from faults.timeline import Timeline
 from faults.wait import ChaosTimeout
 from faults.worker_proc import KillableWorker
@@ -79,9 +79,9 @@ class Outcome:
         return self.final.state == JobState.COMPLETED and self.submissions == 1
 
 
-async def watch_socket_cut(sim_log: LogWatch, timeline: Timeline) -> None:
+async def watch_socket_cut(cut: ArmedComfyFault, timeline: Timeline) -> None:
     """Put the simulator's own "I cut it" on the timeline, at the moment it says so."""
-    await sim_log.wait(DROP_LOGGED, timeout_s=JOB_DEADLINE_S)
+    await cut.wait_fired(timeout_s=JOB_DEADLINE_S)
     timeline.mark("ComfyUI socket cut by the simulator (fault)")
 
 
@@ -133,8 +133,8 @@ async def _run_job(
     ):
         sim = SimControl(sim_url, http)
         await sim.reset()
-        await sim.arm(FaultConfig(drop_ws_after_events=CUT_AFTER_EVENTS))
-        sim_log = LogWatch(paths.log_file("comfyui_sim"))
+        sim_faults = ComfyFaults(sim_url, http, paths.log_file("comfyui_sim"))
+        socket_cut = await sim_faults.cut_socket(after_events=CUT_AFTER_EVENTS)
         submitted = await client.submit(request)
         job_id = submitted.job_id
         console.print(f"\n[bold]Job[/] {job_id} submitted ({EXAMPLE}, {STEPS} steps)")
@@ -145,12 +145,11 @@ async def _run_job(
                 lambda entry: console.print(entry.render(), highlight=False, soft_wrap=True)
             )
             timeline.mark(f"simulator armed: cut the job's socket after {CUT_AFTER_EVENTS} events")
-            cut = asyncio.create_task(watch_socket_cut(sim_log, timeline))
+            cut = asyncio.create_task(watch_socket_cut(socket_cut, timeline))
             try:
                 prompt_id = await steps.wait_step(KILL_AT_STEP, node=SAMPLER_NODE, timeout_s=60)
-                await worker.kill()
-                timeline.mark(f"worker killed (kill -9) at sampler step >= {KILL_AT_STEP}")
-                await worker.start()
+                killed = f"worker killed (kill -9) at sampler step >= {KILL_AT_STEP}"
+                await crash_worker(worker, on_killed=lambda: timeline.mark(killed))
                 timeline.mark(f"worker restarted (pid {worker.pid})")
                 await timeline.wait_terminal(timeout_s=JOB_DEADLINE_S)
             finally:
@@ -160,7 +159,7 @@ async def _run_job(
     submissions = stats.prompts.get(prompt_id, 0)
     console.print()
     print_summary(final, console, workflow_link(stack, job_id))
-    cut_seen = "yes" if sim_log.seen(DROP_LOGGED) else "no"
+    cut_seen = "yes" if socket_cut.fired() else "no"
     console.print(
         f"  prompt {prompt_id}: submitted {submissions} time(s) to ComfyUI (/sim/stats), "
         f"{final.reconnects} reconnect(s), socket cut: {cut_seen}"

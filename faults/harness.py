@@ -1,20 +1,21 @@
 """The chaos harness: a stack whose services may be killed, and one test's worth of moving parts.
 
 - `ChaosStack`: a local stack of its own (own ports, own state dir) whose Temporal dev server and
-  ComfyUI simulator a test kills and restarts; the Temporal server comes back on the same
-  `--db-filename`, so every workflow survives it, as it would with a real cluster's database.
+  ComfyUI simulator a test kills and restarts (`services`, inject.py's `ServiceFaults`); the
+  Temporal server comes back on the same `--db-filename`, so every workflow survives it, as it
+  would with a real cluster's database.
 - `ChaosCase`: what one test uses: a task queue of its own, worker subprocesses, the simulator's
-  controls and step watcher, a `JobClient`, timelines, and the "nothing left behind" checks.
+  controls, faults and step watcher, a `JobClient`, timelines, and the "nothing left behind"
+  checks.
 
-Re-exports the pieces (`KillableWorker`, `Timeline`, `SimControl`, ...) so tests and the demo
-import from one place.
+Re-exports the pieces (`KillableWorker`, `Timeline`, `SimControl`, ...) so tests import from one
+place; the faults themselves are inject.py's.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import signal
 import uuid
 from pathlib import Path
 
@@ -22,19 +23,12 @@ from temporalio.client import Client, WorkflowExecutionStatus
 
 from activities.storage import ArtifactStore, S3Settings
 from devstack.config import StackConfig
-from devstack.models import RunningStack, ServiceState
+from devstack.models import RunningStack
 from devstack.processes import read_pid_file
 from devstack.services import ServiceName, StackPaths
-from devstack.stack import start_service, start_stack, stop_service, stop_stack
-from faults.sim import (
-    DROP_LOGGED,
-    STALL_LOGGED,
-    LogWatch,
-    SimControl,
-    SimQueue,
-    SimStats,
-    StepWatcher,
-)
+from devstack.stack import start_stack, stop_stack
+from faults.inject import ComfyFaults, ServiceFaults
+from faults.sim import SimControl, SimQueue, SimStats, StepWatcher
 from faults.timeline import Timeline, TimelineEntry
 from faults.wait import ChaosTimeout, eventually, until
 from faults.worker_proc import KillableWorker, WorkerFleet, WorkerStartError
@@ -42,14 +36,11 @@ from starter.client import JobClient
 from workflows.contracts import JobRequest
 
 __all__ = [
-    "DROP_LOGGED",
     "ORPHAN_SWEEP_S",
-    "STALL_LOGGED",
     "ChaosCase",
     "ChaosStack",
     "ChaosTimeout",
     "KillableWorker",
-    "LogWatch",
     "SimControl",
     "SimQueue",
     "SimStats",
@@ -80,6 +71,7 @@ class ChaosStack:
         self.config = config
         self.base_dir = base_dir
         self.running = running
+        self.services = ServiceFaults(config, base_dir)
 
     @classmethod
     async def start(cls, config: StackConfig, base_dir: Path) -> ChaosStack:
@@ -92,23 +84,9 @@ class ChaosStack:
         """Start whatever an earlier test left stopped (start_stack skips what runs)."""
         await start_stack(self.config, self.base_dir)
 
-    async def kill(self, name: ServiceName, sig: signal.Signals = signal.SIGKILL) -> ServiceState:
-        """Stop one service by its recorded PID; SIGKILL by default (a crash, not a shutdown)."""
-        return await stop_service(self.config, self.base_dir, name, sig)
-
-    async def start_service(self, name: ServiceName) -> ServiceState:
-        """Start it again with the same flags (same ports, same Temporal db) and wait for it."""
-        return await start_service(self.config, self.base_dir, name)
-
-    async def restart(
-        self, name: ServiceName, sig: signal.Signals = signal.SIGKILL
-    ) -> ServiceState:
-        await self.kill(name, sig)
-        return await self.start_service(name)
-
-    def log_watch(self, name: ServiceName) -> LogWatch:
-        """A watch on the service's log from now on (restarts append to the same file)."""
-        return LogWatch(StackPaths.of(self.config, self.base_dir).log_file(name))
+    def log_file(self, name: ServiceName) -> Path:
+        """The service's log (restarts append to the same file)."""
+        return StackPaths.of(self.config, self.base_dir).log_file(name)
 
     def pid(self, name: ServiceName) -> int | None:
         paths = StackPaths.of(self.config, self.base_dir)
@@ -164,7 +142,8 @@ class ChaosCase:
         self.task_queue = f"{name}-{uuid.uuid4().hex[:8]}"
         self.workers = WorkerFleet(stack.worker_env(self.task_queue, comfyui_url), log_dir)
         self.client = JobClient(temporal, task_queue=self.task_queue, store=store)
-        self.sim_log = stack.log_watch("comfyui_sim")
+        # The stack's simulator's: a case on another ComfyUI arms none.
+        self.sim_faults = ComfyFaults(stack.sim_url, sim.http, stack.log_file("comfyui_sim"))
         self.job_ids: list[str] = []
         self.timelines: list[Timeline] = []
 

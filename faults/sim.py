@@ -1,4 +1,5 @@
-"""Driving and observing the ComfyUI simulator from a test: counters, faults, queue, live steps.
+"""Driving and observing the ComfyUI simulator from a test: counters, queue, live steps (its
+faults are armed through inject.py).
 
 The fault timing must not depend on the system under test: "kill the worker at step 8" is decided
 by watching the simulator itself (its broadcast `progress_state` events on a socket of our own),
@@ -12,15 +13,13 @@ import contextlib
 import json
 import uuid
 from collections.abc import Collection
-from pathlib import Path
 from types import TracebackType
-from typing import Any, Self
+from typing import Self
 
 import httpx
 import websockets
 from pydantic import BaseModel, Field
 
-from devstack.comfy_sim.faults import FaultConfig
 from faults.wait import eventually
 
 
@@ -56,28 +55,20 @@ class SimControl:
 
     def __init__(self, url: str, http: httpx.AsyncClient) -> None:
         self.url = url.rstrip("/")
-        self._http = http
+        self.http = http
 
     async def stats(self) -> SimStats:
-        response = await self._http.get(f"{self.url}/sim/stats", timeout=5.0)
+        response = await self.http.get(f"{self.url}/sim/stats", timeout=5.0)
         response.raise_for_status()
         return SimStats.model_validate(response.json())
 
-    async def arm(self, faults: FaultConfig) -> dict[str, Any]:
-        """Arm one-shot faults for the next prompt that starts (see devstack/comfy_sim/faults)."""
-        body = faults.model_dump(exclude_unset=True)
-        response = await self._http.post(f"{self.url}/sim/faults", json=body, timeout=5.0)
-        response.raise_for_status()
-        armed: dict[str, Any] = response.json()
-        return armed
-
     async def reset(self) -> None:
         """Counters and faults back to zero; queue, history and files stay."""
-        response = await self._http.post(f"{self.url}/sim/reset", timeout=5.0)
+        response = await self.http.post(f"{self.url}/sim/reset", timeout=5.0)
         response.raise_for_status()
 
     async def queue(self) -> SimQueue:
-        response = await self._http.get(f"{self.url}/queue", timeout=5.0)
+        response = await self.http.get(f"{self.url}/queue", timeout=5.0)
         response.raise_for_status()
         data = response.json()
         return SimQueue(
@@ -108,8 +99,8 @@ class SimControl:
     async def clear(self) -> None:
         """Best-effort: drop pending prompts and interrupt the running one (test cleanup only)."""
         with contextlib.suppress(httpx.HTTPError):
-            await self._http.post(f"{self.url}/queue", json={"clear": True}, timeout=5.0)
-            await self._http.post(f"{self.url}/interrupt", json={}, timeout=5.0)
+            await self.http.post(f"{self.url}/queue", json={"clear": True}, timeout=5.0)
+            await self.http.post(f"{self.url}/interrupt", json={}, timeout=5.0)
 
 
 class StepWatcher:
@@ -198,37 +189,3 @@ class StepWatcher:
             value = entry.get("value") if isinstance(entry, dict) else None
             if isinstance(value, int | float):
                 seen[str(node_id)] = max(seen.get(str(node_id), 0), int(value))
-
-
-class LogWatch:
-    """Watches a service's log file from "now" on, for lines that prove a fault really fired.
-
-    A fault that silently never triggers makes a chaos test pass for the wrong reason; the
-    simulator logs each one it injects ("fault: dropping websocket", ...), so tests and the demo
-    check for that line instead of trusting that arming it was enough.
-    """
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.offset = path.stat().st_size if path.exists() else 0
-
-    def text(self) -> str:
-        try:
-            with self.path.open("rb") as f:
-                f.seek(self.offset)
-                return f.read().decode(errors="replace")
-        except OSError:
-            return ""
-
-    def seen(self, needle: str) -> bool:
-        return needle in self.text()
-
-    async def wait(self, needle: str, *, timeout_s: float) -> None:
-        async def probe() -> bool:
-            return self.seen(needle)
-
-        await eventually(probe, timeout_s=timeout_s, what=f"{self.path.name} logs {needle!r}")
-
-
-DROP_LOGGED = "fault: dropping websocket"
-STALL_LOGGED = "fault: stalling websocket delivery"

@@ -126,13 +126,6 @@ class KillableWorker:
         """SIGTERM (the worker's graceful shutdown), SIGKILL after `grace_s`; the exit code."""
         return await self._signal_and_reap(signal.SIGTERM, grace_s=grace_s)
 
-    async def restart(self, *, hard: bool = True) -> int:
-        if hard:
-            await self.kill()
-        else:
-            await self.terminate()
-        return await self.start()
-
     async def _signal_and_reap(self, sig: signal.Signals, *, grace_s: float) -> int | None:
         proc = self._proc
         if proc is None:

@@ -28,6 +28,8 @@ import httpx
 from devstack.free_ports import free_port
 from devstack.processes import PidRecord, is_alive, log_tail, spawn_detached, terminate
 from devstack.runpod_sim import Ledger, SimSettings
+from devstack.runpod_sim.faults import PublicRoute
+from faults.inject import RunpodFaults
 from faults.soak.comfy_factory import ARGS_VAR, FINAL_FILE, HANDLE_FILE
 from faults.soak.options import StockMode
 
@@ -65,7 +67,14 @@ CLAIMS_FAULTS = frozenset(
 STOCK_FAULTS = frozenset({"runpod_429", "runpod_5xx"})
 # A 5xx to /run may have made a job: without claims that is a decision for a person too, so a
 # stock endpoint's 5xx bursts hit its other routes only.
-STOCK_5XX_ROUTES = ("status", "cancel", "stream", "retry", "purge-queue", "health")
+STOCK_5XX_ROUTES: tuple[PublicRoute, ...] = (
+    "status",
+    "cancel",
+    "stream",
+    "retry",
+    "purge-queue",
+    "health",
+)
 
 
 @dataclass(frozen=True)
@@ -79,7 +88,7 @@ class EndpointSpec:
     max_workers: int
     faults: frozenset[str]
     # The public routes a 5xx burst may hit (None: all of them).
-    burst_5xx_routes: tuple[str, ...] | None = None
+    burst_5xx_routes: tuple[PublicRoute, ...] | None = None
     handler: str = "our handler"
 
     @property
@@ -173,6 +182,7 @@ class RunpodEndpoint:
         # outlive the simulator (a simulator that had to be SIGKILLed cannot stop them).
         self.seen_groups: set[int] = set()
         self._http = httpx.AsyncClient(timeout=10, trust_env=False)
+        self.faults = RunpodFaults(self.base_url, self._http)
 
     @property
     def base_url(self) -> str:
@@ -265,22 +275,6 @@ class RunpodEndpoint:
             pids = (worker.pid, worker.watchdog_pid, worker.comfy_pid)
             self.seen_groups.update(pid for pid in pids if pid)
         return ledger
-
-    async def arm(self, faults: dict[str, Any]) -> dict[str, Any]:
-        response = await self._http.post(f"{self.base_url}/sim/faults", json=faults)
-        response.raise_for_status()
-        state: dict[str, Any] = response.json()
-        return state
-
-    async def fault_state(self) -> dict[str, Any]:
-        response = await self._http.get(f"{self.base_url}/sim/faults")
-        response.raise_for_status()
-        state: dict[str, Any] = response.json()
-        return state
-
-    async def disarm(self) -> None:
-        response = await self._http.post(f"{self.base_url}/sim/reset", json={})
-        response.raise_for_status()
 
     async def job_output(self, runpod_job_id: str) -> Any:
         """The RunPod job's `output`, as its public /status shows it."""

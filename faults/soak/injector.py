@@ -1,5 +1,7 @@
-"""The fault injector: every F seconds (jittered +-50%, seeded) one fault, drawn from a shuffled
-deck of every kind (so a short run still meets each kind), on a target drawn at random.
+"""The soak's fault injector: every F seconds (jittered +-50%, seeded) one fault, drawn from a
+shuffled deck of every kind (so a short run still meets each kind), on a target drawn at random.
+Each fault is inject.py's, as the chaos tests and `make demo-chaos` inject it; what is the soak's
+own is when, where, and the record of whether and when it happened.
 
 Faults that are done by doing them (a kill -9 and restart) are over when the service answers
 again. Faults that are armed on a simulator (socket cuts and stalls on a ComfyUI simulator,
@@ -30,7 +32,8 @@ import structlog
 
 from devstack.runpod_sim import Ledger
 from devstack.runpod_sim.ledger import LedgerWorker, LedgerWorkerEvent
-from faults.sim import DROP_LOGGED, STALL_LOGGED, LogWatch
+from devstack.runpod_sim.settings import DeathOutcome
+from faults.inject import ArmedRunpodFault, ComfyFaults, DidNotComeBack, crash_worker
 from faults.soak.endpoints import RunpodEndpoint
 from faults.soak.evidence import FaultRecord
 from faults.soak.stack import RESTART_ATTEMPTS, SoakStack, SoakStackError
@@ -54,12 +57,6 @@ FaultKind = Literal[
     "runpod_partition",
 ]
 ALL_KINDS: tuple[FaultKind, ...] = get_args(FaultKind)
-# The simulator's `taken` counter of each RunPod fault.
-TAKEN_NAME = {
-    "runpod_429": "burst_429",
-    "runpod_5xx": "burst_5xx",
-    "drop_run_answer": "drop_run_answer",
-}
 # A crash, a freeze or a partition is armed for the next delivery and fires `after_s` into it;
 # a delivery that ended first took the plan with it. Past this long after being taken, it missed.
 CRASH_MISS_S = 60.0
@@ -68,6 +65,12 @@ WATCH_S = 1.0
 # renewal to longer than its lease (60 s), so both the handler riding it out and its lease
 # lapsing (the watchdog's turn) are met.
 LASTS_S = (3.0, 90.0)
+# What RunPod makes of each crash's job.
+CRASH_OUTCOME: dict[str, DeathOutcome] = {
+    "runpod_crash_timed_out": "timed_out",
+    "runpod_crash_redeliver": "redeliver",
+    "runpod_crash_stuck": "stuck",
+}
 # The simulator's fault (its own slot: one armed at a time per endpoint), the ledger event that
 # says it happened and the one that ends it, per kind of delivery fault.
 WORKER_FAULT = {
@@ -212,7 +215,7 @@ class FaultInjector:
             )
             try:
                 applied = await self._apply(kind, record)
-            except SoakStackError:
+            except (SoakStackError, DidNotComeBack):
                 raise  # the stack is broken: the soak cannot go on
             except Exception as exc:
                 record.error = f"{type(exc).__name__}: {exc}"
@@ -248,17 +251,9 @@ class FaultInjector:
     async def _worker_kill(self, record: FaultRecord) -> None:
         worker = self.rng.choice(self.stack.workers)
         record.target = f"{worker.name} (pid {worker.pid})"
-        await worker.kill()
         down_s = self.rng.uniform(0.5, 3.0)
         record.detail = f"kill -9, restarted after {down_s:.1f} s"
-        await asyncio.sleep(down_s)
-        for attempt in range(RESTART_ATTEMPTS):
-            try:
-                await worker.start()
-                break
-            except Exception as exc:
-                if attempt == RESTART_ATTEMPTS - 1:
-                    raise SoakStackError(f"{worker.name} did not come back: {exc}") from exc
+        await crash_worker(worker, down_s=down_s, attempts=RESTART_ATTEMPTS)
         record.ended_at = time.time()
 
     async def _restart(
@@ -266,9 +261,7 @@ class FaultInjector:
     ) -> None:
         record.target = service
         record.detail = f"kill -9, down {down_s:.1f} s, restarted on its data"
-        await self.stack.kill_service(service)
-        await asyncio.sleep(down_s)
-        await self.stack.start_service(service)
+        await self.stack.restart_service(service, down_s=down_s)
         record.ended_at = time.time()
         record.detail += f" (back after {record.ended_at - record.started_at:.1f} s)"
 
@@ -297,41 +290,32 @@ class FaultInjector:
             return False
         target = self.rng.choice(targets)
         record.target = target.name
-        watch = LogWatch(target.log_file)
+        faults = ComfyFaults(target.url, self._http, target.log_file)
         if kind == "comfy_socket_cut":
             events = self.rng.randint(3, 40)
-            body: dict[str, Any] = {"drop_ws_after_events": events}
-            needle, lasts_s, field = DROP_LOGGED, 0.0, "drop_ws_after_events"
             record.detail = f"the next prompt's socket is cut after {events} events"
+            armed = await faults.cut_socket(after_events=events)
+            lasts_s = 0.0
         else:
             stall_s = round(self.rng.uniform(3.0, 12.0), 1)
             after = self.rng.randint(1, 20)
-            body = {"stall_ws_s": stall_s, "stall_after_events": after}
-            needle, lasts_s, field = STALL_LOGGED, stall_s, "stall_ws_s"
             record.detail = f"the next prompt's events stall {stall_s} s after {after} events"
-        (await self._http.post(f"{target.url}/sim/faults", json=body)).raise_for_status()
+            armed = await faults.stall_socket(for_s=stall_s, after_events=after)
+            lasts_s = stall_s
 
         async def check() -> bool:
-            # The simulator logs each fault as it fires (a prompt that took it may end before
-            # reaching the event count: then it never fires).
-            if not watch.seen(needle):
+            # A prompt that took it may end before reaching the event count: then it never fires.
+            if not armed.fired():
                 return False
             record.fired = True
             record.fired_at = time.time()
             record.ended_at = record.fired_at + lasts_s
             return True
 
-        async def taken() -> bool:
-            armed = (await self._http.get(f"{target.url}/sim/faults")).json()
-            return armed.get(field) is None
-
-        async def disarm() -> None:
-            await self._http.post(f"{target.url}/sim/faults", json={field: None})
-
         async def why_not() -> str:
             return "taken by a prompt that ended before it fired"
 
-        self._pending.append(Pending(record, taken, check, disarm, why_not))
+        self._pending.append(Pending(record, armed.taken, check, armed.disarm, why_not))
         return True
 
     async def _runpod(self, kind: FaultKind, record: FaultRecord) -> bool:
@@ -349,58 +333,46 @@ class FaultInjector:
         if kind in WORKER_FAULT:
             await self._worker_fault(kind, record, endpoint)
             return True
-        taken_name = TAKEN_NAME[kind]
+        armed: ArmedRunpodFault
         if kind == "runpod_429":
             count = self.rng.randint(5, 25)
-            body: dict[str, Any] = {"burst_429": count, "burst_429_routes": None}
             record.detail = f"the next {count} API requests answered 429"
+            armed = await endpoint.faults.burst_429(count)
         elif kind == "runpod_5xx":
             count = self.rng.randint(3, 15)
             routes = endpoint.spec.burst_5xx_routes
             code = self.rng.choice([500, 502, 503])
-            body = {"burst_5xx": count, "burst_5xx_status": code, "burst_5xx_routes": routes}
             only = f" ({', '.join(routes)} only)" if routes else ""
             record.detail = f"the next {count} API requests{only} answered {code}"
+            armed = await endpoint.faults.burst_5xx(count, status=code, routes=routes)
         else:
-            body = {"drop_run_answer": 1}
             record.detail = "the next /run creates its job, then drops the connection"
-        baseline = int((await endpoint.fault_state()).get("taken", {}).get(taken_name, 0))
-        await endpoint.arm(body)
+            armed = await endpoint.faults.drop_run_answer()
 
         async def check() -> bool:
-            state = await endpoint.fault_state()
-            if int(state.get("taken", {}).get(taken_name, 0)) <= baseline:
+            if not await armed.taken():
                 return False
             if record.fired_at is None:
                 record.fired, record.fired_at = True, time.time()
-            if int(state.get(taken_name, 0)) > 0:  # a burst still being answered
+            if await armed.left() > 0:  # a burst still being answered
                 return False
             record.ended_at = time.time()
             return True
 
-        async def taken() -> bool:
-            state = await endpoint.fault_state()
-            return int(state.get("taken", {}).get(taken_name, 0)) > baseline
-
-        async def disarm() -> None:
-            await endpoint.arm({taken_name: 0})
-
-        self._pending.append(Pending(record, taken, check, disarm))
+        self._pending.append(Pending(record, armed.taken, check, armed.disarm))
         return True
 
     async def _crash(self, kind: FaultKind, record: FaultRecord, endpoint: RunpodEndpoint) -> None:
-        outcome = kind.removeprefix("runpod_crash_")
+        outcome = CRASH_OUTCOME[kind]
         after_s = round(self.rng.uniform(1.0, 8.0), 1)
         record.detail = f"the next delivery's worker is kill -9ed {after_s} s in; job {outcome}"
         crashed_before = _crashed(await endpoint.ledger())
-        baseline = int((await endpoint.fault_state()).get("taken", {}).get("crash", 0))
-        await endpoint.arm({"crash": {"on_delivery": 1, "after_s": after_s, "outcome": outcome}})
+        armed = await endpoint.faults.crash(outcome, after_s=after_s)
         taken_at: list[float] = []
 
         async def check() -> bool:
             if not taken_at:
-                state = await endpoint.fault_state()
-                if int(state.get("taken", {}).get("crash", 0)) <= baseline:
+                if not await armed.taken():
                     return False
                 taken_at.append(time.time())
             if _crashed(await endpoint.ledger()) > crashed_before:
@@ -413,17 +385,10 @@ class FaultInjector:
                 return True
             return False
 
-        async def taken() -> bool:
-            state = await endpoint.fault_state()
-            return int(state.get("taken", {}).get("crash", 0)) > baseline
-
-        async def disarm() -> None:
-            await endpoint.arm({"crash": None})
-
         async def why_not() -> str:
             return "its delivery ended before the kill"
 
-        self._pending.append(Pending(record, taken, check, disarm, why_not))
+        self._pending.append(Pending(record, armed.taken, check, armed.disarm, why_not))
 
     async def _delivery_busy(self, kind: FaultKind) -> set[str]:
         """Endpoints where `kind` cannot be armed now: one whose same fault is still pending
@@ -454,20 +419,20 @@ class FaultInjector:
         lasts_s = None if kind == "runpod_freeze" else round(self.rng.uniform(*LASTS_S), 1)
         if event == "freeze":
             what = "the next delivery's handler is frozen (SIGSTOP)"
-            body: dict[str, Any] = {"after_s": after_s, "thaw_after_s": lasts_s}
         else:
             what = "the next delivery's worker is cut off from S3"
-            body = {"after_s": after_s, "heal_after_s": lasts_s}
         until = "until its worker ends" if lasts_s is None else f"for {lasts_s} s"
         record.detail = f"{what} {after_s} s in, {until}"
         seen_before = len(_events(await endpoint.ledger(), event))
-        baseline = int((await endpoint.fault_state()).get("taken", {}).get(event, 0))
-        await endpoint.arm({event: {"on_delivery": 1, **body}})
+        if event == "freeze":
+            armed = await endpoint.faults.freeze(after_s=after_s, thaw_after_s=lasts_s)
+        else:
+            armed = await endpoint.faults.partition(after_s=after_s, heal_after_s=lasts_s)
         taken_at: list[float] = []
 
         async def check() -> bool:
             if not taken_at:
-                if not await taken():
+                if not await armed.taken():
                     return False
                 taken_at.append(time.time())
             ledger = await endpoint.ledger()
@@ -490,17 +455,10 @@ class FaultInjector:
                 record.detail += f"; ended with its worker ({worker.stop_reason})"
             return record.ended_at is not None
 
-        async def taken() -> bool:
-            state = await endpoint.fault_state()
-            return int(state.get("taken", {}).get(event, 0)) > baseline
-
-        async def disarm() -> None:
-            await endpoint.arm({event: None})
-
         async def why_not() -> str:
             return f"its delivery ended before the {event}"
 
-        self._pending.append(Pending(record, taken, check, disarm, why_not))
+        self._pending.append(Pending(record, armed.taken, check, armed.disarm, why_not))
 
 
 def _events(ledger: Ledger, kind: str) -> list[tuple[LedgerWorker, LedgerWorkerEvent]]:

@@ -1,9 +1,9 @@
 """The soak's own stack, on free loopback ports in a directory of its own, and the levers the
-fault injector pulls.
+fault injector pulls (inject.py's faults, on this stack).
 
 - the Temporal dev server, SeaweedFS and a ComfyUI simulator (for the `comfyui` pool), started
-  and stopped by devstack's launcher (`start_service` / `stop_service`, by PID): a kill -9 and a
-  restart of Temporal or SeaweedFS comes back on the same database file or data directory;
+  and stopped by devstack's launcher, by PID (`services`): a kill -9 and a restart of Temporal
+  or SeaweedFS comes back on the same database file or data directory;
 - a RunPod simulator per endpoint (endpoints.py);
 - two orchestrator workers, `python worker.py` subprocesses (`KillableWorker`) serving every pool.
 
@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
-import signal
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -30,10 +29,12 @@ from temporalio.client import Client
 from activities.storage import ArtifactStore, S3Settings
 from devstack.config import StackConfig
 from devstack.free_ports import make_stack_config
+from devstack.models import ServiceState
 from devstack.processes import PidRecord, is_alive, read_pid_file
 from devstack.seaweed import load_credentials
 from devstack.services import ServiceName, StackPaths
-from devstack.stack import start_service, stop_service
+from devstack.stack import stop_service
+from faults.inject import ServiceFaults
 from faults.soak.endpoints import EndpointSpec, RunpodEndpoint
 from faults.worker_proc import KillableWorker
 from starter import JobClient
@@ -73,6 +74,10 @@ class SoakStack:
     @property
     def paths(self) -> StackPaths:
         return StackPaths.of(self.config, self.work_dir)
+
+    @property
+    def services(self) -> ServiceFaults:
+        return ServiceFaults(self.config, self.work_dir)
 
     @property
     def comfy_url(self) -> str:
@@ -128,26 +133,20 @@ class SoakStack:
 
     # -- levers -------------------------------------------------------------------------------
 
-    async def kill_service(self, name: ServiceName) -> None:
-        """kill -9 the service's process group (a crash: no shutdown of any kind)."""
-        await stop_service(self.config, self.work_dir, name, signal.SIGKILL)
-
     async def start_service(self, name: ServiceName) -> None:
-        """Start it again with the same flags, ports and data; waits until it answers."""
-        last: Exception | None = None
-        for _ in range(RESTART_ATTEMPTS):
-            try:
-                state = await start_service(self.config, self.work_dir, name)
-            except Exception as exc:  # a port grabbed meanwhile, a slow probe: try again
-                last = exc
-                log.warning("service restart failed", service=name, error=str(exc))
-                await asyncio.sleep(2.0)
-                continue
-            record = read_pid_file(self.paths.pid_file(name))
-            if record is not None and record.pid == state.pid:
-                self.service_records.append(record)
-            return
-        raise SoakStackError(f"{name} did not come back: {last}")
+        """Start it with its flags, ports and data; waits until it answers."""
+        self._remember(name, await self.services.start(name, attempts=RESTART_ATTEMPTS))
+
+    async def restart_service(self, name: ServiceName, *, down_s: float) -> None:
+        """kill -9 its process group (a crash: no shutdown of any kind), start it again
+        `down_s` later."""
+        state = await self.services.restart(name, down_s=down_s, attempts=RESTART_ATTEMPTS)
+        self._remember(name, state)
+
+    def _remember(self, name: ServiceName, state: ServiceState) -> None:
+        record = read_pid_file(self.paths.pid_file(name))
+        if record is not None and record.pid == state.pid:
+            self.service_records.append(record)
 
     async def client(self) -> JobClient:
         temporal = await self.temporal_client()

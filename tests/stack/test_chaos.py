@@ -1,9 +1,10 @@
-"""Chaos: real faults injected into the real stack while a job runs (issue 3).
+"""Chaos: real faults injected into the real stack while a job runs.
 
 Workers are `python worker.py` subprocesses that get `kill -9`ed; the Temporal dev server and
 the ComfyUI simulator are killed and restarted by PID; the simulator cuts, stalls or poisons the
-job's socket on request. Every test then checks what the job's owner cares about: the job ends
-in the right state, the GPU work ran once (or was stopped), and nothing was left behind.
+job's socket on request: each fault is faults/inject.py's, as in `make soak` and `make
+demo-chaos`. Every test then checks what the job's owner cares about: the job ends in the right
+state, the GPU work ran once (or was stopped), and nothing was left behind.
 
 The stack is this module's own (its services get killed; the session's `local_stack` must not).
 """
@@ -11,7 +12,6 @@ The stack is this module's own (its services get killed; the session's `local_st
 from __future__ import annotations
 
 import re
-import signal
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -22,7 +22,6 @@ import pytest_asyncio
 from temporalio.client import WorkflowExecutionStatus
 
 from activities.storage import ArtifactStore
-from devstack.comfy_sim.faults import FaultConfig
 from faults.graphs import (
     EARLY_SAVE_NODE,
     SAMPLER_NODE,
@@ -33,9 +32,7 @@ from faults.graphs import (
     two_output_graph,
 )
 from faults.harness import (
-    DROP_LOGGED,
     ORPHAN_SWEEP_S,
-    STALL_LOGGED,
     ChaosCase,
     ChaosStack,
     SimControl,
@@ -43,6 +40,7 @@ from faults.harness import (
     Timeline,
     with_step_delay,
 )
+from faults.inject import crash_worker
 from starter.connection import connect_temporal
 from tests.conftest import StackConfigFactory, free_port
 from workflows.contracts import JobRequest, JobState, JobStatus
@@ -116,9 +114,7 @@ async def test_worker_sigkill_mid_sampling_resumes_from_checkpoint(case: ChaosCa
     job_id = await case.submit(JobRequest(graph=sampler_graph(steps), policy=chaos_policy()))
     async with case.timeline(job_id) as timeline:
         prompt_id = await case.watcher.wait_step(10, node=SAMPLER_NODE)
-        await worker.kill()
-        timeline.mark("worker killed (SIGKILL)")
-        await worker.start()
+        await crash_worker(worker, on_killed=lambda: timeline.mark("worker killed (SIGKILL)"))
         timeline.mark("worker restarted")
         final = await timeline.wait_terminal(timeout_s=JOB_DEADLINE_S)
 
@@ -149,13 +145,13 @@ async def test_temporal_server_killed_and_restarted_mid_job(case: ChaosCase) -> 
     job_id = await case.submit(JobRequest(graph=sampler_graph(60), policy=chaos_policy()))
     async with case.timeline(job_id) as timeline:
         prompt_id = await case.watcher.wait_step(10, node=SAMPLER_NODE)
-        await case.stack.kill("temporal", signal.SIGKILL)
+        await case.stack.services.kill("temporal")
         timeline.mark("temporal server killed (SIGKILL)")
         # Down for longer than the heartbeat timeout (the dev server is back in ~0.3 s
         # otherwise): the prompt runs on while every heartbeat and signal fails.
         down_at = case.watcher.step(prompt_id, SAMPLER_NODE)
         await case.watcher.wait_step(down_at + 25, node=SAMPLER_NODE)
-        await case.stack.start_service("temporal")
+        await case.stack.services.start("temporal")
         timeline.mark("temporal server restarted on the same db")
         final = await timeline.wait_terminal(timeout_s=JOB_DEADLINE_S + 30)
 
@@ -174,7 +170,7 @@ async def test_temporal_server_killed_and_restarted_mid_job(case: ChaosCase) -> 
 async def test_websocket_dropped_mid_job_reattaches_without_resubmitting(case: ChaosCase) -> None:
     await case.workers.start()
     # ~2 events per step (progress_state + progress): cut at about step 10 of 40.
-    await case.sim.arm(FaultConfig(drop_ws_after_events=20))
+    cut = await case.sim_faults.cut_socket(after_events=20)
     job_id = await case.submit(JobRequest(graph=sampler_graph(40), policy=chaos_policy()))
     async with case.timeline(job_id) as timeline:
         final = await timeline.wait_terminal(timeout_s=JOB_DEADLINE_S)
@@ -183,7 +179,7 @@ async def test_websocket_dropped_mid_job_reattaches_without_resubmitting(case: C
     stats = await case.sim.stats()
     assert final.checkpoint is not None and final.checkpoint.prompt_id is not None
     assert stats.prompts == {final.checkpoint.prompt_id: 1}, "no resubmission after a lost socket"
-    assert case.sim_log.seen(DROP_LOGGED), "the simulator never cut the socket"
+    assert cut.fired(), "the simulator never cut the socket"
     assert final.reconnects >= 1, explain(final, timeline)
     assert stats.ws_connections >= 2 + 1, "the job re-attached on a new socket"  # + observer
     assert not timeline.step_regressions(), explain(final, timeline)
@@ -194,14 +190,14 @@ async def test_websocket_stalled_longer_than_heartbeat_timeout(case: ChaosCase) 
     await case.workers.start()
     # Silent for longer than the heartbeat timeout while the prompt runs on: a live prompt
     # behind a quiet socket is not a failure, and must never be submitted again.
-    await case.sim.arm(FaultConfig(stall_ws_s=HEARTBEAT_S + 3.0, stall_after_events=10))
+    stall = await case.sim_faults.stall_socket(for_s=HEARTBEAT_S + 3.0, after_events=10)
     policy = chaos_policy(heartbeat_timeout_s=HEARTBEAT_S)
     job_id = await case.submit(JobRequest(graph=sampler_graph(80), policy=policy))
     async with case.timeline(job_id) as timeline:
         final = await timeline.wait_terminal(timeout_s=JOB_DEADLINE_S)
 
     assert final.state == JobState.COMPLETED, explain(final, timeline)
-    assert case.sim_log.seen(STALL_LOGGED), "the simulator never stalled the socket"
+    assert stall.fired(), "the simulator never stalled the socket"
     assert final.checkpoint is not None and final.checkpoint.prompt_id is not None
     stats = await case.sim.stats()
     assert stats.prompts == {final.checkpoint.prompt_id: 1}, "no resubmission after a stall"
@@ -218,9 +214,12 @@ async def test_comfyui_restart_loses_prompt_and_it_is_resubmitted_once(case: Cha
     job_id = await case.submit(JobRequest(graph=sampler_graph(40), policy=chaos_policy()))
     async with case.timeline(job_id) as timeline:
         first = await case.watcher.wait_step(10, node=SAMPLER_NODE)
-        await case.stack.kill("comfyui_sim", signal.SIGKILL)
-        timeline.mark("comfyui simulator killed (SIGKILL): queue and history lost")
-        await case.stack.start_service("comfyui_sim")
+        await case.stack.services.restart(
+            "comfyui_sim",
+            on_killed=lambda: timeline.mark(
+                "comfyui simulator killed (SIGKILL): queue and history lost"
+            ),
+        )
         timeline.mark("comfyui simulator restarted")
         final = await timeline.wait_terminal(timeout_s=JOB_DEADLINE_S)
 
@@ -239,7 +238,7 @@ async def test_comfyui_restart_loses_prompt_and_it_is_resubmitted_once(case: Cha
 
 async def test_out_of_memory_fails_typed_and_frees_the_backend(case: ChaosCase) -> None:
     await case.workers.start()
-    await case.sim.arm(FaultConfig(oom_next=True))
+    await case.sim_faults.out_of_memory()
     job_id = await case.submit(JobRequest(graph=sampler_graph(20), policy=chaos_policy()))
     async with case.timeline(job_id) as timeline:
         final = await timeline.wait_terminal(timeout_s=JOB_DEADLINE_S)
@@ -331,9 +330,9 @@ async def test_segmented_job_with_worker_killed_in_segment_two(case: ChaosCase) 
     async with case.timeline(job_id) as timeline:
         first = await case.watcher.wait_step(steps, node=SAMPLER_NODE)
         second = await case.watcher.wait_step(8, node=SAMPLER_NODE, exclude={first})
-        await worker.kill()
-        timeline.mark("worker killed (SIGKILL) in segment 2")
-        await worker.start()
+        await crash_worker(
+            worker, on_killed=lambda: timeline.mark("worker killed (SIGKILL) in segment 2")
+        )
         timeline.mark("worker restarted")
         final = await timeline.wait_terminal(timeout_s=JOB_DEADLINE_S)
 
@@ -363,7 +362,7 @@ async def test_stop_during_a_node_that_ignores_interrupts_ends_only_when_the_pro
     case: ChaosCase, how: str
 ) -> None:
     await case.workers.start()
-    await case.sim.arm(FaultConfig(ignore_interrupt_s=STUBBORN_S))
+    await case.sim_faults.ignore_interrupts(for_s=STUBBORN_S)
     policy = chaos_policy(
         abandon_after_s=3.0 if how == "abandon" else None,
         execution_timeout_s=6.0 if how == "deadline" else 300.0,
@@ -405,7 +404,7 @@ async def test_stop_past_the_teardown_horizon_fails_the_teardown_and_holds_the_p
     case: ChaosCase,
 ) -> None:
     await case.workers.start()
-    await case.sim.arm(FaultConfig(ignore_interrupt_s=STUBBORN_S))
+    await case.sim_faults.ignore_interrupts(for_s=STUBBORN_S)
     policy = chaos_policy().model_copy(update={"teardown_horizon_s": 3.0})
     job_id = await case.submit(JobRequest(graph=sampler_graph(600), policy=policy))
     async with case.timeline(job_id) as timeline:

@@ -1,5 +1,6 @@
-"""RunPod under faults (issue 9): the real dev server, SeaweedFS, the RunPod simulator with the
-real `runpod` worker loop, and our workers, while things break.
+"""RunPod under faults: the real dev server, SeaweedFS, the RunPod simulator with the real
+`runpod` worker loop, and our workers, while things break (each fault faults/inject.py's, as in
+`make soak`).
 
 Three simulated endpoints, one each per module:
 - `runpod_sim`: our handler (endpoint/handler.py) with a bucket: claims, progress, S3 outputs;
@@ -32,6 +33,8 @@ from activities.storage import ArtifactStore
 from devstack.models import RunningStack
 from devstack.runpod_sim import Ledger
 from devstack.runpod_sim.ledger import LedgerDelivery, LedgerJob
+from devstack.runpod_sim.settings import DeathOutcome
+from faults.inject import RunpodFaults, crash_worker
 from faults.worker_proc import WorkerFleet
 from protocol.runpod.contract import Claim
 from starter import JobClient
@@ -101,7 +104,7 @@ async def endpoints(
     gpuless_sim: RunpodSim,
 ) -> AsyncIterator[Endpoints]:
     for sim in (runpod_sim, stock_sim, gpuless_sim):
-        await sim.reset_faults()
+        await RunpodFaults(sim.base_url).reset()
     pools = {
         POOL: runpod_pool(runpod_sim, fence_after_s=FENCE_AFTER_S),
         STOCK_POOL: runpod_pool(stock_sim, claims=False),
@@ -213,8 +216,7 @@ async def test_orchestrator_worker_kill_9_mid_job_completes_with_one_gpu_executi
             started.job_id,
             lambda s: s.state == JobState.RUNNING and s.progress.step > 0,
         )
-        await first.kill()
-        await fleet.start("replacement")
+        await crash_worker(first)
         final = await asyncio.wait_for(client.wait(started.job_id), JOB_WITHIN_S)
     finally:
         await fleet.stop_all()
@@ -236,13 +238,13 @@ async def test_orchestrator_worker_kill_9_mid_job_completes_with_one_gpu_executi
 
 @pytest.mark.parametrize("outcome", ["timed_out", "redeliver"])
 async def test_endpoint_worker_crash_mid_job_completes_with_one_complete_gpu_execution(
-    endpoints: Endpoints, short_lease: float, tmp_path: Path, outcome: str
+    endpoints: Endpoints, short_lease: float, tmp_path: Path, outcome: DeathOutcome
 ) -> None:
     """The RunPod worker running the job is kill -9ed mid-sampling. TIMED_OUT: the orchestrator
     waits out the dead holder's claim lease and submits the same submission again, and the new
     delivery takes the claim over. Re-delivery: RunPod hands the same job to another worker,
     whose handler waits out the lease and takes the claim over."""
-    await endpoints.ours.faults(crash={"after_progress": 8, "outcome": outcome})
+    await RunpodFaults(endpoints.ours.base_url).crash(outcome, after_progress=8)
     final = await finish(endpoints.client, job(steps=300, progress_interval_s=0.5))
     assert final.state == JobState.COMPLETED, final.error
     await verified_artifact(endpoints.store, final, tmp_path)
@@ -286,7 +288,7 @@ async def test_a_dropped_run_answer_without_claims_asks_and_resubmits_on_resume(
 ) -> None:
     """Without claims nobody can tell whether the lost `/run` made a job: NEEDS_DECISION; a
     person's `resume --resubmit` sends it again (and pays twice, as the decision says)."""
-    await endpoints.stock.faults(drop_run_answer=1)
+    await RunpodFaults(endpoints.stock.base_url).drop_run_answer()
     client = endpoints.client
     started = await client.submit(job(steps=20).model_copy(update={"pool": STOCK_POOL}))
     asked = await wait_until(
@@ -346,7 +348,7 @@ async def test_a_job_whose_ttl_runs_out_in_the_queue_fails_as_a_queue_timeout(
 async def test_completed_without_output_is_not_a_success(endpoints: Endpoints) -> None:
     """RunPod refused the worker's job-done (as after a result too big for it) and reports the
     job COMPLETED with no output: the job fails, typed, instead of completing empty."""
-    await endpoints.ours.faults(lost_result=1)
+    await RunpodFaults(endpoints.ours.base_url).lost_result()
     final = await finish(endpoints.client, job(steps=20))
     assert final.state == JobState.FAILED
     assert final.error is not None and final.error.type == ErrorType.OUTPUT_MISSING

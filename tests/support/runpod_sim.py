@@ -32,6 +32,7 @@ from devstack.free_ports import free_port
 from devstack.runpod_sim import Ledger
 from devstack.runpod_sim.env_factories import COMFY_FINAL_FILE
 from devstack.runpod_sim.ledger import LedgerWorker
+from faults.inject import RunpodFaults
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ENDPOINT_PYTHON = REPO_ROOT / ".venv-endpoint" / "bin" / "python"
@@ -116,12 +117,12 @@ class RunpodSim:
         return ledger
 
     async def faults(self, **faults: Any) -> dict[str, Any]:
-        """POST /sim/faults (see devstack/runpod_sim/faults.py)."""
-        answer: dict[str, Any] = await self._sim("POST", "/sim/faults", faults)
-        return answer
+        """POST /sim/faults (see devstack/runpod_sim/faults.py), through the fault tooling's
+        one client of it (faults/inject.py)."""
+        return await RunpodFaults(self.base_url).arm(faults)
 
     async def reset_faults(self) -> None:
-        await self._sim("POST", "/sim/reset", {})
+        await RunpodFaults(self.base_url).reset()
 
 
 def _group_alive(pgid: int) -> bool:

@@ -1,6 +1,6 @@
-"""The soak's RunPod worker faults (faults/soak/injector.py: a handler frozen, a worker cut off
-from S3) against a scripted endpoint: what is armed, and each fault's window read back from the
-ledger's worker events. No stack, no server.
+"""The soak's RunPod worker faults (faults/soak/injector.py, armed through faults/inject.py: a
+handler frozen, a worker cut off from S3) against a scripted endpoint: what is armed, and each
+fault's window read back from the ledger's worker events. No stack, no server.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import Any, cast
 import pytest_asyncio
 
 from devstack.runpod_sim import Ledger
+from faults.inject import RunpodFaults
 from faults.soak.endpoints import CLAIMS_FAULTS, STOCK_FAULTS
 from faults.soak.evidence import FaultRecord
 from faults.soak.injector import FaultInjector, FaultKind
@@ -71,6 +72,23 @@ def ledger(*workers: dict[str, Any]) -> Ledger:
     )
 
 
+class ScriptedFaults(RunpodFaults):
+    """The simulator's fault routes, answered from the endpoint's fields."""
+
+    def __init__(self, endpoint: ScriptedEndpoint) -> None:
+        super().__init__("http://scripted.invalid")
+        self.endpoint = endpoint
+
+    async def _get(self, path: str) -> dict[str, Any]:
+        assert path == "/sim/faults", path
+        return self.endpoint.state
+
+    async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        assert path == "/sim/faults", path
+        self.endpoint.armed.append(body)
+        return self.endpoint.state
+
+
 class ScriptedEndpoint:
     """What the injector asks of a RunPod simulator, answered from fields the test sets."""
 
@@ -79,16 +97,10 @@ class ScriptedEndpoint:
         self.now = ledger(worker("w0", ("freeze", 2.0), ("thaw", 3.0)))
         self.state: dict[str, Any] = {"taken": {}}
         self.armed: list[dict[str, Any]] = []
+        self.faults = ScriptedFaults(self)
 
     async def ledger(self) -> Ledger:
         return self.now
-
-    async def fault_state(self) -> dict[str, Any]:
-        return self.state
-
-    async def arm(self, body: dict[str, Any]) -> dict[str, Any]:
-        self.armed.append(body)
-        return self.state
 
 
 class Injector(FaultInjector):
