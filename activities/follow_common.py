@@ -19,6 +19,7 @@ from datetime import UTC, datetime
 from typing import Any, Literal
 
 from temporalio import activity
+from temporalio.exceptions import ApplicationError
 
 from workflows.activity_io import FollowHeartbeat, FollowInput
 from workflows.contracts import Checkpoint, ProgressReport
@@ -116,6 +117,22 @@ def restore_checkpoint(heartbeat: FollowHeartbeat | None, req: FollowInput) -> C
         prompt_id=req.prompt_id,
         client_id=req.client_id,
         updated_at=datetime.now(UTC),
+    )
+
+
+def with_resume_point(
+    error: ApplicationError, resume_point: Callable[[], FollowHeartbeat]
+) -> ApplicationError:
+    """A retryable failure carries the attempt's heartbeat, so the workflow re-attaches from its
+    checkpoint; a Retry-After the failure was given (`next_retry_delay`) stays with it."""
+    if error.non_retryable:
+        return error
+    return ApplicationError(
+        error.message,
+        resume_point().model_dump(mode="json"),
+        type=error.type,
+        non_retryable=False,
+        next_retry_delay=error.next_retry_delay,
     )
 
 

@@ -39,6 +39,7 @@ from activities.follow_common import (
     Milestones,
     restore_checkpoint,
     send_progress,
+    with_resume_point,
     worker_identity,
 )
 from activities.follow_common import Stage as ReportStage
@@ -150,19 +151,18 @@ class FollowAttempt:
             await self._drain_uploads()
             stored = True
         except (OSError, websockets.exceptions.WebSocketException) as exc:
-            raise self._with_progress(
-                retryable(
-                    ErrorType.CONNECTION_LOST, f"ComfyUI socket lost: {type(exc).__name__}: {exc}"
-                )
-            ) from exc
+            lost = f"ComfyUI socket lost: {type(exc).__name__}: {exc}"
+            failure = retryable(ErrorType.CONNECTION_LOST, lost)
+            raise with_resume_point(failure, self._resume_point) from exc
         except ComfyError as exc:
-            raise self._with_progress(from_comfy(exc, "following the prompt")) from exc
+            failure = from_comfy(exc, "following the prompt")
+            raise with_resume_point(failure, self._resume_point) from exc
         except PromptLost as exc:
             raise fatal(ErrorType.PROMPT_LOST, str(exc)) from None
         except ApplicationError as exc:
             if exc.type == ErrorType.BACKEND_FAULT:
                 self.health.mark_unhealthy(self.req.named_pool, exc.message)
-            raise self._with_progress(exc) from None
+            raise with_resume_point(exc, self._resume_point) from None
         finally:
             for task in self.uploads:
                 task.cancel()
@@ -212,17 +212,6 @@ class FollowAttempt:
             if failed_in_history(entry):
                 raise history_failure(history_messages(entry))
             await self.follower.ending()
-
-    def _with_progress(self, error: ApplicationError) -> ApplicationError:
-        """A retryable failure carries the checkpoint, so the workflow re-attaches from it."""
-        if error.non_retryable:
-            return error
-        return ApplicationError(
-            error.message,
-            self._resume_point().model_dump(mode="json"),
-            type=error.type,
-            non_retryable=False,
-        )
 
     # --- the follower's listener -------------------------------------------------------------
 

@@ -35,6 +35,7 @@ from activities.follow_common import (
     Stage,
     restore_checkpoint,
     send_progress,
+    with_resume_point,
     worker_identity,
 )
 from activities.live_progress import LiveProgress
@@ -223,10 +224,11 @@ class RunPodFollower:
         except _CompletedFromClaim as done:
             return done.result
         except RunPodError as exc:
-            error = self._with_progress(from_runpod(exc, "following the RunPod job"))
+            failure = from_runpod(exc, "following the RunPod job")
+            error = with_resume_point(failure, self._resume_point)
             raise self._at_most_once(error) from None
         except ApplicationError as exc:
-            raise self._at_most_once(self._with_progress(exc)) from None
+            raise self._at_most_once(with_resume_point(exc, self._resume_point)) from None
 
     def _at_most_once(self, error: ApplicationError) -> ApplicationError:
         """A lost prompt on a pool with claims says it cannot run twice: a new delivery takes
@@ -960,18 +962,6 @@ class RunPodFollower:
         finally:
             if not task.done():
                 task.cancel()
-
-    def _with_progress(self, error: ApplicationError) -> ApplicationError:
-        """A retryable failure carries the checkpoint, so the workflow re-attaches from it."""
-        if error.non_retryable:
-            return error
-        return ApplicationError(
-            error.message,
-            self._resume_point().model_dump(mode="json"),
-            type=error.type,
-            non_retryable=False,
-            next_retry_delay=error.next_retry_delay,
-        )
 
     async def _report(
         self,
