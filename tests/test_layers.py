@@ -28,7 +28,9 @@ Temporal): every module `endpoint/handler.py` reaches, transitively, must lie in
 from __future__ import annotations
 
 import ast
+import builtins
 import graphlib
+import importlib
 import os
 import re
 import shutil
@@ -342,3 +344,166 @@ def test_no_import_cycle_in_the_product() -> None:
         tuple(graphlib.TopologicalSorter(graph).static_order())
     except graphlib.CycleError as cycle:
         pytest.fail(f"import cycle: {' -> '.join(cycle.args[1])}")
+
+
+# --- one error tree per side ------------------------------------------------------------------
+
+# Each side keeps its exception classes in one module, and each boundary maps them once (as
+# httpx does): a class defined anywhere else is a tree grown on the side.
+ERROR_TREES = {
+    "workflows/errors.py",  # the workflow and the activities
+    "protocol/errors.py",  # the core the worker and the handler share
+    "configuration/errors.py",  # a setting, the production file or the codec's key ring
+    "starter/errors.py",  # the client library
+    "gateway/errors.py",  # the HTTP API
+    "endpoint/errors.py",  # the RunPod handler
+}
+# Being moved into ERROR_TREES; empty once every tree is in its module.
+LEGACY = {
+    "activities/runpod/artifacts.py",
+    "activities/runpod/errors.py",
+    "activities/runpod/follow.py",
+    "activities/storage_errors.py",
+    "activities/url_fetch.py",
+    "activities/webhook_target.py",
+    "endpoint/claims.py",
+    "endpoint/inputs.py",
+    "endpoint/job_files.py",
+    "endpoint/outputs.py",
+    "endpoint/settings.py",
+    "endpoint/staged_inputs.py",
+    "endpoint/upload.py",
+    "gateway/auth.py",
+    "gateway/feed.py",
+    "gateway/limits.py",
+    "gateway/middleware.py",
+    "protocol/comfyui/client.py",
+    "protocol/comfyui/follower.py",
+    "protocol/comfyui/history.py",
+    "starter/codec.py",
+    "starter/doctor.py",
+    "starter/staging.py",
+    "workflows/graph.py",
+    "workflows/request_checks.py",
+    "workflows/tenancy.py",
+}
+PRODUCT_CODE = (
+    "workflows",
+    "protocol",
+    "activities",
+    "configuration",
+    "starter",
+    "gateway",
+    "endpoint",
+    "worker.py",
+)
+
+
+class ExceptionClasses:
+    """Which classes of the product's files are exceptions, read from the source alone (the
+    handler's modules need a venv of their own): a base is followed through the file's imports
+    to the project's class it names, or to the library's, which is imported and asked."""
+
+    def __init__(self) -> None:
+        self.files: dict[str, Path] = {}
+        for layer in PRODUCT_CODE:
+            for path in files_of(layer):
+                parts = path.relative_to(ROOT).with_suffix("").parts
+                self.files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+        self.trees = {name: ast.parse(path.read_text()) for name, path in self.files.items()}
+        self.unresolved: set[str] = set()
+        self._known: dict[tuple[str, str], bool] = {}
+
+    def names(self, module: str) -> dict[str, str]:
+        """What each top-level name of `module` is bound to: a dotted path, or `module.name`
+        for its own classes."""
+        bound: dict[str, str] = {}
+        for node in self.trees[module].body:
+            if isinstance(node, ast.ClassDef):
+                bound[node.name] = f"{module}.{node.name}"
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.asname:
+                        bound[alias.asname] = alias.name
+                    else:
+                        head = alias.name.split(".")[0]
+                        bound[head] = head
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                for alias in node.names:
+                    bound[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+        return bound
+
+    def is_exception(self, dotted: str) -> bool:
+        module, _, name = dotted.rpartition(".")
+        if not module:
+            builtin = getattr(builtins, name, None)
+            return isinstance(builtin, type) and issubclass(builtin, BaseException)
+        if (module, name) in self._known:
+            return self._known[module, name]
+        self._known[module, name] = False  # a cycle of bases answers no
+        if module in self.trees:
+            found = self.names(module).get(name)
+            if found is None:
+                answer = False
+            elif found == dotted:
+                node = next(
+                    n
+                    for n in self.trees[module].body
+                    if isinstance(n, ast.ClassDef) and n.name == name
+                )
+                answer = any(self.base_is_exception(module, base) for base in node.bases)
+            else:
+                answer = self.is_exception(found)
+        else:
+            answer = self.library_exception(module, name)
+        self._known[module, name] = answer
+        return answer
+
+    def library_exception(self, module: str, name: str) -> bool:
+        try:
+            value = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):
+            try:
+                value = importlib.import_module(f"{module}.{name}")
+            except ImportError:
+                self.unresolved.add(f"{module}.{name}")
+                return False
+        return isinstance(value, type) and issubclass(value, BaseException)
+
+    def base_is_exception(self, module: str, base: ast.expr) -> bool:
+        if isinstance(base, ast.Subscript):
+            base = base.value
+        dotted = ast.unparse(base)
+        if (
+            not isinstance(base, ast.Name | ast.Attribute)
+            or not dotted.replace(".", "").isidentifier()
+        ):
+            return False
+        head, _, rest = dotted.partition(".")
+        bound = self.names(module).get(head)
+        if bound is None:
+            return self.is_exception(head)
+        return self.is_exception(f"{bound}.{rest}" if rest else bound)
+
+    def defined_in(self) -> dict[str, list[str]]:
+        """Each file defining an exception class (at any depth), with those classes."""
+        found: dict[str, list[str]] = {}
+        for module, tree in self.trees.items():
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ClassDef) and any(
+                    self.base_is_exception(module, base) for base in node.bases
+                ):
+                    where = str(self.files[module].relative_to(ROOT))
+                    found.setdefault(where, []).append(node.name)
+        return found
+
+
+def test_exception_classes_are_defined_in_one_module_per_side() -> None:
+    classes = ExceptionClasses()
+    defined = classes.defined_in()
+    strays = {where: names for where, names in defined.items() if where not in ERROR_TREES | LEGACY}
+    assert strays == {}, "define these in their side's error module (ERROR_TREES)"
+    assert classes.unresolved == set()
+    # The walk itself: it sees the trees, through imports and library bases alike.
+    assert sum(len(names) for names in defined.values()) >= 90
+    assert set(defined) >= ERROR_TREES - {"workflows/errors.py", "endpoint/errors.py"}

@@ -112,3 +112,32 @@ def test_the_cost_of_a_failed_provider_job_is_read_from_the_failure() -> None:
         is None
     )
     assert failure_cost(heartbeat_timeout()) is None
+
+
+def test_the_error_types_never_change() -> None:
+    """Clients branch on these strings and replay histories hold them (histories/*.json): the
+    class may move, but a value renamed or dropped breaks both; a new one is added here."""
+    assert {k: v for k, v in vars(ErrorType).items() if k.isupper()} == {
+        "INVALID_REQUEST": "InvalidRequest",
+        "INVALID_GRAPH": "InvalidGraph",
+        "UNKNOWN_POOL": "UnknownPool",
+        "MISSING_INPUT": "MissingInput",
+        "PROMPT_REJECTED": "PromptRejected",
+        "BACKEND_UNAVAILABLE": "BackendUnavailable",
+        "BACKEND_ERROR": "BackendError",
+        "CONNECTION_LOST": "ConnectionLost",
+        "EXECUTION_ERROR": "ExecutionError",
+        "OUT_OF_MEMORY": "OutOfMemory",
+        "BACKEND_FAULT": "BackendFault",
+        "INTERRUPTED": "Interrupted",
+        "PROMPT_LOST": "PromptLost",
+        "SUBMISSION_AMBIGUOUS": "SubmissionAmbiguous",
+        "OUTPUT_MISSING": "OutputMissing",
+        "STORAGE_ERROR": "StorageError",
+        "TIMEOUT": "Timeout",
+        "QUEUE_TIMEOUT": "QueueTimeout",
+        "TEARDOWN_FAILED": "TeardownFailed",
+        "CANCELLED": "Cancelled",
+        "RESUME_REFUSED": "ResumeRefused",
+        "ABANDONED": "Abandoned",
+    }
