@@ -25,16 +25,7 @@ from activities.inputs import refuse_inputs_outside_area
 from activities.webhooks import WebhookDeliverer
 from configuration.pools import PoolConfig
 from configuration.settings import S3Settings
-from workflows.activity_io import (
-    FollowInput,
-    FollowResult,
-    OffloadInput,
-    OffloadResult,
-    PreparedJob,
-    PrepareInput,
-    StopCheck,
-    StopInput,
-)
+from workflows import activity_io
 from workflows.failures import as_refused_before_submission
 from workflows.shared import (
     ACTIVITY_FOLLOW,
@@ -48,22 +39,22 @@ from workflows.shared import (
 class Backend(Protocol):
     """What a kind of pool must do. Each call runs inside its activity (heartbeats, signals)."""
 
-    async def prepare(self, req: PrepareInput, pool: str) -> PreparedJob:
+    async def prepare(self, req: activity_io.PrepareInput, pool: str) -> activity_io.PreparedJob:
         """Check the graph against the pool and stage its inputs; no GPU time is spent."""
         ...
 
-    async def follow(self, req: FollowInput) -> FollowResult:
+    async def follow(self, req: activity_io.FollowInput) -> activity_io.FollowResult:
         """Submit (when `req.graph` is set and the backend does not know the prompt yet), then
         follow to the end: heartbeat a `FollowHeartbeat` on every event, send `progress`
         signals, store each output as it appears. A broken path fails retryably with the
         heartbeat as details; a prompt the backend provably lost fails as `PromptLost`."""
         ...
 
-    async def offload(self, req: OffloadInput) -> OffloadResult:
+    async def offload(self, req: activity_io.OffloadInput) -> activity_io.OffloadResult:
         """Make sure every output of the prompt is stored and verified (size, sha256)."""
         ...
 
-    async def stop(self, req: StopInput) -> StopCheck:
+    async def stop(self, req: activity_io.StopInput) -> activity_io.StopCheck:
         """One check of a stop: dequeue or interrupt if needed, then say where the work is."""
         ...
 
@@ -112,7 +103,7 @@ class JobActivities:
         self._storage = storage
 
     @activity.defn(name=ACTIVITY_PREPARE)
-    async def prepare_prompt(self, req: PrepareInput) -> PreparedJob:
+    async def prepare_prompt(self, req: activity_io.PrepareInput) -> activity_io.PreparedJob:
         pool, backend = self._backends.resolve(req.pool)
         # Here, once for every kind of pool, before any input is read: a tenant's job names
         # only its own files (workflows/tenancy.py).
@@ -126,7 +117,7 @@ class JobActivities:
         return await backend.prepare(req, pool)
 
     @activity.defn(name=ACTIVITY_FOLLOW)
-    async def follow_prompt(self, req: FollowInput) -> FollowResult:
+    async def follow_prompt(self, req: activity_io.FollowInput) -> activity_io.FollowResult:
         if req.prepare is None:
             pool, backend = self._backends.resolve(req.pool)
             return await backend.follow(_on_pool(req, pool))
@@ -141,12 +132,12 @@ class JobActivities:
         return result.model_copy(update={"pool": pool, "kind": prepared.kind})
 
     @activity.defn(name=ACTIVITY_OFFLOAD)
-    async def offload_outputs(self, req: OffloadInput) -> OffloadResult:
+    async def offload_outputs(self, req: activity_io.OffloadInput) -> activity_io.OffloadResult:
         pool, backend = self._backends.resolve(req.pool)
         return await backend.offload(_on_pool(req, pool))
 
     @activity.defn(name=ACTIVITY_STOP)
-    async def stop_prompt(self, req: StopInput) -> StopCheck:
+    async def stop_prompt(self, req: activity_io.StopInput) -> activity_io.StopCheck:
         pool, backend = self._backends.resolve(req.pool)
         check = await backend.stop(_on_pool(req, pool))
         if req.pool is not None:
@@ -154,7 +145,9 @@ class JobActivities:
         return check.model_copy(update={"pool": pool, "kind": self._backends.kind_of(pool)})
 
 
-_Routed = TypeVar("_Routed", FollowInput, OffloadInput, StopInput)
+_Routed = TypeVar(
+    "_Routed", activity_io.FollowInput, activity_io.OffloadInput, activity_io.StopInput
+)
 
 
 def _on_pool(req: _Routed, pool: str) -> _Routed:

@@ -11,17 +11,7 @@ from activities.comfyui.pools import ComfyPools
 from activities.heartbeat_budget import HeartbeatBudget
 from activities.live_progress import LiveProgress
 from activities.storage import ArtifactStore
-from workflows.activity_io import (
-    FollowHeartbeat,
-    FollowInput,
-    FollowResult,
-    OffloadInput,
-    OffloadResult,
-    PreparedJob,
-    PrepareInput,
-    StopCheck,
-    StopInput,
-)
+from workflows import activity_io
 
 
 class ComfyBackend:
@@ -39,18 +29,20 @@ class ComfyBackend:
         self._follow = FollowActivities(pools, store, budget, live)
         self._offload = OffloadActivities(pools, store)
 
-    async def prepare(self, req: PrepareInput, pool: str) -> PreparedJob:
+    async def prepare(self, req: activity_io.PrepareInput, pool: str) -> activity_io.PreparedJob:
         return await self.comfy.prepare_prompt(req.model_copy(update={"pool": pool}))
 
-    async def follow(self, req: FollowInput) -> FollowResult:
+    async def follow(self, req: activity_io.FollowInput) -> activity_io.FollowResult:
         """Follow the prompt to its end, then reconcile its outputs with `/history` in the same
         activity: one round trip to the workflow fewer than a separate offload."""
         attempt = self._follow.attempt(req)
         followed = await attempt.run(read_history=True)
-        resume_point = FollowHeartbeat(checkpoint=followed.checkpoint, artifacts=followed.artifacts)
+        resume_point = activity_io.FollowHeartbeat(
+            checkpoint=followed.checkpoint, artifacts=followed.artifacts
+        )
         try:
             offloaded = await self._offload.offload_outputs(
-                OffloadInput(
+                activity_io.OffloadInput(
                     job_id=req.job_id,
                     pool=req.pool,
                     prompt_id=req.prompt_id,
@@ -69,8 +61,8 @@ class ComfyBackend:
             attempt.drop_history()
         return followed.model_copy(update={"artifacts": offloaded.artifacts})
 
-    async def offload(self, req: OffloadInput) -> OffloadResult:
+    async def offload(self, req: activity_io.OffloadInput) -> activity_io.OffloadResult:
         return await self._offload.offload_outputs(req)
 
-    async def stop(self, req: StopInput) -> StopCheck:
+    async def stop(self, req: activity_io.StopInput) -> activity_io.StopCheck:
         return await self.comfy.stop_prompt(req)

@@ -41,16 +41,7 @@ from protocol.runpod.contract import (
     StagedInput,
     inputs_folder,
 )
-from workflows.activity_io import (
-    FollowInput,
-    FollowResult,
-    OffloadInput,
-    OffloadResult,
-    PreparedJob,
-    PrepareInput,
-    StopCheck,
-    StopInput,
-)
+from workflows import activity_io
 from workflows.contracts import Artifact
 from workflows.graph import (
     GraphFormatError,
@@ -85,7 +76,7 @@ class RunPodBackend:
         self._poll_s = poll_s
         self._live = live
 
-    async def prepare(self, req: PrepareInput, pool: str) -> PreparedJob:
+    async def prepare(self, req: activity_io.PrepareInput, pool: str) -> activity_io.PreparedJob:
         """Check the graph (against the endpoint's node registry when one is known:
         activities/runpod/nodes.py) and stage the input files in the job's bucket folder, all
         before any RunPod job exists; ComfyUI's own validation on the worker refuses the rest
@@ -125,7 +116,7 @@ class RunPodBackend:
             )
             staged[name] = key
         log.info("prepared", job_id=req.job_id, pool=pool, inputs=len(staged), bytes=total)
-        return PreparedJob(
+        return activity_io.PreparedJob(
             pool=pool,
             kind="runpod",
             graph=req.graph,
@@ -134,7 +125,7 @@ class RunPodBackend:
             staged_inputs=staged,
         )
 
-    async def follow(self, req: FollowInput) -> FollowResult:
+    async def follow(self, req: activity_io.FollowInput) -> activity_io.FollowResult:
         pool, client = self._pools[req.named_pool], self._clients[req.named_pool]
         inputs = RunInputs()
         if req.graph is not None:
@@ -146,7 +137,7 @@ class RunPodBackend:
         # the job's folder): the workflow schedules no offload for it.
         return await follower.run()
 
-    async def _inline(self, req: FollowInput) -> RunInputs:
+    async def _inline(self, req: activity_io.FollowInput) -> RunInputs:
         """A stock endpoint: the files themselves, base64 in `input.images`."""
         bucket = req.output.bucket or self._store.settings.bucket
         images = []
@@ -155,7 +146,7 @@ class RunPodBackend:
             images.append(InputImage(name=name, image=base64.b64encode(data).decode()))
         return RunInputs(images=images)
 
-    async def _by_reference(self, req: FollowInput) -> RunInputs:
+    async def _by_reference(self, req: activity_io.FollowInput) -> RunInputs:
         """Our handler: where each file is and what it must hash to; it fetches them itself."""
         bucket = req.output.bucket or self._store.settings.bucket
         staged = []
@@ -169,7 +160,7 @@ class RunPodBackend:
             staged.append(StagedInput(name=name, key=key, size=head.size, sha256=head.sha256))
         return RunInputs(staged=staged)
 
-    async def offload(self, req: OffloadInput) -> OffloadResult:
+    async def offload(self, req: activity_io.OffloadInput) -> activity_io.OffloadResult:
         """Every output is in S3 by now: verify what the job holds, and after a failure add
         what the claim says the handler stored before it stopped."""
         kept = {a.key: a for a in req.stored}
@@ -213,9 +204,9 @@ class RunPodBackend:
                     f"{artifact.uri} is not stored as stated (size {artifact.size}, "
                     f"sha256 {artifact.sha256[:12]}...)",
                 )
-        return OffloadResult(artifacts=sorted(verified, key=lambda a: a.key))
+        return activity_io.OffloadResult(artifacts=sorted(verified, key=lambda a: a.key))
 
-    async def stop(self, req: StopInput) -> StopCheck:
+    async def stop(self, req: activity_io.StopInput) -> activity_io.StopCheck:
         """One check: cancel the RunPod job unless it ended, then say where its prompt is
         (`stop_verdict`: with claims, as the handler records it, never a lapsed lease)."""
         pool, client = self._pools[req.named_pool], self._clients[req.named_pool]
@@ -230,7 +221,7 @@ class RunPodBackend:
         if job_id is None:
             # No RunPod job is known for the prompt: it never reached RunPod, as far as anyone
             # can tell (the workflow's settled pass decides what that means).
-            return StopCheck(at=now, position="gone", ended="unknown")
+            return activity_io.StopCheck(at=now, position="gone", ended="unknown")
         try:
             job, action = await self._cancelled(client, job_id, pool)
             if (
@@ -249,10 +240,12 @@ class RunPodBackend:
                 action = holder_action if holder_action != "none" else action
         except RunPodJobGone:
             await submissions.ended(self._store, req.named_pool, req.job_id, req.prompt_id)
-            return StopCheck(at=now, position="gone", ended="unknown", message="unknown to RunPod")
+            return activity_io.StopCheck(
+                at=now, position="gone", ended="unknown", message="unknown to RunPod"
+            )
         except RunPodError as exc:
             error = from_runpod(exc, f"stopping RunPod job {job_id}")
-            return StopCheck(at=now, position="unreachable", message=error.message)
+            return activity_io.StopCheck(at=now, position="unreachable", message=error.message)
         if job.state is not None and job.state.terminal:
             # Nothing left for the orphan sweep to cancel (the handler may still be stopping
             # the prompt: that is the claim's business, not the sweep's).
