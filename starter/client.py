@@ -166,6 +166,24 @@ _UNREACHABLE_CODES = frozenset(
     {RPCStatusCode.UNAVAILABLE, RPCStatusCode.DEADLINE_EXCEEDED, RPCStatusCode.CANCELLED}
 )
 
+
+def _job_missing(exc: RPCError) -> bool:
+    """NOT_FOUND names the job, unless it is the namespace that is missing."""
+    return exc.status == RPCStatusCode.NOT_FOUND and not is_namespace_missing(
+        exc.status.name, exc.message
+    )
+
+
+def _unanswered(job_id: str, exc: RPCError) -> RPCError:
+    """A query's failure that says no worker answered, for the caller to fall back on Temporal's
+    record; a job that does not exist raises `JobNotFound`, any other failure itself."""
+    if _job_missing(exc):
+        raise JobNotFound(job_id) from exc
+    if exc.status not in _UNANSWERED_CODES:
+        raise exc
+    return exc
+
+
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -521,13 +539,7 @@ class JobClient:
             )
             return events
         except RPCError as exc:
-            if exc.status == RPCStatusCode.NOT_FOUND and not is_namespace_missing(
-                exc.status.name, exc.message
-            ):
-                raise JobNotFound(job_id) from exc
-            if exc.status not in _UNANSWERED_CODES:
-                raise
-            failure: Exception = exc
+            failure: Exception = _unanswered(job_id, exc)
         except WorkflowQueryFailedError as exc:
             failure = exc
         # No worker answered: the status as Temporal alone gives it, with no journal.
@@ -625,13 +637,7 @@ class JobClient:
             )
             return status
         except RPCError as exc:
-            if exc.status == RPCStatusCode.NOT_FOUND and not is_namespace_missing(
-                exc.status.name, exc.message
-            ):
-                raise JobNotFound(job_id) from exc
-            if exc.status not in _UNANSWERED_CODES:
-                raise
-            failure: Exception = exc
+            failure: Exception = _unanswered(job_id, exc)
             if exc.status != RPCStatusCode.FAILED_PRECONDITION:
                 failure = TimeoutError(
                     f"no answer to its status query in {self.query_timeout.total_seconds():g} s"
@@ -674,9 +680,7 @@ class JobClient:
         try:
             return await self.handle(job_id).describe()
         except RPCError as exc:
-            if exc.status == RPCStatusCode.NOT_FOUND and not is_namespace_missing(
-                exc.status.name, exc.message
-            ):
+            if _job_missing(exc):
                 raise JobNotFound(job_id) from exc
             raise
 
@@ -1050,9 +1054,7 @@ class JobClient:
             details = cause.details if isinstance(cause, ApplicationError) else ()
             final = _final_status(details[0] if details else None)
         except RPCError as exc:
-            if exc.status == RPCStatusCode.NOT_FOUND and not is_namespace_missing(
-                exc.status.name, exc.message
-            ):
+            if _job_missing(exc):
                 raise JobNotFound(job_id) from exc
             raise
         if final is not None and final.job_id == job_id:
