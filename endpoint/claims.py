@@ -38,6 +38,7 @@ from typing import Any
 
 from botocore.exceptions import BotoCoreError, ClientError
 
+from endpoint.errors import ClaimConflict, ClaimError
 from endpoint.s3 import S3, S3_FAILURES, Patience, error_code, is_conflict, is_missing
 from protocol.runpod.contract import MAX_EARLIER_HOLDERS, Claim, ClaimOutcome, EarlierHolder
 
@@ -45,14 +46,6 @@ from protocol.runpod.contract import MAX_EARLIER_HOLDERS, Claim, ClaimOutcome, E
 CLOCK_RESOLUTION_S = 1.0
 # Reads and conditional writes before `acquire` gives up on a claim that keeps changing.
 ACQUIRE_ROUNDS = 5
-
-
-class ClaimError(Exception):
-    """S3 could not be read or written (not a lost race): worth retrying later."""
-
-
-class ClaimConflict(Exception):
-    """A conditional write lost: someone else wrote the claim since we read it."""
 
 
 @dataclass(frozen=True)

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import structlog
 
-from endpoint.claims import ClaimConflict, ClaimError
-from endpoint.inputs import InputProblem
-from endpoint.outputs import OutputTooLarge
+from endpoint.errors import (
+    ClaimConflict,
+    ClaimError,
+    InputProblem,
+    OutputTooLarge,
+    SettingsError,
+    StagedInputMissing,
+    UploadError,
+)
 from endpoint.s3 import S3_FAILURES, error_code
-from endpoint.settings import SettingsError
-from endpoint.staged_inputs import StagedInputMissing
-from endpoint.upload import UploadError
 from protocol.comfyui.client import (
     ComfyHTTPError,
     ComfyPromptRejected,

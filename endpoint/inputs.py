@@ -13,11 +13,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from endpoint.errors import InputProblem
 from protocol.runpod.contract import EndpointInput, InputImage
-
-
-class InputProblem(ValueError):
-    """The job's input cannot be run; the message is for the sender."""
 
 
 def read_input(raw: Any) -> EndpointInput:

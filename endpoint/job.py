@@ -26,22 +26,14 @@ from typing import Any, NoReturn
 import httpx
 import structlog
 
-from endpoint.claims import (
-    Acquired,
-    ClaimConflict,
-    ClaimError,
-    ClaimStore,
-    Decision,
-    Finished,
-    HeldElsewhere,
-    StoredClaim,
-)
+from endpoint.claims import Acquired, ClaimStore, Decision, Finished, HeldElsewhere, StoredClaim
+from endpoint.errors import ClaimConflict, ClaimError, InputProblem
 from endpoint.execution import Execution, ExecutionResult
 from endpoint.failures import failure_of, failure_of_end
 from endpoint.fence_file import FenceFile
 from endpoint.fencing import SelfFence, fenced_error
 from endpoint.handover import inline_outputs, succeeded
-from endpoint.inputs import InputProblem, read_input
+from endpoint.inputs import read_input
 from endpoint.lease import Lease
 from endpoint.nodes import PUBLISHER
 from endpoint.outputs import Base64Sink, OutputSink, S3Sink

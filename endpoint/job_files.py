@@ -34,6 +34,7 @@ from typing import Any, Literal
 
 import structlog
 
+from endpoint.errors import UnsafePath
 from endpoint.settings import ComfyFolders
 from protocol.comfyui.events import output_files
 from protocol.keys import shown
@@ -78,10 +79,6 @@ def with_fresh_outputs(graph: Mapping[str, Any], prompt_id: str) -> dict[str, An
             node = {**node, "inputs": {**inputs, RUN_MARKER_INPUT: prompt_id}}
         fresh[node_id] = node
     return fresh
-
-
-class UnsafePath(ValueError):
-    """A name that would leave its folder (or names no file in it)."""
 
 
 def inside(folder: Path, relative: str) -> Path:

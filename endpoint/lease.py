@@ -37,7 +37,8 @@ from typing import Self
 
 import structlog
 
-from endpoint.claims import ClaimConflict, ClaimError, ClaimStore, StoredClaim, fresh_claim
+from endpoint.claims import ClaimStore, StoredClaim, fresh_claim
+from endpoint.errors import ClaimConflict, ClaimError
 from endpoint.fence_file import FenceFile, epoch_of
 from endpoint.s3 import Patience
 from protocol.runpod.contract import (

@@ -26,8 +26,9 @@ from typing import Any, Protocol
 
 import structlog
 
+from endpoint.errors import OutputTooLarge, UploadError
 from endpoint.s3 import DEFAULT_RETRY_S, S3, Patience
-from endpoint.upload import UploadError, stream_to_s3
+from endpoint.upload import stream_to_s3
 from protocol.comfyui.client import ComfyClient, UnsafeOutputName
 from protocol.comfyui.events import output_files
 from protocol.keys import content_type_for, in_another_run, shown
@@ -41,10 +42,6 @@ MAX_PARALLEL = 2
 MAX_BASE64_BYTES = 12 * 1024 * 1024
 # Stock clients get a presigned GET URL for S3 outputs, as from worker-comfyui.
 PRESIGN_TTL_S = 7 * 24 * 3600
-
-
-class OutputTooLarge(Exception):
-    """Base64 outputs would not fit in a RunPod result."""
 
 
 # Opens the output file's byte stream (ComfyUI's /view), once per try.

@@ -43,7 +43,8 @@ import boto3
 import httpx
 from botocore.config import Config
 
-from endpoint.claims import ClaimConflict, ClaimError, ClaimStore, StoredClaim
+from endpoint.claims import ClaimStore, StoredClaim
+from endpoint.errors import ClaimConflict, ClaimError
 from endpoint.fence_file import ClaimPlace, FenceState
 from endpoint.outputs import OutputCollector, S3Sink
 from endpoint.s3 import S3, Patience

@@ -15,15 +15,12 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
 
+from endpoint.errors import SettingsError
 from endpoint.fence_file import DEFAULT_FENCE_FILE
 
 DEFAULT_COMFY_URL = "http://127.0.0.1:8188"
 # ComfyUI's root in worker-comfyui's images, which endpoint/Dockerfile builds on.
 DEFAULT_COMFY_DIR = Path("/comfyui")
-
-
-class SettingsError(ValueError):
-    """The environment is not usable; the message names the variable to fix."""
 
 
 @dataclass(frozen=True)

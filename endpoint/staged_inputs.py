@@ -15,7 +15,7 @@ from typing import Any
 
 import structlog
 
-from endpoint.inputs import InputProblem
+from endpoint.errors import InputProblem, StagedInputMissing
 from endpoint.job_files import JobFiles
 from endpoint.s3 import S3, S3_FAILURES, is_missing
 from protocol.comfyui.client import ComfyClient
@@ -24,10 +24,6 @@ from protocol.runpod.contract import MAX_INPUT_FILE_BYTES, StagedInput
 log = structlog.get_logger(__name__)
 
 READ_CHUNK = 1024 * 1024
-
-
-class StagedInputMissing(Exception):
-    """A staged input is not in the bucket (deleted, or another bucket's credentials)."""
 
 
 @dataclass(frozen=True)

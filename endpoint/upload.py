@@ -22,6 +22,7 @@ from typing import Any
 
 import structlog
 
+from endpoint.errors import UploadError
 from endpoint.s3 import S3, S3_FAILURES, Patience, error_code, is_transient
 from protocol import multipart
 from protocol.errors import TooManyParts
@@ -39,15 +40,6 @@ ABORT_BUDGET_S = 30.0
 # (aborted by a lifecycle rule, or completed by a try whose answer was lost), or the copy that
 # stamps the digest lost its condition to a retried try of its own.
 START_OVER_CODES = frozenset({"NoSuchUpload", "PreconditionFailed", "412"})
-
-
-class UploadError(Exception):
-    """The object could not be stored, or is not stored as streamed. `again`: streaming the
-    file once more may succeed."""
-
-    def __init__(self, message: str, *, again: bool = False) -> None:
-        super().__init__(message)
-        self.again = again
 
 
 @dataclass(frozen=True)

@@ -76,15 +76,11 @@ import httpx  # noqa: E402
 import structlog  # noqa: E402
 
 from endpoint.comfy import process_alive  # noqa: E402
+from endpoint.errors import SettingsError  # noqa: E402
 from endpoint.fence_file import DEFAULT_FENCE_FILE, FenceState, read_fence  # noqa: E402
 from endpoint.logs import configure_logging  # noqa: E402
 from endpoint.salvage import salvage  # noqa: E402
-from endpoint.settings import (  # noqa: E402
-    DEFAULT_COMFY_URL,
-    BucketSettings,
-    EndpointSettings,
-    SettingsError,
-)
+from endpoint.settings import DEFAULT_COMFY_URL, BucketSettings, EndpointSettings  # noqa: E402
 from protocol.comfyui.client import ComfyClient, ComfyError  # noqa: E402
 
 log = structlog.get_logger("endpoint.watchdog")

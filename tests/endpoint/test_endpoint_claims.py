@@ -10,16 +10,8 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from endpoint.claims import (
-    Acquired,
-    ClaimConflict,
-    ClaimError,
-    ClaimStore,
-    Finished,
-    HeldElsewhere,
-    StoredClaim,
-    fresh_claim,
-)
+from endpoint.claims import Acquired, ClaimStore, Finished, HeldElsewhere, StoredClaim, fresh_claim
+from endpoint.errors import ClaimConflict, ClaimError
 from endpoint.lease import Lease
 from endpoint.s3 import S3, Patience
 from protocol.runpod.contract import (

@@ -24,7 +24,8 @@ import pytest
 import pytest_asyncio
 from structlog.testing import capture_logs
 
-from endpoint.claims import ClaimError, ClaimStore, StoredClaim, fresh_claim
+from endpoint.claims import ClaimStore, StoredClaim, fresh_claim
+from endpoint.errors import ClaimError
 from endpoint.fence_file import read_fence
 from endpoint.job import run_job
 from endpoint.lease import Lease, fence_margin_s

@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from endpoint.claims import ClaimConflict, ClaimError, ClaimStore, StoredClaim, fresh_claim
+from endpoint.claims import ClaimStore, StoredClaim, fresh_claim
+from endpoint.errors import ClaimConflict, ClaimError
 from endpoint.fence_file import FenceFile, FenceState, read_fence
 from endpoint.fencing import Fenced, fence_action, fenced_error
 from endpoint.lease import Lease, fence_margin_s

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
-from endpoint.job_files import JobFiles, UnsafePath, inside, located
+from endpoint.errors import UnsafePath
+from endpoint.job_files import JobFiles, inside, located
 from endpoint.settings import ComfyFolders, EndpointSettings
 from tests.stack.test_hostile_backends import HOSTILE_FILENAMES, HOSTILE_SUBFOLDERS
 

@@ -27,14 +27,15 @@ from botocore.exceptions import (
 )
 from pydantic import SecretStr
 
+from endpoint.errors import InputProblem, SettingsError, UploadError
 from endpoint.failures import failure_of
-from endpoint.inputs import InputProblem, decode_image, read_input
+from endpoint.inputs import decode_image, read_input
 from endpoint.outputs import S3Sink
 from endpoint.reporting import ProgressReporter
 from endpoint.s3 import S3, Patience, is_transient
-from endpoint.settings import BucketSettings, EndpointSettings, SettingsError
+from endpoint.settings import BucketSettings, EndpointSettings
 from endpoint.stopping import StopSubject, stop_prompt
-from endpoint.upload import MAX_IN_FLIGHT, PART_SIZE, UploadError, stream_to_s3
+from endpoint.upload import MAX_IN_FLIGHT, PART_SIZE, stream_to_s3
 from protocol import multipart
 from protocol.comfyui.client import ComfyClient, ComfyPromptRejected
 from protocol.progress import ProgressTracker

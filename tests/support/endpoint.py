@@ -28,7 +28,8 @@ from devstack.free_ports import free_port
 from devstack.seaweed import load_credentials
 from devstack.services import StackPaths
 from devstack.stack import start_service, stop_service
-from endpoint.claims import ClaimConflict, ClaimStore, fresh_claim
+from endpoint.claims import ClaimStore, fresh_claim
+from endpoint.errors import ClaimConflict
 from endpoint.s3 import S3
 from endpoint.settings import BucketSettings, EndpointSettings
 from protocol.runpod.contract import Claim, ProgressUpdate, S3Target, claim_key
