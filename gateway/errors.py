@@ -37,8 +37,7 @@ from starter.errors import (
     TemporalUnreachable,
 )
 from starter.staging import InputNeedsStaging
-from workflows.graph import GraphRefused
-from workflows.request_checks import RequestRefused
+from workflows.errors import GraphRefused, RequestRefused
 
 log = structlog.get_logger("gateway.errors")
 

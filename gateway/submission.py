@@ -24,7 +24,8 @@ from pydantic import ValidationError
 from configuration.settings import S3Settings
 from gateway.errors import bad_request, invalid, validation_problems
 from workflows.contracts import JobRequest
-from workflows.tenancy import OutputOutsideArea, check_output, inputs_outside_area, output_area
+from workflows.errors import OutputOutsideArea
+from workflows.tenancy import check_output, inputs_outside_area, output_area
 
 IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e][\x20-\x7e]{0,198}[\x21-\x7e]$|^[\x21-\x7e]$")
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from starter.errors import InputFileError, InvalidOverride
 from workflows.contracts import InlineInput, InputRef, JobRequest, S3Input, UrlInput
-from workflows.graph import GraphFormatError
+from workflows.errors import GraphFormatError
 
 S3_URI = re.compile(r"^s3://[^/]+/.+")
 

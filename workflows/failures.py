@@ -16,7 +16,7 @@ from temporalio.exceptions import (
 
 from workflows.activity_io import FollowHeartbeat
 from workflows.contracts import Artifact, Checkpoint, JobCost, JobError
-from workflows.graph import GraphFormatError
+from workflows.errors import GraphFormatError
 from workflows.shared import AT_MOST_ONCE, ErrorType
 
 

@@ -33,8 +33,8 @@ with workflow.unsafe.imports_passed_through():
         ResumeRequest,
         known_state,
     )
+    from workflows.errors import GraphFormatError
     from workflows.failures import refused_before_submission, work_error
-    from workflows.graph import GraphFormatError
     from workflows.job_book import JobBook, StopOrder, new_status
     from workflows.job_input import JobCarry, JobInput, Refusal, read_job_input
     from workflows.messages import lenient_message, refuse_resume

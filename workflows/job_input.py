@@ -21,8 +21,7 @@ from temporalio.common import RawValue
 with workflow.unsafe.imports_passed_through():
     from workflows.activity_io import PreparedJob
     from workflows.contracts import JobError, JobEvent, JobRequest, JobStatus
-    from workflows.graph import GraphRefused, UndeclaredInputFile, safe_text
-    from workflows.request_checks import RequestRefused
+    from workflows.errors import GraphRefused, RequestRefused, UndeclaredInputFile, safe_text
     from workflows.shared import ErrorType
 
 

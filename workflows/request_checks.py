@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from workflows.errors import RequestRefused
 from workflows.graph import (
     MAX_NODE_ID_CHARS,
     MAX_STRING_CHARS,
@@ -37,14 +38,6 @@ POLICY_DURATIONS = (
     "teardown_horizon_s",
 )
 RECONNECT_DURATIONS = ("base_delay_s", "max_delay_s", "horizon_s")
-
-
-class RequestRefused(ValueError):
-    """A part of the request out of bounds. `field` is its dotted path in the request."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
 
 
 def check_segments(segments: Sequence[Any]) -> None:

@@ -21,25 +21,10 @@ from collections.abc import Iterable, Mapping
 from typing import Final
 
 from workflows.contracts import InputRef, S3Input
+from workflows.errors import InputOutsideArea, OutputOutsideArea
 
 JOBS_ROOT: Final = "jobs"
 STAGING_ROOT: Final = "_staged"
-
-
-class AreaError(ValueError):
-    """A request names storage outside its tenant's area. The message says what to send."""
-
-
-class InputOutsideArea(AreaError):
-    """An `s3://` input outside the tenant's area and every allowed prefix."""
-
-
-class OutputOutsideArea(AreaError):
-    """`output.prefix` or `output.bucket` (`field`) outside the tenant's area."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(message)
-        self.field = field
 
 
 def output_area(tenant: str) -> str:

@@ -25,7 +25,8 @@ from workflows.activity_io import (
     StopCheck,
     StopInput,
 )
-from workflows.graph import GraphFormatError, apply_overrides, bind_files, load_node_files
+from workflows.errors import GraphFormatError
+from workflows.graph import apply_overrides, bind_files, load_node_files
 from workflows.graph import sampler_steps as graph_sampler_steps
 from workflows.shared import ErrorType
 

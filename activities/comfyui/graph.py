@@ -16,12 +16,10 @@ from temporalio.exceptions import ApplicationError
 from activities.errors import fatal
 from configuration.pools import PoolConfig
 from workflows.activity_io import PrepareInput
+from workflows.errors import GraphFormatError, GraphRefused, UndeclaredInputFile, safe_text
 from workflows.graph import (
     CORE_FILE_INPUTS,
     FileInputs,
-    GraphFormatError,
-    GraphRefused,
-    UndeclaredInputFile,
     check_classified,
     check_graph,
     check_input_files,
@@ -31,7 +29,6 @@ from workflows.graph import (
     iter_nodes,
     merged_file_inputs,
     registry_file_inputs,
-    safe_text,
 )
 from workflows.shared import ErrorType
 

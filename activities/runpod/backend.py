@@ -43,11 +43,8 @@ from protocol.runpod.contract import (
 )
 from workflows import activity_io
 from workflows.contracts import Artifact
-from workflows.graph import (
-    GraphFormatError,
-    apply_overrides,
-    load_node_files,
-)
+from workflows.errors import GraphFormatError
+from workflows.graph import apply_overrides, load_node_files
 from workflows.graph import sampler_steps as graph_sampler_steps
 from workflows.shared import ErrorType
 

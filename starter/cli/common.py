@@ -36,7 +36,7 @@ from starter.errors import (
     TemporalRefused,
     TemporalUnreachable,
 )
-from workflows.graph import GraphFormatError
+from workflows.errors import GraphFormatError
 
 T = TypeVar("T")
 

@@ -15,11 +15,14 @@ from activities.comfyui.graph import refuse_foreign_files, refuse_hostile_graph
 from configuration.pools import PoolConfig
 from workflows.activity_io import PrepareInput
 from workflows.contracts import JobRequest
-from workflows.graph import (
-    CORE_FILE_INPUTS,
+from workflows.errors import (
     ForeignFileReference,
+    RequestRefused,
     UnclassifiedNode,
     UndeclaredInputFile,
+)
+from workflows.graph import (
+    CORE_FILE_INPUTS,
     bind_files,
     check_input_files,
     check_segment_files,
@@ -27,7 +30,7 @@ from workflows.graph import (
     registry_file_inputs,
     run_tag,
 )
-from workflows.request_checks import RequestRefused, check_input_names
+from workflows.request_checks import check_input_names
 from workflows.shared import ErrorType
 
 # Another job's output, as its run saved it on a shared server.

@@ -30,9 +30,10 @@ from tests.support.properties import (
     valid_cases,
 )
 from workflows.contracts import JobRequest
-from workflows.graph import CORE_FILE_INPUTS, GraphFormatError
+from workflows.errors import GraphFormatError, RequestRefused
+from workflows.graph import CORE_FILE_INPUTS
 from workflows.job_input import JobInput, read_job_input
-from workflows.request_checks import MAX_LABEL_VALUE_CHARS, MAX_POLICY_SECONDS, RequestRefused
+from workflows.request_checks import MAX_LABEL_VALUE_CHARS, MAX_POLICY_SECONDS
 
 
 def request_data(case: Case) -> dict[str, Any]:

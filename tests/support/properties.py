@@ -21,11 +21,7 @@ from typing import Any
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
-from workflows.graph import (
-    MAX_NODES,
-    MAX_OUTPUT_INDEX,
-    MAX_STRING_CHARS,
-    MAX_VALUE_DEPTH,
+from workflows.errors import (
     GraphCycleError,
     GraphLinkError,
     GraphNameError,
@@ -33,6 +29,12 @@ from workflows.graph import (
     GraphShapeError,
     GraphTooLarge,
     UndeclaredInputFile,
+)
+from workflows.graph import (
+    MAX_NODES,
+    MAX_OUTPUT_INDEX,
+    MAX_STRING_CHARS,
+    MAX_VALUE_DEPTH,
     file_input_problem,
     foreign_value_problem,
 )

@@ -17,14 +17,16 @@ import pytest
 
 from activities.comfyui.graph import registry_problems
 from workflows.contracts import JobRequest
-from workflows.graph import (
-    EDITOR_FORMAT_HINT,
+from workflows.errors import (
     GraphCycleError,
     GraphFormatError,
     GraphLinkError,
     GraphNameError,
     GraphRefused,
     UndeclaredInputFile,
+)
+from workflows.graph import (
+    EDITOR_FORMAT_HINT,
     apply_overrides,
     bind_files,
     check_api_format,

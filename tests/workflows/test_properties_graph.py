@@ -17,11 +17,9 @@ from pydantic import ValidationError
 from activities.comfyui.graph import registry_problems
 from tests.support.properties import FIXED, Case, json_values, near_valid_cases, valid_cases
 from workflows.contracts import JobRequest, S3Input
+from workflows.errors import GraphCycleError, GraphFormatError, GraphRefused
 from workflows.graph import (
     MAX_NODES,
-    GraphCycleError,
-    GraphFormatError,
-    GraphRefused,
     check_acyclic,
     check_graph,
     check_input_files,

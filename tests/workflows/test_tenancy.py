@@ -12,14 +12,9 @@ from gateway.errors import ApiError
 from gateway.submission import job_request
 from workflows.activity_io import PrepareInput
 from workflows.contracts import OutputSpec, S3Input
+from workflows.errors import InputOutsideArea, OutputOutsideArea
 from workflows.shared import ErrorType
-from workflows.tenancy import (
-    InputOutsideArea,
-    OutputOutsideArea,
-    check_input_uri,
-    check_output,
-    normalised_allowed_prefix,
-)
+from workflows.tenancy import check_input_uri, check_output, normalised_allowed_prefix
 
 GRAPH = {"1": {"class_type": "LoadImage", "inputs": {"image": "in.png"}}}
 ALLOWED = ("s3://assets/shared/",)
