@@ -4,7 +4,8 @@ A URL in a request is chosen by whoever sends the request, and the worker fetche
 our network. So every address a name resolves to is checked here, and one refused address
 refuses the name (DNS answers rotate: the next lookup could return the other one).
 
-`refusal(address)` names the rule that refuses an address, or returns None for a public one.
+`refusal(address)` names the rule that refuses an address, or returns None for a public one;
+`first_refused(answers)` finds the answer of a lookup that refuses the name.
 The ranges are listed rather than taken from `ipaddress`'s `is_global`, which calls
 `::127.0.0.1` and `2002:c0a8:101::1` (6to4 around 192.168.1.1) global. IPv6 must be global
 unicast (2000::/3); the forms that carry an IPv4 address inside (IPv4-mapped, NAT64, 6to4) are
@@ -15,6 +16,7 @@ and no image host needs it).
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Iterable
 from typing import Final
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -87,6 +89,19 @@ def refusal(address: IPAddress) -> str | None:
     if isinstance(address, ipaddress.IPv4Address):
         return _v4_refusal(address)
     return _v6_refusal(address)
+
+
+def first_refused(answers: Iterable[str]) -> tuple[str, str] | None:
+    """The first of `answers` (addresses as a resolver or a URL gives them) that the worker must
+    not connect to, with why; None when every one is public."""
+    for answer in answers:
+        try:
+            why = refusal(parse(answer))
+        except ValueError:
+            why = "not an IP address"
+        if why is not None:
+            return answer, why
+    return None
 
 
 def _v4_refusal(address: ipaddress.IPv4Address) -> str | None:

@@ -187,19 +187,16 @@ class UrlFetcher:
                 ) from exc
             if not answers:
                 raise FetchFailed("dns", f"{host} resolved to nothing", host=host, retryable=True)
-        for answer in answers:
-            try:
-                why = public_address.refusal(public_address.parse(answer))
-            except ValueError:
-                why = "not an IP address"
-            if why is not None:
-                via = "" if literal is not None else f"{host} resolves to "
-                raise UnsafeUrl(
-                    "address",
-                    f"{via}{answer}: {why}; only public addresses are fetched",
-                    host=host,
-                    address=answer,
-                )
+        refused = public_address.first_refused(answers)
+        if refused is not None:
+            answer, why = refused
+            via = "" if literal is not None else f"{host} resolves to "
+            raise UnsafeUrl(
+                "address",
+                f"{via}{answer}: {why}; only public addresses are fetched",
+                host=host,
+                address=answer,
+            )
         return answers
 
     async def _get(self, url: httpx.URL, limit: int, hop: int) -> Fetched | httpx.URL:

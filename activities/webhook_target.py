@@ -83,17 +83,13 @@ async def webhook_target(
     if port != 443 and not allowed:
         raise UnsafeWebhookUrl(f"{shown(parsed)}: port {port} is not allowed (only 443)")
     addresses = await _addresses(host, port, resolver)
-    if not allowed:
-        for address in addresses:
-            try:
-                why = public_address.refusal(public_address.parse(address))
-            except ValueError:
-                why = "not an IP address"
-            if why is not None:
-                via = "" if address == host else f"{host} resolves to "
-                raise UnsafeWebhookUrl(
-                    f"{shown(parsed)}: {via}{address}: {why}; webhooks go to public addresses only"
-                )
+    refused = None if allowed else public_address.first_refused(addresses)
+    if refused is not None:
+        address, why = refused
+        via = "" if address == host else f"{host} resolves to "
+        raise UnsafeWebhookUrl(
+            f"{shown(parsed)}: {via}{address}: {why}; webhooks go to public addresses only"
+        )
     return WebhookTarget(url=parsed, host=host, port=port, addresses=tuple(addresses))
 
 
