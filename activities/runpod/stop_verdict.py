@@ -27,6 +27,7 @@ from activities.runpod.outcome import Failed, read_job
 from configuration.pools import PoolConfig
 from protocol.runpod.contract import Claim, PromptFate, StopRecord
 from workflows.activity_io import StopCheck
+from workflows.contracts import JobCost
 from workflows.shared import ErrorType
 
 StopAction = Literal["none", "dequeued", "interrupt_sent", "cancel_sent"]
@@ -106,19 +107,14 @@ def stop_verdict(
     if outcome.stop is not None:
         return _stopped(job, pool, outcome.stop, action, worker, prompt_id, now, claim)
     if outcome.state == "cancelled":
-        return StopCheck(
-            at=now,
-            position="gone",
-            action=action,
-            ended="unknown",
-            confirmed=False,
-            worker_id=worker,
-            message=(
-                f"the handler recorded RunPod job {job.id} cancelled without saying what became "
-                f"of prompt {prompt_id} on worker {worker or '?'} (a handler from before stop "
-                "records)"
-            ),
-            cost=job_cost(job, pool, claim=claim),
+        return _fate_unknown(
+            now,
+            action,
+            worker,
+            f"the handler recorded RunPod job {job.id} cancelled without saying what became "
+            f"of prompt {prompt_id} on worker {worker or '?'} (a handler from before stop "
+            "records)",
+            job_cost(job, pool, claim=claim),
         )
     rejected = outcome.error_type == ErrorType.PROMPT_REJECTED
     return StopCheck(
@@ -213,21 +209,33 @@ def _stopped(
 def _stock(job: RunPodJob, pool: PoolConfig, action: StopAction, now: datetime) -> StopCheck:
     """A stock handler: RunPod's state and nothing more."""
     if job.state is RunPodState.CANCELLED and job.worker_id:
-        return StopCheck(
-            at=now,
-            position="gone",
-            action=action,
-            ended="unknown",
-            confirmed=False,
-            worker_id=job.worker_id,
-            message=(
-                f"RunPod job {job.id} was cancelled; a stock worker-comfyui handler cannot stop "
-                f"its prompt, which may run to its end on worker {job.worker_id} and bill until "
-                "then"
-            ),
-            cost=job_cost(job, pool),
+        return _fate_unknown(
+            now,
+            action,
+            job.worker_id,
+            f"RunPod job {job.id} was cancelled; a stock worker-comfyui handler cannot stop "
+            f"its prompt, which may run to its end on worker {job.worker_id} and bill until "
+            "then",
+            job_cost(job, pool),
         )
     return _ended_alone(job, pool, action, now)
+
+
+def _fate_unknown(
+    now: datetime, action: StopAction, worker: str | None, message: str, cost: JobCost
+) -> StopCheck:
+    """A cancelled job whose handler never said what became of its prompt: it may still run on
+    `worker`, so the teardown says UNCONFIRMED."""
+    return StopCheck(
+        at=now,
+        position="gone",
+        action=action,
+        ended="unknown",
+        confirmed=False,
+        worker_id=worker,
+        message=message,
+        cost=cost,
+    )
 
 
 def _ended_alone(
