@@ -32,15 +32,8 @@ async def read_claim(
     store: ArtifactStore, target: S3Target, job_id: str, submission: str
 ) -> Claim | None:
     """The claim, or None when nobody has claimed the submission (or it is unreadable)."""
-    key = claim_key(target, job_id, submission)
-    try:
-        data = await store.read_bytes(key, limit=MAX_CLAIM_BYTES, bucket=target.bucket)
-    except ObjectMissing:
-        return None
-    try:
-        return Claim.model_validate_json(data)
-    except ValidationError:
-        return None
+    aged = await read_aged_claim(store, target, job_id, submission)
+    return None if aged is None else aged.claim
 
 
 @dataclass(frozen=True)
