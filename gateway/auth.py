@@ -32,7 +32,7 @@ import structlog
 from pydantic import SecretStr
 
 from configuration.settings import API_KEYS_FILE_VAR, API_KEYS_VAR
-from starter.errors import SettingsError
+from gateway.errors import ApiKeysError, Unauthorized
 
 log = structlog.get_logger("gateway.auth")
 
@@ -45,15 +45,6 @@ _HASHED = re.compile(r"sha256:([0-9a-fA-F]{64})")
 # Below this, a plain key is guessable enough to say so (new_key_line's are 43 characters).
 _SHORT_KEY = 24
 _LIMIT_NAMES = ("max_jobs", "rps", "burst")
-
-
-class Unauthorized(Exception):
-    """No key, a malformed Authorization header, or a key nobody holds. Never quotes the key."""
-
-
-class ApiKeysError(SettingsError, ValueError):
-    """The keys' configuration is unusable; names the variable or file and the entry, never a
-    key (nor a tenant field that may be a key written in the wrong place)."""
 
 
 @dataclass(frozen=True)

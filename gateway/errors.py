@@ -1,25 +1,35 @@
-"""Every error the gateway answers, as JSON: `{"error": {"type", "message", ...}}`.
+"""Every error the gateway answers, as JSON: `{"error": {"type", "message", ...}}`, and the
+gateway's own exceptions:
 
-One table maps what the layers below raise (the client's `ClientError`s, the keys' and the
-limits' refusals, a request that does not validate) to a status, a type and the extra fields a
+    ApiError                 an answer other than success, ready to send
+    └── BodyTooLarge         the body is over the gateway's limit (413)
+    Unauthorized             no key, a malformed header, or a key nobody holds (401)
+    starter.SettingsError
+    └── ApiKeysError         the keys' configuration is unusable (names the variable or file)
+    LimitExceeded            a refusal with a Retry-After
+    ├── RateLimited          the tenant is over its requests per second (429)
+    ├── TooManyJobs          the tenant has its limit of jobs in flight (429)
+    └── Overloaded           this replica is at its limit of requests or streams (503)
+    FollowFailed             a stream's follower stopped without the job ending
+    Dropped                  a stream's subscriber fell too far behind (503)
+
+One table, `api_error_for`, maps these and what the layers below raise (the client's
+`ClientError`s, a request that does not validate) to a status, a type and the extra fields a
 client needs (`job_id`, `status`, `problems`); docs/http-api.md lists it. Nothing here quotes
 a key or an Authorization header.
+
+Importable without the gateway extra (`durable-comfy gateway new-key` imports gateway.auth,
+which raises these): FastAPI and Starlette are imported where a response is made.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
 from pydantic import ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway.auth import Unauthorized
-from gateway.limits import LimitExceeded, Overloaded
 from gateway.views import INTERNAL
 from starter.errors import (
     ClientError,
@@ -33,11 +43,16 @@ from starter.errors import (
     RequestTooLarge,
     ResumeRefused,
     SearchAttributesMissing,
+    SettingsError,
     StorageFailed,
     TemporalUnreachable,
 )
 from starter.staging import InputNeedsStaging
 from workflows.errors import GraphRefused, RequestRefused
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse
 
 log = structlog.get_logger("gateway.errors")
 
@@ -70,7 +85,58 @@ class ApiError(Exception):
         return {"error": {"type": self.error_type, "message": self.message, **self.extra}}
 
     def response(self) -> JSONResponse:
+        from fastapi.responses import JSONResponse
+
         return JSONResponse(self.body(), status_code=self.status_code, headers=self.headers)
+
+
+class BodyTooLarge(ApiError):
+    def __init__(self, limit: int) -> None:
+        super().__init__(
+            413,
+            "RequestTooLarge",
+            f"the body is over the gateway's limit of {limit:,} bytes; pass big inputs by "
+            "reference (an s3:// or https:// input), not inline",
+            limit=limit,
+        )
+
+
+class Unauthorized(Exception):
+    """No key, a malformed Authorization header, or a key nobody holds. Never quotes the key."""
+
+
+class ApiKeysError(SettingsError, ValueError):
+    """The keys' configuration is unusable; names the variable or file and the entry, never a
+    key (nor a tenant field that may be a key written in the wrong place)."""
+
+
+class LimitExceeded(Exception):
+    """Base of the refusals; `retry_after_s` (at least 1) is the Retry-After header's value."""
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = max(1, retry_after_s)
+
+
+class RateLimited(LimitExceeded):
+    """The tenant is over its requests per second (429)."""
+
+
+class TooManyJobs(LimitExceeded):
+    """The tenant has its limit of jobs in flight (429)."""
+
+
+class Overloaded(LimitExceeded):
+    """This replica is at its limit of concurrent requests or open streams (503)."""
+
+
+class FollowFailed(Exception):
+    """The follower stopped without the job ending (Temporal lost past the reconnect horizon):
+    the stream ends, and the client reconnects."""
+
+
+class Dropped(Exception):
+    """This subscriber fell too far behind and was dropped."""
 
 
 def bad_request(message: str) -> ApiError:
@@ -99,6 +165,9 @@ def api_error_for(exc: Exception) -> ApiError:
     match exc:
         case ApiError():
             return exc
+        case Dropped():
+            message = "this stream fell too far behind: reconnect with Last-Event-ID"
+            return ApiError(503, "StreamDropped", message)
         case Unauthorized():
             return ApiError(401, "Unauthorized", str(exc), headers={"WWW-Authenticate": "Bearer"})
         case Overloaded():
@@ -186,6 +255,9 @@ def _typed(exc: ValidationError) -> str:
 
 
 def install_error_handlers(app: FastAPI) -> None:
+    from fastapi.exceptions import RequestValidationError
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
     async def known(request: Request, exc: Exception) -> JSONResponse:
         error = api_error_for(exc)
         if error.status_code >= 500 and not isinstance(exc, ApiError):

@@ -33,6 +33,7 @@ from typing import Any, Literal, cast
 
 import structlog
 
+from gateway.errors import Dropped, FollowFailed
 from gateway.views import JobViews
 from starter.client import JobClient
 from starter.progress import carried_forward
@@ -118,15 +119,6 @@ class Published:
     status_view: dict[str, Any] | None = None
     failure: BaseException | None = None
     dropped: bool = False
-
-
-class FollowFailed(Exception):
-    """The follower stopped without the job ending (Temporal lost past the reconnect horizon):
-    the stream ends, and the client reconnects."""
-
-
-class Dropped(Exception):
-    """This subscriber fell too far behind and was dropped."""
 
 
 class Subscription:

@@ -15,8 +15,7 @@ from fastapi.responses import JSONResponse
 from pydantic import Field
 
 from gateway.deps import caller, request_slot
-from gateway.errors import bad_request, invalid
-from gateway.limits import TooManyJobs
+from gateway.errors import TooManyJobs, bad_request, invalid
 from gateway.state import Gateway, gateway_of
 from gateway.submission import cancel_reason, job_id_for, job_request, parse_body, resubmit_of
 from gateway.views import etag

@@ -28,6 +28,7 @@ from typing import Protocol
 import structlog
 
 from gateway.auth import TenantLimits, check_tenant
+from gateway.errors import Overloaded, RateLimited, TooManyJobs
 from starter.client import JobClient
 from workflows.contracts import TERMINAL_STATES
 from workflows.shared import SA_JOB_STATE, SA_TENANT, WORKFLOW_TYPE
@@ -39,26 +40,6 @@ log = structlog.get_logger("gateway.limits")
 JOBS_RETRY_AFTER_S = 5
 # A full gateway frees a slot as soon as any request ends.
 OVERLOADED_RETRY_AFTER_S = 1
-
-
-class LimitExceeded(Exception):
-    """Base of the refusals; `retry_after_s` (at least 1) is the Retry-After header's value."""
-
-    def __init__(self, message: str, retry_after_s: int) -> None:
-        super().__init__(message)
-        self.retry_after_s = max(1, retry_after_s)
-
-
-class RateLimited(LimitExceeded):
-    """The tenant is over its requests per second (429)."""
-
-
-class TooManyJobs(LimitExceeded):
-    """The tenant has its limit of jobs in flight (429)."""
-
-
-class Overloaded(LimitExceeded):
-    """This replica is at its limit of concurrent requests or open streams (503)."""
 
 
 class LimitSources(Protocol):

@@ -17,22 +17,11 @@ from typing import Any
 import structlog
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.errors import ApiError
+from gateway.errors import BodyTooLarge
 
 log = structlog.get_logger("gateway.http")
 
 _JOB_PATH = re.compile(r"^/v1/jobs/([^/]+)")
-
-
-class BodyTooLarge(ApiError):
-    def __init__(self, limit: int) -> None:
-        super().__init__(
-            413,
-            "RequestTooLarge",
-            f"the body is over the gateway's limit of {limit:,} bytes; pass big inputs by "
-            "reference (an s3:// or https:// input), not inline",
-            limit=limit,
-        )
 
 
 class BoundedBodies:

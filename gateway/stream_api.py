@@ -18,10 +18,9 @@ from fastapi import APIRouter, Depends, Header, Request, WebSocket, WebSocketDis
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from gateway.auth import Unauthorized
 from gateway.deps import caller
-from gateway.errors import ApiError, api_error_for, bad_request
-from gateway.feed import Cursor, Dropped, StreamEvent, stream_events
+from gateway.errors import Unauthorized, api_error_for, bad_request
+from gateway.feed import Cursor, StreamEvent, stream_events
 from gateway.state import Gateway, gateway_of
 
 log = structlog.get_logger("gateway.stream")
@@ -39,14 +38,6 @@ def _cursor(text: str | None, where: str) -> Cursor | None:
         return Cursor.parse(text)
     except ValueError as exc:
         raise bad_request(f"{where}: {exc}") from None
-
-
-def _stream_error(exc: Exception) -> ApiError:
-    if isinstance(exc, Dropped):
-        return ApiError(
-            503, "StreamDropped", "this stream fell too far behind: reconnect with Last-Event-ID"
-        )
-    return api_error_for(exc)
 
 
 class HeldStream(StreamingResponse):
@@ -95,7 +86,7 @@ async def job_events(
             async for event in stream_events(hub, client, job_id, cursor, heartbeat_s):
                 yield ": keep-alive\n\n" if event is None else sse_frame(event)
         except Exception as exc:
-            error = _stream_error(exc)
+            error = api_error_for(exc)
             log.info("stream_ended", job_id=job_id, error=error.error_type)
             yield f"event: error\ndata: {json.dumps(error.body(), separators=(',', ':'))}\n\n"
 
@@ -135,7 +126,7 @@ async def job_socket(websocket: WebSocket, job_id: str) -> None:
     except WebSocketDisconnect:
         return
     except Exception as exc:
-        error = _stream_error(exc)
+        error = api_error_for(exc)
         log.info("socket_ended", job_id=job_id, error=error.error_type)
         try:
             await websocket.send_json({"event": "error", "data": error.body()})

@@ -16,7 +16,8 @@ from pydantic import SecretStr
 
 from configuration.settings import AuthSettings
 from gateway import auth
-from gateway.auth import ApiKeys, ApiKeysError, TenantLimits, Unauthorized, hash_key, new_key_line
+from gateway.auth import ApiKeys, TenantLimits, hash_key, new_key_line
+from gateway.errors import ApiKeysError, Unauthorized
 
 ACME_KEY = "acme-key-0123456789abcdefghijklmnop"
 GLOBEX_KEY = "globex-key-9876543210zyxwvutsrqponm"

@@ -16,7 +16,8 @@ from temporalio.common import SearchAttributePair, TypedSearchAttributes
 from configuration.settings import LimitSettings
 from devstack.models import RunningStack
 from gateway.auth import TenantLimits
-from gateway.limits import Limits, Overloaded, RateLimited, TooManyJobs, jobs_in_flight_query
+from gateway.errors import Overloaded, RateLimited, TooManyJobs
+from gateway.limits import Limits, jobs_in_flight_query
 from starter import JobClient, JobRequest
 from starter.client import TENANT_KEY
 from starter.connection import connect_temporal
