@@ -8,7 +8,9 @@ left running is stopped by PID when the session ends, also after failures.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+import faulthandler
+import sys
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -95,3 +97,21 @@ async def worker(
     name = request.module.__name__.rsplit(".", 1)[-1].removeprefix("test_").replace("_", "-")
     async with running_worker(local_stack, name) as running:
         yield running
+
+
+# No test takes near this long (the longest run about two minutes on a loaded machine). A test
+# that hangs (a job that never ends, a server that never answers) dumps every thread's stack and
+# ends its process instead of holding `make test` until CI gives up on it.
+HUNG_TEST_S = 600
+
+
+@pytest.fixture(autouse=True)
+def _hung_test_watchdog() -> Iterator[None]:
+    # The process's own stderr: pytest's capture of sys.stderr is gone once the process exits.
+    stream = sys.__stderr__
+    assert stream is not None
+    faulthandler.dump_traceback_later(HUNG_TEST_S, exit=True, file=stream)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
