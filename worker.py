@@ -62,7 +62,6 @@ from starter.connection import forwarded_core_logs
 from starter.doctor import (
     Check,
     CheckResult,
-    ChecksFailed,
     Inputs,
     Outcome,
     Problem,
@@ -70,6 +69,7 @@ from starter.doctor import (
     connect_checked,
     one_line,
 )
+from starter.errors import ChecksFailed
 from starter.exit import exit_without_finalizing
 from workflows.inference_job import InferenceJob
 
@@ -407,10 +407,9 @@ def serve(flags: Mapping[str, object]) -> None:
         )
     except ChecksFailed as refused:
         # The doctor's lines, no traceback: each says what to fix.
-        for result in refused.results:
-            if result.outcome is not Outcome.OK:
-                print(f"worker: {result.line()}", file=sys.stderr)
-        exit_without_finalizing(int(refused.exit_code))
+        for line in refused.lines:
+            print(f"worker: {line}", file=sys.stderr)
+        exit_without_finalizing(refused.exit_code)
     exit_without_finalizing(0)
 
 

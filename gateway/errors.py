@@ -34,6 +34,7 @@ from gateway.views import INTERNAL
 from starter.errors import (
     ClientError,
     InputFileError,
+    InputNeedsStaging,
     InvalidJobId,
     InvalidOverride,
     JobAlreadyEnded,
@@ -47,7 +48,6 @@ from starter.errors import (
     StorageFailed,
     TemporalUnreachable,
 )
-from starter.staging import InputNeedsStaging
 from workflows.errors import GraphRefused, RequestRefused
 
 if TYPE_CHECKING:

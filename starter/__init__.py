@@ -10,6 +10,7 @@ from starter.errors import (
     ClientError,
     ContactLost,
     InputFileError,
+    InputNeedsStaging,
     InvalidJobId,
     InvalidOverride,
     JobAlreadyEnded,
@@ -29,7 +30,6 @@ from starter.errors import (
 )
 from starter.exit import exit_without_finalizing
 from starter.requests import load_graph, request_from_files
-from starter.staging import InputNeedsStaging
 from workflows.contracts import (
     Artifact,
     CancelRequest,

@@ -63,7 +63,7 @@ from starter.connection import (
     connect_failure_gist,
     connect_temporal,
 )
-from starter.errors import register_commands
+from starter.errors import ChecksFailed, register_commands
 from starter.pollers import live_pollers, workflow_pollers
 from workflows.contracts import OutputSpec
 
@@ -141,15 +141,6 @@ def fail(check: Check, message: str, problem: Problem = Problem.CONFIGURATION) -
 
 def skipped(check: Check, needs: Check) -> CheckResult:
     return CheckResult(check=check, outcome=Outcome.SKIPPED, message=f"skipped (needs {needs})")
-
-
-class ChecksFailed(Exception):
-    """The worker's start-up checks found a problem; `.results` holds every check's verdict."""
-
-    def __init__(self, results: list[CheckResult]) -> None:
-        super().__init__("; ".join(r.line() for r in results if r.outcome is not Outcome.OK))
-        self.results = results
-        self.exit_code = exit_code(results)
 
 
 def exit_code(results: list[CheckResult]) -> DoctorExit:
@@ -499,7 +490,8 @@ async def connect_checked(inputs: Inputs, runtime: Runtime | None = None) -> Cli
     doctor = Doctor(inputs, runtime=runtime)
     results = [result async for result in doctor.run(skip=frozenset({Check.WORKER}))]
     if any(refuses_start(result) for result in results) or doctor.client is None:
-        raise ChecksFailed(results)
+        refusal = [result.line() for result in results if result.outcome is not Outcome.OK]
+        raise ChecksFailed(refusal, exit_code(results))
     for result in results:
         if result.failed:
             log.warning("start_check_unreachable", check=result.check.value, detail=result.message)

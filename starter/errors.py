@@ -5,7 +5,6 @@
     ├── InputFileError       a graph or `--input NAME=PATH` file that cannot be read or named
     ├── InvalidOverride      a segment override naming a node or input the graph does not have
     ├── InputNeedsStaging    an input too large to send inline, and no bucket to stage it
-    │                        (starter.staging)
     ├── RequestTooLarge      the request is over Temporal's payload limit (pass inputs by S3)
     ├── SettingsError        a client setting's variable holds a bad value (named)
     ├── StorageNotConfigured the bucket is needed but not configured, or its settings are bad
@@ -28,12 +27,18 @@
 `StorageError`s become the errors above. Validation problems with a request are pydantic
 `ValidationError`s raised when the `JobRequest` is built, before anything is sent: they say which
 field is wrong and how to fix it.
+
+Not client errors (the library's users never see them):
+
+    ChecksFailed             the worker's start-up checks refused the start (starter.doctor)
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
+
+from workflows.contracts import MAX_INLINE_INPUT_BYTES, MAX_INLINE_TOTAL_BYTES
 
 if TYPE_CHECKING:
     from workflows.contracts import JobStatus
@@ -57,6 +62,27 @@ class InvalidOverride(ClientError):
     ComfyUI would ignore an unknown input silently, so a typo (`sede` for `seed`) would run
     every segment with the same values; refused before anything is submitted.
     """
+
+
+class InputNeedsStaging(ClientError):
+    """An input is too large to send inline, and the client has no S3 access to stage it."""
+
+    def __init__(self, name: str, size: int) -> None:
+        why = (
+            f"inputs over {MAX_INLINE_INPUT_BYTES:,} bytes do"
+            if size > MAX_INLINE_INPUT_BYTES
+            else f"inline inputs together over {MAX_INLINE_TOTAL_BYTES:,} bytes do"
+        )
+        super().__init__(
+            f"input {name!r} is {size:,} bytes: {why} "
+            "not fit in a job's request and are staged to S3 by the client, which needs the "
+            "bucket: set DURABLE_COMFY_BUCKET (and DURABLE_COMFY_S3_ENDPOINT off AWS) with "
+            "credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or a profile); or upload it "
+            f"yourself and pass --input {name}=s3://BUCKET/KEY (JobClient.connect() opens the "
+            "bucket from the same variables)"
+        )
+        self.name = name
+        self.size = size
 
 
 class RequestTooLarge(ClientError):
@@ -247,3 +273,13 @@ class ContactLost(ClientError):
         )
         self.job_id = job_id
         self.attempts = attempts
+
+
+class ChecksFailed(Exception):
+    """The worker's start-up checks found a problem: `.lines` are the doctor's lines of every
+    check not passed, `.exit_code` the exit the refused start ends with."""
+
+    def __init__(self, lines: Sequence[str], exit_code: int) -> None:
+        super().__init__("; ".join(lines))
+        self.lines = list(lines)
+        self.exit_code = exit_code

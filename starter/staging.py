@@ -25,8 +25,14 @@ from typing import TYPE_CHECKING, Final, Protocol
 
 import structlog
 
-from starter.errors import ClientError
-from workflows.contracts import MAX_INLINE_INPUT_BYTES, InlineInput, JobRequest, S3Input
+from starter.errors import InputNeedsStaging
+from workflows.contracts import (
+    MAX_INLINE_INPUT_BYTES,
+    MAX_INLINE_TOTAL_BYTES,
+    InlineInput,
+    JobRequest,
+    S3Input,
+)
 
 if TYPE_CHECKING:
     from activities.storage import StoredObject
@@ -35,32 +41,8 @@ if TYPE_CHECKING:
 log = structlog.get_logger("durable_comfy.staging")
 
 STAGING_FOLDER: Final = "_staged"
-# What may stay inline in one request, all inputs together: with the graph it must fit in the
-# workflow's start payload (2 MiB), and base64 grows bytes by a third.
-MAX_INLINE_TOTAL_BYTES: Final = MAX_INLINE_INPUT_BYTES
 _PART: Final = 8 * 1024 * 1024
 _UNSAFE: Final = re.compile(r"[^A-Za-z0-9._-]")
-
-
-class InputNeedsStaging(ClientError):
-    """An input is too large to send inline, and the client has no S3 access to stage it."""
-
-    def __init__(self, name: str, size: int) -> None:
-        why = (
-            f"inputs over {MAX_INLINE_INPUT_BYTES:,} bytes do"
-            if size > MAX_INLINE_INPUT_BYTES
-            else f"inline inputs together over {MAX_INLINE_TOTAL_BYTES:,} bytes do"
-        )
-        super().__init__(
-            f"input {name!r} is {size:,} bytes: {why} "
-            "not fit in a job's request and are staged to S3 by the client, which needs the "
-            "bucket: set DURABLE_COMFY_BUCKET (and DURABLE_COMFY_S3_ENDPOINT off AWS) with "
-            "credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or a profile); or upload it "
-            f"yourself and pass --input {name}=s3://BUCKET/KEY (JobClient.connect() opens the "
-            "bucket from the same variables)"
-        )
-        self.name = name
-        self.size = size
 
 
 class StagingStore(Protocol):

@@ -370,8 +370,6 @@ LEGACY = {
     "protocol/comfyui/follower.py",
     "protocol/comfyui/history.py",
     "starter/codec.py",
-    "starter/doctor.py",
-    "starter/staging.py",
 }
 PRODUCT_CODE = (
     "workflows",

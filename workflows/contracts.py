@@ -213,6 +213,9 @@ InputRef = Annotated[InlineInput | S3Input | UrlInput, Field(discriminator="kind
 
 # Inline inputs live in workflow history, whose payloads are capped at 2 MiB.
 MAX_INLINE_INPUT_BYTES = 1024 * 1024
+# What may stay inline in one request, all inputs together (the client stages the rest): with
+# the graph it must fit in the workflow's start payload (2 MiB), and base64 grows bytes by a third.
+MAX_INLINE_TOTAL_BYTES = MAX_INLINE_INPUT_BYTES
 
 
 class OutputSpec(StrictModel):

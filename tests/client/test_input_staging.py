@@ -14,15 +14,9 @@ import pytest
 
 from activities.storage import StoredObject
 from configuration.settings import S3Settings
-from starter.errors import InputFileError
+from starter.errors import InputFileError, InputNeedsStaging
 from starter.requests import request_from_files
-from starter.staging import (
-    InputNeedsStaging,
-    oversized_inputs,
-    require_staging,
-    stage_inputs,
-    staged_key,
-)
+from starter.staging import oversized_inputs, require_staging, stage_inputs, staged_key
 from tests.support.cli import EXAMPLE
 from workflows.contracts import (
     MAX_INLINE_INPUT_BYTES,
