@@ -476,7 +476,7 @@ def test_faults_that_did_not_happen_are_listed_but_fail_nothing() -> None:
     assert any("runpod_crash_stuck#2" in line for line in check.details)
 
 
-# -- issue 39: a worker frozen or cut off from S3 after its work -----------------------------------
+# -- a worker frozen or cut off from S3 after its work --------------------------------------------
 
 
 def test_a_submission_run_to_its_end_on_two_workers_is_a_duplicate_within_the_segments() -> None:

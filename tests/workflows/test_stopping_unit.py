@@ -638,7 +638,7 @@ async def test_what_the_provider_job_cost_goes_into_the_book(world: World) -> No
     assert world.costs == [cost, cost]
 
 
-# -- what a backend may end a stop with (issue 16) ------------------------------------------------
+# -- what a backend may end a stop with -----------------------------------------------------------
 
 
 async def test_a_backend_that_gave_up_on_the_prompt_fails_the_teardown_at_once(
