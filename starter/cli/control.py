@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Awaitable, Callable
 from typing import Annotated
 
 import typer
 
 from starter.cli.common import ExitCode, config_of, echo_json, fail, job_client, run
 from starter.cli.render import status_json
-from starter.client import checked_job_id
-from workflows.contracts import JobState
+from starter.client import JobClient, checked_job_id
+from workflows.contracts import JobState, JobStatus
 from workflows.shared import SA_JOB_POOL, SA_JOB_PROGRESS, SA_JOB_STATE, WORKFLOW_TYPE
 
 JobArg = Annotated[str, typer.Argument(help="The job ID.")]
@@ -25,21 +26,16 @@ def cancel(
     as_json: JsonOpt = False,
 ) -> None:
     """Cancel a job: its prompt is interrupted, finished artifacts are kept."""
-    config = config_of(ctx)
-
-    async def go() -> None:
-        checked_job_id(job_id)
-        async with job_client(config) as client:
-            before = await client.cancel(job_id, reason)
-        if as_json:
-            echo_json(status_json(before))
-        else:
-            typer.echo(
-                f"cancel requested for {job_id} (was {before.state.value}): its prompt is "
-                "stopped, finished outputs are kept, it ends CANCELLED"
-            )
-
-    run(go)
+    _act(
+        ctx,
+        job_id,
+        as_json,
+        lambda client: client.cancel(job_id, reason),
+        lambda before: (
+            f"cancel requested for {job_id} (was {before.state.value}): its prompt is "
+            "stopped, finished outputs are kept, it ends CANCELLED"
+        ),
+    )
 
 
 def resume(
@@ -51,17 +47,34 @@ def resume(
     as_json: JsonOpt = False,
 ) -> None:
     """Continue a job waiting in NEEDS_DECISION."""
+    how = "resubmitted" if resubmit else "re-attached"
+    _act(
+        ctx,
+        job_id,
+        as_json,
+        lambda client: client.resume(job_id, resubmit=resubmit),
+        lambda after: f"{job_id} {how}: now {after.state.value}",
+    )
+
+
+def _act(
+    ctx: typer.Context,
+    job_id: str,
+    as_json: bool,
+    act: Callable[[JobClient], Awaitable[JobStatus]],
+    said: Callable[[JobStatus], str],
+) -> None:
+    """Act on one job, then show the status it answered: as JSON, or as the line `said` writes."""
     config = config_of(ctx)
 
     async def go() -> None:
         checked_job_id(job_id)
         async with job_client(config) as client:
-            after = await client.resume(job_id, resubmit=resubmit)
+            answer = await act(client)
         if as_json:
-            echo_json(status_json(after))
+            echo_json(status_json(answer))
         else:
-            how = "resubmitted" if resubmit else "re-attached"
-            typer.echo(f"{job_id} {how}: now {after.state.value}")
+            typer.echo(said(answer))
 
     run(go)
 
