@@ -27,7 +27,6 @@ from collections.abc import AsyncGenerator, AsyncIterable, Mapping
 from contextlib import AsyncExitStack
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from types import TracebackType
 from typing import IO, Any, Self
 
 import aioboto3
@@ -139,12 +138,7 @@ class ArtifactStore:
         self._stack = stack
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         stack, self._stack, self._client = self._stack, None, None
         if stack is not None:
             await stack.aclose()
