@@ -121,12 +121,9 @@ class WorkerSettings(Settings):
     default_pool: str = Field("comfyui", validation_alias="DURABLE_COMFY_DEFAULT_POOL")
     # JSON `{name: {kind, url}}` from the variable; replaces the config file's pools.
     pools: dict[str, PoolConfig] = Field(default_factory=dict, validation_alias=POOLS_VAR)
-    # Each running job holds one activity slot for its whole follow: this is how many prompts
-    # one worker process follows at once. What a slot costs: about 0.1 MB of RSS per followed
-    # job (`make bench` group 4, at 1,000 jobs), one open socket (a file descriptor) per
-    # followed ComfyUI prompt, and its share of the heartbeat budget below. Not CPU: a worker
-    # is one Python thread, which `make bench` saturates at about 8 short jobs a second on 2
-    # cores. A job past the slots waits (`JobStatus.worker_wait`); more jobs: more workers.
+    # How many prompts one worker follows at once: each running job holds a slot for its whole
+    # follow, and a job past them waits (`JobStatus.worker_wait`). What a slot costs, measured:
+    # docs/configuration.md, "Worker slots".
     max_concurrent_activities: Concurrency = Field(
         1000, validation_alias="DURABLE_COMFY_MAX_CONCURRENT_ACTIVITIES"
     )

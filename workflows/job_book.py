@@ -168,8 +168,9 @@ class JobBook:
     def set_state(self, state: JobState) -> None:
         changed = self._put_state(state)
         self.changed()
-        # seq 1: the status's very first write (a run's start, unless a message came first),
-        # unless the client that started the job set these values already.
+        # The search attributes follow state changes; the status's first write (seq 1) writes
+        # them too, since the run starts in a state nothing has written yet, unless the client
+        # that started the job already set them to it.
         if changed or (self.status.seq == 1 and not self._started_as(state)):
             self._upsert(
                 STATE_KEY.value_set(state.value), PROGRESS_KEY.value_set(self.coarse_progress())
