@@ -4,18 +4,21 @@
     └── ConfigFileError       the production file is unusable (names the file and the key's path)
     StorageError              base of the storage errors (activities.storage_errors adds the rest)
     └── StorageConfigError    S3 settings missing or invalid (or, from S3, credentials refused)
-    CodecError                base of the payload codec's errors (starter.codec adds the rest)
-    └── CodecSettingsError    the key ring cannot be built (names the variable or file)
+    CodecError                base of the payload codec's errors (starter.codec raises the rest)
+    ├── CodecSettingsError    the key ring cannot be built (names the variable or file)
+    ├── UnknownKeyId          a payload was encrypted with a key the ring does not hold
+    └── DecryptionFailed      the payload does not decrypt with its key (tampered or truncated)
 
 A settings class's own problem is pydantic's `ValidationError`, located at the variable.
-The storage and codec bases are defined here, not beside the code that raises their other
-errors, because settings raise them too and every `except StorageError` / `except CodecError`
-must keep catching a bad setting; their modules import them from here.
+The codec's tree is here whole, the payloads' errors with the key ring's, so that every
+`except CodecError` catches a bad setting too. The storage base is here because the S3 settings
+raise StorageConfigError; activities.storage_errors imports it.
 None of these messages ever quotes a secret.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -64,3 +67,22 @@ class CodecError(Exception):
 
 class CodecSettingsError(CodecError, ValueError):
     """The key ring cannot be built from the configuration; says which variable and entry."""
+
+
+class UnknownKeyId(CodecError):
+    """The payload names a key the ring does not hold (rotated out, or another deployment's)."""
+
+    def __init__(self, key_id: str, known: Sequence[str], *, where: str) -> None:
+        super().__init__(
+            f"payload encrypted with key id {key_id!r}, which is not in the key ring "
+            f"(ids: {', '.join(known)}): add that key to {where} after the active one"
+        )
+        self.key_id = key_id
+
+
+class DecryptionFailed(CodecError):
+    """AES-GCM authentication failed: the payload was altered, truncated or mislabelled."""
+
+    def __init__(self, key_id: str, why: str) -> None:
+        super().__init__(f"payload with key id {key_id!r} does not decrypt: {why}")
+        self.key_id = key_id

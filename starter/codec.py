@@ -20,7 +20,7 @@ metadata (in clear: the key id is not a secret) and `nonce (12 bytes) || ciphert
 its data, the plaintext being the whole original payload (metadata included). The key id is the
 associated data, so a payload cannot be passed off as another key's.
 
-Errors (none of them ever carries key material; the first two are configuration.errors'):
+Errors (configuration.errors'; none of them ever carries key material):
 
     CodecError
     ├── CodecSettingsError  the key ring's configuration is unusable (names the variable)
@@ -40,33 +40,15 @@ from temporalio.api.common.v1 import Payload
 from temporalio.converter import PayloadCodec
 
 from configuration.codec_keys import KEY_ID_PATTERN, KEYS_ENV, KEYS_FILE_ENV, KeyRing
-from configuration.errors import CodecError, CodecSettingsError
+from configuration.errors import CodecSettingsError, DecryptionFailed, UnknownKeyId
 from configuration.settings import CodecSettings
 
 ENCODING = b"binary/encrypted"
 KEY_ID_METADATA = "encryption-key-id"
 NONCE_BYTES = 12
 TAG_BYTES = 16
-
-
-class UnknownKeyId(CodecError):
-    """The payload names a key the ring does not hold (rotated out, or another deployment's)."""
-
-    def __init__(self, key_id: str, known: Sequence[str]) -> None:
-        super().__init__(
-            f"payload encrypted with key id {key_id!r}, which is not in the key ring "
-            f"(ids: {', '.join(known)}): add that key to {KEYS_ENV} (or the file "
-            f"{KEYS_FILE_ENV} names) after the active one"
-        )
-        self.key_id = key_id
-
-
-class DecryptionFailed(CodecError):
-    """AES-GCM authentication failed: the payload was altered, truncated or mislabelled."""
-
-    def __init__(self, key_id: str, why: str) -> None:
-        super().__init__(f"payload with key id {key_id!r} does not decrypt: {why}")
-        self.key_id = key_id
+# Where a key the ring lacks is added, as an unknown key id's error says.
+RING_VARIABLES = f"{KEYS_ENV} (or the file {KEYS_FILE_ENV} names)"
 
 
 class EncryptionCodec(PayloadCodec):
@@ -106,7 +88,7 @@ class EncryptionCodec(PayloadCodec):
         key_id = raw_id.decode("utf-8", "replace")
         cipher = self._ciphers.get(key_id)
         if cipher is None:
-            raise UnknownKeyId(key_id, self.ring.ids)
+            raise UnknownKeyId(key_id, self.ring.ids, where=RING_VARIABLES)
         if len(payload.data) < NONCE_BYTES + TAG_BYTES:
             raise DecryptionFailed(key_id, f"{len(payload.data)} bytes is too short")
         nonce, sealed = payload.data[:NONCE_BYTES], payload.data[NONCE_BYTES:]

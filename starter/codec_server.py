@@ -23,8 +23,8 @@ from google.protobuf import json_format
 from pydantic import SecretStr
 from temporalio.api.common.v1 import Payloads
 
-from configuration.errors import CodecError
-from starter.codec import DecryptionFailed, EncryptionCodec, UnknownKeyId
+from configuration.errors import CodecError, DecryptionFailed, UnknownKeyId
+from starter.codec import EncryptionCodec
 
 log = structlog.get_logger("codec_server")
 

@@ -369,7 +369,6 @@ LEGACY = {
     "protocol/comfyui/client.py",
     "protocol/comfyui/follower.py",
     "protocol/comfyui/history.py",
-    "starter/codec.py",
 }
 PRODUCT_CODE = (
     "workflows",

@@ -12,17 +12,9 @@ from pydantic import ValidationError
 from temporalio.api.common.v1 import Payload
 
 from configuration.codec_keys import KEYS_ENV, KEYS_FILE_ENV, KeyRing
-from configuration.errors import CodecSettingsError
+from configuration.errors import CodecSettingsError, DecryptionFailed, UnknownKeyId
 from configuration.settings import CodecSettings, TemporalSettings
-from starter.codec import (
-    ENCODING,
-    KEY_ID_METADATA,
-    DecryptionFailed,
-    EncryptionCodec,
-    UnknownKeyId,
-    codec_from_environ,
-    new_entry,
-)
+from starter.codec import ENCODING, KEY_ID_METADATA, EncryptionCodec, codec_from_environ, new_entry
 from starter.connection import data_converter
 from tests.support.cli import example
 from workflows.contracts import JobRequest

@@ -29,10 +29,11 @@ from temporalio.api.common.v1 import Payload
 from temporalio.exceptions import ApplicationError
 
 from configuration.codec_keys import KEYS_ENV, KeyRing
+from configuration.errors import UnknownKeyId
 from devstack.free_ports import free_port
 from devstack.models import RunningStack
 from devstack.processes import find_binary
-from starter.codec import EncryptionCodec, UnknownKeyId, new_entry
+from starter.codec import EncryptionCodec, new_entry
 from tests.activities import test_runpod_backend_unit as runpod_unit
 from tests.support.cli import ROOT, cli_env, example
 
