@@ -32,7 +32,6 @@ import asyncio
 import contextlib
 import time
 from datetime import UTC, datetime
-from types import TracebackType
 from typing import Self
 
 import structlog
@@ -126,12 +125,7 @@ class Lease:
         ]
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         try:
             await self.stop()
         finally:
