@@ -13,13 +13,8 @@ from typing import Any
 from temporalio.exceptions import ApplicationError
 
 from activities.storage_errors import StorageError
-from protocol.comfyui.client import (
-    ComfyError,
-    ComfyHTTPError,
-    ComfyPromptRejected,
-    ComfyUnavailable,
-)
 from protocol.comfyui.events import is_fatal_device_error, is_out_of_memory
+from protocol.errors import ComfyError, ComfyHTTPError, ComfyPromptRejected, ComfyUnavailable
 from workflows.shared import ErrorType
 
 

@@ -42,7 +42,8 @@ from activities.runpod.submissions import SubmissionRecord
 from activities.storage import ArtifactStore
 from activities.storage_errors import StorageError
 from configuration.pools import PoolConfig
-from protocol.comfyui.client import ComfyClient, ComfyError
+from protocol.comfyui.client import ComfyClient
+from protocol.errors import ComfyError
 
 log = structlog.get_logger(__name__)
 

@@ -14,9 +14,9 @@ import structlog
 
 from endpoint.inputs import decode_image
 from endpoint.job_files import JobFiles
-from protocol.comfyui.client import ComfyClient, ComfyError, ComfyHTTPError, ComfyUnavailable
+from protocol.comfyui.client import ComfyClient
 from protocol.comfyui.events import ending_of
-from protocol.comfyui.follower import ComfyGone
+from protocol.errors import ComfyError, ComfyGone, ComfyHTTPError, ComfyUnavailable
 from protocol.runpod.contract import InputImage
 
 log = structlog.get_logger(__name__)

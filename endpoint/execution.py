@@ -23,9 +23,10 @@ from endpoint.reporting import ProgressReporter
 from endpoint.settings import EndpointSettings
 from endpoint.staged_inputs import StagedInputs
 from endpoint.stopping import StopSubject, stop_prompt
-from protocol.comfyui.client import ComfyClient, ComfyError
+from protocol.comfyui.client import ComfyClient
 from protocol.comfyui.events import is_out_of_memory
 from protocol.comfyui.follower import PromptEnd, PromptFollower, Stage
+from protocol.errors import ComfyError
 from protocol.progress import ProgressTracker
 from protocol.runpod.contract import ArtifactRecord, InputImage, ProgressStage
 

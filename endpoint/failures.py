@@ -19,15 +19,17 @@ from endpoint.errors import (
     UploadError,
 )
 from endpoint.s3 import S3_FAILURES, error_code
-from protocol.comfyui.client import (
+from protocol.comfyui.events import is_fatal_device_error, is_out_of_memory
+from protocol.comfyui.follower import PromptEnd
+from protocol.errors import (
+    ComfyGone,
     ComfyHTTPError,
     ComfyPromptRejected,
     ComfyUnavailable,
+    HistoryMissing,
+    PromptLost,
     UnsafeOutputName,
 )
-from protocol.comfyui.events import is_fatal_device_error, is_out_of_memory
-from protocol.comfyui.follower import ComfyGone, PromptEnd, PromptLost
-from protocol.comfyui.history import HistoryMissing
 from protocol.runpod.contract import EndpointError
 
 log = structlog.get_logger(__name__)

@@ -29,8 +29,9 @@ import structlog
 from endpoint.errors import OutputTooLarge, UploadError
 from endpoint.s3 import DEFAULT_RETRY_S, S3, Patience
 from endpoint.upload import stream_to_s3
-from protocol.comfyui.client import ComfyClient, UnsafeOutputName
+from protocol.comfyui.client import ComfyClient
 from protocol.comfyui.events import output_files
+from protocol.errors import UnsafeOutputName
 from protocol.keys import content_type_for, in_another_run, shown
 from protocol.runpod.contract import ArtifactRecord
 

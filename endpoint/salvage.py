@@ -50,9 +50,10 @@ from endpoint.outputs import OutputCollector, S3Sink
 from endpoint.s3 import S3, Patience
 from endpoint.settings import BucketSettings
 from endpoint.takeover import recorded_end
-from protocol.comfyui.client import ComfyClient, ComfyError
+from protocol.comfyui.client import ComfyClient
 from protocol.comfyui.follower import PromptEnd as FollowedEnd
-from protocol.comfyui.history import HistoryMissing, history_when_written, outputs_of
+from protocol.comfyui.history import history_when_written, outputs_of
+from protocol.errors import ComfyError, HistoryMissing
 from protocol.keys import artifact_key
 from protocol.runpod.contract import ArtifactRecord, Claim, FenceRecord, OutputFile, PromptEnd
 

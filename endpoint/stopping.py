@@ -28,8 +28,9 @@ from typing import Any
 import structlog
 
 from endpoint.comfy import process_alive
-from protocol.comfyui.client import ComfyClient, ComfyError, QueuePlace
+from protocol.comfyui.client import ComfyClient, QueuePlace
 from protocol.comfyui.events import ending_of
+from protocol.errors import ComfyError
 from protocol.runpod.contract import PromptFate, StopRecord
 
 log = structlog.get_logger(__name__)

@@ -81,7 +81,8 @@ from endpoint.fence_file import DEFAULT_FENCE_FILE, FenceState, read_fence  # no
 from endpoint.logs import configure_logging  # noqa: E402
 from endpoint.salvage import salvage  # noqa: E402
 from endpoint.settings import DEFAULT_COMFY_URL, BucketSettings, EndpointSettings  # noqa: E402
-from protocol.comfyui.client import ComfyClient, ComfyError  # noqa: E402
+from protocol.comfyui.client import ComfyClient  # noqa: E402
+from protocol.errors import ComfyError  # noqa: E402
 
 log = structlog.get_logger("endpoint.watchdog")
 

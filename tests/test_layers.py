@@ -366,9 +366,6 @@ LEGACY = {
     "activities/storage_errors.py",
     "activities/url_fetch.py",
     "activities/webhook_target.py",
-    "protocol/comfyui/client.py",
-    "protocol/comfyui/follower.py",
-    "protocol/comfyui/history.py",
 }
 PRODUCT_CODE = (
     "workflows",

@@ -17,8 +17,9 @@ from activities.comfyui.registry import PoolRegistries
 from activities.errors import fatal, from_comfy
 from activities.inputs import input_bytes
 from activities.storage import ArtifactStore
-from protocol.comfyui.client import ComfyClient, ComfyError
+from protocol.comfyui.client import ComfyClient
 from protocol.comfyui.events import ending_of
+from protocol.errors import ComfyError
 from workflows.activity_io import (
     PreparedJob,
     PrepareInput,

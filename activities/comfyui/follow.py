@@ -47,10 +47,11 @@ from activities.heartbeat_budget import HeartbeatBudget
 from activities.live_progress import LiveProgress
 from activities.orphans import prompt_tag
 from activities.storage import ArtifactStore
-from protocol.comfyui.client import ComfyClient, ComfyError
+from protocol.comfyui.client import ComfyClient
 from protocol.comfyui.events import output_files
-from protocol.comfyui.follower import PromptFollower, PromptLost, Stage
+from protocol.comfyui.follower import PromptFollower, Stage
 from protocol.comfyui.history import failed_in_history, history_messages
+from protocol.errors import ComfyError, PromptLost
 from protocol.progress import ProgressTracker
 from workflows.activity_io import FollowHeartbeat, FollowInput, FollowResult
 from workflows.contracts import Artifact, Checkpoint, ProgressReport

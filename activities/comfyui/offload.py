@@ -44,21 +44,20 @@ from activities.comfyui.pools import ComfyPools
 from activities.errors import fatal, from_comfy, from_storage, history_failure, retryable
 from activities.metrics import count_offloaded
 from activities.storage import ArtifactStore, StorageError
-from protocol.comfyui.client import (
-    ComfyClient,
-    ComfyError,
-    ComfyHTTPError,
-    ComfyUnavailable,
-    UnsafeOutputName,
-    check_view_request,
-)
+from protocol.comfyui.client import ComfyClient, check_view_request
 from protocol.comfyui.events import output_files
 from protocol.comfyui.history import (
-    HistoryMissing,
     failed_in_history,
     history_messages,
     history_when_written,
     outputs_of,
+)
+from protocol.errors import (
+    ComfyError,
+    ComfyHTTPError,
+    ComfyUnavailable,
+    HistoryMissing,
+    UnsafeOutputName,
 )
 from protocol.keys import artifact_key, content_type_for, in_another_run, shown
 from workflows.activity_io import OffloadInput, OffloadResult

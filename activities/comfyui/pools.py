@@ -25,7 +25,8 @@ import structlog
 from activities.errors import fatal
 from configuration.pools import PoolConfig
 from configuration.settings import WorkerSettings
-from protocol.comfyui.client import ComfyClient, ComfyError
+from protocol.comfyui.client import ComfyClient
+from protocol.errors import ComfyError
 from workflows.shared import ErrorType
 
 log = structlog.get_logger(__name__)

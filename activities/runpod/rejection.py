@@ -26,7 +26,7 @@ import json
 import re
 from typing import Any
 
-from protocol.comfyui.client import describe_rejection
+from protocol.errors import describe_rejection
 
 # The stock handler's words, from its queue_workflow (worker-comfyui 5.8.5).
 _HEADS = ("Workflow validation failed", "Prompt outputs failed validation")

@@ -1,11 +1,9 @@
 """A thin async client for one ComfyUI server's HTTP API (docs/comfyui-protocol.md).
 
-Exceptions (translated from httpx at this edge):
-    ComfyError
-    ├── ComfyUnavailable      connection refused/reset, timeouts, 5xx: worth retrying later
-    ├── ComfyPromptRejected   400 from /prompt: the graph is wrong, retrying cannot help
-    └── ComfyHTTPError        any other unexpected status
-The client never retries on its own: Temporal owns retries.
+httpx's exceptions become protocol.errors' `ComfyError`s at this edge: `ComfyUnavailable`
+(connection refused/reset, timeouts, 5xx: worth retrying later), `ComfyPromptRejected` (400
+from /prompt: the graph is wrong, retrying cannot help), `ComfyHTTPError` (any other unexpected
+status). The client never retries on its own: Temporal owns retries.
 
 `UnsafeOutputName` (a `ValueError`, not a `ComfyError`: no retry changes a name) is raised before
 any request when an output record asks `/view` for something outside ComfyUI's output and temp
@@ -25,6 +23,9 @@ from urllib.parse import unquote, urlencode, urlsplit, urlunsplit
 import httpcore
 import httpx
 
+from protocol.errors import ComfyHTTPError, ComfyPromptRejected, ComfyUnavailable, UnsafeOutputName
+from protocol.keys import shown
+
 # httpcore reads an HTTP/1.1 response 64 KiB at a time, and each read goes through anyio, a
 # timeout scope and h11: about 2 s of event-loop CPU per GiB of `/view`, on the loop that also
 # sends the parts to S3 (bench group 5). asyncio's transport receives up to 256 KiB per recv, so
@@ -34,34 +35,6 @@ import httpx
 HTTP11_READ_BYTES = 256 * 1024
 if getattr(httpcore.AsyncHTTP11Connection, "READ_NUM_BYTES", 0) < HTTP11_READ_BYTES:
     httpcore.AsyncHTTP11Connection.READ_NUM_BYTES = HTTP11_READ_BYTES
-
-
-class ComfyError(Exception):
-    """Base of every error talking to ComfyUI."""
-
-
-class ComfyUnavailable(ComfyError):
-    """The server could not be reached or answered 5xx."""
-
-
-class ComfyHTTPError(ComfyError):
-    def __init__(self, message: str, status_code: int) -> None:
-        super().__init__(message)
-        self.status_code = status_code
-
-
-class UnsafeOutputName(ValueError):
-    """An output record this client will not ask `/view` for (see `check_view_request`)."""
-
-    def __init__(self, filename: str, subfolder: str, kind: str, reason: str) -> None:
-        self.filename = filename
-        self.subfolder = subfolder
-        self.kind = kind
-        self.reason = reason
-        super().__init__(
-            f"output {_quoted(filename)} (subfolder {_quoted(subfolder)}, type {_quoted(kind)}) "
-            f"refused, not fetched: {reason}"
-        )
 
 
 # ComfyUI's folder types are output, input and temp; `input` holds what clients uploaded (other
@@ -147,63 +120,6 @@ def _character_problem(value: str) -> str | None:
         if unicodedata.category(ch) in _UNSAFE_CATEGORIES:
             return f"a control or format character ({ch!a})"
     return None
-
-
-def _quoted(value: str, limit: int = 80) -> str:
-    """An untrusted name for a message: ASCII-escaped (no control characters, no newlines, no
-    look-alikes), bounded, inside a Markdown code span (the Temporal UI's details render
-    Markdown, where a name could otherwise be a link). `protocol.keys.shown` does the same;
-    this module imports nothing of the project."""
-    cut = value[:limit] + ("..." if len(value) > limit else "")
-    return "`" + ascii(cut)[1:-1].replace("`", "\\x60") + "`"
-
-
-class ComfyPromptRejected(ComfyError):
-    """/prompt answered 400: `error` and `node_errors` are ComfyUI's own."""
-
-    def __init__(self, error: dict[str, Any], node_errors: dict[str, Any]) -> None:
-        self.error = error
-        self.node_errors = node_errors
-        super().__init__(describe_rejection(error, node_errors))
-
-
-def describe_rejection(error: dict[str, Any], node_errors: dict[str, Any]) -> str:
-    """ComfyUI's reason in full: node, class, input name *and* ComfyUI's own message.
-
-    `details` is often just the input name ("seed") while the reason is in `message`
-    ("Value -5 smaller than min of 0"): both are kept.
-    """
-    parts = [_join(error.get("message") or error.get("type") or "prompt rejected", error)]
-    for node_id, entry in node_errors.items():
-        if not isinstance(entry, dict):
-            continue
-        where = f"node {node_id} ({entry.get('class_type', '?')})"
-        for item in entry.get("errors", []):
-            if isinstance(item, dict):
-                parts.append(f"{where}: {_describe_item(item)}")
-    return "; ".join(parts)
-
-
-def _describe_item(item: dict[str, Any]) -> str:
-    extra = item.get("extra_info")
-    if not isinstance(extra, dict):
-        extra = {}
-    input_name = extra.get("input_name")
-    message = str(item.get("message") or item.get("type") or "invalid")
-    text = f"input {input_name!r}: {message}" if input_name else message
-    text = _join(text, item, skip={str(input_name)} if input_name else set())
-    if "received_value" in extra and str(extra["received_value"]) not in text:
-        text += f" (got {extra['received_value']!r})"
-    return text
-
-
-def _join(text: object, error: dict[str, Any], skip: set[str] | None = None) -> str:
-    """`text`, plus `details` when they add something to it."""
-    out = str(text)
-    details = error.get("details")
-    if details and str(details) not in (skip or set()) and str(details) not in out:
-        out += f" ({details})"
-    return out
 
 
 @dataclass(frozen=True)
@@ -388,7 +304,7 @@ class ComfyClient:
                     raise ComfyUnavailable(f"GET /view: HTTP {response.status_code}")
                 if response.status_code != 200:
                     raise ComfyHTTPError(
-                        f"GET /view {_quoted(filename)}: HTTP {response.status_code}",
+                        f"GET /view {shown(filename)}: HTTP {response.status_code}",
                         response.status_code,
                     )
                 # Chunks as they come off the socket (up to HTTP11_READ_BYTES), decoded but not

@@ -30,12 +30,13 @@ from typing import Any, Literal, Protocol
 import structlog
 import websockets
 
-from protocol.comfyui.client import ComfyClient, ComfyUnavailable
+from protocol.comfyui.client import ComfyClient
 from protocol.comfyui.events import ComfyEvent, ending_of, for_prompt, parse_frame
 from protocol.comfyui.history import history_when_written, outputs_of
 from protocol.comfyui.silence import SilenceTimer
 from protocol.comfyui.socket import comfy_socket
 from protocol.comfyui.whereabouts import is_known, whereabouts
+from protocol.errors import ComfyGone, ComfyUnavailable, PromptLost
 from protocol.progress import ProgressTracker
 
 # A socket silent this many polls while the prompt runs is reopened: ComfyUI unregisters a
@@ -50,14 +51,6 @@ RECONNECT_DELAY_S = 1.0
 Stage = Literal["queued", "running"]
 # How the follower saw the prompt end: an event, or its history entry found by a look.
 Seen = Literal["success", "error", "interrupted", "history"]
-
-
-class PromptLost(Exception):
-    """ComfyUI knows nothing of a prompt it was given (it restarted)."""
-
-
-class ComfyGone(Exception):
-    """ComfyUI's process exited or never answered: this worker cannot run anything."""
 
 
 class FollowListener(Protocol):

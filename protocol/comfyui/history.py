@@ -2,8 +2,8 @@
 
 One routine for both sides of ComfyUI: the orchestrator's offload (activities/comfyui/offload.py)
 and the RunPod handler's follower (`PromptFollower.ending`, endpoint/execution.py). Needs only
-the ComfyUI client: the handler's venv has no Temporal, so errors here are plain exceptions
-that each side translates its own way.
+the ComfyUI client: the handler's venv has no Temporal, so its error (`HistoryMissing`) is
+protocol.errors', which each side translates its own way.
 """
 
 from __future__ import annotations
@@ -13,14 +13,11 @@ import time
 from typing import Any
 
 from protocol.comfyui.client import ComfyClient
+from protocol.errors import HistoryMissing
 
 # `execution_success` arrives before ComfyUI writes the history entry: this long, at most.
 HISTORY_WAIT_S = 10.0
 HISTORY_POLL_S = 0.2
-
-
-class HistoryMissing(Exception):
-    """The prompt ended but ComfyUI wrote no history entry for it in time."""
 
 
 async def history_when_written(

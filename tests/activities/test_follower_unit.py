@@ -35,6 +35,7 @@ from activities.orphans import TAG_KEY
 from activities.storage import StoredObject
 from activities.storage_errors import StorageError
 from protocol.comfyui.client import ComfyClient
+from protocol.errors import ComfyGone
 from protocol.progress import ProgressTracker
 from tests.activities.follower_rig import (
     HEARTBEAT_TIMEOUT_S,
@@ -1099,7 +1100,7 @@ async def test_the_handlers_follower_gives_comfyui_up_once_silent_past_its_allow
     rig.comfy.running.append(PROMPT_ID)
     rig.socket.scripts = [[send(frame("executing", node="3")), pause(0.05), cut]]
     follower = core_follower(rig, RecordingListener(), graph=GRAPH, reconnect_for_s=0.0)
-    with pytest.raises(follower_module.ComfyGone, match="ComfyUI unreachable"):
+    with pytest.raises(ComfyGone, match="ComfyUI unreachable"):
         await asyncio.wait_for(follower.run(), 5)
 
 

@@ -13,12 +13,8 @@ import pytest_asyncio
 from aiohttp import web
 
 from activities.comfyui.offload import OutputUploader, _reads_network, _tls_context, view_stream
-from protocol.comfyui.client import (
-    ComfyClient,
-    ComfyHTTPError,
-    ComfyUnavailable,
-    UnsafeOutputName,
-)
+from protocol.comfyui.client import ComfyClient
+from protocol.errors import ComfyHTTPError, ComfyUnavailable, UnsafeOutputName
 from tests.support.aiohttp_servers import served
 from tests.support.comfy_fakes import RUN_TAG, FakeStore, image
 from workflows.contracts import OutputSpec

@@ -37,7 +37,8 @@ from endpoint.settings import BucketSettings, EndpointSettings
 from endpoint.stopping import StopSubject, stop_prompt
 from endpoint.upload import MAX_IN_FLIGHT, PART_SIZE, stream_to_s3
 from protocol import multipart
-from protocol.comfyui.client import ComfyClient, ComfyPromptRejected
+from protocol.comfyui.client import ComfyClient
+from protocol.errors import ComfyPromptRejected
 from protocol.progress import ProgressTracker
 from protocol.runpod.contract import MAX_UPDATE_BYTES, ArtifactRecord, InputImage, ProgressUpdate
 

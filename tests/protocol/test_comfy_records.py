@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from protocol.comfyui.client import QueuePlace, describe_rejection
+from protocol.comfyui.client import QueuePlace
 from protocol.comfyui.events import ending_of
+from protocol.errors import describe_rejection
 
 
 def test_rejection_keeps_node_class_input_and_comfyuis_message() -> None:
@@ -114,7 +115,7 @@ def test_ending_reads_the_prompts_own_messages() -> None:
 
 def test_comfyui_http_errors_keep_their_status_and_say_what_kind_they_are() -> None:
     from activities.errors import from_comfy
-    from protocol.comfyui.client import ComfyHTTPError, ComfyUnavailable
+    from protocol.errors import ComfyHTTPError, ComfyUnavailable
     from workflows.shared import ErrorType
 
     refused = from_comfy(ComfyHTTPError("GET /view 'x.png': HTTP 404", 404), "fetching x.png")

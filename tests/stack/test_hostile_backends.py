@@ -34,7 +34,8 @@ from devstack.models import RunningStack
 from endpoint.failures import failure_of
 from endpoint.job import OrchestratedJob
 from endpoint.outputs import OutputCollector
-from protocol.comfyui.client import ComfyClient, UnsafeOutputName, check_view_request
+from protocol.comfyui.client import ComfyClient, check_view_request
+from protocol.errors import UnsafeOutputName
 from protocol.keys import job_folder
 from protocol.runpod.contract import EndpointInput, Orchestration, S3Target
 from starter import JobClient, JobRequest, JobState
