@@ -958,20 +958,27 @@ class JobClient:
             failures, lost_since = 0, None
             return status
 
+        async def pushed(
+            next_beat: Callable[[], Coroutine[Any, Any, FollowHeartbeat | None]],
+        ) -> AsyncIterator[JobStatus]:
+            """Each beat `next_beat` brings, up to its first None, laid over the last status:
+            handed out when it shows something new, one every `push_gap_s` at most."""
+            nonlocal last_status, last_shown
+            while (beat := await next_beat()) is not None:
+                moved = _pushed(beat, last_status, last_shown)
+                if moved is not None:
+                    last_status, last_shown = moved, _shown(moved)
+                    yield moved
+                    await asyncio.sleep(push_gap_s)
+
         try:
             while True:
                 # A poll can take long on a loaded server: the steps pushed meanwhile go out.
                 polling = asyncio.ensure_future(poll_once())
                 try:
-                    while push is not None and not polling.done():
-                        beat = await push.next_or(polling)
-                        if beat is None:
-                            break
-                        moved = _pushed(beat, last_status, last_shown)
-                        if moved is not None:
-                            last_status, last_shown = moved, _shown(moved)
+                    if push is not None:
+                        async for moved in pushed(functools.partial(push.next_or, polling)):
                             yield moved
-                            await asyncio.sleep(push_gap_s)
                     polled = await polling
                 finally:
                     if polling.done():
@@ -999,15 +1006,8 @@ class JobClient:
                 push.follow_own(status.live_progress if status.state in FOLLOW_STATES else None)
                 # Until the next poll: each step the worker pushes, laid over the last status.
                 deadline = time.monotonic() + poll_interval_s
-                while (left := deadline - time.monotonic()) > 0:
-                    beat = await push.next(left)
-                    if beat is None:
-                        break
-                    moved = _pushed(beat, last_status, last_shown)
-                    if moved is not None:
-                        last_status, last_shown = moved, _shown(moved)
-                        yield moved
-                        await asyncio.sleep(push_gap_s)
+                async for moved in pushed(functools.partial(push.next_before, deadline)):
+                    yield moved
         finally:
             query.cancel()
             if push is not None:

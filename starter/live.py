@@ -28,6 +28,7 @@ import contextlib
 import functools
 import json
 import random
+import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
@@ -397,12 +398,16 @@ class Pushed:
         if self._beat_from not in self._at:
             self.beat, self._beat_from = None, None
 
-    async def next(self, timeout_s: float) -> FollowHeartbeat | None:
-        """The latest beat once one comes, or None after `timeout_s` without one."""
+    async def next_before(self, deadline: float) -> FollowHeartbeat | None:
+        """The latest beat once one comes, or None at `deadline` (`time.monotonic()`) without
+        one."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return None
         # Not `asyncio.wait_for`: on Python 3.11 a cancel that lands as the beat arrives is
         # lost there (the beat is returned), and a stopped watch would go on for ever.
         try:
-            async with asyncio.timeout(timeout_s):
+            async with asyncio.timeout(left):
                 await self._arrived.wait()
         except TimeoutError:
             return None
@@ -411,6 +416,8 @@ class Pushed:
 
     async def next_or(self, other: asyncio.Future[Any]) -> FollowHeartbeat | None:
         """The latest beat once one comes, or None once `other` is done first."""
+        if other.done():
+            return None
         arrived = asyncio.ensure_future(self._arrived.wait())
         try:
             await asyncio.wait({arrived, other}, return_when=asyncio.FIRST_COMPLETED)
