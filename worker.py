@@ -42,13 +42,11 @@ from activities.metrics import count_swept, prometheus_runtime
 from activities.orphans import OrphanSweeper, RunPodSweep
 from activities.runpod.backend import RunPodBackend
 from activities.runpod.client import RunPodClient
-from activities.runpod.errors import RunPodAuthError, RunPodError, RunPodRefused
 from activities.runpod.nodes import check_captured_registries
 from activities.runpod.retry import NO_RETRY
 from activities.storage import ArtifactStore
 from activities.versioning import deployment_config, settle_and_report
 from activities.webhooks import WebhookDeliverer
-from configuration.errors import StorageConfigError
 from configuration.pools import PoolConfig
 from configuration.processes import WorkerConfig
 from configuration.settings import (
@@ -71,6 +69,7 @@ from starter.doctor import (
 )
 from starter.errors import ChecksFailed
 from starter.exit import exit_without_finalizing
+from workflows.errors import RunPodAuthError, RunPodError, RunPodRefused, StorageConfigError
 from workflows.inference_job import InferenceJob
 
 log = structlog.get_logger("worker")

@@ -12,9 +12,16 @@ from typing import Any
 
 from temporalio.exceptions import ApplicationError
 
-from activities.storage_errors import StorageError
 from protocol.comfyui.events import is_fatal_device_error, is_out_of_memory
-from protocol.errors import ComfyError, ComfyHTTPError, ComfyPromptRejected, ComfyUnavailable
+from protocol.errors import (
+    ComfyError,
+    ComfyHTTPError,
+    ComfyPromptRejected,
+    ComfyUnavailable,
+    HistoryMissing,
+    PromptLost,
+)
+from workflows.errors import StorageError
 from workflows.shared import ErrorType
 
 
@@ -32,8 +39,13 @@ def retryable(
     )
 
 
-def from_comfy(exc: ComfyError, doing: str) -> ApplicationError:
-    """The one place ComfyUI client errors become activity failures."""
+def from_comfy(exc: ComfyError | PromptLost | HistoryMissing, doing: str) -> ApplicationError:
+    """The one place the protocol core's ComfyUI errors become activity failures."""
+    if isinstance(exc, PromptLost):
+        return fatal(ErrorType.PROMPT_LOST, str(exc))
+    if isinstance(exc, HistoryMissing):
+        # Written late, not lost: another attempt reads it again.
+        return retryable(ErrorType.OUTPUT_MISSING, f"{doing}: {exc}")
     if isinstance(exc, ComfyPromptRejected):
         return fatal(
             ErrorType.PROMPT_REJECTED,

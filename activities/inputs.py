@@ -18,11 +18,11 @@ from temporalio.exceptions import ApplicationError
 
 from activities.errors import fatal, from_storage, retryable
 from activities.storage import ArtifactStore
-from activities.storage_errors import ObjectMissing, StorageError
-from activities.url_fetch import FetchFailed, UrlFetcher, UrlFetchError, default_fetcher
+from activities.url_fetch import UrlFetcher, default_fetcher
 from configuration.settings import S3Settings
 from workflows.activity_io import PrepareInput
 from workflows.contracts import MAX_INLINE_INPUT_BYTES, InlineInput, InputRef, S3Input, UrlInput
+from workflows.errors import FetchFailed, ObjectMissing, StorageError, UrlFetchError
 from workflows.shared import ErrorType
 from workflows.tenancy import inputs_outside_area
 

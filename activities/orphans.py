@@ -37,13 +37,12 @@ from temporalio.service import RPCError, RPCStatusCode
 from activities.runpod import submissions
 from activities.runpod.claims import read_claim
 from activities.runpod.client import RunPodClient
-from activities.runpod.errors import RunPodError, RunPodJobGone
 from activities.runpod.submissions import SubmissionRecord
 from activities.storage import ArtifactStore
-from activities.storage_errors import StorageError
 from configuration.pools import PoolConfig
 from protocol.comfyui.client import ComfyClient
 from protocol.errors import ComfyError
+from workflows.errors import RunPodError, RunPodJobGone, StorageError
 
 log = structlog.get_logger(__name__)
 

@@ -4,8 +4,8 @@ One `ArtifactStore` per worker or client process holds one aioboto3 S3 client. U
 constant memory (see `protocol.multipart`); every stored object carries its sha256 as user
 metadata `sha256`, which `head`, `verify` and `download` check.
 
-Exceptions (defined in `activities.storage_errors`, re-exported here; botocore errors are
-translated at this edge with `raise ... from exc`):
+Exceptions (workflows.errors'; botocore's are translated at this edge by
+`activities.storage_errors.translate`, with `raise ... from exc`):
     StorageError                 base; `.retryable` tells Temporal whether trying again may help
     ├── ObjectMissing            the key does not exist
     ├── IntegrityError           size or sha256 differs from what was written or expected
@@ -36,31 +36,21 @@ from botocore.exceptions import ClientError
 from pydantic import BaseModel, ConfigDict
 
 from activities.s3_multipart import MAX_IN_FLIGHT, AioS3Calls
-from activities.storage_errors import (
-    MISSING_CODES,
-    S3_FAILURES,
-    IntegrityError,
-    ObjectMissing,
-    SourceStreamError,
-    StorageConfigError,
-    StorageError,
-    error_code,
-    translate,
-)
+from activities.storage_errors import MISSING_CODES, S3_FAILURES, error_code, translate
 from configuration.settings import S3Settings
 from protocol import multipart
 from protocol.errors import TooManyParts
+from workflows.errors import (
+    IntegrityError,
+    SourceStreamError,
+    StorageError,
+)
 
 __all__ = [
     "ArtifactStore",
     "DatedBytes",
-    "IntegrityError",
-    "ObjectMissing",
     "PresignedPut",
     "S3Settings",
-    "SourceStreamError",
-    "StorageConfigError",
-    "StorageError",
     "StoredObject",
 ]
 

@@ -1,10 +1,4 @@
-"""The storage error tree and the one place botocore errors become it.
-
-    StorageError                 base; `.retryable` tells Temporal whether trying again may help
-    ├── ObjectMissing            the key does not exist
-    ├── IntegrityError           size or sha256 differs from what was written or expected
-    ├── StorageConfigError       settings missing/invalid, or credentials/bucket rejected by S3
-    └── SourceStreamError        the caller's byte stream raised mid-upload (upload aborted)
+"""The one place botocore's errors become the storage tree (workflows.errors' `StorageError`).
 
 Messages name the operation, bucket, key and S3 error code, never a credential or a presigned URL:
 they end up in Temporal history.
@@ -22,9 +16,7 @@ from botocore.exceptions import (
     PartialCredentialsError,
 )
 
-# Defined with the configuration, whose S3 settings raise them; every storage error is one.
-from configuration.errors import StorageConfigError as StorageConfigError
-from configuration.errors import StorageError as StorageError
+from workflows.errors import ObjectMissing, StorageConfigError, StorageError
 
 MISSING_CODES = frozenset({"NoSuchKey", "NotFound", "404"})
 _CONFIG_CODES = frozenset(
@@ -54,18 +46,6 @@ S3_FAILURES: tuple[type[Exception], ...] = (
     OSError,
     asyncio.TimeoutError,
 )
-
-
-class ObjectMissing(StorageError):
-    retryable = False
-
-
-class IntegrityError(StorageError):
-    retryable = True  # a fresh upload or download usually cures it
-
-
-class SourceStreamError(StorageError):
-    """The chunk iterator given to `upload_stream` raised; `__cause__` is its exception."""
 
 
 def error_code(exc: ClientError) -> str:

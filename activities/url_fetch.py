@@ -22,7 +22,8 @@ No proxy is used (a proxy would resolve the name again, out of our sight).
 Resolution and dialing are injectable (`Resolver`, `Dialer`) so tests can map made-up public
 names onto a local server while the checks still run on the public addresses.
 
-Exceptions (`UrlFetchError.reason` is a stable code, `.host` and `.address` say where):
+Exceptions (workflows.errors'; `UrlFetchError.reason` is a stable code, `.host` and `.address`
+say where):
     UrlFetchError          base
     ├── UnsafeUrl          the URL, a redirect, or an address the host resolves to is refused
     ├── UnacceptableBody   what the server sent cannot be an input (too large, type, encoding)
@@ -38,7 +39,7 @@ import socket
 import ssl
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Final, Literal
+from typing import Final
 
 import httpcore
 import httpx
@@ -47,57 +48,12 @@ import structlog
 from activities import public_address
 from activities.pinned_connection import Dialer, PinnedBackend, Resolver, dial, resolve
 from configuration.settings import UrlFetchSettings
+from workflows.errors import FetchFailed, UnacceptableBody, UnsafeUrl
 
 log = structlog.get_logger(__name__)
 
-Reason = Literal[
-    "scheme",
-    "credentials",
-    "port",
-    "host",
-    "address",
-    "redirects",
-    "too_large",
-    "content_type",
-    "content_encoding",
-    "status",
-    "dns",
-    "tls",
-    "connect",
-    "timeout",
-]
-
 _REDIRECTS: Final = frozenset({301, 302, 303, 307, 308})
 _USER_AGENT: Final = "durable-comfy-url-input"
-
-
-class UrlFetchError(Exception):
-    def __init__(
-        self,
-        reason: Reason,
-        message: str,
-        *,
-        host: str,
-        address: str | None = None,
-        retryable: bool = False,
-    ) -> None:
-        super().__init__(message)
-        self.reason = reason
-        self.host = host
-        self.address = address
-        self.retryable = retryable
-
-
-class UnsafeUrl(UrlFetchError):
-    """The request asks for something the worker must not connect to."""
-
-
-class UnacceptableBody(UrlFetchError):
-    """The server answered, with something that cannot be an input file."""
-
-
-class FetchFailed(UrlFetchError):
-    """The file could not be had from that URL (now, or at all: see `retryable`)."""
 
 
 @dataclass(frozen=True)

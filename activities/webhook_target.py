@@ -24,14 +24,7 @@ import httpx
 
 from activities import public_address
 from activities.pinned_connection import Resolver, resolve
-
-
-class UnsafeWebhookUrl(ValueError):
-    """The worker will not POST to this URL; the message says which rule refuses it."""
-
-
-class WebhookUnresolved(Exception):
-    """The host did not resolve now (a DNS failure that may pass): try again later."""
+from workflows.errors import UnsafeWebhookUrl, WebhookUnresolved
 
 
 @dataclass(frozen=True)

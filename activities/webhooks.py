@@ -34,16 +34,11 @@ from temporalio import activity
 
 from activities.errors import fatal
 from activities.pinned_connection import Dialer, PinnedBackend, Resolver, dial, resolve
-from activities.webhook_target import (
-    UnsafeWebhookUrl,
-    WebhookTarget,
-    WebhookUnresolved,
-    shown,
-    webhook_target,
-)
+from activities.webhook_target import WebhookTarget, shown, webhook_target
 from configuration.settings import WebhookSettings
 from workflows.activity_io import WebhookAttempt, WebhookDeliveryInput
 from workflows.contracts import WebhookSpec
+from workflows.errors import UnsafeWebhookUrl, WebhookUnresolved
 from workflows.shared import ACTIVITY_DELIVER_WEBHOOK, DEFAULT_TENANT, ErrorType
 
 log = structlog.get_logger(__name__)

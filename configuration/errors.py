@@ -2,8 +2,6 @@
 
     pydantic_settings.SettingsError
     └── ConfigFileError       the production file is unusable (names the file and the key's path)
-    StorageError              base of the storage errors (activities.storage_errors adds the rest)
-    └── StorageConfigError    S3 settings missing or invalid (or, from S3, credentials refused)
     CodecError                base of the payload codec's errors (starter.codec raises the rest)
     ├── CodecSettingsError    the key ring cannot be built (names the variable or file)
     ├── UnknownKeyId          a payload was encrypted with a key the ring does not hold
@@ -11,8 +9,8 @@
 
 A settings class's own problem is pydantic's `ValidationError`, located at the variable.
 The codec's tree is here whole, the payloads' errors with the key ring's, so that every
-`except CodecError` catches a bad setting too. The storage base is here because the S3 settings
-raise StorageConfigError; activities.storage_errors imports it.
+`except CodecError` catches a bad setting too. Bad S3 settings raise workflows.errors'
+`StorageConfigError`: a storage error, as S3 refusing the credentials is.
 None of these messages ever quotes a secret.
 """
 
@@ -46,19 +44,6 @@ class ConfigFileError(SettingsError):
         return ValidationError.from_exception_data(
             title, [{"type": error, "loc": (FILE_VAR,), "input": None}], hide_input=True
         )
-
-
-class StorageError(Exception):
-    retryable: bool = True
-
-    def __init__(self, message: str, *, retryable: bool | None = None) -> None:
-        super().__init__(message)
-        if retryable is not None:
-            self.retryable = retryable
-
-
-class StorageConfigError(StorageError):
-    retryable = False
 
 
 class CodecError(Exception):

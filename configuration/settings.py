@@ -51,7 +51,7 @@ from pydantic import (
 from pydantic_settings import SettingsConfigDict, SettingsError
 
 from configuration.codec_keys import KEYS_ENV, KEYS_FILE_ENV, TOKEN_ENV, KeyRing
-from configuration.errors import FILE_VAR, CodecSettingsError, ConfigFileError, StorageConfigError
+from configuration.errors import FILE_VAR, CodecSettingsError, ConfigFileError
 from configuration.files import CONFIG_VAR, file_named
 from configuration.pools import RUNPOD_API_KEY_ENV, PoolConfig
 from configuration.sources import Settings, current_environ, problems
@@ -76,6 +76,7 @@ from configuration.values import (
     package_build_id,
     webhook_signing_key,
 )
+from workflows.errors import StorageConfigError
 from workflows.shared import DEFAULT_TASK_QUEUE
 
 SETTINGS_FILE_VAR = FILE_VAR

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from activities.webhook_target import UnsafeWebhookUrl, check_webhook_url
+from activities.webhook_target import check_webhook_url
 from gateway.errors import invalid
 from workflows.contracts import JobRequest
+from workflows.errors import UnsafeWebhookUrl
 
 
 async def check_webhook(request: JobRequest, allow_hosts: Collection[str] = ()) -> None:

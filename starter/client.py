@@ -54,7 +54,6 @@ from temporalio.common import (
 from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
-from activities.storage_errors import StorageConfigError, StorageError
 from configuration.settings import ClientSettings
 from starter.connection import (
     connect_failure_gist,
@@ -111,6 +110,7 @@ from workflows.contracts import (
     ResumeRequest,
     validate_job_id,
 )
+from workflows.errors import StorageConfigError, StorageError
 from workflows.job_input import JobInput
 from workflows.shared import (
     DEFAULT_TASK_QUEUE,

@@ -45,10 +45,10 @@ from temporalio.envconfig import ClientConfig
 from temporalio.runtime import Runtime
 from temporalio.service import RPCError, RPCStatusCode
 
-from activities.storage import ArtifactStore, StorageError
+from activities.storage import ArtifactStore
 from activities.storage_errors import S3_FAILURES, error_code, translate
 from configuration.codec_keys import KEYS_ENV, KEYS_FILE_ENV
-from configuration.errors import CodecSettingsError, StorageConfigError
+from configuration.errors import CodecSettingsError
 from configuration.settings import (
     ClientSettings,
     CodecSettings,
@@ -66,6 +66,7 @@ from starter.connection import (
 from starter.errors import ChecksFailed, register_commands
 from starter.pollers import live_pollers, workflow_pollers
 from workflows.contracts import OutputSpec
+from workflows.errors import StorageConfigError, StorageError
 
 log = structlog.get_logger("doctor")
 

@@ -89,12 +89,10 @@ ALLOWED = {
     ("starter", "activities.storage"),
     ("starter", "activities.storage_errors"),
     ("starter", "activities.log_setup"),
-    # The gateway: the client's S3 helpers, and the SSRF guard URL inputs use (webhook URLs).
+    # The gateway: the client's S3 helpers, and the SSRF guard of webhook URLs.
     ("gateway", "activities.storage"),
-    ("gateway", "activities.storage_errors"),
     ("gateway", "activities.log_setup"),
     ("gateway", "activities.public_address"),
-    ("gateway", "activities.url_fetch"),
     ("gateway", "activities.webhook_target"),
 }
 # Installed with runpod (runpod==1.12.0 requires boto3).
@@ -358,15 +356,6 @@ ERROR_TREES = {
     "gateway/errors.py",  # the HTTP API
     "endpoint/errors.py",  # the RunPod handler
 }
-# Being moved into ERROR_TREES; empty once every tree is in its module.
-LEGACY = {
-    "activities/runpod/artifacts.py",
-    "activities/runpod/errors.py",
-    "activities/runpod/follow.py",
-    "activities/storage_errors.py",
-    "activities/url_fetch.py",
-    "activities/webhook_target.py",
-}
 PRODUCT_CODE = (
     "workflows",
     "protocol",
@@ -481,9 +470,9 @@ class ExceptionClasses:
 def test_exception_classes_are_defined_in_one_module_per_side() -> None:
     classes = ExceptionClasses()
     defined = classes.defined_in()
-    strays = {where: names for where, names in defined.items() if where not in ERROR_TREES | LEGACY}
+    strays = {where: names for where, names in defined.items() if where not in ERROR_TREES}
     assert strays == {}, "define these in their side's error module (ERROR_TREES)"
     assert classes.unresolved == set()
-    # The walk itself: it sees the trees, through imports and library bases alike.
+    # The walk itself: it sees every tree, through imports and library bases alike.
+    assert set(defined) == ERROR_TREES
     assert sum(len(names) for names in defined.values()) >= 90
-    assert set(defined) >= ERROR_TREES

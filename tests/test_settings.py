@@ -30,7 +30,7 @@ from typer.testing import CliRunner
 import configuration.settings
 import worker
 from activities.storage import ArtifactStore
-from configuration.errors import CodecSettingsError, ConfigFileError, StorageConfigError
+from configuration.errors import CodecSettingsError, ConfigFileError
 from configuration.files import load_config_file
 from configuration.pools import PoolConfig
 from configuration.processes import CliConfig
@@ -53,6 +53,7 @@ from starter.cli.common import ExitCode, job_client
 from starter.cli.ui import workflow_url
 from starter.client import JobClient
 from starter.codec import codec_from_environ, new_entry
+from workflows.errors import StorageConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
 SECRET = "s3cr3t-value-never-shown"

@@ -3,15 +3,25 @@
     ValueError
     ├── GraphFormatError          the graph is not an API-format prompt (its tree below)
     ├── RequestRefused            a part of the request out of bounds (`field` names it)
-    └── AreaError                 storage outside the tenant's area
-        ├── InputOutsideArea      an `s3://` input
-        └── OutputOutsideArea     `output.prefix` or `output.bucket`
+    ├── AreaError                 storage outside the tenant's area
+    │   ├── InputOutsideArea      an `s3://` input
+    │   └── OutputOutsideArea     `output.prefix` or `output.bucket`
+    ├── UnsafeWebhookUrl          a webhook URL the worker will not POST to
+    └── UnusableArtifact          a RunPod output record that names no bytes to fetch or verify
+        └── KeyCollision          two outputs would be stored under one key
+    StorageError                  S3 failed, or its settings (its tree below)
+    UrlFetchError                 a URL input could not be fetched: unsafe, unacceptable, failed
+    WebhookUnresolved             a webhook's host did not resolve now
+    RunPodError                   RunPod's API failed or refused (its tree below)
+    CompletedFromClaim            the RunPod follow's way out when a gone holder did the work
 
-The clients and the gateway raise and read them too (they may import workflows/, not the
-activities). Where they cross into Temporal, activities/errors.py maps them, once, to an
-`ApplicationError` typed with `workflows.shared.ErrorType`; a class name is what Temporal
-records of anything else, so none is ever renamed. Sandboxed workflow modules import this
-module inside `workflow.unsafe.imports_passed_through()`, as every other workflows import:
+Here, not in activities/, because the client, the gateway and the configuration raise and
+read them too, and they may import workflows/ but not the activities. Where they cross into
+Temporal each is mapped once to an `ApplicationError` typed with `workflows.shared.ErrorType`:
+storage errors by activities/errors.py, RunPod's by activities/runpod/failures.py, the rest by
+the activity raising them. Temporal records anything unmapped by its class name, so none is
+ever renamed. Sandboxed workflow modules import this module inside
+`workflow.unsafe.imports_passed_through()`, as every other workflows import:
 `failure_exception_types` must hold the very class the graph checks raise.
 """
 
@@ -19,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 # -- the graph ---------------------------------------------------------------------------------
 
@@ -155,3 +166,218 @@ class OutputOutsideArea(AreaError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(message)
         self.field = field
+
+
+# -- storage -----------------------------------------------------------------------------------
+
+
+class StorageError(Exception):
+    """Base of the storage errors; `.retryable` tells Temporal whether trying again may help.
+
+        StorageError
+        ├── ObjectMissing         the key does not exist
+        ├── IntegrityError        size or sha256 differs from what was written or expected
+        ├── StorageConfigError    settings missing/invalid, or credentials/bucket rejected by S3
+        └── SourceStreamError     the caller's byte stream raised mid-upload (upload aborted)
+
+    activities.storage_errors makes botocore's errors these; the S3 settings raise
+    StorageConfigError too (configuration/ imports it from here). Messages name the operation,
+    bucket, key and S3 error code, never a credential or a presigned URL: they end up in
+    Temporal history.
+    """
+
+    retryable: bool = True
+
+    def __init__(self, message: str, *, retryable: bool | None = None) -> None:
+        super().__init__(message)
+        if retryable is not None:
+            self.retryable = retryable
+
+
+class ObjectMissing(StorageError):
+    retryable = False
+
+
+class IntegrityError(StorageError):
+    retryable = True  # a fresh upload or download usually cures it
+
+
+class SourceStreamError(StorageError):
+    """The chunk iterator given to `upload_stream` raised; `__cause__` is its exception."""
+
+
+class StorageConfigError(StorageError):
+    retryable = False
+
+
+# -- URL inputs and webhooks ------------------------------------------------------------------
+
+# Which rule refused a URL input, or which step of fetching it failed.
+FetchReason = Literal[
+    "scheme",
+    "credentials",
+    "port",
+    "host",
+    "address",
+    "redirects",
+    "too_large",
+    "content_type",
+    "content_encoding",
+    "status",
+    "dns",
+    "tls",
+    "connect",
+    "timeout",
+]
+
+
+class UrlFetchError(Exception):
+    """A URL input that could not be fetched: `reason` says which rule or step, `retryable`
+    whether a later try may succeed."""
+
+    def __init__(
+        self,
+        reason: FetchReason,
+        message: str,
+        *,
+        host: str,
+        address: str | None = None,
+        retryable: bool = False,
+    ) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.host = host
+        self.address = address
+        self.retryable = retryable
+
+
+class UnsafeUrl(UrlFetchError):
+    """The request asks for something the worker must not connect to."""
+
+
+class UnacceptableBody(UrlFetchError):
+    """The server answered, with something that cannot be an input file."""
+
+
+class FetchFailed(UrlFetchError):
+    """The file could not be had from that URL (now, or at all: see `retryable`)."""
+
+
+class UnsafeWebhookUrl(ValueError):
+    """The worker will not POST to this URL; the message says which rule refuses it."""
+
+
+class WebhookUnresolved(Exception):
+    """The host did not resolve now (a DNS failure that may pass): try again later."""
+
+
+# -- RunPod ------------------------------------------------------------------------------------
+
+
+class RunPodError(Exception):
+    """Base of every error talking to RunPod's serverless API, as types the caller can branch on.
+
+        RunPodError                    base; `.retryable`: whether asking again later may help
+        ├── RunPodAuthError            401/403: the key is missing, wrong, or has no access
+        ├── RunPodRefused              any other 4xx: the platform said no, and will again
+        │   ├── RunPodRequestTooLarge  a `/run` body over 10 MB (refused before sending), a 413
+        │   └── RunPodPolicyError      a policy outside the platform's ranges (not sent)
+        ├── RunPodJobGone              404 on a job: TTL expired, result expired, or no such id
+        ├── RunPodUnavailable          5xx, transport errors, unreadable answers: retry later
+        │   └── RunPodRateLimited      429 beyond the client's own waiting budget; `.retry_after`
+        └── RunPodSubmissionAmbiguous  `/run` was sent and its answer lost: a job may exist
+
+    `RunPodSubmissionAmbiguous` is deliberately not a `RunPodUnavailable`: `/run` has no
+    idempotency key, so an `except RunPodUnavailable: try again` must never resubmit a job that
+    may be running. Every refusal of `/run` (auth, 4xx, 429, 5xx on reads, a connection never
+    made) means no job.
+
+    Messages name the endpoint, the route and the status, never the API key: they end up in
+    logs and in Temporal history.
+    """
+
+    retryable = False
+
+
+class RunPodAuthError(RunPodError):
+    """401/403. Fatal: no retry brings a key. The message says which variable to set."""
+
+    def __init__(self, message: str, status_code: int, variable: str) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.variable = variable
+
+
+class RunPodRefused(RunPodError):
+    """The request was refused; `status_code` is None when refused here, before sending."""
+
+    def __init__(self, message: str, status_code: int | None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+
+
+class RunPodRequestTooLarge(RunPodRefused):
+    """`/run` takes at most 10 MB: larger inputs go to S3 and travel by reference."""
+
+    def __init__(self, message: str, size: int, limit: int, status_code: int | None) -> None:
+        super().__init__(message, status_code)
+        self.size = size
+        self.limit = limit
+
+
+class RunPodPolicyError(RunPodRefused):
+    """An `executionTimeout` or `ttl` outside what RunPod accepts (5 s-7 days, 10 s-7 days)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, None)
+
+
+class RunPodJobGone(RunPodError):
+    """RunPod no longer knows the job: its TTL expired (a hard limit, counted from submission),
+    its result's retention ran out (30 min after completion), or the id was never RunPod's."""
+
+    def __init__(self, message: str, job_id: str) -> None:
+        super().__init__(message)
+        self.job_id = job_id
+
+
+class RunPodUnavailable(RunPodError):
+    """Could not get a usable answer: worth asking again later."""
+
+    retryable = True
+
+
+class RunPodRateLimited(RunPodUnavailable):
+    """429 for longer than the client waits by itself; `retry_after` is RunPod's hint (s)."""
+
+    def __init__(self, message: str, retry_after: float | None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class RunPodSubmissionAmbiguous(RunPodError):
+    """`/run` left this process and no readable answer came back (a read timeout, a reset
+    connection, a 5xx from a proxy that may have passed it on, a garbled 200).
+
+    A job may exist and be billed. Not retryable by the client: whether to submit again is the
+    workflow's decision (safe with claims, a person's without).
+    """
+
+
+class UnusableArtifact(ValueError):
+    """A record that names no bytes the orchestrator can fetch, or cannot be verified."""
+
+
+class KeyCollision(UnusableArtifact):
+    """Two different outputs would be stored under one key: one would be lost."""
+
+
+class CompletedFromClaim(Exception):
+    """The submission's work turned out done, by a holder that is gone: its claim says the
+    prompt succeeded and every output is in the bucket. Raised from wherever the RunPod follow
+    finds that, answered by its `run` with `result`, a `workflows.activity_io.FollowResult`
+    (not imported: activity_io imports this module's graph errors, through workflows.graph)."""
+
+    def __init__(self, result: object) -> None:
+        super().__init__("completed from the claim")
+        self.result = result

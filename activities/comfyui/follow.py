@@ -159,7 +159,7 @@ class FollowAttempt:
             failure = from_comfy(exc, "following the prompt")
             raise with_resume_point(failure, self._resume_point) from exc
         except PromptLost as exc:
-            raise fatal(ErrorType.PROMPT_LOST, str(exc)) from None
+            raise from_comfy(exc, "following the prompt") from None
         except ApplicationError as exc:
             if exc.type == ErrorType.BACKEND_FAULT:
                 self.health.mark_unhealthy(self.req.named_pool, exc.message)

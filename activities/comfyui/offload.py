@@ -43,7 +43,7 @@ from temporalio.exceptions import ApplicationError
 from activities.comfyui.pools import ComfyPools
 from activities.errors import fatal, from_comfy, from_storage, history_failure, retryable
 from activities.metrics import count_offloaded
-from activities.storage import ArtifactStore, StorageError
+from activities.storage import ArtifactStore
 from protocol.comfyui.client import ComfyClient, check_view_request
 from protocol.comfyui.events import output_files
 from protocol.comfyui.history import (
@@ -62,6 +62,7 @@ from protocol.errors import (
 from protocol.keys import artifact_key, content_type_for, in_another_run, shown
 from workflows.activity_io import OffloadInput, OffloadResult
 from workflows.contracts import Artifact, OutputSpec
+from workflows.errors import StorageError
 from workflows.shared import ErrorType
 
 log = structlog.get_logger(__name__)
@@ -319,10 +320,8 @@ async def finished_history(client: ComfyClient, prompt_id: str) -> dict[str, Any
     """The ended prompt's history entry (`history_when_written`), its failure typed."""
     try:
         entry = await history_when_written(client, prompt_id)
-    except HistoryMissing as exc:
-        raise retryable(ErrorType.OUTPUT_MISSING, f"no history for prompt {prompt_id} yet") from exc
-    except ComfyError as exc:
-        raise from_comfy(exc, "reading history") from exc
+    except (HistoryMissing, ComfyError) as exc:
+        raise from_comfy(exc, f"reading the history of prompt {prompt_id}") from exc
     if failed_in_history(entry):
         raise history_failure(history_messages(entry))
     return entry

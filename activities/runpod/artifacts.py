@@ -33,20 +33,13 @@ from typing import Literal
 
 from protocol.keys import MAX_KEY_BYTES, artifact_key, safe_component, shown
 from protocol.runpod.contract import ArtifactRecord
+from workflows.errors import KeyCollision, UnusableArtifact
 
 ArtifactSource = Literal["s3", "url", "inline"]
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _DATA_URI = re.compile(r"^data:[^,]{0,200};base64,", re.IGNORECASE)
 _EXTENSION = re.compile(r"\.[A-Za-z0-9]{1,10}$")
-
-
-class UnusableArtifact(ValueError):
-    """A record that names no bytes the orchestrator can fetch, or cannot be verified."""
-
-
-class KeyCollision(UnusableArtifact):
-    """Two different outputs would be stored under one key: one would be lost."""
 
 
 def record_keys(

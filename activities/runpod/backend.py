@@ -26,7 +26,6 @@ from activities.runpod.artifacts import key_problem
 from activities.runpod.claims import claim_target, lease_running, read_claim
 from activities.runpod.client import MAX_RUN_BYTES, RunPodClient
 from activities.runpod.deliveries import other_delivery_costs
-from activities.runpod.errors import RunPodError, RunPodJobGone
 from activities.runpod.failures import from_runpod
 from activities.runpod.follow import POLL_S, RunInputs, RunPodFollower, one_chunk
 from activities.runpod.models import RunPodJob, RunPodState
@@ -43,7 +42,7 @@ from protocol.runpod.contract import (
 )
 from workflows import activity_io
 from workflows.contracts import Artifact
-from workflows.errors import GraphFormatError
+from workflows.errors import GraphFormatError, RunPodError, RunPodJobGone
 from workflows.graph import apply_overrides, load_node_files
 from workflows.graph import sampler_steps as graph_sampler_steps
 from workflows.shared import ErrorType

@@ -14,9 +14,9 @@ from datetime import UTC, datetime
 from pydantic import ValidationError
 
 from activities.storage import ArtifactStore
-from activities.storage_errors import ObjectMissing
 from protocol.runpod.contract import Claim, S3Target, claim_key, server_age_s
 from workflows.contracts import OutputSpec
+from workflows.errors import ObjectMissing
 
 # A claim is a small JSON document: anything bigger is not one of ours.
 MAX_CLAIM_BYTES = 1024 * 1024

@@ -2,7 +2,7 @@
 
 Not the `runpod` SDK's client: it drops `policy`, raises KeyError on HTTP errors and loops
 forever on CANCELLED streams (DESIGN.md §1). Errors are translated at this edge into
-`activities.runpod.errors`; answers are `activities.runpod.models`.
+`workflows.errors`' `RunPodError`s; answers are `activities.runpod.models`.
 
 Retries: 429 and 5xx / transport failures are retried here, briefly (`RetryPolicy`: a few
 attempts, jittered, under a total budget), because RunPod's limits are per 10 s window and a
@@ -29,15 +29,6 @@ import httpx
 import structlog
 from pydantic import BaseModel, SecretStr, ValidationError
 
-from activities.runpod.errors import (
-    RunPodAuthError,
-    RunPodJobGone,
-    RunPodRateLimited,
-    RunPodRefused,
-    RunPodRequestTooLarge,
-    RunPodSubmissionAmbiguous,
-    RunPodUnavailable,
-)
 from activities.runpod.models import (
     ENDPOINT_ID_PATTERN,
     RunPodHealth,
@@ -51,6 +42,15 @@ from activities.runpod.models import (
 from activities.runpod.retry import RetryPolicy, parse_retry_after
 from configuration.pools import RUNPOD_API_KEY_ENV, PoolConfig
 from protocol.runpod.contract import EndpointInput
+from workflows.errors import (
+    RunPodAuthError,
+    RunPodJobGone,
+    RunPodRateLimited,
+    RunPodRefused,
+    RunPodRequestTooLarge,
+    RunPodSubmissionAmbiguous,
+    RunPodUnavailable,
+)
 
 log = structlog.get_logger(__name__)
 

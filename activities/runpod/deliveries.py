@@ -12,12 +12,11 @@ import structlog
 
 from activities.runpod.client import RunPodClient
 from activities.runpod.cost import job_cost
-from activities.runpod.errors import RunPodError, RunPodJobGone
 from activities.storage import ArtifactStore
-from activities.storage_errors import StorageError
 from configuration.pools import PoolConfig
 from protocol.runpod.contract import Claim, S3Target, deliveries_folder
 from workflows.contracts import JobCost
+from workflows.errors import RunPodError, RunPodJobGone, StorageError
 
 log = structlog.get_logger()
 

@@ -23,7 +23,9 @@ from typing import Any
 from temporalio.exceptions import ApplicationError
 
 from activities.errors import fatal, retryable
-from activities.runpod.errors import (
+from activities.runpod.outcome import Failed
+from workflows.contracts import JobCost
+from workflows.errors import (
     RunPodAuthError,
     RunPodError,
     RunPodJobGone,
@@ -34,8 +36,6 @@ from activities.runpod.errors import (
     RunPodSubmissionAmbiguous,
     RunPodUnavailable,
 )
-from activities.runpod.outcome import Failed
-from workflows.contracts import JobCost
 from workflows.shared import ErrorType
 
 

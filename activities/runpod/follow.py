@@ -40,14 +40,7 @@ from activities.follow_common import (
 )
 from activities.live_progress import LiveProgress
 from activities.runpod import submissions
-from activities.runpod.artifacts import (
-    KeyCollision,
-    UnusableArtifact,
-    artifact_source,
-    inline_bytes,
-    record_keys,
-    s3_location,
-)
+from activities.runpod.artifacts import artifact_source, inline_bytes, record_keys, s3_location
 from activities.runpod.claims import (
     AgedClaim,
     claim_target,
@@ -58,7 +51,6 @@ from activities.runpod.claims import (
 from activities.runpod.client import RunPodClient
 from activities.runpod.cost import job_cost
 from activities.runpod.deliveries import delivery_ids
-from activities.runpod.errors import RunPodError, RunPodJobGone, RunPodSubmissionAmbiguous
 from activities.runpod.failures import from_failure, from_runpod
 from activities.runpod.models import RunPodJob, RunPodState, RunPolicy
 from activities.runpod.nodes import published_target
@@ -73,7 +65,6 @@ from activities.runpod.outcome import (
     read_job,
 )
 from activities.storage import ArtifactStore
-from activities.storage_errors import StorageError
 from configuration.pools import PoolConfig
 from protocol.keys import artifact_key, content_type_for, job_folder
 from protocol.runpod.contract import (
@@ -90,6 +81,15 @@ from protocol.runpod.contract import (
 )
 from workflows.activity_io import FollowHeartbeat, FollowInput, FollowResult
 from workflows.contracts import Artifact, Checkpoint, DeliveryOutcome, JobCost, ProgressReport
+from workflows.errors import (
+    CompletedFromClaim,
+    KeyCollision,
+    RunPodError,
+    RunPodJobGone,
+    RunPodSubmissionAmbiguous,
+    StorageError,
+    UnusableArtifact,
+)
 from workflows.shared import AT_MOST_ONCE, ErrorType
 
 log = structlog.get_logger(__name__)
@@ -130,16 +130,6 @@ MIN_STOP_HORIZON_S = 5.0
 KEEPALIVE_S = 1.0
 
 T = TypeVar("T")
-
-
-class _CompletedFromClaim(Exception):
-    """The submission's work turned out done, by a holder that is gone: its claim says the
-    prompt succeeded and every output is in the bucket. Raised from wherever that is found,
-    answered by `run` with the result."""
-
-    def __init__(self, result: FollowResult) -> None:
-        super().__init__("completed from the claim")
-        self.result = result
 
 
 @dataclass(frozen=True)
@@ -221,7 +211,8 @@ class RunPodFollower:
         try:
             job_id = self.checkpoint.provider_job_id or await self._submit_or_find()
             return await self._follow(job_id)
-        except _CompletedFromClaim as done:
+        except CompletedFromClaim as done:
+            assert isinstance(done.result, FollowResult)
             return done.result
         except RunPodError as exc:
             failure = from_runpod(exc, "following the RunPod job")
@@ -568,7 +559,7 @@ class RunPodFollower:
 
     async def _complete_from(self, claim: Claim, cost: JobCost) -> None:
         """When a gone holder's claim says its prompt succeeded, the job is done once every file
-        it made is in the bucket: raise `_CompletedFromClaim`. An output the claim lists as
+        it made is in the bucket: raise `CompletedFromClaim`. An output the claim lists as
         stored is verified (size, sha256); one the holder stored but died before recording is
         found at its key (kept already from a progress update, or an object whose sha256 our
         upload wrote: an upload completes whole or not at all). Anything missing: return, and
@@ -600,12 +591,12 @@ class RunPodFollower:
         )
         raise await self._completed_by(claim.holder, cost)
 
-    async def _completed_by(self, holder: str, cost: JobCost) -> _CompletedFromClaim:
+    async def _completed_by(self, holder: str, cost: JobCost) -> CompletedFromClaim:
         """The job's result when a gone `holder` did its work (every output kept already)."""
         await self._cost_unseen_deliveries(holder)
         self._heartbeat()
         await submissions.ended(self.store, self.req.named_pool, self.req.job_id, self.submission)
-        return _CompletedFromClaim(
+        return CompletedFromClaim(
             FollowResult(
                 prompt_id=self.req.prompt_id,
                 outcome="success",

@@ -14,10 +14,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from activities.runpod.errors import RunPodPolicyError
 from configuration.pools import ENDPOINT_ID_PATTERN as ENDPOINT_ID_PATTERN
 from configuration.pools import MAX_POLICY_S as MAX_POLICY_S
 from configuration.pools import MIN_EXECUTION_TIMEOUT_S as MIN_EXECUTION_TIMEOUT_S
+from workflows.errors import RunPodPolicyError
 
 # RunPod's job ids ("<uuid>-u1", "sync-<uuid>-e1"). Checked before an id goes into a URL path:
 # ids also arrive from outputs (a claim holder), which are untrusted.

@@ -32,10 +32,10 @@ from pydantic_settings import SettingsError
 from activities.comfyui.graph import lacks_a_class, registry_problems
 from activities.comfyui.registry import FRESH_S  # one freshness rule for both kinds of pool
 from activities.errors import fatal
-from activities.storage_errors import ObjectMissing, StorageError
 from configuration.pools import PoolConfig
 from configuration.settings import S3Settings
 from protocol.runpod.contract import NodesTarget, PublishedNodes, nodes_key
+from workflows.errors import ObjectMissing, StorageError
 from workflows.shared import ErrorType
 
 log = structlog.get_logger(__name__)

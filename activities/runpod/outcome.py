@@ -41,11 +41,12 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from activities.runpod.artifacts import UnusableArtifact, artifact_source
+from activities.runpod.artifacts import artifact_source
 from activities.runpod.models import RunPodJob, RunPodState, RunPolicy, is_job_id
 from activities.runpod.rejection import stock_rejection
 from protocol.comfyui.events import is_fatal_device_error, is_out_of_memory
 from protocol.runpod.contract import ArtifactRecord, Claim, EndpointOutput, ProgressUpdate
+from workflows.errors import UnusableArtifact
 from workflows.shared import ErrorType
 
 PROGRESS_KIND = "durable_comfy.progress"

@@ -27,11 +27,11 @@ from temporalio import activity
 from activities.errors import retryable
 from activities.runpod.models import RunPolicy
 from activities.storage import ArtifactStore
-from activities.storage_errors import IntegrityError, ObjectMissing, StorageError
 from configuration.pools import PoolConfig
 from protocol.keys import safe_component
 from protocol.runpod.contract import S3Target
 from workflows.activity_io import FollowInput
+from workflows.errors import IntegrityError, ObjectMissing, StorageError
 from workflows.shared import ErrorType
 
 log = structlog.get_logger(__name__)

@@ -22,7 +22,6 @@ from pydantic import ValidationError
 from temporalio.client import RPCTimeoutOrCancelledError
 from temporalio.service import RPCError, RPCStatusCode
 
-from activities.storage_errors import StorageConfigError, StorageError
 from configuration.processes import CliConfig
 from starter.client import JobClient
 from starter.errors import (
@@ -36,7 +35,7 @@ from starter.errors import (
     TemporalRefused,
     TemporalUnreachable,
 )
-from workflows.errors import GraphFormatError
+from workflows.errors import GraphFormatError, StorageConfigError, StorageError
 
 T = TypeVar("T")
 

@@ -33,7 +33,6 @@ from activities.comfyui.follow import FollowActivities
 from activities.follow_common import process_identity
 from activities.orphans import TAG_KEY
 from activities.storage import StoredObject
-from activities.storage_errors import StorageError
 from protocol.comfyui.client import ComfyClient
 from protocol.errors import ComfyGone
 from protocol.progress import ProgressTracker
@@ -64,6 +63,7 @@ from tests.support.comfy_fakes import (
 )
 from workflows.activity_io import FollowHeartbeat, FollowResult
 from workflows.contracts import Artifact, Checkpoint
+from workflows.errors import StorageError
 from workflows.shared import ErrorType
 
 # The milestone rules from the first event (tests/activities/follower_rig.py's `no_quiet_start`).

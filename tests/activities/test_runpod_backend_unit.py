@@ -26,7 +26,6 @@ from activities.runpod.backend import RunPodBackend
 from activities.runpod.client import MAX_RUN_BYTES, RunPodClient
 from activities.runpod.retry import RetryPolicy
 from activities.storage import DatedBytes, StoredObject
-from activities.storage_errors import ObjectMissing
 from configuration.pools import PoolConfig
 from configuration.settings import S3Settings
 from protocol.runpod.contract import (
@@ -50,6 +49,7 @@ from workflows.activity_io import (
     StopInput,
 )
 from workflows.contracts import Checkpoint, OutputSpec, S3Input
+from workflows.errors import ObjectMissing
 from workflows.failures import resubmit_cannot_run_twice
 from workflows.shared import ErrorType
 

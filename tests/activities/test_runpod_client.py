@@ -26,24 +26,8 @@ from pydantic import SecretStr
 from structlog.testing import capture_logs
 
 import activities.runpod.client as client_module
-from activities.runpod.artifacts import (
-    UnusableArtifact,
-    artifact_source,
-    inline_bytes,
-    s3_location,
-)
+from activities.runpod.artifacts import artifact_source, inline_bytes, s3_location
 from activities.runpod.client import MAX_RUN_BYTES, RunPodClient, run_body
-from activities.runpod.errors import (
-    RunPodAuthError,
-    RunPodError,
-    RunPodJobGone,
-    RunPodPolicyError,
-    RunPodRateLimited,
-    RunPodRefused,
-    RunPodRequestTooLarge,
-    RunPodSubmissionAmbiguous,
-    RunPodUnavailable,
-)
 from activities.runpod.failures import from_failure, from_runpod
 from activities.runpod.models import RunPodJob, RunPodState, RunPolicy
 from activities.runpod.outcome import (
@@ -64,6 +48,18 @@ from protocol.runpod.contract import (
     Orchestration,
     ProgressUpdate,
     S3Target,
+)
+from workflows.errors import (
+    RunPodAuthError,
+    RunPodError,
+    RunPodJobGone,
+    RunPodPolicyError,
+    RunPodRateLimited,
+    RunPodRefused,
+    RunPodRequestTooLarge,
+    RunPodSubmissionAmbiguous,
+    RunPodUnavailable,
+    UnusableArtifact,
 )
 from workflows.shared import ErrorType
 

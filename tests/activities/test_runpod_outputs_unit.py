@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from temporalio.exceptions import ApplicationError
 
-from activities.runpod.artifacts import KeyCollision, record_keys
+from activities.runpod.artifacts import record_keys
 from protocol.runpod.contract import ArtifactRecord, ClaimOutcome
 from tests.activities.test_runpod_backend_unit import (
     JOB_ID,
@@ -34,6 +34,7 @@ from tests.activities.test_runpod_backend_unit import (
 from tests.activities.test_runpod_stop_unit import WORKER, put_claim
 from workflows.activity_io import FollowHeartbeat
 from workflows.contracts import Checkpoint
+from workflows.errors import KeyCollision
 from workflows.shared import ErrorType
 
 A, B = b"\x89PNG image from a/out", b"\x89PNG image from b/out, other bytes"

@@ -46,17 +46,16 @@ from pydantic import SecretStr, ValidationError
 from structlog.testing import capture_logs
 
 from activities import s3_multipart
-from activities.storage import (
-    ArtifactStore,
+from activities.storage import ArtifactStore, StoredObject
+from configuration.settings import S3Settings
+from protocol import multipart
+from workflows.errors import (
     IntegrityError,
     ObjectMissing,
     SourceStreamError,
     StorageConfigError,
     StorageError,
-    StoredObject,
 )
-from configuration.settings import S3Settings
-from protocol import multipart
 
 MiB = 1024 * 1024
 WEED = Path(__file__).resolve().parents[2] / ".venv" / "bin" / "weed"

@@ -13,13 +13,13 @@ from temporalio.testing import ActivityEnvironment
 
 from activities.comfyui.offload import OffloadActivities, OutputUploader
 from activities.comfyui.pools import ComfyPools
-from activities.storage_errors import StorageError
 from configuration.pools import PoolConfig
 from configuration.settings import WorkerSettings
 from protocol.comfyui.client import ComfyClient
 from tests.support.comfy_fakes import PROMPT_ID, RUN_TAG, FakeComfy, FakeStore, image
 from workflows.activity_io import OffloadInput, OffloadResult
 from workflows.contracts import Artifact, OutputSpec
+from workflows.errors import StorageError
 from workflows.shared import ErrorType
 
 BASE_URL = "http://127.0.0.1:1"  # never dialled: the mock transport answers

@@ -24,9 +24,10 @@ from activities.inputs import input_bytes
 from activities.pinned_connection import PinnedBackend
 from activities.public_address import parse, refusal
 from activities.storage import ArtifactStore
-from activities.url_fetch import FetchFailed, UnacceptableBody, UnsafeUrl, UrlFetcher
+from activities.url_fetch import UrlFetcher
 from configuration.settings import UrlFetchSettings
 from workflows.contracts import UrlInput
+from workflows.errors import FetchFailed, UnacceptableBody, UnsafeUrl
 from workflows.shared import ErrorType
 
 NAME = "images.example.test"

@@ -17,7 +17,7 @@ from temporalio.exceptions import ApplicationError
 
 from activities.backend import Backend, Backends, JobActivities
 from activities.pinned_connection import Resolver
-from activities.webhook_target import UnsafeWebhookUrl, check_webhook_url, webhook_target
+from activities.webhook_target import check_webhook_url, webhook_target
 from activities.webhooks import WebhookDeliverer, signature, webhook_body
 from configuration.pools import PoolConfig
 from configuration.settings import WebhookSettings
@@ -31,6 +31,7 @@ from tests.support.webhook_receiver import (
 )
 from workflows.activity_io import PrepareInput, WebhookDeliveryInput
 from workflows.contracts import Artifact, JobError, JobEvent, JobState, WebhookSpec, shown_url
+from workflows.errors import UnsafeWebhookUrl
 from workflows.shared import ErrorType
 from workflows.webhooks import (
     BEFORE_EVERYTHING,

@@ -18,7 +18,6 @@ from temporalio.service import RPCError, RPCStatusCode
 from temporalio.testing import WorkflowEnvironment
 
 import starter
-from activities.storage_errors import IntegrityError, StorageConfigError
 from starter import (
     ClientError,
     JobClient,
@@ -33,6 +32,7 @@ from starter import (
     request_from_files,
 )
 from tests.support.workflow_fakes import GRAPH
+from workflows.errors import IntegrityError, StorageConfigError
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "txt2img.json"
 S3_VARIABLES = {

@@ -22,9 +22,9 @@ from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
 from activities.storage import ArtifactStore, StoredObject
-from activities.storage_errors import StorageError
 from workflows.activity_io import FollowInput
 from workflows.contracts import OutputSpec, ProgressReport
+from workflows.errors import StorageError
 
 PROMPT_ID = "prompt-1"
 CLIENT_ID = "dc-client-1"

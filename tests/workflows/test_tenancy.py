@@ -6,13 +6,12 @@ import pytest
 from temporalio.exceptions import ApplicationError
 
 from activities.inputs import refuse_inputs_outside_area
-from activities.storage_errors import StorageConfigError
 from configuration.settings import S3Settings
 from gateway.errors import ApiError
 from gateway.submission import job_request
 from workflows.activity_io import PrepareInput
 from workflows.contracts import OutputSpec, S3Input
-from workflows.errors import InputOutsideArea, OutputOutsideArea
+from workflows.errors import InputOutsideArea, OutputOutsideArea, StorageConfigError
 from workflows.shared import ErrorType
 from workflows.tenancy import check_input_uri, check_output, normalised_allowed_prefix
 
