@@ -234,6 +234,7 @@ class RunPodClient:
         """One call with the client's own bounded waits on `RunPodUnavailable` (429 included).
         `RunPodSubmissionAmbiguous` is not a `RunPodUnavailable`: it is never retried here."""
         attempt, waited = 0, 0.0
+        calling = log.bind(endpoint_id=self.endpoint_id, route=route)
         while True:
             try:
                 return await self._once(method, route, job_id, body, submitting)
@@ -241,19 +242,15 @@ class RunPodClient:
                 retry_after = exc.retry_after if isinstance(exc, RunPodRateLimited) else None
                 delay = self._retry.delay(attempt, retry_after, self._rng.random())
                 if attempt + 1 >= self._retry.attempts or waited + delay > self._retry.budget_s:
-                    log.warning(
+                    calling.warning(
                         "runpod_giving_up",
-                        endpoint_id=self.endpoint_id,
-                        route=route,
                         attempts=attempt + 1,
                         waited_s=round(waited, 3),
                         error=str(exc),
                     )
                     raise
-                log.info(
+                calling.info(
                     "runpod_retrying",
-                    endpoint_id=self.endpoint_id,
-                    route=route,
                     attempt=attempt + 1,
                     delay_s=round(delay, 3),
                     retry_after_s=retry_after,
