@@ -8,7 +8,8 @@ only from the environment, never from a file. docs/configuration.md lists every 
     values.py      the value types and in-variable formats, shared with the files' models
     pools.py       PoolConfig: a pool the worker may run jobs on
     codec_keys.py  the payload codec's key ring and its variables' names
-    errors.py      every configuration error
+    errors.py      the production file's and the codec's errors (bad S3 settings raise
+                   workflows.errors' StorageConfigError, a storage error)
     files.py       the production file (DURABLE_COMFY_SETTINGS_FILE) and the dev stack file's
                    worker section (DURABLE_COMFY_CONFIG): reading and checking them
     sources.py     the source order, written once: `Settings`, the base of every settings class

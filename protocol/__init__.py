@@ -11,6 +11,8 @@
     runpod/contract.py     the wire contract between the orchestrator and our RunPod handler
     keys.py                object keys and safe names for jobs' files
     progress.py            `ProgressTracker`: which progress is worth reporting
+    multipart.py           the streamed multipart upload both sides store outputs with
+    errors.py              every exception of the core's own (each side maps them at its edge)
 
 Two sides import it: the worker's activities (`activities/`) and the RunPod handler (`endpoint/`),
 which runs in a venv without Temporal. So nothing here imports Temporal or any other folder of
