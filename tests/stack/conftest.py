@@ -2,7 +2,8 @@
 simulator (or a real ComfyUI, `make test-real-comfyui`), worker processes, and for the `runpod`
 pool the RunPod simulator running handlers under the real `runpod` loop. Shared fixtures:
 `local_stack` and `worker` (tests/conftest.py); `runpod_sim` (our handler) and `runpod_worker` (a
-worker with a `runpod` pool) from tests/support/runpod_e2e.py; and `stock_sim`."""
+worker with a `runpod` pool) and `fenced` (a client of a pool with a short lease) from
+tests/support/runpod_e2e.py; and `stock_sim`."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest_asyncio
 # The RunPod fixtures: the simulator running our handler, a worker with a `runpod` pool.
 from tests.support.runpod_e2e import (  # noqa: F401 (fixtures)
     endpoint_sim,
+    fenced,
     nothing_left_running,
     runpod_sim,
     runpod_worker,

@@ -11,15 +11,17 @@ last delivery only; the claim names the earlier holder).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import pytest
-import pytest_asyncio
 
-from devstack.models import RunningStack
 from devstack.runpod_sim import Ledger
 from starter import JobClient
-from tests.support.runpod_e2e import fencing_pool, job, settled_ledger
+from tests.support.runpod_e2e import (
+    FENCING_FENCE_AFTER_S,
+    FENCING_LEASE_S,
+    job,
+    settled_ledger,
+)
 from tests.support.runpod_sim import ENDPOINT_VENV_MISSING, RunpodSim
 from workflows.contracts import JobState, JobStatus
 
@@ -27,22 +29,13 @@ pytestmark = pytest.mark.skipif(
     ENDPOINT_VENV_MISSING is not None, reason=str(ENDPOINT_VENV_MISSING)
 )
 
-LEASE_S = 5.0
-FENCE_AFTER_S = 5.0
+LEASE_S = FENCING_LEASE_S
+FENCE_AFTER_S = FENCING_FENCE_AFTER_S
 WITHIN_S = 120.0
 # Long enough to be cancelled mid-run: 1,500 steps of the simulator's 20 ms.
 LONG_STEPS = 1500
 # What the simulator's ledger and RunPod's figures may differ by per delivery (clock reads).
 SLACK_S = 1.0
-
-
-@pytest_asyncio.fixture(loop_scope="session")
-async def client(
-    local_stack: RunningStack, runpod_sim: RunpodSim
-) -> AsyncIterator[tuple[JobClient, RunpodSim]]:
-    served = fencing_pool(local_stack, runpod_sim, lease_s=LEASE_S, fence_after_s=FENCE_AFTER_S)
-    async with served as (job_client, _store):
-        yield job_client, runpod_sim
 
 
 async def submission_once_running(client: JobClient, job_id: str) -> str:
@@ -76,13 +69,13 @@ def assert_cost_covers_the_bill(final: JobStatus, ledger: Ledger, submission: st
 
 
 async def test_a_cancel_counts_the_runpod_job_whose_run_answer_was_lost(
-    client: tuple[JobClient, RunpodSim],
+    fenced: tuple[JobClient, RunpodSim],
 ) -> None:
     """The first `/run`'s answer is lost, so the follow sends the submission again; whichever
     delivery claims it runs it, the other finds it claimed. Cancelled mid-run, before the
     follow ever returned: the job's cost has both RunPod jobs (the stop reads the deliveries'
     markers)."""
-    job_client, sim = client
+    job_client, sim = fenced
     await sim.faults(drop_run_answer=1)
     started = await job_client.submit(job(steps=LONG_STEPS, progress_interval_s=0.5))
     submission = await submission_once_running(job_client, started.job_id)
@@ -93,12 +86,12 @@ async def test_a_cancel_counts_the_runpod_job_whose_run_answer_was_lost(
 
 
 async def test_a_cancel_after_a_redelivery_counts_the_lost_workers_delivery(
-    client: tuple[JobClient, RunpodSim],
+    fenced: tuple[JobClient, RunpodSim],
 ) -> None:
     """The worker dies mid-run and RunPod delivers the same job again (`redeliver`): its new
     delivery waits out the dead holder's lease, and is cancelled meanwhile. RunPod's figures for
     the job count only that delivery; the cost covers the dead worker's too (from the claim)."""
-    job_client, sim = client
+    job_client, sim = fenced
     await sim.faults(crash={"after_progress": 6, "outcome": "redeliver"})
     started = await job_client.submit(job(steps=LONG_STEPS, progress_interval_s=0.5))
     submission = await submission_once_running(job_client, started.job_id)

@@ -13,18 +13,21 @@ least what the simulator billed for it.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-import pytest_asyncio
 
-from devstack.models import RunningStack
 from devstack.runpod_sim import Ledger
 from devstack.runpod_sim.ledger import LedgerWorker
 from starter import JobClient
 from tests.support.cli import example
-from tests.support.runpod_e2e import IDLE_TIMEOUT_S, fencing_pool, job, settled_ledger
+from tests.support.runpod_e2e import (
+    FENCING_FENCE_AFTER_S,
+    FENCING_LEASE_S,
+    IDLE_TIMEOUT_S,
+    job,
+    settled_ledger,
+)
 from tests.support.runpod_sim import (
     ENDPOINT_VENV_MISSING,
     RunpodSim,
@@ -38,8 +41,8 @@ pytestmark = pytest.mark.skipif(
 )
 
 # Short, so each test waits seconds for a silent holder, not the defaults' 90 s.
-LEASE_S = 5.0
-FENCE_AFTER_S = 5.0
+LEASE_S = FENCING_LEASE_S
+FENCE_AFTER_S = FENCING_FENCE_AFTER_S
 JOB_WITHIN_S = 180.0
 # A prompt that outlives the fence: 750 steps of the simulator's 20 ms, 15 s. The fault comes
 # about 3 s in (6 progress updates, one per half second), the lease ends at most LEASE_S after
@@ -48,15 +51,6 @@ JOB_WITHIN_S = 180.0
 # it runs the whole prompt again, so each step here is paid twice.
 LONG_STEPS = 750
 SLACK_S = 3.0
-
-
-@pytest_asyncio.fixture(loop_scope="session")
-async def client(
-    local_stack: RunningStack, runpod_sim: RunpodSim
-) -> AsyncIterator[tuple[JobClient, RunpodSim]]:
-    served = fencing_pool(local_stack, runpod_sim, lease_s=LEASE_S, fence_after_s=FENCE_AFTER_S)
-    async with served as (job_client, _store):
-        yield job_client, runpod_sim
 
 
 async def finish(client: JobClient, request: JobRequest) -> JobStatus:
@@ -102,12 +96,12 @@ def assert_taken_down_in_time(worker: LedgerWorker, kind: str) -> None:
     ids=["frozen-handler", "cut-off-from-s3"],
 )
 async def test_a_silent_holder_is_fenced_and_its_graph_completes_once(
-    client: tuple[JobClient, RunpodSim], fault: dict[str, Any]
+    fenced: tuple[JobClient, RunpodSim], fault: dict[str, Any]
 ) -> None:
     """Its handler stops renewing the claim while its ComfyUI runs on. Nobody runs the graph
     again until the holder is fenced (its prompt interrupted, its worker taken down by its
     watchdog); then the submission goes out again and completes, the graph run once."""
-    job_client, sim = client
+    job_client, sim = fenced
     await sim.faults(**fault)
     final = await finish(job_client, job(steps=LONG_STEPS, progress_interval_s=0.5))
     assert final.state == JobState.COMPLETED, final.error
@@ -125,11 +119,11 @@ async def test_a_silent_holder_is_fenced_and_its_graph_completes_once(
 
 
 async def test_a_stuck_crash_puts_both_runpod_jobs_in_the_cost(
-    client: tuple[JobClient, RunpodSim],
+    fenced: tuple[JobClient, RunpodSim],
 ) -> None:
     """The worker dies and RunPod keeps its job IN_PROGRESS (`stuck`): it is cancelled once
     fenced, and paid for, so it is in the cost beside the job that completed."""
-    job_client, sim = client
+    job_client, sim = fenced
     await sim.faults(crash={"after_progress": 6, "outcome": "stuck"})
     final = await finish(job_client, job(steps=LONG_STEPS, progress_interval_s=0.5))
     assert final.state == JobState.COMPLETED, final.error
@@ -163,11 +157,11 @@ def two_saves(steps: int, slow_steps: int = 60) -> dict[str, Any]:
 
 
 async def test_a_worker_lost_after_storing_its_outputs_is_not_run_again(
-    client: tuple[JobClient, RunpodSim],
+    fenced: tuple[JobClient, RunpodSim],
 ) -> None:
     """Lost after its prompt succeeded and every output was stored: the job completes from
     what the claim and the bucket show, with one execution and no RunPod job more."""
-    job_client, sim = client
+    job_client, sim = fenced
     await sim.faults(crash={"after_artifacts": 2, "outcome": "stuck"})
     request = job(steps=10).model_copy(update={"graph": two_saves(10)})
     final = await finish(job_client, request)
@@ -180,11 +174,11 @@ async def test_a_worker_lost_after_storing_its_outputs_is_not_run_again(
 
 
 async def test_a_worker_lost_between_its_uploads_has_only_the_missing_work_redone(
-    client: tuple[JobClient, RunpodSim],
+    fenced: tuple[JobClient, RunpodSim],
 ) -> None:
     """Lost after one of two outputs was stored: the new delivery runs only the output node
     whose file is missing, and the job has both outputs."""
-    job_client, sim = client
+    job_client, sim = fenced
     await sim.faults(crash={"after_artifacts": 1, "outcome": "stuck"})
     request = job(steps=10).model_copy(update={"graph": two_saves(10)})
     final = await finish(job_client, request)

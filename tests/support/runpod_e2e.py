@@ -142,6 +142,23 @@ async def fencing_pool(
         yield served
 
 
+# The fencing tests' claim lease and fence bound: a silent holder is fenced in seconds.
+FENCING_LEASE_S = 5.0
+FENCING_FENCE_AFTER_S = 5.0
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def fenced(
+    local_stack: RunningStack, runpod_sim: RunpodSim
+) -> AsyncIterator[tuple[JobClient, RunpodSim]]:
+    """A client of our handler's pool on `runpod_sim`, with the fencing tests' lease and bound."""
+    served = fencing_pool(
+        local_stack, runpod_sim, lease_s=FENCING_LEASE_S, fence_after_s=FENCING_FENCE_AFTER_S
+    )
+    async with served as (job_client, _store):
+        yield job_client, runpod_sim
+
+
 @pytest_asyncio.fixture(loop_scope="session")
 async def runpod_worker(
     local_stack: RunningStack, runpod_sim: RunpodSim
