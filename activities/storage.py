@@ -36,10 +36,11 @@ from botocore.exceptions import ClientError
 from pydantic import BaseModel, ConfigDict
 
 from activities.s3_multipart import MAX_IN_FLIGHT, AioS3Calls
-from activities.storage_errors import MISSING_CODES, S3_FAILURES, error_code, translate
+from activities.storage_errors import S3_FAILURES, translate
 from configuration.settings import S3Settings
 from protocol import multipart
 from protocol.errors import TooManyParts
+from protocol.s3_answers import MISSING_CODES, code_of
 from workflows.errors import (
     IntegrityError,
     SourceStreamError,
@@ -209,6 +210,17 @@ class ArtifactStore:
             sha256=done.sha256,
             content_type=content_type,
         )
+
+    async def bucket_exists(self) -> bool:
+        """False on HeadBucket's 404; any other refusal is a `StorageError`."""
+        bucket = self.settings.bucket
+        try:
+            await self.client.head_bucket(Bucket=bucket)
+        except S3_FAILURES as exc:
+            if isinstance(exc, ClientError) and code_of(exc) in ("404", "NoSuchBucket"):
+                return False
+            raise translate(exc, "head-bucket", bucket, "") from exc
+        return True
 
     async def head(self, key: str, *, bucket: str | None = None) -> StoredObject | None:
         bucket = bucket or self.settings.bucket
@@ -431,7 +443,7 @@ class ArtifactStore:
         try:
             resp = await self.client.head_object(Bucket=bucket, Key=key)
         except ClientError as exc:
-            if error_code(exc) in MISSING_CODES:
+            if code_of(exc) in MISSING_CODES:
                 return None
             raise
         return StoredObject(

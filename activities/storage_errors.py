@@ -16,27 +16,19 @@ from botocore.exceptions import (
     PartialCredentialsError,
 )
 
+from protocol.s3_answers import (
+    MISSING_CODES,
+    code_of,
+    is_access_refused,
+    is_busy,
+    is_conflict,
+    status_of,
+)
 from workflows.errors import ObjectMissing, StorageConfigError, StorageError
 
-MISSING_CODES = frozenset({"NoSuchKey", "NotFound", "404"})
-_CONFIG_CODES = frozenset(
-    {
-        "403",
-        "AccessDenied",
-        "InvalidAccessKeyId",
-        "SignatureDoesNotMatch",
-        "AuthorizationHeaderMalformed",
-        "InvalidToken",
-        "ExpiredToken",
-        "NoSuchBucket",
-        "InvalidBucketName",
-        "PermanentRedirect",
-    }
-)
-# BadDigest: the bytes the store received are not the ones we hashed (damaged on the way).
-_RETRYABLE_CODES = frozenset(
-    {"RequestTimeout", "SlowDown", "PreconditionFailed", "Throttling", "BadDigest"}
-)
+# BadDigest: the bytes the store received are not the ones we hashed (damaged on the way). A
+# conditional write that lost a race is tried again too: the next try reads the new state.
+_RETRYABLE_CODES = frozenset({"BadDigest"})
 
 # What talking to S3 can raise. Anything else is a bug and propagates untranslated.
 S3_FAILURES: tuple[type[Exception], ...] = (
@@ -48,22 +40,19 @@ S3_FAILURES: tuple[type[Exception], ...] = (
 )
 
 
-def error_code(exc: ClientError) -> str:
-    return str(exc.response.get("Error", {}).get("Code", ""))
-
-
 def translate(exc: Exception, op: str, bucket: str, key: str) -> StorageError:
     """Map one of `S3_FAILURES` to the tree; use as `raise translate(...) from exc`."""
     where = f"S3 {op} s3://{bucket}/{key}"
     if isinstance(exc, ClientError):
-        code = error_code(exc)
-        status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0))
+        code, status = code_of(exc), status_of(exc)
         message = f"{where} failed: {code} (HTTP {status})"
+        # By code alone: a 404 for anything but the object (NoSuchUpload, NoSuchBucket) is not
+        # an object that is missing.
         if code in MISSING_CODES:
             return ObjectMissing(message)
-        if code in _CONFIG_CODES:
+        if is_access_refused(exc):
             return StorageConfigError(f"{message}: check the credentials, bucket and endpoint")
-        retryable = status >= 500 or status in (408, 409, 412, 429) or code in _RETRYABLE_CODES
+        retryable = is_busy(exc) or is_conflict(exc) or status == 408 or code in _RETRYABLE_CODES
         return StorageError(message, retryable=retryable)
     if isinstance(exc, NoCredentialsError | PartialCredentialsError):
         return StorageConfigError(f"{where}: no usable S3 credentials")

@@ -39,8 +39,9 @@ from typing import Any
 from botocore.exceptions import BotoCoreError, ClientError
 
 from endpoint.errors import ClaimConflict, ClaimError
-from endpoint.s3 import S3, S3_FAILURES, Patience, error_code, is_conflict, is_missing
+from endpoint.s3 import S3, S3_FAILURES, Patience, error_code
 from protocol.runpod.contract import MAX_EARLIER_HOLDERS, Claim, ClaimOutcome, EarlierHolder
+from protocol.s3_answers import is_conflict, is_missing
 
 # Date and Last-Modified have a resolution of one second.
 CLOCK_RESOLUTION_S = 1.0

@@ -33,6 +33,7 @@ from botocore.exceptions import (
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
 from endpoint.settings import BucketSettings
+from protocol.s3_answers import is_busy
 
 log = structlog.get_logger(__name__)
 
@@ -40,25 +41,6 @@ T = TypeVar("T")
 
 # Any failure talking to S3, as botocore raises them.
 S3_FAILURES = (BotoCoreError, ClientError)
-# Conditional writes: 412 the condition failed; 409 a concurrent conditional write (AWS).
-CONFLICT_CODES = frozenset({"PreconditionFailed", "ConditionalRequestConflict", "412", "409"})
-MISSING_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
-# Answers that mean "not now" rather than "no": throttling, a request the service timed out.
-RETRYABLE_CODES = frozenset(
-    {
-        "SlowDown",
-        "Throttling",
-        "ThrottlingException",
-        "ThrottledException",
-        "RequestThrottled",
-        "RequestLimitExceeded",
-        "TooManyRequestsException",
-        "BandwidthLimitExceeded",
-        "RequestTimeout",
-        "InternalError",
-        "ServiceUnavailable",
-    }
-)
 # No connection, a connection cut or a timeout: the service may be back in a moment.
 TRANSIENT_BOTO = (BotoConnectionError, HTTPClientError, IncompleteReadError)
 DEFAULT_RETRY_S = 300.0
@@ -70,12 +52,7 @@ def is_transient(exc: BaseException) -> bool:
     """True for a failure a later try can get past (an outage), False for an answer."""
     if isinstance(exc, TRANSIENT_BOTO):
         return True
-    if isinstance(exc, ClientError):
-        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        code = str(exc.response.get("Error", {}).get("Code", ""))
-        busy = isinstance(status, int) and (status >= 500 or status == 429)
-        return busy or code in RETRYABLE_CODES
-    return False
+    return is_busy(exc)
 
 
 class Patience:
@@ -219,17 +196,3 @@ def error_code(exc: BaseException) -> str:
         status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
         return code or str(status or "")
     return type(exc).__name__
-
-
-def is_conflict(exc: BaseException) -> bool:
-    if not isinstance(exc, ClientError):
-        return False
-    status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-    return error_code(exc) in CONFLICT_CODES or status in (409, 412)
-
-
-def is_missing(exc: BaseException) -> bool:
-    if not isinstance(exc, ClientError):
-        return False
-    status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-    return error_code(exc) in MISSING_CODES or status == 404

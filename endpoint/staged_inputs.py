@@ -17,9 +17,10 @@ import structlog
 
 from endpoint.errors import InputProblem, StagedInputMissing
 from endpoint.job_files import JobFiles
-from endpoint.s3 import S3, S3_FAILURES, is_missing
+from endpoint.s3 import S3, S3_FAILURES
 from protocol.comfyui.client import ComfyClient
 from protocol.runpod.contract import MAX_INPUT_FILE_BYTES, StagedInput
+from protocol.s3_answers import is_missing
 
 log = structlog.get_logger(__name__)
 

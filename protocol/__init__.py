@@ -12,6 +12,7 @@
     keys.py                object keys and safe names for jobs' files
     progress.py            `ProgressTracker`: which progress is worth reporting
     multipart.py           the streamed multipart upload both sides store outputs with
+    s3_answers.py          what an S3 error answer means (missing, conflict, access, busy)
     errors.py              every exception of the core's own (each side maps them at its edge)
 
 Two sides import it: the worker's activities (`activities/`) and the RunPod handler (`endpoint/`),

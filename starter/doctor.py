@@ -33,7 +33,6 @@ from typing import Any
 
 import httpx
 import structlog
-from botocore.exceptions import ClientError as BotoClientError
 from pydantic import BaseModel, ConfigDict, ValidationError
 from temporalio.api.common.v1 import Payload
 from temporalio.api.enums.v1 import IndexedValueType
@@ -46,7 +45,6 @@ from temporalio.runtime import Runtime
 from temporalio.service import RPCError, RPCStatusCode
 
 from activities.storage import ArtifactStore
-from activities.storage_errors import S3_FAILURES, error_code, translate
 from configuration.codec_keys import KEYS_ENV, KEYS_FILE_ENV
 from configuration.errors import CodecSettingsError
 from configuration.settings import (
@@ -384,7 +382,7 @@ class Doctor:
         try:
             async with asyncio.timeout(CALL_TIMEOUT_S), ArtifactStore(s3) as store:
                 # HeadBucket first: some servers (SeaweedFS) create a bucket on the first put.
-                if not await _bucket_exists(store):
+                if not await store.bucket_exists():
                     return fail(
                         Check.BUCKET,
                         f"bucket {s3.bucket!r} does not exist at {endpoint}: create it, or set "
@@ -513,18 +511,6 @@ def _rpc_failure(check: Check, exc: RPCError, doing: str) -> CheckResult:
             "TEMPORAL_API_KEY (or the profile's api_key) and its permissions on the namespace",
         )
     return fail(check, f"Temporal refused {doing}: {exc.status.name}: {one_line(exc.message)}")
-
-
-async def _bucket_exists(store: ArtifactStore) -> bool:
-    """False on HeadBucket's 404; any other refusal becomes a `StorageError`, as in the store."""
-    bucket = store.settings.bucket
-    try:
-        await store.client.head_bucket(Bucket=bucket)
-    except S3_FAILURES as exc:
-        if isinstance(exc, BotoClientError) and error_code(exc) in ("404", "NoSuchBucket"):
-            return False
-        raise translate(exc, "head-bucket", bucket, "") from exc
-    return True
 
 
 class _NoPayloads(PayloadCodec):
