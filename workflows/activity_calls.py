@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any, Generic, TypeVar
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
@@ -38,71 +40,93 @@ QUICK_RETRY = RetryPolicy(
 # The workflow owns reconnects (durable, jittered, bounded by the horizon): one attempt each.
 ONE_ATTEMPT = RetryPolicy(maximum_attempts=1)
 
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class _Activity(Generic[R]):
+    """One activity's name, result and options; `run` schedules it with a summary the Temporal UI
+    shows, and the timeouts a caller decides at run time (the follow's come from the job)."""
+
+    name: str
+    result_type: type[R]
+    retry: RetryPolicy
+    timeout: timedelta | None = None
+    heartbeat: timedelta | None = None
+    cancellation: workflow.ActivityCancellationType = workflow.ActivityCancellationType.TRY_CANCEL
+
+    async def run(
+        self,
+        arg: Any,
+        summary: str,
+        *,
+        start_to_close: timedelta | None = None,
+        heartbeat: timedelta | None = None,
+    ) -> R:
+        result: R = await workflow.execute_activity(
+            self.name,
+            arg,
+            result_type=self.result_type,
+            start_to_close_timeout=start_to_close or self.timeout,
+            heartbeat_timeout=heartbeat or self.heartbeat,
+            retry_policy=self.retry,
+            cancellation_type=self.cancellation,
+            summary=summary,
+        )
+        return result
+
+
+_PREPARE = _Activity(ACTIVITY_PREPARE, PreparedJob, QUICK_RETRY, timeout=timedelta(minutes=2))
+# Teardown must see the follow's real end state, not a cancel still on its way to the worker.
+_FOLLOW = _Activity(
+    ACTIVITY_FOLLOW,
+    FollowResult,
+    ONE_ATTEMPT,
+    cancellation=workflow.ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
+)
+# A worker that dies mid-upload is noticed long before the upload's own time limit.
+_OFFLOAD = _Activity(
+    ACTIVITY_OFFLOAD,
+    OffloadResult,
+    QUICK_RETRY,
+    timeout=timedelta(minutes=30),
+    heartbeat=timedelta(minutes=2),
+)
+_STOP = _Activity(ACTIVITY_STOP, StopCheck, ONE_ATTEMPT, timeout=timedelta(seconds=30))
+_DELIVER_WEBHOOK = _Activity(
+    ACTIVITY_DELIVER_WEBHOOK, WebhookAttempt, ONE_ATTEMPT, timeout=timedelta(seconds=30)
+)
+
 
 async def prepare(req: PrepareInput) -> PreparedJob:
     """Stage the request's input files (downloads and uploads of up to 100 MB) and check it,
     with retries; the job is seen PREPARING meanwhile. A request that stages nothing is not
     prepared: its first follow checks it (`FollowInput.prepare`)."""
-    result: PreparedJob = await workflow.execute_activity(
-        ACTIVITY_PREPARE,
-        req,
-        result_type=PreparedJob,
-        start_to_close_timeout=timedelta(minutes=2),
-        retry_policy=QUICK_RETRY,
-        summary="prepare",
-    )
-    return result
+    return await _PREPARE.run(req, "prepare")
 
 
 async def follow(req: FollowInput, policy: JobPolicy) -> FollowResult:
-    result: FollowResult = await workflow.execute_activity(
-        ACTIVITY_FOLLOW,
+    # Once, as long as the job may run: a dead worker is noticed after the job's heartbeat timeout.
+    return await _FOLLOW.run(
         req,
-        result_type=FollowResult,
-        start_to_close_timeout=timedelta(seconds=policy.execution_timeout_s),
-        heartbeat_timeout=timedelta(seconds=policy.heartbeat_timeout_s),
-        retry_policy=ONE_ATTEMPT,
-        # Teardown must see the real end state, not a cancel still on its way to the worker.
-        cancellation_type=workflow.ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
-        summary=f"follow segment {req.segment}",
+        f"follow segment {req.segment}",
+        start_to_close=timedelta(seconds=policy.execution_timeout_s),
+        heartbeat=timedelta(seconds=policy.heartbeat_timeout_s),
     )
-    return result
 
 
 async def offload(req: OffloadInput) -> OffloadResult:
-    result: OffloadResult = await workflow.execute_activity(
-        ACTIVITY_OFFLOAD,
-        req,
-        result_type=OffloadResult,
-        start_to_close_timeout=timedelta(minutes=30),
-        heartbeat_timeout=timedelta(minutes=2),
-        retry_policy=QUICK_RETRY,
-        summary=f"offload segment {req.segment}" + (" (partial)" if req.partial else ""),
-    )
-    return result
+    partial = " (partial)" if req.partial else ""
+    return await _OFFLOAD.run(req, f"offload segment {req.segment}{partial}")
 
 
 async def stop(req: StopInput) -> StopCheck:
     # One check per call: the workflow repeats it on durable timers until the prompt is gone.
-    result: StopCheck = await workflow.execute_activity(
-        ACTIVITY_STOP,
-        req,
-        result_type=StopCheck,
-        start_to_close_timeout=timedelta(seconds=30),
-        retry_policy=ONE_ATTEMPT,
-        summary=f"stop prompt ({req.reason})" + (" (last check)" if req.final else ""),
-    )
-    return result
+    last = " (last check)" if req.final else ""
+    return await _STOP.run(req, f"stop prompt ({req.reason}){last}")
 
 
 async def deliver_webhook(req: WebhookDeliveryInput) -> WebhookAttempt:
     # One attempt per call: the workflow schedules retries itself, jittered (workflows/webhooks.py).
-    result: WebhookAttempt = await workflow.execute_activity(
-        ACTIVITY_DELIVER_WEBHOOK,
-        req,
-        result_type=WebhookAttempt,
-        start_to_close_timeout=timedelta(seconds=30),
-        retry_policy=ONE_ATTEMPT,
-        summary=f"webhook {req.event} (seq {req.entry.seq}, attempt {req.attempt})",
-    )
-    return result
+    summary = f"webhook {req.event} (seq {req.entry.seq}, attempt {req.attempt})"
+    return await _DELIVER_WEBHOOK.run(req, summary)
