@@ -441,21 +441,16 @@ class RunPodFollower:
                         fenced_in_s=round(left, 1),
                     )
             return
-        self.log.warning(
-            "runpod_holder_fenced",
-            runpod_job_id=job.id,
-            worker_id=job.worker_id,
-            lease_until=claim.lease_until,
-            recorded=claim.fenced.action if claim.fenced is not None else None,
+        recorded = claim.fenced.action if claim.fenced is not None else None
+        cost = await self._give_up(
+            job, "fenced", "runpod_holder_fenced", lease_until=claim.lease_until, recorded=recorded
         )
-        cost = await self._given_up(job.id, "fenced")
         await self._complete_from(claim, cost)
-        raise fatal(
-            ErrorType.PROMPT_LOST,
+        raise _lost(
             f"RunPod job {job.id} is still IN_PROGRESS, but its worker stopped renewing the "
             f"claim at {claim.lease_until:%H:%M:%S} UTC and has been fenced since: submitting "
             "again",
-            cost=cost.model_dump(mode="json"),
+            cost,
         )
 
     async def _complete_from_outcome(self, job: RunPodJob, aged: AgedClaim) -> None:
@@ -469,25 +464,19 @@ class RunPodFollower:
             self.fence_after_s + TAKEOVER_MARGIN_S
         ):
             return
-        self.log.warning(
-            "runpod_holder_lost_after_outcome",
-            runpod_job_id=job.id,
-            worker_id=job.worker_id,
-            recorded=outcome.state,
-        )
-        cost = await self._given_up(
-            job.id, "completed" if outcome.state == "completed" else "crashed"
+        ended: DeliveryOutcome = "completed" if outcome.state == "completed" else "crashed"
+        cost = await self._give_up(
+            job, ended, "runpod_holder_lost_after_outcome", recorded=outcome.state
         )
         if outcome.state == "completed" and outcome.images:
             for record, key in self._unkept(list(outcome.images)):
                 await self._keep(record, key, verifiable=True)
             raise await self._completed_by(job.id, cost)
-        raise fatal(
-            ErrorType.PROMPT_LOST,
+        raise _lost(
             f"RunPod job {job.id} is still IN_PROGRESS, but its worker recorded the run "
             f"{outcome.state} {aged.age_s:.0f} s ago and never returned it: submitting again "
             "(the new delivery answers with the recorded outcome)",
-            cost=cost.model_dump(mode="json"),
+            cost,
         )
 
     async def _fail_if_silent_before_claiming(self, job: RunPodJob) -> None:
@@ -498,14 +487,14 @@ class RunPodFollower:
         silent_s = time.monotonic() - self.heard_at
         if silent_s <= self.lease_s + TAKEOVER_MARGIN_S:
             return
-        self.log.warning("runpod_delivery_silent", runpod_job_id=job.id, silent_s=round(silent_s))
-        cost = await self._given_up(job.id, "crashed")
-        raise fatal(
-            ErrorType.PROMPT_LOST,
+        cost = await self._give_up(
+            job, "crashed", "runpod_delivery_silent", silent_s=round(silent_s)
+        )
+        raise _lost(
             f"RunPod job {job.id} is IN_PROGRESS on worker {job.worker_id or '?'}, but its "
             f"handler has neither claimed prompt {self.submission} nor reported for "
             f"{silent_s:.0f} s: the worker is gone; submitting again",
-            cost=cost.model_dump(mode="json"),
+            cost,
         )
 
     async def _gone_holder(self, claim: Claim) -> bool:
@@ -520,6 +509,13 @@ class RunPodFollower:
             self.other_costs[claim.holder] = cost
         await self._complete_from(claim, self.other_costs[claim.holder])
         return False
+
+    async def _give_up(
+        self, job: RunPodJob, outcome: DeliveryOutcome, event: str, **seen: object
+    ) -> JobCost:
+        """Log why `job`'s delivery is given up (`event`, with what was `seen`); `_given_up`."""
+        self.log.warning(event, runpod_job_id=job.id, worker_id=job.worker_id, **seen)
+        return await self._given_up(job.id, outcome)
 
     async def _given_up(self, job_id: str, outcome: DeliveryOutcome) -> JobCost:
         """Cancel a RunPod job whose delivery is given up (a silent or dead worker: RunPod
@@ -1011,3 +1007,9 @@ def stop_horizon(teardown_horizon_s: float | None) -> float:
         return DEFAULT_STOP_HORIZON_S
     margin = max(STOP_MARGIN_MIN_S, STOP_MARGIN_SHARE * teardown_horizon_s)
     return max(MIN_STOP_HORIZON_S, teardown_horizon_s - margin)
+
+
+def _lost(message: str, cost: JobCost) -> ApplicationError:
+    """A delivery given up: the workflow submits the prompt again (`PROMPT_LOST`), and what the
+    lost delivery billed joins the job's cost."""
+    return fatal(ErrorType.PROMPT_LOST, message, cost=cost.model_dump(mode="json"))
