@@ -56,17 +56,8 @@ from configuration.settings import (
     WorkerSettings,
     runpod_api_keys,
 )
+from starter import doctor
 from starter.connection import forwarded_core_logs
-from starter.doctor import (
-    Check,
-    CheckResult,
-    Inputs,
-    Outcome,
-    Problem,
-    RunPodCheck,
-    connect_checked,
-    one_line,
-)
 from starter.errors import ChecksFailed
 from starter.exit import exit_without_finalizing
 from workflows.errors import RunPodAuthError, RunPodError, RunPodRefused, StorageConfigError
@@ -122,10 +113,10 @@ async def run_worker(
             )
             address = f"{settings.metrics_host}:{settings.metrics_port}"
             log.info("metrics_serving", url=f"http://{address}/metrics")
-        inputs = Inputs.of(
+        inputs = doctor.Inputs.of(
             temporal, settings.task_queue, s3, functools.partial(runpod_health, settings, keys)
         )
-        client = await connect_checked(inputs, runtime)
+        client = await doctor.connect_checked(inputs, runtime)
     # Temporal owns retries: no transport-level retries here.
     timeout = httpx.Timeout(30.0, connect=5.0)
     limits = http_limits(settings.max_concurrent_activities)
@@ -294,12 +285,16 @@ def runpod_clients(
     }
 
 
-async def runpod_health(settings: WorkerSettings, keys: Mapping[str, SecretStr]) -> CheckResult:
+async def runpod_health(
+    settings: WorkerSettings, keys: Mapping[str, SecretStr]
+) -> doctor.CheckResult:
     """The doctor's `runpod` check: each runpod pool's endpoint answers `GET /health` with the
     pool's key. One try each (no retries): a doctor says what it sees now."""
     pools = {name: pool for name, pool in settings.pools.items() if pool.kind == "runpod"}
     if not pools:
-        return CheckResult(check=Check.RUNPOD, outcome=Outcome.OK, message="no runpod pools")
+        return doctor.CheckResult(
+            check=doctor.Check.RUNPOD, outcome=doctor.Outcome.OK, message="no runpod pools"
+        )
     async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, connect=5.0), trust_env=False) as http:
         failures = [
             failure
@@ -308,19 +303,21 @@ async def runpod_health(settings: WorkerSettings, keys: Mapping[str, SecretStr])
         ]
     if not failures:
         answered = f"{', '.join(sorted(pools))}: GET /health answered"
-        return CheckResult(check=Check.RUNPOD, outcome=Outcome.OK, message=answered)
-    refused = any(problem is Problem.CONFIGURATION for problem, _ in failures)
-    return CheckResult(
-        check=Check.RUNPOD,
-        outcome=Outcome.FAIL,
+        return doctor.CheckResult(
+            check=doctor.Check.RUNPOD, outcome=doctor.Outcome.OK, message=answered
+        )
+    refused = any(problem is doctor.Problem.CONFIGURATION for problem, _ in failures)
+    return doctor.CheckResult(
+        check=doctor.Check.RUNPOD,
+        outcome=doctor.Outcome.FAIL,
         message="; ".join(message for _, message in failures),
-        problem=Problem.CONFIGURATION if refused else Problem.UNREACHABLE,
+        problem=doctor.Problem.CONFIGURATION if refused else doctor.Problem.UNREACHABLE,
     )
 
 
 async def _endpoint_health(
     name: str, pool: PoolConfig, key: SecretStr, http: httpx.AsyncClient
-) -> tuple[Problem, str] | None:
+) -> tuple[doctor.Problem, str] | None:
     """None when the pool's endpoint answers; else what kind of problem, and what to do."""
     client = RunPodClient.for_pool(pool, key, http, retry=NO_RETRY)
     where = f"endpoint {pool.endpoint_id} (pool {name!r})"
@@ -328,23 +325,24 @@ async def _endpoint_health(
         async with asyncio.timeout(RUNPOD_CHECK_TIMEOUT_S):
             await client.health()
     except RunPodAuthError as exc:
-        return Problem.CONFIGURATION, (
+        return doctor.Problem.CONFIGURATION, (
             f"the key in {exc.variable} is refused by {where}, HTTP {exc.status_code}: set "
             f"{exc.variable} to a key of that endpoint's account"
         )
     except RunPodRefused as exc:
-        return Problem.CONFIGURATION, (
-            f"{where} refused GET /health ({one_line(exc)}): check the pool's endpoint_id and url"
+        return doctor.Problem.CONFIGURATION, (
+            f"{where} refused GET /health ({doctor.one_line(exc)}): check the pool's "
+            "endpoint_id and url"
         )
     except (RunPodError, TimeoutError) as exc:
-        return Problem.UNREACHABLE, (
+        return doctor.Problem.UNREACHABLE, (
             f"{where} did not answer GET /health at {pool.url} "
-            f"({one_line(exc) or 'no answer in time'})"
+            f"({doctor.one_line(exc) or 'no answer in time'})"
         )
     return None
 
 
-def doctor_runpod_check() -> RunPodCheck:
+def doctor_runpod_check() -> doctor.RunPodCheck:
     """The `runpod` check for `durable-comfy doctor`, with the worker's settings read now
     (the CLI finds it through the `worker` plugin: starter.cli.doctor). Settings that do not
     load fail the check, one line naming each variable."""
@@ -354,12 +352,12 @@ def doctor_runpod_check() -> RunPodCheck:
     except (ValidationError, SettingsError) as exc:
         message = "; ".join(problem_lines(exc))
 
-        async def refused() -> CheckResult:
-            return CheckResult(
-                check=Check.RUNPOD,
-                outcome=Outcome.FAIL,
+        async def refused() -> doctor.CheckResult:
+            return doctor.CheckResult(
+                check=doctor.Check.RUNPOD,
+                outcome=doctor.Outcome.FAIL,
                 message=f"invalid worker settings: {message}",
-                problem=Problem.CONFIGURATION,
+                problem=doctor.Problem.CONFIGURATION,
             )
 
         return refused

@@ -36,22 +36,9 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from configuration import values
 from configuration.errors import FILE_VAR, ConfigFileError
 from configuration.pools import PoolConfig
-from configuration.values import (
-    AllowedInputPrefixes,
-    BucketName,
-    BuildId,
-    Concurrency,
-    DeploymentName,
-    EndpointUrl,
-    HeartbeatBudgetRate,
-    HeartbeatThrottle,
-    MetricsHost,
-    Port,
-    SetCurrent,
-    SweepInterval,
-)
 from workflows.shared import DEFAULT_TASK_QUEUE
 
 CONFIG_VAR = "DURABLE_COMFY_CONFIG"
@@ -69,26 +56,26 @@ class WorkerFileSection(_Section):
 
     task_queue: str | None = None
     default_pool: str | None = None
-    max_concurrent_activities: Concurrency | None = None
-    orphan_sweep_interval_s: SweepInterval | None = None
-    metrics_port: Port | None = None
-    metrics_host: MetricsHost | None = None
+    max_concurrent_activities: values.Concurrency | None = None
+    orphan_sweep_interval_s: values.SweepInterval | None = None
+    metrics_port: values.Port | None = None
+    metrics_host: values.MetricsHost | None = None
     log_level: str | None = None
-    heartbeat_throttle_s: HeartbeatThrottle | None = None
-    heartbeat_budget_per_s: HeartbeatBudgetRate | None = None
+    heartbeat_throttle_s: values.HeartbeatThrottle | None = None
+    heartbeat_budget_per_s: values.HeartbeatBudgetRate | None = None
     versioning: bool | None = None
-    deployment_name: DeploymentName | None = None
-    build_id: BuildId | None = None
-    set_current: SetCurrent | None = None
+    deployment_name: values.DeploymentName | None = None
+    build_id: values.BuildId | None = None
+    set_current: values.SetCurrent | None = None
 
 
 class StorageFileSection(_Section):
     """S3Settings without its key pair (that stays in the environment or botocore's chain)."""
 
-    bucket: BucketName | None = None
-    endpoint_url: EndpointUrl | None = None
+    bucket: values.BucketName | None = None
+    endpoint_url: values.EndpointUrl | None = None
     region: str | None = None
-    allowed_input_prefixes: AllowedInputPrefixes | None = None
+    allowed_input_prefixes: values.AllowedInputPrefixes | None = None
 
 
 class CodecFileSection(_Section):
@@ -283,9 +270,9 @@ class WorkerSection(BaseModel):
     # Worker Versioning (see WorkerSettings). None: not in the file (the variable or the default
     # decides); a dumped stack file keeps them None.
     versioning: bool | None = None
-    deployment_name: DeploymentName | None = None
-    build_id: BuildId | None = None
-    set_current: SetCurrent | None = None
+    deployment_name: values.DeploymentName | None = None
+    build_id: values.BuildId | None = None
+    set_current: values.SetCurrent | None = None
 
 
 def read_worker_section(path: Path) -> WorkerSection:

@@ -31,23 +31,7 @@ import structlog
 from pydantic import ValidationError
 
 from gateway.views import INTERNAL
-from starter.errors import (
-    ClientError,
-    InputFileError,
-    InputNeedsStaging,
-    InvalidJobId,
-    InvalidOverride,
-    JobAlreadyEnded,
-    JobConflict,
-    JobNotFound,
-    JobUnanswered,
-    RequestTooLarge,
-    ResumeRefused,
-    SearchAttributesMissing,
-    SettingsError,
-    StorageFailed,
-    TemporalUnreachable,
-)
+from starter import errors as client_errors
 from workflows.errors import GraphRefused, RequestRefused
 
 if TYPE_CHECKING:
@@ -105,7 +89,7 @@ class Unauthorized(Exception):
     """No key, a malformed Authorization header, or a key nobody holds. Never quotes the key."""
 
 
-class ApiKeysError(SettingsError, ValueError):
+class ApiKeysError(client_errors.SettingsError, ValueError):
     """The keys' configuration is unusable; names the variable or file and the entry, never a
     key (nor a tenant field that may be a key written in the wrong place)."""
 
@@ -176,33 +160,33 @@ def api_error_for(exc: Exception) -> ApiError:
             return ApiError(
                 429, type(exc).__name__, str(exc), headers=retry_after(exc.retry_after_s)
             )
-        case JobNotFound():
+        case client_errors.JobNotFound():
             return not_found(exc.job_id)
-        case InvalidJobId():
+        case client_errors.InvalidJobId():
             return ApiError(404, "JobNotFound", str(exc))
-        case JobConflict():
+        case client_errors.JobConflict():
             return ApiError(409, "JobConflict", str(exc), job_id=exc.job_id)
-        case JobAlreadyEnded():
+        case client_errors.JobAlreadyEnded():
             status = exc.status.model_dump(mode="json", exclude=INTERNAL)
             return ApiError(409, "JobAlreadyEnded", str(exc), job_id=exc.job_id, status=status)
-        case ResumeRefused():
+        case client_errors.ResumeRefused():
             return ApiError(409, "ResumeRefused", str(exc), job_id=exc.job_id, reason=exc.reason)
-        case RequestTooLarge():
+        case client_errors.RequestTooLarge():
             return ApiError(413, "RequestTooLarge", str(exc))
-        case InvalidOverride():
+        case client_errors.InvalidOverride():
             return invalid([{"loc": ["segments"], "message": str(exc)}])
-        case InputNeedsStaging() | InputFileError():
+        case client_errors.InputNeedsStaging() | client_errors.InputFileError():
             return invalid([{"loc": ["inputs"], "message": str(exc)}])
         case ValidationError():
             return invalid(validation_problems(exc), _typed(exc))
-        case TemporalUnreachable():
+        case client_errors.TemporalUnreachable():
             return ApiError(
                 503,
                 "TemporalUnavailable",
                 "Temporal does not answer: try again shortly",
                 headers=retry_after(UNAVAILABLE_RETRY_AFTER_S),
             )
-        case JobUnanswered():
+        case client_errors.JobUnanswered():
             return ApiError(
                 503,
                 "JobUnanswered",
@@ -210,11 +194,11 @@ def api_error_for(exc: Exception) -> ApiError:
                 headers=retry_after(UNAVAILABLE_RETRY_AFTER_S),
                 job_id=exc.job_id,
             )
-        case StorageFailed():
+        case client_errors.StorageFailed():
             return ApiError(502, "StorageFailed", str(exc))
-        case SearchAttributesMissing():
+        case client_errors.SearchAttributesMissing():
             return ApiError(500, "SearchAttributesMissing", str(exc))
-        case ClientError():
+        case client_errors.ClientError():
             return ApiError(502, type(exc).__name__, str(exc))
     return ApiError(500, "InternalError", "the gateway failed this request; it is logged")
 
@@ -292,7 +276,7 @@ def install_error_handlers(app: FastAPI) -> None:
         log.exception("request_crashed", path=request.url.path, error=type(exc).__name__)
         return api_error_for(exc).response()
 
-    for kind in (ApiError, Unauthorized, LimitExceeded, ClientError, ValidationError):
+    for kind in (ApiError, Unauthorized, LimitExceeded, client_errors.ClientError, ValidationError):
         app.add_exception_handler(kind, known)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(RequestValidationError, request_invalid)

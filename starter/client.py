@@ -55,30 +55,12 @@ from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
 from configuration.settings import ClientSettings
+from starter import errors
 from starter.connection import (
     connect_failure_gist,
     connect_target,
     connect_temporal,
     dialled_by_default,
-)
-from starter.errors import (
-    ContactLost,
-    InvalidJobId,
-    JobAlreadyEnded,
-    JobConflict,
-    JobNotFound,
-    JobUnanswered,
-    NamespaceMissing,
-    RequestTooLarge,
-    ResumeRefused,
-    SearchAttributesMissing,
-    SettingsError,
-    StorageFailed,
-    StorageNotConfigured,
-    TemporalRefused,
-    TemporalUnreachable,
-    UnsafeArtifactKey,
-    is_namespace_missing,
 )
 from starter.execution import bare_status, ended_from_outside
 from starter.live import LiveRelay, Pushed
@@ -168,7 +150,7 @@ _UNREACHABLE_CODES = frozenset(
 
 def _job_missing(exc: RPCError) -> bool:
     """NOT_FOUND names the job, unless it is the namespace that is missing."""
-    return exc.status == RPCStatusCode.NOT_FOUND and not is_namespace_missing(
+    return exc.status == RPCStatusCode.NOT_FOUND and not errors.is_namespace_missing(
         exc.status.name, exc.message
     )
 
@@ -177,7 +159,7 @@ def _unanswered(job_id: str, exc: RPCError) -> RPCError:
     """A query's failure that says no worker answered, for the caller to fall back on Temporal's
     record; a job that does not exist raises `JobNotFound`, any other failure itself."""
     if _job_missing(exc):
-        raise JobNotFound(job_id) from exc
+        raise errors.JobNotFound(job_id) from exc
     if exc.status not in _UNANSWERED_CODES:
         raise exc
     return exc
@@ -287,12 +269,12 @@ class JobClient:
         try:
             settings = ClientSettings()
         except ValidationError as exc:
-            raise SettingsError(f"invalid client settings: {_problems(exc)}") from None
+            raise errors.SettingsError(f"invalid client settings: {_problems(exc)}") from None
         try:
             temporal = await connect_temporal(address, namespace)
         except RuntimeError as exc:  # how the SDK reports a refused or failed connection
             target, tls = connect_target(address)
-            raise TemporalUnreachable(
+            raise errors.TemporalUnreachable(
                 target,
                 connect_failure_gist(exc),
                 tls=tls,
@@ -345,23 +327,25 @@ class JobClient:
             yield
         except RPCError as exc:
             if exc.status in _UNREACHABLE_CODES:
-                raise TemporalUnreachable(self._target(), exc.message) from exc
-            if is_namespace_missing(exc.status.name, exc.message):
-                raise NamespaceMissing(self.temporal.namespace, self._target()) from exc
+                raise errors.TemporalUnreachable(self._target(), exc.message) from exc
+            if errors.is_namespace_missing(exc.status.name, exc.message):
+                raise errors.NamespaceMissing(self.temporal.namespace, self._target()) from exc
             if exc.status == RPCStatusCode.INVALID_ARGUMENT and (
                 missing := _NO_MAPPING.search(exc.message)
             ):
                 namespace = self.temporal.namespace
-                raise SearchAttributesMissing(
+                raise errors.SearchAttributesMissing(
                     namespace, [missing.group(1)], SEARCH_ATTRIBUTES
                 ) from exc
-            raise TemporalRefused(exc.status.name, exc.message) from exc
+            raise errors.TemporalRefused(exc.status.name, exc.message) from exc
         except RPCTimeoutOrCancelledError as exc:
-            raise TemporalUnreachable(self._target(), str(exc) or "no answer in time") from exc
+            raise errors.TemporalUnreachable(
+                self._target(), str(exc) or "no answer in time"
+            ) from exc
         except StorageConfigError as exc:
-            raise StorageNotConfigured(str(exc)) from exc
+            raise errors.StorageNotConfigured(str(exc)) from exc
         except StorageError as exc:
-            raise StorageFailed(str(exc), retryable=exc.retryable) from exc
+            raise errors.StorageFailed(str(exc), retryable=exc.retryable) from exc
 
     def _target(self) -> str:
         return self.temporal.service_client.config.target_host
@@ -458,7 +442,7 @@ class JobClient:
         except RPCError as exc:
             if exc.status == RPCStatusCode.INVALID_ARGUMENT and "size exceeds" in exc.message:
                 # The server's limit may be lower than ours: its word is final.
-                raise RequestTooLarge(await self._request_size(request), None) from exc
+                raise errors.RequestTooLarge(await self._request_size(request), None) from exc
             raise
         status = JobStatus(
             job_id=job_id,
@@ -481,7 +465,7 @@ class JobClient:
     async def _check_size(self, request: JobRequest) -> None:
         size = await self._request_size(request)
         if size > self.max_request_bytes:
-            raise RequestTooLarge(size, self.max_request_bytes)
+            raise errors.RequestTooLarge(size, self.max_request_bytes)
 
     async def _existing(self, job_id: str, fingerprint: str) -> SubmitOutcome:
         description = await self.handle(job_id).describe()
@@ -490,7 +474,7 @@ class JobClient:
             # Started by something other than JobClient (the Temporal UI, an older client).
             log.warning("job_request_not_comparable", job_id=job_id)
         elif stored != fingerprint:
-            raise JobConflict(job_id, str(stored), fingerprint)
+            raise errors.JobConflict(job_id, str(stored), fingerprint)
         status = await self.status(job_id)
         return SubmitOutcome(job_id=job_id, existed=True, status=status)
 
@@ -651,7 +635,7 @@ class JobClient:
             return recorded
         if description.status == WorkflowExecutionStatus.CANCELED:
             return bare_status(job_id, description)
-        raise JobUnanswered(job_id, description.task_queue, _short(failure)) from failure
+        raise errors.JobUnanswered(job_id, description.task_queue, _short(failure)) from failure
 
     async def _recorded_end(
         self, job_id: str, description: WorkflowExecutionDescription
@@ -675,7 +659,7 @@ class JobClient:
             return await self.handle(job_id).describe()
         except RPCError as exc:
             if _job_missing(exc):
-                raise JobNotFound(job_id) from exc
+                raise errors.JobNotFound(job_id) from exc
             raise
 
     async def _ended_status(self, job_id: str) -> JobStatus | None:
@@ -688,15 +672,17 @@ class JobClient:
             return recorded
         try:
             return await self.status(job_id)
-        except JobUnanswered:
+        except errors.JobUnanswered:
             return bare_status(job_id, description)
 
-    async def _not_found_or_ended(self, job_id: str, exc: RPCError, action: str) -> JobAlreadyEnded:
+    async def _not_found_or_ended(
+        self, job_id: str, exc: RPCError, action: str
+    ) -> errors.JobAlreadyEnded:
         """Temporal says NOT_FOUND both for an unknown ID and for a workflow that has closed."""
         ended = await self._ended_status(job_id)
         if ended is None:
             raise exc
-        return JobAlreadyEnded(job_id, ended, action)
+        return errors.JobAlreadyEnded(job_id, ended, action)
 
     # -- acting on a job ----------------------------------------------------------------------
 
@@ -731,11 +717,11 @@ class JobClient:
         """
         try:
             current = await self.status(job_id)
-        except JobUnanswered:
+        except errors.JobUnanswered:
             current = None
         action = "nothing to cancel"
         if current is not None and current.terminal:
-            raise JobAlreadyEnded(job_id, current, action)
+            raise errors.JobAlreadyEnded(job_id, current, action)
         handle = self.handle(job_id)
         try:
             await handle.signal(SIGNAL_CANCEL_REASON, CancelRequest(reason=reason))
@@ -767,7 +753,7 @@ class JobClient:
         except WorkflowUpdateFailedError as exc:
             cause = exc.cause
             reason = cause.message if isinstance(cause, ApplicationError) else str(cause or exc)
-            raise ResumeRefused(job_id, reason) from exc
+            raise errors.ResumeRefused(job_id, reason) from exc
         except RPCError as exc:
             if exc.status != RPCStatusCode.NOT_FOUND:
                 raise
@@ -940,7 +926,7 @@ class JobClient:
                 RPCTimeoutOrCancelledError,
                 RuntimeError,
                 WorkflowUpdateFailedError,
-                JobUnanswered,
+                errors.JobUnanswered,
             ) as exc:
                 if _being_cancelled():
                     # A cancel (Ctrl-C) that landed in an update call, which the SDK turns
@@ -948,7 +934,7 @@ class JobClient:
                     raise asyncio.CancelledError() from exc
                 lost_since = lost_since if lost_since is not None else time.monotonic()
                 if time.monotonic() - lost_since > policy.horizon_s:
-                    raise ContactLost(job_id, failures, exc) from exc
+                    raise errors.ContactLost(job_id, failures, exc) from exc
                 delay = reconnect_delay(
                     failures, policy.base_delay_s, policy.max_delay_s, random.random()
                 )
@@ -1049,7 +1035,7 @@ class JobClient:
             final = _final_status(details[0] if details else None)
         except RPCError as exc:
             if _job_missing(exc):
-                raise JobNotFound(job_id) from exc
+                raise errors.JobNotFound(job_id) from exc
             raise
         if final is not None and final.job_id == job_id:
             return final
@@ -1126,7 +1112,7 @@ class JobClient:
 
     def require_store(self) -> ArtifactStore:
         if self.store is None:
-            raise StorageNotConfigured(
+            raise errors.StorageNotConfigured(
                 "downloading needs the artifact bucket: set DURABLE_COMFY_BUCKET (and "
                 "DURABLE_COMFY_S3_ENDPOINT off AWS) with credentials from AWS_ACCESS_KEY_ID/"
                 "AWS_SECRET_ACCESS_KEY or any source botocore reads (the local stack writes its "
@@ -1159,7 +1145,7 @@ def _relative_download_path(key: str, directory: Path) -> PurePosixPath:
     """
     path = PurePosixPath(key)
     if path.is_absolute() or any(p == ".." for p in path.parts) or any(c in key for c in "\\\0"):
-        raise UnsafeArtifactKey(
+        raise errors.UnsafeArtifactKey(
             f"artifact key {key[:200]!r} would be written outside {directory}: not downloaded"
         )
     return path
@@ -1169,7 +1155,7 @@ def checked_job_id(job_id: str) -> str:
     try:
         return validate_job_id(job_id)
     except ValueError as exc:
-        raise InvalidJobId(str(exc)) from None
+        raise errors.InvalidJobId(str(exc)) from None
 
 
 def _final_status(value: object) -> JobStatus | None:

@@ -103,15 +103,24 @@ needs_endpoint_venv = pytest.mark.skipif(
 
 
 def imported_modules(path: Path) -> set[str]:
-    """Absolute imports of a file, `from a import b` also as `a.b` (b may be a module)."""
+    """Absolute imports of a file, `from a import b` also as `a.b` (b may be a module). When
+    every `b` is a module of the project, the import is of those modules, as `import a.b` is:
+    not of what `a/__init__.py` itself imports."""
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module)
-            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+            named = {f"{node.module}.{alias.name}" for alias in node.names}
+            if not all(_is_project_module(name) for name in named):
+                found.add(node.module)
+            found.update(named)
     return found
+
+
+def _is_project_module(name: str) -> bool:
+    where = ROOT.joinpath(*name.split("."))
+    return where.with_suffix(".py").is_file() or (where / "__init__.py").is_file()
 
 
 def files_of(layer: str) -> list[Path]:

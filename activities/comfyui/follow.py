@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -385,23 +386,17 @@ class FollowAttempt:
         await send_progress(self.req.job_id, report, self.log)
 
 
+@dataclass(frozen=True)
 class FollowActivities:
-    def __init__(
-        self,
-        pools: ComfyPools,
-        store: ArtifactStore,
-        budget: HeartbeatBudget,
-        live: LiveProgress | None = None,
-    ) -> None:
-        self._pools = pools
-        self._store = store
-        self._budget = budget
-        self._live = live
+    pools: ComfyPools
+    store: ArtifactStore
+    budget: HeartbeatBudget
+    live: LiveProgress | None = None
 
     async def follow_prompt(self, req: FollowInput) -> FollowResult:
         return await self.attempt(req).run()
 
     def attempt(self, req: FollowInput) -> FollowAttempt:
         """An attempt to run; its `uploader` says afterwards what it stored."""
-        client = self._pools.client(req.named_pool)
-        return FollowAttempt(req, client, self._store, self._pools.health, self._budget, self._live)
+        client = self.pools.client(req.named_pool)
+        return FollowAttempt(req, client, self.store, self.pools.health, self.budget, self.live)
