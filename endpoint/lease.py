@@ -4,9 +4,9 @@ no longer be renewed, and finishing it once.
 Renewal runs every lease_s/3 in its own task; a failed renewal (S3 unreachable) is retried
 sooner. Every write carries what the holder has to say since the last: `stopping_since`, the
 prompt's end (`prompt_end`, written at once when the prompt ends, before the uploads it leaves
-are done) and each output stored (`stored`, written at once, at most one write per
-WRITE_GAP_S): a delivery that takes the claim over after this one dies knows what is done
-(endpoint/takeover.py), and so does the orchestrator.
+are done, however recent the last write) and each output stored (`stored`, written at once, at
+most one write per WRITE_GAP_S): a delivery that takes the claim over after this one dies knows
+what is done (endpoint/takeover.py), and so does the orchestrator.
 
 The lease lasts `lease_s` from when the S3 server received our last successful write, which is
 no earlier than when we sent it: reckoned on the local monotonic clock from the send, it ends
@@ -97,6 +97,9 @@ class Lease:
         self._sent_at = held.sent_at if held.sent_at is not None else time.monotonic()
         self._stop = asyncio.Event()
         self._renew_now = asyncio.Event()
+        # News not to hold behind WRITE_GAP_S: the prompt's end, which turns a takeover of a
+        # finished run from running it again into keeping what it made.
+        self._write_at_once = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._last_try = float("-inf")
         self._stopping_since: datetime | None = None
@@ -158,9 +161,11 @@ class Lease:
         self._renew_now.set()
 
     def prompt_ended(self, end: PromptEnd) -> None:
-        """The prompt ended: written at once (the uploads it leaves go on meanwhile)."""
+        """The prompt ended: written at once, even within WRITE_GAP_S of the last write (the
+        uploads it leaves go on meanwhile)."""
         self._prompt_end = end
         self._renew_now.set()
+        self._write_at_once.set()
 
     def output_stored(self, record: ArtifactRecord) -> None:
         """An output is stored and verified: written at once, with any others meanwhile."""
@@ -262,10 +267,11 @@ class Lease:
             asked = self._renew_now.is_set()
             due = min(next_due, self._last_try + WRITE_GAP_S) if asked else next_due
             wait = due - time.monotonic()
-            if wait > 0:
+            if wait > 0 and not self._write_at_once.is_set():
                 await self._sleep(wait, woken_by_news=not asked)
                 continue
             self._renew_now.clear()
+            self._write_at_once.clear()
             attempt = fresh_claim(self._ours(), self.lease_s)
             self._last_try = time.monotonic()
             try:
@@ -313,7 +319,8 @@ class Lease:
 
     async def _sleep(self, seconds: float, *, woken_by_news: bool) -> None:
         """Up to `seconds`, or until renewal must end (or, `woken_by_news`, write news)."""
-        events = [self._stop, self.fence_due] + ([self._renew_now] if woken_by_news else [])
+        events = [self._stop, self.fence_due, self._write_at_once]
+        events += [self._renew_now] if woken_by_news else []
         waits = [asyncio.ensure_future(event.wait()) for event in events]
         try:
             await asyncio.wait(waits, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)

@@ -19,7 +19,7 @@ from endpoint.claims import ClaimStore, StoredClaim, fresh_claim
 from endpoint.errors import ClaimConflict, ClaimError
 from endpoint.fence_file import FenceFile, FenceState, read_fence
 from endpoint.fencing import Fenced, fence_action, fenced_error
-from endpoint.lease import Lease, fence_margin_s
+from endpoint.lease import WRITE_GAP_S, Lease, fence_margin_s
 from endpoint.s3 import Patience
 from endpoint.takeover import recorded_end, what_is_left, with_kept
 from protocol.comfyui.follower import PromptEnd as FollowedEnd
@@ -210,6 +210,25 @@ async def test_news_is_written_at_once_and_a_burst_in_few_writes() -> None:
         await asyncio.sleep(1.5)
     assert 2 <= len(store.writes) <= 4
     assert [r.filename for r in store.claim.stored] == [f"{i}.png" for i in range(10)]
+
+
+async def test_the_prompts_end_is_not_held_behind_the_gap_between_writes() -> None:
+    """An output stored a moment before the prompt's end was just written; the end goes out at
+    once all the same (a worker lost now leaves a finished run, not one to run again), while
+    another output waits out WRITE_GAP_S."""
+    store, held = held_claim(30.0)
+    async with Lease(store, KEY, held, 30.0) as lease:
+        lease.output_stored(record("7", "a.png"))
+        await asyncio.sleep(0.1)
+        assert len(store.writes) == 1
+        lease.prompt_ended(PromptEnd(outcome="success", at=datetime.now(UTC)))
+        await asyncio.sleep(WRITE_GAP_S / 2)
+        assert len(store.writes) == 2 and store.claim.prompt_end is not None
+        lease.output_stored(record("9", "b.png"))
+        await asyncio.sleep(WRITE_GAP_S / 4)
+        assert len(store.writes) == 2, "an output is still held behind the gap"
+        await asyncio.sleep(WRITE_GAP_S)
+        assert len(store.writes) == 3
 
 
 async def test_the_finish_never_outlasts_the_fence_point() -> None:
