@@ -265,13 +265,7 @@ def _taken_over(template: Claim, previous: Claim) -> Claim:
         update |= {"claimed_at": previous.claimed_at or template.claimed_at}
         update |= {"earlier": previous.earlier}
     else:
-        holder = EarlierHolder(
-            holder=previous.holder,
-            worker_id=previous.worker_id,
-            claimed_at=previous.claimed_at,
-            renewed_at=previous.renewed_at,
-            lease_until=previous.lease_until,
-        )
+        holder = EarlierHolder.model_validate(previous, from_attributes=True)
         update |= {"earlier": [*previous.earlier, holder][-MAX_EARLIER_HOLDERS:]}
     ended = previous.prompt_end
     if ended is not None and ended.outcome == "success":

@@ -209,13 +209,7 @@ class OutputUploader:
         finally:
             self._in_flight.discard(key)
         artifact = Artifact(
-            key=stored.key,
-            uri=stored.uri,
-            size=stored.size,
-            sha256=stored.sha256,
-            content_type=stored.content_type,
-            node_id=node_id,
-            segment=self._segment,
+            **stored.model_dump(exclude={"bucket"}), node_id=node_id, segment=self._segment
         )
         self.artifacts[key] = artifact
         self.confirmed.add(key)
