@@ -170,10 +170,11 @@ async def test_a_storage_failure_the_handler_could_not_record_is_submitted_again
     monkeypatch.setattr("activities.runpod.follow.TAKEOVER_MARGIN_S", 0.2)
     for claimed in (True, False):
         store = MemoryStore()
+        # Before the claim is written: its lease runs from then.
+        began = datetime.now(UTC)
         if claimed:
             put_claim(store, lease_left_s=0.1)
         runpod = ScriptedRunPod(statuses=[storage_failed()])
-        began = datetime.now(UTC)
         with pytest.raises(ApplicationError) as lost:
             follow = backend(runpod, store, fence_after_s=1).follow
             await env([]).run(follow, follow_input())
