@@ -311,10 +311,16 @@ async def test_the_lease_renews_and_notices_a_takeover(store: ClaimStore) -> Non
         renewed = lease.held
         assert renewed.etag != acquired.held.etag
         assert renewed.lease_s == pytest.approx(0.6)
-        # Someone takes it over (as after an expiry): the next renewal's If-Match fails.
-        current = await store.read(key)
-        assert current is not None
-        await store.replace(key, fresh_claim(template("rp-B", "w-b"), 30), current.etag)
+        # Someone takes it over (as after an expiry): the next renewal's If-Match fails. The
+        # taker reads again when a renewal lands between its read and its write, as one would.
+        while True:
+            current = await store.read(key)
+            assert current is not None
+            try:
+                await store.replace(key, fresh_claim(template("rp-B", "w-b"), 30), current.etag)
+                break
+            except ClaimConflict:
+                continue
         await asyncio.wait_for(lease.lost.wait(), timeout=3)
     assert lease.lost_to is not None and lease.lost_to.claim.holder == "rp-B"
     with pytest.raises(ClaimConflict):
