@@ -59,9 +59,9 @@ demo-chaos: $(STAMP)
 
 ## test: unit, workflow (time-skipping), integration (real Temporal + SeaweedFS + simulator)
 ## (TEST_WORKERS=N: pytest-xdist processes, each with its own local stack; 1 runs them in one.
-## 3 on 2 cores: most tests wait on services, timers and leases. 4 took 9 min 40 s to 10 min
-## 22 s against 11 min 5 s, but the heavier load set off timing races in tests four runs in a
-## row.) --dist loadfile: a file's tests run in one process, so its module fixtures (a worker, a
+## 3 on 2 cores: most tests wait on services, timers and leases. 4 took 9 min 40 s to 11 min
+## 5 s against 11 min 5 s to 11 min 49 s, and the heavier load set off a timing race in a test
+## five runs in a row.) --dist loadfile: a file's tests run in one process, so its module fixtures (a worker, a
 ## pool's endpoint) start once, not once in each process that drew one of its tests.
 TEST_WORKERS ?= 3
 test: $(STAMP) $(EP_STAMP) $(STOCK_STAMP) debs
