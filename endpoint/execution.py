@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 
@@ -44,6 +44,12 @@ class ExecutionResult:
     attached: bool
 
 
+class Recorded(Protocol):
+    """Waits until the claim holds what was said of the run (endpoint/lease.py `caught_up`)."""
+
+    async def __call__(self, *, at_once: bool = False) -> bool: ...
+
+
 class Execution:
     def __init__(
         self,
@@ -63,14 +69,18 @@ class Execution:
         on_ready: Callable[[], None] | None = None,
         on_prompt_end: Callable[[PromptEnd], None] | None = None,
         on_stored: Callable[[ArtifactRecord], None] | None = None,
+        recorded: Recorded | None = None,
         prior: list[ArtifactRecord] | None = None,
         rerun_interrupted: bool = False,
     ) -> None:
         """`on_prompt_end`: the prompt ended (before the uploads it leaves are done);
-        `on_stored`: an output is stored; `prior`: outputs an earlier delivery stored, not
-        stored again when this run finds them (endpoint/takeover.py); `rerun_interrupted`:
-        a prompt of this ID that ComfyUI saw interrupted runs again rather than answer for
-        this run (a takeover after a fence or a lost claim stopped it on this worker)."""
+        `on_stored`: an output is stored; `recorded`: waits until the claim holds what the
+        two said (True) or can no longer (False): progress updates never get ahead of the
+        claim, so a takeover after the last one redoes nothing it reported done; `prior`:
+        outputs an earlier delivery stored, not stored again when this run finds them
+        (endpoint/takeover.py); `rerun_interrupted`: a prompt of this ID that ComfyUI saw
+        interrupted runs again rather than answer for this run (a takeover after a fence or a
+        lost claim stopped it on this worker)."""
         self.rerun_interrupted = rerun_interrupted
         self.client = client
         self.settings = settings
@@ -80,6 +90,8 @@ class Execution:
         self.on_ready = on_ready
         self.on_prompt_end = on_prompt_end
         self.on_stored = on_stored
+        self.recorded = recorded
+        self._reports: set[asyncio.Task[None]] = set()
         self.images = images
         self.staged = staged
         self.prompt_id = prompt_id
@@ -164,8 +176,12 @@ class Execution:
                 self.on_prompt_end(end)
             if end.outcome == "error" and is_out_of_memory(end.error):
                 await self._free_memory()
-            self.stage_changed("uploading")
+            # "uploading" says the prompt is over: with a claim, once the claim says so.
+            self._report_once_recorded(lambda: self.stage_changed("uploading"))
             await self.collector.drain()
+            if self.recorded is not None and await self.recorded(at_once=True):
+                # The claim holds every output: their update goes out before the outcome.
+                await asyncio.gather(*self._reports)
             failure = self.collector.failure()
             if failure is not None and end.outcome == "success":
                 raise failure
@@ -234,5 +250,22 @@ class Execution:
         self.files.mark_stored(record.subfolder, record.filename)
         if self.on_stored is not None:
             self.on_stored(record)
-        if self.reporter is not None:
-            self.reporter.add_artifact(record)
+        reporter = self.reporter
+        if reporter is not None:
+            self._report_once_recorded(lambda: reporter.add_artifact(record))
+
+    def _report_once_recorded(self, report: Callable[[], None]) -> None:
+        """Progress never gets ahead of the claim: with one, `report` waits until the claim
+        holds what it says (and is dropped if renewal ends first)."""
+        if self.recorded is None:
+            report()
+            return
+        task = asyncio.create_task(_once_recorded(self.recorded, report), name="report")
+        # Held until done: the event loop keeps only a weak reference to a task.
+        self._reports.add(task)
+        task.add_done_callback(self._reports.discard)
+
+
+async def _once_recorded(recorded: Recorded, report: Callable[[], None]) -> None:
+    if await recorded():
+        report()

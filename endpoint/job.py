@@ -752,6 +752,7 @@ class OrchestratedJob:
             on_ready=self._publish_nodes,
             on_prompt_end=on_prompt_end,
             on_stored=on_stored,
+            recorded=lease.caught_up if lease is not None else None,
             prior=left.kept if left is not None else None,
             rerun_interrupted=rerun_interrupted,
         )

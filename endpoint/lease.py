@@ -6,7 +6,8 @@ sooner. Every write carries what the holder has to say since the last: `stopping
 prompt's end (`prompt_end`, written at once when the prompt ends, before the uploads it leaves
 are done, however recent the last write) and each output stored (`stored`, written at once, at
 most one write per WRITE_GAP_S): a delivery that takes the claim over after this one dies knows
-what is done (endpoint/takeover.py), and so does the orchestrator.
+what is done (endpoint/takeover.py), and so does the orchestrator. `caught_up` waits for the
+write that carries what was said: progress updates wait for it, never running ahead of the claim.
 
 The lease lasts `lease_s` from when the S3 server received our last successful write, which is
 no earlier than when we sent it: reckoned on the local monotonic clock from the send, it ends
@@ -31,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Self
 
@@ -65,6 +67,15 @@ FENCE_MARGIN_MAX_S = 10.0
 
 def fence_margin_s(lease_s: float) -> float:
     return min(lease_s * FENCE_MARGIN_FRACTION, FENCE_MARGIN_MAX_S)
+
+
+@dataclass(frozen=True)
+class _Waiting:
+    """Someone in `Lease.caught_up`: for a write carrying the first `said` things said."""
+
+    said: int
+    answer: asyncio.Future[bool]
+    one_try: bool
 
 
 class Lease:
@@ -108,6 +119,11 @@ class Lease:
         # A write that failed without an answer, and when it was sent: it may have landed.
         self._unanswered: tuple[Claim, float] | None = None
         self._fence_file = fence_file
+        # How many things were said (`_said`) and how many of them the last successful
+        # renewal carried; those waiting in `caught_up` for the claim to hold what was said.
+        self._said = 0
+        self._said_written = 0
+        self._waiting: list[_Waiting] = []
         self._log = log.bind(key=key, holder=held.claim.holder)
 
     @property
@@ -158,12 +174,14 @@ class Lease:
         """Say in the claim that the platform stopped the job and its prompt is being stopped:
         written with the next write, which comes now, and kept in every later write."""
         self._stopping_since = at
+        self._said += 1
         self._renew_now.set()
 
     def prompt_ended(self, end: PromptEnd) -> None:
         """The prompt ended: written at once, even within WRITE_GAP_S of the last write (the
         uploads it leaves go on meanwhile)."""
         self._prompt_end = end
+        self._said += 1
         self._renew_now.set()
         self._write_at_once.set()
 
@@ -171,7 +189,38 @@ class Lease:
         """An output is stored and verified: written at once, with any others meanwhile."""
         if record.key is None or all(kept.key != record.key for kept in self._stored):
             self._stored.append(record)
+            self._said += 1
             self._renew_now.set()
+
+    async def caught_up(self, *, at_once: bool = False) -> bool:
+        """Wait until a renewal carried everything said so far: True once the claim holds it;
+        False when renewal ended first (finished, fenced or lost), after which what was said
+        is in the claim only if the outcome or the fence carried it. `at_once`: written now,
+        not WRITE_GAP_S after the last write, and False as soon as a write fails (an outage is
+        not waited out here: the caller has the claim's finish for that)."""
+        wanted = self._said
+        if self._said_written >= wanted:
+            return True
+        if not self._tasks or self._stop.is_set() or self.fence_due.is_set():
+            return False
+        if at_once:
+            self._write_at_once.set()
+        waiting = _Waiting(wanted, asyncio.get_running_loop().create_future(), one_try=at_once)
+        self._waiting.append(waiting)
+        return await waiting.answer
+
+    def _answer_waiting(self, *, renewal_over: bool = False, write_failed: bool = False) -> None:
+        still: list[_Waiting] = []
+        for waiting in self._waiting:
+            if waiting.answer.done():
+                continue
+            if self._said_written >= waiting.said:
+                waiting.answer.set_result(True)
+            elif renewal_over or (write_failed and waiting.one_try):
+                waiting.answer.set_result(False)
+            else:
+                still.append(waiting)
+        self._waiting = still
 
     def _ours(self) -> Claim:
         """The claim as we hold it, with what we have to say since our last write."""
@@ -261,6 +310,12 @@ class Lease:
     # --- the renewal and the fence timer -------------------------------------------------------
 
     async def _renew_forever(self) -> None:
+        try:
+            await self._renew_until_over()
+        finally:
+            self._answer_waiting(renewal_over=True)
+
+    async def _renew_until_over(self) -> None:
         interval = self.lease_s / 3
         next_due = time.monotonic() + interval
         while not (self._stop.is_set() or self.fence_due.is_set()):
@@ -272,6 +327,7 @@ class Lease:
                 continue
             self._renew_now.clear()
             self._write_at_once.clear()
+            said = self._said
             attempt = fresh_claim(self._ours(), self.lease_s)
             self._last_try = time.monotonic()
             try:
@@ -289,11 +345,14 @@ class Lease:
                 # Keep trying: until our lease runs out nobody else may take the claim, and a
                 # later renewal with our ETag still succeeds if nobody did.
                 self._log.warning("claim_renew_failed", error=str(exc))
+                self._answer_waiting(write_failed=True)
                 self._unanswered = (attempt, self._last_try)
                 next_due = time.monotonic() + min(interval, RENEW_RETRY_S)
                 continue
             self._unanswered = None
             self._renewed(held)
+            self._said_written = said
+            self._answer_waiting()
             next_due = time.monotonic() + interval
 
     async def _watch_fence(self) -> None:

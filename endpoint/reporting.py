@@ -3,7 +3,9 @@
 While a job is IN_PROGRESS, RunPod's `/status` shows the latest update as its `output`: that is
 the orchestrator's checkpoint (step/total, node, artifacts stored so far). Updates go out on every
 stage change and every stored artifact, and otherwise at most once per `progress_interval_s`
-while the step count moves (`ProgressTracker.should_signal`). Every update is cumulative and
+while the step count moves (`ProgressTracker.should_signal`). With a claim, a stored artifact and
+the "uploading" stage are reported once the claim holds them (endpoint/execution.py): no update
+says more is done than a delivery taking the claim over would find. Every update is cumulative and
 numbered (`seq`), so one that arrives late is recognisable and loses nothing.
 """
 

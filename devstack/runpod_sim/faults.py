@@ -9,8 +9,9 @@ Three faults are armed on a job delivery: they are taken by the `on_delivery`-th
 now (counting only deliveries to `worker_id` and of `job_id` when those are given: per worker,
 per job) and fire `after_s` simulator seconds after the worker took the job or once
 `after_progress` progress updates arrived, or once an update reported `after_artifacts` stored
-outputs (our handler's updates list them), whichever comes first (none: 1 s). A delivery that
-ends first takes its plan with it. Each fired one is an event of its worker in the ledger
+outputs (our handler's updates list them), whichever comes first (none: 1 s); with `in_stage`,
+only updates at that stage count towards the last two. A delivery that ends first takes its plan
+with it. Each fired one is an event of its worker in the ledger
 (`workers[].events`: kind, simulator time, job).
 
 - `crash`: kill -9 the worker (its whole process group and its watchdog, as a container dying).
@@ -61,6 +62,8 @@ class DeliveryFault(BaseModel):
     after_s: float | None = Field(default=None, ge=0)
     after_progress: int | None = Field(default=None, ge=1)
     after_artifacts: int | None = Field(default=None, ge=1)
+    # Only progress updates at this stage (their `stage`) count towards the two above.
+    in_stage: str | None = None
     # Only deliveries to this worker / of this job count (None: any).
     worker_id: str | None = None
     job_id: str | None = None
@@ -204,6 +207,7 @@ def _plan(kind: DeliveryFaultKind, fault: DeliveryFault, now: float) -> FaultPla
         at=None if after_s is None else now + after_s,
         after_progress=fault.after_progress,
         after_artifacts=fault.after_artifacts,
+        in_stage=fault.in_stage,
         outcome=outcome,
         lasts_s=lasts_s,
     )

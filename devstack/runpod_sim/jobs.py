@@ -45,6 +45,9 @@ class FaultPlan:
     # Once a progress update says this many outputs were stored (our handler's updates list
     # them): a worker lost between its uploads, or after them but before its outcome.
     after_artifacts: int | None = None
+    # Only progress updates at this stage count towards after_progress and after_artifacts
+    # (our handler reports "uploading" once its claim holds the prompt's end).
+    in_stage: str | None = None
     # crash: what its job becomes; freeze/partition: what it becomes should the worker die
     # meanwhile (its watchdog killing it); None: --worker-death.
     outcome: DeathOutcome | None = None
@@ -71,8 +74,17 @@ class Delivery:
     progress_updates: int = 0
     # The most stored outputs a progress update of this delivery reported.
     artifacts_reported: int = 0
+    # Per stage of the updates (their `stage`): how many, and the most outputs one reported.
+    updates_in_stage: dict[str, int] = field(default_factory=dict)
+    artifacts_in_stage: dict[str, int] = field(default_factory=dict)
     stream_chunks: int = 0
     plans: list[FaultPlan] = field(default_factory=list)
+
+    def heard(self, stage: str | None) -> tuple[int, int]:
+        """Progress updates and the most stored outputs reported: in all, or at `stage`."""
+        if stage is None:
+            return self.progress_updates, self.artifacts_reported
+        return self.updates_in_stage.get(stage, 0), self.artifacts_in_stage.get(stage, 0)
 
     def billed_s(self, now: float) -> float:
         return (self.ended_at if self.ended_at is not None else now) - self.taken_at

@@ -138,7 +138,14 @@ class Platform:
         delivery = job.delivery
         assert delivery is not None
         delivery.progress_updates += 1
-        delivery.artifacts_reported = max(delivery.artifacts_reported, _artifacts_in(output))
+        artifacts = _artifacts_in(output)
+        delivery.artifacts_reported = max(delivery.artifacts_reported, artifacts)
+        stage = output.get("stage") if isinstance(output, dict) else None
+        if isinstance(stage, str):
+            delivery.updates_in_stage[stage] = delivery.updates_in_stage.get(stage, 0) + 1
+            delivery.artifacts_in_stage[stage] = max(
+                delivery.artifacts_in_stage.get(stage, 0), artifacts
+            )
         self._fire_due(job)
         self.table.changes.notify()
 
@@ -207,11 +214,7 @@ class Platform:
         if delivery is None or worker is None or not delivery.plans:
             return
         now = self.clock.now()
-        due = [
-            p
-            for p in delivery.plans
-            if p.due(now, delivery.progress_updates, delivery.artifacts_reported)
-        ]
+        due = [p for p in delivery.plans if p.due(now, *delivery.heard(p.in_stage))]
         for plan in due:
             delivery.plans.remove(plan)
             if plan.kind == "crash":

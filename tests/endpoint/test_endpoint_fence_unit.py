@@ -231,6 +231,42 @@ async def test_the_prompts_end_is_not_held_behind_the_gap_between_writes() -> No
         assert len(store.writes) == 3
 
 
+async def test_caught_up_returns_once_the_claim_holds_what_was_said() -> None:
+    """What the handler's progress waits for: an output stored just after a write is in the
+    claim when `caught_up` returns, WRITE_GAP_S later, or at once when asked to be."""
+    store, held = held_claim(30.0)
+    async with Lease(store, KEY, held, 30.0) as lease:
+        assert await lease.caught_up(), "nothing said: nothing to wait for"
+        lease.output_stored(record("7", "a.png"))
+        await asyncio.sleep(0.1)
+        lease.output_stored(record("9", "b.png"))
+        began = time.monotonic()
+        assert await lease.caught_up()
+        assert [r.filename for r in store.claim.stored] == ["a.png", "b.png"]
+        assert time.monotonic() - began > WRITE_GAP_S / 2, "held behind the gap"
+        lease.output_stored(record("11", "c.png"))
+        began = time.monotonic()
+        assert await lease.caught_up(at_once=True)
+        assert time.monotonic() - began < WRITE_GAP_S / 2
+        assert [r.filename for r in store.claim.stored] == ["a.png", "b.png", "c.png"]
+
+
+async def test_caught_up_is_false_when_renewal_ends_before_the_claim_holds_it() -> None:
+    """Through an outage `caught_up` waits for renewal to end, unless asked for a write at once:
+    then the first failed write is the answer."""
+    store, held = held_claim(30.0)
+    async with Lease(store, KEY, held, 30.0) as lease:
+        store.failing = True
+        lease.output_stored(record("7", "a.png"))
+        waiting = asyncio.create_task(lease.caught_up())
+        assert await asyncio.wait_for(lease.caught_up(at_once=True), timeout=0.5) is False
+        await asyncio.sleep(1.5)
+        assert not waiting.done(), "renewal goes on through the outage: still waiting"
+        await lease.stop()
+        assert await waiting is False
+        assert await lease.caught_up() is False, "nobody renews any more"
+
+
 async def test_the_finish_never_outlasts_the_fence_point() -> None:
     store, held = held_claim(4.0)
     async with Lease(store, KEY, held, 4.0) as lease:

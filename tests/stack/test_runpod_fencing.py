@@ -162,12 +162,17 @@ async def test_a_worker_lost_after_storing_its_outputs_is_not_run_again(
     """Lost after its prompt succeeded and every output was stored: the job completes from
     what the claim and the bucket show, with one execution and no RunPod job more."""
     job_client, sim = fenced
-    await sim.faults(crash={"after_artifacts": 2, "outcome": "stuck"})
+    # At "uploading" the claim holds the prompt's end, and an update lists an output once the
+    # claim holds it: the crash comes after both, however the uploads and the end interleave.
+    await sim.faults(crash={"after_artifacts": 2, "in_stage": "uploading", "outcome": "stuck"})
     request = job(steps=10).model_copy(update={"graph": two_saves(10)})
     final = await finish(job_client, request)
     assert final.state == JobState.COMPLETED, final.error
     assert len(final.artifacts) == 2
     ledger = await settled_ledger(sim)
+    runpod_jobs = {j.id for j in ledger.jobs_for(submission_of(final))}
+    crashes = [e for w in ledger.workers for e in w.events_of("crash") if e.job_id in runpod_jobs]
+    assert len(crashes) == 1, "the worker was lost at its uploading update"
     assert await completed_executions(sim, submission_of(final)) == 1
     assert len(ledger.jobs_for(submission_of(final))) == 1, "nothing submitted again"
     assert_every_job_costed(final, ledger)

@@ -1058,3 +1058,21 @@ def test_a_delivery_fault_may_wait_for_a_number_of_stored_outputs() -> None:
     assert plan.due(1000.0, progress_updates=50, artifacts=2)
     update = {"artifacts": [{"filename": "a.png"}], "artifacts_omitted": 2}
     assert _artifacts_in(update) == 3 and _artifacts_in({"step": 4}) == 0
+
+
+def test_a_delivery_fault_may_count_only_the_updates_of_one_stage() -> None:
+    """`in_stage`: only updates at that stage count, so a crash can wait for the handler's
+    "uploading" (its claim holds the prompt's end) however early the outputs were stored."""
+    from devstack.runpod_sim.faults import CrashFault, _plan
+    from devstack.runpod_sim.jobs import Delivery
+
+    plan = _plan("crash", CrashFault(after_artifacts=2, in_stage="uploading"), now=0.0)
+    delivery = Delivery(worker_id="w", taken_at=0.0)
+    delivery.progress_updates, delivery.artifacts_reported = 9, 2
+    delivery.updates_in_stage = {"running": 8, "uploading": 1}
+    delivery.artifacts_in_stage = {"running": 2, "uploading": 1}
+    assert not plan.due(1000.0, *delivery.heard(plan.in_stage))
+    delivery.artifacts_in_stage["uploading"] = 2
+    assert plan.due(1000.0, *delivery.heard(plan.in_stage))
+    anywhere = _plan("crash", CrashFault(after_artifacts=2), now=0.0)
+    assert delivery.heard(anywhere.in_stage) == (9, 2)
