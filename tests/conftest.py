@@ -115,3 +115,28 @@ def _hung_test_watchdog() -> Iterator[None]:
         yield
     finally:
         faulthandler.cancel_dump_traceback_later()
+
+
+# --- where the suite's time goes ---------------------------------------------------------------
+
+# Seconds per test file (setup, call and teardown of its tests), summed in the process that
+# reports them: with xdist, the controller hears every worker's reports.
+_FILE_SECONDS: dict[str, float] = {}
+SLOWEST_FILES = 12
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    path = report.nodeid.split("::", 1)[0]
+    _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The slowest files: with `--dist loadfile` a file runs in one process, so these bound
+    how evenly the processes can share the suite (docs/testing.md, make test's time)."""
+    if not _FILE_SECONDS:
+        return
+    total = sum(_FILE_SECONDS.values())
+    terminalreporter.section(f"slowest {SLOWEST_FILES} files (of {total:.0f} s in all)")
+    slowest = sorted(_FILE_SECONDS.items(), key=lambda item: item[1], reverse=True)
+    for path, seconds in slowest[:SLOWEST_FILES]:
+        terminalreporter.write_line(f"{seconds:8.1f}s {path}")
