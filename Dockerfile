@@ -1,12 +1,16 @@
-# The orchestrator's worker (`durable-comfy worker`): the Temporal worker that runs InferenceJob
-# and its activities. No GPU and no ComfyUI here: it reaches ComfyUI pools, RunPod and S3 over
-# the network. Build from the repository root (docs/images.md):
+# The orchestrator's two images, from one installed project (docs/images.md): the worker
+# (`durable-comfy worker`: the Temporal worker that runs InferenceJob and its activities) and the
+# HTTP gateway (`durable-comfy gateway`: the HTTP API and its page, a client of Temporal and of
+# the bucket). No GPU and no ComfyUI in either: they reach ComfyUI pools, RunPod and S3 over the
+# network. Build from the repository root:
 #
-#   docker build -t REGISTRY/durable-comfy-worker:TAG .
+#   docker build --target worker -t REGISTRY/durable-comfy-worker:TAG .
+#   docker build --target gateway -t REGISTRY/durable-comfy-gateway:TAG .
 #
-# The RunPod handler's image is endpoint/Dockerfile.
+# `worker` is the last stage, so a plain `docker build .` builds the worker. The RunPod handler's
+# image is endpoint/Dockerfile.
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
-FROM ${PYTHON_IMAGE}
+FROM ${PYTHON_IMAGE} AS project
 
 ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
@@ -26,7 +30,7 @@ RUN python -m venv /opt/venv \
 # The project as `pip install .` builds it: pyproject's packages (the CLI loads the `worker` and
 # `dev` commands of every installed package at start, so the whole distribution goes in), with
 # --no-deps, so nothing unpinned is resolved. setuptools, the build backend, lives only in pip's
-# throwaway build environment. The sources stay root-owned and read-only to the worker's user.
+# throwaway build environment. The sources stay root-owned and read-only to the images' user.
 COPY pyproject.toml README.md worker.py /opt/durable-comfy/src/
 COPY workflows/ /opt/durable-comfy/src/workflows/
 COPY protocol/ /opt/durable-comfy/src/protocol/
@@ -40,11 +44,35 @@ RUN pip install --no-deps /opt/durable-comfy/src \
     && pip check \
     && rm -rf /opt/durable-comfy/src/build /opt/durable-comfy/src/*.egg-info
 
-# Not root: the worker needs no privilege (it only makes outbound connections and serves metrics
-# on an unprivileged port). A home of its own, for Temporal's optional config file and caches.
+# Not root in either image: both only make outbound connections and listen on an unprivileged
+# port. A home of its own, for Temporal's optional config file and caches.
 RUN useradd --create-home --no-log-init --uid 10001 --user-group durable
-USER 10001:10001
 WORKDIR /home/durable
+
+
+FROM project AS gateway
+
+# The `gateway` extra's pins (constraints/gateway.txt: FastAPI, uvicorn and what they add), with
+# --no-deps as the worker's: `pip check` fails the build if the two lists are not complete and
+# consistent together. After the project, so that both images share every layer above.
+COPY constraints/gateway.txt /opt/durable-comfy/constraints/gateway.txt
+RUN pip install --no-deps --requirement /opt/durable-comfy/constraints/gateway.txt \
+    && pip check
+USER 10001:10001
+
+# On every interface of the container, port 8080. The gateway refuses to listen beyond
+# loopback without API keys (DURABLE_COMFY_API_KEYS or DURABLE_COMFY_API_KEYS_FILE): give it
+# them, Temporal's address or profile and the bucket's settings (docs/deploy.md). The health
+# check asks /healthz, which answers while the process serves (/readyz also needs Temporal).
+EXPOSE 8080
+HEALTHCHECK --interval=30s --timeout=5s --start-period=20s --retries=3 \
+    CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8080/healthz', timeout=4)"]
+
+ENTRYPOINT ["durable-comfy", "gateway", "--host", "0.0.0.0", "--port", "8080"]
+
+
+FROM project AS worker
+USER 10001:10001
 
 # Prometheus metrics (Temporal's and the project's) on 0.0.0.0:9464/metrics, so a scraper
 # outside the container reaches them once the port is exposed to it (the worker's default

@@ -50,11 +50,11 @@ from tests.support.package_build import (
 )
 from tests.test_layers import PROJECT, endpoint_reach, imported_modules, project_files
 
-WORKER_DOCKERFILE = ROOT / "Dockerfile"
+# The worker's and the gateway's images are two targets of one Dockerfile.
+ORCHESTRATOR_DOCKERFILE = ROOT / "Dockerfile"
 ENDPOINT_DOCKERFILE = ROOT / "endpoint" / "Dockerfile"
-GATEWAY_DOCKERFILE = ROOT / "gateway" / "Dockerfile"
 GATEWAY_PINS = ROOT / "constraints" / "gateway.txt"
-DOCKERFILES = [WORKER_DOCKERFILE, ENDPOINT_DOCKERFILE, GATEWAY_DOCKERFILE]
+DOCKERFILES = [ORCHESTRATOR_DOCKERFILE, ENDPOINT_DOCKERFILE]
 ENDPOINT_PINS = ROOT / "endpoint" / "requirements.txt"
 ENDPOINT_VENV = ROOT / ".venv-endpoint"
 START = ROOT / "endpoint" / "start.sh"
@@ -91,6 +91,41 @@ def instructions(text: str) -> list[tuple[str, str]]:
         found.append((keyword.upper(), arguments.strip()))
         pending = ""
     return found
+
+
+def built_stages(text: str, target: str) -> str:
+    """The Dockerfile as `docker build --target {target}` builds it: the lines of that stage and
+    of the stages it is built FROM, in order (the ARGs before the first FROM kept)."""
+    preamble: list[str] = []
+    stages: dict[str, tuple[str | None, list[str]]] = {}
+    current: list[str] = preamble
+    for line in text.splitlines():
+        found = re.match(r"FROM\s+(\S+)(?:\s+AS\s+(\S+))?\s*$", line, re.IGNORECASE)
+        if found is not None:
+            base, name = found.group(1), found.group(2) or f"#{len(stages)}"
+            current = [line]
+            stages[name] = (base if base in stages else None, current)
+        else:
+            current.append(line)
+    chain: list[list[str]] = []
+    stage: str | None = target
+    while stage is not None:
+        assert stage in stages, f"no stage {stage!r}"
+        stage, lines = stages[stage]
+        chain.insert(0, lines)
+    return "\n".join(preamble + [line for lines in chain for line in lines])
+
+
+def worker_image() -> str:
+    return built_stages(ORCHESTRATOR_DOCKERFILE.read_text(), "worker")
+
+
+def gateway_image() -> str:
+    return built_stages(ORCHESTRATOR_DOCKERFILE.read_text(), "gateway")
+
+
+def endpoint_image() -> str:
+    return ENDPOINT_DOCKERFILE.read_text()
 
 
 def copies(text: str) -> list[Copy]:
@@ -297,7 +332,7 @@ def importers_of(library: str) -> set[str]:
 def test_the_worker_image_holds_the_whole_distribution() -> None:
     """Every module `durable-comfy worker` reaches, and every file the wheel is built from, sit
     under the folder the Dockerfile installs with `pip install --no-deps`."""
-    text = WORKER_DOCKERFILE.read_text()
+    text = worker_image()
     root = image_root(text, "worker.py")
     runs = " ".join(a for k, a in instructions(text) if k == "RUN")
     assert re.search(rf"pip install --no-deps {re.escape(str(root))}(\s|$)", runs), runs
@@ -305,7 +340,7 @@ def test_the_worker_image_holds_the_whole_distribution() -> None:
 
 
 def test_the_worker_image_runs_the_worker() -> None:
-    text = WORKER_DOCKERFILE.read_text()
+    text = worker_image()
     assert exec_form(text, "ENTRYPOINT") == ["durable-comfy", "worker"]
     assert any(k == "USER" and not a.startswith(("root", "0")) for k, a in instructions(text))
     [check] = [a for k, a in instructions(text) if k == "HEALTHCHECK"]
@@ -315,6 +350,18 @@ def test_the_worker_image_runs_the_worker() -> None:
     # loopback), on the port the image exposes.
     assert {"DURABLE_COMFY_METRICS_PORT=9464", "DURABLE_COMFY_METRICS_HOST=0.0.0.0"} <= set(env)
     assert ("EXPOSE", "9464") in instructions(text)
+
+
+def test_a_plain_build_builds_the_worker_and_the_gateway_adds_to_it() -> None:
+    """`docker build .` builds the last stage: the worker. The gateway is built FROM the same
+    installed project, so the two images share every layer up to the gateway's own pins."""
+    text = ORCHESTRATOR_DOCKERFILE.read_text()
+    froms = [a.split() for k, a in instructions(text) if k == "FROM"]
+    assert [words[-1] for words in froms] == ["project", "gateway", "worker"]
+    assert froms[1][0] == froms[2][0] == "project"
+    project = built_stages(text, "project")
+    assert worker_image().startswith(project) and gateway_image().startswith(project)
+    assert "gateway.txt" not in worker_image(), "the worker image holds no gateway pins"
 
 
 def health_check_argv(text: str) -> list[str]:
@@ -334,7 +381,7 @@ def test_the_worker_health_check_asks_the_metrics_endpoint() -> None:
     """The HEALTHCHECK's own command, against the Temporal runtime the worker serves metrics
     from (activities.metrics, bound as worker.py binds it): healthy while it serves, unhealthy
     once it is gone."""
-    argv = health_check_argv(WORKER_DOCKERFILE.read_text())
+    argv = health_check_argv(worker_image())
     assert argv[0] == "python"
     check = [sys.executable, *argv[1:]]
     port = free_port()
@@ -382,7 +429,7 @@ def test_the_gateway_pins_complete_the_workers() -> None:
 
 
 def test_the_gateway_image_installs_both_pin_files() -> None:
-    text = GATEWAY_DOCKERFILE.read_text()
+    text = gateway_image()
     runs = " ".join(a for k, a in instructions(text) if k == "RUN")
     for pinned in ("worker.txt", "gateway.txt"):
         assert re.search(rf"--requirement \S*/constraints/{pinned}", runs), runs
@@ -393,7 +440,7 @@ def test_the_gateway_image_installs_both_pin_files() -> None:
 
 
 def test_the_gateway_image_serves_on_every_interface_as_a_user() -> None:
-    text = GATEWAY_DOCKERFILE.read_text()
+    text = gateway_image()
     assert exec_form(text, "ENTRYPOINT") == [
         "durable-comfy", "gateway", "--host", "0.0.0.0", "--port", "8080",
     ]  # fmt: skip
@@ -404,7 +451,7 @@ def test_the_gateway_image_serves_on_every_interface_as_a_user() -> None:
 def test_the_gateway_health_check_asks_healthz() -> None:
     """The HEALTHCHECK's own command, on the port of a gateway run here (`durable-comfy
     gateway`, loopback, no keys): healthy while it serves, unhealthy once it is gone."""
-    argv = health_check_argv(GATEWAY_DOCKERFILE.read_text())
+    argv = health_check_argv(gateway_image())
     assert argv[0] == "python" and "/healthz" in argv[-1] and ":8080/" in argv[-1]
     port = free_port()
     check = [sys.executable, *argv[1:-1], argv[-1].replace(":8080/", f":{port}/")]
@@ -484,18 +531,18 @@ def test_the_endpoint_pins_are_complete_and_consistent() -> None:
 
 
 @pytest.mark.parametrize(
-    ("dockerfile", "entry", "needs"),
+    ("image", "entry", "needs"),
     [
-        (WORKER_DOCKERFILE, "worker.py", worker_needs),
-        (ENDPOINT_DOCKERFILE, "endpoint/handler.py", endpoint_needs),
-        (GATEWAY_DOCKERFILE, "worker.py", worker_needs),
+        (worker_image, "worker.py", worker_needs),
+        (endpoint_image, "endpoint/handler.py", endpoint_needs),
+        (gateway_image, "worker.py", worker_needs),
     ],
     ids=["worker", "endpoint", "gateway"],
 )
 def test_an_image_without_the_protocol_core_is_caught(
-    dockerfile: Path, entry: str, needs: Callable[[], frozenset[str]]
+    image: Callable[[], str], entry: str, needs: Callable[[], frozenset[str]]
 ) -> None:
-    text = dockerfile.read_text()
+    text = image()
     dropped = "\n".join(line for line in text.splitlines() if not line.startswith("COPY protocol/"))
     assert dropped != text
     missing = missing_from_image(dropped, needs(), image_root(text, entry))
