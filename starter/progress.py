@@ -62,14 +62,16 @@ async def follow_heartbeats(description: WorkflowExecutionDescription) -> list[F
 
 
 def follow_just_ended(status: JobStatus, description: WorkflowExecutionDescription) -> bool:
-    """Whether the follow the job's status (a query) names ended before the describe after it:
-    no follow activity is left on the record, and the workflow task that reads its end (a
-    failed attempt's last checkpoint) is under way. A query waits for that task."""
+    """Whether the follow the job's status (a query) names may have ended before the describe
+    after it: no follow activity is left on the record. Asked again, the job answers with what
+    it read of the follow's end (a failed attempt's last checkpoint): a query waits for the
+    workflow task under way, and one that already ran has taken the end in. Whether a task is
+    pending does not tell the two apart from a backoff between attempts: the task may have
+    started and finished between the query and the describe (seen under load, the status
+    going back from step 3 to the bare SUBMITTING), so a backoff costs a second query."""
     raw = description.raw_description
-    return (
-        status.state in FOLLOW_STATES
-        and not any(p.activity_type.name == ACTIVITY_FOLLOW for p in raw.pending_activities)
-        and raw.HasField("pending_workflow_task")
+    return status.state in FOLLOW_STATES and not any(
+        p.activity_type.name == ACTIVITY_FOLLOW for p in raw.pending_activities
     )
 
 

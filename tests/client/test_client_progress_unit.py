@@ -407,12 +407,13 @@ async def test_status_overlays_the_heartbeat_from_the_describe_it_makes_anyway()
     assert calls.asked == ["query", "describe"]
 
 
-@pytest.mark.parametrize("task_under_way", [True, False])
+@pytest.mark.parametrize("task_under_way", [True, False], ids=["task-pending", "task-done"])
 async def test_status_asks_again_when_the_follow_ended_between_its_two_calls(
     task_under_way: bool,
 ) -> None:
     # The query saw the first attempt submitting (its step only in the heartbeat); by the
-    # describe the attempt had failed, and the task that reads its checkpoint was under way.
+    # describe the attempt had failed, and the task that reads its checkpoint was under way, or
+    # had already run (under load, between the two calls).
     submitting = running(0, state=JobState.SUBMITTING)
     recovered = running(0, state=JobState.RECONNECTING)
     recovered.checkpoint = checkpoint(8, at=20.0)
@@ -421,12 +422,16 @@ async def test_status_asks_again_when_the_follow_ended_between_its_two_calls(
         described.raw_description.pending_workflow_task.attempt = 1
     calls = Calls(answers=[submitting, recovered], descriptions=[described])
     status = await calls.client.status(JOB)
-    if task_under_way:
-        assert calls.asked == ["query", "describe", "query"]
-        assert status.state == JobState.RECONNECTING and status.progress.step == 8
-    else:
-        assert calls.asked == ["query", "describe"], "a backoff between attempts asks once"
-        assert status.state == JobState.SUBMITTING
+    assert calls.asked == ["query", "describe", "query"]
+    assert status.state == JobState.RECONNECTING and status.progress.step == 8
+
+
+async def test_status_in_a_backoff_between_attempts_is_the_jobs_second_answer() -> None:
+    submitting = running(0, state=JobState.SUBMITTING)
+    calls = Calls(answers=[submitting, submitting], descriptions=[await description()])
+    status = await calls.client.status(JOB)
+    assert calls.asked == ["query", "describe", "query"]
+    assert status.state == JobState.SUBMITTING and status.progress.step == 0
 
 
 # -- wait ---------------------------------------------------------------------------------------
