@@ -59,11 +59,11 @@ demo-chaos: $(STAMP)
 
 ## test: unit, workflow (time-skipping), integration (real Temporal + SeaweedFS + simulator)
 ## (TEST_WORKERS=N: pytest-xdist processes, each with its own local stack; 1 runs them in one.
-## 3 on 2 cores: most tests wait on services, timers and leases. 4 took 9 min 40 s to 11 min
-## 5 s against 11 min 5 s to 11 min 49 s, and the heavier load set off a timing race in a test
-## five runs in a row.) --dist loadfile: a file's tests run in one process, so its module fixtures (a worker, a
-## pool's endpoint) start once, not once in each process that drew one of its tests.
-TEST_WORKERS ?= 3
+## 4 on 2 cores, since most tests wait on services, timers and leases: 9 min 24 s and 9 min 38 s
+## where 3 took 10 min 57 s to 12 min 59 s; the heavier load found a timing race in each of six
+## runs, each fixed.) --dist loadfile: a file's tests run in one process, so its module fixtures
+## (a worker, a pool's endpoint) start once, not once in each process that drew one of its tests.
+TEST_WORKERS ?= 4
 test: $(STAMP) $(EP_STAMP) $(STOCK_STAMP) debs
 	REQUIRE_CHROMIUM=1 $(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 
