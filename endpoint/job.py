@@ -131,14 +131,13 @@ class JobStop:
         horizon_s: float,
         replace_worker: WorkerReplacer | None,
         log: Any,
-        job_id: str,
     ) -> None:
+        """`log`: bound to the job (its IDs), as every line of the stop carries them."""
         self.client = client
         self.settings = settings
         self.horizon_s = horizon_s
         self.replace_worker = replace_worker
         self.log = log
-        self.job_id = job_id
 
     async def stopped(
         self,
@@ -212,8 +211,6 @@ class JobStop:
         # The files stay under a prompt that still runs; the worker goes, and they with it.
         self.log.warning(
             "worker_replaced",
-            job_id=self.job_id,
-            prompt_id=subject.prompt_id,
             worker_id=self.settings.worker_id,
             node=record.node,
             node_type=record.node_type,
@@ -277,8 +274,7 @@ class StockJob:
                 self.settings,
                 horizon_s=DEFAULT_STOP_HORIZON_S,
                 replace_worker=self.replace_worker,
-                log=log.bind(prompt_id=prompt_id),
-                job_id=self.job_id,
+                log=log.bind(runpod_job_id=self.job_id, prompt_id=prompt_id),
             )
             await stop.stopped(execution, work)
         # A stock answer is final (nobody re-attaches to its prompt): the run's files go.
@@ -530,7 +526,6 @@ class OrchestratedJob:
             horizon_s=self.o.stop_horizon_s,
             replace_worker=self.replace_worker,
             log=self.log,
-            job_id=self.o.job_id,
         )
 
     async def _run_unclaimed(self) -> dict[str, Any]:

@@ -160,10 +160,12 @@ class RunPodClient:
                 f"endpoint {self.endpoint_id}: POST /run answered without a readable job id: "
                 f"{self._scrub(json.dumps(data))[:200]}; a job may exist"
             )
+        # `job_id` is ours in every log line: RunPod's goes by `runpod_job_id`. The follow logs
+        # `runpod_submitted` with the job's context; this line adds the endpoint and the size.
         log.info(
-            "runpod_submitted",
+            "runpod_run_answered",
             endpoint_id=self.endpoint_id,
-            job_id=job.id,
+            runpod_job_id=job.id,
             submission=submission,
             body_bytes=len(body),
         )
