@@ -84,7 +84,15 @@ class FollowAttempt:
         heartbeat = FollowHeartbeat.from_details(activity.info().heartbeat_details)
         self.checkpoint = restore_checkpoint(heartbeat, req)
         stored = list(req.stored) + (heartbeat.artifacts if heartbeat is not None else [])
-        self.uploader = OutputUploader.of_segment(client, store, req, stored)
+        self.uploader = OutputUploader(
+            client,
+            store,
+            job_id=req.job_id,
+            segment=req.segment,
+            output=req.output,
+            stored=stored,
+            run_tag=req.run_tag,
+        )
         self.tracker = ProgressTracker(req.sampler_steps, req.nodes_total)
         self.tracker.restore(self.checkpoint.node_steps, self.checkpoint.nodes_done)
         self.milestones = Milestones(req.progress_interval_s)

@@ -32,7 +32,7 @@ import functools
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
-from typing import Any, Protocol
+from typing import Any
 
 import aiohttp
 import httpx
@@ -131,19 +131,6 @@ async def view_stream(
         yield response.content.iter_any()
 
 
-class SegmentOutputs(Protocol):
-    """Where a segment's outputs go: what the follow's and the offload's inputs both say."""
-
-    @property
-    def job_id(self) -> str: ...
-    @property
-    def segment(self) -> int: ...
-    @property
-    def output(self) -> OutputSpec: ...
-    @property
-    def run_tag(self) -> str: ...
-
-
 class OutputUploader:
     """Streams ComfyUI output files (`/view`) into S3, each file at most once."""
 
@@ -169,21 +156,6 @@ class OutputUploader:
         self.confirmed: set[str] = set()
         self._in_flight: set[str] = set()
         self._limit = asyncio.Semaphore(MAX_PARALLEL_UPLOADS)
-
-    @classmethod
-    def of_segment(
-        cls, client: ComfyClient, store: ArtifactStore, req: SegmentOutputs, stored: list[Artifact]
-    ) -> OutputUploader:
-        """For the segment an activity's input names (the follow's and the offload's)."""
-        return cls(
-            client,
-            store,
-            job_id=req.job_id,
-            segment=req.segment,
-            output=req.output,
-            stored=stored,
-            run_tag=req.run_tag,
-        )
 
     def key_for(self, node_id: str, item: Mapping[str, str]) -> str:
         return artifact_key(
@@ -284,7 +256,15 @@ class OffloadActivities:
         ended prompt's `finished_history`, when the follow has already begun reading it."""
         beat = beat or activity.heartbeat
         client = self._pools.client(req.named_pool)
-        uploader = OutputUploader.of_segment(client, self._store, req, list(req.stored))
+        uploader = OutputUploader(
+            client,
+            self._store,
+            job_id=req.job_id,
+            segment=req.segment,
+            output=req.output,
+            stored=list(req.stored),
+            run_tag=req.run_tag,
+        )
         if req.partial:
             await self._keep_finished(client, uploader, req, beat)
         else:
