@@ -16,8 +16,7 @@ Exit code 0 only then. The detached demo worker is stopped first and started aga
 
 The faults are inject.py's and the timeline recorder, worker process and simulator controls the
 chaos tests' own harness: one implementation of "kill a worker and watch what the job does",
-shown here, asserted on in tests/stack/test_chaos.py and test_chaos_stops.py and run at random
-by `make soak`.
+shown here, asserted on in tests/stack/test_chaos.py and run at random by `make soak`.
 """
 
 from __future__ import annotations

@@ -3,8 +3,7 @@ simulator (or a real ComfyUI, `make test-real-comfyui`), worker processes, and f
 pool the RunPod simulator running handlers under the real `runpod` loop. Shared fixtures:
 `local_stack` and `worker` (tests/conftest.py); `runpod_sim` (our handler) and `runpod_worker` (a
 worker with a `runpod` pool) and `fenced` (a client of a pool with a short lease) from
-tests/support/runpod_e2e.py; `stock_sim`; and for the chaos files `chaos_env` (a stack of the
-module's own) and `case` (tests/stack/chaos_env.py)."""
+tests/support/runpod_e2e.py; and `stock_sim`."""
 
 from __future__ import annotations
 
@@ -12,9 +11,6 @@ from collections.abc import AsyncIterator
 
 import pytest
 import pytest_asyncio
-
-# The chaos files' stack (one per file) and per-test case.
-from tests.stack.chaos_env import case, chaos_env  # noqa: F401 (fixtures)
 
 # The RunPod fixtures: the simulator running our handler, a worker with a `runpod` pool.
 from tests.support.runpod_e2e import (  # noqa: F401 (fixtures)

@@ -12,6 +12,7 @@ least what the simulator billed for it.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -19,15 +20,13 @@ import pytest
 from devstack.runpod_sim import Ledger
 from devstack.runpod_sim.ledger import LedgerWorker
 from starter import JobClient
+from tests.support.cli import example
 from tests.support.runpod_e2e import (
     FENCING_FENCE_AFTER_S,
     FENCING_LEASE_S,
     IDLE_TIMEOUT_S,
-    assert_every_job_costed,
-    finish,
     job,
     settled_ledger,
-    submission_of,
 )
 from tests.support.runpod_sim import (
     ENDPOINT_VENV_MISSING,
@@ -35,7 +34,7 @@ from tests.support.runpod_sim import (
     completed_executions,
     prompt_executions,
 )
-from workflows.contracts import JobState
+from workflows.contracts import JobRequest, JobState, JobStatus
 
 pytestmark = pytest.mark.skipif(
     ENDPOINT_VENV_MISSING is not None, reason=str(ENDPOINT_VENV_MISSING)
@@ -44,6 +43,7 @@ pytestmark = pytest.mark.skipif(
 # Short, so each test waits seconds for a silent holder, not the defaults' 90 s.
 LEASE_S = FENCING_LEASE_S
 FENCE_AFTER_S = FENCING_FENCE_AFTER_S
+JOB_WITHIN_S = 180.0
 # A prompt that outlives the fence: 750 steps of the simulator's 20 ms, 15 s. The fault comes
 # about 3 s in (6 progress updates, one per half second), the lease ends at most LEASE_S after
 # it and the watchdog is done within half of FENCE_AFTER_S and half a second past that: the
@@ -53,9 +53,29 @@ LONG_STEPS = 750
 SLACK_S = 3.0
 
 
+async def finish(client: JobClient, request: JobRequest) -> JobStatus:
+    started = await client.submit(request)
+    return await asyncio.wait_for(client.wait(started.job_id), JOB_WITHIN_S)
+
+
+def submission_of(final: JobStatus) -> str:
+    assert final.checkpoint is not None and final.checkpoint.prompt_id
+    return final.checkpoint.prompt_id
+
+
 def faulted_worker(ledger: Ledger, kind: str) -> LedgerWorker:
     [worker] = [w for w in ledger.workers if w.events_of(kind)]
     return worker
+
+
+def assert_every_job_costed(final: JobStatus, ledger: Ledger) -> None:
+    """A cost entry per RunPod job of the submission, none below what the simulator billed."""
+    billed = {j.id: j.billed_s for j in ledger.jobs_for(submission_of(final))}
+    costs = {c.provider_job_id: c for c in final.cost}
+    assert set(costs) >= set(billed), (final.cost, billed)
+    for job_id, seconds in billed.items():
+        assert costs[job_id].execution_s >= seconds - 1.0, (costs[job_id], seconds)
+    assert {d.provider_job_id for d in final.deliveries} == set(costs)
 
 
 def assert_taken_down_in_time(worker: LedgerWorker, kind: str) -> None:
@@ -118,3 +138,57 @@ async def test_a_stuck_crash_puts_both_runpod_jobs_in_the_cost(
     for run in (r for r in runs if r.worker_id == crashed):
         started = run.executions > 0
         assert run.outcome == ("interrupted" if started else None), runs
+
+
+def two_saves(steps: int, slow_steps: int = 60) -> dict[str, Any]:
+    """The example graph, saved twice: a quick branch, then a slow one (its own sampler of
+    `slow_steps`), so the first output is stored seconds before the second."""
+    graph: dict[str, Any] = example(steps)
+    graph["12"] = {
+        "class_type": "KSampler",
+        "inputs": graph["3"]["inputs"] | {"steps": slow_steps, "seed": 7},
+    }
+    graph["10"] = {"class_type": "VAEDecode", "inputs": {"samples": ["12", 0], "vae": ["4", 2]}}
+    graph["11"] = {
+        "class_type": "SaveImage",
+        "inputs": {"images": ["10", 0], "filename_prefix": "second"},
+    }
+    return graph
+
+
+async def test_a_worker_lost_after_storing_its_outputs_is_not_run_again(
+    fenced: tuple[JobClient, RunpodSim],
+) -> None:
+    """Lost after its prompt succeeded and every output was stored: the job completes from
+    what the claim and the bucket show, with one execution and no RunPod job more."""
+    job_client, sim = fenced
+    # At "uploading" the claim holds the prompt's end, and an update lists an output once the
+    # claim holds it: the crash comes after both, however the uploads and the end interleave.
+    await sim.faults(crash={"after_artifacts": 2, "in_stage": "uploading", "outcome": "stuck"})
+    request = job(steps=10).model_copy(update={"graph": two_saves(10)})
+    final = await finish(job_client, request)
+    assert final.state == JobState.COMPLETED, final.error
+    assert len(final.artifacts) == 2
+    ledger = await settled_ledger(sim)
+    runpod_jobs = {j.id for j in ledger.jobs_for(submission_of(final))}
+    crashes = [e for w in ledger.workers for e in w.events_of("crash") if e.job_id in runpod_jobs]
+    assert len(crashes) == 1, "the worker was lost at its uploading update"
+    assert await completed_executions(sim, submission_of(final)) == 1
+    assert len(ledger.jobs_for(submission_of(final))) == 1, "nothing submitted again"
+    assert_every_job_costed(final, ledger)
+
+
+async def test_a_worker_lost_between_its_uploads_has_only_the_missing_work_redone(
+    fenced: tuple[JobClient, RunpodSim],
+) -> None:
+    """Lost after one of two outputs was stored: the new delivery runs only the output node
+    whose file is missing, and the job has both outputs."""
+    job_client, sim = fenced
+    await sim.faults(crash={"after_artifacts": 1, "outcome": "stuck"})
+    request = job(steps=10).model_copy(update={"graph": two_saves(10)})
+    final = await finish(job_client, request)
+    assert final.state == JobState.COMPLETED, final.error
+    assert sorted(a.node_id for a in final.artifacts) == ["11", "9"]
+    ledger = await settled_ledger(sim)
+    assert len(ledger.jobs_for(submission_of(final))) == 2
+    assert_every_job_costed(final, ledger)

@@ -286,27 +286,3 @@ def cost_matches(
     for cost in costs:
         assert cost.provider_job_id is not None
         assert abs(cost.execution_s - billed[cost.provider_job_id]) <= 1.0, (cost, billed)
-
-
-# --- a job through a fenced pool: its end, its submission, its costs ---------------------------
-
-
-async def finish(client: JobClient, request: JobRequest, within_s: float = 180.0) -> JobStatus:
-    """Submit and wait for the job's end, for at most `within_s`."""
-    started = await client.submit(request)
-    return await asyncio.wait_for(client.wait(started.job_id), within_s)
-
-
-def submission_of(final: JobStatus) -> str:
-    assert final.checkpoint is not None and final.checkpoint.prompt_id
-    return final.checkpoint.prompt_id
-
-
-def assert_every_job_costed(final: JobStatus, ledger: Ledger) -> None:
-    """A cost entry per RunPod job of the submission, none below what the simulator billed."""
-    billed = {j.id: j.billed_s for j in ledger.jobs_for(submission_of(final))}
-    costs = {c.provider_job_id: c for c in final.cost}
-    assert set(costs) >= set(billed), (final.cost, billed)
-    for job_id, seconds in billed.items():
-        assert costs[job_id].execution_s >= seconds - 1.0, (costs[job_id], seconds)
-    assert {d.provider_job_id for d in final.deliveries} == set(costs)
