@@ -60,8 +60,8 @@ demo-chaos: $(STAMP)
 ## test: unit, workflow (time-skipping), integration (real Temporal + SeaweedFS + simulator)
 ## (TEST_WORKERS=N: pytest-xdist processes, each with its own local stack; 1 runs them in one.
 ## 4 on 2 cores, since most tests wait on services, timers and leases: 9 min 21 s to 10 min 42 s
-## (median 9 min 29 s) where 3 took 10 min 57 s to 12 min 59 s; the heavier load found a timing race in each of six
-## runs, each fixed.) --dist loadfile: a file's tests run in one process, so its module fixtures
+## (median 9 min 29 s) where 3 took 10 min 57 s to 12 min 59 s; the heavier load found a timing
+## race in each of six runs, each fixed.) --dist loadfile: a file's tests run in one process, so its module fixtures
 ## (a worker, a pool's endpoint) start once, not once in each process that drew one of its tests.
 TEST_WORKERS ?= 4
 test: $(STAMP) $(EP_STAMP) $(STOCK_STAMP) debs
