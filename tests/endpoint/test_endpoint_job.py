@@ -30,6 +30,7 @@ from protocol.runpod.contract import (
     ArtifactRecord,
     Claim,
     NodesTarget,
+    ProgressUpdate,
     PublishedNodes,
     S3Target,
     claim_key,
@@ -138,6 +139,60 @@ async def test_outputs_are_streamed_to_s3_verified_and_recorded_in_the_claim(
     assert claim.outcome.state == "completed"
     assert [r.model_dump(mode="json", exclude_none=True) for r in claim.outcome.images] == records
     assert await prompt_runs(sim, block["prompt_id"]) == 1
+
+
+class ClaimAtEachUpdate(Progress):
+    """A progress sink that reads the claim as each update goes out (a blocking read: the
+    handler's loop waits for it, so nothing is written in between)."""
+
+    def __init__(self, bucket: Bucket, block: dict[str, Any]) -> None:
+        super().__init__()
+        self.key = claim_key(
+            S3Target.model_validate(block["output"]), block["job_id"], block["submission"]
+        )
+        self.s3 = bucket.client()
+        self.bucket = bucket.name
+        self.seen: list[tuple[ProgressUpdate, Claim | None]] = []
+
+    def __call__(self, update: dict[str, Any]) -> None:
+        super().__call__(update)
+        try:
+            body = self.s3.get_object(Bucket=self.bucket, Key=self.key)["Body"].read()
+        except ClientError:
+            body = None
+        claim = Claim.model_validate_json(body) if body is not None else None
+        self.seen.append((self.updates[-1], claim))
+
+
+async def test_no_progress_update_says_more_than_the_claim_holds(
+    sim: str, bucket: Bucket, settings: EndpointSettings
+) -> None:
+    """An output is reported once the claim lists it, and "uploading" once the claim has the
+    prompt's end: a worker lost right after any update leaves a takeover nothing to redo that
+    the update called done."""
+    graph = slow_graph(steps=20)
+    graph["8"] = {
+        "class_type": "SimLargeOutput",
+        "inputs": {"size_mib": 1, "seed": 3, "filename_prefix": prefix()},
+    }
+    job_input = orchestrated_input(
+        graph, bucket.name, sampler_steps={"5": 20}, nodes_total=len(graph)
+    )
+    block = job_input["durable_comfy"]
+    progress = ClaimAtEachUpdate(bucket, block)
+
+    result = await run_job(job(job_input), settings, progress)
+
+    assert result["status"] == "success", result
+    reported = [(u, c) for u, c in progress.seen if u.artifacts or u.stage == "uploading"]
+    assert any(len(u.artifacts) == 2 for u, _ in reported), "both outputs were reported"
+    assert any(u.stage == "uploading" for u, _ in reported)
+    for update, claim in reported:
+        assert claim is not None, update
+        held = {r.key for r in claim.stored}
+        assert {a.key for a in update.artifacts} <= held, (update.seq, update.artifacts, held)
+        if update.stage == "uploading":
+            assert claim.prompt_end is not None, update.seq
 
 
 async def test_a_second_delivery_reports_the_holder_and_a_later_one_replays_the_outcome(
