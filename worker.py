@@ -40,6 +40,7 @@ from activities.live_progress import LiveProgress
 from activities.log_setup import configure_logging
 from activities.metrics import count_swept, prometheus_runtime
 from activities.orphans import OrphanSweeper, RunPodSweep
+from activities.pool_queue import PoolQueueActivities
 from activities.runpod.backend import RunPodBackend
 from activities.runpod.client import RunPodClient
 from activities.runpod.nodes import check_captured_registries
@@ -62,6 +63,7 @@ from starter.errors import ChecksFailed
 from starter.exit import exit_without_finalizing
 from workflows.errors import RunPodAuthError, RunPodError, RunPodRefused, StorageConfigError
 from workflows.inference_job import InferenceJob
+from workflows.pool_queue import PoolQueue
 
 log = structlog.get_logger("worker")
 
@@ -136,19 +138,35 @@ async def run_worker(
         by_kind: dict[str, Backend] = {"comfyui": comfy, "runpod": runpod}
         deliverer = WebhookDeliverer(webhooks)
         jobs = JobActivities(
-            Backends(settings.pools, settings.default_pool, by_kind), deliverer, s3
+            Backends(settings.pools, settings.default_pool, by_kind),
+            deliverer,
+            s3,
+            tenants=settings.tenants,
+            reclaim_every_s=settings.orphan_sweep_interval_s or 60.0,
         )
+        sweeper = OrphanSweeper(
+            client,
+            pools.clients(),
+            runpod=RunPodSweep(
+                store, {name: (settings.pools[name], rp) for name, rp in on_runpod.items()}
+            ),
+            on_swept=lambda orphan: count_swept(meter, orphan.pool, orphan.action),
+            followed_here=budget.is_following,
+        )
+        queues = PoolQueueActivities(client, sweeper)
         worker = Worker(
             client,
             task_queue=settings.task_queue,
             identity=live_progress.poller_identity(client.identity, live.url),
-            workflows=[InferenceJob],
+            workflows=[InferenceJob, PoolQueue],
             activities=[
                 jobs.prepare_prompt,
                 jobs.follow_prompt,
                 jobs.offload_outputs,
                 jobs.stop_prompt,
                 deliverer.deliver_webhook,
+                queues.open_pool_queue,
+                queues.closed_jobs,
             ],
             max_concurrent_activities=settings.max_concurrent_activities,
             graceful_shutdown_timeout=GRACEFUL_SHUTDOWN,
@@ -170,15 +188,6 @@ async def run_worker(
             # started on (docs/upgrading.md). None: an unversioned worker.
             deployment_config=deployment_config(settings),
             workflow_runner=workflow_runner(),
-        )
-        sweeper = OrphanSweeper(
-            client,
-            pools.clients(),
-            runpod=RunPodSweep(
-                store, {name: (settings.pools[name], rp) for name, rp in on_runpod.items()}
-            ),
-            on_swept=lambda orphan: count_swept(meter, orphan.pool, orphan.action),
-            followed_here=budget.is_following,
         )
         sweeping: asyncio.Task[None] | None = None
         if settings.live_progress_port is not None and settings.live_progress_key is not None:

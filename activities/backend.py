@@ -25,13 +25,17 @@ from activities.inputs import refuse_inputs_outside_area
 from activities.webhooks import WebhookDeliverer
 from configuration.pools import PoolConfig
 from configuration.settings import S3Settings
+from configuration.tenants import TenantConfig, tenant_config
 from workflows import activity_io
+from workflows.admission import MAX_PRIORITY
+from workflows.contracts import Checkpoint
 from workflows.failures import as_refused_before_submission
 from workflows.shared import (
     ACTIVITY_FOLLOW,
     ACTIVITY_OFFLOAD,
     ACTIVITY_PREPARE,
     ACTIVITY_STOP,
+    DEFAULT_TENANT,
     ErrorType,
 )
 
@@ -72,6 +76,9 @@ class Backends:
     def kind_of(self, pool: str) -> str:
         return self._pools[pool].kind
 
+    def config_of(self, pool: str) -> PoolConfig:
+        return self._pools[pool]
+
     def resolve(self, pool: str | None) -> tuple[str, Backend]:
         name = self._default if pool is None else pool
         config = self._pools.get(name)
@@ -96,11 +103,18 @@ class JobActivities:
     """The activities the workflow schedules, each routed to its pool's backend."""
 
     def __init__(
-        self, backends: Backends, webhooks: WebhookDeliverer | None, storage: S3Settings
+        self,
+        backends: Backends,
+        webhooks: WebhookDeliverer | None,
+        storage: S3Settings,
+        tenants: Mapping[str, TenantConfig] | None = None,
+        reclaim_every_s: float = 60.0,
     ) -> None:
         self._backends = backends
         self._webhooks = webhooks
         self._storage = storage
+        self._tenants = tenants or {}
+        self._reclaim_every_s = reclaim_every_s
 
     @activity.defn(name=ACTIVITY_PREPARE)
     async def prepare_prompt(self, req: activity_io.PrepareInput) -> activity_io.PreparedJob:
@@ -114,7 +128,37 @@ class JobActivities:
             if self._webhooks is None:
                 raise fatal(ErrorType.INVALID_REQUEST, "webhook: this worker sends no webhooks")
             await self._webhooks.refuse_unusable(req.webhook, req.tenant)
-        return await backend.prepare(req, pool)
+        terms = tenant_config(self._tenants, req.tenant or DEFAULT_TENANT)
+        if req.priority < terms.max_priority:
+            # Here, before anything is read or staged: the tenant's rights come first.
+            raise fatal(
+                ErrorType.PRIORITY_NOT_ALLOWED,
+                f"priority {req.priority} is not allowed for tenant "
+                f"{req.tenant or DEFAULT_TENANT!r}: its best is {terms.max_priority} "
+                f"(ask for {terms.max_priority} to {MAX_PRIORITY})",
+                priority=req.priority,
+                max_priority=terms.max_priority,
+            )
+        prepared = await backend.prepare(req, pool)
+        return prepared.model_copy(update={"bound": self._bound(pool, terms)})
+
+    def _bound(self, pool: str, terms: TenantConfig) -> activity_io.PoolBound | None:
+        config = self._backends.config_of(pool)
+        if config.max_running is None:
+            return None
+        settle_after_s = None
+        if config.kind == "runpod":
+            # RunPod ends a job at its executionTimeout: past it (and the handler's fencing
+            # margin) a prompt whose stop was never confirmed has surely stopped.
+            timeout = config.execution_timeout_s
+            settle_after_s = None if timeout is None else timeout + (config.fence_after_s or 30)
+        return activity_io.PoolBound(
+            pool=pool,
+            max_running=config.max_running,
+            weight=terms.weight,
+            reclaim_every_s=self._reclaim_every_s,
+            settle_after_s=settle_after_s,
+        )
 
     @activity.defn(name=ACTIVITY_FOLLOW)
     async def follow_prompt(self, req: activity_io.FollowInput) -> activity_io.FollowResult:
@@ -128,6 +172,16 @@ class JobActivities:
                 raise  # a pool slow or down: the workflow backs off and tries again
             raise as_refused_before_submission(refusal) from refusal
         pool, backend = self._backends.resolve(prepared.pool)
+        if prepared.bound is not None and not req.slot_held:
+            # Checked, and nothing reaches a bounded pool without a slot of its queue.
+            return activity_io.FollowResult(
+                prompt_id=req.prompt_id,
+                outcome="needs_slot",
+                checkpoint=req.checkpoint or Checkpoint(job_id=req.job_id),
+                pool=pool,
+                kind=prepared.kind,
+                bound=prepared.bound,
+            )
         result = await backend.follow(_on_pool(req, pool))
         return result.model_copy(update={"pool": pool, "kind": prepared.kind})
 

@@ -163,6 +163,20 @@ class OrphanSweeper:
                 swept.append(self._swept(orphan))
         return swept
 
+    async def work_left(self, pool: str, job_ids: set[str]) -> set[str]:
+        """The jobs among `job_ids` (closed ones) whose work may still be on `pool`: a prompt
+        tagged with the job still on a ComfyUI pool's queue, a submission record the sweep has
+        not dropped on a RunPod pool (it drops one once RunPod says its job ended). A pool this
+        worker does not serve: all of them (nothing here can tell)."""
+        client = self._pools.get(pool)
+        if client is not None:
+            queued = {self._our_job(item) for item in _queued(await client.queue())}
+            return job_ids & {job for job in queued if job is not None}
+        if self._runpod is not None and pool in self._runpod.pools:
+            recorded = {job for _key, job in await submissions.listed(self._runpod.store, pool)}
+            return job_ids & recorded
+        return set(job_ids)
+
     def _swept(self, orphan: SweptPrompt) -> SweptPrompt:
         log.warning("orphan_swept", **orphan.model_dump())
         if self._on_swept is not None:

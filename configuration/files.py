@@ -6,6 +6,7 @@ the library and the gateway's client. Its sections:
     worker   task queue, default pool, concurrency, orphan sweep, metrics port, log level,
              heartbeat throttle, Worker Versioning          (WorkerSettings; task_queue: clients)
     pools    {name: PoolConfig}                             (WorkerSettings.pools)
+    tenants  {tenant: TenantConfig}                         (WorkerSettings.tenants)
     storage  bucket, endpoint_url, region, allowed_input_prefixes (S3Settings)
     codec    keys_file                                      (CodecSettings)
     client   query_timeout_s                                (ClientSettings)
@@ -39,6 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from configuration import values
 from configuration.errors import FILE_VAR, ConfigFileError
 from configuration.pools import PoolConfig
+from configuration.tenants import TenantConfig
 from workflows.shared import DEFAULT_TASK_QUEUE
 
 CONFIG_VAR = "DURABLE_COMFY_CONFIG"
@@ -92,6 +94,8 @@ class ConfigFile(_Section):
     worker: WorkerFileSection = Field(default_factory=WorkerFileSection)
     # None: no `pools:` key (DURABLE_COMFY_POOLS or the default decides).
     pools: dict[str, PoolConfig] | None = None
+    # None: no `tenants:` key (DURABLE_COMFY_TENANTS or the default decides).
+    tenants: dict[str, TenantConfig] | None = None
     storage: StorageFileSection = Field(default_factory=StorageFileSection)
     codec: CodecFileSection = Field(default_factory=CodecFileSection)
     client: ClientFileSection = Field(default_factory=ClientFileSection)
@@ -267,6 +271,7 @@ class WorkerSection(BaseModel):
     task_queue: str = DEFAULT_TASK_QUEUE
     default_pool: str = "comfyui"
     pools: dict[str, PoolConfig] = Field(default_factory=dict)
+    tenants: dict[str, TenantConfig] = Field(default_factory=dict)
     # Worker Versioning (see WorkerSettings). None: not in the file (the variable or the default
     # decides); a dumped stack file keeps them None.
     versioning: bool | None = None

@@ -96,6 +96,11 @@ class PoolConfig(BaseModel):
     registry, nor a node whose class neither it, the core loaders nor `loader_inputs` name:
     for a pool shared by tenants).
 
+    `max_running` (any kind): at most this many of the pool's jobs hold it at once, across all
+    workers, from the moment their submission may reach the pool until their prompt has
+    provably ended; the others wait in our queue (`PENDING`), in order of priority, then by
+    their tenants' fair shares, then first come first served. Unset: unbounded.
+
     After validation a runpod pool has `url`, `api_key_env` and `claims` set; a comfyui pool has
     none of the runpod fields (so its dump is what it always was).
     """
@@ -120,6 +125,9 @@ class PoolConfig(BaseModel):
     # None rather than empty: a pool's dump stays what it was given.
     loader_inputs: dict[str, list[str]] | None = None
     unclassified_inputs: Literal["allow", "refuse"] | None = None
+    # How many of the pool's jobs may hold it at once, across every worker (our queue,
+    # workflows/admission.py); None: unbounded, every job goes to the pool when it is ready.
+    max_running: int | None = Field(None, ge=1, le=100_000)
 
     @field_validator("allowed_node_classes")
     @classmethod

@@ -55,6 +55,7 @@ from configuration.errors import FILE_VAR, CodecSettingsError, ConfigFileError
 from configuration.files import CONFIG_VAR, file_named
 from configuration.pools import RUNPOD_API_KEY_ENV, PoolConfig
 from configuration.sources import Settings, current_environ, problems
+from configuration.tenants import TenantConfig
 from configuration.values import (
     DEFAULT_DEPLOYMENT_NAME,
     MIN_LIVE_KEY_CHARS,
@@ -81,6 +82,7 @@ from workflows.shared import DEFAULT_TASK_QUEUE
 
 SETTINGS_FILE_VAR = FILE_VAR
 POOLS_VAR = "DURABLE_COMFY_POOLS"
+TENANTS_VAR = "DURABLE_COMFY_TENANTS"
 BUCKET_VAR = "DURABLE_COMFY_BUCKET"
 ALLOWED_INPUT_PREFIXES_VAR = "DURABLE_COMFY_ALLOWED_INPUT_PREFIXES"
 API_KEYS_VAR = "DURABLE_COMFY_API_KEYS"
@@ -122,6 +124,9 @@ class WorkerSettings(Settings):
     default_pool: str = Field("comfyui", validation_alias="DURABLE_COMFY_DEFAULT_POOL")
     # JSON `{name: {kind, url}}` from the variable; replaces the config file's pools.
     pools: dict[str, PoolConfig] = Field(default_factory=dict, validation_alias=POOLS_VAR)
+    # JSON `{tenant: {weight, max_priority, max_pending}}` (configuration/tenants.py): each
+    # tenant's share of a bounded pool; a `default` entry is every unnamed tenant's.
+    tenants: dict[str, TenantConfig] = Field(default_factory=dict, validation_alias=TENANTS_VAR)
     # How many prompts one worker follows at once: each running job holds a slot for its whole
     # follow, and a job past them waits (`JobStatus.worker_wait`). What a slot costs, measured:
     # docs/configuration.md, "Worker slots".
@@ -189,6 +194,7 @@ class WorkerSettings(Settings):
     file_keys: ClassVar[Mapping[str, str]] = {
         **{name: f"worker.{name}" for name in _WORKER_FILE_FIELDS},
         "pools": "pools",
+        "tenants": "tenants",
     }
     reads_stack_file: ClassVar[bool] = True
 
@@ -246,6 +252,18 @@ class WorkerSettings(Settings):
                 return json.loads(value)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"not JSON ({exc}); expected {{name: {{kind, url}}}}") from None
+        return value
+
+    @field_validator("tenants", mode="before")
+    @classmethod
+    def _tenants_json(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            try:
+                return json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(
+                    f"not JSON ({exc}); expected {{tenant: {{weight, max_priority}}}}"
+                ) from None
         return value
 
 

@@ -74,10 +74,12 @@ from starter.progress import (
     heartbeat_status,
     overlaid,
 )
+from starter.queues import pool_queue, release_slot, with_queue_position
 from starter.requests import check_segment_overrides
 from starter.staging import stage_inputs
 from starter.worker_wait import WAIT_STATES, QueueReader, with_worker_wait
 from workflows.activity_io import FollowHeartbeat
+from workflows.admission import PoolQueueView
 from workflows.contracts import (
     Artifact,
     CancelRequest,
@@ -535,6 +537,18 @@ class JobClient:
         return events.model_copy(update={"status": described})
 
     @_client_errors
+    async def pool_queue(self, pool: str) -> PoolQueueView:
+        """The queue of a bounded pool: who holds its slots, who waits, in the order they
+        will start. `NoPoolQueue` when none runs (an unbounded pool, or no job asked yet)."""
+        return await pool_queue(self.temporal, self.task_queue, pool)
+
+    @_client_errors
+    async def release_slot(self, pool: str, job_id: str) -> bool:
+        """Settle a slot held by a job whose teardown was never confirmed, once you know its
+        prompt no longer runs (or take a job out of line). False: the queue had no such job."""
+        return await release_slot(self.temporal, self.task_queue, pool, job_id)
+
+    @_client_errors
     async def tenant_of(self, job_id: str) -> str | None:
         """The job's `Tenant` search attribute (None: started without one). `JobNotFound`."""
         description = await self._describe(job_id)
@@ -584,6 +598,7 @@ class JobClient:
         if ended is not None:
             return ended
         beats = await follow_heartbeats(description) if status.state in FOLLOW_STATES else []
+        status = await with_queue_position(self.temporal, self.task_queue, status)
         return await with_worker_wait(overlaid(status, beats), description, self.queues)
 
     async def _recorded(

@@ -121,6 +121,11 @@ class UnsafeArtifactKey(ClientError):
     """An artifact whose key would be written outside the download directory."""
 
 
+class NoPoolQueue(ClientError, LookupError):
+    """No queue runs for the pool: it is unbounded (no `max_running`), or no job has asked for
+    one of its slots yet."""
+
+
 class JobNotFound(ClientError):
     def __init__(self, job_id: str) -> None:
         super().__init__(f"no job {job_id!r} in this namespace")

@@ -271,6 +271,11 @@ SAMPLES: dict[str, tuple[str, Any, dict[str, str]]] = {
         {"gpu": {"kind": "comfyui", "url": "http://gpu:8188"}},
         {},
     ),
+    "DURABLE_COMFY_TENANTS": (
+        '{"acme": {"weight": 2, "max_priority": 2}}',
+        {"acme": {"weight": 2.0, "max_priority": 2}},
+        {},
+    ),
     "DURABLE_COMFY_TASK_QUEUE": ("q1", "q1", {}),
     "DURABLE_COMFY_DEFAULT_POOL": ("gpu", "gpu", {}),
     "DURABLE_COMFY_MAX_CONCURRENT_ACTIVITIES": ("7", 7, {}),

@@ -55,6 +55,8 @@ class PrepareInput(StrictModel):
     # The request's `tenant` label (None: a job of no tenant's, its webhook signed as the
     # default tenant's). A tenant's `s3://` inputs must be in its own area.
     tenant: str | None = None
+    # The request's priority: its tenant's `max_priority` may forbid it.
+    priority: int = 3
 
     @classmethod
     def of(cls, request: JobRequest, job_id: str) -> PrepareInput:
@@ -70,7 +72,23 @@ class PrepareInput(StrictModel):
             # The label as the request has it: a job without one is not a tenant's
             # (activities/inputs.py confines a tenant's s3:// inputs to its own area).
             tenant=request.labels.get(TENANT_LABEL),
+            priority=request.priority,
         )
+
+
+class PoolBound(StrictModel):
+    """A bounded pool's terms for one job, as the worker that checked it has them: the job
+    asks the pool's queue for a slot before anything of it reaches the pool."""
+
+    pool: str
+    max_running: int
+    # The job's tenant's weight in the pool's fair shares.
+    weight: float = 1.0
+    # How often the queue looks for holders whose job closed without releasing.
+    reclaim_every_s: float = 60.0
+    # The provider's own cap on a run (RunPod's executionTimeout): past a submission by this
+    # much, an unconfirmed teardown is settled. None: the provider has none (a comfyui pool).
+    settle_after_s: float | None = None
 
 
 class PreparedJob(StrictModel):
@@ -86,6 +104,8 @@ class PreparedJob(StrictModel):
     # Input files staged in the job's bucket folder for backends that fetch them with the
     # submission (RunPod): the name a load node uses -> its object key.
     staged_inputs: dict[str, str] = Field(default_factory=dict)
+    # Set when the pool is bounded (`max_running`): the job waits for a slot first.
+    bound: PoolBound | None = None
 
     @classmethod
     def unchecked(cls, request: JobRequest) -> PreparedJob:
@@ -136,6 +156,9 @@ class FollowInput(StrictModel):
     # (`workflows.failures.refused_before_submission`). Set until the workflow hears which
     # pool took the job.
     prepare: PrepareInput | None = None
+    # The job holds a slot of its pool's queue: a bounded pool's check (`prepare`) goes on to
+    # submit. Without one it returns `needs_slot` before anything reaches the pool.
+    slot_held: bool = False
 
     @property
     def named_pool(self) -> str:
@@ -148,7 +171,9 @@ class FollowResult(StrictModel):
     verified (size, sha256) by the follow itself: the workflow schedules no offload for it."""
 
     prompt_id: str
-    outcome: Literal["success"]
+    # needs_slot: the check (`FollowInput.prepare`) passed on a bounded pool and nothing was
+    # submitted: the job asks for a slot (`bound`), then follows again.
+    outcome: Literal["success", "needs_slot"]
     artifacts: list[Artifact] = Field(default_factory=list)
     checkpoint: Checkpoint
     # What the provider job that produced the result cost; and other provider jobs of the same
@@ -163,6 +188,7 @@ class FollowResult(StrictModel):
     # when the workflow named the pool itself.
     pool: str | None = None
     kind: str | None = None
+    bound: PoolBound | None = None
 
 
 class FollowHeartbeat(StrictModel):

@@ -25,6 +25,7 @@ from pydantic import (
 )
 from pydantic_core import core_schema
 
+from workflows.admission import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY, Admission
 from workflows.graph import check_graph, check_input_files, check_segment_files
 from workflows.request_checks import (
     check_input_names,
@@ -54,6 +55,9 @@ class ReadModel(BaseModel):
 class JobState(StrEnum):
     QUEUED = "QUEUED"
     PREPARING = "PREPARING"
+    # Checked, and waiting in our own queue for a slot of its bounded pool (`max_running`):
+    # nothing is at the provider yet; `admission` says where it stands.
+    PENDING = "PENDING"
     SUBMITTING = "SUBMITTING"
     # Accepted by the backend, waiting behind other prompts (progress.queue_position says where).
     WAITING = "WAITING"
@@ -256,6 +260,9 @@ class JobRequest(StrictModel):
     policy: JobPolicy = Field(default_factory=JobPolicy)
     labels: dict[str, str] = Field(default_factory=dict)
     webhook: WebhookSpec | None = None
+    # 1 (first) to 5 (last): on a bounded pool a better priority starts before any worse one
+    # waiting; a tenant's `max_priority` may forbid the best ones.
+    priority: int = Field(DEFAULT_PRIORITY, ge=MIN_PRIORITY, le=MAX_PRIORITY, strict=True)
 
     @property
     def segment_count(self) -> int:
@@ -587,6 +594,9 @@ class JobStatus(ReadModel):
     created_at: datetime | None = None
     updated_at: datetime | None = None
     last_client_contact_at: datetime | None = None
+    # Set on a bounded pool: where the job stands in our queue (PENDING), or that it was
+    # granted its slot; clients lay the queue's latest word over it.
+    admission: Admission | None = None
     # Set by clients only (never by the workflow): one of the job's activities waits for a
     # worker slot (`WorkerWait`).
     worker_wait: WorkerWait | None = None

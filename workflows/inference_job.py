@@ -1,12 +1,10 @@
 """The `InferenceJob` workflow: one ComfyUI job, from request to confirmed artifacts.
 
-The story (`run`, first): prepare the graph on its pool (a request that stages no input file is
-checked by its first follow instead), run each segment (workflows/segment_run.py), continue as
-new when the history grows long. A cancel, abandonment, a queue wait, the execution deadline
-and every failure end the same way: stop the prompt until that is confirmed, keep what finished
-(workflows/stopping.py), record the end state. The status is written by the book
-(workflows/job_book.py); clients read it and talk to the job through the handlers at the end,
-which take whatever a plain client sends (workflows/messages.py).
+The story (`run`, first): check the job on its pool (a prepare, or its first follow), wait for a
+slot of a bounded pool (workflows/pool_slot.py), run each segment (workflows/segment_run.py),
+continue as new when the history grows long. Every ending stops the prompt until that is
+confirmed and keeps what finished (workflows/stopping.py). The book writes the status
+(workflows/job_book.py); the handlers at the end take what a plain client sends (messages.py).
 """
 
 from __future__ import annotations
@@ -36,8 +34,9 @@ with workflow.unsafe.imports_passed_through():
     from workflows.errors import GraphFormatError
     from workflows.failures import refused_before_submission, work_error
     from workflows.job_book import JobBook, StopOrder, new_status
-    from workflows.job_input import JobCarry, JobInput, Refusal, read_job_input
+    from workflows.job_input import JobCarry, JobInput, Refusal, history_is_long, read_job_input
     from workflows.messages import lenient_message, refuse_resume
+    from workflows.pool_slot import PoolSlot
     from workflows.segment_run import SegmentRun
     from workflows.stopping import ConfirmedStop, start_guards
     from workflows.webhooks import BEFORE_EVERYTHING, WebhookSender
@@ -62,7 +61,7 @@ class InferenceJob:
         self._work = asyncio.create_task(self._run_job())
         if self._controls.stop is not None:
             self._work.cancel()  # cancelled while still queued: nothing to run
-        guards_running = start_guards(self._request.policy, self._book, self._stop)
+        guards_running = start_guards(self._request.policy, self._book, self._stop, self._slot)
         outcome, carry = await self._outcome_of_work()
         for guard in guards_running:
             guard.cancel()
@@ -73,6 +72,7 @@ class InferenceJob:
             self._book.send_search_attributes()
             workflow.continue_as_new(JobInput(request=self._request, carry=carry))
         await self._finish_uncancellable(outcome)
+        await self._slot.given_back()
         # The job has ended (and says so to every client); its last events may still be on
         # their way to the webhook.
         if self._webhooks is not None:
@@ -107,6 +107,7 @@ class InferenceJob:
             self._webhooks = WebhookSender(self._book, request.webhook, tenant, cursor)
         # About to continue as new: the `ended` update answers now, and is asked again.
         self._continuing = False
+        self._slot: PoolSlot = PoolSlot(request, self._book, carry.slot if carry else None)
 
     # -- the work ---------------------------------------------------------------------------
 
@@ -119,6 +120,7 @@ class InferenceJob:
                 book.set_state(JobState.PREPARING)
                 self._prepared = await calls.prepare(check)
                 book.prepared_on(self._prepared.pool, self._prepared.kind)
+                await self._slot.take(self._prepared.bound)  # a bounded pool's, else none
             else:
                 # Nothing to stage, nothing to prepare but the check, which the first follow
                 # does before it submits (activities/backend.py): one activity to the GPU.
@@ -126,23 +128,17 @@ class InferenceJob:
                 self._prepared = PreparedJob.unchecked(request)
         first = self._carry.next_segment if self._carry else 0
         for segment in range(first, request.segment_count):
-            if segment > first and self._history_is_long():
+            if segment > first and history_is_long(self._request.policy.history_budget_events):
                 return JobCarry(
                     status=self._status,
                     prepared=self._prepared,
                     next_segment=segment,
                     journal=self._book.journal,
+                    slot=self._slot.carry(),
                 )
-            run = SegmentRun(book, request, self._prepared, segment)
+            run = SegmentRun(book, request, self._prepared, segment, self._slot)
             await run.run(check=self._unchecked)
         return None
-
-    def _history_is_long(self) -> bool:
-        info = workflow.info()
-        budget = self._request.policy.history_budget_events
-        return (
-            info.is_continue_as_new_suggested() or info.get_current_history_length() > budget // 2
-        )
 
     async def _outcome_of_work(self) -> tuple[BaseException | None, JobCarry | None]:
         """How the work ended (None: it completed), and its carry if it continues as new."""
@@ -188,8 +184,7 @@ class InferenceJob:
         self._book.set_state(JobState.FAILED)
         await workflow.wait_condition(workflow.all_handlers_finished)
         self._book.send_search_attributes()
-        error = refusal.error
-        details = {"problems": refusal.problems}
+        error, details = refusal.error, {"problems": refusal.problems}
         raise ApplicationError(
             error.message, self._status, details, type=error.type, non_retryable=True
         )
@@ -213,6 +208,7 @@ class InferenceJob:
             await self._stopper.settle(ending, book.pool, prompt_id)
             if ending.state != JobState.COMPLETED:
                 await self._stopper.keep_finished(book.pool)  # as the settled pass named it
+        self._slot.give_back(ending.state)  # the prompt has provably ended, or is held
         book.set_state(ending.state)
 
     def _ending(self, outcome: BaseException | None) -> StopOrder:
@@ -248,6 +244,11 @@ class InferenceJob:
     @workflow.signal(name=shared.SIGNAL_PROGRESS)
     def progress(self, payload: Any = None) -> None:
         self._book.report(payload)
+
+    @workflow.signal(name=shared.SIGNAL_ADMISSION)
+    def admission(self, payload: Any = None) -> None:
+        """Its pool's queue: a place in line, or the grant (workflows/pool_queue.py)."""
+        self._slot.heard(payload)
 
     @workflow.signal(name=shared.SIGNAL_CLIENT_SEEN)
     def client_seen(self, _ignored: Any = None) -> None:

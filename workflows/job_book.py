@@ -24,6 +24,7 @@ from temporalio.common import MetricCounter, SearchAttributeUpdate
 
 with workflow.unsafe.imports_passed_through():
     from workflows.activity_io import FollowResult
+    from workflows.admission import Admission
     from workflows.contracts import (
         MAX_JOURNAL,
         MAX_NOTICES,
@@ -190,6 +191,22 @@ class JobBook:
             self._note_provider_job(self.status.checkpoint)
         self._upsert(POOL_KEY.value_set(pool))
         self.changed()
+
+    def admission(self, answer: Admission) -> None:
+        """Its pool's queue answered: a place in line (PENDING, unless the job is on its way
+        out), or the grant (the state then moves on with the submission)."""
+        self.status.admission = answer.model_copy(update={"job_id": None})
+        waiting_states = (JobState.QUEUED, JobState.PREPARING, JobState.SUBMITTING)
+        if answer.granted or self.controls.stop is not None:
+            self.changed()
+        elif self.status.state in waiting_states:
+            self.set_state(JobState.PENDING)
+        else:
+            self.changed()
+
+    @property
+    def pending(self) -> bool:
+        return self.status.state == JobState.PENDING
 
     @property
     def pool(self) -> str | None:
@@ -598,6 +615,13 @@ class CurrentDetails:
         lines = [head]
         if status.state == JobState.WAITING and progress.queue_position is not None:
             lines.append(f"place {progress.queue_position} in the backend's queue")
+        admission = status.admission
+        if status.state == JobState.PENDING and admission is not None:
+            line = f"{_ordinal(admission.position)} of {admission.waiting or '?'}"
+            line += f" for pool `{plain(admission.pool)}`"
+            if admission.eta_s is not None:
+                line += f", about {_duration(admission.eta_s)}"
+            lines.append(line)
         eta = self.eta_s(status)
         if eta is not None:
             lines.append(f"about {_duration(eta)} to go")
@@ -636,6 +660,15 @@ class CurrentDetails:
             return None
         elapsed = (workflow.now() - since).total_seconds()
         return elapsed / done * (1.0 - fraction)
+
+
+def _ordinal(number: int | None) -> str:
+    if number is None:
+        return "waiting"
+    suffix = (
+        "th" if 10 <= number % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(number % 10, "th")
+    )
+    return f"{number}{suffix}"
 
 
 def _duration(seconds: float) -> str:

@@ -22,6 +22,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows.activity_io import PreparedJob
     from workflows.contracts import JobError, JobEvent, JobRequest, JobStatus
     from workflows.errors import GraphRefused, RequestRefused, UndeclaredInputFile, safe_text
+    from workflows.pool_slot import SlotCarry
     from workflows.shared import ErrorType
 
 
@@ -36,6 +37,8 @@ class JobCarry(BaseModel):
     # The webhook sender's last handled journal entry, (seq, index within it): the next run
     # delivers from the one after, so no event is lost or sent twice across runs.
     webhook_cursor: tuple[int, int] | None = None
+    # The slot of its bounded pool's queue the job holds (workflows/pool_slot.py).
+    slot: SlotCarry | None = None
 
 
 class JobInput(BaseModel):
@@ -148,3 +151,11 @@ def _placeholder() -> JobInput:
     """An input for a job that has none worth the name: the status needs one, and the run
     refuses the job before anything reads it. Built without validation on purpose."""
     return JobInput.model_construct(request=JobRequest.model_construct(graph={}), carry=None)
+
+
+def history_is_long(budget_events: int) -> bool:
+    """Time to continue as new: the server suggests it, or half the job's budget is used."""
+    info = workflow.info()
+    return info.is_continue_as_new_suggested() or info.get_current_history_length() > (
+        budget_events // 2
+    )

@@ -28,13 +28,20 @@ with workflow.unsafe.imports_passed_through():
     )
     from workflows.graph import apply_overrides, run_tag, with_unique_save_prefixes
     from workflows.job_book import JobBook, counter
+    from workflows.pool_slot import PoolSlot
     from workflows.shared import AT_MOST_ONCE_RESUBMITS, ErrorType
 
 
 class SegmentRun:
     def __init__(
-        self, book: JobBook, request: JobRequest, prepared: PreparedJob, segment: int
+        self,
+        book: JobBook,
+        request: JobRequest,
+        prepared: PreparedJob,
+        segment: int,
+        slot: PoolSlot | None = None,
     ) -> None:
+        self._slot = slot
         self._book = book
         self._controls = book.controls
         self._request = request
@@ -83,7 +90,9 @@ class SegmentRun:
             book.set_state(JobState.SUBMITTING if submit else book.backend_state)
             try:
                 follow_input = self._follow_input(checkpoint, submit, first_post)
-                return await calls.follow(follow_input, policy)
+                result = await calls.follow(follow_input, policy)
+                if result.outcome != "needs_slot":
+                    return result
             except BaseException as err:
                 kind = classify(err)
                 cost = failure_cost(err)
@@ -113,6 +122,12 @@ class SegmentRun:
                 waiting = JobState.SUBMITTING if not_on_backend else JobState.RECONNECTING
                 await self._back_off(err, attempt, waiting)
                 attempt += 1
+                continue
+            # Checked on a bounded pool, nothing submitted: wait for a slot, then submit.
+            book.prepared_on(result.pool, result.kind)
+            assert self._slot is not None and result.bound is not None
+            await self._slot.take(result.bound)
+            given = False
 
     def _follow_input(self, checkpoint: Checkpoint, submit: bool, first_post: bool) -> FollowInput:
         request, prepared, book = self._request, self._prepared, self._book
@@ -138,6 +153,7 @@ class SegmentRun:
             teardown_horizon_s=request.policy.teardown_horizon_s,
             # Until the workflow hears which pool took the job, each attempt checks it first.
             prepare=self._check if book.status.backend is None else None,
+            slot_held=self._slot is not None and self._slot.held,
         )
 
     def _furthest(self, current: Checkpoint, recovered: Checkpoint | None) -> Checkpoint:

@@ -33,12 +33,33 @@ UPDATE_ENDED: Final = "ended"
 # the status once the job acted on it.
 UPDATE_RESUME: Final = "resume"
 
+# Our queue in front of a bounded pool (workflows/pool_queue.py): one dispatcher workflow per
+# pool and task queue; jobs send it `request`, `release` and `unsettled`, it answers each with
+# `admission` (a place in line, or the grant).
+POOL_QUEUE_WORKFLOW_TYPE: Final = "PoolQueue"
+SIGNAL_SLOT_REQUEST: Final = "request"
+SIGNAL_SLOT_RELEASE: Final = "release"
+SIGNAL_SLOT_UNSETTLED: Final = "unsettled"
+SIGNAL_ADMISSION: Final = "admission"
+QUERY_POOL_QUEUE: Final = "queue"
+QUERY_ADMISSION: Final = "admission"
+
+
+def pool_queue_id(task_queue: str, pool: str) -> str:
+    """The dispatcher's workflow id: one per pool of each task queue's workers."""
+    return f"durable-comfy-pool-queue:{task_queue}:{pool}"
+
+
 # Activities: the workflow schedules them by these names, the worker registers them under them.
 ACTIVITY_PREPARE: Final = "prepare_prompt"
 ACTIVITY_FOLLOW: Final = "follow_prompt"  # submits (socket first) and follows
 ACTIVITY_OFFLOAD: Final = "offload_outputs"
 ACTIVITY_STOP: Final = "stop_prompt"  # one check of a stop
 ACTIVITY_DELIVER_WEBHOOK: Final = "deliver_webhook"  # one attempt to POST one event
+# Signal-with-start of a pool's dispatcher (a job whose signal found none running).
+ACTIVITY_OPEN_POOL_QUEUE: Final = "open_pool_queue"
+# Which of a dispatcher's holders have closed without releasing (a terminated job).
+ACTIVITY_CLOSED_JOBS: Final = "closed_jobs"
 
 # A worker that pushes live progress polls under `<identity> live=<its address>`, so a client
 # that lists the task queue's pollers can subscribe there before a job names its worker.
@@ -90,6 +111,8 @@ class ErrorType:
     OUTPUT_MISSING: Final = "OutputMissing"
     STORAGE_ERROR: Final = "StorageError"
     TIMEOUT: Final = "Timeout"
+    # The job asked for a priority its tenant's `max_priority` forbids.
+    PRIORITY_NOT_ALLOWED: Final = "PriorityNotAllowed"
     QUEUE_TIMEOUT: Final = "QueueTimeout"  # waited in the backend's queue past queue_timeout_s
     TEARDOWN_FAILED: Final = "TeardownFailed"
     CANCELLED: Final = "Cancelled"

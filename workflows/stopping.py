@@ -42,6 +42,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows.failures import job_error
     from workflows.graph import run_tag
     from workflows.job_book import JobBook, StopOrder
+    from workflows.pool_slot import PoolSlot
     from workflows.shared import ErrorType, reconnect_delay
 
 # Checks never wait longer than this apart: a prompt that stopped should not keep its job
@@ -62,9 +63,12 @@ def stop_reason(state: JobState, timed_out: bool = False) -> str:
 OrderStop = Callable[[StopOrder], None]
 
 
-def start_guards(policy: JobPolicy, book: JobBook, stop: OrderStop) -> list[asyncio.Task[None]]:
+def start_guards(
+    policy: JobPolicy, book: JobBook, stop: OrderStop, slot: PoolSlot
+) -> list[asyncio.Task[None]]:
     """The policy's guards, each a task beside the job's work until it ends."""
     running = [asyncio.create_task(execution_deadline(policy, stop))]
+    slot.on_wait, slot.on_granted_after_wait = deadline_paused_in_line(running, policy, stop)
     if policy.abandon_after_s is not None:
         watchdog = abandon_watchdog(policy.abandon_after_s, book, stop)
         running.append(asyncio.create_task(watchdog))
@@ -72,6 +76,21 @@ def start_guards(policy: JobPolicy, book: JobBook, stop: OrderStop) -> list[asyn
         queue = queue_watchdog(policy.queue_timeout_s, book, stop)
         running.append(asyncio.create_task(queue))
     return running
+
+
+def deadline_paused_in_line(
+    guards: list[asyncio.Task[None]], policy: JobPolicy, stop: OrderStop
+) -> tuple[Callable[[], None], Callable[[], None]]:
+    """Pause and restart for the execution deadline (`guards[0]`, as `start_guards` made
+    it): time PENDING in our queue never counts, the clock starts again whole on the grant."""
+
+    def pause() -> None:
+        guards[0].cancel()
+
+    def restart() -> None:
+        guards[0] = asyncio.create_task(execution_deadline(policy, stop))
+
+    return pause, restart
 
 
 async def execution_deadline(policy: JobPolicy, stop: OrderStop) -> None:

@@ -66,6 +66,8 @@ async def post_prompt(request: web.Request) -> web.Response:
     log.info("got prompt", prompt_id=prompt_id)
     rt.queue.put([number, prompt_id, prompt, extra_data, result.outputs])
     rt.stats.prompts[prompt_id] += 1
+    # The most prompts queued and running at once: what a bounded pool must never pass.
+    rt.stats.peak_in_queue = max(rt.stats.peak_in_queue, rt.queue.remaining())
     return web.json_response(
         {"prompt_id": prompt_id, "number": number, "node_errors": result.node_errors}
     )

@@ -131,6 +131,8 @@ class SimStats:
     executed: dict[str, str] = field(default_factory=dict)  # success | error | interrupted
     executions: Counter[str] = field(default_factory=Counter)
     ws_connections: int = 0  # accepted since start/reset
+    # The most prompts queued and running at once, since start/reset (counted on each POST).
+    peak_in_queue: int = 0
     # Epoch seconds (time.time()) per prompt_id: when it entered the running queue, and when it
     # left it (success, error or interrupted; the history entry is written at that same moment).
     # Both describe a prompt_id's latest run: a re-run drops the old `ended_at` when it starts,
@@ -172,6 +174,7 @@ class SimStats:
             "executions": dict(self.executions),
             "ws_connections": self.ws_connections,
             "ws_open": ws_open,
+            "peak_in_queue": self.peak_in_queue,
             "started_at": dict(self.started_at),
             "ended_at": dict(self.ended_at),
         }

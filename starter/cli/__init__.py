@@ -10,7 +10,7 @@ from typing import Any
 import typer
 
 from activities.log_setup import configure_logging
-from starter.cli import codec, control, doctor, jobs, submit
+from starter.cli import codec, control, doctor, jobs, pools, submit
 from starter.cli.common import load_config
 from starter.exit import exit_without_finalizing
 
@@ -43,6 +43,7 @@ def build_app() -> typer.Typer:
     app.command("codec-server")(codec.codec_server)
     app.command("codec-key")(codec.codec_key)
     app.command("doctor")(doctor.doctor)
+    app.add_typer(pools.app, name="pool")
     _add_plugins(app)
     return app
 
@@ -52,7 +53,7 @@ def _start(ctx: typer.Context) -> None:
 
     Logs go to stderr only; stdout is the commands' output. Quiet unless something is off.
     """
-    if ctx.invoked_subcommand not in JOB_COMMANDS:
+    if ctx.invoked_subcommand not in (*JOB_COMMANDS, "pool"):
         # `worker`, `dev` and `codec-server` read their own settings and configure their own
         # logging on top.
         configure_logging("WARNING")

@@ -135,6 +135,7 @@ def test_the_error_types_never_change() -> None:
         "OUTPUT_MISSING": "OutputMissing",
         "STORAGE_ERROR": "StorageError",
         "TIMEOUT": "Timeout",
+        "PRIORITY_NOT_ALLOWED": "PriorityNotAllowed",
         "QUEUE_TIMEOUT": "QueueTimeout",
         "TEARDOWN_FAILED": "TeardownFailed",
         "CANCELLED": "Cancelled",

@@ -173,6 +173,7 @@ def test_the_stop_reason_names_what_the_teardown_follows() -> None:
     assert [stop_reason(s) for s in JobState] == [
         "after queued",
         "after preparing",
+        "after pending",
         "after submitting",
         "after waiting",
         "after running",

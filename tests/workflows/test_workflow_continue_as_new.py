@@ -25,7 +25,7 @@ from tests.support.workflow_fakes import (
 from workflows.activity_io import FollowInput, PreparedJob, StopInput
 from workflows.contracts import JobPolicy, JobRequest, JobState, JobStatus
 from workflows.inference_job import InferenceJob
-from workflows.job_input import JobInput
+from workflows.job_input import JobInput, history_is_long
 from workflows.shared import WORKFLOW_TYPE
 
 
@@ -141,10 +141,8 @@ class FakeInfo:
 def test_a_run_continues_past_half_its_history_budget_or_when_temporal_suggests(
     monkeypatch: pytest.MonkeyPatch, length: int, suggested: bool, long: bool
 ) -> None:
-    job = InferenceJob.__new__(InferenceJob)
-    job._request = request().model_copy(update={"policy": JobPolicy(history_budget_events=100)})
     monkeypatch.setattr(workflow, "info", lambda: FakeInfo(length, suggested))
-    assert job._history_is_long() is long
+    assert history_is_long(JobPolicy(history_budget_events=100).history_budget_events) is long
 
 
 def test_an_earlier_versions_unnamed_pool_reads_as_none() -> None:

@@ -1,0 +1,58 @@
+"""Reading and settling a bounded pool's queue (workflows/pool_queue.py) from a client.
+
+The queue is one workflow per pool and task queue: `durable-comfy pool queue` queries it,
+`pool release` settles a slot whose teardown was never confirmed, and a PENDING job's status is
+given the queue's latest word on its place (the job itself hears it only every few seconds).
+"""
+
+from __future__ import annotations
+
+from temporalio.client import Client, WorkflowQueryFailedError
+from temporalio.service import RPCError, RPCStatusCode
+
+from starter.errors import NoPoolQueue
+from workflows.admission import Admission, PoolQueueView, SlotRelease
+from workflows.contracts import JobState, JobStatus
+from workflows.shared import (
+    QUERY_ADMISSION,
+    QUERY_POOL_QUEUE,
+    SIGNAL_SLOT_RELEASE,
+    pool_queue_id,
+)
+
+
+async def pool_queue(temporal: Client, task_queue: str, pool: str) -> PoolQueueView:
+    handle = temporal.get_workflow_handle(pool_queue_id(task_queue, pool))
+    try:
+        view: PoolQueueView = await handle.query(QUERY_POOL_QUEUE, result_type=PoolQueueView)
+    except RPCError as exc:
+        if exc.status == RPCStatusCode.NOT_FOUND:
+            raise NoPoolQueue(pool) from None
+        raise
+    return view
+
+
+async def release_slot(temporal: Client, task_queue: str, pool: str, job_id: str) -> bool:
+    """Settle the job's slot (or take it out of line): False when the queue had no such job."""
+    view = await pool_queue(temporal, task_queue, pool)
+    if not any(entry.job_id == job_id for entry in view.entries):
+        return False
+    handle = temporal.get_workflow_handle(pool_queue_id(task_queue, pool))
+    await handle.signal(SIGNAL_SLOT_RELEASE, SlotRelease(job_id=job_id, reason="settled"))
+    return True
+
+
+async def with_queue_position(temporal: Client, task_queue: str, status: JobStatus) -> JobStatus:
+    """A PENDING job's status with its place in line as the queue has it now."""
+    admission = status.admission
+    if status.state != JobState.PENDING or admission is None:
+        return status
+    handle = temporal.get_workflow_handle(pool_queue_id(task_queue, admission.pool))
+    try:
+        raw = await handle.query(QUERY_ADMISSION, status.job_id)
+        latest = Admission.model_validate(raw) if raw else None
+    except (RPCError, WorkflowQueryFailedError, ValueError):
+        return status  # the job's own word stands
+    if latest is None or latest.granted:
+        return status
+    return status.model_copy(update={"admission": latest.model_copy(update={"job_id": None})})

@@ -1,0 +1,338 @@
+"""Our queue in front of a bounded pool, on the real Temporal server with three worker processes.
+
+The pool is a ComfyUI simulator of this module's own in parallel mode (every prompt it holds
+runs at once, as if each had a GPU): without a bound every job's prompt would be there at once.
+The simulator counts the most prompts it held at once (`peak_in_queue`, queued + running); with
+`max_running` it must never pass the bound, across a `kill -9` of the busiest worker and a
+`temporal workflow terminate` of a holder.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import pytest_asyncio
+
+from activities.storage import ArtifactStore
+from devstack.processes import terminate
+from faults.graphs import chaos_policy, sampler_graph
+from faults.harness import ChaosStack
+from faults.wait import eventually
+from faults.worker_proc import KillableWorker
+from starter.client import JobClient
+from starter.connection import connect_temporal
+from tests.conftest import StackConfigFactory
+from tests.stack.parallel_sim import start_parallel_sim
+from tests.support.cli import cli_env, run_cli
+from workflows import shared
+from workflows.admission import PoolQueueView
+from workflows.contracts import JobRequest, JobState, JobStatus
+
+WORKERS = 3
+MAX_RUNNING = 3
+STEP_DELAY_MS = 10
+RECLAIM_S = 2.0
+POOL = "gpu"
+ONE = "one"
+
+
+@dataclass
+class Fleet:
+    stack: ChaosStack
+    task_queue: str
+    workers: list[KillableWorker]
+    store: ArtifactStore
+    sim_url: str
+    http: httpx.AsyncClient
+    client: JobClient = field(init=False)
+
+    async def sim_stats(self) -> dict[str, Any]:
+        stats: dict[str, Any] = (await self.http.get(f"{self.sim_url}/sim/stats", timeout=5)).json()
+        return stats
+
+    async def queue(self, pool: str = POOL) -> PoolQueueView:
+        handle = self.client.temporal.get_workflow_handle(
+            shared.pool_queue_id(self.task_queue, pool)
+        )
+        view: PoolQueueView = await handle.query(shared.QUERY_POOL_QUEUE, result_type=PoolQueueView)
+        return view
+
+    def report(self) -> str:
+        return "\n".join(f"==== {w.name} ====\n{w.log_tail(40)}" for w in self.workers)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def fleet(
+    stack_config_factory: StackConfigFactory, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[Fleet]:
+    """A stack of the module's own (its Temporal server is restarted by a test), three workers
+    with two bounded pools on one parallel simulator: `gpu` (3 slots) and `one` (1 slot)."""
+    config = stack_config_factory("pool-queue")
+    stack = await ChaosStack.start(config, Path(config.state_dir).parent)
+    base = tmp_path_factory.mktemp("pool-queue")
+    task_queue = f"queue-{uuid.uuid4().hex[:8]}"
+    sim_record, sim_url = await start_parallel_sim(
+        base / "sim", step_delay_ms=STEP_DELAY_MS, parallel=100
+    )
+    pools = {
+        POOL: {"kind": "comfyui", "url": sim_url, "max_running": MAX_RUNNING},
+        ONE: {"kind": "comfyui", "url": sim_url, "max_running": 1},
+    }
+    env = {
+        **stack.running.worker_env(),
+        "DURABLE_COMFY_TASK_QUEUE": task_queue,
+        "DURABLE_COMFY_POOLS": json.dumps(pools),
+        "DURABLE_COMFY_DEFAULT_POOL": POOL,
+        "DURABLE_COMFY_ORPHAN_SWEEP_S": str(RECLAIM_S),
+    }
+    workers = [
+        KillableWorker(env, base / f"worker-{n}.log", name=f"worker-{n}")
+        for n in range(1, WORKERS + 1)
+    ]
+    try:
+        await asyncio.gather(*(w.start() for w in workers))
+        async with (
+            httpx.AsyncClient(trust_env=False) as http,
+            ArtifactStore(stack.s3_settings()) as store,
+        ):
+            fleet = Fleet(stack, task_queue, workers, store, sim_url, http)
+            yield fleet
+    finally:
+        await asyncio.gather(*(w.terminate(grace_s=10.0) for w in workers))
+        await terminate(sim_record, grace_s=10)
+        await stack.stop()
+    assert [pid for w in workers for pid in w.running_pids()] == []
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def queue(fleet: Fleet) -> AsyncIterator[Fleet]:
+    """Every worker and service up, the simulator's counters at zero, a fresh client."""
+    await fleet.stack.ensure_up()
+    await asyncio.gather(*(w.start() for w in fleet.workers if not w.alive))
+    await fleet.http.post(f"{fleet.sim_url}/sim/reset", timeout=5)
+    running = fleet.stack.running
+    temporal = await connect_temporal(running.temporal_address, running.namespace)
+    fleet.client = JobClient(temporal, task_queue=fleet.task_queue, store=fleet.store)
+    yield fleet
+    print(fleet.report())
+
+
+def request(steps: int, **fields: Any) -> JobRequest:
+    graph = sampler_graph(steps)
+    graph["5"]["inputs"].update({"width": 64, "height": 64})
+    return JobRequest(graph=graph, policy=chaos_policy(heartbeat_timeout_s=4.0), **fields)
+
+
+async def submit(fleet: Fleet, requests: list[JobRequest], prefix: str) -> list[str]:
+    ids = [f"{prefix}-{uuid.uuid4().hex[:8]}" for _ in requests]
+    await asyncio.gather(
+        *(fleet.client.submit(r, job_id=i) for r, i in zip(requests, ids, strict=True))
+    )
+    return ids
+
+
+async def wait_all(fleet: Fleet, ids: list[str], timeout_s: float) -> list[JobStatus]:
+    return await asyncio.wait_for(
+        asyncio.gather(*(fleet.client.wait(i) for i in ids)), timeout=timeout_s
+    )
+
+
+async def test_the_bound_holds_across_three_workers_and_the_others_wait_pending(
+    queue: Fleet,
+) -> None:
+    fleet = queue
+    ids = await submit(fleet, [request(60) for _ in range(15)], "bound")
+    # The queue fills: some job is PENDING with its place in line, nothing of it at the pool.
+    pending: JobStatus | None = None
+    for _ in range(200):
+        statuses = await asyncio.gather(*(fleet.client.status(i) for i in ids))
+        pending = next((s for s in statuses if s.state == JobState.PENDING), None)
+        if pending is not None and pending.admission and pending.admission.position:
+            break
+        await asyncio.sleep(0.1)
+    assert pending is not None and pending.admission is not None, "no job was seen PENDING"
+    assert pending.admission.pool == POOL
+    assert pending.admission.position is not None and pending.admission.position >= 1
+    assert pending.checkpoint is None or pending.checkpoint.submitted_at is None
+    view = await fleet.queue()
+    assert view.max_running == MAX_RUNNING and view.running <= MAX_RUNNING
+    ended = await wait_all(fleet, ids, 180)
+    assert [s.state for s in ended] == [JobState.COMPLETED] * len(ids)
+    stats = await fleet.sim_stats()
+    assert 1 <= stats["peak_in_queue"] <= MAX_RUNNING, stats["peak_in_queue"]
+    assert sum(stats["prompts"].values()) == len(ids)
+    await eventually(lambda: _queue_is_empty(fleet), timeout_s=10, what="the queue empty")
+
+
+async def _queue_is_empty(fleet: Fleet) -> bool:
+    view = await fleet.queue()
+    return view.running == 0 and view.waiting == 0
+
+
+class PeakWatch:
+    """Samples the simulator's queue (pending + running) every 50 ms: the most it ever held."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        self._fleet = fleet
+        self.peak = 0
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> PeakWatch:
+        self._task = asyncio.create_task(self._watch())
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+
+    async def _watch(self) -> None:
+        while True:
+            try:
+                answer = (
+                    await self._fleet.http.get(f"{self._fleet.sim_url}/queue", timeout=2)
+                ).json()
+                held = len(answer["queue_running"]) + len(answer["queue_pending"])
+                self.peak = max(self.peak, held)
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(0.05)
+
+
+def busiest(fleet: Fleet) -> KillableWorker:
+    """The worker that started the most follows since its start."""
+    return max(fleet.workers, key=lambda w: w.log_text(since_start=True).count("follow_start"))
+
+
+async def running_ids(fleet: Fleet, ids: list[str]) -> list[str]:
+    statuses = await asyncio.gather(*(fleet.client.status(i) for i in ids))
+    return [s.job_id for s in statuses if s.state == JobState.RUNNING]
+
+
+async def test_the_bound_holds_across_a_kill_a_temporal_restart_and_a_terminate(
+    queue: Fleet,
+) -> None:
+    fleet = queue
+    ids = await submit(fleet, [request(150) for _ in range(12)], "chaos")
+    async with PeakWatch(fleet) as watch:
+        await eventually(
+            lambda: running_ids(fleet, ids), timeout_s=60, what="a job running", interval_s=0.2
+        )
+        victim = busiest(fleet)
+        await victim.kill()
+        await asyncio.sleep(1.0)
+        await victim.start()
+        await fleet.stack.services.kill("temporal")
+        await asyncio.sleep(1.0)
+        await fleet.stack.services.start("temporal")
+        running = fleet.stack.running
+        temporal = await connect_temporal(running.temporal_address, running.namespace)
+        fleet.client = JobClient(temporal, task_queue=fleet.task_queue, store=fleet.store)
+        [holder, *_] = await eventually(
+            lambda: running_ids(fleet, ids), timeout_s=60, what="a holder", interval_s=0.2
+        )
+        await fleet.client.handle(holder).terminate("a holder terminated from outside")
+        others = [i for i in ids if i != holder]
+        ended = await wait_all(fleet, others, 240)
+    assert [s.state for s in ended] == [JobState.COMPLETED] * len(others)
+    stats = await fleet.sim_stats()
+    assert watch.peak <= MAX_RUNNING and stats["peak_in_queue"] <= MAX_RUNNING, (
+        watch.peak,
+        stats["peak_in_queue"],
+    )
+    # Every job ran its prompt once (the killed worker's re-attached), the terminated one's too.
+    assert sorted(stats["executions"].values()) == [1] * len(stats["executions"])
+    # The terminated holder's slot came back once the orphan sweep ended its prompt.
+    await eventually(lambda: _queue_is_empty(fleet), timeout_s=6 * RECLAIM_S, what="reclaimed")
+
+
+async def test_a_priority_1_job_behind_a_full_queue_starts_at_the_next_free_slot(
+    queue: Fleet,
+) -> None:
+    fleet = queue
+    ids = await submit(fleet, [request(100) for _ in range(9)], "line")
+    await eventually(
+        lambda: fleet.queue(),
+        timeout_s=60,
+        what="3 running and 6 waiting",
+        accept=lambda view: view.running == MAX_RUNNING and view.waiting == 6,
+    )
+    [urgent] = await submit(fleet, [request(20, priority=1)], "urgent")
+    ended = await wait_all(fleet, [*ids, urgent], 240)
+    assert all(s.state == JobState.COMPLETED for s in ended)
+    started = (await fleet.sim_stats())["started_at"]
+    start_of = {s.job_id: started[prompt_of(s)] for s in ended}
+    waiting_before = sorted(ids, key=lambda i: start_of[i])[MAX_RUNNING:]
+    assert start_of[urgent] < min(start_of[i] for i in waiting_before)
+
+
+async def test_a_job_that_waited_longer_than_its_execution_timeout_still_runs(
+    queue: Fleet,
+) -> None:
+    fleet = queue
+    blockers = await submit(fleet, [request(400, pool=ONE)], "blocker")
+    await eventually(
+        lambda: fleet.queue(ONE),
+        timeout_s=60,
+        what="one running",
+        accept=lambda view: view.running == 1,
+    )
+    late = request(5, pool=ONE)
+    late.policy.execution_timeout_s = 3.0
+    [waiter] = await submit(fleet, [late], "waiter")
+    status = await eventually(
+        lambda: fleet.client.status(waiter),
+        timeout_s=30,
+        what="PENDING",
+        accept=lambda s: s.state == JobState.PENDING,
+    )
+    assert status.admission is not None and status.admission.position == 1
+    [first, second] = await wait_all(fleet, [*blockers, waiter], 120)
+    assert first.state == second.state == JobState.COMPLETED, second
+
+
+async def test_an_unconfirmed_stop_keeps_its_slot_until_pool_release_settles_it(
+    queue: Fleet,
+) -> None:
+    fleet = queue
+    # The prompt will not hear its interrupt for a minute: the stop cannot be confirmed.
+    await fleet.http.post(f"{fleet.sim_url}/sim/faults", json={"ignore_interrupt_s": 60}, timeout=5)
+    deaf = request(8000, pool=ONE)
+    deaf.policy.teardown_horizon_s = 2.0
+    [holder] = await submit(fleet, [deaf], "deaf")
+    await eventually(
+        lambda: fleet.client.status(holder),
+        timeout_s=60,
+        what="RUNNING",
+        accept=lambda s: s.state == JobState.RUNNING,
+    )
+    [next_job] = await submit(fleet, [request(5, pool=ONE)], "next")
+    await fleet.client.cancel(holder, "stop it")
+    ended = await fleet.client.wait(holder)
+    assert ended.state == JobState.CANCELLED and ended.teardown.state == "FAILED", ended.teardown
+    # Past two reclaim sweeps the slot is still held, unsettled, and the next job waits.
+    await asyncio.sleep(3 * RECLAIM_S)
+    view = await fleet.queue(ONE)
+    [entry] = [e for e in view.entries if e.job_id == holder]
+    assert entry.state == "unsettled" and "FAILED" in entry.detail
+    assert (await fleet.client.status(next_job)).state == JobState.PENDING
+    # The operator settles it; the next job starts.
+    code, out, err = await run_cli(
+        "pool", "release", ONE, holder, env=cli_env(fleet.stack.running, fleet.task_queue)
+    )
+    assert code == 0, err
+    assert holder in out
+    done = await asyncio.wait_for(fleet.client.wait(next_job), 60)
+    assert done.state == JobState.COMPLETED
+
+
+def prompt_of(status: JobStatus) -> str:
+    assert status.checkpoint is not None and status.checkpoint.prompt_id is not None
+    return status.checkpoint.prompt_id

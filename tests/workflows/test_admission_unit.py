@@ -1,0 +1,205 @@
+"""The queue's rule on its own (workflows/admission.py): the bound, priorities, fair shares
+between tenants, first come first served within one, and the places it tells."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from workflows.admission import (
+    PoolLine,
+    QueueState,
+    SlotRequest,
+    SlotUnsettled,
+)
+
+T0 = datetime(2026, 12, 7, tzinfo=UTC)
+
+
+def ask(
+    line: PoolLine,
+    job_id: str,
+    *,
+    tenant: str = "a",
+    priority: int = 3,
+    weight: float = 1.0,
+    max_running: int = 1,
+) -> None:
+    line.request(
+        SlotRequest(
+            job_id=job_id,
+            tenant=tenant,
+            priority=priority,
+            weight=weight,
+            max_running=max_running,
+            accepted_at=T0,
+        ),
+        T0,
+    )
+
+
+def start_one(line: PoolLine, now: datetime = T0) -> str:
+    """Free the one slot (if held) and grant it: the id of the job that starts next."""
+    for job_id in list(line.state.holders):
+        line.release(job_id, now)
+    [granted] = line.grants(now)
+    return granted.job_id
+
+
+def starts(line: PoolLine, count: int) -> list[str]:
+    return [start_one(line) for _ in range(count)]
+
+
+def test_no_more_than_max_running_hold_the_pool_and_a_release_lets_the_next_in() -> None:
+    line = PoolLine(QueueState(pool="p"))
+    for n in range(5):
+        ask(line, f"j{n}", max_running=2)
+    assert [h.job_id for h in line.grants(T0)] == ["j0", "j1"]
+    assert line.grants(T0) == [] and len(line.state.holders) == 2
+    assert line.release("j0", T0 + timedelta(seconds=10))
+    assert [h.job_id for h in line.grants(T0)] == ["j2"]
+    assert line.state.recent_holds_s == [10.0]
+
+
+def test_a_repeated_request_changes_nothing() -> None:
+    line = PoolLine(QueueState(pool="p"))
+    ask(line, "j0")
+    ask(line, "j1")
+    ask(line, "j0")
+    assert line.waiting == 2
+    line.grants(T0)
+    ask(line, "j0")  # a holder asking again stays a holder, not in line
+    assert line.waiting == 1 and "j0" in line.state.holders
+
+
+def test_within_one_tenant_first_come_first_served() -> None:
+    line = PoolLine(QueueState(pool="p"))
+    for n in range(6):
+        ask(line, f"j{n}")
+    assert starts(line, 6) == [f"j{n}" for n in range(6)]
+
+
+@pytest.mark.parametrize(("weight", "within"), [(1.0, 12), (2.0, 9)])
+def test_a_second_tenant_gets_its_share_at_once_behind_a_first_tenants_batch(
+    weight: float, within: int
+) -> None:
+    line = PoolLine(QueueState(pool="p"))
+    for n in range(60):
+        ask(line, f"a{n}", tenant="a")
+    starts(line, 5)  # tenant A's batch is running
+    for n in range(6):
+        ask(line, f"b{n}", tenant="b", weight=weight)
+    following = starts(line, within)
+    assert [j for j in following if j.startswith("b")] == [f"b{n}" for n in range(6)]
+
+
+@pytest.mark.parametrize(("weights", "share"), [((1.0, 1.0), 0.5), ((2.0, 1.0), 2 / 3)])
+def test_shares_over_every_window_of_100_starts_follow_the_weights(
+    weights: tuple[float, float], share: float
+) -> None:
+    line = PoolLine(QueueState(pool="p"))
+    for n in range(600):
+        ask(line, f"a{n}", tenant="a", weight=weights[0])
+        ask(line, f"b{n}", tenant="b", weight=weights[1])
+    started = starts(line, 600)
+    for first in range(0, 500):
+        window = started[first : first + 100]
+        a_share = sum(1 for j in window if j.startswith("a")) / 100
+        assert abs(a_share - share) <= 0.05, (first, a_share)
+
+
+def test_a_better_priority_starts_at_the_next_free_slot() -> None:
+    line = PoolLine(QueueState(pool="p"))
+    for n in range(1000):
+        ask(line, f"j{n}")
+    line.grants(T0)
+    ask(line, "urgent", tenant="b", priority=1)
+    assert start_one(line) == "urgent"
+    # and a worse priority waits behind everything else
+    ask(line, "later", priority=5)
+    assert "later" not in starts(line, 999)
+    assert start_one(line) == "later"
+
+
+def test_a_tenant_that_was_idle_earns_no_credit_to_flood_with() -> None:
+    line = PoolLine(QueueState(pool="p"))
+    for n in range(40):
+        ask(line, f"a{n}", tenant="a")
+    ask(line, "b0", tenant="b")
+    starts(line, 20)  # B's one job ran early; B then had nothing waiting
+    for n in range(1, 11):
+        ask(line, f"b{n}", tenant="b")
+    following = starts(line, 10)
+    # Back at the last start's pass: B alternates with A, it does not take all ten.
+    assert sum(1 for j in following if j.startswith("b")) == 5
+
+
+def test_positions_are_the_order_the_jobs_start_in() -> None:
+    line = PoolLine(QueueState(pool="p"))
+    for n in range(8):
+        ask(line, f"a{n}", tenant="a")
+    for n in range(3):
+        ask(line, f"b{n}", tenant="b", weight=2.0)
+    ask(line, "c0", tenant="c", priority=2)
+    line.grants(T0)
+    told = {a.job_id: a.position or 0 for a in line.positions(T0)}
+    admission = line.admission_of("b1", T0)
+    assert admission is not None and admission.position == told["b1"]
+    assert admission.ahead == told["b1"] - 1 and admission.waiting == 11
+    order = sorted(told, key=lambda j: told[j])
+    assert starts(line, 11) == order
+
+
+def test_a_job_that_leaves_the_line_gives_its_place_back() -> None:
+    line = PoolLine(QueueState(pool="p"))
+    for n in range(4):
+        ask(line, f"j{n}")
+    line.grants(T0)
+    assert line.release("j2", T0)
+    assert starts(line, 2) == ["j1", "j3"]
+    # A release that overtook its request: the late request is not queued.
+    assert not line.release("ghost", T0)
+    ask(line, "ghost")
+    assert line.waiting == 0
+
+
+def test_an_unsettled_holder_keeps_its_slot_until_its_settle_time() -> None:
+    line = PoolLine(QueueState(pool="p"))
+    ask(line, "j0")
+    ask(line, "j1")
+    line.grants(T0)
+    settle_at = T0 + timedelta(minutes=5)
+    assert line.unsettled(SlotUnsettled(job_id="j0", settle_at=settle_at))
+    assert line.grants(T0) == [] and line.settle_due(T0) == []
+    assert line.next_settle_at() == settle_at
+    assert line.settle_due(settle_at) == ["j0"]
+    line.release("j0", settle_at)
+    assert [h.job_id for h in line.grants(settle_at)] == ["j1"]
+    # An unsettled hold says nothing about how long the pool's jobs take.
+    assert line.state.recent_holds_s == []
+
+
+def test_the_queue_carried_into_a_new_run_is_the_same_queue() -> None:
+    line = PoolLine(QueueState(pool="p"))
+    for n in range(10):
+        ask(line, f"a{n}", tenant="a")
+        ask(line, f"b{n}", tenant="b", weight=2.0)
+    starts(line, 4)
+    carried = QueueState.model_validate_json(line.snapshot().model_dump_json())
+    again = PoolLine(carried)
+    assert [a.job_id for a in again.positions(T0)] == [a.job_id for a in line.positions(T0)]
+    assert starts(again, 16) == starts(line, 16)
+
+
+def test_the_eta_is_the_place_times_a_recent_hold_over_the_bound() -> None:
+    line = PoolLine(QueueState(pool="p"))
+    for n in range(6):
+        ask(line, f"j{n}", max_running=2)
+    line.grants(T0)
+    line.release("j0", T0 + timedelta(seconds=60))
+    line.release("j1", T0 + timedelta(seconds=60))
+    line.grants(T0 + timedelta(seconds=60))
+    admission = line.admission_of("j5", T0)
+    assert admission is not None and admission.position == 2
+    assert admission.eta_s == 60.0  # 60 s per hold over 2 slots: 30 s per start

@@ -1,0 +1,407 @@
+"""Our queue in front of a pool: who holds its slots, who waits, and who starts next.
+
+Pure and deterministic (no Temporal, no clock of its own: every time is given), so the
+dispatcher workflow (`workflows/pool_queue.py`) replays it and the tests drive it directly.
+
+The order a waiting job starts in:
+
+1. **priority** first: 1 before 2 ... before 5; a better priority starts before any worse one
+   waiting for the same pool;
+2. within one priority, **fair shares between tenants** by stride scheduling: each tenant has
+   a pass (its virtual time); the tenant with waiting jobs and the lowest pass starts next and
+   its pass grows by `1 / weight`, so over any stretch of starts each tenant with jobs waiting
+   gets starts in proportion to its weight. A tenant that had nothing waiting comes back at
+   the pass of the last start (never below it), so idling earns no credit to flood with later;
+3. within one tenant, **first come, first served**.
+
+A slot is held from the grant until the job says its prompt has provably ended (`release`).
+A job whose teardown was not confirmed keeps its slot, `unsettled`, until something settles it
+(the provider's execution timeout surely over, an operator's `pool release`, the orphan sweep).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from collections.abc import Iterable, Iterator
+from datetime import datetime
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# How many of a pool's latest hold times its wait estimate averages.
+RECENT_HOLDS = 20
+MIN_PRIORITY, DEFAULT_PRIORITY, MAX_PRIORITY = 1, 3, 5
+
+
+class _Read(BaseModel):
+    # What one version writes and another reads (a job on an old version signals a dispatcher
+    # on a new one): a field it does not know is ignored.
+    model_config = ConfigDict(extra="ignore")
+
+
+class SlotRequest(_Read):
+    """A job asks its pool's queue for a slot (signal `request`)."""
+
+    job_id: str
+    tenant: str
+    priority: int = DEFAULT_PRIORITY
+    weight: float = 1.0
+    # The pool's bound as the asking job's worker has it: the queue keeps the latest it heard.
+    max_running: int
+    # When the job was accepted (its workflow's start): the queue's order within a tenant.
+    accepted_at: datetime
+    # How often the queue looks for holders that closed without releasing (a terminated job).
+    reclaim_every_s: float = 60.0
+
+
+class SlotRelease(_Read):
+    """A job gives its slot or its place in line back (signal `release`)."""
+
+    job_id: str
+    # ended: its prompt provably ended; withdrawn: it left before its grant (cancel, failure);
+    # settled: an operator or a sweep settled an unconfirmed teardown; reclaimed: its workflow
+    # closed without releasing.
+    reason: Literal["ended", "withdrawn", "settled", "reclaimed"] = "ended"
+
+
+class SlotUnsettled(_Read):
+    """A job ended with its teardown unconfirmed: its slot stays held until settled (signal
+    `unsettled`). `settle_at`: when the provider's own execution timeout has surely ended the
+    prompt (None: only an operator or the sweep can tell)."""
+
+    job_id: str
+    settle_at: datetime | None = None
+    detail: str = ""
+
+
+class Admission(_Read):
+    """Where a job stands in its pool's queue: the queue's answer to the job (signal
+    `admission`), and `JobStatus.admission` while it is PENDING."""
+
+    pool: str
+    job_id: str | None = None
+    granted: bool = False
+    # 1 = next to start; `ahead` = how many start before it (position - 1).
+    position: int | None = None
+    ahead: int | None = None
+    # How many wait in all for the pool.
+    waiting: int | None = None
+    priority: int = DEFAULT_PRIORITY
+    tenant: str = ""
+    # From the pool's recent hold times and its bound; None until the pool has some.
+    eta_s: float | None = None
+    as_of: datetime | None = None
+
+
+class Holder(_Read):
+    job_id: str
+    tenant: str
+    priority: int = DEFAULT_PRIORITY
+    granted_at: datetime
+    unsettled: bool = False
+    settle_at: datetime | None = None
+    detail: str = ""
+
+
+class Waiter(_Read):
+    job_id: str
+    tenant: str
+    priority: int = DEFAULT_PRIORITY
+    accepted_at: datetime
+    asked_at: datetime
+    # Arrival order in the queue: first come, first served within a tenant.
+    seq: int
+
+
+class QueueEntry(_Read):
+    """One line of `durable-comfy pool queue`: a waiting job or a holder."""
+
+    job_id: str
+    tenant: str
+    priority: int
+    # waiting: in line (position set); running: holds a slot; unsettled: holds one until its
+    # teardown is settled.
+    state: Literal["waiting", "running", "unsettled"]
+    position: int | None = None
+    since: datetime
+    detail: str = ""
+
+
+class PoolQueueView(_Read):
+    """The whole queue of a pool as its dispatcher has it (query `queue`)."""
+
+    pool: str
+    max_running: int | None = None
+    running: int = 0
+    waiting: int = 0
+    entries: list[QueueEntry] = Field(default_factory=list)
+    # Tenant -> (waiting, running): what the gateway shows a tenant beside its own jobs.
+    tenants: dict[str, tuple[int, int]] = Field(default_factory=dict)
+    eta_s_per_start: float | None = None
+
+
+class QueueState(_Read):
+    """Everything a dispatcher carries into its next run (continue-as-new)."""
+
+    pool: str
+    max_running: int | None = None
+    reclaim_every_s: float = 60.0
+    holders: dict[str, Holder] = Field(default_factory=dict)
+    waiters: list[Waiter] = Field(default_factory=list)
+    passes: dict[str, float] = Field(default_factory=dict)
+    weights: dict[str, float] = Field(default_factory=dict)
+    last_pass: float = 0.0
+    next_seq: int = 0
+    recent_holds_s: list[float] = Field(default_factory=list)
+    # Jobs that left before their request arrived (a release overtaking nothing: a job's
+    # signals arrive in the order it sent them, but a reclaim may come first).
+    gone: list[str] = Field(default_factory=list)
+
+
+class PoolLine:
+    """The queue of one pool: requests in, grants out."""
+
+    def __init__(self, state: QueueState) -> None:
+        self.state = state
+        # tenant -> FIFO of its waiters, per priority.
+        self._lines: dict[int, dict[str, deque[Waiter]]] = {}
+        self._waiting: dict[str, Waiter] = {}
+        for waiter in sorted(state.waiters, key=lambda w: w.seq):
+            self._enqueue(waiter)
+
+    # -- what comes in ------------------------------------------------------------------------
+
+    def request(self, ask: SlotRequest, now: datetime) -> None:
+        """A job in line (again: a repeated request changes nothing)."""
+        state = self.state
+        state.max_running = ask.max_running
+        state.reclaim_every_s = ask.reclaim_every_s
+        state.weights[ask.tenant] = ask.weight
+        if ask.job_id in state.holders or ask.job_id in self._waiting:
+            return
+        if ask.job_id in state.gone:
+            return
+        priority = min(max(ask.priority, MIN_PRIORITY), MAX_PRIORITY)
+        if not self._tenant_waits(ask.tenant):
+            # Back in line at the last start's pass, never below: no credit for idling.
+            state.passes[ask.tenant] = max(state.passes.get(ask.tenant, 0.0), state.last_pass)
+        waiter = Waiter(
+            job_id=ask.job_id,
+            tenant=ask.tenant,
+            priority=priority,
+            accepted_at=ask.accepted_at,
+            asked_at=now,
+            seq=state.next_seq,
+        )
+        state.next_seq += 1
+        self._enqueue(waiter)
+
+    def release(self, job_id: str, now: datetime) -> bool:
+        """The job's slot, or its place in line, is free; False when it had neither."""
+        state = self.state
+        holder = state.holders.pop(job_id, None)
+        if holder is not None:
+            if not holder.unsettled:
+                held = (now - holder.granted_at).total_seconds()
+                state.recent_holds_s = [*state.recent_holds_s, max(held, 0.0)][-RECENT_HOLDS:]
+            return True
+        waiter = self._waiting.pop(job_id, None)
+        if waiter is not None:
+            self._lines[waiter.priority][waiter.tenant].remove(waiter)
+            return True
+        # Not (yet) here: its request is still on its way, or was lost with a closed job.
+        state.gone = [*state.gone, job_id][-1000:]
+        return False
+
+    def unsettled(self, note: SlotUnsettled) -> bool:
+        holder = self.state.holders.get(note.job_id)
+        if holder is None:
+            return False
+        holder.unsettled, holder.settle_at, holder.detail = True, note.settle_at, note.detail
+        return True
+
+    # -- what goes out ------------------------------------------------------------------------
+
+    def grants(self, now: datetime) -> list[Holder]:
+        """Start as many waiting jobs as there are free slots, in the queue's order."""
+        granted: list[Holder] = []
+        while self._waiting and self.free_slots() > 0:
+            waiter = self._pick()
+            holder = Holder(
+                job_id=waiter.job_id,
+                tenant=waiter.tenant,
+                priority=waiter.priority,
+                granted_at=now,
+            )
+            self.state.holders[waiter.job_id] = holder
+            granted.append(holder)
+        return granted
+
+    def free_slots(self) -> int:
+        bound = self.state.max_running
+        if bound is None:
+            return len(self._waiting)
+        return max(bound - len(self.state.holders), 0)
+
+    def settle_due(self, now: datetime) -> list[str]:
+        """Unsettled holders whose provider has surely ended their prompt by now."""
+        return [
+            h.job_id
+            for h in self.state.holders.values()
+            if h.unsettled and h.settle_at is not None and h.settle_at <= now
+        ]
+
+    def next_settle_at(self) -> datetime | None:
+        times = [h.settle_at for h in self.state.holders.values() if h.unsettled and h.settle_at]
+        return min(times) if times else None
+
+    # -- where everyone stands ----------------------------------------------------------------
+
+    def order(self) -> list[Waiter]:
+        """Every waiting job in the order it would start if no one else came."""
+        passes = dict(self.state.passes)
+        heads = {
+            p: {t: list(line) for t, line in lines.items() if line}
+            for p, lines in self._lines.items()
+        }
+        ordered: list[Waiter] = []
+        for priority in sorted(heads):
+            tenants = heads[priority]
+            heap = [(passes[t], line[0].seq, t) for t, line in tenants.items()]
+            heapq.heapify(heap)
+            cursor = dict.fromkeys(tenants, 0)
+            while heap:
+                tenant_pass, _seq, tenant = heapq.heappop(heap)
+                line = tenants[tenant]
+                ordered.append(line[cursor[tenant]])
+                cursor[tenant] += 1
+                passes[tenant] = tenant_pass + self._stride(tenant)
+                if cursor[tenant] < len(line):
+                    heapq.heappush(heap, (passes[tenant], line[cursor[tenant]].seq, tenant))
+        return ordered
+
+    def admission_of(self, job_id: str, now: datetime) -> Admission | None:
+        holder = self.state.holders.get(job_id)
+        if holder is not None:
+            return Admission(
+                pool=self.state.pool,
+                job_id=job_id,
+                granted=True,
+                priority=holder.priority,
+                tenant=holder.tenant,
+                as_of=now,
+            )
+        for index, waiter in enumerate(self.order()):
+            if waiter.job_id == job_id:
+                return self._admission(waiter, index + 1, now)
+        return None
+
+    def positions(self, now: datetime) -> Iterator[Admission]:
+        for index, waiter in enumerate(self.order()):
+            yield self._admission(waiter, index + 1, now)
+
+    def view(self, now: datetime) -> PoolQueueView:
+        state = self.state
+        entries = [
+            QueueEntry(
+                job_id=w.job_id,
+                tenant=w.tenant,
+                priority=w.priority,
+                state="waiting",
+                position=i + 1,
+                since=w.asked_at,
+            )
+            for i, w in enumerate(self.order())
+        ]
+        entries += [
+            QueueEntry(
+                job_id=h.job_id,
+                tenant=h.tenant,
+                priority=h.priority,
+                state="unsettled" if h.unsettled else "running",
+                since=h.granted_at,
+                detail=h.detail,
+            )
+            for h in state.holders.values()
+        ]
+        tenants: dict[str, tuple[int, int]] = {}
+        for w in self._waiting.values():
+            waiting, running = tenants.get(w.tenant, (0, 0))
+            tenants[w.tenant] = (waiting + 1, running)
+        for h in state.holders.values():
+            waiting, running = tenants.get(h.tenant, (0, 0))
+            tenants[h.tenant] = (waiting, running + 1)
+        return PoolQueueView(
+            pool=state.pool,
+            max_running=state.max_running,
+            running=len(state.holders),
+            waiting=len(self._waiting),
+            entries=entries,
+            tenants=tenants,
+            eta_s_per_start=self._seconds_per_start(),
+        )
+
+    def snapshot(self) -> QueueState:
+        """The state to carry into the next run, every waiter in arrival order."""
+        self.state.waiters = sorted(self._waiting.values(), key=lambda w: w.seq)
+        return self.state
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def waiting_ids(self) -> Iterable[str]:
+        return self._waiting.keys()
+
+    # -- inside -------------------------------------------------------------------------------
+
+    def _admission(self, waiter: Waiter, position: int, now: datetime) -> Admission:
+        per_start = self._seconds_per_start()
+        return Admission(
+            pool=self.state.pool,
+            job_id=waiter.job_id,
+            position=position,
+            ahead=position - 1,
+            waiting=len(self._waiting),
+            priority=waiter.priority,
+            tenant=waiter.tenant,
+            eta_s=None if per_start is None else round(position * per_start, 1),
+            as_of=now,
+        )
+
+    def _seconds_per_start(self) -> float | None:
+        """How long, on average, until the next slot frees: a hold time over the bound."""
+        holds, bound = self.state.recent_holds_s, self.state.max_running
+        if not holds or not bound:
+            return None
+        return sum(holds) / len(holds) / bound
+
+    def _stride(self, tenant: str) -> float:
+        weight = self.state.weights.get(tenant, 1.0)
+        return 1.0 / weight if weight > 0 and math.isfinite(weight) else 1.0
+
+    def _tenant_waits(self, tenant: str) -> bool:
+        return any(lines.get(tenant) for lines in self._lines.values())
+
+    def _enqueue(self, waiter: Waiter) -> None:
+        self._lines.setdefault(waiter.priority, {}).setdefault(waiter.tenant, deque()).append(
+            waiter
+        )
+        self._waiting[waiter.job_id] = waiter
+
+    def _pick(self) -> Waiter:
+        state = self.state
+        priority = min(p for p, lines in self._lines.items() if any(lines.values()))
+        lines = self._lines[priority]
+        tenant = min(
+            (t for t, line in lines.items() if line),
+            key=lambda t: (state.passes.get(t, 0.0), lines[t][0].seq),
+        )
+        waiter = lines[tenant].popleft()
+        del self._waiting[waiter.job_id]
+        tenant_pass = state.passes.get(tenant, 0.0)
+        state.last_pass = max(state.last_pass, tenant_pass)
+        state.passes[tenant] = tenant_pass + self._stride(tenant)
+        return waiter

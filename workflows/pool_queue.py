@@ -1,0 +1,246 @@
+"""`PoolQueue`: the dispatcher of one bounded pool, the one place its slots are counted.
+
+Jobs of a pool with `max_running` ask it for a slot (`request`) once checked, and give the
+slot back (`release`) once their prompt has provably ended; it answers each request with
+`admission`: the grant, or a place in line, which it tells again as the line moves. Who starts
+next is workflows/admission.py's rule (priority, then tenants' fair shares, then first come).
+
+Everything it knows is in its own history, so the bound holds across any number of workers,
+a worker `kill -9`ed, a Temporal restart and continue-as-new (it carries its holders and its
+line). A holder whose workflow closed without releasing (`temporal workflow terminate`) is
+found by the `closed_jobs` activity every `reclaim_every_s`, and a grant whose job is gone is
+taken back at once. A holder whose teardown was not confirmed keeps its slot until it is
+settled: by the provider's execution timeout surely over, or by an operator's `release`.
+
+It continues as new every few hundred requests, and then starts on the deployment's current
+version (`AUTO_UPGRADE` for the new run's start only; each run is pinned like the jobs), so an
+upgrade reaches the dispatcher at its next run; its messages are tolerant models, read alike by
+an older job and a newer dispatcher.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+from typing import Any
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy
+
+with workflow.unsafe.imports_passed_through():
+    from workflows import shared
+    from workflows.admission import (
+        Admission,
+        PoolLine,
+        PoolQueueView,
+        QueueState,
+        SlotRelease,
+        SlotRequest,
+        SlotUnsettled,
+    )
+
+# Continue as new past this many events: a run's history stays small to replay.
+HISTORY_LIMIT = 4000
+# A waiting job hears its new place in line at most this often.
+TELL_POSITIONS_EVERY_S = 10.0
+# How many waiting jobs (the first in line) hear their place again each time.
+TELL_POSITIONS_TO = 50
+# A run with nothing held and nothing waiting continues as new after this long, so an idle
+# dispatcher also moves to the current version.
+IDLE_RUN_S = 3600.0
+
+
+@workflow.defn(name=shared.POOL_QUEUE_WORKFLOW_TYPE)
+class PoolQueue:
+    @workflow.init
+    def __init__(self, state: QueueState) -> None:
+        self._line = PoolLine(state)
+        self._news = True
+        # Waiting jobs that have not heard their place yet, and the place each heard last.
+        self._untold: set[str] = set(self._line.waiting_ids())
+        self._told: dict[str, int] = {}
+        # Holders that asked again (a job's run that did not hear its grant): told again.
+        self._regrant: set[str] = set()
+        self._reclaimed = 0
+
+    @workflow.run
+    async def run(self, state: QueueState) -> None:
+        reclaim = asyncio.create_task(self._reclaim_closed_holders())
+        started = workflow.now()
+        next_telling = started
+        while not self._should_continue(started):
+            settle_at = self._line.next_settle_at()
+            wake = next_telling if self._line.waiting else None
+            if settle_at is not None and (wake is None or settle_at < wake):
+                wake = settle_at
+            timeout = None
+            if wake is not None:
+                timeout = max((wake - workflow.now()).total_seconds(), 0.001)
+            try:
+                await workflow.wait_condition(
+                    lambda: self._news or self._should_continue(started),
+                    timeout=timeout,
+                    timeout_summary="next settle or position",
+                )
+            except TimeoutError:
+                pass
+            self._news = False
+            now = workflow.now()
+            for job_id in self._line.settle_due(now):
+                self._line.release(job_id, now)
+            await self._grant(now)
+            if self._untold or now >= next_telling:
+                await self._tell_positions(now, refresh=now >= next_telling)
+                if now >= next_telling:
+                    next_telling = now + timedelta(seconds=TELL_POSITIONS_EVERY_S)
+        reclaim.cancel()
+        await workflow.wait_condition(workflow.all_handlers_finished)
+        workflow.continue_as_new(
+            self._line.snapshot(),
+            initial_versioning_behavior=workflow.ContinueAsNewVersioningBehavior.AUTO_UPGRADE,
+        )
+
+    def _should_continue(self, started: Any) -> bool:
+        info = workflow.info()
+        if info.is_continue_as_new_suggested() or info.get_current_history_length() > HISTORY_LIMIT:
+            return True
+        idle = not self._line.waiting and not self._line.state.holders
+        return idle and (workflow.now() - started).total_seconds() > IDLE_RUN_S
+
+    # -- grants and places --------------------------------------------------------------------
+
+    async def _grant(self, now: Any) -> None:
+        granted = self._line.grants(now)
+        granted += [
+            self._line.state.holders[j] for j in self._regrant if j in self._line.state.holders
+        ]
+        self._regrant.clear()
+        if not granted:
+            return
+        pool = self._line.state.pool
+        answers = [
+            Admission(
+                pool=pool,
+                job_id=h.job_id,
+                granted=True,
+                priority=h.priority,
+                tenant=h.tenant,
+                as_of=now,
+            )
+            for h in granted
+        ]
+        for holder in granted:
+            self._untold.discard(holder.job_id)
+            self._told.pop(holder.job_id, None)
+        results = await asyncio.gather(
+            *(self._tell(answer, h.job_id) for answer, h in zip(answers, granted, strict=True))
+        )
+        for holder, delivered in zip(granted, results, strict=True):
+            if not delivered:
+                # Its job is gone (closed, terminated): the slot is free again.
+                self._line.release(holder.job_id, workflow.now())
+                self._news = True
+
+    async def _tell_positions(self, now: Any, *, refresh: bool) -> None:
+        """Each new waiter its place; on a refresh, the first in line whose place moved."""
+        tellings: list[tuple[str, Admission]] = []
+        for admission in self._line.positions(now):
+            job_id = self._job_of(admission)
+            position = admission.position or 0
+            if job_id in self._untold:
+                tellings.append((job_id, admission))
+            elif refresh and position <= TELL_POSITIONS_TO and self._told.get(job_id) != position:
+                tellings.append((job_id, admission))
+        self._untold.clear()
+        for job_id, admission in tellings:
+            self._told[job_id] = admission.position or 0
+        results = await asyncio.gather(*(self._tell(a, job_id) for job_id, a in tellings))
+        for (job_id, _), delivered in zip(tellings, results, strict=True):
+            if not delivered:
+                self._line.release(job_id, workflow.now())
+                self._told.pop(job_id, None)
+
+    def _job_of(self, admission: Admission) -> str:
+        assert admission.job_id is not None
+        return admission.job_id
+
+    async def _tell(self, admission: Admission, job_id: str) -> bool:
+        """Signal the job; False when it is gone (closed or unknown)."""
+        try:
+            await workflow.get_external_workflow_handle(job_id).signal(
+                shared.SIGNAL_ADMISSION, admission
+            )
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            return False
+        return True
+
+    # -- holders whose job closed -------------------------------------------------------------
+
+    async def _reclaim_closed_holders(self) -> None:
+        while True:
+            await workflow.wait_condition(lambda: bool(self._line.state.holders))
+            await workflow.sleep(
+                timedelta(seconds=self._line.state.reclaim_every_s), summary="reclaim sweep"
+            )
+            held = sorted(self._line.state.holders)
+            if not held:
+                continue
+            closed: list[str] = await workflow.execute_activity(
+                shared.ACTIVITY_CLOSED_JOBS,
+                args=[self._line.state.pool, held],
+                result_type=list[str],
+                start_to_close_timeout=timedelta(seconds=60),
+                retry_policy=RetryPolicy(maximum_interval=timedelta(seconds=30)),
+            )
+            now = workflow.now()
+            for job_id in closed:
+                if self._line.release(job_id, now):
+                    self._reclaimed += 1
+                    self._news = True
+
+    # -- messages -----------------------------------------------------------------------------
+
+    @workflow.signal(name=shared.SIGNAL_SLOT_REQUEST)
+    def request(self, payload: Any = None) -> None:
+        try:
+            ask = SlotRequest.model_validate(payload)
+        except ValueError:
+            return  # nothing to answer to: a request names its job
+        self._line.request(ask, workflow.now())
+        if ask.job_id in self._line.state.holders:
+            self._regrant.add(ask.job_id)
+        else:
+            self._untold.add(ask.job_id)
+        self._news = True
+
+    @workflow.signal(name=shared.SIGNAL_SLOT_RELEASE)
+    def release(self, payload: Any = None) -> None:
+        try:
+            note = SlotRelease.model_validate(payload)
+        except ValueError:
+            return
+        self._line.release(note.job_id, workflow.now())
+        self._untold.discard(note.job_id)
+        self._told.pop(note.job_id, None)
+        self._news = True
+
+    @workflow.signal(name=shared.SIGNAL_SLOT_UNSETTLED)
+    def unsettled(self, payload: Any = None) -> None:
+        try:
+            note = SlotUnsettled.model_validate(payload)
+        except ValueError:
+            return
+        self._line.unsettled(note)
+        self._news = True
+
+    @workflow.query(name=shared.QUERY_POOL_QUEUE)
+    def queue(self, _ignored: Any = None) -> PoolQueueView:
+        return self._line.view(workflow.now())
+
+    @workflow.query(name=shared.QUERY_ADMISSION)
+    def admission(self, job_id: Any = None) -> Admission | None:
+        if not isinstance(job_id, str):
+            return None
+        return self._line.admission_of(job_id, workflow.now())

@@ -1,0 +1,178 @@
+"""A job's side of its bounded pool's queue (workflows/pool_queue.py): ask, wait, give back.
+
+A job on a pool with `max_running` asks the pool's dispatcher for a slot once it is checked,
+and is `PENDING` until granted; nothing of it reaches the pool before. It gives the slot back
+only when its prompt has provably ended: completed, or a teardown CONFIRMED or SKIPPED. A
+teardown UNCONFIRMED or FAILED keeps the slot, marked unsettled, until the provider's own
+execution timeout has surely ended the prompt or an operator settles it (`pool release`). A job
+that leaves before its grant (cancelled, failed, expired) gives its place in line back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, Literal
+
+from pydantic import BaseModel
+from temporalio import workflow
+
+with workflow.unsafe.imports_passed_through():
+    from workflows import shared
+    from workflows.activity_io import PoolBound
+    from workflows.admission import Admission, SlotRelease, SlotRequest, SlotUnsettled
+    from workflows.contracts import JobRequest, JobState
+    from workflows.job_book import JobBook
+
+# How long the job's wait for a dispatcher that does not answer lasts before it asks again
+# (a dispatcher that was terminated and started afresh does not know it).
+ASK_AGAIN_AFTER_S = 300.0
+
+
+class SlotCarry(BaseModel):
+    """A job's slot across its continue-as-new: the new run holds it as the old one did."""
+
+    bound: PoolBound
+    granted: bool = True
+
+
+class PoolSlot:
+    def __init__(self, request: JobRequest, book: JobBook, carry: SlotCarry | None) -> None:
+        self._request = request
+        self._status = book.status
+        self.bound: PoolBound | None = carry.bound if carry else None
+        self.granted = carry.granted if carry else False
+        self._given_back = False
+        self._answered = False
+        # How the job's state moves when the queue answers; what happens when the job starts to
+        # wait in line, and when that wait ends with the grant (set by the guards).
+        self.on_answer: Callable[[Admission], None] = book.admission
+        self._giving_back: asyncio.Task[None] | None = None
+        self.on_wait: Any = None
+        self.on_granted_after_wait: Any = None
+        self._waited = False
+
+    @property
+    def held(self) -> bool:
+        return self.granted and not self._given_back
+
+    def carry(self) -> SlotCarry | None:
+        return SlotCarry(bound=self.bound, granted=self.granted) if self.bound else None
+
+    @property
+    def tenant(self) -> str:
+        return self._request.labels.get(shared.TENANT_LABEL) or shared.DEFAULT_TENANT
+
+    async def take(self, bound: PoolBound | None) -> None:
+        """Ask the pool's queue and wait for the grant (PENDING meanwhile, when the queue says
+        so); nothing to wait for on an unbounded pool (None). Cancelled with the job: the place
+        in line is given back by `give_back`."""
+        if self.granted or bound is None:
+            return
+        self.bound = bound
+        while not self.granted:
+            await self._ask(bound)
+            try:
+                await workflow.wait_condition(
+                    lambda: self.granted,
+                    timeout=None if self._answered else timedelta(seconds=ASK_AGAIN_AFTER_S),
+                    timeout_summary="pool queue answer",
+                )
+            except TimeoutError:
+                continue  # no word from the queue at all: ask again (a repeat changes nothing)
+
+    def heard(self, payload: Any) -> None:
+        """The queue's word: a place in line, or the grant (anything else is ignored: a
+        signal never fails the job)."""
+        try:
+            answer = Admission.model_validate(payload)
+        except ValueError:
+            return
+        if self._given_back or self.bound is None or answer.pool != self.bound.pool:
+            return
+        self._answered = True
+        if self.granted:
+            return
+        if answer.granted:
+            self.granted = True
+        if self.on_answer is not None:
+            self.on_answer(answer)
+        if not answer.granted and not self._waited:
+            self._waited = True
+            if self.on_wait is not None:
+                self.on_wait()
+        elif answer.granted and self._waited and self.on_granted_after_wait is not None:
+            self.on_granted_after_wait()
+
+    def give_back(self, ending: JobState) -> None:
+        """At the job's end (once its prompt has provably ended, or is known not to have):
+        the slot, the place in line, or an unsettled hold goes back, while the end state is
+        written; `given_back` waits for it."""
+        if self.bound is not None and not self._given_back:
+            self._giving_back = asyncio.create_task(self._give_back(ending))
+
+    async def given_back(self) -> None:
+        if self._giving_back is not None:
+            await self._giving_back
+
+    async def _give_back(self, ending: JobState) -> None:
+        if self.bound is None or self._given_back:
+            return
+        self._given_back = True
+        teardown = self._status.teardown.state
+        if not self.granted:
+            await self._signal(shared.SIGNAL_SLOT_RELEASE, self._release("withdrawn"))
+        elif ending == JobState.COMPLETED or teardown in ("CONFIRMED", "SKIPPED"):
+            await self._signal(shared.SIGNAL_SLOT_RELEASE, self._release("ended"))
+        else:
+            await self._signal(shared.SIGNAL_SLOT_UNSETTLED, self._unsettled())
+
+    # -- inside -------------------------------------------------------------------------------
+
+    def _release(self, reason: Literal["ended", "withdrawn"]) -> SlotRelease:
+        return SlotRelease(job_id=self._status.job_id, reason=reason)
+
+    def _unsettled(self) -> SlotUnsettled:
+        assert self.bound is not None
+        settle_at = None
+        if self.bound.settle_after_s is not None:
+            checkpoint = self._status.checkpoint
+            since = (checkpoint.submit_sent_at or checkpoint.submitted_at) if checkpoint else None
+            since = since or workflow.now()
+            settle_at = since + timedelta(seconds=self.bound.settle_after_s)
+        teardown = self._status.teardown
+        return SlotUnsettled(
+            job_id=self._status.job_id,
+            settle_at=settle_at,
+            detail=f"teardown {teardown.state}: {teardown.detail}"[:300],
+        )
+
+    async def _ask(self, bound: PoolBound) -> None:
+        ask = SlotRequest(
+            job_id=self._status.job_id,
+            tenant=self.tenant,
+            priority=self._request.priority,
+            weight=bound.weight,
+            max_running=bound.max_running,
+            accepted_at=self._status.created_at or workflow.now(),
+            reclaim_every_s=bound.reclaim_every_s,
+        )
+        if await self._signal(shared.SIGNAL_SLOT_REQUEST, ask):
+            return
+        # No dispatcher runs for the pool yet: an activity starts it with the request.
+        await workflow.execute_activity(
+            shared.ACTIVITY_OPEN_POOL_QUEUE,
+            args=[bound.pool, ask],
+            start_to_close_timeout=timedelta(seconds=30),
+            summary=f"open the queue of pool {bound.pool}",
+        )
+
+    async def _signal(self, name: str, message: BaseModel) -> bool:
+        assert self.bound is not None
+        queue = shared.pool_queue_id(workflow.info().task_queue, self.bound.pool)
+        try:
+            await workflow.get_external_workflow_handle(queue).signal(name, message)
+        except Exception:
+            return False
+        return True
