@@ -72,6 +72,9 @@ class JobState(StrEnum):
     FAILED = "FAILED"
     CANCELLED = "CANCELLED"
     ABANDONED = "ABANDONED"
+    # Its prompt had not begun to run on a GPU by `policy.start_by_s` after acceptance: what it
+    # had submitted was withdrawn, nothing ran and nothing was billed.
+    EXPIRED = "EXPIRED"
     # Never set by the job itself: clients report these from Temporal's own record when the
     # workflow was ended from outside (`temporal workflow terminate`, a run timeout), which
     # skips the job's teardown.
@@ -84,7 +87,14 @@ class JobState(StrEnum):
 
 
 WebhookEventName = Literal[
-    "completed", "failed", "cancelled", "abandoned", "needs_decision", "output_stored", "progress"
+    "completed",
+    "failed",
+    "cancelled",
+    "abandoned",
+    "expired",
+    "needs_decision",
+    "output_stored",
+    "progress",
 ]
 
 
@@ -106,6 +116,7 @@ ENDINGS: Final[Mapping[JobState, Ending]] = MappingProxyType(
         JobState.FAILED: Ending("failed", "after failure"),
         JobState.CANCELLED: Ending("cancelled", "after cancel"),
         JobState.ABANDONED: Ending("abandoned", "after abandonment"),
+        JobState.EXPIRED: Ending("expired", "after expiry"),
         JobState.TERMINATED: Ending(None, "after terminated"),
         JobState.TIMED_OUT: Ending(None, "after timed_out"),
     }
@@ -163,7 +174,14 @@ class ReconnectPolicy(StrictModel):
 
 
 class JobPolicy(StrictModel):
+    # The cap on the job's run on the GPU (also sent to RunPod); its clock starts when the job
+    # leaves PENDING: time in our queue never counts.
     execution_timeout_s: float = Field(1800.0, gt=0, strict=True)
+    # Counted from acceptance: a job whose prompt has not begun to run on a GPU by then (still
+    # PENDING, or queued at the provider) has what it submitted withdrawn and ends EXPIRED.
+    start_by_s: float | None = Field(None, gt=0, strict=True)
+    # Replaced by `start_by_s`; still honoured for a request that sends it: a prompt that waits
+    # in the backend's queue longer than this fails the job (QueueTimeout).
     queue_timeout_s: float | None = Field(None, gt=0, strict=True)
     heartbeat_timeout_s: float = Field(20.0, gt=0, strict=True)
     reconnect: ReconnectPolicy = Field(default_factory=ReconnectPolicy)

@@ -202,7 +202,8 @@ class InferenceJob:
         ending = self._ending(outcome)
         book, prompt_id = self._book, self._book.prompt_id
         book.decided(ending)
-        if self._prepared is None or prompt_id is None or refused_before_submission(outcome):
+        nothing_sent = self._prepared is None or prompt_id is None or self._slot.waiting
+        if nothing_sent or refused_before_submission(outcome):
             book.nothing_to_stop()
         else:
             await self._stopper.settle(ending, book.pool, prompt_id)
@@ -230,8 +231,7 @@ class InferenceJob:
             raise asyncio.CancelledError(error.message if error else "")
         return self._status
 
-    # -- messages: each takes `Any` (workflows/messages.py); what it changes goes through the
-    # -- book or its controls, a cancel through `_cancel`
+    # -- messages: each takes `Any` (messages.py); changes go through the book or `_cancel`
 
     @workflow.query(name=shared.QUERY_STATUS)
     def status(self, _ignored: Any = None) -> JobStatus:

@@ -163,6 +163,9 @@ class JobBook:
         self._unsent_attributes: dict[str, SearchAttributeUpdate[Any]] = {}
         self._attribute_writes = 0
         self._journal_listeners: list[Callable[[list[JobEvent]], None]] = []
+        self._began = False
+        # In line for a bounded pool's slot (workflows/pool_slot.py): nothing is submitted.
+        self.awaiting_slot = False
 
     # -- the run --------------------------------------------------------------------------
 
@@ -207,6 +210,13 @@ class JobBook:
     @property
     def pending(self) -> bool:
         return self.status.state == JobState.PENDING
+
+    @property
+    def began_running(self) -> bool:
+        """Whether a prompt of the job has begun to run on a GPU, as far as the job has heard
+        (a progress report past the provider's queue, or a stored output)."""
+        running = (JobState.RUNNING, JobState.RECONNECTING, JobState.UPLOADING)
+        return self._began or self.status.state in running or bool(self.status.artifacts)
 
     @property
     def pool(self) -> str | None:
@@ -265,6 +275,7 @@ class JobBook:
     def followed(self, result: FollowResult) -> None:
         """The follow saw the prompt end successfully: its outputs, checkpoint and cost."""
         self.finished_prompt = result.prompt_id
+        self._began = True
         self._merge(result.artifacts)
         self.status.checkpoint = result.checkpoint
         self._note_provider_job(result.checkpoint)
@@ -451,6 +462,7 @@ class JobBook:
         else:
             self.backend_state = JobState.RUNNING
             progress.queue_position = None
+            self._began = True
         progress.node = report.node
         following = (JobState.SUBMITTING, JobState.WAITING, JobState.RUNNING)
         if self.status.state in following and self.status.state != self.backend_state:

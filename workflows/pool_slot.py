@@ -39,6 +39,7 @@ class SlotCarry(BaseModel):
 
 class PoolSlot:
     def __init__(self, request: JobRequest, book: JobBook, carry: SlotCarry | None) -> None:
+        self._book = book
         self._request = request
         self._status = book.status
         self.bound: PoolBound | None = carry.bound if carry else None
@@ -52,6 +53,11 @@ class PoolSlot:
         self.on_wait: Any = None
         self.on_granted_after_wait: Any = None
         self._waited = False
+
+    @property
+    def waiting(self) -> bool:
+        """In line for a bounded pool's slot, not granted: nothing of the job has been sent."""
+        return self.bound is not None and not self.granted
 
     @property
     def held(self) -> bool:
@@ -71,6 +77,7 @@ class PoolSlot:
         if self.granted or bound is None:
             return
         self.bound = bound
+        self._book.awaiting_slot = True
         while not self.granted:
             await self._ask(bound)
             try:
@@ -81,6 +88,7 @@ class PoolSlot:
                 )
             except TimeoutError:
                 continue  # no word from the queue at all: ask again (a repeat changes nothing)
+        self._book.awaiting_slot = False
 
     def heard(self, payload: Any) -> None:
         """The queue's word: a place in line, or the grant (anything else is ignored: a

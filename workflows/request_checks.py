@@ -31,6 +31,7 @@ MAX_LABEL_VALUE_CHARS = 256
 MAX_POLICY_SECONDS = 366 * 24 * 3600.0
 POLICY_DURATIONS = (
     "execution_timeout_s",
+    "start_by_s",
     "queue_timeout_s",
     "heartbeat_timeout_s",
     "abandon_after_s",

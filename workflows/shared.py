@@ -114,6 +114,8 @@ class ErrorType:
     # The job asked for a priority its tenant's `max_priority` forbids.
     PRIORITY_NOT_ALLOWED: Final = "PriorityNotAllowed"
     QUEUE_TIMEOUT: Final = "QueueTimeout"  # waited in the backend's queue past queue_timeout_s
+    # Not begun to run on a GPU by policy.start_by_s: withdrawn, ended EXPIRED.
+    EXPIRED: Final = "Expired"
     TEARDOWN_FAILED: Final = "TeardownFailed"
     CANCELLED: Final = "Cancelled"
     RESUME_REFUSED: Final = "ResumeRefused"  # the resume update's refusal (the job goes on)

@@ -75,7 +75,36 @@ def start_guards(
     if policy.queue_timeout_s is not None:
         queue = queue_watchdog(policy.queue_timeout_s, book, stop)
         running.append(asyncio.create_task(queue))
+    if policy.start_by_s is not None:
+        running.append(asyncio.create_task(start_deadline(policy.start_by_s, book, stop)))
     return running
+
+
+async def start_deadline(start_by_s: float, book: JobBook, stop: OrderStop) -> None:
+    """Counted from acceptance: a prompt that has not begun to run by then (the job PENDING in
+    our queue, or its prompt queued at the provider) is withdrawn, and the job ends EXPIRED."""
+    accepted = book.status.created_at or workflow.now()
+    left = start_by_s - (workflow.now() - accepted).total_seconds()
+    try:
+        await workflow.wait_condition(
+            lambda: book.began_running,
+            timeout=timedelta(seconds=max(left, 0.001)),
+            timeout_summary="start deadline",
+        )
+    except TimeoutError:
+        where = _where_it_waits(book)
+        message = f"not begun to run within start_by_s ({start_by_s:.0f} s): {where}"
+        stop(StopOrder(JobState.EXPIRED, JobError(type=ErrorType.EXPIRED, message=message)))
+
+
+def _where_it_waits(book: JobBook) -> str:
+    admission = book.status.admission
+    if book.pending and admission is not None:
+        return f"place {admission.position or '?'} in the queue of pool {admission.pool}"
+    if book.status.state == JobState.WAITING:
+        place = book.status.progress.queue_position
+        return "in the backend's queue" + (f" (place {place})" if place is not None else "")
+    return f"still {book.status.state.value}"
 
 
 def deadline_paused_in_line(
@@ -382,7 +411,7 @@ class ConfirmedStop:
     def begin(self, order: StopOrder, pool: str | None, prompt_id: str | None) -> None:
         """`prompt_id` None: nothing submitted yet, the settled pass alone checks."""
         self._book.set_state(JobState.STOPPING)
-        if prompt_id is not None:
+        if prompt_id is not None and not self._book.awaiting_slot:
             self._early = asyncio.create_task(
                 self._stop.confirm(
                     pool,

@@ -336,3 +336,36 @@ async def test_an_unconfirmed_stop_keeps_its_slot_until_pool_release_settles_it(
 def prompt_of(status: JobStatus) -> str:
     assert status.checkpoint is not None and status.checkpoint.prompt_id is not None
     return status.checkpoint.prompt_id
+
+
+async def test_a_job_still_pending_at_start_by_s_expires_with_nothing_submitted(
+    queue: Fleet,
+) -> None:
+    fleet = queue
+    [blocker] = await submit(fleet, [request(600, pool=ONE)], "blocker")
+    await eventually(
+        lambda: fleet.queue(ONE),
+        timeout_s=60,
+        what="one running",
+        accept=lambda view: view.running == 1,
+    )
+    late = request(5, pool=ONE)
+    late.policy.start_by_s = 3.0
+    [waiter] = await submit(fleet, [late], "expiring")
+    ended = await asyncio.wait_for(fleet.client.wait(waiter), 60)
+    assert ended.state == JobState.EXPIRED, ended.error
+    assert ended.error is not None and "queue of pool one" in ended.error.message
+    assert ended.teardown.state == "SKIPPED", ended.teardown
+    checkpoint = ended.checkpoint
+    assert checkpoint is None or (checkpoint.submitted_at, checkpoint.submit_sent_at) == (
+        None,
+        None,
+    )
+    # Its place in line went back: the queue holds the blocker alone.
+    view = await fleet.queue(ONE)
+    assert [e.job_id for e in view.entries] == [blocker]
+    await fleet.client.cancel(blocker, "done with it")
+    await fleet.client.wait(blocker)
+    stats = await fleet.sim_stats()
+    if checkpoint is not None:
+        assert checkpoint.prompt_id not in stats["prompts"], "it never reached the pool"

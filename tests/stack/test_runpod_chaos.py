@@ -345,6 +345,24 @@ async def test_a_job_whose_ttl_runs_out_in_the_queue_fails_as_a_queue_timeout(
     assert ledger.workers == []
 
 
+async def test_a_job_still_in_runpods_queue_at_start_by_s_expires_with_its_job_withdrawn(
+    endpoints: Endpoints,
+) -> None:
+    """No worker ever comes: at `start_by_s` the job's RunPod job, still IN_QUEUE, is cancelled
+    (confirmed), nothing ran, nothing billed, and the job ends EXPIRED."""
+    request = job(steps=20, start_by_s=3).model_copy(update={"pool": GPULESS_POOL})
+    final = await finish(endpoints.client, request)
+    assert final.state == JobState.EXPIRED, final.error
+    assert final.error is not None and final.error.type == ErrorType.EXPIRED
+    assert "in the backend's queue" in final.error.message, final.error.message
+    assert final.teardown.state == "CONFIRMED", final.teardown
+    assert final.cost == [] or all(c.execution_s == 0 for c in final.cost)
+    ledger = await settled_ledger(endpoints.gpuless, idle_timeout_s=0.0)
+    [provider_job] = ledger.jobs_for(submission_of(final))
+    assert provider_job.status == "CANCELLED" and provider_job.deliveries == []
+    assert ledger.workers == []
+
+
 async def test_completed_without_output_is_not_a_success(endpoints: Endpoints) -> None:
     """RunPod refused the worker's job-done (as after a result too big for it) and reports the
     job COMPLETED with no output: the job fails, typed, instead of completing empty."""

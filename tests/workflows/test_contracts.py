@@ -27,7 +27,7 @@ GRAPH: dict[str, Any] = {"1": {"class_type": "EmptyImage", "inputs": {"width": 8
 
 
 def test_exactly_the_end_states_are_terminal() -> None:
-    ended = {"COMPLETED", "FAILED", "CANCELLED", "ABANDONED", "TERMINATED", "TIMED_OUT"}
+    ended = {"COMPLETED", "FAILED", "CANCELLED", "ABANDONED", "EXPIRED", "TERMINATED", "TIMED_OUT"}
     assert {s.value for s in JobState if s.terminal} == ended
     assert {s.value for s in TERMINAL_STATES} == ended
     for state in JobState:
@@ -35,7 +35,8 @@ def test_exactly_the_end_states_are_terminal() -> None:
 
 
 def test_the_endings_name_the_webhook_events_a_request_gets_unasked() -> None:
-    """Derived from ENDINGS: the defaults stay what every earlier version sent."""
+    """Derived from ENDINGS: every ending a webhook can tell, and a call for a person (a
+    request names its events when it is sent, so an earlier client's list is its own)."""
     events = [e.webhook_event for e in ENDINGS.values() if e.webhook_event is not None]
     assert set(events) <= set(get_args(WebhookEventName))
     assert DEFAULT_WEBHOOK_EVENTS == (
@@ -43,6 +44,7 @@ def test_the_endings_name_the_webhook_events_a_request_gets_unasked() -> None:
         "failed",
         "cancelled",
         "abandoned",
+        "expired",
         "needs_decision",
     )
     # Set only by Temporal's own record of a workflow ended from outside: no webhook tells.

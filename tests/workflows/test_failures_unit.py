@@ -137,6 +137,7 @@ def test_the_error_types_never_change() -> None:
         "TIMEOUT": "Timeout",
         "PRIORITY_NOT_ALLOWED": "PriorityNotAllowed",
         "QUEUE_TIMEOUT": "QueueTimeout",
+        "EXPIRED": "Expired",
         "TEARDOWN_FAILED": "TeardownFailed",
         "CANCELLED": "Cancelled",
         "RESUME_REFUSED": "ResumeRefused",

@@ -15,10 +15,15 @@ from typing import Any
 import pytest
 
 from tests.support.workflow_fakes import FakeWorkflow, Step, fires, holds
-from workflows.contracts import JobPolicy, JobState, JobStatus
+from workflows.contracts import JobPolicy, JobState, JobStatus, ProgressReport
 from workflows.job_book import JobBook, StopOrder
 from workflows.shared import ErrorType
-from workflows.stopping import abandon_watchdog, execution_deadline, queue_watchdog
+from workflows.stopping import (
+    abandon_watchdog,
+    execution_deadline,
+    queue_watchdog,
+    start_deadline,
+)
 
 
 class Stops:
@@ -98,3 +103,36 @@ def test_a_prompt_waiting_past_the_queue_timeout_fails_the_job(
             "prompt p-2 waited in the backend's queue (place 3) longer than queue_timeout_s (60 s)",
         )
     ]
+
+
+def test_a_job_not_begun_to_run_by_start_by_s_expires(wf: FakeWorkflow, book: JobBook) -> None:
+    book.status.created_at = wf.now
+    wf.advance(20.0)  # the job was accepted 20 s before this run's guards started
+    book.status.state = JobState.PENDING
+    wf.conditions = [fires]
+    stop = Stops()
+    _run(wf, start_deadline(60.0, book, stop))
+    # Counted from acceptance: 40 s are left, not 60.
+    assert wf.waits == [(40.0, "start deadline")]
+    assert stop.requests == [
+        (
+            JobState.EXPIRED,
+            ErrorType.EXPIRED,
+            "not begun to run within start_by_s (60 s): still PENDING",
+        )
+    ]
+
+
+def test_a_job_whose_prompt_began_to_run_does_not_expire(wf: FakeWorkflow, book: JobBook) -> None:
+    book.status.created_at = wf.now
+
+    def begins(fn: Callable[[], bool]) -> None:
+        assert not fn()
+        report = ProgressReport(attempt_client_id="c1", stage="running", step=1)
+        book.apply_progress(report, stage_changes=True)
+        assert fn()
+
+    wf.conditions = [begins]
+    stop = Stops()
+    _run(wf, start_deadline(60.0, book, stop))
+    assert stop.requests == []

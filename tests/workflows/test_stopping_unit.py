@@ -185,6 +185,7 @@ def test_the_stop_reason_names_what_the_teardown_follows() -> None:
         "after failure",
         "after cancel",
         "after abandonment",
+        "after expiry",
         "after terminated",
         "after timed_out",
     ]
