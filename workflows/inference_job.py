@@ -202,8 +202,8 @@ class InferenceJob:
         ending = self._ending(outcome)
         book, prompt_id = self._book, self._book.prompt_id
         book.decided(ending)
-        nothing_sent = self._prepared is None or prompt_id is None or self._slot.waiting
-        if nothing_sent or refused_before_submission(outcome):
+        nothing_sent = self._prepared is None or self._slot.waiting
+        if nothing_sent or prompt_id is None or refused_before_submission(outcome):
             book.nothing_to_stop()
         else:
             await self._stopper.settle(ending, book.pool, prompt_id)
