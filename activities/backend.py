@@ -158,6 +158,8 @@ class JobActivities:
             weight=terms.weight,
             reclaim_every_s=self._reclaim_every_s,
             settle_after_s=settle_after_s,
+            tenant_max_pending=terms.max_pending,
+            pool_max_pending=config.max_pending,
         )
 
     @activity.defn(name=ACTIVITY_FOLLOW)

@@ -99,7 +99,8 @@ class PoolConfig(BaseModel):
     `max_running` (any kind): at most this many of the pool's jobs hold it at once, across all
     workers, from the moment their submission may reach the pool until their prompt has
     provably ended; the others wait in our queue (`PENDING`), in order of priority, then by
-    their tenants' fair shares, then first come first served. Unset: unbounded.
+    their tenants' fair shares, then first come first served. Unset: unbounded. `max_pending`:
+    how many may wait at once (a new job above it is refused at submission, `QueueFull`).
 
     After validation a runpod pool has `url`, `api_key_env` and `claims` set; a comfyui pool has
     none of the runpod fields (so its dump is what it always was).
@@ -128,6 +129,9 @@ class PoolConfig(BaseModel):
     # How many of the pool's jobs may hold it at once, across every worker (our queue,
     # workflows/admission.py); None: unbounded, every job goes to the pool when it is ready.
     max_running: int | None = Field(None, ge=1, le=100_000)
+    # How many of the pool's jobs may wait in our queue at once; above it a new one is refused
+    # at submission (429 QueueFull). None: no bound of the pool's own.
+    max_pending: int | None = Field(None, ge=1)
 
     @field_validator("allowed_node_classes")
     @classmethod

@@ -478,6 +478,9 @@ class ClientSettings(Settings):
     """The client's own variables. Empty counts as unset; read only under these names."""
 
     task_queue: str = Field(DEFAULT_TASK_QUEUE, validation_alias="DURABLE_COMFY_TASK_QUEUE")
+    # The workers' default pool: a request that names no pool is checked against its queue's
+    # room (`max_pending`) at submission. None: such a request is not checked here.
+    default_pool: str | None = Field(None, validation_alias="DURABLE_COMFY_DEFAULT_POOL")
     # How long a status query waits for a worker to answer.
     query_timeout_s: float = Field(10.0, gt=0, validation_alias="DURABLE_COMFY_QUERY_TIMEOUT_S")
     # The workers' live-progress key: with it, `watch` also takes the steps the worker following
@@ -490,6 +493,7 @@ class ClientSettings(Settings):
     # fields, such as the CLI's log level, are not read from the file.)
     file_keys: ClassVar[Mapping[str, str]] = {
         "task_queue": "worker.task_queue",
+        "default_pool": "worker.default_pool",
         "query_timeout_s": "client.query_timeout_s",
     }
 

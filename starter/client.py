@@ -74,7 +74,7 @@ from starter.progress import (
     heartbeat_status,
     overlaid,
 )
-from starter.queues import pool_queue, release_slot, with_queue_position
+from starter.queues import pool_queue, queue_room, release_slot, with_queue_position
 from starter.requests import check_segment_overrides
 from starter.staging import stage_inputs
 from starter.worker_wait import WAIT_STATES, QueueReader, with_worker_wait
@@ -98,6 +98,7 @@ from workflows.errors import StorageConfigError, StorageError
 from workflows.job_input import JobInput
 from workflows.shared import (
     DEFAULT_TASK_QUEUE,
+    DEFAULT_TENANT,
     POOL_KEY,
     PROGRESS_KEY,
     QUERY_EVENTS,
@@ -106,6 +107,7 @@ from workflows.shared import (
     SIGNAL_CANCEL_REASON,
     SIGNAL_CLIENT_SEEN,
     STATE_KEY,
+    TENANT_LABEL,
     UPDATE_ATTACH,
     UPDATE_ENDED,
     UPDATE_RESUME,
@@ -226,9 +228,12 @@ class JobClient:
         store: ArtifactStore | None = None,
         query_timeout_s: float = 10.0,
         live_progress_key: SecretStr | None = None,
+        default_pool: str | None = None,
     ) -> None:
         self.temporal = client
         self.task_queue = task_queue
+        # The workers' default pool, for the queue's room check of a request that names none.
+        self.default_pool = default_pool
         self.store = store
         self.query_timeout = timedelta(seconds=query_timeout_s)
         self.max_request_bytes = MAX_REQUEST_BYTES
@@ -288,6 +293,7 @@ class JobClient:
             store=store,
             query_timeout_s=query_timeout_s or settings.query_timeout_s,
             live_progress_key=live_progress_key or settings.live_progress_key,
+            default_pool=settings.default_pool,
         )
         if store is None and (s3 is not None or s3_from_environment):
             with client.translated_errors():
@@ -399,6 +405,7 @@ class JobClient:
             policy = request.policy.model_copy(update={"abandon_after_s": None})
             request = request.model_copy(update={"policy": policy})
         await self._check_size(request)
+        await self._refuse_when_full(request, job_id)
         if self.live is not None:
             self.live.list_soon()  # for the watch that usually follows
         try:
@@ -411,6 +418,25 @@ class JobClient:
             if self.live is not None:
                 self.live.release(job_id)
             raise
+
+    async def _refuse_when_full(self, request: JobRequest, job_id: str) -> None:
+        """`QueueFull` when the job's pool's queue has no room for its tenant: checked here, at
+        submission, where the caller can still try later; a job already started under `job_id`
+        is found as always (an idempotent resubmission is never refused)."""
+        pool = request.pool or self.default_pool
+        if pool is None:
+            return
+        tenant = request.labels.get(TENANT_LABEL) or DEFAULT_TENANT
+        room = await queue_room(self.temporal, self.task_queue, pool, tenant)
+        if not room.full:
+            return
+        try:
+            await self.handle(job_id).describe()
+            return
+        except RPCError as exc:
+            if exc.status != RPCStatusCode.NOT_FOUND:
+                raise
+        raise errors.QueueFull(pool, tenant, room.reason, room.retry_after_s)
 
     async def _start_new(self, request: JobRequest, job_id: str, fingerprint: str) -> SubmitOutcome:
         """Start the workflow of a checked request, or compare it with the job under its ID."""

@@ -121,6 +121,18 @@ class UnsafeArtifactKey(ClientError):
     """An artifact whose key would be written outside the download directory."""
 
 
+class QueueFull(ClientError):
+    """Refused for capacity: the pool's queue holds as many of the tenant's jobs (its
+    `max_pending`), or of all tenants' (the pool's), as it may. Nothing was started; try again
+    after `retry_after_s` (None: the pool has no recent hold times to tell)."""
+
+    def __init__(self, pool: str, tenant: str, reason: str, retry_after_s: float | None) -> None:
+        self.pool, self.tenant, self.reason = pool, tenant, reason
+        self.retry_after_s = retry_after_s
+        when = "later" if retry_after_s is None else f"in about {retry_after_s:.0f} s"
+        super().__init__(f"queue full: {reason}; nothing was started, try again {when}")
+
+
 class NoPoolQueue(ClientError, LookupError):
     """No queue runs for the pool: it is unbounded (no `max_running`), or no job has asked for
     one of its slots yet."""

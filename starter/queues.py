@@ -11,11 +11,12 @@ from temporalio.client import Client, WorkflowQueryFailedError
 from temporalio.service import RPCError, RPCStatusCode
 
 from starter.errors import NoPoolQueue
-from workflows.admission import Admission, PoolQueueView, SlotRelease
+from workflows.admission import Admission, PoolQueueView, QueueRoom, SlotRelease
 from workflows.contracts import JobState, JobStatus
 from workflows.shared import (
     QUERY_ADMISSION,
     QUERY_POOL_QUEUE,
+    QUERY_ROOM,
     SIGNAL_SLOT_RELEASE,
     pool_queue_id,
 )
@@ -30,6 +31,20 @@ async def pool_queue(temporal: Client, task_queue: str, pool: str) -> PoolQueueV
             raise NoPoolQueue(pool) from None
         raise
     return view
+
+
+async def queue_room(temporal: Client, task_queue: str, pool: str, tenant: str) -> QueueRoom:
+    """Whether a new job of `tenant` may join `pool`'s line (room, too, when no queue runs)."""
+    handle = temporal.get_workflow_handle(pool_queue_id(task_queue, pool))
+    try:
+        room: QueueRoom = await handle.query(QUERY_ROOM, tenant, result_type=QueueRoom)
+    except RPCError as exc:
+        if exc.status == RPCStatusCode.NOT_FOUND:
+            return QueueRoom()
+        raise
+    except WorkflowQueryFailedError:
+        return QueueRoom()  # a dispatcher of an older version without the query: no bound
+    return room
 
 
 async def release_slot(temporal: Client, task_queue: str, pool: str, job_id: str) -> bool:

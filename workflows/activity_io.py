@@ -89,6 +89,9 @@ class PoolBound(StrictModel):
     # The provider's own cap on a run (RunPod's executionTimeout): past a submission by this
     # much, an unconfirmed teardown is settled. None: the provider has none (a comfyui pool).
     settle_after_s: float | None = None
+    # How many of the tenant's jobs, and of the pool's, may wait at once (None: no bound).
+    tenant_max_pending: int | None = None
+    pool_max_pending: int | None = None
 
 
 class PreparedJob(StrictModel):

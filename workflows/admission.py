@@ -54,6 +54,20 @@ class SlotRequest(_Read):
     accepted_at: datetime
     # How often the queue looks for holders that closed without releasing (a terminated job).
     reclaim_every_s: float = 60.0
+    # How many may wait at once: the tenant's jobs, and the pool's in all (None: no bound).
+    tenant_max_pending: int | None = None
+    pool_max_pending: int | None = None
+
+
+class QueueRoom(_Read):
+    """Whether a tenant's new job may join the pool's line (query `room`): refused above the
+    tenant's `max_pending` or the pool's, with the time until there is room again."""
+
+    full: bool = False
+    reason: str = ""
+    waiting: int = 0
+    limit: int | None = None
+    retry_after_s: float | None = None
 
 
 class SlotRelease(_Read):
@@ -93,6 +107,28 @@ class Admission(_Read):
     # From the pool's recent hold times and its bound; None until the pool has some.
     eta_s: float | None = None
     as_of: datetime | None = None
+
+
+def place_in_line(admission: Admission) -> str:
+    """ "12th of 40 for pool gpu, about 3 min": where a PENDING job stands, in words."""
+    position = admission.position
+    if position is None:
+        place = "waiting"
+    else:
+        suffix = {1: "st", 2: "nd", 3: "rd"}.get(position % 10, "th")
+        place = f"{position}{'th' if 10 <= position % 100 <= 20 else suffix}"
+    line = f"{place} of {admission.waiting or '?'} for pool {admission.pool}"
+    if admission.eta_s is not None:
+        line += f", about {_duration(admission.eta_s)}"
+    return line
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
 
 
 class Holder(_Read):
@@ -148,6 +184,8 @@ class QueueState(_Read):
     pool: str
     max_running: int | None = None
     reclaim_every_s: float = 60.0
+    pool_max_pending: int | None = None
+    tenant_max_pending: dict[str, int] = Field(default_factory=dict)
     holders: dict[str, Holder] = Field(default_factory=dict)
     waiters: list[Waiter] = Field(default_factory=list)
     passes: dict[str, float] = Field(default_factory=dict)
@@ -179,6 +217,11 @@ class PoolLine:
         state.max_running = ask.max_running
         state.reclaim_every_s = ask.reclaim_every_s
         state.weights[ask.tenant] = ask.weight
+        state.pool_max_pending = ask.pool_max_pending
+        if ask.tenant_max_pending is None:
+            state.tenant_max_pending.pop(ask.tenant, None)
+        else:
+            state.tenant_max_pending[ask.tenant] = ask.tenant_max_pending
         if ask.job_id in state.holders or ask.job_id in self._waiting:
             return
         if ask.job_id in state.gone:
@@ -342,6 +385,31 @@ class PoolLine:
             tenants=tenants,
             eta_s_per_start=self._seconds_per_start(),
         )
+
+    def room(self, tenant: str) -> QueueRoom:
+        """Whether a new job of `tenant` may join the line, as the workers' settings that the
+        queue heard last bound it."""
+        state = self.state
+        mine = sum(1 for w in self._waiting.values() if w.tenant == tenant)
+        checks = [
+            (mine, state.tenant_max_pending.get(tenant), f"tenant {tenant!r}"),
+            (len(self._waiting), state.pool_max_pending, f"pool {state.pool!r}"),
+        ]
+        per_start = self._seconds_per_start()
+        for waiting, limit, whose in checks:
+            if limit is not None and waiting >= limit:
+                # Room comes when enough of the line has started: the first to start frees it.
+                ahead = waiting - limit + 1
+                retry = None if per_start is None else max(round(ahead * per_start, 1), 1.0)
+                return QueueRoom(
+                    full=True,
+                    reason=f"{whose} has {waiting} jobs waiting for pool {state.pool!r}, "
+                    f"its max_pending is {limit}",
+                    waiting=waiting,
+                    limit=limit,
+                    retry_after_s=retry,
+                )
+        return QueueRoom(waiting=len(self._waiting))
 
     def snapshot(self) -> QueueState:
         """The state to carry into the next run, every waiter in arrival order."""

@@ -24,7 +24,7 @@ from temporalio.common import MetricCounter, SearchAttributeUpdate
 
 with workflow.unsafe.imports_passed_through():
     from workflows.activity_io import FollowResult
-    from workflows.admission import Admission
+    from workflows.admission import Admission, place_in_line
     from workflows.contracts import (
         MAX_JOURNAL,
         MAX_NOTICES,
@@ -629,11 +629,7 @@ class CurrentDetails:
             lines.append(f"place {progress.queue_position} in the backend's queue")
         admission = status.admission
         if status.state == JobState.PENDING and admission is not None:
-            line = f"{_ordinal(admission.position)} of {admission.waiting or '?'}"
-            line += f" for pool `{plain(admission.pool)}`"
-            if admission.eta_s is not None:
-                line += f", about {_duration(admission.eta_s)}"
-            lines.append(line)
+            lines.append(plain(place_in_line(admission)))
         eta = self.eta_s(status)
         if eta is not None:
             lines.append(f"about {_duration(eta)} to go")
@@ -672,15 +668,6 @@ class CurrentDetails:
             return None
         elapsed = (workflow.now() - since).total_seconds()
         return elapsed / done * (1.0 - fraction)
-
-
-def _ordinal(number: int | None) -> str:
-    if number is None:
-        return "waiting"
-    suffix = (
-        "th" if 10 <= number % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(number % 10, "th")
-    )
-    return f"{number}{suffix}"
 
 
 def _duration(seconds: float) -> str:

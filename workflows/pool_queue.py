@@ -33,6 +33,7 @@ with workflow.unsafe.imports_passed_through():
         Admission,
         PoolLine,
         PoolQueueView,
+        QueueRoom,
         QueueState,
         SlotRelease,
         SlotRequest,
@@ -238,6 +239,10 @@ class PoolQueue:
     @workflow.query(name=shared.QUERY_POOL_QUEUE)
     def queue(self, _ignored: Any = None) -> PoolQueueView:
         return self._line.view(workflow.now())
+
+    @workflow.query(name=shared.QUERY_ROOM)
+    def room(self, tenant: Any = None) -> QueueRoom:
+        return self._line.room(tenant if isinstance(tenant, str) else shared.DEFAULT_TENANT)
 
     @workflow.query(name=shared.QUERY_ADMISSION)
     def admission(self, job_id: Any = None) -> Admission | None:

@@ -165,6 +165,8 @@ class PoolSlot:
             max_running=bound.max_running,
             accepted_at=self._status.created_at or workflow.now(),
             reclaim_every_s=bound.reclaim_every_s,
+            tenant_max_pending=bound.tenant_max_pending,
+            pool_max_pending=bound.pool_max_pending,
         )
         if await self._signal(shared.SIGNAL_SLOT_REQUEST, ask):
             return

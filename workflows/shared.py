@@ -43,6 +43,8 @@ SIGNAL_SLOT_UNSETTLED: Final = "unsettled"
 SIGNAL_ADMISSION: Final = "admission"
 QUERY_POOL_QUEUE: Final = "queue"
 QUERY_ADMISSION: Final = "admission"
+# Whether a tenant's new job may join the line (its `max_pending`, the pool's).
+QUERY_ROOM: Final = "room"
 
 
 def pool_queue_id(task_queue: str, pool: str) -> str:

@@ -30,6 +30,7 @@ from starter.errors import (
     JobAlreadyEnded,
     JobConflict,
     JobUnanswered,
+    QueueFull,
     ResumeRefused,
     StorageFailed,
     TemporalRefused,
@@ -53,8 +54,10 @@ class ExitCode(IntEnum):
     # The ID or the job's state does not allow it: another request under the ID, cancel or
     # resume of an ended job, a refused resume.
     CONFLICT = 4
+    # Refused for capacity: the pool's queue is full for the tenant (`QueueFull`); try later.
+    QUEUE_FULL = 5
     # Artifacts could not be downloaded, or their bytes do not match the recorded sha256.
-    STORAGE = 5
+    STORAGE = 6
     INTERRUPTED = 130
 
 
@@ -78,6 +81,8 @@ def exit_code_for(exc: BaseException) -> ExitCode:
             return ExitCode.UNREACHABLE
         case JobConflict() | JobAlreadyEnded() | ResumeRefused():
             return ExitCode.CONFLICT
+        case QueueFull():
+            return ExitCode.QUEUE_FULL
         case StorageConfigError():
             return ExitCode.BAD_INPUT
         case StorageError() | StorageFailed():

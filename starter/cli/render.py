@@ -20,6 +20,7 @@ from starter.cli.common import echo_json
 from starter.client import JobClient, SubmitOutcome
 from starter.pollers import presence_changes
 from starter.worker_wait import wait_line
+from workflows.admission import place_in_line
 from workflows.contracts import JobState, JobStatus
 
 log = structlog.get_logger("durable_comfy.cli")
@@ -199,6 +200,8 @@ def _detail(status: JobStatus) -> str:
         parts.append(wait_line(status.worker_wait))
     if progress.queue_position is not None:
         parts.append(f"#{progress.queue_position} in the backend's queue")
+    if status.state == JobState.PENDING and status.admission is not None:
+        parts.append(place_in_line(status.admission))
     if status.teardown.state == "STOPPING":
         parts.append("waiting for the prompt to stop")
     if progress.total_steps:
@@ -269,4 +272,6 @@ def _progress_line(status: JobStatus) -> str:
         parts.append(f"node {progress.node}")
     if status.state == JobState.WAITING and progress.queue_position is not None:
         parts.append(f"#{progress.queue_position} in the backend's queue")
+    if status.state == JobState.PENDING and status.admission is not None:
+        parts.append(place_in_line(status.admission))
     return ", ".join(parts)

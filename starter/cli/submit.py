@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import structlog
 import typer
@@ -49,6 +49,24 @@ def submit(
     segments: Annotated[
         Path | None, typer.Option(help="JSON list of per-segment input overrides.")
     ] = None,
+    priority: Annotated[
+        int | None,
+        typer.Option(
+            help="1 (first) to 5 (last), default 3: on a bounded pool a better priority "
+            "starts before any worse one waiting (your tenant's max_priority may forbid 1).",
+            min=1,
+            max=5,
+        ),
+    ] = None,
+    start_by: Annotated[
+        float | None,
+        typer.Option(
+            "--start-by",
+            help="Seconds from now: if its prompt has not begun to run on a GPU by then "
+            "(waiting in our queue or the provider's), it is withdrawn and ends EXPIRED.",
+            min=0.001,
+        ),
+    ] = None,
     watch: Annotated[
         bool, typer.Option("--watch", help="Follow the job to its end (keeps it attached).")
     ] = False,
@@ -59,7 +77,12 @@ def submit(
     with reported():
         if job_id is not None:
             checked_job_id(job_id)
-        request = request_from_files(graph, inputs=inputs, segments_path=segments, pool=pool)
+        fields: dict[str, Any] = {} if priority is None else {"priority": priority}
+        if start_by is not None:
+            fields["policy"] = {"start_by_s": start_by}
+        request = request_from_files(
+            graph, inputs=inputs, segments_path=segments, pool=pool, **fields
+        )
         # Refused here, before connecting, when a file needs staging and S3 is not configured.
         staging = bool(oversized_inputs(request))
         require_staging(

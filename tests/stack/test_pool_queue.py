@@ -29,6 +29,7 @@ from faults.wait import eventually
 from faults.worker_proc import KillableWorker
 from starter.client import JobClient
 from starter.connection import connect_temporal
+from starter.errors import JobNotFound, QueueFull
 from tests.conftest import StackConfigFactory
 from tests.stack.parallel_sim import start_parallel_sim
 from tests.support.cli import cli_env, run_cli
@@ -42,6 +43,7 @@ STEP_DELAY_MS = 10
 RECLAIM_S = 2.0
 POOL = "gpu"
 ONE = "one"
+TINY = "tiny"
 
 
 @dataclass
@@ -85,6 +87,7 @@ async def fleet(
     pools = {
         POOL: {"kind": "comfyui", "url": sim_url, "max_running": MAX_RUNNING},
         ONE: {"kind": "comfyui", "url": sim_url, "max_running": 1},
+        TINY: {"kind": "comfyui", "url": sim_url, "max_running": 1, "max_pending": 1},
     }
     env = {
         **stack.running.worker_env(),
@@ -92,6 +95,7 @@ async def fleet(
         "DURABLE_COMFY_POOLS": json.dumps(pools),
         "DURABLE_COMFY_DEFAULT_POOL": POOL,
         "DURABLE_COMFY_ORPHAN_SWEEP_S": str(RECLAIM_S),
+        "DURABLE_COMFY_TENANTS": json.dumps({"capped": {"max_pending": 2, "max_priority": 2}}),
     }
     workers = [
         KillableWorker(env, base / f"worker-{n}.log", name=f"worker-{n}")
@@ -369,3 +373,51 @@ async def test_a_job_still_pending_at_start_by_s_expires_with_nothing_submitted(
     stats = await fleet.sim_stats()
     if checkpoint is not None:
         assert checkpoint.prompt_id not in stats["prompts"], "it never reached the pool"
+
+
+async def test_above_max_pending_a_submission_is_refused_queue_full_and_nothing_starts(
+    queue: Fleet, tmp_path: Path
+) -> None:
+    fleet = queue
+    capped = {"tenant": "capped"}
+    [blocker] = await submit(fleet, [request(600, pool=ONE, labels=capped)], "blocker")
+    await eventually(
+        lambda: fleet.queue(ONE),
+        timeout_s=60,
+        what="one running",
+        accept=lambda view: view.running == 1,
+    )
+    first_waiting = request(5, pool=ONE, labels=capped)
+    waiting = await submit(fleet, [first_waiting, request(5, pool=ONE, labels=capped)], "w")
+    await eventually(
+        lambda: fleet.queue(ONE), timeout_s=30, what="2 waiting", accept=lambda v: v.waiting == 2
+    )
+    with pytest.raises(QueueFull) as refused:
+        await fleet.client.submit(request(5, pool=ONE, labels=capped), job_id="one-too-many")
+    assert refused.value.tenant == "capped" and "max_pending is 2" in str(refused.value)
+    with pytest.raises(JobNotFound):
+        await fleet.client.status("one-too-many")
+    # Another tenant still has room; an idempotent resubmission of a waiting job is no refusal.
+    await fleet.client.submit(request(5, pool=ONE), job_id=f"other-{uuid.uuid4().hex[:6]}")
+    again = await fleet.client.start(first_waiting, job_id=waiting[0])
+    assert again.existed
+    # A tenant's max_priority: priority 1 is refused before anything runs, typed.
+    [too_urgent] = await submit(fleet, [request(5, pool=POOL, labels=capped, priority=1)], "urgent")
+    refused_job = await asyncio.wait_for(fleet.client.wait(too_urgent), 60)
+    assert refused_job.state == JobState.FAILED and refused_job.error is not None
+    assert refused_job.error.type == "PriorityNotAllowed", refused_job.error
+    # The CLI: a pool's own max_pending, exit 5 with the same words.
+    [tiny_blocker, tiny_waiter] = await submit(
+        fleet, [request(600, pool=TINY), request(5, pool=TINY)], "tiny"
+    )
+    await eventually(
+        lambda: fleet.queue(TINY), timeout_s=60, what="tiny full", accept=lambda v: v.waiting == 1
+    )
+    graph = tmp_path / "graph.json"
+    graph.write_text(json.dumps(request(5).graph))
+    env = cli_env(fleet.stack.running, fleet.task_queue)
+    code, out, err = await run_cli("submit", str(graph), "--pool", TINY, env=env)
+    assert code == 5, (code, out, err)
+    assert "queue full" in err and "max_pending is 1" in err
+    for job_id in [blocker, tiny_blocker, *waiting, tiny_waiter]:
+        await fleet.client.cancel(job_id, "the test is over")

@@ -25,6 +25,7 @@ def ask(
     priority: int = 3,
     weight: float = 1.0,
     max_running: int = 1,
+    tenant_max_pending: int | None = None,
 ) -> None:
     line.request(
         SlotRequest(
@@ -34,6 +35,7 @@ def ask(
             weight=weight,
             max_running=max_running,
             accepted_at=T0,
+            tenant_max_pending=tenant_max_pending,
         ),
         T0,
     )
@@ -203,3 +205,36 @@ def test_the_eta_is_the_place_times_a_recent_hold_over_the_bound() -> None:
     admission = line.admission_of("j5", T0)
     assert admission is not None and admission.position == 2
     assert admission.eta_s == 60.0  # 60 s per hold over 2 slots: 30 s per start
+
+
+def test_a_tenant_at_its_max_pending_has_no_room_and_is_told_when_to_come_back() -> None:
+    line = PoolLine(QueueState(pool="p"))
+    ask(line, "j0", tenant_max_pending=2)
+    line.grants(T0)
+    line.release("j0", T0 + timedelta(seconds=40))  # one hold of 40 s: 40 s per start
+    for n in range(1, 4):
+        ask(line, f"j{n}", tenant_max_pending=2)
+    line.grants(T0)
+    assert line.waiting == 2
+    room = line.room("a")
+    assert room.full and room.limit == 2 and room.waiting == 2
+    assert room.retry_after_s == 40.0 and "max_pending is 2" in room.reason
+    assert not line.room("b").full  # another tenant has room
+
+
+def test_a_pool_at_its_max_pending_has_room_for_nobody() -> None:
+    line = PoolLine(QueueState(pool="p"))
+    for n in range(4):
+        line.request(
+            SlotRequest(
+                job_id=f"j{n}",
+                tenant=f"t{n}",
+                max_running=1,
+                accepted_at=T0,
+                pool_max_pending=3,
+            ),
+            T0,
+        )
+    line.grants(T0)
+    room = line.room("someone")
+    assert room.full and "pool 'p'" in room.reason and room.retry_after_s is None
