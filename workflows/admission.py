@@ -196,6 +196,9 @@ class QueueState(_Read):
     # Jobs that left before their request arrived (a release overtaking nothing: a job's
     # signals arrive in the order it sent them, but a reclaim may come first).
     gone: list[str] = Field(default_factory=list)
+    # The dispatcher continues as new past this many events (its history stays quick to
+    # replay); carried, so a test can make it small.
+    history_limit: int = 4000
 
 
 class PoolLine:

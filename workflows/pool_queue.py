@@ -40,8 +40,6 @@ with workflow.unsafe.imports_passed_through():
         SlotUnsettled,
     )
 
-# Continue as new past this many events: a run's history stays small to replay.
-HISTORY_LIMIT = 4000
 # A waiting job hears its new place in line at most this often.
 TELL_POSITIONS_EVERY_S = 10.0
 # How many waiting jobs (the first in line) hear their place again each time.
@@ -103,7 +101,8 @@ class PoolQueue:
 
     def _should_continue(self, started: Any) -> bool:
         info = workflow.info()
-        if info.is_continue_as_new_suggested() or info.get_current_history_length() > HISTORY_LIMIT:
+        limit = self._line.state.history_limit
+        if info.is_continue_as_new_suggested() or info.get_current_history_length() > limit:
             return True
         idle = not self._line.waiting and not self._line.state.holders
         return idle and (workflow.now() - started).total_seconds() > IDLE_RUN_S

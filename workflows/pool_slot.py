@@ -116,11 +116,13 @@ class PoolSlot:
     def give_back(self, ending: JobState) -> None:
         """At the job's end (once its prompt has provably ended, or is known not to have):
         the slot, the place in line, or an unsettled hold goes back, while the end state is
-        written; `given_back` waits for it."""
+        written (`given_back`)."""
         if self.bound is not None and not self._given_back:
             self._giving_back = asyncio.create_task(self._give_back(ending))
 
     async def given_back(self) -> None:
+        """Until the giving back is delivered: a signal initiated by a workflow that closes in
+        the same task is not delivered (tried: the queue never heard it)."""
         if self._giving_back is not None:
             await self._giving_back
 

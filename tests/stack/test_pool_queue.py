@@ -346,7 +346,7 @@ async def test_a_job_still_pending_at_start_by_s_expires_with_nothing_submitted(
     queue: Fleet,
 ) -> None:
     fleet = queue
-    [blocker] = await submit(fleet, [request(600, pool=ONE)], "blocker")
+    [blocker] = await submit(fleet, [request(6000, pool=ONE)], "blocker")
     await eventually(
         lambda: fleet.queue(ONE),
         timeout_s=60,
@@ -380,7 +380,7 @@ async def test_above_max_pending_a_submission_is_refused_queue_full_and_nothing_
 ) -> None:
     fleet = queue
     capped = {"tenant": "capped"}
-    [blocker] = await submit(fleet, [request(600, pool=ONE, labels=capped)], "blocker")
+    [blocker] = await submit(fleet, [request(6000, pool=ONE, labels=capped)], "blocker")
     await eventually(
         lambda: fleet.queue(ONE),
         timeout_s=60,
@@ -408,7 +408,7 @@ async def test_above_max_pending_a_submission_is_refused_queue_full_and_nothing_
     assert refused_job.error.type == "PriorityNotAllowed", refused_job.error
     # The CLI: a pool's own max_pending, exit 5 with the same words.
     [tiny_blocker, tiny_waiter] = await submit(
-        fleet, [request(600, pool=TINY), request(5, pool=TINY)], "tiny"
+        fleet, [request(6000, pool=TINY), request(5, pool=TINY)], "tiny"
     )
     await eventually(
         lambda: fleet.queue(TINY), timeout_s=60, what="tiny full", accept=lambda v: v.waiting == 1
@@ -417,7 +417,7 @@ async def test_above_max_pending_a_submission_is_refused_queue_full_and_nothing_
     graph.write_text(json.dumps(request(5).graph))
     env = cli_env(fleet.stack.running, fleet.task_queue)
     code, out, err = await run_cli("submit", str(graph), "--pool", TINY, env=env)
-    assert code == 5, (code, out, err)
+    assert code == 5, (code, out, err, await fleet.queue(TINY))
     assert "queue full" in err and "max_pending is 1" in err
     for job_id in [blocker, tiny_blocker, *waiting, tiny_waiter]:
         await fleet.client.cancel(job_id, "the test is over")

@@ -36,6 +36,7 @@ from temporalio.exceptions import ActivityError, ApplicationError
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
+from activities.pool_queue import PoolQueueActivities
 from workflows import job_book
 from workflows.activity_io import (
     FollowHeartbeat,
@@ -43,11 +44,13 @@ from workflows.activity_io import (
     FollowResult,
     OffloadInput,
     OffloadResult,
+    PoolBound,
     PreparedJob,
     PrepareInput,
     StopCheck,
     StopInput,
 )
+from workflows.admission import SlotRequest
 from workflows.contracts import (
     Artifact,
     Checkpoint,
@@ -59,7 +62,10 @@ from workflows.contracts import (
 from workflows.failures import as_refused_before_submission
 from workflows.inference_job import InferenceJob
 from workflows.job_input import JobInput
+from workflows.pool_queue import PoolQueue
 from workflows.shared import (
+    ACTIVITY_CLOSED_JOBS,
+    ACTIVITY_OPEN_POOL_QUEUE,
     QUERY_STATUS,
     SA_JOB_POOL,
     SA_JOB_PROGRESS,
@@ -127,6 +133,9 @@ class Script:
     stop_unreachable_checks: int = 0
     # The submitted prompt waits in the backend's queue (at this place) instead of running.
     queued_at: int | None = None
+    # The pool is bounded (`max_running`): the check names its bound, and nothing is submitted
+    # before the job holds a slot of its queue (workflows/pool_queue.py).
+    max_running: int | None = None
 
 
 class FakeBackend:
@@ -162,6 +171,11 @@ class FakeBackend:
                 await asyncio.sleep(0.1)
             raise ApplicationError("blocked too long", non_retryable=True)
 
+    def bound(self, pool: str | None) -> PoolBound | None:
+        if self.script.max_running is None:
+            return None
+        return PoolBound(pool=pool or "comfyui", max_running=self.script.max_running)
+
     @activity.defn(name="prepare_prompt")
     async def prepare(self, req: PrepareInput) -> PreparedJob:
         self.prepared.append(req)
@@ -173,6 +187,7 @@ class FakeBackend:
             sampler_steps={"1": 10},
             nodes_total=len(req.graph),
             output_nodes=["2"],
+            bound=self.bound(req.pool),
         )
 
     @activity.defn(name="follow_prompt")
@@ -187,6 +202,16 @@ class FakeBackend:
                 if not refusal.non_retryable:
                     raise
                 raise as_refused_before_submission(refusal) from refusal
+            bound = self.bound(req.prepare.pool)
+            if bound is not None and not req.slot_held:
+                return FollowResult(
+                    prompt_id=req.prompt_id,
+                    outcome="needs_slot",
+                    checkpoint=req.checkpoint or Checkpoint(job_id=req.job_id),
+                    pool=bound.pool,
+                    kind="comfyui",
+                    bound=bound,
+                )
         if req.graph is not None:
             # The follow activity submits first (socket open), unless the backend knows it.
             await self._enter("submit")
@@ -279,7 +304,32 @@ class FakeBackend:
         return StopCheck(at=now, position="gone", ended="interrupted", node="1", node_type="X")
 
     def activities(self) -> list[Any]:
-        return [self.prepare, self.follow, self.offload, self.stop]
+        return [self.prepare, self.follow, self.offload, self.stop, *queue_activities()]
+
+
+class _NoWorkLeft:
+    """The orphan sweep's answer for a pool the fakes serve: nothing of a closed job is left."""
+
+    async def work_left(self, pool: str, job_ids: set[str]) -> set[str]:
+        return set()
+
+
+def queue_activities() -> list[Any]:
+    """The pool queue's own activities (activities/pool_queue.py) on the test's server."""
+    queues = _Queues()
+    return [queues.open_pool_queue, queues.closed_jobs]
+
+
+class _Queues:
+    @activity.defn(name=ACTIVITY_OPEN_POOL_QUEUE)
+    async def open_pool_queue(self, pool: str, request: SlotRequest) -> None:
+        real = PoolQueueActivities(activity.client(), _NoWorkLeft())  # type: ignore[arg-type]
+        await real.open_pool_queue(pool, request)
+
+    @activity.defn(name=ACTIVITY_CLOSED_JOBS)
+    async def closed_jobs(self, pool: str, job_ids: list[str]) -> list[str]:
+        real = PoolQueueActivities(activity.client(), _NoWorkLeft())  # type: ignore[arg-type]
+        return await real.closed_jobs(pool, job_ids)
 
 
 @asynccontextmanager
@@ -288,7 +338,7 @@ async def job_worker(client: Client, backend: FakeBackend) -> AsyncIterator[str]
     async with Worker(
         client,
         task_queue=task_queue,
-        workflows=[InferenceJob],
+        workflows=[InferenceJob, PoolQueue],
         activities=backend.activities(),
         graceful_shutdown_timeout=timedelta(seconds=1),
     ):

@@ -41,6 +41,8 @@ ENDINGS = {
     "decided": COMPLETED,
     "continued": COMPLETED,
     "webhook": COMPLETED,
+    "queued": COMPLETED,
+    "expired": COMPLETED,
 }
 RECORDED = sorted(path.stem for path in HISTORIES.glob("*.json"))
 

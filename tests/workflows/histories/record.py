@@ -20,12 +20,12 @@ import json
 import sys
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 from temporalio import activity
-from temporalio.client import WorkflowFailureError, WorkflowHandle
+from temporalio.client import Client, WorkflowFailureError, WorkflowHandle
 from temporalio.worker import Worker
 
 from tests.support.workflow_fakes import (
@@ -36,6 +36,7 @@ from tests.support.workflow_fakes import (
     start_time_skipping,
 )
 from workflows.activity_io import WebhookAttempt, WebhookDeliveryInput
+from workflows.admission import Holder, QueueState
 from workflows.contracts import (
     CancelRequest,
     JobPolicy,
@@ -46,6 +47,7 @@ from workflows.contracts import (
     WebhookSpec,
 )
 from workflows.inference_job import InferenceJob
+from workflows.pool_queue import PoolQueue
 from workflows.shared import (
     ACTIVITY_DELIVER_WEBHOOK,
     QUERY_STATUS,
@@ -56,6 +58,7 @@ from workflows.shared import (
     UPDATE_ENDED,
     UPDATE_RESUME,
     ErrorType,
+    pool_queue_id,
 )
 
 HERE = Path(__file__).parent
@@ -64,6 +67,8 @@ SEGMENTS = "segments"  # in a scenario's settings: the request's segments, not a
 UNCHECKED_GRAPH = "unchecked_graph"
 # In a scenario's settings: the request's webhook.
 WEBHOOK = "webhook"
+# In a scenario's settings: the bounded pool's one slot is already held by another job.
+POOL_FULL = "pool_full"
 CYCLE = {
     "1": {"class_type": "A", "inputs": {"x": ["2", 0]}},
     "2": {"class_type": "B", "inputs": {"y": ["1", 0]}},
@@ -176,6 +181,15 @@ SCENARIOS: dict[str, Scenario] = {
         {"abandon_after_s": None, "history_budget_events": 10, SEGMENTS: [{}, {}, {}]},
         None,
     ),
+    # A bounded pool (`max_running`): the follow that checks it finds it bounded, the job asks
+    # its queue for a slot, is granted at once, runs, and gives the slot back.
+    "queued": (Script(max_running=1), {"abandon_after_s": None}, None),
+    # Its pool full: PENDING in our queue until start_by_s, then EXPIRED with nothing sent.
+    "expired": (
+        Script(max_running=1),
+        {"abandon_after_s": None, "start_by_s": 30, POOL_FULL: True},
+        None,
+    ),
     # A job with a webhook: its outputs and its end delivered, each after one retry, while
     # the `ended` update answered at the job's end.
     "webhook": (
@@ -191,6 +205,16 @@ SCENARIOS: dict[str, Scenario] = {
 }
 
 
+async def fill_the_pool(client: Client, task_queue: str) -> None:
+    """Start the pool's queue with its one slot held by another job (which never ends)."""
+    now = datetime.now(UTC)
+    holder = Holder(job_id="another-job", tenant="local", granted_at=now)
+    state = QueueState(pool="comfyui", max_running=1, holders={holder.job_id: holder})
+    await client.start_workflow(
+        PoolQueue.run, state, id=pool_queue_id(task_queue, "comfyui"), task_queue=task_queue
+    )
+
+
 async def record(only: list[str] | None = None) -> None:
     env = await start_time_skipping()
     try:
@@ -202,11 +226,13 @@ async def record(only: list[str] | None = None) -> None:
             async with Worker(
                 env.client,
                 task_queue=task_queue,
-                workflows=[InferenceJob],
+                workflows=[InferenceJob, PoolQueue],
                 activities=[*backend.activities(), FakeReceiver().deliver_webhook],
                 graceful_shutdown_timeout=timedelta(seconds=1),
             ):
                 settings = dict(policy)
+                if settings.pop(POOL_FULL, False):
+                    await fill_the_pool(env.client, task_queue)
                 unchecked = settings.pop(UNCHECKED_GRAPH, None)
                 fields = {
                     "segments": settings.pop(SEGMENTS, []),
