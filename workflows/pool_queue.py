@@ -12,10 +12,11 @@ found by the `closed_jobs` activity every `reclaim_every_s`, and a grant whose j
 taken back at once. A holder whose teardown was not confirmed keeps its slot until it is
 settled: by the provider's execution timeout surely over, or by an operator's `release`.
 
-It continues as new every few hundred requests, and then starts on the deployment's current
-version (`AUTO_UPGRADE` for the new run's start only; each run is pinned like the jobs), so an
-upgrade reaches the dispatcher at its next run; its messages are tolerant models, read alike by
-an older job and a newer dispatcher.
+It continues as new when its history grows long, after an idle hour, and as soon as the
+deployment's current version changes (`is_target_worker_deployment_version_changed`); each new
+run starts on the current version (`AUTO_UPGRADE` for its start only; each run is pinned like
+the jobs), so an upgrade reaches the dispatcher at once and the old version can drain. Its
+messages are tolerant models, read alike by an older job and a newer dispatcher.
 """
 
 from __future__ import annotations
@@ -103,6 +104,10 @@ class PoolQueue:
         info = workflow.info()
         limit = self._line.state.history_limit
         if info.is_continue_as_new_suggested() or info.get_current_history_length() > limit:
+            return True
+        if info.is_target_worker_deployment_version_changed():
+            # A new version is current: the next run starts on it (its workers serve the jobs
+            # that ask now), and the old version can drain.
             return True
         idle = not self._line.waiting and not self._line.state.holders
         return idle and (workflow.now() - started).total_seconds() > IDLE_RUN_S

@@ -68,7 +68,9 @@ from devstack.processes import find_binary
 from devstack.worker_process import ensure_worker, stop_worker
 from starter import JobClient
 from tests.support.cli import example, s3_settings
+from workflows.admission import PoolQueueView
 from workflows.contracts import JobPolicy, JobRequest, JobState
+from workflows.shared import QUERY_POOL_QUEUE, pool_queue_id
 
 T = TypeVar("T")
 
@@ -299,6 +301,7 @@ async def versioned_worker(
     build_id: str,
     set_current: SetCurrent,
     default_pool: str,
+    max_running: int | None = None,
 ) -> AsyncIterator[None]:
     """`run_worker` in this process as one version; its Temporal identity names the build, so a
     job's status (`backend.worker_id`) and history say which version served it."""
@@ -308,7 +311,7 @@ async def versioned_worker(
         data_converter=pydantic_data_converter,
         identity=f"worker-{build_id}",
     )
-    pool = PoolConfig(kind="comfyui", url=stack.comfyui_url)
+    pool = PoolConfig(kind="comfyui", url=stack.comfyui_url, max_running=max_running)
     settings = WorkerSettings(
         task_queue=task_queue,
         pools={"comfyui": pool, "v2-pool": pool},
@@ -468,6 +471,75 @@ async def test_a_running_job_finishes_on_its_version_while_new_jobs_go_to_the_cu
                 stack, task_queue, name, "v3", "always", default_pool="comfyui"
             ):
                 await deployment.wait_current("v3")
+
+
+async def test_a_pool_queue_moves_to_the_new_version_as_soon_as_it_is_current(
+    local_stack: RunningStack, tmp_path: Path
+) -> None:
+    """The dispatcher of a bounded pool is one long-lived workflow: it continues as new onto the
+    version made current (so the old version can drain), with its holder and its line, while the
+    jobs stay pinned to theirs."""
+    stack = local_stack
+    suffix = uuid.uuid4().hex[:8]
+    task_queue, name = f"queue-versions-{suffix}", f"queue-versions-{suffix}"
+    temporal = await Client.connect(
+        stack.temporal_address, namespace=stack.namespace, data_converter=pydantic_data_converter
+    )
+    deployment = Deployment(temporal, name)
+    jobs = JobClient(temporal, task_queue=task_queue)
+    queue_id = pool_queue_id(task_queue, "comfyui")
+    bounded = partial(versioned_worker, default_pool="comfyui", max_running=1)
+
+    async with (
+        blocked_simulator(stack) as release,
+        bounded(stack, task_queue, name, "v1", "first"),
+    ):
+        await deployment.wait_current("v1")
+        holder = (await jobs.submit(job(segments=1))).job_id
+
+        async def holder_granted() -> bool:
+            admission = (await jobs.status(holder)).admission
+            return admission is not None and admission.granted
+
+        await eventually(holder_granted, "the first job holding the pool's one slot")
+        waiter = (await jobs.submit(job(segments=1))).job_id
+
+        async def waiter_pending() -> bool:
+            return (await jobs.status(waiter)).state == JobState.PENDING
+
+        await eventually(waiter_pending, "the second job PENDING behind the first")
+        first_run = (await temporal.get_workflow_handle(queue_id).describe()).run_id
+        async with bounded(stack, task_queue, name, "v2", "never"):
+            await deployment.wait_polled("v2", task_queue)
+            await set_current_version(stack, name, "v2", home=tmp_path)
+            await deployment.wait_current("v2")
+
+            async def moved() -> str | None:
+                described = await temporal.get_workflow_handle(queue_id).describe()
+                if described.run_id == first_run:
+                    return None
+                history = await temporal.get_workflow_handle(
+                    queue_id, run_id=described.run_id
+                ).fetch_history()
+                builds, _, _ = served_by([list(history.events)])
+                return described.run_id if builds == {"v2"} else None
+
+            await eventually(moved, "the pool queue's new run on v2")
+            view = await temporal.get_workflow_handle(queue_id).query(
+                QUERY_POOL_QUEUE, result_type=PoolQueueView
+            )
+            assert [(e.job_id, e.state) for e in view.entries] == [
+                (waiter, "waiting"),
+                (holder, "running"),
+            ]
+            await release()
+            final = await asyncio.wait_for(
+                asyncio.gather(jobs.wait(holder), jobs.wait(waiter)), timeout=WAIT_S
+            )
+            assert [s.state for s in final] == [JobState.COMPLETED] * 2
+            for job_id in (holder, waiter):
+                builds, _, _ = served_by(await run_histories(temporal, job_id))
+                assert builds == {"v1"}, f"{job_id} stays pinned to v1, served by {builds}"
 
 
 async def test_the_dev_stack_refuses_a_worker_no_new_job_would_reach(
