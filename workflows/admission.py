@@ -136,6 +136,8 @@ class Holder(_Read):
     tenant: str
     priority: int = DEFAULT_PRIORITY
     granted_at: datetime
+    # When it asked: its wait in our queue is `granted_at - asked_at`.
+    asked_at: datetime | None = None
     unsettled: bool = False
     settle_at: datetime | None = None
     detail: str = ""
@@ -280,6 +282,7 @@ class PoolLine:
                 tenant=waiter.tenant,
                 priority=waiter.priority,
                 granted_at=now,
+                asked_at=waiter.asked_at,
             )
             self.state.holders[waiter.job_id] = holder
             granted.append(holder)
@@ -372,20 +375,13 @@ class PoolLine:
             )
             for h in state.holders.values()
         ]
-        tenants: dict[str, tuple[int, int]] = {}
-        for w in self._waiting.values():
-            waiting, running = tenants.get(w.tenant, (0, 0))
-            tenants[w.tenant] = (waiting + 1, running)
-        for h in state.holders.values():
-            waiting, running = tenants.get(h.tenant, (0, 0))
-            tenants[h.tenant] = (waiting, running + 1)
         return PoolQueueView(
             pool=state.pool,
             max_running=state.max_running,
             running=len(state.holders),
             waiting=len(self._waiting),
             entries=entries,
-            tenants=tenants,
+            tenants=self.tenant_counts(),
             eta_s_per_start=self._seconds_per_start(),
         )
 
@@ -413,6 +409,17 @@ class PoolLine:
                     retry_after_s=retry,
                 )
         return QueueRoom(waiting=len(self._waiting))
+
+    def tenant_counts(self) -> dict[str, tuple[int, int]]:
+        """Tenant -> (waiting, running), without working out the order."""
+        tenants: dict[str, tuple[int, int]] = {}
+        for w in self._waiting.values():
+            waiting, running = tenants.get(w.tenant, (0, 0))
+            tenants[w.tenant] = (waiting + 1, running)
+        for h in self.state.holders.values():
+            waiting, running = tenants.get(h.tenant, (0, 0))
+            tenants[h.tenant] = (waiting, running + 1)
+        return tenants
 
     def snapshot(self) -> QueueState:
         """The state to carry into the next run, every waiter in arrival order."""

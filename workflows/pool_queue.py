@@ -32,6 +32,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows import shared
     from workflows.admission import (
         Admission,
+        Holder,
         PoolLine,
         PoolQueueView,
         QueueRoom,
@@ -50,11 +51,50 @@ TELL_POSITIONS_TO = 50
 IDLE_RUN_S = 3600.0
 
 
+class QueueMetrics:
+    """The queue's metrics, on the SDK's workflow meter (silent while replaying): starts and
+    their wait per pool and tenant, and the line's depth as the worker that last ran the
+    dispatcher saw it (gauges: a dashboard takes their `max by (pool, tenant)`)."""
+
+    def __init__(self, pool: str) -> None:
+        meter = workflow.metric_meter()
+        self._pool = pool
+        self._starts = meter.create_counter(
+            "durable_comfy_queue_starts", "Jobs granted a slot of a bounded pool"
+        )
+        self._wait = meter.create_histogram_float(
+            "durable_comfy_queue_wait_seconds", "Time PENDING in a pool's queue", "s"
+        )
+        self._waiting = meter.create_gauge(
+            "durable_comfy_queue_waiting", "Jobs waiting in a pool's queue"
+        )
+        self._running = meter.create_gauge(
+            "durable_comfy_queue_running", "Jobs holding a slot of a bounded pool"
+        )
+        self._tenants: set[str] = set()
+
+    def granted(self, holder: Holder) -> None:
+        labels = {"pool": self._pool, "tenant": holder.tenant}
+        self._starts.add(1, labels)
+        if holder.asked_at is not None:
+            waited = (holder.granted_at - holder.asked_at).total_seconds()
+            self._wait.record(max(waited, 0.0), labels)
+
+    def depth(self, line: PoolLine) -> None:
+        counts = line.tenant_counts()
+        self._tenants |= set(counts)
+        for tenant in self._tenants:
+            waiting, _ = counts.get(tenant, (0, 0))
+            self._waiting.set(waiting, {"pool": self._pool, "tenant": tenant})
+        self._running.set(len(line.state.holders), {"pool": self._pool})
+
+
 @workflow.defn(name=shared.POOL_QUEUE_WORKFLOW_TYPE)
 class PoolQueue:
     @workflow.init
     def __init__(self, state: QueueState) -> None:
         self._line = PoolLine(state)
+        self._metrics = QueueMetrics(state.pool)
         self._news = True
         # Waiting jobs that have not heard their place yet, and the place each heard last.
         self._untold: set[str] = set(self._line.waiting_ids())
@@ -93,6 +133,7 @@ class PoolQueue:
                 await self._tell_positions(now, refresh=now >= next_telling)
                 if now >= next_telling:
                     next_telling = now + timedelta(seconds=TELL_POSITIONS_EVERY_S)
+            self._metrics.depth(self._line)
         reclaim.cancel()
         await workflow.wait_condition(workflow.all_handlers_finished)
         workflow.continue_as_new(
@@ -116,6 +157,8 @@ class PoolQueue:
 
     async def _grant(self, now: Any) -> None:
         granted = self._line.grants(now)
+        for holder in granted:
+            self._metrics.granted(holder)
         granted += [
             self._line.state.holders[j] for j in self._regrant if j in self._line.state.holders
         ]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ import pytest
 import pytest_asyncio
 
 from activities.storage import ArtifactStore
+from devstack.free_ports import free_port
 from devstack.processes import terminate
 from faults.graphs import chaos_policy, sampler_graph
 from faults.harness import ChaosStack
@@ -32,7 +34,7 @@ from starter.connection import connect_temporal
 from starter.errors import JobNotFound, QueueFull
 from tests.conftest import StackConfigFactory
 from tests.stack.parallel_sim import start_parallel_sim
-from tests.support.cli import cli_env, run_cli
+from tests.support.cli import ROOT, cli_env, run_cli
 from workflows import shared
 from workflows.admission import PoolQueueView
 from workflows.contracts import JobRequest, JobState, JobStatus
@@ -54,7 +56,16 @@ class Fleet:
     store: ArtifactStore
     sim_url: str
     http: httpx.AsyncClient
+    metrics_ports: list[int]
     client: JobClient = field(init=False)
+
+    async def metrics(self) -> str:
+        """Every worker's /metrics, one after the other."""
+        texts = [
+            (await self.http.get(f"http://127.0.0.1:{port}/metrics", timeout=5)).text
+            for port in self.metrics_ports
+        ]
+        return "\n".join(texts)
 
     async def sim_stats(self) -> dict[str, Any]:
         stats: dict[str, Any] = (await self.http.get(f"{self.sim_url}/sim/stats", timeout=5)).json()
@@ -97,9 +108,14 @@ async def fleet(
         "DURABLE_COMFY_ORPHAN_SWEEP_S": str(RECLAIM_S),
         "DURABLE_COMFY_TENANTS": json.dumps({"capped": {"max_pending": 2, "max_priority": 2}}),
     }
+    ports = [free_port() for _ in range(WORKERS)]
     workers = [
-        KillableWorker(env, base / f"worker-{n}.log", name=f"worker-{n}")
-        for n in range(1, WORKERS + 1)
+        KillableWorker(
+            {**env, "DURABLE_COMFY_METRICS_PORT": str(port)},
+            base / f"worker-{n}.log",
+            name=f"worker-{n}",
+        )
+        for n, port in enumerate(ports, start=1)
     ]
     try:
         await asyncio.gather(*(w.start() for w in workers))
@@ -107,7 +123,7 @@ async def fleet(
             httpx.AsyncClient(trust_env=False) as http,
             ArtifactStore(stack.s3_settings()) as store,
         ):
-            fleet = Fleet(stack, task_queue, workers, store, sim_url, http)
+            fleet = Fleet(stack, task_queue, workers, store, sim_url, http, ports)
             yield fleet
     finally:
         await asyncio.gather(*(w.terminate(grace_s=10.0) for w in workers))
@@ -174,6 +190,30 @@ async def test_the_bound_holds_across_three_workers_and_the_others_wait_pending(
     assert 1 <= stats["peak_in_queue"] <= MAX_RUNNING, stats["peak_in_queue"]
     assert sum(stats["prompts"].values()) == len(ids)
     await eventually(lambda: _queue_is_empty(fleet), timeout_s=10, what="the queue empty")
+    # The queue's metrics, summed over the three workers: a start and a wait per job.
+    text = await fleet.metrics()
+    labels = {"pool": POOL, "tenant": "local"}
+    assert metric_sum(text, "durable_comfy_queue_starts", labels) == len(ids)
+    assert metric_sum(text, "durable_comfy_queue_wait_seconds_count", labels) == len(ids)
+    # The dashboard in the repository asks only for metrics the workers export.
+    dashboard = json.loads((ROOT / "docs" / "grafana" / "queue.json").read_text())
+    asked = {
+        name
+        for panel in dashboard["panels"]
+        for target in panel["targets"]
+        for name in re.findall(r"durable_comfy_\w+", target["expr"])
+    }
+    exported = set(re.findall(r"^(durable_comfy_\w+)", text, re.M))
+    assert asked and asked <= exported, asked - exported
+
+
+def metric_sum(text: str, name: str, labels: dict[str, str]) -> float:
+    """The sum of `name` over every series that has `labels`."""
+    total = 0.0
+    for match in re.finditer(rf"^{name}\{{([^}}]*)\}} (\S+)$", text, re.M):
+        if all(f'{k}="{v}"' in match.group(1) for k, v in labels.items()):
+            total += float(match.group(2))
+    return total
 
 
 async def _queue_is_empty(fleet: Fleet) -> bool:
