@@ -15,8 +15,8 @@ http://127.0.0.1:N/metrics. Ours are prefixed `durable_comfy_`:
 | `durable_comfy_live_follows` | counter | `subscribed` | each follow, when live progress is on |
 | `durable_comfy_live_subscribed_late` | counter | | a subscription after its follow began |
 | `durable_comfy_queue_starts` | counter | `pool`, `tenant` | a bounded pool's queue, per grant |
-| `durable_comfy_queue_wait_seconds` | histogram | `pool`, `tenant` | the same, each grant's time PENDING |
-| `durable_comfy_queue_waiting` | gauge | `pool`, `tenant` | the queue's line, as the worker that last ran it saw it (`max by`) |
+| `durable_comfy_queue_wait_seconds` | histogram | `pool`, `tenant` | each grant's time PENDING |
+| `durable_comfy_queue_waiting` | gauge | `pool`, `tenant` | the line, as last seen (`max by`) |
 | `durable_comfy_queue_running` | gauge | `pool` | the queue's holders, the same way |
 
 docs/grafana/queue.json is a Grafana dashboard of the queue's (tests/stack/test_pool_queue.py

@@ -620,7 +620,7 @@ class LimitSettings(Settings):
         20.0, gt=0, allow_inf_nan=False, validation_alias="DURABLE_COMFY_TENANT_RPS"
     )
     tenant_burst: int = Field(40, ge=1, validation_alias="DURABLE_COMFY_TENANT_BURST")
-    tenant_max_jobs: int = Field(100, ge=1, validation_alias="DURABLE_COMFY_TENANT_MAX_JOBS")
+    tenant_max_jobs: int = Field(2000, ge=1, validation_alias="DURABLE_COMFY_TENANT_MAX_JOBS")
     gateway_max_requests: int = Field(
         256, ge=1, validation_alias="DURABLE_COMFY_GATEWAY_MAX_REQUESTS"
     )

@@ -8,15 +8,18 @@ gateway's own exceptions:
     └── ApiKeysError         the keys' configuration is unusable (names the variable or file)
     LimitExceeded            a refusal with a Retry-After
     ├── RateLimited          the tenant is over its requests per second (429)
-    ├── TooManyJobs          the tenant has its limit of jobs in flight (429)
+    ├── TooManyJobs          the tenant has its limit of jobs in flight, every pool's, as the
+    │                        gateway counts them (429)
+    ├── QueueFull            the pool's queue holds as many waiting jobs as the workers'
+    │                        `max_pending` lets it, the tenant's or the pool's (429)
     └── Overloaded           this replica is at its limit of requests or streams (503)
     FollowFailed             a stream's follower stopped without the job ending
     Dropped                  a stream's subscriber fell too far behind (503)
 
 One table, `api_error_for`, maps these and what the layers below raise (the client's
 `ClientError`s, a request that does not validate) to a status, a type and the extra fields a
-client needs (`job_id`, `status`, `problems`); docs/http-api.md lists it. Nothing here quotes
-a key or an Authorization header.
+client needs (`job_id`, `status`, `problems`, `pool`); docs/http-api.md lists it. Nothing here
+quotes a key or an Authorization header.
 
 Importable without the gateway extra (`durable-comfy gateway new-key` imports gateway.auth,
 which raises these): FastAPI and Starlette are imported where a response is made.
@@ -24,6 +27,7 @@ which raises these): FastAPI and Starlette are imported where a response is made
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -42,6 +46,10 @@ log = structlog.get_logger("gateway.errors")
 
 # How soon to ask again when Temporal or a worker did not answer: a restart takes seconds.
 UNAVAILABLE_RETRY_AFTER_S = 5
+# How soon to ask again when a pool's queue is full but cannot tell when it will have room (no
+# job of the pool has ended since its queue started, so it has no hold times to go by): jobs
+# hold a slot for tens of seconds to minutes, so sooner would only be refused again.
+QUEUE_FULL_RETRY_AFTER_S = 30
 INVALID_REQUEST = "InvalidRequest"
 
 
@@ -110,6 +118,28 @@ class TooManyJobs(LimitExceeded):
     """The tenant has its limit of jobs in flight (429)."""
 
 
+class QueueFull(LimitExceeded):
+    """The pool's queue has no room for the tenant's job (429): as many of its jobs wait as the
+    workers' `max_pending` lets them, the tenant's or the pool's. Nothing was started.
+
+    `retry_after_s` is the queue's own estimate of when a place frees (rounded up to whole
+    seconds), or `QUEUE_FULL_RETRY_AFTER_S` when it has none."""
+
+    def __init__(
+        self, message: str, pool: str, reason: str, retry_after_s: float | None = None
+    ) -> None:
+        wait = QUEUE_FULL_RETRY_AFTER_S if retry_after_s is None else math.ceil(retry_after_s)
+        super().__init__(message, wait)
+        self.pool = pool
+        self.reason = reason
+        self.estimate_s = retry_after_s
+
+    @classmethod
+    def of(cls, exc: client_errors.QueueFull) -> QueueFull:
+        """The client library's refusal, in the same words."""
+        return cls(str(exc), exc.pool, exc.reason, exc.retry_after_s)
+
+
 class Overloaded(LimitExceeded):
     """This replica is at its limit of concurrent requests or open streams (503)."""
 
@@ -144,6 +174,16 @@ def retry_after(seconds: int) -> dict[str, str]:
     return {"Retry-After": str(max(1, seconds))}
 
 
+def no_pool_queue(pool: str) -> ApiError:
+    return ApiError(
+        404,
+        "NoPoolQueue",
+        f"no queue runs for pool {pool!r}: it has no max_running (unbounded: its jobs never "
+        "wait in our queue), no job has asked for one of its slots yet, or no such pool",
+        pool=pool,
+    )
+
+
 def api_error_for(exc: Exception) -> ApiError:
     """What the client sees for `exc` (an `ApiError` as it is; anything unknown: 500)."""
     match exc:
@@ -156,12 +196,26 @@ def api_error_for(exc: Exception) -> ApiError:
             return ApiError(401, "Unauthorized", str(exc), headers={"WWW-Authenticate": "Bearer"})
         case Overloaded():
             return ApiError(503, "Overloaded", str(exc), headers=retry_after(exc.retry_after_s))
+        case client_errors.QueueFull():
+            return api_error_for(QueueFull.of(exc))
+        case QueueFull():
+            return ApiError(
+                429,
+                "QueueFull",
+                str(exc),
+                headers=retry_after(exc.retry_after_s),
+                pool=exc.pool,
+                reason=exc.reason,
+                retry_after_s=exc.estimate_s,
+            )
         case LimitExceeded():
             return ApiError(
                 429, type(exc).__name__, str(exc), headers=retry_after(exc.retry_after_s)
             )
         case client_errors.JobNotFound():
             return not_found(exc.job_id)
+        case client_errors.NoPoolQueue():
+            return no_pool_queue(str(exc))
         case client_errors.InvalidJobId():
             return ApiError(404, "JobNotFound", str(exc))
         case client_errors.JobConflict():

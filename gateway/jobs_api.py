@@ -15,11 +15,12 @@ from fastapi.responses import JSONResponse
 from pydantic import Field
 
 from gateway.deps import caller, request_slot
-from gateway.errors import TooManyJobs, bad_request, invalid
+from gateway.errors import QueueFull, TooManyJobs, bad_request, invalid
 from gateway.state import Gateway, gateway_of
 from gateway.submission import cancel_reason, job_id_for, job_request, parse_body, resubmit_of
 from gateway.views import etag
 from gateway.webhook_check import check_webhook
+from starter import errors as client_errors
 from starter.client import JobClient
 from starter.errors import ClientError, JobNotFound, JobUnanswered
 from workflows.contracts import JobRequest, JobState
@@ -65,7 +66,12 @@ async def submit_job(
     tenant: Tenant,
     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None,
 ) -> JSONResponse:
-    """Submit a job: the same Idempotency-Key with the same request is the same job (200)."""
+    """Submit a job: the same Idempotency-Key with the same request is the same job (200).
+
+    Two refusals for capacity, both 429 with Retry-After: `TooManyJobs`, this gateway's cap
+    on the tenant's open jobs of every pool (counted here, in Temporal's visibility), and
+    `QueueFull`, the pool queue's cap on the jobs waiting in it (the workers' `max_pending`,
+    checked by the client library against the queue itself)."""
     gateway = gateway_of(request)
     job_id = job_id_for(tenant, idempotency_key)
     body = parse_body(await request.body())
@@ -82,6 +88,9 @@ async def submit_job(
     try:
         outcome = await client.start(job, job_id=job_id, detached=detached)
         status, existed = outcome.status, outcome.existed
+    except client_errors.QueueFull as exc:
+        log.info("queue_full", tenant=tenant, pool=exc.pool, retry_after_s=exc.retry_after_s)
+        raise QueueFull.of(exc) from None
     except JobUnanswered:
         # Raised only once the ID was found holding this very request: the same job, whose
         # status no worker gives now. Temporal's record of it is the answer.

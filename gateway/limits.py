@@ -3,8 +3,9 @@
     per tenant   requests per second: a token bucket (DURABLE_COMFY_TENANT_RPS, refilled at that
                  rate, up to DURABLE_COMFY_TENANT_BURST) -> RateLimited, Retry-After the time
                  until the next token;
-                 jobs in flight: DURABLE_COMFY_TENANT_MAX_JOBS, counted in Temporal's visibility
-                 (the tenant's open jobs not yet ended) -> TooManyJobs
+                 jobs in flight: DURABLE_COMFY_TENANT_MAX_JOBS (2000), counted in Temporal's
+                 visibility (the tenant's open jobs of every pool, not yet ended, PENDING ones
+                 included) -> TooManyJobs
     the gateway  requests at once (DURABLE_COMFY_GATEWAY_MAX_REQUESTS) and open SSE/WebSocket
                  streams (DURABLE_COMFY_GATEWAY_MAX_STREAMS) -> Overloaded
 
@@ -14,6 +15,9 @@ concurrency. Jobs in flight are counted from Temporal, so that limit holds acros
 as far as visibility is up to date: it lags the jobs by up to a second or so (Elasticsearch
 more than SQL), and two submissions counted at the same moment may both be let in. It is a
 brake on runaway clients, not an exact quota.
+
+Not to be confused with a bounded pool's `QueueFull` (gateway.errors): the pool's queue itself
+refuses a job above the workers' `max_pending` (the tenant's or the pool's), at submission.
 """
 
 from __future__ import annotations

@@ -23,11 +23,23 @@ from pydantic import ValidationError
 
 from configuration.settings import S3Settings
 from gateway.errors import bad_request, invalid, validation_problems
+from workflows.admission import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY
 from workflows.contracts import JobRequest
 from workflows.errors import OutputOutsideArea
 from workflows.tenancy import check_output, inputs_outside_area, output_area
 
 IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e][\x20-\x7e]{0,198}[\x21-\x7e]$|^[\x21-\x7e]$")
+# What a field of the queue takes, said after pydantic's own words when its value is refused.
+FIELD_RULES: dict[tuple[str | int, ...], str] = {
+    ("priority",): (
+        f"the priority is a whole number from {MIN_PRIORITY} (starts first) to {MAX_PRIORITY} "
+        f"(starts last), {DEFAULT_PRIORITY} when left out"
+    ),
+    ("policy", "start_by_s"): (
+        "start_by_s is the seconds after acceptance by which the job's prompt must have begun "
+        "to run (a number above 0), else the job ends EXPIRED; null or left out: no deadline"
+    ),
+}
 
 
 def job_id_for(tenant: str, idempotency_key: str | None) -> str:
@@ -73,11 +85,18 @@ def job_request(
     try:
         request = JobRequest.model_validate(body)
     except ValidationError as exc:
-        problems = validation_problems(exc)
+        problems = [_with_rule(problem) for problem in validation_problems(exc)]
         graph_only = all(p["loc"][:1] == ["graph"] for p in problems)
         raise invalid(problems, "InvalidGraph" if graph_only else "InvalidRequest") from None
     _check_storage(request, tenant, storage)
     return request, detached
+
+
+def _with_rule(problem: dict[str, Any]) -> dict[str, Any]:
+    rule = FIELD_RULES.get(tuple(problem["loc"]))
+    if rule is None:
+        return problem
+    return {**problem, "message": f"{problem['message']}: {rule}"}
 
 
 def _check_storage(request: JobRequest, tenant: str, storage: S3Settings | None) -> None:

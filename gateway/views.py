@@ -1,4 +1,5 @@
-"""The job as the gateway shows it: one function for GET, POST and every `status` event.
+"""The job as the gateway shows it: one function for GET, POST and every `status` event; and
+a bounded pool's queue as one tenant may see it (`queue_view`).
 
 A view is the job's `JobStatus` (JSON), each artifact's `url` presigned afresh, and `links`.
 What a view needs besides the status never changes for a job (its tenant, its links' lifetime),
@@ -10,17 +11,20 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import OrderedDict
+from datetime import datetime
 from typing import Any
 
 from starter.client import JobClient
 from starter.errors import JobNotFound
+from workflows.admission import PoolQueueView
 from workflows.contracts import Artifact, JobEvent, JobStatus
 
 # Jobs whose facts are kept; the oldest read is forgotten first (it is read again if needed).
 MAX_FACTS = 10_000
 # What a client of the Python library sees but an HTTP client never does: where the job's
-# worker pushes its steps (an address on the workers' network, for the gateway's own use).
-INTERNAL: set[str] = {"live_progress"}
+# worker pushes its steps (an address on the workers' network, for the gateway's own use); and
+# of its place in its pool's queue, the tenant (the caller's own) and the job's ID (the job's).
+INTERNAL: dict[str, Any] = {"live_progress": True, "admission": {"tenant": True, "job_id": True}}
 
 
 class _Bounded(OrderedDict[str, Any]):
@@ -103,3 +107,49 @@ def etag(status: JobStatus) -> str:
     text = json.dumps(shown, sort_keys=True, separators=(",", ":"))
     digest = hashlib.sha256(text.encode()).hexdigest()[:12]
     return f'"{status.seq}.{status.progress.step}.{digest}"'
+
+
+def queue_view(view: PoolQueueView, tenant: str, now: datetime) -> dict[str, Any]:
+    """A pool's queue as `tenant` may see it: its own jobs, waiting and running (ID, state,
+    place, priority, age), and of everyone else's only totals: no other tenant's job ID or name.
+
+    `eta_s_per_start` is the queue's estimate of the time between two starts (a recent hold
+    time over the bound); a waiting job's `eta_s` is its position times that, and the queue's
+    `eta_s` how long until every job waiting now has started. None until a job of the pool
+    has ended since its queue started."""
+    per_start = view.eta_s_per_start
+    jobs: list[dict[str, Any]] = []
+    for entry in view.entries:
+        if entry.tenant != tenant:
+            continue
+        job: dict[str, Any] = {
+            "job_id": entry.job_id,
+            "state": entry.state,
+            "position": entry.position,
+            "priority": entry.priority,
+            "since": entry.since.isoformat(),
+            "age_s": round(max((now - entry.since).total_seconds(), 0.0), 1),
+            "eta_s": None,
+        }
+        if entry.position is not None and per_start is not None:
+            job["eta_s"] = round(entry.position * per_start, 1)
+        if entry.detail:
+            job["detail"] = entry.detail
+        jobs.append(job)
+    # Waiting first, in the order they will start; then the slots held, oldest first.
+    jobs.sort(key=lambda j: (j["position"] is None, j["position"] or 0, j["since"]))
+    waiting, running = view.tenants.get(tenant, (0, 0))
+    return {
+        "pool": view.pool,
+        "max_running": view.max_running,
+        "running": view.running,
+        "waiting": view.waiting,
+        "eta_s_per_start": None if per_start is None else round(per_start, 1),
+        "eta_s": None if per_start is None else round(view.waiting * per_start, 1),
+        "mine": {"waiting": waiting, "running": running},
+        "others": {
+            "waiting": max(view.waiting - waiting, 0),
+            "running": max(view.running - running, 0),
+        },
+        "jobs": jobs,
+    }

@@ -1267,10 +1267,12 @@ def _being_cancelled() -> bool:
 
 def _shown(status: JobStatus) -> tuple[object, ...]:
     """What `watch` compares: the job's own changes, the progress a heartbeat moves, an
-    activity waiting for a worker (appearing, changing, gone), and where the job's steps are
-    pushed from (a gateway subscribes there)."""
+    activity waiting for a worker (appearing, changing, gone), where the job's steps are
+    pushed from (a gateway subscribes there), and a PENDING job's place as its queue has it."""
     progress = status.progress
+    admission = status.admission
     return (
+        None if admission is None else (admission.position, admission.waiting, admission.eta_s),
         status.seq,
         status.state,
         progress.step,

@@ -35,6 +35,7 @@ Not client errors (the library's users never see them):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -129,7 +130,8 @@ class QueueFull(ClientError):
     def __init__(self, pool: str, tenant: str, reason: str, retry_after_s: float | None) -> None:
         self.pool, self.tenant, self.reason = pool, tenant, reason
         self.retry_after_s = retry_after_s
-        when = "later" if retry_after_s is None else f"in about {retry_after_s:.0f} s"
+        # Whole seconds rounded up, as the gateway's Retry-After says it.
+        when = "later" if retry_after_s is None else f"in about {math.ceil(retry_after_s)} s"
         super().__init__(f"queue full: {reason}; nothing was started, try again {when}")
 
 

@@ -567,8 +567,13 @@ function renderStatus(status) {
   const segment = p.segments > 1 ? ` · segment ${p.segment + 1} of ${p.segments}` : "";
   $("progress-text").textContent = `${counted}${percent} %${segment}`;
   $("progress-text").dataset.step = p.step ?? 0;
+  // PENDING: its place in our queue for a bounded pool; WAITING: in the backend's own queue.
+  const line = status.state === "PENDING" ? placeInLine(status.admission) : null;
   const waiting = status.state === "WAITING" && p.queue_position != null;
-  $("queue").textContent = waiting ? `(queue position ${p.queue_position}; 1 is next)` : "";
+  let queue = "";
+  if (line) queue = `— ${line}`;
+  else if (waiting) queue = `(queue position ${p.queue_position}; 1 is next)`;
+  $("queue").textContent = queue;
   showJobError(status.error ? `${status.error.type}: ${status.error.message}` : "");
   const teardown = status.teardown;
   const showTeardown = isTerminal(status) && teardown;
@@ -584,6 +589,26 @@ function renderStatus(status) {
     const counts = `${hook.delivered} delivered, ${hook.failed} failed, ${hook.pending} pending`;
     $("webhook").textContent = `Webhook ${hook.url}: ${hook.refused ? `refused: ${hook.refused}` : counts}`;
   }
+}
+
+// Where a PENDING job stands in its pool's queue, in the words the CLI uses
+// (workflows.admission.place_in_line): "12th of 40 for pool gpu, about 3 min".
+function placeInLine(admission) {
+  if (!admission || admission.granted || !admission.pool) return null;
+  const position = admission.position;
+  let place = "waiting";
+  if (position != null) {
+    const teens = position % 100 >= 10 && position % 100 <= 20;
+    place = `${position}${teens ? "th" : { 1: "st", 2: "nd", 3: "rd" }[position % 10] || "th"}`;
+  }
+  const line = `${place} of ${admission.waiting || "?"} for pool ${admission.pool}`;
+  return admission.eta_s == null ? line : `${line}, about ${duration(admission.eta_s)}`;
+}
+
+function duration(seconds) {
+  if (seconds < 90) return `${Math.round(seconds)} s`;
+  if (seconds < 5400) return `${Math.round(seconds / 60)} min`;
+  return `${(seconds / 3600).toFixed(1)} h`;
 }
 
 function renderDecision(status) {

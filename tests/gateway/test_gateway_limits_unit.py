@@ -71,7 +71,7 @@ def test_the_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(f"DURABLE_COMFY_{name.upper()}", raising=False)
     monkeypatch.delenv("DURABLE_COMFY_SETTINGS_FILE", raising=False)
     defaults = LimitSettings()
-    assert (defaults.tenant_rps, defaults.tenant_burst, defaults.tenant_max_jobs) == (20, 40, 100)
+    assert (defaults.tenant_rps, defaults.tenant_burst, defaults.tenant_max_jobs) == (20, 40, 2000)
     assert (defaults.gateway_max_requests, defaults.gateway_max_streams) == (256, 10_000)
 
 
@@ -213,7 +213,7 @@ def test_the_query_counts_only_the_tenants_unended_jobs() -> None:
     query = jobs_in_flight_query("acme")
     assert query.startswith(f'WorkflowType = "{WORKFLOW_TYPE}" AND Tenant = "acme" AND ')
     assert 'ExecutionStatus = "Running"' in query
-    for ended in ("COMPLETED", "FAILED", "CANCELLED", "ABANDONED"):
+    for ended in ("COMPLETED", "FAILED", "CANCELLED", "ABANDONED", "EXPIRED"):
         assert f'"{ended}"' in query.split("NOT IN", 1)[1]
     with pytest.raises(ValueError, match="tenant name"):
         jobs_in_flight_query('x" OR Tenant != "')

@@ -474,6 +474,71 @@ async def test_the_page_shows_what_the_status_says(tmp_path: Path) -> None:
     assert refused == "InvalidGraph:\n  graph.3.inputs.seed: must be >= 0", refused
 
 
+# A job in our queue for a bounded pool, and one that waited past its start_by_s.
+ADMISSION: dict[str, Any] = {
+    "pool": "gpu",
+    "granted": False,
+    "position": 12,
+    "ahead": 11,
+    "waiting": 40,
+    "priority": 3,
+    "eta_s": 180.0,
+}
+PENDING = {
+    "state": "PENDING",
+    "terminal": False,
+    "seq": 2,
+    "progress": {"fraction": 0},
+    "admission": ADMISSION,
+}
+EXPIRED = {
+    "state": "EXPIRED",
+    "terminal": True,
+    "seq": 5,
+    "progress": {"fraction": 0},
+    "error": {"type": "Expired", "message": "not started by start_by_s (2 s)"},
+    "teardown": {"state": "SKIPPED", "detail": "nothing was sent"},
+    "admission": ADMISSION,
+}
+# The state line after each status in `shown` (a list), then whether following a job stops
+# at `EXPIRED`: `(shown, expired) => JSON`.
+QUEUE_LINES = """((shown, pending, expired) => {
+  const line = (status) => (renderNewJob("j1"), renderStatus(status),
+    document.getElementById("state").parentElement.textContent.replace(/\\s+/g, " ").trim());
+  const lines = shown.map(line);
+  const run = {id: "j1", status: null, outputs: new Map(), abort: new AbortController(),
+               ended: false};
+  renderNewJob("j1");
+  applyStatus(run, pending);
+  const afterPending = run.ended;
+  applyStatus(run, expired);
+  return JSON.stringify({lines, afterPending, ended: run.ended,
+    cancel: !document.getElementById("cancel").hidden,
+    connection: document.getElementById("connection").dataset.connection});
+})"""
+
+
+@needs_chromium
+async def test_the_page_shows_a_pending_jobs_place_and_ends_on_expired(tmp_path: Path) -> None:
+    first = {**PENDING, "admission": {**ADMISSION, "position": 1, "ahead": 0}}
+    no_eta = {**PENDING, "admission": {**ADMISSION, "position": 2, "eta_s": None}}
+    shown = json.dumps([PENDING, first, no_eta, EXPIRED])
+    script = f"{QUEUE_LINES}({shown}, {json.dumps(PENDING)}, {json.dumps(EXPIRED)})"
+    async with open_page((STATIC / "index.html").as_uri(), free_port(), tmp_path / "p") as page:
+        await page.wait_for("document.body.dataset.config", 30)
+        result = json.loads(await page.evaluate(script))
+    assert result["lines"] == [
+        "State: PENDING — 12th of 40 for pool gpu, about 3 min",
+        "State: PENDING — 1st of 40 for pool gpu, about 3 min",
+        "State: PENDING — 2nd of 40 for pool gpu",
+        # Ended: the place it had is not shown any more.
+        "State: EXPIRED",
+    ], result
+    # PENDING follows on; EXPIRED ends the following, and there is nothing left to cancel.
+    assert result["afterPending"] is False and result["ended"] is True, result
+    assert result["cancel"] is False and result["connection"] == "ended", result
+
+
 # Two clicks on Submit against a gateway whose first answer is lost and second is "busy".
 TWO_SUBMITS = """(async () => {
   const sent = [];

@@ -192,6 +192,6 @@ async def wait_state(
         answer = await http.get(f"{gateway.url}/v1/jobs/{job_id}", headers=gateway.auth(tenant))
         assert answer.status_code == 200, answer.text
         view: dict[str, Any] = answer.json()
-        if view["state"] in ("COMPLETED", "FAILED", "CANCELLED", "ABANDONED"):
+        if view.get("terminal") is True:
             return view
         await asyncio.sleep(0.2)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 
 from temporalio.client import Client, WorkflowFailureError, WorkflowHandle
@@ -26,6 +27,19 @@ from workflows.shared import (
 )
 
 
+@contextlib.asynccontextmanager
+async def queue_worker(client: Client, backend: FakeBackend) -> AsyncIterator[str]:
+    """`job_worker`, and the pool's queue ended with it: a queue left running with no worker
+    would hold the time-skipping server's clock for the next test."""
+    async with job_worker(client, backend) as task_queue:
+        try:
+            yield task_queue
+        finally:
+            with contextlib.suppress(RPCError):
+                handle = client.get_workflow_handle(pool_queue_id(task_queue, "comfyui"))
+                await handle.terminate("the test is over")
+
+
 async def view(client: Client, task_queue: str) -> PoolQueueView:
     handle = client.get_workflow_handle(pool_queue_id(task_queue, "comfyui"))
     answer: PoolQueueView = await handle.query(QUERY_POOL_QUEUE, result_type=PoolQueueView)
@@ -41,7 +55,7 @@ async def test_a_job_on_an_idle_bounded_pool_is_granted_at_once_and_gives_its_sl
     env: WorkflowEnvironment,
 ) -> None:
     backend = FakeBackend(Script(max_running=1))
-    async with job_worker(env.client, backend) as task_queue:
+    async with queue_worker(env.client, backend) as task_queue:
         handle = await start_job(env.client, task_queue, request(abandon_after_s=None))
         final = await handle.result()
         assert final.state == JobState.COMPLETED
@@ -62,7 +76,7 @@ async def test_a_second_job_waits_pending_and_starts_when_the_first_ends(
     env: WorkflowEnvironment,
 ) -> None:
     backend = FakeBackend(Script(max_running=1, block_in="follow_prompt"))
-    async with job_worker(env.client, backend) as task_queue:
+    async with queue_worker(env.client, backend) as task_queue:
         first = await start_job(env.client, task_queue, request(abandon_after_s=None))
         await eventually(
             lambda: status(first),
@@ -83,6 +97,10 @@ async def test_a_second_job_waits_pending_and_starts_when_the_first_ends(
         )
         assert pending.admission is not None and pending.admission.position == 1
         assert pending.admission.ahead == 0 and pending.admission.pool == "comfyui"
+        # The Temporal UI's Current Details say it in words.
+        metadata = await second.query("__temporal_workflow_metadata")
+        details = str(metadata.current_details)
+        assert "**PENDING**" in details and "1st of 1 for pool comfyui" in details, details
         assert len(backend.submitted) == 1, "nothing of the waiting job reached the pool"
         await first.signal(SIGNAL_CANCEL, {"reason": "make room"})
         assert (await first.result()).state == JobState.CANCELLED
@@ -110,8 +128,14 @@ async def test_a_job_cancelled_while_pending_leaves_the_line_with_nothing_to_sto
     env: WorkflowEnvironment,
 ) -> None:
     backend = FakeBackend(Script(max_running=1, block_in="follow_prompt"))
-    async with job_worker(env.client, backend) as task_queue:
+    async with queue_worker(env.client, backend) as task_queue:
         first = await start_job(env.client, task_queue, request(abandon_after_s=None))
+        await eventually(
+            lambda: status(first),
+            timeout_s=10,
+            what="the first granted",
+            accept=lambda s: s.admission is not None and s.admission.granted,
+        )
         second = await start_job(env.client, task_queue, request(abandon_after_s=None))
         await eventually(
             lambda: status(second),
@@ -136,7 +160,7 @@ async def test_a_job_cancelled_while_pending_leaves_the_line_with_nothing_to_sto
 async def test_the_dispatcher_continues_as_new_with_its_holders_and_its_line(
     env: WorkflowEnvironment,
 ) -> None:
-    async with job_worker(env.client, FakeBackend()) as task_queue:
+    async with queue_worker(env.client, FakeBackend()) as task_queue:
         queue_id = pool_queue_id(task_queue, "comfyui")
         handle = await env.client.start_workflow(
             PoolQueue.run,
@@ -164,4 +188,3 @@ async def test_the_dispatcher_continues_as_new_with_its_holders_and_its_line(
             if e.HasField("workflow_execution_started_event_attributes")
         ]
         assert started.continued_execution_run_id, "the dispatcher never continued as new"
-        await handle.terminate("the test is over")
