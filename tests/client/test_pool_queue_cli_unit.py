@@ -1,0 +1,117 @@
+"""The queue as the CLI shows it: a PENDING job's place in words, and `pool queue`'s table."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from starter.cli.common import ExitCode, exit_code_for
+from starter.cli.pools import queue_lines
+from starter.cli.render import summary_lines
+from starter.errors import QueueFull
+from workflows.admission import Admission, PoolQueueView, QueueEntry, place_in_line
+from workflows.contracts import JobState, JobStatus
+
+NOW = datetime(2026, 12, 7, 12, 0, tzinfo=UTC)
+
+
+@pytest.mark.parametrize(
+    ("position", "said"),
+    [
+        (1, "1st"),
+        (2, "2nd"),
+        (3, "3rd"),
+        (4, "4th"),
+        (11, "11th"),
+        (12, "12th"),
+        (13, "13th"),
+        (21, "21st"),
+        (22, "22nd"),
+        (111, "111th"),
+        (123, "123rd"),
+    ],
+)
+def test_a_place_in_line_reads_as_an_ordinal(position: int, said: str) -> None:
+    admission = Admission(pool="gpu", position=position, waiting=200)
+    assert place_in_line(admission) == f"{said} of 200 for pool gpu"
+
+
+def test_the_wait_is_said_in_seconds_minutes_or_hours() -> None:
+    assert place_in_line(Admission(pool="gpu", position=12, waiting=40, eta_s=180.0)) == (
+        "12th of 40 for pool gpu, about 3 min"
+    )
+    assert place_in_line(Admission(pool="gpu", position=1, waiting=1, eta_s=42.0)).endswith(
+        "about 42 s"
+    )
+    assert place_in_line(Admission(pool="gpu", position=1, waiting=9, eta_s=7200.0)).endswith(
+        "about 2.0 h"
+    )
+
+
+def test_a_pending_jobs_summary_says_where_it_stands() -> None:
+    status = JobStatus(
+        job_id="j1",
+        state=JobState.PENDING,
+        admission=Admission(pool="gpu", position=12, waiting=40, eta_s=180.0),
+    )
+    assert "12th of 40 for pool gpu, about 3 min" in summary_lines(status)[0]
+
+
+def test_pool_queue_lists_the_line_in_order_then_the_holders() -> None:
+    view = PoolQueueView(
+        pool="gpu",
+        max_running=2,
+        running=2,
+        waiting=2,
+        entries=[
+            QueueEntry(
+                job_id="j-3",
+                tenant="acme",
+                priority=1,
+                state="waiting",
+                position=1,
+                since=NOW - timedelta(seconds=5),
+            ),
+            QueueEntry(
+                job_id="j-4",
+                tenant="beta",
+                priority=3,
+                state="waiting",
+                position=2,
+                since=NOW - timedelta(seconds=65),
+            ),
+            QueueEntry(
+                job_id="j-1",
+                tenant="acme",
+                priority=3,
+                state="running",
+                since=NOW - timedelta(seconds=300),
+            ),
+            QueueEntry(
+                job_id="j-2",
+                tenant="beta",
+                priority=3,
+                state="unsettled",
+                since=NOW - timedelta(seconds=900),
+                detail="teardown UNCONFIRMED: ...",
+            ),
+        ],
+    )
+    lines = queue_lines(view, NOW)
+    assert lines[0] == "pool gpu: 2 running, 2 waiting (max_running 2)"
+    assert lines[1].split() == ["position", "job", "tenant", "priority", "state", "age"]
+    assert [line.split() for line in lines[2:]] == [
+        ["1", "j-3", "acme", "1", "waiting", "5s"],
+        ["2", "j-4", "beta", "3", "waiting", "65s"],
+        ["j-1", "acme", "3", "running", "300s"],
+        ["j-2", "beta", "3", "unsettled", "900s"],
+    ]
+
+
+def test_queue_full_exits_5_and_says_when_to_try_again() -> None:
+    refused = QueueFull("gpu", "acme", "tenant 'acme' has 2 jobs waiting", 2.3)
+    assert exit_code_for(refused) == ExitCode.QUEUE_FULL == 5
+    assert str(refused) == (
+        "queue full: tenant 'acme' has 2 jobs waiting; nothing was started, try again in about 3 s"
+    )
