@@ -128,10 +128,12 @@ class PoolConfig(BaseModel):
     unclassified_inputs: Literal["allow", "refuse"] | None = None
     # How many of the pool's jobs may hold it at once, across every worker (our queue,
     # workflows/admission.py); None: unbounded, every job goes to the pool when it is ready.
-    max_running: int | None = Field(None, ge=1, le=100_000)
+    # At most 1,000: the holders travel in one payload when the pool's queue continues as new.
+    max_running: int | None = Field(None, ge=1, le=1000)
     # How many of the pool's jobs may wait in our queue at once; above it a new one is refused
     # at submission (429 QueueFull). None: no bound of the pool's own.
-    max_pending: int | None = Field(None, ge=1)
+    # At most 4,000, the most one pool's line holds (workflows/admission.py MAX_LINE).
+    max_pending: int | None = Field(None, ge=1, le=4000)
 
     @field_validator("allowed_node_classes")
     @classmethod

@@ -32,6 +32,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 # How many of a pool's latest hold times its wait estimate averages.
 RECENT_HOLDS = 20
+# The most jobs one pool's line holds, whatever `max_pending` says: the line is carried into the
+# dispatcher's next run in one payload with up to 1,000 holders (Temporal caps a payload at
+# 2 MiB; a waiter is 160 to 350 bytes of JSON, by its job id). Above it a new job is refused,
+# QueueFull.
+MAX_LINE = 4000
 MIN_PRIORITY, DEFAULT_PRIORITY, MAX_PRIORITY = 1, 3, 5
 
 
@@ -195,9 +200,6 @@ class QueueState(_Read):
     last_pass: float = 0.0
     next_seq: int = 0
     recent_holds_s: list[float] = Field(default_factory=list)
-    # Jobs that left before their request arrived (a release overtaking nothing: a job's
-    # signals arrive in the order it sent them, but a reclaim may come first).
-    gone: list[str] = Field(default_factory=list)
     # The dispatcher continues as new past this many events (its history stays quick to
     # replay); carried, so a test can make it small.
     history_limit: int = 4000
@@ -229,8 +231,6 @@ class PoolLine:
             state.tenant_max_pending[ask.tenant] = ask.tenant_max_pending
         if ask.job_id in state.holders or ask.job_id in self._waiting:
             return
-        if ask.job_id in state.gone:
-            return
         priority = min(max(ask.priority, MIN_PRIORITY), MAX_PRIORITY)
         if not self._tenant_waits(ask.tenant):
             # Back in line at the last start's pass, never below: no credit for idling.
@@ -259,8 +259,7 @@ class PoolLine:
         if waiter is not None:
             self._lines[waiter.priority][waiter.tenant].remove(waiter)
             return True
-        # Not (yet) here: its request is still on its way, or was lost with a closed job.
-        state.gone = [*state.gone, job_id][-1000:]
+        # Not here: released twice, or by an operator who named another job.
         return False
 
     def unsettled(self, note: SlotUnsettled) -> bool:
@@ -390,9 +389,10 @@ class PoolLine:
         queue heard last bound it."""
         state = self.state
         mine = sum(1 for w in self._waiting.values() if w.tenant == tenant)
+        pool_limit = min(state.pool_max_pending or MAX_LINE, MAX_LINE)
         checks = [
             (mine, state.tenant_max_pending.get(tenant), f"tenant {tenant!r}"),
-            (len(self._waiting), state.pool_max_pending, f"pool {state.pool!r}"),
+            (len(self._waiting), pool_limit, f"pool {state.pool!r}"),
         ]
         per_start = self._seconds_per_start()
         for waiting, limit, whose in checks:
