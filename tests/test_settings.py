@@ -1096,7 +1096,14 @@ def test_the_variables_pools_replace_the_production_files(tmp_path: Path) -> Non
 def test_the_example_production_file_loads() -> None:
     example = ROOT / "examples" / "production.yaml"
     config = load_config_file(example)
-    assert set(config.model_fields_set) == {"worker", "pools", "storage", "codec", "client"}
+    assert set(config.model_fields_set) == {
+        "worker",
+        "pools",
+        "tenants",
+        "storage",
+        "codec",
+        "client",
+    }
     assert config.pools is not None
     assert {name: pool.kind for name, pool in config.pools.items()} == {
         "gpu": "runpod",
@@ -1111,7 +1118,9 @@ def test_the_example_production_file_loads() -> None:
         True,
     )
     assert config.pools["stock"].node_registry == example.parent / "nodes/stock-object-info.json"
+    assert (gpu.max_running, gpu.max_pending) == (20, 4000)
     settings = WorkerSettings.from_env({FILE_VAR: str(example)})
+    assert settings.tenants["acme"].weight == 2 and settings.tenants["free-tier"].max_priority == 3
     assert (settings.default_pool, settings.set_current, settings.metrics_port) == (
         "gpu",
         "never",

@@ -10,6 +10,7 @@ step) and cancels it at its end, so the jobs behind it wait as long as the test 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -17,6 +18,7 @@ from typing import Any
 
 import httpx
 import pytest_asyncio
+from temporalio.service import RPCError
 
 from configuration.settings import WorkerSettings
 from devstack.config import PoolConfig
@@ -70,7 +72,9 @@ async def bounded(local_stack: RunningStack) -> AsyncIterator[RunningGateway]:
         # Nothing of this module stays open on the dev server.
         query = f'TaskQueue = "{task_queue}" AND ExecutionStatus = "Running"'
         async for execution in temporal.list_workflows(query):
-            await temporal.get_workflow_handle(execution.id).terminate("test over")
+            # The list is eventually consistent: a job it names may have ended meanwhile.
+            with contextlib.suppress(RPCError):
+                await temporal.get_workflow_handle(execution.id).terminate("test over")
         stop.set()
         await asyncio.wait_for(worker, timeout=30)
 

@@ -27,6 +27,7 @@ says PENDING with its `admission.position`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -39,6 +40,7 @@ from typing import Any
 import httpx
 import pytest
 import pytest_asyncio
+from temporalio.service import RPCError
 
 from devstack.models import RunningStack
 from devstack.processes import terminate
@@ -156,7 +158,9 @@ async def fleet_of(
     finally:
         query = f'TaskQueue = "{task_queue}" AND ExecutionStatus = "Running"'
         async for execution in temporal.list_workflows(query):
-            await temporal.get_workflow_handle(execution.id).terminate("test over")
+            # The list is eventually consistent: a job it names may have ended meanwhile.
+            with contextlib.suppress(RPCError):
+                await temporal.get_workflow_handle(execution.id).terminate("test over")
         await asyncio.gather(*(w.terminate(grace_s=10.0) for w in workers))
         for worker in workers:
             print(f"==== {worker.name} ====\n{worker.log_tail(30)}")
