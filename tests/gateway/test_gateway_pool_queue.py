@@ -69,14 +69,16 @@ async def bounded(local_stack: RunningStack) -> AsyncIterator[RunningGateway]:
         async with running_gateway(connect) as gateway:
             yield gateway
     finally:
-        # Nothing of this module stays open on the dev server.
-        query = f'TaskQueue = "{task_queue}" AND ExecutionStatus = "Running"'
-        async for execution in temporal.list_workflows(query):
-            # The list is eventually consistent: a job it names may have ended meanwhile.
-            with contextlib.suppress(RPCError):
-                await temporal.get_workflow_handle(execution.id).terminate("test over")
-        stop.set()
-        await asyncio.wait_for(worker, timeout=30)
+        try:
+            # Nothing of this module stays open on the dev server.
+            query = f'TaskQueue = "{task_queue}" AND ExecutionStatus = "Running"'
+            async for execution in temporal.list_workflows(query):
+                # The list is eventually consistent: a job it names may have ended meanwhile.
+                with contextlib.suppress(RPCError):
+                    await temporal.get_workflow_handle(execution.id).terminate("test over")
+        finally:
+            stop.set()
+            await asyncio.wait_for(worker, timeout=30)
 
 
 @pytest_asyncio.fixture(loop_scope="session")

@@ -156,14 +156,17 @@ async def fleet_of(
         ):
             yield Fleet(gateway, JobClient(temporal, task_queue=task_queue), http)
     finally:
-        query = f'TaskQueue = "{task_queue}" AND ExecutionStatus = "Running"'
-        async for execution in temporal.list_workflows(query):
-            # The list is eventually consistent: a job it names may have ended meanwhile.
-            with contextlib.suppress(RPCError):
-                await temporal.get_workflow_handle(execution.id).terminate("test over")
-        await asyncio.gather(*(w.terminate(grace_s=10.0) for w in workers))
-        for worker in workers:
-            print(f"==== {worker.name} ====\n{worker.log_tail(30)}")
+        try:
+            query = f'TaskQueue = "{task_queue}" AND ExecutionStatus = "Running"'
+            async for execution in temporal.list_workflows(query):
+                # The list is eventually consistent: a job it names may have ended meanwhile.
+                with contextlib.suppress(RPCError):
+                    await temporal.get_workflow_handle(execution.id).terminate("test over")
+        finally:
+            # Whatever happened above, no worker process outlives the test.
+            await asyncio.gather(*(w.terminate(grace_s=10.0) for w in workers))
+            for worker in workers:
+                print(f"==== {worker.name} ====\n{worker.log_tail(30)}")
     assert [pid for w in workers for pid in w.running_pids()] == []
 
 
