@@ -137,13 +137,6 @@ async def run_worker(
         runpod = RunPodBackend(settings.pools, on_runpod, store, live=live)
         by_kind: dict[str, Backend] = {"comfyui": comfy, "runpod": runpod}
         deliverer = WebhookDeliverer(webhooks)
-        jobs = JobActivities(
-            Backends(settings.pools, settings.default_pool, by_kind),
-            deliverer,
-            s3,
-            tenants=settings.tenants,
-            reclaim_every_s=settings.orphan_sweep_interval_s or 60.0,
-        )
         sweeper = OrphanSweeper(
             client,
             pools.clients(),
@@ -154,6 +147,14 @@ async def run_worker(
             followed_here=budget.is_following,
         )
         queues = PoolQueueActivities(client, sweeper)
+        jobs = JobActivities(
+            Backends(settings.pools, settings.default_pool, by_kind),
+            deliverer,
+            s3,
+            tenants=settings.tenants,
+            reclaim_every_s=settings.orphan_sweep_interval_s or 60.0,
+            ask_for_slot=queues.ask,
+        )
         worker = Worker(
             client,
             task_queue=settings.task_queue,

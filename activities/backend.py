@@ -14,9 +14,10 @@ default before anything reads it, as prepare would have, and says which pool tha
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Protocol, TypeVar
 
+import structlog
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
@@ -27,7 +28,7 @@ from configuration.pools import PoolConfig
 from configuration.settings import S3Settings
 from configuration.tenants import TenantConfig, tenant_config
 from workflows import activity_io
-from workflows.admission import MAX_PRIORITY
+from workflows.admission import MAX_PRIORITY, SlotRequest
 from workflows.contracts import Checkpoint
 from workflows.failures import as_refused_before_submission
 from workflows.shared import (
@@ -38,6 +39,8 @@ from workflows.shared import (
     DEFAULT_TENANT,
     ErrorType,
 )
+
+log = structlog.get_logger(__name__)
 
 
 class Backend(Protocol):
@@ -109,12 +112,16 @@ class JobActivities:
         storage: S3Settings,
         tenants: Mapping[str, TenantConfig] | None = None,
         reclaim_every_s: float = 60.0,
+        ask_for_slot: Callable[[str, SlotRequest], Awaitable[None]] | None = None,
     ) -> None:
         self._backends = backends
         self._webhooks = webhooks
         self._storage = storage
         self._tenants = tenants or {}
         self._reclaim_every_s = reclaim_every_s
+        # The pool queue's signal-with-start (activities/pool_queue.py): a bounded pool's check
+        # asks for the job's slot at once, so the queue's answer races the check's own result.
+        self._ask_for_slot = ask_for_slot
 
     @activity.defn(name=ACTIVITY_PREPARE)
     async def prepare_prompt(self, req: activity_io.PrepareInput) -> activity_io.PreparedJob:
@@ -140,7 +147,32 @@ class JobActivities:
                 max_priority=terms.max_priority,
             )
         prepared = await backend.prepare(req, pool)
-        return prepared.model_copy(update={"bound": self._bound(pool, terms)})
+        bound = self._bound(pool, terms)
+        asked = bound is not None and await self._asked(req, bound)
+        return prepared.model_copy(update={"bound": bound, "slot_asked": asked})
+
+    async def _asked(self, req: activity_io.PrepareInput, bound: activity_io.PoolBound) -> bool:
+        """Ask the pool's queue for the job's slot (idempotent); False when it could not be
+        asked here (the workflow then asks itself)."""
+        if self._ask_for_slot is None or req.accepted_at is None:
+            return False
+        ask = SlotRequest(
+            job_id=req.job_id,
+            tenant=req.tenant or DEFAULT_TENANT,
+            priority=req.priority,
+            weight=bound.weight,
+            max_running=bound.max_running,
+            accepted_at=req.accepted_at,
+            reclaim_every_s=bound.reclaim_every_s,
+            tenant_max_pending=bound.tenant_max_pending,
+            pool_max_pending=bound.pool_max_pending,
+        )
+        try:
+            await self._ask_for_slot(bound.pool, ask)
+        except Exception as exc:  # the workflow asks by signal instead
+            log.warning("pool_slot_not_asked", pool=bound.pool, error=str(exc))
+            return False
+        return True
 
     def _bound(self, pool: str, terms: TenantConfig) -> activity_io.PoolBound | None:
         config = self._backends.config_of(pool)
@@ -183,6 +215,7 @@ class JobActivities:
                 pool=pool,
                 kind=prepared.kind,
                 bound=prepared.bound,
+                slot_asked=prepared.slot_asked,
             )
         result = await backend.follow(_on_pool(req, pool))
         return result.model_copy(update={"pool": pool, "kind": prepared.kind})

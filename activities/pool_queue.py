@@ -36,6 +36,12 @@ class PoolQueueActivities:
     async def open_pool_queue(self, pool: str, request: SlotRequest) -> None:
         """Signal-with-start: the pool's dispatcher gets the request, started first if none
         runs (its first job, or one terminated by an operator)."""
+        await self.ask(pool, request)
+        log.info("pool_queue_opened", pool=pool, job_id=request.job_id)
+
+    async def ask(self, pool: str, request: SlotRequest) -> None:
+        """The request, by signal-with-start, from inside an activity of the job's task queue
+        (the check asks for the job's slot at once: activities/backend.py)."""
         task_queue = activity.info().task_queue
         await self._client.start_workflow(
             POOL_QUEUE_WORKFLOW_TYPE,
@@ -46,7 +52,6 @@ class PoolQueueActivities:
             start_signal=SIGNAL_SLOT_REQUEST,
             start_signal_args=[request],
         )
-        log.info("pool_queue_opened", pool=pool, job_id=request.job_id)
 
     @activity.defn(name=ACTIVITY_CLOSED_JOBS)
     async def closed_jobs(self, pool: str, job_ids: list[str]) -> list[str]:

@@ -57,9 +57,14 @@ class PrepareInput(StrictModel):
     tenant: str | None = None
     # The request's priority: its tenant's `max_priority` may forbid it.
     priority: int = 3
+    # When the job was accepted: on a bounded pool the check asks the pool's queue for a slot
+    # at once, in the job's place (its order within its tenant).
+    accepted_at: datetime | None = None
 
     @classmethod
-    def of(cls, request: JobRequest, job_id: str) -> PrepareInput:
+    def of(
+        cls, request: JobRequest, job_id: str, accepted_at: datetime | None = None
+    ) -> PrepareInput:
         """The check of `request`, by its prepare or by its first follow."""
         return cls(
             job_id=job_id,
@@ -73,6 +78,7 @@ class PrepareInput(StrictModel):
             # (activities/inputs.py confines a tenant's s3:// inputs to its own area).
             tenant=request.labels.get(TENANT_LABEL),
             priority=request.priority,
+            accepted_at=accepted_at,
         )
 
 
@@ -107,8 +113,10 @@ class PreparedJob(StrictModel):
     # Input files staged in the job's bucket folder for backends that fetch them with the
     # submission (RunPod): the name a load node uses -> its object key.
     staged_inputs: dict[str, str] = Field(default_factory=dict)
-    # Set when the pool is bounded (`max_running`): the job waits for a slot first.
+    # Set when the pool is bounded (`max_running`): the job waits for a slot first. `slot_asked`:
+    # the check has asked the pool's queue already (the job need not).
     bound: PoolBound | None = None
+    slot_asked: bool = False
 
     @classmethod
     def unchecked(cls, request: JobRequest) -> PreparedJob:
@@ -192,6 +200,7 @@ class FollowResult(StrictModel):
     pool: str | None = None
     kind: str | None = None
     bound: PoolBound | None = None
+    slot_asked: bool = False
 
 
 class FollowHeartbeat(StrictModel):

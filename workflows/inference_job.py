@@ -115,12 +115,12 @@ class InferenceJob:
         """Prepare, then run the segments; a carry when the history asks to continue as new."""
         request, book = self._request, self._book
         if self._prepared is None:
-            check = PrepareInput.of(request, self._status.job_id)
+            check = PrepareInput.of(request, self._status.job_id, self._status.created_at)
             if request.inputs:
                 book.set_state(JobState.PREPARING)
                 self._prepared = await calls.prepare(check)
                 book.prepared_on(self._prepared.pool, self._prepared.kind)
-                await self._slot.take(self._prepared.bound)  # a bounded pool's, else none
+                await self._slot.take(self._prepared.bound, asked=self._prepared.slot_asked)
             else:
                 # Nothing to stage, nothing to prepare but the check, which the first follow
                 # does before it submits (activities/backend.py): one activity to the GPU.

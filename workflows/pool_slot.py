@@ -50,6 +50,7 @@ class PoolSlot:
         # wait in line, and when that wait ends with the grant (set by the guards).
         self.on_answer: Callable[[Admission], None] = book.admission
         self._giving_back: asyncio.Task[None] | None = None
+        self._early: Admission | None = None
         self.on_wait: Any = None
         self.on_granted_after_wait: Any = None
         self._waited = False
@@ -70,16 +71,21 @@ class PoolSlot:
     def tenant(self) -> str:
         return self._request.labels.get(shared.TENANT_LABEL) or shared.DEFAULT_TENANT
 
-    async def take(self, bound: PoolBound | None) -> None:
-        """Ask the pool's queue and wait for the grant (PENDING meanwhile, when the queue says
-        so); nothing to wait for on an unbounded pool (None). Cancelled with the job: the place
-        in line is given back by `give_back`."""
+    async def take(self, bound: PoolBound | None, *, asked: bool = False) -> None:
+        """Ask the pool's queue (unless the check has: `asked`) and wait for the grant (PENDING
+        meanwhile, when the queue says so); nothing to wait for on an unbounded pool (None).
+        Cancelled with the job: the place in line is given back by `give_back`."""
         if self.granted or bound is None:
             return
         self.bound = bound
         self._book.awaiting_slot = True
+        early, self._early = self._early, None
+        if early is not None:
+            self.heard(early)  # the queue answered before the check's result came in
         while not self.granted:
-            await self._ask(bound)
+            if not asked:
+                await self._ask(bound)
+            asked = False
             try:
                 await workflow.wait_condition(
                     lambda: self.granted,
@@ -96,6 +102,10 @@ class PoolSlot:
         try:
             answer = Admission.model_validate(payload)
         except ValueError:
+            return
+        if self.bound is None and not self._given_back:
+            # Asked by the check, answered before the workflow heard the check's result.
+            self._early = answer
             return
         if self._given_back or self.bound is None or answer.pool != self.bound.pool:
             return

@@ -126,7 +126,7 @@ class SegmentRun:
             # Checked on a bounded pool, nothing submitted: wait for a slot, then submit.
             book.prepared_on(result.pool, result.kind)
             assert self._slot is not None and result.bound is not None
-            await self._slot.take(result.bound)
+            await self._slot.take(result.bound, asked=result.slot_asked)
             given = False
 
     def _follow_input(self, checkpoint: Checkpoint, submit: bool, first_post: bool) -> FollowInput:

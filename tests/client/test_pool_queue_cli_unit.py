@@ -111,7 +111,7 @@ def test_pool_queue_lists_the_line_in_order_then_the_holders() -> None:
 
 def test_queue_full_exits_5_and_says_when_to_try_again() -> None:
     refused = QueueFull("gpu", "acme", "tenant 'acme' has 2 jobs waiting", 2.3)
-    assert exit_code_for(refused) == ExitCode.QUEUE_FULL == 5
+    assert exit_code_for(refused) == ExitCode.QUEUE_FULL and int(ExitCode.QUEUE_FULL) == 5
     assert str(refused) == (
         "queue full: tenant 'acme' has 2 jobs waiting; nothing was started, try again in about 3 s"
     )
