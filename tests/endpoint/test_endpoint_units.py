@@ -248,7 +248,9 @@ async def test_an_s3_call_rides_out_an_outage_within_its_budget(
     started = time.monotonic()
     with pytest.raises(EndpointConnectionError):
         await flaky_s3(0.3, down).call("put_object", Bucket="b", Key="k")
-    assert 0.3 <= time.monotonic() - started < 2 and down.calls > 2
+    # Given up once its 0.3 s budget is spent, not at the next call's (60 s): the upper bound
+    # is loose, a loaded machine (a CI run beside `make bench`) took 2.7 s.
+    assert 0.3 <= time.monotonic() - started < 10 and down.calls > 2
     single = FlakyClient(10**6, EndpointConnectionError(endpoint_url="http://s3"))
     with pytest.raises(EndpointConnectionError):
         await flaky_s3(60.0, single).call("put_object", patience=Patience(0.0), Key="k")

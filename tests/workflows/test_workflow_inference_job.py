@@ -131,6 +131,8 @@ async def test_prepare_is_sent_the_whole_request(env: WorkflowEnvironment) -> No
             inputs=request.inputs,
             segments=request.segments,
             output=request.output,
+            # When the job was accepted: a bounded pool's check asks for its slot in its place.
+            accepted_at=status.created_at,
         )
     ]
     assert status.backend is not None and status.backend.pool == "gpu-a"
