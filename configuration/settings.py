@@ -44,6 +44,7 @@ from pydantic import (
     Field,
     SecretStr,
     ValidationError,
+    ValidationInfo,
     create_model,
     field_validator,
     model_validator,
@@ -111,6 +112,13 @@ _WORKER_FILE_FIELDS = (
     "build_id",
     "set_current",
 )
+
+
+# What DURABLE_COMFY_POOLS and DURABLE_COMFY_TENANTS hold, as their errors say it.
+_JSON_SHAPES = {
+    "pools": "{name: {kind, url}}",
+    "tenants": "{tenant: {weight, max_priority}}",
+}
 
 
 class WorkerSettings(Settings):
@@ -244,26 +252,16 @@ class WorkerSettings(Settings):
             object.__setattr__(self, "build_id", package_build_id())
         return self
 
-    @field_validator("pools", mode="before")
+    @field_validator("pools", "tenants", mode="before")
     @classmethod
-    def _pools_json(cls, value: Any) -> Any:
+    def _mapping_json(cls, value: Any, info: ValidationInfo) -> Any:
+        # A variable's value is JSON; the file's is a mapping already.
         if isinstance(value, str):
+            expected = _JSON_SHAPES[info.field_name or ""]
             try:
                 return json.loads(value)
             except json.JSONDecodeError as exc:
-                raise ValueError(f"not JSON ({exc}); expected {{name: {{kind, url}}}}") from None
-        return value
-
-    @field_validator("tenants", mode="before")
-    @classmethod
-    def _tenants_json(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            try:
-                return json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(
-                    f"not JSON ({exc}); expected {{tenant: {{weight, max_priority}}}}"
-                ) from None
+                raise ValueError(f"not JSON ({exc}); expected {expected}") from None
         return value
 
 
