@@ -7,6 +7,8 @@ given the queue's latest word on its place (the job itself hears it only every f
 
 from __future__ import annotations
 
+import asyncio
+
 from temporalio.client import Client, WorkflowQueryFailedError
 from temporalio.service import RPCError, RPCStatusCode
 
@@ -21,6 +23,9 @@ from workflows.shared import (
     pool_queue_id,
 )
 
+# How many times the room check asks a queue whose worker failed to answer.
+ROOM_ATTEMPTS = 3
+
 
 async def pool_queue(temporal: Client, task_queue: str, pool: str) -> PoolQueueView:
     handle = temporal.get_workflow_handle(pool_queue_id(task_queue, pool))
@@ -34,17 +39,25 @@ async def pool_queue(temporal: Client, task_queue: str, pool: str) -> PoolQueueV
 
 
 async def queue_room(temporal: Client, task_queue: str, pool: str, tenant: str) -> QueueRoom:
-    """Whether a new job of `tenant` may join `pool`'s line (room, too, when no queue runs)."""
+    """Whether a new job of `tenant` may join `pool`'s line (room, too, when no queue runs).
+
+    A query the queue's worker failed to answer (a busy worker's deadlock detector, a queue of
+    an older version without the query) is asked again twice; after that the submission goes
+    on: the queue itself never refuses a job, so a missed check costs one job over the bound."""
     handle = temporal.get_workflow_handle(pool_queue_id(task_queue, pool))
-    try:
-        room: QueueRoom = await handle.query(QUERY_ROOM, tenant, result_type=QueueRoom)
-    except RPCError as exc:
-        if exc.status == RPCStatusCode.NOT_FOUND:
-            return QueueRoom()
-        raise
-    except WorkflowQueryFailedError:
-        return QueueRoom()  # a dispatcher of an older version without the query: no bound
-    return room
+    for attempt in range(ROOM_ATTEMPTS):
+        try:
+            room: QueueRoom = await handle.query(QUERY_ROOM, tenant, result_type=QueueRoom)
+        except RPCError as exc:
+            if exc.status == RPCStatusCode.NOT_FOUND:
+                return QueueRoom()
+            raise
+        except WorkflowQueryFailedError:
+            if attempt + 1 < ROOM_ATTEMPTS:
+                await asyncio.sleep(0.2 * (attempt + 1))
+            continue
+        return room
+    return QueueRoom()
 
 
 async def release_slot(temporal: Client, task_queue: str, pool: str, job_id: str) -> bool:

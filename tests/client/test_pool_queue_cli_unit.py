@@ -5,12 +5,14 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from temporalio.client import WorkflowQueryFailedError
 
 from starter.cli.common import ExitCode, exit_code_for
 from starter.cli.pools import queue_lines
 from starter.cli.render import summary_lines
 from starter.errors import QueueFull
-from workflows.admission import Admission, PoolQueueView, QueueEntry, place_in_line
+from starter.queues import queue_room
+from workflows.admission import Admission, PoolQueueView, QueueEntry, QueueRoom, place_in_line
 from workflows.contracts import JobState, JobStatus
 
 NOW = datetime(2026, 12, 7, 12, 0, tzinfo=UTC)
@@ -115,3 +117,30 @@ def test_queue_full_exits_5_and_says_when_to_try_again() -> None:
     assert str(refused) == (
         "queue full: tenant 'acme' has 2 jobs waiting; nothing was started, try again in about 3 s"
     )
+
+
+class _FlakyQueue:
+    """A queue handle whose worker fails `failures` queries before it answers `room`."""
+
+    def __init__(self, failures: int, room: QueueRoom) -> None:
+        self.failures, self.room, self.asked = failures, room, 0
+
+    def get_workflow_handle(self, workflow_id: str) -> _FlakyQueue:
+        return self
+
+    async def query(self, name: str, arg: object, *, result_type: object) -> QueueRoom:
+        self.asked += 1
+        if self.asked <= self.failures:
+            raise WorkflowQueryFailedError("[TMPRL1101] Potential deadlock detected")
+        return self.room
+
+
+async def test_the_room_check_asks_a_queue_that_failed_to_answer_again() -> None:
+    full = QueueRoom(full=True, reason="pool 'gpu' has 1 jobs waiting", limit=1)
+    queue = _FlakyQueue(2, full)
+    room = await queue_room(queue, "tq", "gpu", "acme")  # type: ignore[arg-type]
+    assert room.full and queue.asked == 3
+    # A queue that never answers does not block submissions: the check is advisory.
+    silent = _FlakyQueue(10, full)
+    assert not (await queue_room(silent, "tq", "gpu", "acme")).full  # type: ignore[arg-type]
+    assert silent.asked == 3
