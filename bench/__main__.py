@@ -5,7 +5,9 @@ default), `-n 30` [N] the measured repetitions where a benchmark repeats, `--war
 `--history-steps`, `--latency-steps`, `--step-delay-ms` (the second simulator's time per step),
 `--throughput-clients`, `--throughput-jobs`, `--recovery-heartbeat-s`, `--scale-jobs 100,300,1000`,
 `--scale-serial-jobs`, `--offload-sizes 100,1024` (MiB; `100` skips the 1 GiB upload),
-`--runpod-jobs 100` (group 9's running jobs per round),
+`--runpod-jobs 100` (group 9's running jobs per round), `--queue-slots 10`,
+`--queue-rate-jobs 300`, `--queue-fair-jobs 300`, `--queue-priority-behind 1000`,
+`--queue-backlog-jobs 2000` (group 10, our queue),
 `--keep` (leave the stack's temporary state and logs), `--note` [NOTE] (what else ran meanwhile,
 recorded in RESULTS.md).
 Writes bench/results.json and bench/RESULTS.md (or `--out DIR`). Exit code 1 when a benchmark
@@ -108,6 +110,36 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         default=defaults.runpod_jobs,
         help="group 9: running jobs per round on the RunPod path (a handler process each)",
     )
+    parser.add_argument(
+        "--queue-slots",
+        type=int,
+        default=defaults.queue_slots,
+        help="group 10: max_running of the bounded pools",
+    )
+    parser.add_argument(
+        "--queue-rate-jobs",
+        type=int,
+        default=defaults.queue_rate_jobs,
+        help="group 10: jobs of the start-rate batch (a full queue drained)",
+    )
+    parser.add_argument(
+        "--queue-fair-jobs",
+        type=int,
+        default=defaults.queue_fair_jobs,
+        help="group 10: jobs of each of the two tenants in each fairness run",
+    )
+    parser.add_argument(
+        "--queue-priority-behind",
+        type=int,
+        default=defaults.queue_priority_behind,
+        help="group 10: jobs waiting ahead of the priority-1 job",
+    )
+    parser.add_argument(
+        "--queue-backlog-jobs",
+        type=int,
+        default=defaults.queue_backlog_jobs,
+        help="group 10: jobs of the backlog (RSS, history events, time to run them all)",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the stack's state and logs")
     parser.add_argument("--out", type=Path, default=HERE, help="where results.json/RESULTS.md go")
     parser.add_argument("--command", default=None, help="the command to record (make passes it)")
@@ -132,6 +164,11 @@ async def bench(args: argparse.Namespace) -> int:
         scale_serial_jobs=args.scale_serial_jobs,
         offload_sizes_mib=args.offload_sizes,
         runpod_jobs=args.runpod_jobs,
+        queue_slots=args.queue_slots,
+        queue_rate_jobs=args.queue_rate_jobs,
+        queue_fair_jobs=args.queue_fair_jobs,
+        queue_priority_behind=args.queue_priority_behind,
+        queue_backlog_jobs=args.queue_backlog_jobs,
     )
     command = args.command or shlex.join(["python", "-m", "bench", *sys.argv[1:]])
     host = machine()

@@ -44,6 +44,14 @@ class BenchOptions(BaseModel):
     offload_sizes_mib: tuple[int, ...] = (100, 1024)
     # Group 9: running jobs per round on the RunPod path (a handler process each).
     runpod_jobs: int = Field(100, ge=1)
+    # Group 10 (our queue): the bounded pools' `max_running`; the jobs of the start-rate batch;
+    # each tenant's jobs in the fairness runs; the jobs waiting ahead of the priority-1 job;
+    # the backlog's jobs (RSS, history events, time against the pool's own queue).
+    queue_slots: int = Field(10, ge=1)
+    queue_rate_jobs: int = Field(300, ge=2)
+    queue_fair_jobs: int = Field(300, ge=1)
+    queue_priority_behind: int = Field(1000, ge=1)
+    queue_backlog_jobs: int = Field(2000, ge=1)
 
 
 class Section(BaseModel):

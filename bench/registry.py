@@ -9,6 +9,7 @@ from bench.groups import (
     offload,
     overhead,
     push,
+    queue,
     recovery,
     runpod_path,
     scale,
@@ -26,6 +27,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     client_latency.BENCHMARK,
     push.BENCHMARK,
     runpod_path.BENCHMARK,
+    queue.BENCHMARK,
 )
 
 # Planned groups without a module yet: listed in RESULTS.md as not yet measured.
