@@ -37,6 +37,7 @@ Every bounded run's simulator must never hold more than K prompts (`queue.peak_p
 
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
 import time
@@ -264,6 +265,10 @@ def _outcome(slots: int, options: BenchOptions, runs: Runs) -> Outcome:
 # -- 1 ----------------------------------------------------------------------------------------
 
 
+def _p(values: Sequence[float], p: float) -> float:
+    return percentile(values, p) if values else float("nan")
+
+
 def _typical(trips: Sequence[RoundTrips]) -> RoundTrips:
     middle = statistics.median_low(t.events for t in trips)
     return next(t for t in trips if t.events == middle)
@@ -397,6 +402,9 @@ def _rate(slots: int, run: RateRun, profiled: list[str]) -> Outcome:
     open_starts = start_rate(run.open_starts, 0) if len(run.open_starts) > 1 else float("nan")
     prompt_ms = percentile(run.prompt_s, 50) * 1000 if run.prompt_s else float("nan")
     cycle_ms = slots / value * 1000
+    times = sorted(run.starts)[slots - 1 :]
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    longest = max(gaps, default=float("nan"))
     results = [
         result(
             "queue.start_rate",
@@ -437,6 +445,9 @@ def _rate(slots: int, run: RateRun, profiled: list[str]) -> Outcome:
         "end to the next prompt's start on that slot (the job's outputs stored and its follow "
         "ended, its release signalled, the dispatcher's workflow task, the grant signalled, the "
         "next job's workflow task, its follow activity dispatched, socket and POST /prompt).",
+        f"- between two starts of the drain: p50 {fmt(_p(gaps, 50) * 1000)} ms, p99 "
+        f"{fmt(_p(gaps, 99) * 1000)} ms, longest {fmt(longest * 1000)} ms (a stall of the "
+        "dispatcher, a workflow task timed out say, shows here).",
         "",
         *_dispatcher_lines(run.dispatcher, run.jobs + slots, "this measurement, blockers too"),
         "",
