@@ -154,6 +154,7 @@ async def run_worker(
             tenants=settings.tenants,
             reclaim_every_s=settings.orphan_sweep_interval_s or 60.0,
             ask_for_slot=queues.ask,
+            release_slot=queues.release,
         )
         worker = Worker(
             client,

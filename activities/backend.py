@@ -28,7 +28,7 @@ from configuration.pools import PoolConfig
 from configuration.settings import S3Settings
 from configuration.tenants import TenantConfig, tenant_config
 from workflows import activity_io
-from workflows.admission import MAX_PRIORITY, SlotRequest
+from workflows.admission import MAX_PRIORITY, Admission, SlotRelease, SlotRequest
 from workflows.contracts import Checkpoint
 from workflows.failures import as_refused_before_submission
 from workflows.shared import (
@@ -112,7 +112,8 @@ class JobActivities:
         storage: S3Settings,
         tenants: Mapping[str, TenantConfig] | None = None,
         reclaim_every_s: float = 60.0,
-        ask_for_slot: Callable[[str, SlotRequest], Awaitable[None]] | None = None,
+        ask_for_slot: Callable[[str, SlotRequest], Awaitable[Admission | None]] | None = None,
+        release_slot: Callable[[str, SlotRelease], Awaitable[bool]] | None = None,
     ) -> None:
         self._backends = backends
         self._webhooks = webhooks
@@ -122,6 +123,9 @@ class JobActivities:
         # The pool queue's signal-with-start (activities/pool_queue.py): a bounded pool's check
         # asks for the job's slot at once, so the queue's answer races the check's own result.
         self._ask_for_slot = ask_for_slot
+        # And its release: the follow that saw a bounded job's last prompt end gives the slot
+        # back itself, at once, rather than by the job's signal at its very end.
+        self._release_slot = release_slot
 
     @activity.defn(name=ACTIVITY_PREPARE)
     async def prepare_prompt(self, req: activity_io.PrepareInput) -> activity_io.PreparedJob:
@@ -148,14 +152,20 @@ class JobActivities:
             )
         prepared = await backend.prepare(req, pool)
         bound = self._bound(pool, terms)
-        asked = bound is not None and await self._asked(req, bound)
-        return prepared.model_copy(update={"bound": bound, "slot_asked": asked})
+        if bound is None:
+            return prepared
+        asked, admission = await self._asked(req, bound)
+        return prepared.model_copy(
+            update={"bound": bound, "slot_asked": asked, "admission": admission}
+        )
 
-    async def _asked(self, req: activity_io.PrepareInput, bound: activity_io.PoolBound) -> bool:
-        """Ask the pool's queue for the job's slot (idempotent); False when it could not be
-        asked here (the workflow then asks itself)."""
+    async def _asked(
+        self, req: activity_io.PrepareInput, bound: activity_io.PoolBound
+    ) -> tuple[bool, Admission | None]:
+        """Ask the pool's queue for the job's slot (idempotent): whether it was asked here
+        (if not, the workflow asks itself), and its answer when it gave one at once."""
         if self._ask_for_slot is None or req.accepted_at is None:
-            return False
+            return False, None
         ask = SlotRequest(
             job_id=req.job_id,
             tenant=req.tenant or DEFAULT_TENANT,
@@ -168,11 +178,11 @@ class JobActivities:
             pool_max_pending=bound.pool_max_pending,
         )
         try:
-            await self._ask_for_slot(bound.pool, ask)
+            admission = await self._ask_for_slot(bound.pool, ask)
         except Exception as exc:  # the workflow asks by signal instead
             log.warning("pool_slot_not_asked", pool=bound.pool, error=str(exc))
-            return False
-        return True
+            return False, None
+        return True, admission
 
     def _bound(self, pool: str, terms: TenantConfig) -> activity_io.PoolBound | None:
         config = self._backends.config_of(pool)
@@ -198,7 +208,7 @@ class JobActivities:
     async def follow_prompt(self, req: activity_io.FollowInput) -> activity_io.FollowResult:
         if req.prepare is None:
             pool, backend = self._backends.resolve(req.pool)
-            return await backend.follow(_on_pool(req, pool))
+            return await self._given_back(req, pool, await backend.follow(_on_pool(req, pool)))
         try:
             prepared = await self.prepare_prompt(req.prepare)
         except ApplicationError as refusal:
@@ -216,9 +226,25 @@ class JobActivities:
                 kind=prepared.kind,
                 bound=prepared.bound,
                 slot_asked=prepared.slot_asked,
+                admission=prepared.admission,
             )
         result = await backend.follow(_on_pool(req, pool))
-        return result.model_copy(update={"pool": pool, "kind": prepared.kind})
+        result = result.model_copy(update={"pool": pool, "kind": prepared.kind})
+        return await self._given_back(req, pool, result)
+
+    async def _given_back(
+        self, req: activity_io.FollowInput, pool: str, result: activity_io.FollowResult
+    ) -> activity_io.FollowResult:
+        """The result, with the job's slot given back when this was its last prompt and it
+        ended (provably: the follow saw it end). False when the signal did not go: the job
+        gives it back itself at its end, as for every other ending."""
+        last = req.segment >= req.segments - 1
+        if not (req.slot_held and last and result.outcome == "success"):
+            return result
+        if self._release_slot is None:
+            return result
+        released = await self._release_slot(pool, SlotRelease(job_id=req.job_id))
+        return result.model_copy(update={"slot_released": released})
 
     @activity.defn(name=ACTIVITY_OFFLOAD)
     async def offload_outputs(self, req: activity_io.OffloadInput) -> activity_io.OffloadResult:

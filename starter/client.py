@@ -74,7 +74,7 @@ from starter.progress import (
     heartbeat_status,
     overlaid,
 )
-from starter.queues import pool_queue, queue_room, release_slot, with_queue_position
+from starter.queues import RoomCheck, pool_queue, release_slot, with_queue_position
 from starter.requests import check_segment_overrides
 from starter.staging import stage_inputs
 from starter.worker_wait import WAIT_STATES, QueueReader, with_worker_wait
@@ -234,6 +234,7 @@ class JobClient:
         self.task_queue = task_queue
         # The workers' default pool, for the queue's room check of a request that names none.
         self.default_pool = default_pool
+        self._rooms = RoomCheck(client, task_queue)
         self.store = store
         self.query_timeout = timedelta(seconds=query_timeout_s)
         self.max_request_bytes = MAX_REQUEST_BYTES
@@ -427,7 +428,7 @@ class JobClient:
         if pool is None:
             return
         tenant = request.labels.get(TENANT_LABEL) or DEFAULT_TENANT
-        room = await queue_room(self.temporal, self.task_queue, pool, tenant)
+        room = await self._rooms.join(pool, tenant)
         if not room.full:
             return
         try:
@@ -566,7 +567,9 @@ class JobClient:
     async def pool_queue(self, pool: str) -> PoolQueueView:
         """The queue of a bounded pool: who holds its slots, who waits, in the order they
         will start. `NoPoolQueue` when none runs (an unbounded pool, or no job asked yet)."""
-        return await pool_queue(self.temporal, self.task_queue, pool)
+        return await pool_queue(
+            self.temporal, self.task_queue, pool, rpc_timeout=self.query_timeout
+        )
 
     @_client_errors
     async def release_slot(self, pool: str, job_id: str) -> bool:

@@ -8,6 +8,9 @@ given the queue's latest word on its place (the job itself hears it only every f
 from __future__ import annotations
 
 import asyncio
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
 
 from temporalio.client import Client, WorkflowQueryFailedError
 from temporalio.service import RPCError, RPCStatusCode
@@ -25,12 +28,20 @@ from workflows.shared import (
 
 # How many times the room check asks a queue whose worker failed to answer.
 ROOM_ATTEMPTS = 3
+# How long a client trusts a queue's answer that there is room, counting its own joins against
+# the headroom it was told: a client submitting hundreds of jobs asks about once a second, not
+# once a job (the server buffers one query per busy workflow and refuses the rest).
+ROOM_FRESH_S = 1.0
 
 
-async def pool_queue(temporal: Client, task_queue: str, pool: str) -> PoolQueueView:
+async def pool_queue(
+    temporal: Client, task_queue: str, pool: str, *, rpc_timeout: timedelta | None = None
+) -> PoolQueueView:
     handle = temporal.get_workflow_handle(pool_queue_id(task_queue, pool))
     try:
-        view: PoolQueueView = await handle.query(QUERY_POOL_QUEUE, result_type=PoolQueueView)
+        view: PoolQueueView = await handle.query(
+            QUERY_POOL_QUEUE, result_type=PoolQueueView, rpc_timeout=rpc_timeout
+        )
     except RPCError as exc:
         if exc.status == RPCStatusCode.NOT_FOUND:
             raise NoPoolQueue(pool) from None
@@ -51,13 +62,54 @@ async def queue_room(temporal: Client, task_queue: str, pool: str, tenant: str) 
         except RPCError as exc:
             if exc.status == RPCStatusCode.NOT_FOUND:
                 return QueueRoom()
-            raise
+            if exc.status != RPCStatusCode.RESOURCE_EXHAUSTED:
+                raise
+            # A queue too busy to take another query now ("consistent query buffer is full"):
+            # as a query its worker failed to answer.
         except WorkflowQueryFailedError:
-            if attempt + 1 < ROOM_ATTEMPTS:
-                await asyncio.sleep(0.2 * (attempt + 1))
-            continue
-        return room
+            pass
+        else:
+            return room
+        if attempt + 1 < ROOM_ATTEMPTS:
+            await asyncio.sleep(0.2 * (attempt + 1))
     return QueueRoom()
+
+
+@dataclass
+class _Answer:
+    room: QueueRoom
+    at: float
+    joined: int = 0
+
+
+@dataclass
+class RoomCheck:
+    """`queue_room` for one client, asked once per pool and tenant at a time and trusted for
+    `ROOM_FRESH_S` while the client's own joins stay within the headroom it was told."""
+
+    temporal: Client
+    task_queue: str
+    _answers: dict[tuple[str, str], _Answer] = field(default_factory=dict)
+    _asking: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
+
+    async def join(self, pool: str, tenant: str) -> QueueRoom:
+        """The room for one more job of `tenant` in `pool`, counted as joined when there is."""
+        key = (pool, tenant)
+        async with self._asking.setdefault(key, asyncio.Lock()):
+            answer = self._answers.get(key)
+            if answer is None or not self._usable(answer):
+                room = await queue_room(self.temporal, self.task_queue, pool, tenant)
+                answer = self._answers[key] = _Answer(room, time.monotonic())
+            if not answer.room.full:
+                answer.joined += 1
+            return answer.room
+
+    @staticmethod
+    def _usable(answer: _Answer) -> bool:
+        room = answer.room
+        if time.monotonic() - answer.at > ROOM_FRESH_S or room.full:
+            return False
+        return room.headroom is not None and answer.joined < room.headroom
 
 
 async def release_slot(temporal: Client, task_queue: str, pool: str, job_id: str) -> bool:

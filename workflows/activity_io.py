@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field, ValidationError
 
+from workflows.admission import Admission
 from workflows.contracts import (
     Artifact,
     Checkpoint,
@@ -114,9 +115,11 @@ class PreparedJob(StrictModel):
     # submission (RunPod): the name a load node uses -> its object key.
     staged_inputs: dict[str, str] = Field(default_factory=dict)
     # Set when the pool is bounded (`max_running`): the job waits for a slot first. `slot_asked`:
-    # the check has asked the pool's queue already (the job need not).
+    # the check has asked the pool's queue already (the job need not); `admission`: the queue's
+    # answer to it (the grant, or a place in line; None: it comes by signal).
     bound: PoolBound | None = None
     slot_asked: bool = False
+    admission: Admission | None = None
 
     @classmethod
     def unchecked(cls, request: JobRequest) -> PreparedJob:
@@ -201,6 +204,9 @@ class FollowResult(StrictModel):
     kind: str | None = None
     bound: PoolBound | None = None
     slot_asked: bool = False
+    admission: Admission | None = None
+    # The follow gave the job's slot back itself (its last prompt ended): the job need not.
+    slot_released: bool = False
 
 
 class FollowHeartbeat(StrictModel):

@@ -73,6 +73,10 @@ class QueueRoom(_Read):
     waiting: int = 0
     limit: int | None = None
     retry_after_s: float | None = None
+    # When not full: how many more of the tenant's jobs fit (the tighter of its bound and the
+    # pool's), so a client submitting many may count its own joins for a moment without asking
+    # again. None: a queue of a version that did not say.
+    headroom: int | None = None
 
 
 class SlotRelease(_Read):
@@ -112,6 +116,19 @@ class Admission(_Read):
     # From the pool's recent hold times and its bound; None until the pool has some.
     eta_s: float | None = None
     as_of: datetime | None = None
+
+
+def worth_telling(told: int | None, position: int) -> bool:
+    """Whether a waiting job last told `told` (None: never) hears its new `position`: when its
+    place has halved since, or moved among the last three, or it was pushed back to twice as
+    far (passed by better priorities). Each telling is a signal and a workflow task of the
+    job's: a line that moves by one at each start would otherwise tell each of the first in
+    line at every start."""
+    if told is None:
+        return True
+    if position == told:
+        return False
+    return position <= 3 or position * 2 <= told or position >= told * 2
 
 
 def place_in_line(admission: Admission) -> str:
@@ -200,6 +217,9 @@ class QueueState(_Read):
     last_pass: float = 0.0
     next_seq: int = 0
     recent_holds_s: list[float] = Field(default_factory=list)
+    # Waiters that have not heard their place yet: the next run tells them, and only them (a
+    # run that told every carried waiter again would fill its history before granting).
+    untold: list[str] = Field(default_factory=list)
     # The dispatcher continues as new past this many events (its history stays quick to
     # replay); carried, so a test can make it small.
     history_limit: int = 4000
@@ -331,16 +351,8 @@ class PoolLine:
         return ordered
 
     def admission_of(self, job_id: str, now: datetime) -> Admission | None:
-        holder = self.state.holders.get(job_id)
-        if holder is not None:
-            return Admission(
-                pool=self.state.pool,
-                job_id=job_id,
-                granted=True,
-                priority=holder.priority,
-                tenant=holder.tenant,
-                as_of=now,
-            )
+        if job_id in self.state.holders:
+            return self.granted(job_id, now)
         for index, waiter in enumerate(self.order()):
             if waiter.job_id == job_id:
                 return self._admission(waiter, index + 1, now)
@@ -349,6 +361,27 @@ class PoolLine:
     def positions(self, now: datetime) -> Iterator[Admission]:
         for index, waiter in enumerate(self.order()):
             yield self._admission(waiter, index + 1, now)
+
+    def places(self) -> Iterator[tuple[str, int]]:
+        """(job, position) for every waiting job, first first: `positions` without building
+        an answer for each (the dispatcher tells only some of them)."""
+        for index, waiter in enumerate(self.order()):
+            yield waiter.job_id, index + 1
+
+    def answer(self, job_id: str, position: int, now: datetime) -> Admission:
+        """The place `position` (from `places`) as the waiting job hears it."""
+        return self._admission(self._waiting[job_id], position, now)
+
+    def granted(self, job_id: str, now: datetime) -> Admission:
+        holder = self.state.holders[job_id]
+        return Admission(
+            pool=self.state.pool,
+            job_id=job_id,
+            granted=True,
+            priority=holder.priority,
+            tenant=holder.tenant,
+            as_of=now,
+        )
 
     def view(self, now: datetime) -> PoolQueueView:
         state = self.state
@@ -395,6 +428,7 @@ class PoolLine:
             (len(self._waiting), pool_limit, f"pool {state.pool!r}"),
         ]
         per_start = self._seconds_per_start()
+        headroom = min(limit - waiting for waiting, limit, _ in checks if limit is not None)
         for waiting, limit, whose in checks:
             if limit is not None and waiting >= limit:
                 # Room comes when enough of the line has started: the first to start frees it.
@@ -408,7 +442,7 @@ class PoolLine:
                     limit=limit,
                     retry_after_s=retry,
                 )
-        return QueueRoom(waiting=len(self._waiting))
+        return QueueRoom(waiting=len(self._waiting), headroom=headroom)
 
     def tenant_counts(self) -> dict[str, tuple[int, int]]:
         """Tenant -> (waiting, running), without working out the order."""
@@ -421,9 +455,10 @@ class PoolLine:
             tenants[h.tenant] = (waiting, running + 1)
         return tenants
 
-    def snapshot(self) -> QueueState:
+    def snapshot(self, untold: Iterable[str] = ()) -> QueueState:
         """The state to carry into the next run, every waiter in arrival order."""
         self.state.waiters = sorted(self._waiting.values(), key=lambda w: w.seq)
+        self.state.untold = sorted(j for j in untold if j in self._waiting)
         return self.state
 
     @property

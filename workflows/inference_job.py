@@ -120,7 +120,7 @@ class InferenceJob:
                 book.set_state(JobState.PREPARING)
                 self._prepared = await calls.prepare(check)
                 book.prepared_on(self._prepared.pool, self._prepared.kind)
-                await self._slot.take(self._prepared.bound, asked=self._prepared.slot_asked)
+                await self._slot.take_checked(self._prepared)
             else:
                 # Nothing to stage, nothing to prepare but the check, which the first follow
                 # does before it submits (activities/backend.py): one activity to the GPU.

@@ -1,8 +1,9 @@
 """`PoolQueue`: the dispatcher of one bounded pool, the one place its slots are counted.
 
-Jobs of a pool with `max_running` ask it for a slot (`request`) once checked, and give the
-slot back (`release`) once their prompt has provably ended; it answers each request with
-`admission`: the grant, or a place in line, which it tells again as the line moves. Who starts
+Jobs of a pool with `max_running` ask it for a slot once checked (the update `ask`, answered at
+once, or the signal `request`), and give the slot back (`release`) once their prompt has
+provably ended; it answers with the grant or a place in line, and tells a waiting job its
+grant, and its place again as the line moves, by the signal `admission`. Who starts
 next is workflows/admission.py's rule (priority, then tenants' fair shares, then first come).
 
 Everything it knows is in its own history, so the bound holds across any number of workers,
@@ -40,12 +41,17 @@ with workflow.unsafe.imports_passed_through():
         SlotRelease,
         SlotRequest,
         SlotUnsettled,
+        worth_telling,
     )
 
-# A waiting job hears its new place in line at most this often.
+# A waiting job hears its new place in line at most this often (and only when it is worth a
+# signal: admission.worth_telling).
 TELL_POSITIONS_EVERY_S = 10.0
-# How many waiting jobs (the first in line) hear their place again each time.
+# How many waiting jobs (the first in line) may hear their place again each time.
 TELL_POSITIONS_TO = 50
+# At most this many places are told in one pass of the loop, so that a slot freed meanwhile
+# is granted after one such batch at the most, not after a whole line's.
+TELL_AT_ONCE = 100
 # A run with nothing held and nothing waiting continues as new after this long, so an idle
 # dispatcher also moves to the current version.
 IDLE_RUN_S = 3600.0
@@ -96,10 +102,14 @@ class PoolQueue:
         self._line = PoolLine(state)
         self._metrics = QueueMetrics(state.pool)
         self._news = True
-        # Waiting jobs that have not heard their place yet, and the place each heard last.
-        self._untold: set[str] = set(self._line.waiting_ids())
+        # Waiting jobs that have not heard their place yet (carried: the waiters the last run
+        # had told need no telling again), and the place each heard last.
+        waiting = set(self._line.waiting_ids())
+        self._untold: set[str] = {j for j in state.untold if j in waiting}
         self._told: dict[str, int] = {}
-        # Holders that asked again (a job's run that did not hear its grant): told again.
+        # Holders to tell of their grant: granted by a `request`'s or an `ask`'s arrival (the
+        # asker itself hears it in the update's answer), or asking again (a job's run that did
+        # not hear its grant).
         self._regrant: set[str] = set()
         self._reclaimed = 0
 
@@ -129,15 +139,18 @@ class PoolQueue:
             for job_id in self._line.settle_due(now):
                 self._line.release(job_id, now)
             await self._grant(now)
-            if self._untold or now >= next_telling:
-                await self._tell_positions(now, refresh=now >= next_telling)
-                if now >= next_telling:
+            refresh = now >= next_telling
+            if self._untold or refresh:
+                if await self._tell_positions(now, refresh=refresh) and self._untold:
+                    # More to tell: the next pass goes on (after any grant due meanwhile).
+                    self._news = True
+                if refresh:
                     next_telling = now + timedelta(seconds=TELL_POSITIONS_EVERY_S)
             self._metrics.depth(self._line)
         reclaim.cancel()
         await workflow.wait_condition(workflow.all_handlers_finished)
         workflow.continue_as_new(
-            self._line.snapshot(),
+            self._line.snapshot(self._untold),
             initial_versioning_behavior=workflow.ContinueAsNewVersioningBehavior.AUTO_UPGRADE,
         )
 
@@ -155,62 +168,63 @@ class PoolQueue:
 
     # -- grants and places --------------------------------------------------------------------
 
-    async def _grant(self, now: Any) -> None:
-        granted = self._line.grants(now)
-        for holder in granted:
+    def _grant_now(self, now: Any) -> None:
+        """Every free slot to the next in line; each grantee is told by `_grant`."""
+        for holder in self._line.grants(now):
             self._metrics.granted(holder)
-        granted += [
-            self._line.state.holders[j] for j in self._regrant if j in self._line.state.holders
-        ]
+            self._regrant.add(holder.job_id)
+            self._untold.discard(holder.job_id)
+            self._told.pop(holder.job_id, None)
+
+    async def _grant(self, now: Any) -> None:
+        self._grant_now(now)
+        holders = self._line.state.holders
+        granted = sorted(j for j in self._regrant if j in holders)
         self._regrant.clear()
         if not granted:
             return
-        pool = self._line.state.pool
-        answers = [
-            Admission(
-                pool=pool,
-                job_id=h.job_id,
-                granted=True,
-                priority=h.priority,
-                tenant=h.tenant,
-                as_of=now,
-            )
-            for h in granted
-        ]
-        for holder in granted:
-            self._untold.discard(holder.job_id)
-            self._told.pop(holder.job_id, None)
+        answers = [self._line.granted(job_id, now) for job_id in granted]
         results = await asyncio.gather(
-            *(self._tell(answer, h.job_id) for answer, h in zip(answers, granted, strict=True))
+            *(self._tell(answer, job_id) for answer, job_id in zip(answers, granted, strict=True))
         )
-        for holder, delivered in zip(granted, results, strict=True):
+        for job_id, delivered in zip(granted, results, strict=True):
             if not delivered:
                 # Its job is gone (closed, terminated): the slot is free again.
-                self._line.release(holder.job_id, workflow.now())
+                self._line.release(job_id, workflow.now())
                 self._news = True
 
-    async def _tell_positions(self, now: Any, *, refresh: bool) -> None:
-        """Each new waiter its place; on a refresh, the first in line whose place moved."""
-        tellings: list[tuple[str, Admission]] = []
-        for admission in self._line.positions(now):
-            job_id = self._job_of(admission)
-            position = admission.position or 0
+    async def _tell_positions(self, now: Any, *, refresh: bool) -> bool:
+        """The new waiters their place, the first `TELL_AT_ONCE` of them in line order; on a
+        refresh, also the first in line whose place moved. True when it told anyone."""
+        self._untold &= set(self._line.waiting_ids())
+        tellings: list[tuple[str, int]] = []
+        untold_left = len(self._untold)
+        for job_id, position in self._line.places():
+            if len(tellings) >= TELL_AT_ONCE:
+                break
             if job_id in self._untold:
-                tellings.append((job_id, admission))
-            elif refresh and position <= TELL_POSITIONS_TO and self._told.get(job_id) != position:
-                tellings.append((job_id, admission))
-        self._untold.clear()
-        for job_id, admission in tellings:
-            self._told[job_id] = admission.position or 0
-        results = await asyncio.gather(*(self._tell(a, job_id) for job_id, a in tellings))
+                tellings.append((job_id, position))
+                untold_left -= 1
+            elif (
+                refresh
+                and position <= TELL_POSITIONS_TO
+                and worth_telling(self._told.get(job_id), position)
+            ):
+                tellings.append((job_id, position))
+            elif untold_left == 0 and (not refresh or position > TELL_POSITIONS_TO):
+                break  # nothing further down the line to tell
+        for job_id, position in tellings:
+            self._untold.discard(job_id)
+            self._told[job_id] = position
+        answers = [self._line.answer(job_id, position, now) for job_id, position in tellings]
+        results = await asyncio.gather(
+            *(self._tell(a, job_id) for (job_id, _), a in zip(tellings, answers, strict=True))
+        )
         for (job_id, _), delivered in zip(tellings, results, strict=True):
             if not delivered:
                 self._line.release(job_id, workflow.now())
                 self._told.pop(job_id, None)
-
-    def _job_of(self, admission: Admission) -> str:
-        assert admission.job_id is not None
-        return admission.job_id
+        return bool(tellings)
 
     async def _tell(self, admission: Admission, job_id: str) -> bool:
         """Signal the job; False when it is gone (closed or unknown)."""
@@ -245,6 +259,12 @@ class PoolQueue:
             now = workflow.now()
             for job_id in closed:
                 if self._line.release(job_id, now):
+                    # Still held here when its job had closed: terminated, or ended without a
+                    # word (one that released meanwhile was let go by its release, not here).
+                    workflow.logger.warning(
+                        "pool_slot_reclaimed",
+                        extra={"pool": self._line.state.pool, "job_id": job_id},
+                    )
                     self._reclaimed += 1
                     self._news = True
 
@@ -262,6 +282,31 @@ class PoolQueue:
         else:
             self._untold.add(ask.job_id)
         self._news = True
+
+    @workflow.update(name=shared.UPDATE_SLOT_ASK)
+    def ask(self, payload: Any = None) -> Admission:
+        """`request`, answered at once: the grant when a slot is free, else the place in line
+        (the check's activity asks this way, and hands the answer to its job: no signal back,
+        and on an idle pool no wait for one)."""
+        ask = SlotRequest.model_validate(payload)
+        now = workflow.now()
+        self._line.request(ask, now)
+        self._news = True
+        self._grant_now(now)
+        # The asker hears this answer; others granted now are told by the loop.
+        self._regrant.discard(ask.job_id)
+        if ask.job_id in self._line.state.holders:
+            return self._line.granted(ask.job_id, now)
+        answer = self._line.admission_of(ask.job_id, now)
+        assert answer is not None
+        self._untold.discard(ask.job_id)
+        self._told[ask.job_id] = answer.position or 0
+        return answer
+
+    @ask.validator
+    def _ask_is_readable(self, payload: Any = None) -> None:
+        # Refused before it is written to the history: the asker falls back to the signal.
+        SlotRequest.model_validate(payload)
 
     @workflow.signal(name=shared.SIGNAL_SLOT_RELEASE)
     def release(self, payload: Any = None) -> None:

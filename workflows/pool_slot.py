@@ -20,13 +20,14 @@ from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
     from workflows import shared
-    from workflows.activity_io import PoolBound
+    from workflows.activity_io import FollowResult, PoolBound, PreparedJob
     from workflows.admission import Admission, SlotRelease, SlotRequest, SlotUnsettled
     from workflows.contracts import JobRequest, JobState
     from workflows.job_book import JobBook
 
-# How long the job's wait for a dispatcher that does not answer lasts before it asks again
-# (a dispatcher that was terminated and started afresh does not know it).
+# How long the job's wait for a dispatcher that has not answered at all lasts before it asks
+# again (a dispatcher that was terminated and started afresh does not know it). Once it has
+# answered, the job waits for the grant without a timer.
 ASK_AGAIN_AFTER_S = 300.0
 
 
@@ -71,30 +72,44 @@ class PoolSlot:
     def tenant(self) -> str:
         return self._request.labels.get(shared.TENANT_LABEL) or shared.DEFAULT_TENANT
 
-    async def take(self, bound: PoolBound | None, *, asked: bool = False) -> None:
-        """Ask the pool's queue (unless the check has: `asked`) and wait for the grant (PENDING
-        meanwhile, when the queue says so); nothing to wait for on an unbounded pool (None).
-        Cancelled with the job: the place in line is given back by `give_back`."""
+    async def take(
+        self, bound: PoolBound | None, *, asked: bool = False, answer: Admission | None = None
+    ) -> None:
+        """Ask the pool's queue (unless the check has: `asked`, with the queue's `answer` when
+        it gave one) and wait for the grant (PENDING meanwhile, when the queue says so);
+        nothing to wait for on an unbounded pool (None). Cancelled with the job: the place in
+        line is given back by `give_back`."""
         if self.granted or bound is None:
             return
         self.bound = bound
         self._book.awaiting_slot = True
         early, self._early = self._early, None
-        if early is not None:
-            self.heard(early)  # the queue answered before the check's result came in
+        # The check's answer first; then what the queue signalled before the check's result
+        # came in (a grant that followed a place).
+        for word in (answer, early):
+            if word is not None:
+                self.heard(word)
         while not self.granted:
             if not asked:
                 await self._ask(bound)
-            asked = False
+                asked = True
+            if self._answered:
+                # In line: the grant comes by signal, however long the line.
+                await workflow.wait_condition(lambda: self.granted)
+                break
             try:
                 await workflow.wait_condition(
-                    lambda: self.granted,
-                    timeout=None if self._answered else timedelta(seconds=ASK_AGAIN_AFTER_S),
+                    lambda: self.granted or self._answered,
+                    timeout=timedelta(seconds=ASK_AGAIN_AFTER_S),
                     timeout_summary="pool queue answer",
                 )
             except TimeoutError:
-                continue  # no word from the queue at all: ask again (a repeat changes nothing)
+                asked = False  # no word from the queue at all: ask again (a repeat is harmless)
         self._book.awaiting_slot = False
+
+    async def take_checked(self, checked: PreparedJob | FollowResult) -> None:
+        """`take`, after a check that found the pool bounded (and may have asked already)."""
+        await self.take(checked.bound, asked=checked.slot_asked, answer=checked.admission)
 
     def heard(self, payload: Any) -> None:
         """The queue's word: a place in line, or the grant (anything else is ignored: a
@@ -122,6 +137,11 @@ class PoolSlot:
                 self.on_wait()
         elif answer.granted and self._waited and self.on_granted_after_wait is not None:
             self.on_granted_after_wait()
+
+    def given_back_by_follow(self) -> None:
+        """The follow that saw the job's last prompt end gave the slot back (its signal)."""
+        if self.bound is not None:
+            self._given_back = True
 
     def give_back(self, ending: JobState) -> None:
         """At the job's end (once its prompt has provably ended, or is known not to have):

@@ -92,6 +92,8 @@ class SegmentRun:
                 follow_input = self._follow_input(checkpoint, submit, first_post)
                 result = await calls.follow(follow_input, policy)
                 if result.outcome != "needs_slot":
+                    if result.slot_released and self._slot is not None:
+                        self._slot.given_back_by_follow()
                     return result
             except BaseException as err:
                 kind = classify(err)
@@ -126,7 +128,7 @@ class SegmentRun:
             # Checked on a bounded pool, nothing submitted: wait for a slot, then submit.
             book.prepared_on(result.pool, result.kind)
             assert self._slot is not None and result.bound is not None
-            await self._slot.take(result.bound, asked=result.slot_asked)
+            await self._slot.take_checked(result)
             given = False
 
     def _follow_input(self, checkpoint: Checkpoint, submit: bool, first_post: bool) -> FollowInput:

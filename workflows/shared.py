@@ -34,13 +34,15 @@ UPDATE_ENDED: Final = "ended"
 UPDATE_RESUME: Final = "resume"
 
 # Our queue in front of a bounded pool (workflows/pool_queue.py): one dispatcher workflow per
-# pool and task queue; jobs send it `request`, `release` and `unsettled`, it answers each with
-# `admission` (a place in line, or the grant).
+# pool and task queue; a job's check asks it by the update `ask` (answered at once: the grant or
+# a place in line), or by the signal `request`; jobs send it `release` and `unsettled`; it tells
+# a waiting job its place and its grant by the signal `admission`.
 POOL_QUEUE_WORKFLOW_TYPE: Final = "PoolQueue"
 SIGNAL_SLOT_REQUEST: Final = "request"
 SIGNAL_SLOT_RELEASE: Final = "release"
 SIGNAL_SLOT_UNSETTLED: Final = "unsettled"
 SIGNAL_ADMISSION: Final = "admission"
+UPDATE_SLOT_ASK: Final = "ask"
 QUERY_POOL_QUEUE: Final = "queue"
 QUERY_ADMISSION: Final = "admission"
 # Whether a tenant's new job may join the line (its `max_pending`, the pool's).

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Literal
 
 from temporalio import workflow
@@ -67,8 +67,9 @@ def start_guards(
     policy: JobPolicy, book: JobBook, stop: OrderStop, slot: PoolSlot
 ) -> list[asyncio.Task[None]]:
     """The policy's guards, each a task beside the job's work until it ends."""
-    running = [asyncio.create_task(execution_deadline(policy, stop))]
-    slot.on_wait, slot.on_granted_after_wait = deadline_paused_in_line(running, policy, stop)
+    line = TimeInLine()
+    slot.on_wait, slot.on_granted_after_wait = line.waits, line.granted
+    running = [asyncio.create_task(execution_deadline(policy, stop, line))]
     if policy.abandon_after_s is not None:
         watchdog = abandon_watchdog(policy.abandon_after_s, book, stop)
         running.append(asyncio.create_task(watchdog))
@@ -107,25 +108,42 @@ def _where_it_waits(book: JobBook) -> str:
     return f"still {book.status.state.value}"
 
 
-def deadline_paused_in_line(
-    guards: list[asyncio.Task[None]], policy: JobPolicy, stop: OrderStop
-) -> tuple[Callable[[], None], Callable[[], None]]:
-    """Pause and restart for the execution deadline (`guards[0]`, as `start_guards` made
-    it): time PENDING in our queue never counts, the clock starts again whole on the grant."""
+class TimeInLine:
+    """How long the job has been PENDING in our queue, which its execution deadline does not
+    count (the deadline's timer runs from the start and, when it fires, sleeps that much more:
+    a job that waits and then runs within its deadline costs no timer more than any other)."""
 
-    def pause() -> None:
-        guards[0].cancel()
+    def __init__(self) -> None:
+        self.since: datetime | None = None
+        self.total_s = 0.0
 
-    def restart() -> None:
-        guards[0] = asyncio.create_task(execution_deadline(policy, stop))
+    @property
+    def waiting(self) -> bool:
+        return self.since is not None
 
-    return pause, restart
+    def waits(self) -> None:
+        self.since = workflow.now()
+
+    def granted(self) -> None:
+        if self.since is not None:
+            self.total_s += (workflow.now() - self.since).total_seconds()
+            self.since = None
 
 
-async def execution_deadline(policy: JobPolicy, stop: OrderStop) -> None:
-    await workflow.sleep(
-        timedelta(seconds=policy.execution_timeout_s), summary="execution deadline"
-    )
+async def execution_deadline(
+    policy: JobPolicy, stop: OrderStop, line: TimeInLine | None = None
+) -> None:
+    timeout = timedelta(seconds=policy.execution_timeout_s)
+    await workflow.sleep(timeout, summary="execution deadline")
+    counted = 0.0
+    while line is not None:
+        if line.waiting:
+            await workflow.wait_condition(lambda: not line.waiting)
+        owed = line.total_s - counted
+        if owed <= 0:
+            break
+        counted = line.total_s
+        await workflow.sleep(timedelta(seconds=owed), summary="execution deadline (time in line)")
     message = f"the job ran past execution_timeout_s ({policy.execution_timeout_s:.0f} s)"
     stop(StopOrder(JobState.FAILED, JobError(type=ErrorType.TIMEOUT, message=message)))
 

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
+import asyncio
+
 import pytest
 from temporalio.client import WorkflowQueryFailedError
+from temporalio.service import RPCError, RPCStatusCode
 
 from starter.cli.common import ExitCode, exit_code_for
 from starter.cli.pools import queue_lines
 from starter.cli.render import summary_lines
 from starter.errors import QueueFull
-from starter.queues import queue_room
+from starter.queues import RoomCheck, queue_room
 from workflows.admission import Admission, PoolQueueView, QueueEntry, QueueRoom, place_in_line
 from workflows.contracts import JobState, JobStatus
 
@@ -120,17 +123,23 @@ def test_queue_full_exits_5_and_says_when_to_try_again() -> None:
 
 
 class _FlakyQueue:
-    """A queue handle whose worker fails `failures` queries before it answers `room`."""
+    """A queue handle whose worker fails `failures` queries before it answers `room` (or whose
+    server refuses them: `busy`, too many queries buffered for a busy workflow)."""
 
-    def __init__(self, failures: int, room: QueueRoom) -> None:
-        self.failures, self.room, self.asked = failures, room, 0
+    def __init__(self, failures: int, room: QueueRoom, *, busy: bool = False) -> None:
+        self.failures, self.room, self.asked, self.busy = failures, room, 0, busy
 
     def get_workflow_handle(self, workflow_id: str) -> _FlakyQueue:
         return self
 
     async def query(self, name: str, arg: object, *, result_type: object) -> QueueRoom:
         self.asked += 1
+        await asyncio.sleep(0.01)
         if self.asked <= self.failures:
+            if self.busy:
+                raise RPCError(
+                    "consistent query buffer is full", RPCStatusCode.RESOURCE_EXHAUSTED, b""
+                )
             raise WorkflowQueryFailedError("[TMPRL1101] Potential deadlock detected")
         return self.room
 
@@ -144,3 +153,34 @@ async def test_the_room_check_asks_a_queue_that_failed_to_answer_again() -> None
     silent = _FlakyQueue(10, full)
     assert not (await queue_room(silent, "tq", "gpu", "acme")).full  # type: ignore[arg-type]
     assert silent.asked == 3
+
+
+async def test_a_busy_queue_refusing_the_query_is_asked_again_then_let_through() -> None:
+    full = QueueRoom(full=True, reason="pool 'gpu' has 1 jobs waiting", limit=1)
+    queue = _FlakyQueue(1, full, busy=True)
+    assert (await queue_room(queue, "tq", "gpu", "acme")).full  # type: ignore[arg-type]
+    assert queue.asked == 2
+    silent = _FlakyQueue(10, full, busy=True)
+    assert not (await queue_room(silent, "tq", "gpu", "acme")).full  # type: ignore[arg-type]
+
+
+async def test_many_submissions_at_once_ask_the_queue_once_within_the_headroom() -> None:
+    queue = _FlakyQueue(0, QueueRoom(waiting=10, headroom=40))
+    rooms = RoomCheck(queue, "tq")  # type: ignore[arg-type]
+    answers = await asyncio.gather(*(rooms.join("gpu", "acme") for _ in range(40)))
+    assert not any(room.full for room in answers)
+    assert queue.asked == 1, "one query for 40 joins that fit the headroom"
+    # The 41st is past what the queue said would fit: it asks again.
+    queue.room = QueueRoom(full=True, reason="pool 'gpu' has 50 jobs waiting", limit=50)
+    assert (await rooms.join("gpu", "acme")).full and queue.asked == 2
+    # A full answer is never trusted for the next join; another tenant asks for itself.
+    assert (await rooms.join("gpu", "acme")).full and queue.asked == 3
+    queue.room = QueueRoom(waiting=0, headroom=5)
+    assert not (await rooms.join("gpu", "other")).full and queue.asked == 4
+
+
+async def test_a_queue_that_did_not_say_its_headroom_is_asked_at_every_join() -> None:
+    queue = _FlakyQueue(0, QueueRoom(waiting=10))
+    rooms = RoomCheck(queue, "tq")  # type: ignore[arg-type]
+    await asyncio.gather(*(rooms.join("gpu", "acme") for _ in range(3)))
+    assert queue.asked == 3

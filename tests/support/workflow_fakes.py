@@ -50,7 +50,7 @@ from workflows.activity_io import (
     StopCheck,
     StopInput,
 )
-from workflows.admission import SlotRequest
+from workflows.admission import SlotRelease, SlotRequest
 from workflows.contracts import (
     Artifact,
     Checkpoint,
@@ -136,6 +136,10 @@ class Script:
     # The pool is bounded (`max_running`): the check names its bound, and nothing is submitted
     # before the job holds a slot of its queue (workflows/pool_queue.py).
     max_running: int | None = None
+    # The check asks the pool's queue itself, as the real one does (the dispatcher's `ask`
+    # update, through PoolQueueActivities.ask), and hands the job its answer; and the follow
+    # that saw the last prompt end gives the slot back itself, as the real one does.
+    ask_in_check: bool = False
 
 
 class FakeBackend:
@@ -176,6 +180,20 @@ class FakeBackend:
             return None
         return PoolBound(pool=pool or "comfyui", max_running=self.script.max_running)
 
+    async def ask_in_check(self, req: PrepareInput, bound: PoolBound | None) -> dict[str, Any]:
+        """`slot_asked` and `admission` of a check on a bounded pool (nothing unless asked)."""
+        if bound is None or not self.script.ask_in_check or req.accepted_at is None:
+            return {}
+        real = PoolQueueActivities(activity.client(), _NoWorkLeft())  # type: ignore[arg-type]
+        ask = SlotRequest(
+            job_id=req.job_id,
+            tenant=req.tenant or "local",
+            priority=req.priority,
+            max_running=bound.max_running,
+            accepted_at=req.accepted_at,
+        )
+        return {"slot_asked": True, "admission": await real.ask(bound.pool, ask)}
+
     @activity.defn(name="prepare_prompt")
     async def prepare(self, req: PrepareInput) -> PreparedJob:
         self.prepared.append(req)
@@ -188,6 +206,7 @@ class FakeBackend:
             nodes_total=len(req.graph),
             output_nodes=["2"],
             bound=self.bound(req.pool),
+            **await self.ask_in_check(req, self.bound(req.pool)),
         )
 
     @activity.defn(name="follow_prompt")
@@ -211,6 +230,7 @@ class FakeBackend:
                     pool=bound.pool,
                     kind="comfyui",
                     bound=bound,
+                    **await self.ask_in_check(req.prepare, bound),
                 )
         if req.graph is not None:
             # The follow activity submits first (socket open), unless the backend knows it.
@@ -271,6 +291,11 @@ class FakeBackend:
         status = await handle.query(QUERY_STATUS, result_type=JobStatus)
         self.step_after_reports = status.progress.step
         self.finished.add(req.prompt_id)
+        released = False
+        if self.script.ask_in_check and req.slot_held and req.segment == req.segments - 1:
+            # As JobActivities.follow_prompt does: the last prompt ended, its slot goes back.
+            real = PoolQueueActivities(activity.client(), _NoWorkLeft())  # type: ignore[arg-type]
+            released = await real.release(req.pool or "comfyui", SlotRelease(job_id=req.job_id))
         return FollowResult(
             prompt_id=req.prompt_id,
             outcome="success",
@@ -278,6 +303,7 @@ class FakeBackend:
             checkpoint=Checkpoint(job_id=req.job_id, prompt_id=req.prompt_id, step=10),
             pool=(req.prepare.pool or "comfyui") if req.prepare is not None else None,
             kind="comfyui" if req.prepare is not None else None,
+            slot_released=released,
         )
 
     @activity.defn(name="offload_outputs")

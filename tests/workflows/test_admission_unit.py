@@ -13,6 +13,7 @@ from workflows.admission import (
     QueueState,
     SlotRequest,
     SlotUnsettled,
+    worth_telling,
 )
 
 T0 = datetime(2026, 12, 7, tzinfo=UTC)
@@ -220,6 +221,10 @@ def test_a_tenant_at_its_max_pending_has_no_room_and_is_told_when_to_come_back()
     assert room.full and room.limit == 2 and room.waiting == 2
     assert room.retry_after_s == 40.0 and "max_pending is 2" in room.reason
     assert not line.room("b").full  # another tenant has room
+    # What still fits: the tighter of the tenant's bound (b has none) and the pool's.
+    assert line.room("b").headroom == MAX_LINE - 2
+    line.release("j3", T0)
+    assert line.room("a").headroom == 1
 
 
 def test_a_pool_at_its_max_pending_has_room_for_nobody() -> None:
@@ -252,3 +257,15 @@ def test_a_line_never_holds_more_than_its_payload_allows() -> None:
     assert room.full and room.limit == MAX_LINE
     # Carried whole into the next run: one payload, under Temporal's 2 MiB.
     assert len(line.snapshot().model_dump_json()) < 2 * 1024 * 1024
+
+
+def test_a_waiting_job_hears_its_place_when_it_halved_or_among_the_last_three() -> None:
+    told: int | None = None
+    heard = []
+    for position in range(50, 0, -1):  # a line that moves by one at each start
+        if worth_telling(told, position):
+            heard.append(position)
+            told = position
+    assert heard == [50, 25, 12, 6, 3, 2, 1]
+    assert worth_telling(5, 10) and not worth_telling(5, 9)  # pushed back twice as far
+    assert not worth_telling(7, 7)

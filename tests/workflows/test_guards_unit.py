@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -19,6 +20,7 @@ from workflows.contracts import JobPolicy, JobState, JobStatus, ProgressReport
 from workflows.job_book import JobBook, StopOrder
 from workflows.shared import ErrorType
 from workflows.stopping import (
+    TimeInLine,
     abandon_watchdog,
     execution_deadline,
     queue_watchdog,
@@ -136,3 +138,37 @@ def test_a_job_whose_prompt_began_to_run_does_not_expire(wf: FakeWorkflow, book:
     stop = Stops()
     _run(wf, start_deadline(60.0, book, stop))
     assert stop.requests == []
+
+
+def test_time_pending_in_line_is_added_to_the_execution_deadline(wf: FakeWorkflow) -> None:
+    """The timer runs from the start; when it fires it sleeps the time the job waited in our
+    queue, and a job still waiting there when it fires is not stopped before its grant."""
+    line, stop = TimeInLine(), Stops()
+    line.waits()
+    wf.now += timedelta(seconds=30)
+    line.granted()
+    line.waits()  # a second wait (a run that continued, say) still going when the timer fires
+
+    def granted_after_12_s(fn: Callable[[], bool]) -> None:
+        assert not fn()
+        wf.now += timedelta(seconds=12)
+        line.granted()
+        assert fn()
+
+    wf.conditions = [granted_after_12_s]
+    _run(wf, execution_deadline(JobPolicy(execution_timeout_s=90.4), stop, line))
+    assert wf.sleeps == [
+        (90.4, "execution deadline"),
+        # 30 s in line, then the second wait: the timer's 90.4 s and 12 s after it.
+        (30 + 90.4 + 12, "execution deadline (time in line)"),
+    ]
+    assert wf.waits == [(None, None)]
+    assert stop.requests == [
+        (JobState.FAILED, ErrorType.TIMEOUT, "the job ran past execution_timeout_s (90 s)")
+    ]
+
+
+def test_a_job_that_never_waited_in_line_stops_when_its_timer_fires(wf: FakeWorkflow) -> None:
+    stop = Stops()
+    _run(wf, execution_deadline(JobPolicy(execution_timeout_s=10.0), stop, TimeInLine()))
+    assert wf.sleeps == [(10.0, "execution deadline")] and len(stop.requests) == 1

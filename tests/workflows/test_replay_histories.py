@@ -42,6 +42,7 @@ ENDINGS = {
     "continued": COMPLETED,
     "webhook": COMPLETED,
     "queued": COMPLETED,
+    "queued_asked": COMPLETED,
     "expired": COMPLETED,
 }
 RECORDED = sorted(path.stem for path in HISTORIES.glob("*.json"))

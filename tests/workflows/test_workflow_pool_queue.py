@@ -6,22 +6,35 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import uuid
 from collections.abc import AsyncIterator
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
+from typing import Any
 
-from temporalio.client import Client, WorkflowFailureError, WorkflowHandle
+from temporalio.client import Client, WorkflowFailureError, WorkflowHandle, WorkflowHistory
 from temporalio.service import RPCError
 from temporalio.testing import WorkflowEnvironment
+from temporalio.worker import Worker
 
 from faults.wait import eventually
-from tests.support.workflow_fakes import FakeBackend, Script, job_worker, request, start_job
-from workflows.admission import PoolQueueView, QueueState, SlotRequest
+from tests.support.queue_listener import LISTENER_WORKFLOW_TYPE, QueueListener
+from tests.support.workflow_fakes import (
+    FakeBackend,
+    Script,
+    job_worker,
+    queue_activities,
+    request,
+    start_job,
+)
+from workflows.admission import Admission, PoolQueueView, QueueState, SlotRelease, SlotRequest
 from workflows.contracts import JobState, JobStatus
 from workflows.pool_queue import PoolQueue
 from workflows.shared import (
     QUERY_POOL_QUEUE,
     QUERY_STATUS,
+    SIGNAL_ADMISSION,
     SIGNAL_CANCEL,
+    SIGNAL_SLOT_RELEASE,
     SIGNAL_SLOT_REQUEST,
     pool_queue_id,
 )
@@ -72,6 +85,97 @@ async def test_a_job_on_an_idle_bounded_pool_is_granted_at_once_and_gives_its_sl
         assert emptied.max_running == 1
 
 
+def signals_named(history: WorkflowHistory, name: str) -> int:
+    return sum(
+        1
+        for e in history.events
+        if e.HasField("workflow_execution_signaled_event_attributes")
+        and e.workflow_execution_signaled_event_attributes.signal_name == name
+    )
+
+
+def queue_timers(history: WorkflowHistory) -> int:
+    """Timers of a wait for the queue's first answer (the others are the stop's)."""
+    summaries = [
+        e.user_metadata.summary.data
+        for e in history.events
+        if e.HasField("timer_started_event_attributes")
+    ]
+    return sum(1 for summary in summaries if b"pool queue answer" in summary)
+
+
+async def test_a_check_that_asks_the_queue_hands_the_job_its_grant_or_its_place(
+    env: WorkflowEnvironment,
+) -> None:
+    """The check asks the dispatcher by update (as the real check does): on an idle pool the
+    job hears its grant with the check's result, and a job that must wait hears its place
+    the same way; neither waits on a timer, and only the grant that ends a wait is signalled."""
+    backend = FakeBackend(Script(max_running=1, block_in="follow_prompt", ask_in_check=True))
+    async with queue_worker(env.client, backend) as task_queue:
+        first = await start_job(env.client, task_queue, request(abandon_after_s=None))
+        await eventually(
+            lambda: status(first),
+            timeout_s=10,
+            what="the first granted",
+            accept=lambda s: s.admission is not None and s.admission.granted,
+        )
+        second = await start_job(env.client, task_queue, request(abandon_after_s=None))
+        pending = await eventually(
+            lambda: status(second),
+            timeout_s=10,
+            what="the second PENDING",
+            accept=lambda s: s.state == JobState.PENDING,
+        )
+        assert pending.admission is not None and pending.admission.position == 1
+        assert signals_named(await second.fetch_history(), SIGNAL_ADMISSION) == 0, (
+            "the place came with the check's result, not by signal"
+        )
+        await first.signal(SIGNAL_CANCEL, {"reason": "make room"})
+        await first.result()
+        await eventually(
+            lambda: asyncio.sleep(0, len(backend.submitted)),
+            timeout_s=10,
+            what="the second submitted",
+            accept=lambda n: n == 2,
+        )
+        with contextlib.suppress(RPCError):
+            await second.signal(SIGNAL_CANCEL, {"reason": "done"})
+        with contextlib.suppress(WorkflowFailureError):
+            await second.result()
+        first_history, second_history = await first.fetch_history(), await second.fetch_history()
+        assert signals_named(first_history, SIGNAL_ADMISSION) == 0
+        assert signals_named(second_history, SIGNAL_ADMISSION) == 1, "the grant, by signal"
+        assert queue_timers(first_history) == queue_timers(second_history) == 0
+
+
+async def test_the_follow_that_saw_the_prompt_end_gives_the_slot_back_itself(
+    env: WorkflowEnvironment,
+) -> None:
+    """On a bounded pool the real follow releases the slot when the job's last prompt ended:
+    the job's own history sends nothing to the queue (no signal, no workflow task for it)."""
+    backend = FakeBackend(Script(max_running=1, ask_in_check=True))
+    async with queue_worker(env.client, backend) as task_queue:
+        handle = await start_job(env.client, task_queue, request(abandon_after_s=None))
+        final = await handle.result()
+        assert final.state == JobState.COMPLETED
+        history = await handle.fetch_history()
+        sent = [
+            e
+            for e in history.events
+            if e.HasField("signal_external_workflow_execution_initiated_event_attributes")
+        ]
+        assert sent == [], "the follow gave the slot back, not the job"
+        emptied = await eventually(
+            lambda: view(env.client, task_queue),
+            timeout_s=10,
+            what="the slot given back",
+            accept=lambda v: v.running == 0 and v.waiting == 0,
+        )
+        assert emptied.max_running == 1
+        queue = env.client.get_workflow_handle(pool_queue_id(task_queue, "comfyui"))
+        assert signals_named(await queue.fetch_history(), SIGNAL_SLOT_RELEASE) == 1
+
+
 async def test_a_second_job_waits_pending_and_starts_when_the_first_ends(
     env: WorkflowEnvironment,
 ) -> None:
@@ -102,6 +206,10 @@ async def test_a_second_job_waits_pending_and_starts_when_the_first_ends(
         details = str(metadata.current_details)
         assert "**PENDING**" in details and "1st of 1 for pool comfyui" in details, details
         assert len(backend.submitted) == 1, "nothing of the waiting job reached the pool"
+        queue = env.client.get_workflow_handle(pool_queue_id(task_queue, "comfyui"))
+        assert signals_named(await queue.fetch_history(), SIGNAL_SLOT_REQUEST) == 2, (
+            "a job asks once; once answered, it waits for its grant without asking again"
+        )
         await first.signal(SIGNAL_CANCEL, {"reason": "make room"})
         assert (await first.result()).state == JobState.CANCELLED
         await eventually(
@@ -188,3 +296,92 @@ async def test_the_dispatcher_continues_as_new_with_its_holders_and_its_line(
             if e.HasField("workflow_execution_started_event_attributes")
         ]
         assert started.continued_execution_run_id, "the dispatcher never continued as new"
+
+
+async def test_a_long_line_hears_each_place_once_across_continue_as_new_and_grants_go_on(
+    env: WorkflowEnvironment,
+) -> None:
+    """150 waiting: each hears its place once, when it joins; a run that continues as new does
+    not tell its carried waiters again (only the first 50's refresh may, when their place
+    moved); a freed slot goes to the first in line."""
+    task_queue = f"tq-{uuid.uuid4()}"
+    async with Worker(
+        env.client,
+        task_queue=task_queue,
+        workflows=[PoolQueue, QueueListener],
+        activities=queue_activities(),
+        graceful_shutdown_timeout=timedelta(seconds=1),
+    ):
+        queue = await env.client.start_workflow(
+            PoolQueue.run,
+            QueueState(pool="comfyui", history_limit=300),
+            id=pool_queue_id(task_queue, "comfyui"),
+            task_queue=task_queue,
+        )
+        listeners = [
+            await env.client.start_workflow(
+                LISTENER_WORKFLOW_TYPE, id=f"listener-{n}-{uuid.uuid4()}", task_queue=task_queue
+            )
+            for n in range(151)
+        ]
+        now = datetime.now(UTC)
+        for listener in listeners:
+            ask = SlotRequest(job_id=listener.id, tenant="t", max_running=1, accepted_at=now)
+            await queue.signal(SIGNAL_SLOT_REQUEST, ask)
+
+        async def heard(listener: WorkflowHandle[Any, Any]) -> list[Admission]:
+            answer: list[Admission] = await listener.query("heard", result_type=list[Admission])
+            return answer
+
+        last = await eventually(
+            lambda: heard(listeners[-1]),
+            timeout_s=30,
+            what="the last in line told its place",
+            accept=lambda h: len(h) >= 1,
+        )
+        assert last[0].position == 150 and last[0].waiting == 150
+        # The line takes several runs (300 events each): each carries its told waiters as told.
+        runs = await eventually(
+            lambda: runs_of(queue),
+            timeout_s=30,
+            what="continued as new",
+            accept=lambda n: n >= 2,
+        )
+        assert runs >= 2
+        # The one holder gives its slot back: the first in line is granted.
+        await queue.signal(SIGNAL_SLOT_RELEASE, SlotRelease(job_id=listeners[0].id))
+        granted = await eventually(
+            lambda: heard(listeners[1]),
+            timeout_s=30,
+            what="the grant",
+            accept=lambda h: any(a.granted for a in h),
+        )
+        places = [a for a in granted if not a.granted]
+        assert places and places[0].position == 1
+        for listener in listeners[51:]:
+            told = await heard(listener)
+            assert len(told) == 1, (listener.id, told)
+        for listener in listeners[2:51]:
+            told = await heard(listener)
+            # The join, then at most once per run's refresh (positions moved by one at the grant).
+            assert 1 <= len(told) <= 1 + runs + 1, (listener.id, len(told))
+        await queue.terminate("the test is over")
+        for listener in listeners:
+            await listener.signal("done")
+
+
+async def runs_of(queue: WorkflowHandle[Any, Any]) -> int:
+    """How many runs the dispatcher has had: its first, and one per continue-as-new."""
+    client, run_id, runs = queue._client, queue.first_execution_run_id, 0
+    while run_id:
+        runs += 1
+        history = await client.get_workflow_handle(queue.id, run_id=run_id).fetch_history()
+        run_id = next(
+            (
+                e.workflow_execution_continued_as_new_event_attributes.new_execution_run_id
+                for e in history.events
+                if e.HasField("workflow_execution_continued_as_new_event_attributes")
+            ),
+            None,
+        )
+    return runs

@@ -182,11 +182,16 @@ SCENARIOS: dict[str, Scenario] = {
         None,
     ),
     # A bounded pool (`max_running`): the follow that checks it finds it bounded, the job asks
-    # its queue for a slot, is granted at once, runs, and gives the slot back.
+    # its queue for a slot (by signal: the check could not), is granted at once, runs, and
+    # gives the slot back.
     "queued": (Script(max_running=1), {"abandon_after_s": None}, None),
-    # Its pool full: PENDING in our queue until start_by_s, then EXPIRED with nothing sent.
+    # The same, the check having asked the queue (its `ask` update): the grant comes with the
+    # check's result.
+    "queued_asked": (Script(max_running=1, ask_in_check=True), {"abandon_after_s": None}, None),
+    # Its pool full: PENDING in our queue (its place from the check's ask) until start_by_s,
+    # then EXPIRED with nothing sent.
     "expired": (
-        Script(max_running=1),
+        Script(max_running=1, ask_in_check=True),
         {"abandon_after_s": None, "start_by_s": 30, POOL_FULL: True},
         None,
     ),
