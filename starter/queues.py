@@ -26,8 +26,9 @@ from workflows.shared import (
     pool_queue_id,
 )
 
-# How many times the room check asks a queue whose worker failed to answer.
-ROOM_ATTEMPTS = 3
+# How many times the room check asks a queue whose worker failed to answer (0.2 s apart, then
+# twice as long each time: about 3 s in all before the submission goes on unchecked).
+ROOM_ATTEMPTS = 5
 # How long a client trusts a queue's answer that there is room, counting its own joins against
 # the headroom it was told: a client submitting hundreds of jobs asks about once a second, not
 # once a job (the server buffers one query per busy workflow and refuses the rest).
@@ -53,8 +54,9 @@ async def queue_room(temporal: Client, task_queue: str, pool: str, tenant: str) 
     """Whether a new job of `tenant` may join `pool`'s line (room, too, when no queue runs).
 
     A query the queue's worker failed to answer (a busy worker's deadlock detector, a queue of
-    an older version without the query) is asked again twice; after that the submission goes
-    on: the queue itself never refuses a job, so a missed check costs one job over the bound."""
+    an older version without the query), or that a busy queue's server refused, is asked again
+    for about 3 s; after that the submission goes on: the queue itself never refuses a job, so a
+    missed check costs one job over the bound."""
     handle = temporal.get_workflow_handle(pool_queue_id(task_queue, pool))
     for attempt in range(ROOM_ATTEMPTS):
         try:
@@ -71,7 +73,7 @@ async def queue_room(temporal: Client, task_queue: str, pool: str, tenant: str) 
         else:
             return room
         if attempt + 1 < ROOM_ATTEMPTS:
-            await asyncio.sleep(0.2 * (attempt + 1))
+            await asyncio.sleep(0.2 * 2**attempt)
     return QueueRoom()
 
 

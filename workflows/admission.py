@@ -135,11 +135,11 @@ def place_in_line(admission: Admission) -> str:
     """ "12th of 40 for pool gpu, about 3 min": where a PENDING job stands, in words."""
     position = admission.position
     if position is None:
-        place = "waiting"
+        line = f"in line for pool {admission.pool}, its place not known yet"
     else:
         suffix = {1: "st", 2: "nd", 3: "rd"}.get(position % 10, "th")
         place = f"{position}{'th' if 10 <= position % 100 <= 20 else suffix}"
-    line = f"{place} of {admission.waiting or '?'} for pool {admission.pool}"
+        line = f"{place} of {admission.waiting or '?'} for pool {admission.pool}"
     if admission.eta_s is not None:
         line += f", about {_duration(admission.eta_s)}"
     return line
@@ -428,7 +428,10 @@ class PoolLine:
             (len(self._waiting), pool_limit, f"pool {state.pool!r}"),
         ]
         per_start = self._seconds_per_start()
-        headroom = min(limit - waiting for waiting, limit, _ in checks if limit is not None)
+        headroom: int | None = None
+        if tenant in state.weights:
+            # Its bound heard (a tenant the queue never heard of may have one it does not know).
+            headroom = min(limit - waiting for waiting, limit, _ in checks if limit is not None)
         for waiting, limit, whose in checks:
             if limit is not None and waiting >= limit:
                 # Room comes when enough of the line has started: the first to start frees it.

@@ -89,6 +89,9 @@ class PoolSlot:
         for word in (answer, early):
             if word is not None:
                 self.heard(word)
+        if asked and not self._answered:
+            # Asked by the check, the answer to come by signal: in line meanwhile.
+            self._in_line(bound)
         while not self.granted:
             if not asked:
                 await self._ask(bound)
@@ -137,6 +140,22 @@ class PoolSlot:
                 self.on_wait()
         elif answer.granted and self._waited and self.on_granted_after_wait is not None:
             self.on_granted_after_wait()
+
+    def _in_line(self, bound: PoolBound) -> None:
+        """PENDING, place not known yet (not an answer: the job still asks again if none
+        comes)."""
+        unplaced = Admission(
+            pool=bound.pool,
+            job_id=self._status.job_id,
+            priority=self._request.priority,
+            tenant=self.tenant,
+        )
+        if self.on_answer is not None:
+            self.on_answer(unplaced)
+        if not self._waited:
+            self._waited = True
+            if self.on_wait is not None:
+                self.on_wait()
 
     def given_back_by_follow(self) -> None:
         """The follow that saw the job's last prompt end gave the slot back (its signal)."""

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
-
 import asyncio
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from temporalio.client import WorkflowQueryFailedError
@@ -14,7 +13,7 @@ from starter.cli.common import ExitCode, exit_code_for
 from starter.cli.pools import queue_lines
 from starter.cli.render import summary_lines
 from starter.errors import QueueFull
-from starter.queues import RoomCheck, queue_room
+from starter.queues import ROOM_ATTEMPTS, RoomCheck, queue_room
 from workflows.admission import Admission, PoolQueueView, QueueEntry, QueueRoom, place_in_line
 from workflows.contracts import JobState, JobStatus
 
@@ -40,6 +39,11 @@ NOW = datetime(2026, 12, 7, 12, 0, tzinfo=UTC)
 def test_a_place_in_line_reads_as_an_ordinal(position: int, said: str) -> None:
     admission = Admission(pool="gpu", position=position, waiting=200)
     assert place_in_line(admission) == f"{said} of 200 for pool gpu"
+
+
+def test_a_job_in_line_before_the_queue_told_its_place_says_so() -> None:
+    unplaced = Admission(pool="gpu")
+    assert place_in_line(unplaced) == "in line for pool gpu, its place not known yet"
 
 
 def test_the_wait_is_said_in_seconds_minutes_or_hours() -> None:
@@ -152,7 +156,7 @@ async def test_the_room_check_asks_a_queue_that_failed_to_answer_again() -> None
     # A queue that never answers does not block submissions: the check is advisory.
     silent = _FlakyQueue(10, full)
     assert not (await queue_room(silent, "tq", "gpu", "acme")).full  # type: ignore[arg-type]
-    assert silent.asked == 3
+    assert silent.asked == ROOM_ATTEMPTS
 
 
 async def test_a_busy_queue_refusing_the_query_is_asked_again_then_let_through() -> None:

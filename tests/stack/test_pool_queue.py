@@ -191,11 +191,16 @@ async def test_the_bound_holds_across_three_workers_and_the_others_wait_pending(
     assert 1 <= stats["peak_in_queue"] <= MAX_RUNNING, stats["peak_in_queue"]
     assert sum(stats["prompts"].values()) == len(ids)
     await eventually(lambda: _queue_is_empty(fleet), timeout_s=10, what="the queue empty")
-    # The queue's metrics, summed over the three workers: a start and a wait per job.
+    # The queue's metrics, summed over the three workers: a start and a wait per job, or a
+    # few more: workflow code's metrics count again when Temporal runs a workflow task again
+    # (a speculative task of an `ask` update whose completion a concurrent signal displaced;
+    # the history holds one grant per job all the same).
     text = await fleet.metrics()
     labels = {"pool": POOL, "tenant": "local"}
-    assert metric_sum(text, "durable_comfy_queue_starts", labels) == len(ids)
-    assert metric_sum(text, "durable_comfy_queue_wait_seconds_count", labels) == len(ids)
+    starts = metric_sum(text, "durable_comfy_queue_starts", labels)
+    assert len(ids) <= starts <= 2 * len(ids), starts
+    waits = metric_sum(text, "durable_comfy_queue_wait_seconds_count", labels)
+    assert waits == starts, (waits, starts)
     # The dashboard in the repository asks only for metrics the workers export.
     dashboard = json.loads((ROOT / "docs" / "grafana" / "queue.json").read_text())
     asked = {

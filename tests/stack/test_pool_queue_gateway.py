@@ -171,17 +171,21 @@ async def fleet_of(
 
 
 async def pending_position(fleet: Fleet, job_id: str) -> int:
-    """The `admission.position` of the first status the job's stream sends: PENDING."""
+    """The `admission.position` of the job's stream: PENDING once its check is done (its place
+    told with the check's result, or shortly after when the check could not wait for it)."""
     url = f"{fleet.gateway.url}/v1/jobs/{job_id}/events"
     async with asyncio.timeout(30):
         async for event in sse_events(fleet.http, url, RunningGateway.auth(A)):
             if event.event == "status":
+                if event.data["state"] in ("QUEUED", "PREPARING", "SUBMITTING"):
+                    continue  # its check (which asks the queue) not answered yet
                 assert event.data["state"] == "PENDING", event.data
                 admission = event.data["admission"]
                 assert admission["pool"] == POOL and "tenant" not in admission, admission
-                position: int = admission["position"]
-                return position
-    raise AssertionError("the stream ended without a status")
+                position: int | None = admission["position"]
+                if position is not None:
+                    return position
+    raise AssertionError("the stream ended without a place in line")
 
 
 @pytest.mark.parametrize(("weight", "within"), [(1, 12), (2, 9)], ids=["weight-1", "weight-2"])

@@ -221,8 +221,11 @@ def test_a_tenant_at_its_max_pending_has_no_room_and_is_told_when_to_come_back()
     assert room.full and room.limit == 2 and room.waiting == 2
     assert room.retry_after_s == 40.0 and "max_pending is 2" in room.reason
     assert not line.room("b").full  # another tenant has room
-    # What still fits: the tighter of the tenant's bound (b has none) and the pool's.
-    assert line.room("b").headroom == MAX_LINE - 2
+    # What still fits: the tighter of the tenant's bound and the pool's; for a tenant the
+    # queue never heard from, unknown (its bound may be one the queue has not heard).
+    assert line.room("b").headroom is None
+    ask(line, "b1", tenant="b")
+    assert line.room("b").headroom == MAX_LINE - 3
     line.release("j3", T0)
     assert line.room("a").headroom == 1
 

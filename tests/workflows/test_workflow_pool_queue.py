@@ -368,6 +368,10 @@ async def test_a_long_line_hears_each_place_once_across_continue_as_new_and_gran
         await queue.terminate("the test is over")
         for listener in listeners:
             await listener.signal("done")
+        # Ended before their worker stops: a workflow left running would hold the
+        # time-skipping server's clock for the next test.
+        for listener in listeners:
+            await listener.result()
 
 
 async def runs_of(queue: WorkflowHandle[Any, Any]) -> int:
