@@ -104,6 +104,49 @@ def queue_timers(history: WorkflowHistory) -> int:
     return sum(1 for summary in summaries if b"pool queue answer" in summary)
 
 
+async def one_holds_one_waits(
+    client: Client, task_queue: str
+) -> tuple[WorkflowHandle[Any, JobStatus], WorkflowHandle[Any, JobStatus], JobStatus]:
+    """A first job granted the one slot (its follow blocked), a second PENDING behind it."""
+    first = await start_job(client, task_queue, request(abandon_after_s=None))
+    await eventually(
+        lambda: status(first),
+        timeout_s=10,
+        what="the first granted",
+        accept=lambda s: s.admission is not None and s.admission.granted,
+    )
+    second = await start_job(client, task_queue, request(abandon_after_s=None))
+    pending = await eventually(
+        lambda: status(second),
+        timeout_s=10,
+        what="the second PENDING",
+        accept=lambda s: s.state == JobState.PENDING,
+    )
+    return first, second, pending
+
+
+async def make_room_then_end(
+    first: WorkflowHandle[Any, JobStatus],
+    second: WorkflowHandle[Any, JobStatus],
+    backend: FakeBackend,
+) -> None:
+    """Cancel the first; the second is submitted in its place, then ended too."""
+    await first.signal(SIGNAL_CANCEL, {"reason": "make room"})
+    assert (await first.result()).state == JobState.CANCELLED
+    await eventually(
+        lambda: asyncio.sleep(0, len(backend.submitted)),
+        timeout_s=10,
+        what="the second submitted",
+        accept=lambda n: n == 2,
+    )
+    # (The stand-in backend interrupts every blocked follow once any stop was asked: the
+    # second may have ended already.)
+    with contextlib.suppress(RPCError):
+        await second.signal(SIGNAL_CANCEL, {"reason": "done"})
+    with contextlib.suppress(WorkflowFailureError):
+        await second.result()
+
+
 async def test_a_check_that_asks_the_queue_hands_the_job_its_grant_or_its_place(
     env: WorkflowEnvironment,
 ) -> None:
@@ -112,36 +155,12 @@ async def test_a_check_that_asks_the_queue_hands_the_job_its_grant_or_its_place(
     the same way; neither waits on a timer, and only the grant that ends a wait is signalled."""
     backend = FakeBackend(Script(max_running=1, block_in="follow_prompt", ask_in_check=True))
     async with queue_worker(env.client, backend) as task_queue:
-        first = await start_job(env.client, task_queue, request(abandon_after_s=None))
-        await eventually(
-            lambda: status(first),
-            timeout_s=10,
-            what="the first granted",
-            accept=lambda s: s.admission is not None and s.admission.granted,
-        )
-        second = await start_job(env.client, task_queue, request(abandon_after_s=None))
-        pending = await eventually(
-            lambda: status(second),
-            timeout_s=10,
-            what="the second PENDING",
-            accept=lambda s: s.state == JobState.PENDING,
-        )
+        first, second, pending = await one_holds_one_waits(env.client, task_queue)
         assert pending.admission is not None and pending.admission.position == 1
         assert signals_named(await second.fetch_history(), SIGNAL_ADMISSION) == 0, (
             "the place came with the check's result, not by signal"
         )
-        await first.signal(SIGNAL_CANCEL, {"reason": "make room"})
-        await first.result()
-        await eventually(
-            lambda: asyncio.sleep(0, len(backend.submitted)),
-            timeout_s=10,
-            what="the second submitted",
-            accept=lambda n: n == 2,
-        )
-        with contextlib.suppress(RPCError):
-            await second.signal(SIGNAL_CANCEL, {"reason": "done"})
-        with contextlib.suppress(WorkflowFailureError):
-            await second.result()
+        await make_room_then_end(first, second, backend)
         first_history, second_history = await first.fetch_history(), await second.fetch_history()
         assert signals_named(first_history, SIGNAL_ADMISSION) == 0
         assert signals_named(second_history, SIGNAL_ADMISSION) == 1, "the grant, by signal"
@@ -181,24 +200,8 @@ async def test_a_second_job_waits_pending_and_starts_when_the_first_ends(
 ) -> None:
     backend = FakeBackend(Script(max_running=1, block_in="follow_prompt"))
     async with queue_worker(env.client, backend) as task_queue:
-        first = await start_job(env.client, task_queue, request(abandon_after_s=None))
-        await eventually(
-            lambda: status(first),
-            timeout_s=10,
-            what="the first running",
-            accept=lambda s: (
-                s.state in (JobState.RUNNING, JobState.SUBMITTING)
-                and s.admission is not None
-                and s.admission.granted
-            ),
-        )
-        second = await start_job(env.client, task_queue, request(abandon_after_s=None))
-        pending = await eventually(
-            lambda: status(second),
-            timeout_s=10,
-            what="the second PENDING",
-            accept=lambda s: s.state == JobState.PENDING,
-        )
+        first, second, pending = await one_holds_one_waits(env.client, task_queue)
+        assert (await status(first)).state in (JobState.RUNNING, JobState.SUBMITTING)
         assert pending.admission is not None and pending.admission.position == 1
         assert pending.admission.ahead == 0 and pending.admission.pool == "comfyui"
         # The Temporal UI's Current Details say it in words.
@@ -210,26 +213,9 @@ async def test_a_second_job_waits_pending_and_starts_when_the_first_ends(
         assert signals_named(await queue.fetch_history(), SIGNAL_SLOT_REQUEST) == 2, (
             "a job asks once; once answered, it waits for its grant without asking again"
         )
-        await first.signal(SIGNAL_CANCEL, {"reason": "make room"})
-        assert (await first.result()).state == JobState.CANCELLED
-        await eventually(
-            lambda: status(second),
-            timeout_s=10,
-            what="the second granted",
-            accept=lambda s: s.admission is not None and s.admission.granted,
-        )
-        await eventually(
-            lambda: asyncio.sleep(0, len(backend.submitted)),
-            timeout_s=10,
-            what="the second submitted",
-            accept=lambda n: n == 2,
-        )
-        # (The stand-in backend interrupts every blocked follow once any stop was asked: the
-        # second may have ended already.)
-        with contextlib.suppress(RPCError):
-            await second.signal(SIGNAL_CANCEL, {"reason": "done"})
-        with contextlib.suppress(WorkflowFailureError):
-            await second.result()
+        await make_room_then_end(first, second, backend)
+        granted = (await second.query(QUERY_STATUS, result_type=JobStatus)).admission
+        assert granted is not None and granted.granted
 
 
 async def test_a_job_cancelled_while_pending_leaves_the_line_with_nothing_to_stop(
