@@ -9,8 +9,10 @@ for slow GPU nodes, since ImageBlur has no progress hook and ignores interrupts 
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
+import json
 import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -382,3 +384,39 @@ async def test_cancel_during_a_slow_node_ends_only_when_the_prompt_is_gone(
     assert (landed.at - sent.at).total_seconds() >= 3.0, final.teardown
     assert not [a for a in final.artifacts if a.node_id == SAVE_NODE], "the save never ran"
     await case.assert_nothing_left(job_id)
+
+
+async def test_a_bounded_pool_sends_the_real_comfyui_one_prompt_at_a_time(
+    case: ChaosCase, real_env: RealEnv
+) -> None:
+    """`max_running: 1` on the real server: three jobs, each PENDING in our queue until the one
+    before has ended; ComfyUI never holds two of them, accepts each once, and the slot comes
+    back from the follow that saw the last prompt end (the queue empty at the end)."""
+    pools = json.loads(case.workers.env["DURABLE_COMFY_POOLS"])
+    pools["comfyui"]["max_running"] = 1
+    case.workers.env["DURABLE_COMFY_POOLS"] = json.dumps(pools)
+    await case.workers.start()
+    log_from = real_env.real.log_size()
+    job_ids = [
+        await case.submit(JobRequest(graph=blur_graph(512, 1, radius=9, prefix=f"bound{n}")))
+        for n in range(3)
+    ]
+    most_at_comfyui = 0
+    saw_pending = False
+    async with asyncio.timeout(JOB_DEADLINE_S):
+        while True:
+            queue = await case.sim.queue()
+            most_at_comfyui = max(most_at_comfyui, len(queue.running) + len(queue.pending))
+            statuses = [await case.client.status(job_id) for job_id in job_ids]
+            saw_pending = saw_pending or any(s.state == JobState.PENDING for s in statuses)
+            if all(s.state.terminal for s in statuses):
+                break
+            await asyncio.sleep(0.1)
+    assert [s.state for s in statuses] == [JobState.COMPLETED] * 3, statuses
+    assert most_at_comfyui == 1, most_at_comfyui
+    assert saw_pending, "no job was seen waiting in our queue"
+    assert accepted_prompts(real_env.real.log_text(log_from)) == 3
+    for final in statuses:
+        assert_artifacts_are_comfyuis_files(real_env, final, SAVE_NODE)
+    line = await case.client.pool_queue("comfyui")
+    assert line.running == 0 and line.waiting == 0, line

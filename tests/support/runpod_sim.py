@@ -90,8 +90,9 @@ class RunpodSim:
     pid: int
     work_dir: Path
     log_path: Path
-    # Every worker process group the simulator reported, for the leak check at the end.
-    seen_worker_pids: set[int] = field(default_factory=set)
+    # Every worker process group the simulator reported, for the leak check at the end: its
+    # leader's pid -> the leader's start time then (None: already gone when seen).
+    seen_worker_pids: dict[int, int | None] = field(default_factory=dict)
 
     @property
     def api_url(self) -> str:
@@ -112,8 +113,9 @@ class RunpodSim:
         ledger = Ledger.model_validate(await self._sim("GET", "/sim/ledger"))
         # Each of these leads a process group of its own: the worker, its watchdog, its ComfyUI.
         for worker in ledger.workers:
-            pids = (worker.pid, worker.watchdog_pid, worker.comfy_pid)
-            self.seen_worker_pids.update(pid for pid in pids if pid)
+            for pid in (worker.pid, worker.watchdog_pid, worker.comfy_pid):
+                if pid and pid not in self.seen_worker_pids:
+                    self.seen_worker_pids[pid] = _started(pid)
         return ledger
 
     async def faults(self, **faults: Any) -> dict[str, Any]:
@@ -123,6 +125,26 @@ class RunpodSim:
 
     async def reset_faults(self) -> None:
         await RunpodFaults(self.base_url).reset()
+
+
+def _started(pid: int) -> int | None:
+    """The process's start time (clock ticks since boot), None when it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # After the command's closing parenthesis, field 22 of stat is the 20th.
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def _still_ours(pgid: int, started: int | None) -> bool:
+    """Whether the group `pgid` is still the worker's: its leader the same process (this
+    machine wraps PIDs within minutes, and a new process may lead a group of the same id), or
+    the leader gone and members of its group left (the id cannot be reused while they live)."""
+    if not _group_alive(pgid):
+        return False
+    now = _started(pgid)
+    return now is None or now == started
 
 
 def _group_alive(pgid: int) -> bool:
@@ -202,7 +224,8 @@ async def run_runpod_sim(
         with contextlib.suppress(Exception):
             await sim.ledger()  # the last word on which workers exist
         await _stop(proc, within_s=30)
-        leaked = sorted(pgid for pgid in sim.seen_worker_pids if _group_alive(pgid))
+        seen = sim.seen_worker_pids
+        leaked = sorted(pgid for pgid, started in seen.items() if _still_ours(pgid, started))
         for pgid in leaked:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pgid, signal.SIGKILL)
