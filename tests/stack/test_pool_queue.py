@@ -464,9 +464,13 @@ async def test_above_max_pending_a_submission_is_refused_queue_full_and_nothing_
     assert refused_job.state == JobState.FAILED and refused_job.error is not None
     assert refused_job.error.type == "PriorityNotAllowed", refused_job.error
     # The CLI: a pool's own max_pending, exit 5 with the same words.
-    [tiny_blocker, tiny_waiter] = await submit(
-        fleet, [request(6000, pool=TINY), request(5, pool=TINY)], "tiny"
+    # The blocker holds the slot before the waiter asks (submitted together, the short one
+    # might take the slot, end, and leave room).
+    [tiny_blocker] = await submit(fleet, [request(6000, pool=TINY)], "tiny-blocker")
+    await eventually(
+        lambda: fleet.queue(TINY), timeout_s=60, what="tiny held", accept=lambda v: v.running == 1
     )
+    [tiny_waiter] = await submit(fleet, [request(5, pool=TINY)], "tiny-waiter")
     await eventually(
         lambda: fleet.queue(TINY), timeout_s=60, what="tiny full", accept=lambda v: v.waiting == 1
     )

@@ -258,7 +258,7 @@ async def test_the_dispatcher_continues_as_new_with_its_holders_and_its_line(
         queue_id = pool_queue_id(task_queue, "comfyui")
         handle = await env.client.start_workflow(
             PoolQueue.run,
-            QueueState(pool="comfyui", history_limit=40),
+            QueueState(pool="comfyui", history_limit=60),
             id=queue_id,
             task_queue=task_queue,
         )
@@ -270,7 +270,7 @@ async def test_the_dispatcher_continues_as_new_with_its_holders_and_its_line(
             await handle.signal(SIGNAL_SLOT_REQUEST, ask)
         done = await eventually(
             lambda: view(env.client, task_queue),
-            timeout_s=30,
+            timeout_s=60,
             what="every ghost gone",
             accept=lambda v: v.waiting == 0 and v.running == 0,
         )
