@@ -132,7 +132,7 @@ async def make_room_then_end(
 ) -> None:
     """Cancel the first; the second is submitted in its place, then ended too."""
     await first.signal(SIGNAL_CANCEL, {"reason": "make room"})
-    assert (await first.result()).state == JobState.CANCELLED
+    assert (await asyncio.wait_for(first.result(), 60)).state == JobState.CANCELLED
     await eventually(
         lambda: asyncio.sleep(0, len(backend.submitted)),
         timeout_s=10,
@@ -144,7 +144,7 @@ async def make_room_then_end(
     with contextlib.suppress(RPCError):
         await second.signal(SIGNAL_CANCEL, {"reason": "done"})
     with contextlib.suppress(WorkflowFailureError):
-        await second.result()
+        await asyncio.wait_for(second.result(), 60)
 
 
 async def test_a_check_that_asks_the_queue_hands_the_job_its_grant_or_its_place(
@@ -175,7 +175,7 @@ async def test_the_follow_that_saw_the_prompt_end_gives_the_slot_back_itself(
     backend = FakeBackend(Script(max_running=1, ask_in_check=True))
     async with queue_worker(env.client, backend) as task_queue:
         handle = await start_job(env.client, task_queue, request(abandon_after_s=None))
-        final = await handle.result()
+        final = await asyncio.wait_for(handle.result(), 60)
         assert final.state == JobState.COMPLETED
         history = await handle.fetch_history()
         sent = [
