@@ -195,7 +195,7 @@ class FakeBackend:
         # Bounded, as the real check is by its heartbeat timeout: an update the time-skipping
         # server never answers (seen once under CI load) fails this attempt, and the next asks
         # again (a repeat changes nothing), instead of hanging the test.
-        answer = await asyncio.wait_for(real.ask(bound.pool, ask), timeout=20)
+        answer = await asyncio.wait_for(real.ask(bound.pool, ask), timeout=5)
         return {"slot_asked": True, "admission": answer}
 
     @activity.defn(name="prepare_prompt")

@@ -111,14 +111,14 @@ async def one_holds_one_waits(
     first = await start_job(client, task_queue, request(abandon_after_s=None))
     await eventually(
         lambda: status(first),
-        timeout_s=10,
+        timeout_s=30,
         what="the first granted",
         accept=lambda s: s.admission is not None and s.admission.granted,
     )
     second = await start_job(client, task_queue, request(abandon_after_s=None))
     pending = await eventually(
         lambda: status(second),
-        timeout_s=10,
+        timeout_s=30,
         what="the second PENDING",
         accept=lambda s: s.state == JobState.PENDING,
     )
