@@ -237,29 +237,27 @@ async def until(
 
 def starts_of(stats: Mapping[str, Any], finals: Mapping[str, JobStatus]) -> dict[str, float]:
     """job_id -> when the simulator started its prompt (epoch s), for the jobs it started."""
-    started: Mapping[str, float] = stats.get("started_at", {})
-    out: dict[str, float] = {}
-    for job_id, status in finals.items():
-        try:
-            prompt = prompt_id_of(status)
-        except BenchFailure:
-            continue
-        if prompt in started:
-            out[job_id] = started[prompt]
-    return out
+    return _prompt_marks(stats, "started_at", finals)
 
 
 def ends_of(stats: Mapping[str, Any], finals: Mapping[str, JobStatus]) -> dict[str, float]:
     """job_id -> when the simulator ended its prompt (epoch s)."""
-    ended: Mapping[str, float] = stats.get("ended_at", {})
+    return _prompt_marks(stats, "ended_at", finals)
+
+
+def _prompt_marks(
+    stats: Mapping[str, Any], mark: str, finals: Mapping[str, JobStatus]
+) -> dict[str, float]:
+    """job_id -> the simulator's `mark` time of its prompt, for the jobs that have one."""
+    marks: Mapping[str, float] = stats.get(mark, {})
     out: dict[str, float] = {}
     for job_id, status in finals.items():
         try:
             prompt = prompt_id_of(status)
         except BenchFailure:
             continue
-        if prompt in ended:
-            out[job_id] = ended[prompt]
+        if prompt in marks:
+            out[job_id] = marks[prompt]
     return out
 
 
