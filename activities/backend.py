@@ -15,7 +15,7 @@ default before anything reads it, as prepare would have, and says which pool tha
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import structlog
 from temporalio import activity
@@ -28,7 +28,7 @@ from configuration.pools import PoolConfig
 from configuration.settings import S3Settings
 from configuration.tenants import TenantConfig, tenant_config
 from workflows import activity_io
-from workflows.admission import MAX_PRIORITY, Admission, SlotRelease, SlotRequest
+from workflows.admission import MAX_PRIORITY, Admission, PoolBound, SlotRelease, SlotRequest
 from workflows.contracts import Checkpoint
 from workflows.failures import as_refused_before_submission
 from workflows.shared import (
@@ -160,7 +160,7 @@ class JobActivities:
         )
 
     async def _asked(
-        self, req: activity_io.PrepareInput, bound: activity_io.PoolBound
+        self, req: activity_io.PrepareInput, bound: PoolBound
     ) -> tuple[bool, Admission | None]:
         """Ask the pool's queue for the job's slot (idempotent): whether it was asked here
         (if not, the workflow asks itself), and its answer when it gave one at once."""
@@ -184,7 +184,7 @@ class JobActivities:
             return False, None
         return True, admission
 
-    def _bound(self, pool: str, terms: TenantConfig) -> activity_io.PoolBound | None:
+    def _bound(self, pool: str, terms: TenantConfig) -> PoolBound | None:
         config = self._backends.config_of(pool)
         if config.max_running is None:
             return None
@@ -194,7 +194,7 @@ class JobActivities:
             # margin) a prompt whose stop was never confirmed has surely stopped.
             timeout = config.execution_timeout_s
             settle_after_s = None if timeout is None else timeout + (config.fence_after_s or 30)
-        return activity_io.PoolBound(
+        return PoolBound(
             pool=pool,
             max_running=config.max_running,
             weight=terms.weight,
@@ -216,7 +216,13 @@ class JobActivities:
                 raise  # a pool slow or down: the workflow backs off and tries again
             raise as_refused_before_submission(refusal) from refusal
         pool, backend = self._backends.resolve(prepared.pool)
-        if prepared.bound is not None and not req.slot_held:
+        granted = prepared.admission is not None and prepared.admission.granted
+        if prepared.bound is not None and not req.slot_held and granted:
+            # The check's own ask was granted (an idle pool): submit now, in this attempt,
+            # rather than hand the grant to the workflow for a second follow. Its reports and
+            # its result tell the workflow it holds the slot.
+            req = req.model_copy(update={"slot_held": True, "slot_bound": prepared.bound})
+        elif prepared.bound is not None and not req.slot_held:
             # Checked, and nothing reaches a bounded pool without a slot of its queue.
             return activity_io.FollowResult(
                 prompt_id=req.prompt_id,
@@ -229,8 +235,11 @@ class JobActivities:
                 admission=prepared.admission,
             )
         result = await backend.follow(_on_pool(req, pool))
-        result = result.model_copy(update={"pool": pool, "kind": prepared.kind})
-        return await self._given_back(req, pool, result)
+        held = {"bound": prepared.bound, "slot_asked": True, "admission": prepared.admission}
+        update: dict[str, Any] = {"pool": pool, "kind": prepared.kind}
+        if req.slot_bound is not None:
+            update |= held
+        return await self._given_back(req, pool, result.model_copy(update=update))
 
     async def _given_back(
         self, req: activity_io.FollowInput, pool: str, result: activity_io.FollowResult
@@ -255,9 +264,13 @@ class JobActivities:
     async def stop_prompt(self, req: activity_io.StopInput) -> activity_io.StopCheck:
         pool, backend = self._backends.resolve(req.pool)
         check = await backend.stop(_on_pool(req, pool))
-        if req.pool is not None:
-            return check
-        return check.model_copy(update={"pool": pool, "kind": self._backends.kind_of(pool)})
+        update: dict[str, Any] = {}
+        bound = self._bound(pool, tenant_config(self._tenants, DEFAULT_TENANT))
+        if bound is not None:
+            update["slot"] = bound
+        if req.pool is None:
+            update |= {"pool": pool, "kind": self._backends.kind_of(pool)}
+        return check.model_copy(update=update) if update else check
 
 
 _Routed = TypeVar(

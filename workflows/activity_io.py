@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field, ValidationError
 
-from workflows.admission import Admission
+from workflows.admission import Admission, PoolBound
 from workflows.contracts import (
     Artifact,
     Checkpoint,
@@ -83,24 +83,6 @@ class PrepareInput(StrictModel):
         )
 
 
-class PoolBound(StrictModel):
-    """A bounded pool's terms for one job, as the worker that checked it has them: the job
-    asks the pool's queue for a slot before anything of it reaches the pool."""
-
-    pool: str
-    max_running: int
-    # The job's tenant's weight in the pool's fair shares.
-    weight: float = 1.0
-    # How often the queue looks for holders whose job closed without releasing.
-    reclaim_every_s: float = 60.0
-    # The provider's own cap on a run (RunPod's executionTimeout): past a submission by this
-    # much, an unconfirmed teardown is settled. None: the provider has none (a comfyui pool).
-    settle_after_s: float | None = None
-    # How many of the tenant's jobs, and of the pool's, may wait at once (None: no bound).
-    tenant_max_pending: int | None = None
-    pool_max_pending: int | None = None
-
-
 class PreparedJob(StrictModel):
     """The graph as it will be submitted, checked against the backend's node registry (by a
     prepare, which names its pool and kind; None: by the job's first follow, not yet)."""
@@ -173,6 +155,9 @@ class FollowInput(StrictModel):
     # The job holds a slot of its pool's queue: a bounded pool's check (`prepare`) goes on to
     # submit. Without one it returns `needs_slot` before anything reaches the pool.
     slot_held: bool = False
+    # Set by the follow itself (never by the workflow) when its own check was granted the slot
+    # at once: its progress reports carry it, so the workflow knows it holds the slot.
+    slot_bound: PoolBound | None = None
 
     @property
     def named_pool(self) -> str:
@@ -317,6 +302,10 @@ class StopCheck(StrictModel):
     # follow, which checked the request, said which pool took it.
     pool: str | None = None
     kind: str | None = None
+    # The pool is bounded: a job that has not heard of a slot may hold one all the same (its
+    # follow's own check was granted it and went on to submit, and the job was stopped before
+    # a report or a result said so). The job gives it back (or holds it unsettled) at its end.
+    slot: PoolBound | None = None
 
 
 class WebhookDeliveryInput(StrictModel):

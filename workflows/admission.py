@@ -46,6 +46,24 @@ class _Read(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+class PoolBound(_Read):
+    """A bounded pool's terms for one job, as the worker that checked it has them: the job
+    asks the pool's queue for a slot before anything of it reaches the pool."""
+
+    pool: str
+    max_running: int
+    # The job's tenant's weight in the pool's fair shares.
+    weight: float = 1.0
+    # How often the queue looks for holders whose job closed without releasing.
+    reclaim_every_s: float = 60.0
+    # The provider's own cap on a run (RunPod's executionTimeout): past a submission by this
+    # much, an unconfirmed teardown is settled. None: the provider has none (a comfyui pool).
+    settle_after_s: float | None = None
+    # How many of the tenant's jobs, and of the pool's, may wait at once (None: no bound).
+    tenant_max_pending: int | None = None
+    pool_max_pending: int | None = None
+
+
 class SlotRequest(_Read):
     """A job asks its pool's queue for a slot (signal `request`)."""
 

@@ -25,7 +25,13 @@ from pydantic import (
 )
 from pydantic_core import core_schema
 
-from workflows.admission import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY, Admission
+from workflows.admission import (
+    DEFAULT_PRIORITY,
+    MAX_PRIORITY,
+    MIN_PRIORITY,
+    Admission,
+    PoolBound,
+)
 from workflows.graph import check_graph, check_input_files, check_segment_files
 from workflows.request_checks import (
     check_input_names,
@@ -698,6 +704,9 @@ class ProgressReport(StrictModel):
     # the job, and its kind.
     pool: str | None = None
     kind: str | None = None
+    # From a follow whose own check was granted a slot of a bounded pool and went on to submit:
+    # the job holds that slot (it gives it back, or holds it unsettled, at its end).
+    slot: PoolBound | None = None
 
 
 class CancelRequest(StrictModel):

@@ -24,7 +24,7 @@ from temporalio.common import MetricCounter, SearchAttributeUpdate
 
 with workflow.unsafe.imports_passed_through():
     from workflows.activity_io import FollowResult
-    from workflows.admission import Admission, place_in_line
+    from workflows.admission import Admission, PoolBound, place_in_line
     from workflows.contracts import (
         MAX_JOURNAL,
         MAX_NOTICES,
@@ -166,6 +166,8 @@ class JobBook:
         self._began = False
         # In line for a bounded pool's slot (workflows/pool_slot.py): nothing is submitted.
         self.awaiting_slot = False
+        # A follow's report said its own check was granted a slot (set by the job's PoolSlot).
+        self.on_slot_held: Callable[[PoolBound], None] | None = None
 
     # -- the run --------------------------------------------------------------------------
 
@@ -421,6 +423,8 @@ class JobBook:
             return
         if report.attempt_client_id != self.client_id or self.status.terminal:
             return  # from a socket of an earlier submission, or too late
+        if report.slot is not None and self.on_slot_held is not None:
+            self.on_slot_held(report.slot)
         # A stopping job stays STOPPING whatever the backend last said of the prompt.
         self.apply_progress(report, stage_changes=self.controls.stop is None)
 

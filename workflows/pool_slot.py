@@ -20,8 +20,8 @@ from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
     from workflows import shared
-    from workflows.activity_io import FollowResult, PoolBound, PreparedJob
-    from workflows.admission import Admission, SlotRelease, SlotRequest, SlotUnsettled
+    from workflows.activity_io import FollowResult, PreparedJob
+    from workflows.admission import Admission, PoolBound, SlotRelease, SlotRequest, SlotUnsettled
     from workflows.contracts import JobRequest, JobState
     from workflows.job_book import JobBook
 
@@ -55,6 +55,7 @@ class PoolSlot:
         self.on_wait: Any = None
         self.on_granted_after_wait: Any = None
         self._waited = False
+        book.on_slot_held = self.held_by_check
 
     @property
     def waiting(self) -> bool:
@@ -156,6 +157,35 @@ class PoolSlot:
             self._waited = True
             if self.on_wait is not None:
                 self.on_wait()
+
+    def held_by_check(self, bound: PoolBound, answer: Admission | None = None) -> None:
+        """A follow's own check was granted the slot and went on to submit (an idle pool: no
+        second follow); its report or its result says so, or a stop check finds the pool
+        bounded when the job had heard of no slot (it may hold one: giving back one it does
+        not hold changes nothing). The job holds the slot from then, and gives it back (or
+        holds it unsettled) at its end as after any grant."""
+        if self.bound is not None or self._given_back:
+            return
+        self.bound = bound
+        if answer is None or not answer.granted:
+            # A report carries the slot, not the queue's answer: the same grant, as the job
+            # has it.
+            answer = Admission(
+                pool=bound.pool,
+                job_id=self._status.job_id,
+                granted=True,
+                priority=self._request.priority,
+                tenant=self.tenant,
+                as_of=workflow.now(),
+            )
+        self.heard(answer)
+
+    def followed(self, result: FollowResult) -> None:
+        """A follow's result: the slot its check was granted, and whether it gave it back."""
+        if result.bound is not None:
+            self.held_by_check(result.bound, result.admission)
+        if result.slot_released:
+            self.given_back_by_follow()
 
     def given_back_by_follow(self) -> None:
         """The follow that saw the job's last prompt end gave the slot back (its signal)."""

@@ -92,8 +92,8 @@ class SegmentRun:
                 follow_input = self._follow_input(checkpoint, submit, first_post)
                 result = await calls.follow(follow_input, policy)
                 if result.outcome != "needs_slot":
-                    if result.slot_released and self._slot is not None:
-                        self._slot.given_back_by_follow()
+                    if self._slot is not None:
+                        self._slot.followed(result)
                     return result
             except BaseException as err:
                 kind = classify(err)

@@ -246,6 +246,8 @@ class PromptStop:
             if check is not None and check.pool and check.kind:
                 self._book.prepared_on(check.pool, check.kind)
                 pool = check.pool  # the pool the job had not named yet
+            if check is not None and check.slot is not None and self._book.on_slot_held:
+                self._book.on_slot_held(check.slot)  # unless the job knows its slot already
             if check is not None:
                 self._note(check, submitted=submitted, settled=settled)
             if check is not None and check.position == "stuck":

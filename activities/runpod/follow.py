@@ -992,6 +992,7 @@ class RunPodFollower:
             # The workflow left the check to this follow and learns the pool from it.
             pool=self.req.pool if self.req.prepare is not None else None,
             kind="runpod" if self.req.prepare is not None else None,
+            slot=self.req.slot_bound,
         )
         await send_progress(self.req.job_id, report, self.log)
 

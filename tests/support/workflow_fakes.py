@@ -44,13 +44,12 @@ from workflows.activity_io import (
     FollowResult,
     OffloadInput,
     OffloadResult,
-    PoolBound,
     PreparedJob,
     PrepareInput,
     StopCheck,
     StopInput,
 )
-from workflows.admission import SlotRelease, SlotRequest
+from workflows.admission import PoolBound, SlotRelease, SlotRequest
 from workflows.contracts import (
     Artifact,
     Checkpoint,
@@ -216,6 +215,7 @@ class FakeBackend:
     @activity.defn(name="follow_prompt")
     async def follow(self, req: FollowInput) -> FollowResult:
         self.followed.append(req)
+        held: dict[str, Any] = {}
         if req.prepare is not None:
             # A request that stages nothing is checked here, as JobActivities.follow_prompt does.
             self.prepared.append(req.prepare)
@@ -227,15 +227,22 @@ class FakeBackend:
                 raise as_refused_before_submission(refusal) from refusal
             bound = self.bound(req.prepare.pool)
             if bound is not None and not req.slot_held:
-                return FollowResult(
-                    prompt_id=req.prompt_id,
-                    outcome="needs_slot",
-                    checkpoint=req.checkpoint or Checkpoint(job_id=req.job_id),
-                    pool=bound.pool,
-                    kind="comfyui",
-                    bound=bound,
-                    **await self.ask_in_check(req.prepare, bound),
-                )
+                asked = await self.ask_in_check(req.prepare, bound)
+                answer = asked.get("admission")
+                if answer is not None and answer.granted:
+                    # As JobActivities.follow_prompt does: granted in the check, it submits.
+                    req = req.model_copy(update={"slot_held": True, "slot_bound": bound})
+                    held = {"bound": bound, **asked}
+                else:
+                    return FollowResult(
+                        prompt_id=req.prompt_id,
+                        outcome="needs_slot",
+                        checkpoint=req.checkpoint or Checkpoint(job_id=req.job_id),
+                        pool=bound.pool,
+                        kind="comfyui",
+                        bound=bound,
+                        **asked,
+                    )
         if req.graph is not None:
             # The follow activity submits first (socket open), unless the backend knows it.
             await self._enter("submit")
@@ -246,6 +253,7 @@ class FakeBackend:
             queued = self.script.queued_at
             checked = req.prepare is not None
             report = ProgressReport(
+                slot=req.slot_bound,
                 attempt_client_id=req.client_id,
                 stage="running" if queued is None else "queued",
                 queue_position=queued,
@@ -308,6 +316,7 @@ class FakeBackend:
             pool=(req.prepare.pool or "comfyui") if req.prepare is not None else None,
             kind="comfyui" if req.prepare is not None else None,
             slot_released=released,
+            **held,
         )
 
     @activity.defn(name="offload_outputs")

@@ -170,13 +170,16 @@ async def test_a_check_that_asks_the_queue_hands_the_job_its_grant_or_its_place(
 async def test_the_follow_that_saw_the_prompt_end_gives_the_slot_back_itself(
     env: WorkflowEnvironment,
 ) -> None:
-    """On a bounded pool the real follow releases the slot when the job's last prompt ended:
-    the job's own history sends nothing to the queue (no signal, no workflow task for it)."""
+    """On an idle bounded pool the check's own follow is granted and submits (one follow, as
+    on an open pool), and releases the slot when the job's last prompt ended: the job's own
+    history sends nothing to the queue (no signal, no workflow task for it)."""
     backend = FakeBackend(Script(max_running=1, ask_in_check=True))
     async with queue_worker(env.client, backend) as task_queue:
         handle = await start_job(env.client, task_queue, request(abandon_after_s=None))
         final = await asyncio.wait_for(handle.result(), 60)
         assert final.state == JobState.COMPLETED
+        assert len(backend.followed) == 1, "granted in its check, the first follow submitted"
+        assert final.admission is not None and final.admission.granted
         history = await handle.fetch_history()
         sent = [
             e
