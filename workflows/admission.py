@@ -238,6 +238,10 @@ class QueueState(_Read):
     # Waiters that have not heard their place yet: the next run tells them, and only them (a
     # run that told every carried waiter again would fill its history before granting).
     untold: list[str] = Field(default_factory=list)
+    # Holders granted that have not heard their grant yet (granted by an `ask` for another job,
+    # or in the pass before the run continued as new): the next run tells them. Lost, such a
+    # job would wait PENDING for good, its slot held for nothing.
+    unheard: list[str] = Field(default_factory=list)
     # The dispatcher continues as new past this many events (its history stays quick to
     # replay); carried, so a test can make it small.
     history_limit: int = 4000
@@ -476,10 +480,11 @@ class PoolLine:
             tenants[h.tenant] = (waiting, running + 1)
         return tenants
 
-    def snapshot(self, untold: Iterable[str] = ()) -> QueueState:
+    def snapshot(self, untold: Iterable[str] = (), unheard: Iterable[str] = ()) -> QueueState:
         """The state to carry into the next run, every waiter in arrival order."""
         self.state.waiters = sorted(self._waiting.values(), key=lambda w: w.seq)
         self.state.untold = sorted(j for j in untold if j in self._waiting)
+        self.state.unheard = sorted(j for j in unheard if j in self.state.holders)
         return self.state
 
     @property

@@ -23,11 +23,13 @@ messages are tolerant models, read alike by an older job and a newer dispatcher.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from datetime import timedelta
 from typing import Any
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
+from temporalio.exceptions import ActivityError
 
 with workflow.unsafe.imports_passed_through():
     from workflows import shared
@@ -109,8 +111,8 @@ class PoolQueue:
         self._told: dict[str, int] = {}
         # Holders to tell of their grant: granted by a `request`'s or an `ask`'s arrival (the
         # asker itself hears it in the update's answer), or asking again (a job's run that did
-        # not hear its grant).
-        self._regrant: set[str] = set()
+        # not hear its grant); carried, when the last run ended before telling them.
+        self._regrant: set[str] = {j for j in state.unheard if j in self._line.state.holders}
         self._reclaimed = 0
 
     @workflow.run
@@ -148,9 +150,12 @@ class PoolQueue:
                     next_telling = now + timedelta(seconds=TELL_POSITIONS_EVERY_S)
             self._metrics.depth(self._line)
         reclaim.cancel()
+        with contextlib.suppress(asyncio.CancelledError, ActivityError):
+            # Its activity's cancellation, retrieved (unretrieved, asyncio logs it).
+            await reclaim
         await workflow.wait_condition(workflow.all_handlers_finished)
         workflow.continue_as_new(
-            self._line.snapshot(self._untold),
+            self._line.snapshot(self._untold, self._regrant),
             initial_versioning_behavior=workflow.ContinueAsNewVersioningBehavior.AUTO_UPGRADE,
         )
 

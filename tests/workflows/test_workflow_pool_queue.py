@@ -26,7 +26,14 @@ from tests.support.workflow_fakes import (
     request,
     start_job,
 )
-from workflows.admission import Admission, PoolQueueView, QueueState, SlotRelease, SlotRequest
+from workflows.admission import (
+    Admission,
+    Holder,
+    PoolQueueView,
+    QueueState,
+    SlotRelease,
+    SlotRequest,
+)
 from workflows.contracts import JobState, JobStatus
 from workflows.pool_queue import PoolQueue
 from workflows.shared import (
@@ -361,6 +368,45 @@ async def test_a_long_line_hears_each_place_once_across_continue_as_new_and_gran
         # time-skipping server's clock for the next test.
         for listener in listeners:
             await listener.result()
+
+
+async def test_a_grant_not_yet_told_when_the_run_continued_as_new_is_told_by_the_next(
+    env: WorkflowEnvironment,
+) -> None:
+    """A holder granted in the pass before a continue-as-new (or by an `ask` for another job)
+    hears its grant from the next run: the bench's 2,000-job backlog once stranded 10 such
+    holders PENDING for good, their slots held for nothing."""
+    task_queue = f"tq-{uuid.uuid4()}"
+    async with Worker(
+        env.client,
+        task_queue=task_queue,
+        workflows=[PoolQueue, QueueListener],
+        activities=queue_activities(),
+        graceful_shutdown_timeout=timedelta(seconds=1),
+    ):
+        listener = await env.client.start_workflow(
+            LISTENER_WORKFLOW_TYPE, id=f"listener-{uuid.uuid4()}", task_queue=task_queue
+        )
+        now = datetime.now(UTC)
+        holder = Holder(job_id=listener.id, tenant="t", granted_at=now, asked_at=now)
+        carried = QueueState(
+            pool="comfyui", max_running=1, holders={listener.id: holder}, unheard=[listener.id]
+        )
+        queue = await env.client.start_workflow(
+            PoolQueue.run, carried, id=pool_queue_id(task_queue, "comfyui"), task_queue=task_queue
+        )
+
+        async def heard() -> list[Admission]:
+            answer: list[Admission] = await listener.query("heard", result_type=list[Admission])
+            return answer
+
+        told = await eventually(
+            heard, timeout_s=30, what="the carried grant told", accept=lambda h: bool(h)
+        )
+        assert told[0].granted and told[0].job_id == listener.id
+        await queue.terminate("the test is over")
+        await listener.signal("done")
+        await listener.result()
 
 
 async def runs_of(queue: WorkflowHandle[Any, Any]) -> int:
