@@ -171,6 +171,7 @@ async def run_worker(
                 queues.closed_jobs,
             ],
             max_concurrent_activities=settings.max_concurrent_activities,
+            max_cached_workflows=settings.max_cached_workflows,
             graceful_shutdown_timeout=GRACEFUL_SHUTDOWN,
             # After a worker is killed its workflows' tasks wait on its sticky queue this long
             # before another worker gets them (SDK default 10 s).

@@ -59,6 +59,7 @@ class WorkerFileSection(_Section):
     task_queue: str | None = None
     default_pool: str | None = None
     max_concurrent_activities: values.Concurrency | None = None
+    max_cached_workflows: values.Concurrency | None = None
     orphan_sweep_interval_s: values.SweepInterval | None = None
     metrics_port: values.Port | None = None
     metrics_host: values.MetricsHost | None = None

@@ -101,6 +101,7 @@ _WORKER_FILE_FIELDS = (
     "task_queue",
     "default_pool",
     "max_concurrent_activities",
+    "max_cached_workflows",
     "orphan_sweep_interval_s",
     "metrics_port",
     "metrics_host",
@@ -140,6 +141,13 @@ class WorkerSettings(Settings):
     # docs/configuration.md, "Worker slots".
     max_concurrent_activities: Concurrency = Field(
         1000, validation_alias="DURABLE_COMFY_MAX_CONCURRENT_ACTIVITIES"
+    )
+    # How many workflows (jobs, and pools' dispatchers) one worker keeps in memory between
+    # their workflow tasks; one evicted is replayed from its history at its next task. A job
+    # waiting in a bounded pool's queue has no task until its grant: a worker holding a long
+    # line needs far fewer than it has jobs (measured: docs/queue.md, "Memory").
+    max_cached_workflows: Concurrency = Field(
+        1000, validation_alias="DURABLE_COMFY_MAX_CACHED_WORKFLOWS"
     )
     # How often each worker looks for prompts whose job is over (0: never).
     orphan_sweep_interval_s: SweepInterval = Field(

@@ -718,9 +718,10 @@ def _backlog(slots: int, run: BacklogRun) -> Outcome:
         f"- bounded {fmt(bounded.wall)} s ({fmt(bounded.ended / bounded.wall)} jobs/s, "
         f"{bounded.ended} ended), open {fmt(opened.wall)} s ({fmt(run.jobs / opened.wall)} "
         f"jobs/s): {fmt(bounded.wall / opened.wall)}x",
-        f"- worker RSS: idle {fmt(run.rss_idle / 1e6)} MB before the backlog; open "
-        f"{fmt(opened.rss_before / 1e6)} MB before, peak {fmt(opened.rss_peak / 1e6)} MB; bounded "
-        f"{fmt(bounded.rss_before / 1e6)} MB before, peak {fmt(bounded.rss_peak / 1e6)} MB "
+        f"- worker RSS: {fmt(run.rss_idle / 1e6)} MB after the runs before the backlog; each "
+        f"side on a fresh worker process: open {fmt(opened.rss_before / 1e6)} MB before, peak "
+        f"{fmt(opened.rss_peak / 1e6)} MB; bounded {fmt(bounded.rss_before / 1e6)} MB before, "
+        f"peak {fmt(bounded.rss_peak / 1e6)} MB "
         f"(VmRSS every 0.25 s, {opened.rss_samples} and {bounded.rss_samples} samples)",
         "",
         *_dispatcher_lines(run.dispatcher, run.jobs, "the bounded backlog"),

@@ -452,6 +452,10 @@ async def _backlog_side(
     rig: Rig, pool: str, jobs: int, give_up_s: float, watch_line: bool
 ) -> BacklogSide:
     await rig.reset(pool)
+    # Each side on a worker process of its own: its RSS is the backlog's, not the residue of
+    # the runs before it (the open side's 2,000 follows grow the heap the bounded side would
+    # inherit).
+    await rig.fresh_worker()
     rss_before = rss_bytes(rig.worker.pid) or 0
     most = 0
 

@@ -117,6 +117,13 @@ class Rig:
         stats: dict[str, Any] = response.json()
         return stats
 
+    async def fresh_worker(self) -> None:
+        """The worker stopped (gracefully) and started again: a measurement of its memory
+        then starts from a new process, not from what earlier runs left in its heap (Python
+        keeps the arenas it grew)."""
+        await self.worker.killable.terminate()
+        await self.worker.killable.start()
+
     async def reset(self, pool: str) -> None:
         """The simulator's counters (starts, peak) at zero before a measurement."""
         (await self.ctx.http.post(f"{self.sim_url(pool)}/sim/reset", timeout=30)).raise_for_status()
