@@ -185,8 +185,8 @@ SCENARIOS: dict[str, Scenario] = {
     # its queue for a slot (by signal: the check could not), is granted at once, runs, and
     # gives the slot back.
     "queued": (Script(max_running=1), {"abandon_after_s": None}, None),
-    # The same, the check having asked the queue (its `ask` update): the grant comes with the
-    # check's result.
+    # The same, the check having asked the queue (its `ask` update): granted there, the same
+    # follow submits (one follow, as on an open pool).
     "queued_asked": (Script(max_running=1, ask_in_check=True), {"abandon_after_s": None}, None),
     # Its pool full: PENDING in our queue (its place from the check's ask) until start_by_s,
     # then EXPIRED with nothing sent.
