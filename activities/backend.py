@@ -26,9 +26,9 @@ from activities.inputs import refuse_inputs_outside_area
 from activities.webhooks import WebhookDeliverer
 from configuration.pools import PoolConfig
 from configuration.settings import S3Settings
-from configuration.tenants import TenantConfig, tenant_config
+from configuration.tenants import TenantConfig, priority_refusal, tenant_config
 from workflows import activity_io
-from workflows.admission import MAX_PRIORITY, Admission, PoolBound, SlotRelease, SlotRequest
+from workflows.admission import Admission, PoolBound, SlotRelease, SlotRequest
 from workflows.contracts import Checkpoint
 from workflows.failures import as_refused_before_submission
 from workflows.shared import (
@@ -139,14 +139,14 @@ class JobActivities:
             if self._webhooks is None:
                 raise fatal(ErrorType.INVALID_REQUEST, "webhook: this worker sends no webhooks")
             await self._webhooks.refuse_unusable(req.webhook, req.tenant)
-        terms = tenant_config(self._tenants, req.tenant or DEFAULT_TENANT)
-        if req.priority < terms.max_priority:
+        tenant = req.tenant or DEFAULT_TENANT
+        terms = tenant_config(self._tenants, tenant)
+        refusal = priority_refusal(self._tenants, tenant, req.priority)
+        if refusal is not None:
             # Here, before anything is read or staged: the tenant's rights come first.
             raise fatal(
                 ErrorType.PRIORITY_NOT_ALLOWED,
-                f"priority {req.priority} is not allowed for tenant "
-                f"{req.tenant or DEFAULT_TENANT!r}: its best is {terms.max_priority} "
-                f"(ask for {terms.max_priority} to {MAX_PRIORITY})",
+                refusal,
                 priority=req.priority,
                 max_priority=terms.max_priority,
             )

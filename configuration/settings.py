@@ -263,14 +263,18 @@ class WorkerSettings(Settings):
     @field_validator("pools", "tenants", mode="before")
     @classmethod
     def _mapping_json(cls, value: Any, info: ValidationInfo) -> Any:
-        # A variable's value is JSON; the file's is a mapping already.
-        if isinstance(value, str):
-            expected = _JSON_SHAPES[info.field_name or ""]
-            try:
-                return json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"not JSON ({exc}); expected {expected}") from None
-        return value
+        return _json_mapping(value, info)
+
+
+def _json_mapping(value: Any, info: ValidationInfo) -> Any:
+    """A variable's value is JSON; the file's is a mapping already."""
+    if isinstance(value, str):
+        expected = _JSON_SHAPES[info.field_name or ""]
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"not JSON ({exc}); expected {expected}") from None
+    return value
 
 
 def runpod_api_keys(
@@ -686,8 +690,18 @@ class GatewaySettings(AuthSettings, LimitSettings):
         900, ge=1, le=7 * 24 * 3600, validation_alias="DURABLE_COMFY_GATEWAY_UPLOAD_TTL_S"
     )
     log_level: str = Field("INFO", validation_alias="DURABLE_COMFY_LOG_LEVEL")
+    # The workers' tenants (the same variable): a job asking for a better priority than its
+    # tenant's `max_priority` is refused here, 403, before it is started (the worker refuses it
+    # too, as it must for a client that does not come through the gateway). Unset: the workers
+    # alone check it.
+    tenants: dict[str, TenantConfig] = Field(default_factory=dict, validation_alias=TENANTS_VAR)
     # The worker's development allow-list of webhook hosts (WebhookSettings.allow_hosts): the
     # gateway must refuse no URL the worker would take.
     webhook_allow_hosts: Annotated[tuple[str, ...], LowerCaseItems] = Field(
         (), validation_alias=WEBHOOK_ALLOW_HOSTS_VAR
     )
+
+    @field_validator("tenants", mode="before")
+    @classmethod
+    def _tenants_json(cls, value: Any, info: ValidationInfo) -> Any:
+        return _json_mapping(value, info)

@@ -31,3 +31,15 @@ DEFAULT_TENANT_CONFIG = TenantConfig()
 def tenant_config(tenants: Mapping[str, TenantConfig], tenant: str) -> TenantConfig:
     """The tenant's settings: its own entry, else the `default` entry, else the defaults."""
     return tenants.get(tenant) or tenants.get("default") or DEFAULT_TENANT_CONFIG
+
+
+def priority_refusal(tenants: Mapping[str, TenantConfig], tenant: str, priority: int) -> str | None:
+    """Why the tenant may not ask for `priority` (None: it may): the worker's check, and the
+    gateway's before the job is started."""
+    best = tenant_config(tenants, tenant).max_priority
+    if priority >= best:
+        return None
+    return (
+        f"priority {priority} is not allowed for tenant {tenant!r}: its best is {best} "
+        f"(ask for {best} to {MAX_PRIORITY})"
+    )

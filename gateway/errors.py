@@ -37,6 +37,7 @@ from pydantic import ValidationError
 from gateway.views import INTERNAL
 from starter import errors as client_errors
 from workflows.errors import GraphRefused, RequestRefused
+from workflows.shared import ErrorType
 
 if TYPE_CHECKING:
     from fastapi import FastAPI, Request
@@ -168,6 +169,11 @@ def invalid(problems: Sequence[Mapping[str, Any]], error_type: str = INVALID_REQ
         for p in problems[:5]
     )
     return ApiError(422, error_type, shown or "the request is not valid", problems=list(problems))
+
+
+def priority_not_allowed(message: str) -> ApiError:
+    """A priority better than the tenant's `max_priority` (403): nothing was started."""
+    return ApiError(403, ErrorType.PRIORITY_NOT_ALLOWED, message)
 
 
 def retry_after(seconds: int) -> dict[str, str]:

@@ -14,8 +14,9 @@ from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import Field
 
+from configuration.tenants import priority_refusal
 from gateway.deps import caller, request_slot
-from gateway.errors import QueueFull, TooManyJobs, bad_request, invalid
+from gateway.errors import QueueFull, TooManyJobs, bad_request, invalid, priority_not_allowed
 from gateway.state import Gateway, gateway_of
 from gateway.submission import cancel_reason, job_id_for, job_request, parse_body, resubmit_of
 from gateway.views import etag
@@ -78,6 +79,9 @@ async def submit_job(
     client = await gateway.client()
     storage = client.store.settings if client.store is not None else None
     job, detached = job_request(body, tenant, storage)
+    refusal = priority_refusal(gateway.settings.tenants, tenant, job.priority)
+    if refusal is not None:
+        raise priority_not_allowed(refusal)
     await check_webhook(job, gateway.settings.webhook_allow_hosts)
     try:
         await gateway.limits.admit_job(tenant, client)

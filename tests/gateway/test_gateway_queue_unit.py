@@ -31,7 +31,7 @@ from starter import errors as client_errors
 from tests.support.cli import example
 from tests.support.gateway import KEYS, TEST_SETTINGS, RunningGateway
 from workflows.admission import Admission, PoolQueueView, QueueEntry
-from workflows.contracts import JobState, JobStatus
+from workflows.contracts import JobRequest, JobState, JobStatus
 
 NOW = datetime(2026, 12, 7, 12, 0, 0, tzinfo=UTC)
 REASON = "tenant 'acme' has 5 jobs waiting for pool 'gpu', its max_pending is 5"
@@ -254,8 +254,15 @@ class QueueClient:
 
     query_timeout = timedelta(seconds=0.5)
 
+    store = None  # no bucket: the request's output is left to the worker's check
+
     def __init__(self) -> None:
         self.asked: list[str] = []
+        self.started: list[JobRequest] = []
+
+    async def start(self, job: JobRequest, **_: Any) -> Any:
+        self.started.append(job)
+        raise AssertionError("a refused job is never started")
 
     async def pool_queue(self, pool: str) -> PoolQueueView:
         self.asked.append(pool)
@@ -269,7 +276,11 @@ class QueueClient:
 @pytest.fixture
 async def app_http() -> AsyncIterator[tuple[httpx.AsyncClient, QueueClient]]:
     keys = ",".join(f"{tenant}:{key}" for tenant, key in KEYS.items())
-    settings = GatewaySettings(**{"DURABLE_COMFY_API_KEYS": keys, **TEST_SETTINGS})  # type: ignore[arg-type]
+    # acme may ask for 2 at best; everyone else for 4 (the `default` entry).
+    tenants = '{"acme": {"max_priority": 2}, "default": {"max_priority": 4}}'
+    settings = GatewaySettings(
+        **{"DURABLE_COMFY_API_KEYS": keys, "DURABLE_COMFY_TENANTS": tenants, **TEST_SETTINGS}  # type: ignore[arg-type]
+    )
     fake = QueueClient()
 
     async def never() -> JobClient:
@@ -338,3 +349,21 @@ async def test_the_config_ends_on_expired_and_the_openapi_shows_the_new_fields(
     assert submission["properties"]["priority"]["maximum"] == 5
     policy = document["components"]["schemas"]["JobPolicy"]
     assert "start_by_s" in policy["properties"]
+
+
+@pytest.mark.parametrize(("tenant", "priority", "best"), [("acme", 1, 2), ("beta", 3, 4)])
+async def test_a_priority_better_than_the_tenants_best_is_403_and_nothing_starts(
+    app_http: tuple[httpx.AsyncClient, QueueClient], tenant: str, priority: int, best: int
+) -> None:
+    http, fake = app_http
+    refused = await http.post(
+        "/v1/jobs", json=body(priority=priority), headers=RunningGateway.auth(tenant)
+    )
+    assert refused.status_code == 403, refused.text
+    error = refused.json()["error"]
+    assert error["type"] == "PriorityNotAllowed"
+    assert (
+        f"priority {priority} is not allowed for tenant {tenant!r}: its best is {best}"
+        in (error["message"])
+    )
+    assert fake.started == []
