@@ -60,6 +60,20 @@ async def queue_worker(client: Client, backend: FakeBackend) -> AsyncIterator[st
                 await handle.terminate("the test is over")
 
 
+@contextlib.asynccontextmanager
+async def listeners_worker(client: Client) -> AsyncIterator[str]:
+    """A worker of the dispatcher and of stand-in jobs that record what they hear."""
+    task_queue = f"tq-{uuid.uuid4()}"
+    async with Worker(
+        client,
+        task_queue=task_queue,
+        workflows=[PoolQueue, QueueListener],
+        activities=queue_activities(),
+        graceful_shutdown_timeout=timedelta(seconds=1),
+    ):
+        yield task_queue
+
+
 async def view(client: Client, task_queue: str) -> PoolQueueView:
     handle = client.get_workflow_handle(pool_queue_id(task_queue, "comfyui"))
     answer: PoolQueueView = await handle.query(QUERY_POOL_QUEUE, result_type=PoolQueueView)
@@ -300,14 +314,7 @@ async def test_a_long_line_hears_each_place_once_across_continue_as_new_and_gran
     """150 waiting: each hears its place once, when it joins; a run that continues as new does
     not tell its carried waiters again (only the first 50's refresh may, when their place
     moved); a freed slot goes to the first in line."""
-    task_queue = f"tq-{uuid.uuid4()}"
-    async with Worker(
-        env.client,
-        task_queue=task_queue,
-        workflows=[PoolQueue, QueueListener],
-        activities=queue_activities(),
-        graceful_shutdown_timeout=timedelta(seconds=1),
-    ):
+    async with listeners_worker(env.client) as task_queue:
         queue = await env.client.start_workflow(
             PoolQueue.run,
             QueueState(pool="comfyui", history_limit=300),
@@ -376,14 +383,7 @@ async def test_a_grant_not_yet_told_when_the_run_continued_as_new_is_told_by_the
     """A holder granted in the pass before a continue-as-new (or by an `ask` for another job)
     hears its grant from the next run: the bench's 2,000-job backlog once stranded 10 such
     holders PENDING for good, their slots held for nothing."""
-    task_queue = f"tq-{uuid.uuid4()}"
-    async with Worker(
-        env.client,
-        task_queue=task_queue,
-        workflows=[PoolQueue, QueueListener],
-        activities=queue_activities(),
-        graceful_shutdown_timeout=timedelta(seconds=1),
-    ):
+    async with listeners_worker(env.client) as task_queue:
         listener = await env.client.start_workflow(
             LISTENER_WORKFLOW_TYPE, id=f"listener-{uuid.uuid4()}", task_queue=task_queue
         )
