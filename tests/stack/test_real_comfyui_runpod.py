@@ -63,6 +63,8 @@ from tests.support.runpod_e2e import (
     bucket_env,
     cost_matches,
     ended_statuses,
+    most_at_once,
+    provider_spans,
     runpod_pool,
     serving,
     settled_ledger,
@@ -820,6 +822,44 @@ async def test_a_graph_comfyui_rejects_fails_with_its_reason_once_and_was_never_
     logs = ours.logs.text()
     assert "invalid prompt:" in logs and accepted_prompts(logs) == 0, "refused, never queued"
     assert len(await ours.provider_jobs(submission_of(final))) == 1
+
+
+async def test_a_bounded_runpod_pool_holds_one_job_at_the_provider_at_a_time(
+    local_stack: RunningStack, ours_sim: RunpodSim
+) -> None:
+    """`max_running: 1` on a RunPod pool whose workers run a real ComfyUI: three jobs, each
+    PENDING in our queue until the one before has ended; RunPod's ledger never holds two of
+    them (queued or in progress), each worker's ComfyUI accepts each prompt once, every
+    worker's bill is covered, and the queue is empty at the end."""
+    await ours_sim.reset_faults()
+    since = time.time()
+    logs = ComfyLogs(ours_sim)
+    pool = runpod_pool(
+        ours_sim, claim_lease_s=CLAIM_LEASE_S, fence_after_s=FENCE_AFTER_S, max_running=1
+    )
+    async with serving(local_stack, {POOL: pool}) as (client, _store):
+        started = [
+            await client.submit(job_of(blur_graph(256, 1, radius=3, prefix=f"bound{n}")))
+            for n in range(3)
+        ]
+        saw_pending = False
+        async with asyncio.timeout(3 * JOB_WITHIN_S):
+            while True:
+                statuses = [await client.status(s.job_id) for s in started]
+                saw_pending = saw_pending or any(s.state == JobState.PENDING for s in statuses)
+                if all(s.terminal for s in statuses):
+                    break
+                await asyncio.sleep(0.2)
+        ended = [await client.wait(s.job_id) for s in started]
+        assert [s.state for s in ended] == [JobState.COMPLETED] * 3, [explain(s) for s in ended]
+        assert saw_pending, "no job was seen waiting in our queue"
+        line = await client.pool_queue(POOL)
+        assert line.running == 0 and line.waiting == 0, line
+        ledger = await settled_ledger(ours_sim)
+        billing_matches(ledger, await ended_statuses(client, since=since))
+    spans = provider_spans(ledger, ended)
+    assert len(spans) == 3 and most_at_once(spans) == 1, spans
+    assert logs.accepted_prompts() == 3
 
 
 # -- the stock handler ---------------------------------------------------------------------------

@@ -12,6 +12,8 @@ from devstack.models import RunningStack
 from tests.support.runpod_e2e import (
     POOL,
     job,
+    most_at_once,
+    provider_spans,
     runpod_pool,
     serving,
     settled_ledger,
@@ -25,16 +27,6 @@ pytestmark = pytest.mark.skipif(
 
 MAX_RUNNING = 2
 JOBS = 7
-
-
-def most_at_once(spans: list[tuple[float, float]]) -> int:
-    """The most spans that overlap at any moment."""
-    edges = sorted([(start, 1) for start, _ in spans] + [(end, -1) for _, end in spans])
-    held = most = 0
-    for _, step in edges:
-        held += step
-        most = max(most, held)
-    return most
 
 
 async def test_the_ledger_never_holds_more_of_the_pools_jobs_than_max_running(
@@ -55,13 +47,7 @@ async def test_the_ledger_never_holds_more_of_the_pools_jobs_than_max_running(
         )
     assert [s.state for s in ended] == [JobState.COMPLETED] * JOBS
     assert seen_pending, "with 7 jobs on 2 slots, some job must have waited PENDING"
-    ledger = await settled_ledger(runpod_sim)
-    ours = {s.checkpoint.provider_job_id for s in ended if s.checkpoint is not None}
-    spans = [
-        (job_.submitted_at, max(state.at for state in job_.states))
-        for job_ in ledger.jobs
-        if job_.id in ours
-    ]
+    spans = provider_spans(await settled_ledger(runpod_sim), ended)
     assert len(spans) == JOBS
     # Queued or in progress at RunPod, from `/run` to its end: never more than the bound.
     assert most_at_once(spans) == MAX_RUNNING, spans

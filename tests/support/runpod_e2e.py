@@ -36,6 +36,7 @@ from tests.support.cli import example, s3_settings
 from tests.support.runpod_sim import RunpodSim, run_runpod_sim
 from worker import run_worker
 from workflows.contracts import JobCost, JobPolicy, JobRequest, JobState, JobStatus
+from workflows.shared import WORKFLOW_TYPE
 
 API_KEY = "sim-runpod-key"
 POOL = "gpu"
@@ -179,8 +180,9 @@ async def nothing_left_running(runpod_worker: RunPodWorker) -> AsyncIterator[Non
 
 
 async def ended_statuses(client: JobClient, *, since: float) -> list[JobStatus]:
-    """The status of every job on `client`'s task queue started at or after `since` (unix s)."""
-    query = f"TaskQueue = '{client.task_queue}'"
+    """The status of every job on `client`'s task queue started at or after `since` (unix s)
+    (jobs only: a bounded pool's dispatcher runs on the same queue)."""
+    query = f"TaskQueue = '{client.task_queue}' AND WorkflowType = '{WORKFLOW_TYPE}'"
     statuses = []
     async for execution in client.temporal.list_workflows(query):
         if execution.start_time.timestamp() < since - 1.0:
@@ -286,3 +288,24 @@ def cost_matches(
     for cost in costs:
         assert cost.provider_job_id is not None
         assert abs(cost.execution_s - billed[cost.provider_job_id]) <= 1.0, (cost, billed)
+
+
+def most_at_once(spans: list[tuple[float, float]]) -> int:
+    """The most spans that overlap at any moment."""
+    edges = sorted([(start, 1) for start, _ in spans] + [(end, -1) for _, end in spans])
+    held = most = 0
+    for _, step in edges:
+        held += step
+        most = max(most, held)
+    return most
+
+
+def provider_spans(ledger: Ledger, ended: Sequence[JobStatus]) -> list[tuple[float, float]]:
+    """Each of the jobs' RunPod jobs from its `/run` to its last state: queued or in progress
+    at the provider (what `max_running` bounds)."""
+    ours = {s.checkpoint.provider_job_id for s in ended if s.checkpoint is not None}
+    return [
+        (job_.submitted_at, max(state.at for state in job_.states))
+        for job_ in ledger.jobs
+        if job_.id in ours
+    ]
