@@ -722,7 +722,10 @@ def _backlog(slots: int, run: BacklogRun) -> Outcome:
         f"side on a fresh worker process: open {fmt(opened.rss_before / 1e6)} MB before, peak "
         f"{fmt(opened.rss_peak / 1e6)} MB; bounded {fmt(bounded.rss_before / 1e6)} MB before, "
         f"peak {fmt(bounded.rss_peak / 1e6)} MB "
-        f"(VmRSS every 0.25 s, {opened.rss_samples} and {bounded.rss_samples} samples)",
+        f"(VmRSS every 0.25 s, {opened.rss_samples} and {bounded.rss_samples} samples); the "
+        f"peak came {fmt(opened.rss_peak_at_s)} s and {fmt(bounded.rss_peak_at_s)} s after the "
+        f"first submit, the submissions having taken {fmt(opened.submitted_in_s)} s and "
+        f"{fmt(bounded.submitted_in_s)} s",
         "",
         *_dispatcher_lines(run.dispatcher, run.jobs, "the bounded backlog"),
         "",

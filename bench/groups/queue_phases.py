@@ -427,6 +427,10 @@ class BacklogSide:
     rss_before: int
     rss_peak: int
     rss_samples: int
+    # When the peak came (s after the first submit, from the sample's index) and how many jobs
+    # had been submitted by then: is the memory the submission burst's, or the line's?
+    rss_peak_at_s: float
+    submitted_in_s: float
     cpu: CpuUse
     peak: int  # the simulator's most prompts queued + running
     own: list[RoundTrips]  # the sampled jobs' own histories (of those that ended)
@@ -472,6 +476,7 @@ async def _backlog_side(
             cpu = CpuUse.start(_pids(rig, pool))
             began = time.perf_counter()
             submitted = await rig.submit([job_request(pool) for _ in range(jobs)])
+            submitted_in = time.perf_counter() - began
             ids = [s.job_id for s in submitted]
             finals = await rig.wait_some(ids, give_up_s)
             wall = time.perf_counter() - began
@@ -499,6 +504,8 @@ async def _backlog_side(
         rss_before=rss_before,
         rss_peak=rss.peak,
         rss_samples=len(rss.samples),
+        rss_peak_at_s=rss.samples.index(rss.peak) * rss.interval_s if rss.samples else 0.0,
+        submitted_in_s=submitted_in,
         cpu=cpu,
         peak=int(stats.get("peak_in_queue", 0)),
         own=own,
