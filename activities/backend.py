@@ -216,29 +216,27 @@ class JobActivities:
                 raise  # a pool slow or down: the workflow backs off and tries again
             raise as_refused_before_submission(refusal) from refusal
         pool, backend = self._backends.resolve(prepared.pool)
-        granted = prepared.admission is not None and prepared.admission.granted
-        if prepared.bound is not None and not req.slot_held and granted:
+        if prepared.bound is not None and not req.slot_held:
+            if prepared.admission is None or not prepared.admission.granted:
+                # Checked, and nothing reaches a bounded pool without a slot of its queue.
+                return activity_io.FollowResult(
+                    prompt_id=req.prompt_id,
+                    outcome="needs_slot",
+                    checkpoint=req.checkpoint or Checkpoint(job_id=req.job_id),
+                    pool=pool,
+                    kind=prepared.kind,
+                    bound=prepared.bound,
+                    slot_asked=prepared.slot_asked,
+                    admission=prepared.admission,
+                )
             # The check's own ask was granted (an idle pool): submit now, in this attempt,
             # rather than hand the grant to the workflow for a second follow. Its reports and
             # its result tell the workflow it holds the slot.
             req = req.model_copy(update={"slot_held": True, "slot_bound": prepared.bound})
-        elif prepared.bound is not None and not req.slot_held:
-            # Checked, and nothing reaches a bounded pool without a slot of its queue.
-            return activity_io.FollowResult(
-                prompt_id=req.prompt_id,
-                outcome="needs_slot",
-                checkpoint=req.checkpoint or Checkpoint(job_id=req.job_id),
-                pool=pool,
-                kind=prepared.kind,
-                bound=prepared.bound,
-                slot_asked=prepared.slot_asked,
-                admission=prepared.admission,
-            )
         result = await backend.follow(_on_pool(req, pool))
-        held = {"bound": prepared.bound, "slot_asked": True, "admission": prepared.admission}
         update: dict[str, Any] = {"pool": pool, "kind": prepared.kind}
         if req.slot_bound is not None:
-            update |= held
+            update |= {"bound": prepared.bound, "slot_asked": True, "admission": prepared.admission}
         return await self._given_back(req, pool, result.model_copy(update=update))
 
     async def _given_back(
