@@ -311,7 +311,13 @@ async def test_the_bound_holds_across_a_kill_a_temporal_restart_and_a_terminate(
     # Every job ran its prompt once (the killed worker's re-attached), the terminated one's too.
     assert sorted(stats["executions"].values()) == [1] * len(stats["executions"])
     # The terminated holder's slot came back once the orphan sweep ended its prompt.
-    await eventually(lambda: _queue_is_empty(fleet), timeout_s=6 * RECLAIM_S, what="reclaimed")
+    # (The view itself, so that a failure shows who still holds or waits.)
+    await eventually(
+        lambda: fleet.queue(),
+        timeout_s=6 * RECLAIM_S,
+        what="reclaimed",
+        accept=lambda view: view.running == 0 and view.waiting == 0,
+    )
 
 
 async def test_a_priority_1_job_behind_a_full_queue_starts_at_the_next_free_slot(
@@ -340,7 +346,12 @@ async def test_a_priority_1_job_behind_a_full_queue_starts_at_the_next_free_slot
     assert all(s.state == JobState.COMPLETED for s in ended)
     started = (await fleet.sim_stats())["started_at"]
     start_of = {s.job_id: started[prompt_of(s)] for s in ended}
-    assert start_of[urgent] < min(start_of[i] for i in waiting_then)
+    # It takes the next slot freed. The holders, started together, may end together: the slots
+    # freed in that same pass go to it and to the next in line, whose prompts reach ComfyUI in
+    # either order. So at most MAX_RUNNING - 1 of those waiting start before it (without the
+    # priority, all of them would).
+    before = [i for i in waiting_then if start_of[i] < start_of[urgent]]
+    assert len(before) <= MAX_RUNNING - 1, (before, waiting_then, start_of)
 
 
 async def test_a_job_that_waited_longer_than_its_execution_timeout_still_runs(
