@@ -45,6 +45,7 @@ from activities.runpod.backend import RunPodBackend
 from activities.runpod.client import RunPodClient
 from activities.runpod.nodes import check_captured_registries
 from activities.runpod.retry import NO_RETRY
+from activities.slot_watch import SlotWatch, waiters_room
 from activities.storage import ArtifactStore
 from activities.versioning import deployment_config, settle_and_report
 from activities.webhooks import WebhookDeliverer
@@ -155,6 +156,9 @@ async def run_worker(
             reclaim_every_s=settings.orphan_sweep_interval_s or 60.0,
             ask_for_slot=queues.ask,
             release_slot=queues.release,
+            slot_watch=SlotWatch(
+                client, queues.request_on, waiters_room(settings.max_concurrent_activities)
+            ),
         )
         worker = Worker(
             client,

@@ -22,14 +22,16 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.errors import fatal
+from activities.follow_common import send_progress
 from activities.inputs import refuse_inputs_outside_area
+from activities.slot_watch import SlotWatch
 from activities.webhooks import WebhookDeliverer
 from configuration.pools import PoolConfig
 from configuration.settings import S3Settings
 from configuration.tenants import TenantConfig, priority_refusal, tenant_config
 from workflows import activity_io
 from workflows.admission import Admission, PoolBound, SlotRelease, SlotRequest
-from workflows.contracts import Checkpoint
+from workflows.contracts import Checkpoint, ProgressReport
 from workflows.failures import as_refused_before_submission
 from workflows.shared import (
     ACTIVITY_FOLLOW,
@@ -114,6 +116,7 @@ class JobActivities:
         reclaim_every_s: float = 60.0,
         ask_for_slot: Callable[[str, SlotRequest], Awaitable[Admission | None]] | None = None,
         release_slot: Callable[[str, SlotRelease], Awaitable[bool]] | None = None,
+        slot_watch: SlotWatch | None = None,
     ) -> None:
         self._backends = backends
         self._webhooks = webhooks
@@ -126,9 +129,16 @@ class JobActivities:
         # And its release: the follow that saw a bounded job's last prompt end gives the slot
         # back itself, at once, rather than by the job's signal at its very end.
         self._release_slot = release_slot
+        # A check told a place waits for its grant here, watching the queue (slot_watch.py).
+        self._slot_watch = slot_watch
 
     @activity.defn(name=ACTIVITY_PREPARE)
     async def prepare_prompt(self, req: activity_io.PrepareInput) -> activity_io.PreparedJob:
+        return await self._prepare(req)
+
+    async def _prepare(
+        self, req: activity_io.PrepareInput, *, in_follow: bool = False
+    ) -> activity_io.PreparedJob:
         pool, backend = self._backends.resolve(req.pool)
         # Here, once for every kind of pool, before any input is read: a tenant's job names
         # only its own files (workflows/tenancy.py).
@@ -154,29 +164,19 @@ class JobActivities:
         bound = self._bound(pool, terms)
         if bound is None:
             return prepared
-        asked, admission = await self._asked(req, bound)
+        asked, admission = await self._asked(req, bound, in_follow=in_follow)
         return prepared.model_copy(
             update={"bound": bound, "slot_asked": asked, "admission": admission}
         )
 
     async def _asked(
-        self, req: activity_io.PrepareInput, bound: PoolBound
+        self, req: activity_io.PrepareInput, bound: PoolBound, *, in_follow: bool = False
     ) -> tuple[bool, Admission | None]:
         """Ask the pool's queue for the job's slot (idempotent): whether it was asked here
         (if not, the workflow asks itself), and its answer when it gave one at once."""
         if self._ask_for_slot is None or req.accepted_at is None:
             return False, None
-        ask = SlotRequest(
-            job_id=req.job_id,
-            tenant=req.tenant or DEFAULT_TENANT,
-            priority=req.priority,
-            weight=bound.weight,
-            max_running=bound.max_running,
-            accepted_at=req.accepted_at,
-            reclaim_every_s=bound.reclaim_every_s,
-            tenant_max_pending=bound.tenant_max_pending,
-            pool_max_pending=bound.pool_max_pending,
-        )
+        ask = _slot_request(req, bound, in_follow=in_follow)
         try:
             admission = await self._ask_for_slot(bound.pool, ask)
         except Exception as exc:  # the workflow asks by signal instead
@@ -209,15 +209,26 @@ class JobActivities:
         if req.prepare is None:
             pool, backend = self._backends.resolve(req.pool)
             return await self._given_back(req, pool, await backend.follow(_on_pool(req, pool)))
+        watch = self._slot_watch
+        # Told a place, this check waits in line itself (no grant signal, no second follow).
+        waits = watch is not None and req.slot_wait_s > 0 and not req.slot_held
+        waits = waits and watch is not None and watch.has_room()
         try:
-            prepared = await self.prepare_prompt(req.prepare)
+            prepared = await self._prepare(req.prepare, in_follow=waits)
         except ApplicationError as refusal:
             if not refusal.non_retryable:
                 raise  # a pool slow or down: the workflow backs off and tries again
             raise as_refused_before_submission(refusal) from refusal
         pool, backend = self._backends.resolve(prepared.pool)
         if prepared.bound is not None and not req.slot_held:
-            if prepared.admission is None or not prepared.admission.granted:
+            granted = prepared.admission is not None and prepared.admission.granted
+            if not granted and waits and prepared.slot_asked:
+                granted = await self._wait_in_line(req, req.prepare, prepared.bound, prepared)
+                if granted:
+                    prepared = prepared.model_copy(
+                        update={"admission": _grant(req.prepare, prepared.bound)}
+                    )
+            if not granted:
                 # Checked, and nothing reaches a bounded pool without a slot of its queue.
                 return activity_io.FollowResult(
                     prompt_id=req.prompt_id,
@@ -238,6 +249,36 @@ class JobActivities:
         if req.slot_bound is not None:
             update |= {"bound": prepared.bound, "slot_asked": True, "admission": prepared.admission}
         return await self._given_back(req, pool, result.model_copy(update=update))
+
+    async def _wait_in_line(
+        self,
+        req: activity_io.FollowInput,
+        check: activity_io.PrepareInput,
+        bound: PoolBound,
+        prepared: activity_io.PreparedJob,
+    ) -> bool:
+        """Until the check's job holds its slot (True), or its `slot_wait_s` is over (False):
+        the job hears its place from here (a `progress` report with `admission`)."""
+        assert self._slot_watch is not None
+
+        async def tell(place: Admission) -> None:
+            report = ProgressReport(attempt_client_id=req.client_id, slot=bound, admission=place)
+            await send_progress(req.job_id, report, log)
+
+        info = activity.info()
+        beat = 5.0
+        if info.heartbeat_timeout:
+            beat = min(beat, info.heartbeat_timeout.total_seconds() / 3)
+        return await self._slot_watch.wait(
+            info.task_queue,
+            bound.pool,
+            _slot_request(check, bound, in_follow=True),
+            prepared.admission,
+            wait_s=req.slot_wait_s,
+            tell=tell,
+            heartbeat=activity.heartbeat,
+            heartbeat_every_s=beat,
+        )
 
     async def _given_back(
         self, req: activity_io.FollowInput, pool: str, result: activity_io.FollowResult
@@ -269,6 +310,35 @@ class JobActivities:
         if req.pool is None:
             update |= {"pool": pool, "kind": self._backends.kind_of(pool)}
         return check.model_copy(update=update) if update else check
+
+
+def _slot_request(
+    req: activity_io.PrepareInput, bound: PoolBound, *, in_follow: bool
+) -> SlotRequest:
+    assert req.accepted_at is not None
+    return SlotRequest(
+        job_id=req.job_id,
+        tenant=req.tenant or DEFAULT_TENANT,
+        priority=req.priority,
+        weight=bound.weight,
+        max_running=bound.max_running,
+        accepted_at=req.accepted_at,
+        reclaim_every_s=bound.reclaim_every_s,
+        tenant_max_pending=bound.tenant_max_pending,
+        pool_max_pending=bound.pool_max_pending,
+        in_follow=in_follow,
+    )
+
+
+def _grant(req: activity_io.PrepareInput, bound: PoolBound) -> Admission:
+    """The grant a check that waited in line saw (by the queue's holders, not an answer)."""
+    return Admission(
+        pool=bound.pool,
+        job_id=req.job_id,
+        granted=True,
+        priority=req.priority,
+        tenant=req.tenant or DEFAULT_TENANT,
+    )
 
 
 _Routed = TypeVar(

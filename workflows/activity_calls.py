@@ -110,7 +110,8 @@ async def follow(req: FollowInput, policy: JobPolicy) -> FollowResult:
     return await _FOLLOW.run(
         req,
         f"follow segment {req.segment}",
-        start_to_close=timedelta(seconds=policy.execution_timeout_s),
+        # A check may wait in line first (`slot_wait_s`): its run keeps the whole timeout.
+        start_to_close=timedelta(seconds=policy.execution_timeout_s + req.slot_wait_s),
         heartbeat=timedelta(seconds=policy.heartbeat_timeout_s),
     )
 

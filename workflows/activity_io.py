@@ -158,6 +158,10 @@ class FollowInput(StrictModel):
     # Set by the follow itself (never by the workflow) when its own check was granted the slot
     # at once: its progress reports carry it, so the workflow knows it holds the slot.
     slot_bound: PoolBound | None = None
+    # How long a check told a place in line may wait for its grant itself, watching the queue,
+    # before it returns `needs_slot` (the job then waits by signal); 0: it returns at once. The
+    # attempt's start-to-close timeout has this much more than the execution timeout.
+    slot_wait_s: float = 0.0
 
     @property
     def named_pool(self) -> str:

@@ -80,6 +80,21 @@ class SlotRequest(_Read):
     # How many may wait at once: the tenant's jobs, and the pool's in all (None: no bound).
     tenant_max_pending: int | None = None
     pool_max_pending: int | None = None
+    # The asking follow waits for its grant itself, watching the queue (queries `holders` and
+    # `places`): the queue signals it nothing. A request without it (the job's own, or the
+    # follow's when it stops watching) has the grant and the places told by signal.
+    in_follow: bool = False
+
+
+class LinePlaces(_Read):
+    """The places of some waiting jobs (query `places`): what a worker whose follows wait in
+    line tells their jobs. A job neither placed here nor holding a slot is unknown to the
+    queue."""
+
+    places: dict[str, int] = Field(default_factory=dict)
+    waiting: int = 0
+    # Seconds per start, as `Admission.eta_s` counts them (None until the pool has some).
+    per_start_s: float | None = None
 
 
 class QueueRoom(_Read):
@@ -181,6 +196,8 @@ class Holder(_Read):
     unsettled: bool = False
     settle_at: datetime | None = None
     detail: str = ""
+    # Its follow waited in line itself: it learns of the grant by watching, not by signal.
+    in_follow: bool = False
 
 
 class Waiter(_Read):
@@ -191,6 +208,7 @@ class Waiter(_Read):
     asked_at: datetime
     # Arrival order in the queue: first come, first served within a tenant.
     seq: int
+    in_follow: bool = False
 
 
 class QueueEntry(_Read):
@@ -271,7 +289,11 @@ class PoolLine:
             state.tenant_max_pending.pop(ask.tenant, None)
         else:
             state.tenant_max_pending[ask.tenant] = ask.tenant_max_pending
-        if ask.job_id in state.holders or ask.job_id in self._waiting:
+        known = state.holders.get(ask.job_id) or self._waiting.get(ask.job_id)
+        if known is not None:
+            # Asked again: the follow that watched may have stopped watching (told by signal
+            # from now on), or a new follow watches.
+            known.in_follow = ask.in_follow
             return
         priority = min(max(ask.priority, MIN_PRIORITY), MAX_PRIORITY)
         if not self._tenant_waits(ask.tenant):
@@ -284,6 +306,7 @@ class PoolLine:
             accepted_at=ask.accepted_at,
             asked_at=now,
             seq=state.next_seq,
+            in_follow=ask.in_follow,
         )
         state.next_seq += 1
         self._enqueue(waiter)
@@ -324,6 +347,7 @@ class PoolLine:
                 priority=waiter.priority,
                 granted_at=now,
                 asked_at=waiter.asked_at,
+                in_follow=waiter.in_follow,
             )
             self.state.holders[waiter.job_id] = holder
             granted.append(holder)
@@ -389,6 +413,25 @@ class PoolLine:
         an answer for each (the dispatcher tells only some of them)."""
         for index, waiter in enumerate(self.order()):
             yield waiter.job_id, index + 1
+
+    def places_of(self, job_ids: Iterable[str]) -> LinePlaces:
+        """The places of `job_ids` among the waiting (those not waiting are left out)."""
+        wanted = set(job_ids) & self._waiting.keys()
+        found: dict[str, int] = {}
+        if wanted:
+            for job_id, position in self.places():
+                if job_id in wanted:
+                    found[job_id] = position
+                    if len(found) == len(wanted):
+                        break
+        return LinePlaces(
+            places=found, waiting=len(self._waiting), per_start_s=self._seconds_per_start()
+        )
+
+    def watched(self, job_id: str) -> bool:
+        """Whether the job's follow waits in line itself (nothing to tell it by signal)."""
+        entry = self.state.holders.get(job_id) or self._waiting.get(job_id)
+        return entry is not None and entry.in_follow
 
     def answer(self, job_id: str, position: int, now: datetime) -> Admission:
         """The place `position` (from `places`) as the waiting job hears it."""

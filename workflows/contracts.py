@@ -707,6 +707,10 @@ class ProgressReport(StrictModel):
     # From a follow whose own check was granted a slot of a bounded pool and went on to submit:
     # the job holds that slot (it gives it back, or holds it unsettled, at its end).
     slot: PoolBound | None = None
+    # From a follow whose check was told a place in line and waits for its grant itself (with
+    # `slot`): the job is PENDING at that place. A later report with `slot` and without it says
+    # the follow was granted the slot.
+    admission: Admission | None = None
 
 
 class CancelRequest(StrictModel):

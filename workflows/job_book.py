@@ -168,6 +168,8 @@ class JobBook:
         self.awaiting_slot = False
         # A follow's report said its own check was granted a slot (set by the job's PoolSlot).
         self.on_slot_held: Callable[[PoolBound], None] | None = None
+        # A follow's report said it waits in line for the slot itself, at the place it names.
+        self.on_slot_waiting: Callable[[PoolBound, Admission], None] | None = None
 
     # -- the run --------------------------------------------------------------------------
 
@@ -423,6 +425,10 @@ class JobBook:
             return
         if report.attempt_client_id != self.client_id or self.status.terminal:
             return  # from a socket of an earlier submission, or too late
+        if report.admission is not None and report.slot is not None:
+            if self.on_slot_waiting is not None:
+                self.on_slot_waiting(report.slot, report.admission)
+            return  # in line, nothing sent: the report says nothing of a prompt
         if report.slot is not None and self.on_slot_held is not None:
             self.on_slot_held(report.slot)
         # A stopping job stays STOPPING whatever the backend last said of the prompt.

@@ -36,6 +36,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows.admission import (
         Admission,
         Holder,
+        LinePlaces,
         PoolLine,
         PoolQueueView,
         QueueRoom,
@@ -118,13 +119,13 @@ class PoolQueue:
     @workflow.run
     async def run(self, state: QueueState) -> None:
         reclaim = asyncio.create_task(self._reclaim_closed_holders())
+        ticker = asyncio.create_task(self._tick_while_anyone_waits())
         started = workflow.now()
         next_telling = started
         while not self._should_continue(started):
-            settle_at = self._line.next_settle_at()
-            wake = next_telling if self._line.waiting else None
-            if settle_at is not None and (wake is None or settle_at < wake):
-                wake = settle_at
+            # The 10 s refresh of places comes from `_tick_while_anyone_waits` (one timer per
+            # 10 s; a timer here would be started and cancelled at every pass).
+            wake = self._line.next_settle_at()
             timeout = None
             if wake is not None:
                 timeout = max((wake - workflow.now()).total_seconds(), 0.001)
@@ -150,9 +151,12 @@ class PoolQueue:
                     next_telling = now + timedelta(seconds=TELL_POSITIONS_EVERY_S)
             self._metrics.depth(self._line)
         reclaim.cancel()
+        ticker.cancel()
         with contextlib.suppress(asyncio.CancelledError, ActivityError):
             # Its activity's cancellation, retrieved (unretrieved, asyncio logs it).
             await reclaim
+        with contextlib.suppress(asyncio.CancelledError):
+            await ticker
         await workflow.wait_condition(workflow.all_handlers_finished)
         workflow.continue_as_new(
             self._line.snapshot(self._untold, self._regrant),
@@ -177,7 +181,8 @@ class PoolQueue:
         """Every free slot to the next in line; each grantee is told by `_grant`."""
         for holder in self._line.grants(now):
             self._metrics.granted(holder)
-            self._regrant.add(holder.job_id)
+            if not holder.in_follow:
+                self._regrant.add(holder.job_id)
             self._untold.discard(holder.job_id)
             self._told.pop(holder.job_id, None)
 
@@ -201,7 +206,7 @@ class PoolQueue:
     async def _tell_positions(self, now: Any, *, refresh: bool) -> bool:
         """The new waiters their place, the first `TELL_AT_ONCE` of them in line order; on a
         refresh, also the first in line whose place moved. True when it told anyone."""
-        self._untold &= set(self._line.waiting_ids())
+        self._untold &= {j for j in self._line.waiting_ids() if not self._line.watched(j)}
         tellings: list[tuple[str, int]] = []
         untold_left = len(self._untold)
         for job_id, position in self._line.places():
@@ -214,6 +219,7 @@ class PoolQueue:
                 refresh
                 and position <= TELL_POSITIONS_TO
                 and worth_telling(self._told.get(job_id), position)
+                and not self._line.watched(job_id)
             ):
                 tellings.append((job_id, position))
             elif untold_left == 0 and (not refresh or position > TELL_POSITIONS_TO):
@@ -242,6 +248,17 @@ class PoolQueue:
         except Exception:
             return False
         return True
+
+    async def _tick_while_anyone_waits(self) -> None:
+        """A pass of the loop every 10 s while anyone waits: places told by signal are
+        refreshed, and a new current version is noticed (`_should_continue`) even when no job
+        signals (those waiting in line in their follows send nothing until a slot frees)."""
+        while True:
+            await workflow.wait_condition(lambda: self._line.waiting > 0)
+            await workflow.sleep(
+                timedelta(seconds=TELL_POSITIONS_EVERY_S), summary="places and version"
+            )
+            self._news = True
 
     # -- holders whose job closed -------------------------------------------------------------
 
@@ -282,7 +299,9 @@ class PoolQueue:
         except ValueError:
             return  # nothing to answer to: a request names its job
         self._line.request(ask, workflow.now())
-        if ask.job_id in self._line.state.holders:
+        if ask.in_follow:
+            pass  # its follow watches for the grant and its place (queries `holders`, `places`)
+        elif ask.job_id in self._line.state.holders:
             self._regrant.add(ask.job_id)
         else:
             self._untold.add(ask.job_id)
@@ -330,12 +349,25 @@ class PoolQueue:
             note = SlotUnsettled.model_validate(payload)
         except ValueError:
             return
-        self._line.unsettled(note)
+        if not self._line.unsettled(note):
+            # Not a holder: still in line (its follow was granted nothing it could have sent),
+            # so its place goes back.
+            self._line.release(note.job_id, workflow.now())
         self._news = True
 
     @workflow.query(name=shared.QUERY_POOL_QUEUE)
     def queue(self, _ignored: Any = None) -> PoolQueueView:
         return self._line.view(workflow.now())
+
+    @workflow.query(name=shared.QUERY_SLOT_HOLDERS)
+    def holders(self, _ignored: Any = None) -> list[str]:
+        """Who holds a slot: a follow waiting in line watches for its job here."""
+        return sorted(self._line.state.holders)
+
+    @workflow.query(name=shared.QUERY_LINE_PLACES)
+    def places(self, job_ids: Any = None) -> LinePlaces:
+        wanted = [j for j in job_ids if isinstance(j, str)] if isinstance(job_ids, list) else []
+        return self._line.places_of(wanted)
 
     @workflow.query(name=shared.QUERY_ROOM)
     def room(self, tenant: Any = None) -> QueueRoom:

@@ -55,7 +55,10 @@ class PoolSlot:
         self.on_wait: Any = None
         self.on_granted_after_wait: Any = None
         self._waited = False
+        # In line by a follow that waits for the grant itself (its reports say where it is).
+        self._in_follow = False
         book.on_slot_held = self.held_by_check
+        book.on_slot_waiting = self.waits_in_follow
 
     @property
     def waiting(self) -> bool:
@@ -83,6 +86,7 @@ class PoolSlot:
         if self.granted or bound is None:
             return
         self.bound = bound
+        self._in_follow = False  # waits by signal from here on
         self._book.awaiting_slot = True
         early, self._early = self._early, None
         # The check's answer first; then what the queue signalled before the check's result
@@ -158,14 +162,31 @@ class PoolSlot:
             if self.on_wait is not None:
                 self.on_wait()
 
+    def waits_in_follow(self, bound: PoolBound, answer: Admission) -> None:
+        """A follow's check was told a place and waits for the grant itself: PENDING there (its
+        next report with the slot, or its result, says it was granted)."""
+        if self.granted or self._given_back:
+            return
+        self.bound, self._in_follow = bound, True
+        if answer.position is None:
+            self._in_line(bound)
+        else:
+            self.heard(answer)
+
     def held_by_check(self, bound: PoolBound, answer: Admission | None = None) -> None:
         """A follow's own check was granted the slot and went on to submit (an idle pool: no
         second follow); its report or its result says so, or a stop check finds the pool
         bounded when the job had heard of no slot (it may hold one: giving back one it does
         not hold changes nothing). The job holds the slot from then, and gives it back (or
         holds it unsettled) at its end as after any grant."""
-        if self.bound is not None or self._given_back:
+        if self._given_back or self.granted:
             return
+        if self.bound is not None and not self._in_follow:
+            return  # in line by signal: the grant comes by signal
+        if self._in_follow and self._book.pending:
+            # Its follow was granted in line and submits: the job follows its prompt again
+            # (the report's stage then says where the prompt is).
+            self._book.set_state(JobState.SUBMITTING)
         self.bound = bound
         if answer is None or not answer.granted:
             # A report carries the slot, not the queue's answer: the same grant, as the job
@@ -210,9 +231,14 @@ class PoolSlot:
             return
         self._given_back = True
         teardown = self._status.teardown.state
-        if not self.granted:
+        provably_ended = teardown in ("CONFIRMED", "SKIPPED")
+        if not self.granted and (provably_ended or not self._in_follow):
             await self._signal(shared.SIGNAL_SLOT_RELEASE, self._release("withdrawn"))
-        elif ending == JobState.COMPLETED or teardown in ("CONFIRMED", "SKIPPED"):
+        elif not self.granted:
+            # Its follow may have been granted the slot and submitted before the job heard:
+            # held until settled, as any unconfirmed stop (a place in line is simply let go).
+            await self._signal(shared.SIGNAL_SLOT_UNSETTLED, self._unsettled())
+        elif ending == JobState.COMPLETED or provably_ended:
             await self._signal(shared.SIGNAL_SLOT_RELEASE, self._release("ended"))
         else:
             await self._signal(shared.SIGNAL_SLOT_UNSETTLED, self._unsettled())

@@ -133,6 +133,9 @@ class SegmentRun:
 
     def _follow_input(self, checkpoint: Checkpoint, submit: bool, first_post: bool) -> FollowInput:
         request, prepared, book = self._request, self._prepared, self._book
+        # Until the workflow hears which pool took the job, each attempt checks it first.
+        check = self._check if book.status.backend is None else None
+        held = self._slot is not None and self._slot.held
         return FollowInput(
             job_id=book.status.job_id,
             pool=book.pool,
@@ -153,9 +156,10 @@ class SegmentRun:
             queue_timeout_s=request.policy.queue_timeout_s,
             staged_inputs=prepared.staged_inputs,
             teardown_horizon_s=request.policy.teardown_horizon_s,
-            # Until the workflow hears which pool took the job, each attempt checks it first.
-            prepare=self._check if book.status.backend is None else None,
-            slot_held=self._slot is not None and self._slot.held,
+            prepare=check,
+            slot_held=held,
+            # A check told a place waits in line itself a while: no signal, no second follow.
+            slot_wait_s=shared.FOLLOW_WAITS_IN_LINE_S if check is not None and not held else 0.0,
         )
 
     def _furthest(self, current: Checkpoint, recovered: Checkpoint | None) -> Checkpoint:

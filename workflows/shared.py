@@ -45,6 +45,12 @@ SIGNAL_ADMISSION: Final = "admission"
 UPDATE_SLOT_ASK: Final = "ask"
 QUERY_POOL_QUEUE: Final = "queue"
 QUERY_ADMISSION: Final = "admission"
+# What a follow waiting in line watches: who holds a slot, and the places of its jobs.
+QUERY_SLOT_HOLDERS: Final = "holders"
+QUERY_LINE_PLACES: Final = "places"
+# How long a follow whose check was told a place in line waits for the grant itself before
+# it hands the wait to its job (activities/backend.py).
+FOLLOW_WAITS_IN_LINE_S: Final = 600.0
 # Whether a tenant's new job may join the line (its `max_pending`, the pool's).
 QUERY_ROOM: Final = "room"
 

@@ -436,7 +436,10 @@ async def test_a_job_still_pending_at_start_by_s_expires_with_nothing_submitted(
     ended = await asyncio.wait_for(fleet.client.wait(waiter), 60)
     assert ended.state == JobState.EXPIRED, ended.error
     assert ended.error is not None and "queue of pool one" in ended.error.message
-    assert ended.teardown.state == "SKIPPED", ended.teardown
+    # Its follow waited in line itself, so the stop asked the pool: nothing was ever queued.
+    teardown = ended.teardown
+    assert teardown.state == "CONFIRMED", teardown
+    assert "never_queued" in {step.action for step in teardown.steps}, teardown
     checkpoint = ended.checkpoint
     assert checkpoint is None or (checkpoint.submitted_at, checkpoint.submit_sent_at) == (
         None,

@@ -37,6 +37,7 @@ from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
 from activities.pool_queue import PoolQueueActivities
+from activities.slot_watch import SlotWatch
 from workflows import job_book
 from workflows.activity_io import (
     FollowHeartbeat,
@@ -49,7 +50,7 @@ from workflows.activity_io import (
     StopCheck,
     StopInput,
 )
-from workflows.admission import PoolBound, SlotRelease, SlotRequest
+from workflows.admission import Admission, PoolBound, SlotRelease, SlotRequest
 from workflows.contracts import (
     Artifact,
     Checkpoint,
@@ -139,6 +140,10 @@ class Script:
     # update, through PoolQueueActivities.ask), and hands the job its answer; and the follow
     # that saw the last prompt end gives the slot back itself, as the real one does.
     ask_in_check: bool = False
+    # With `ask_in_check`: a check told a place waits in line itself (the real SlotWatch,
+    # activities/slot_watch.py, watching the dispatcher), tells the job its place, and submits
+    # once granted, as JobActivities.follow_prompt does when the workflow lets it wait.
+    wait_in_line: bool = False
 
 
 class FakeBackend:
@@ -179,23 +184,52 @@ class FakeBackend:
             return None
         return PoolBound(pool=pool or "comfyui", max_running=self.script.max_running)
 
-    async def ask_in_check(self, req: PrepareInput, bound: PoolBound | None) -> dict[str, Any]:
+    async def ask_in_check(
+        self, req: PrepareInput, bound: PoolBound | None, *, in_follow: bool = False
+    ) -> dict[str, Any]:
         """`slot_asked` and `admission` of a check on a bounded pool (nothing unless asked)."""
         if bound is None or not self.script.ask_in_check or req.accepted_at is None:
             return {}
         real = PoolQueueActivities(activity.client(), _NoWorkLeft())  # type: ignore[arg-type]
-        ask = SlotRequest(
-            job_id=req.job_id,
-            tenant=req.tenant or "local",
-            priority=req.priority,
-            max_running=bound.max_running,
-            accepted_at=req.accepted_at,
-        )
+        ask = self._slot_request(req, bound, in_follow=in_follow)
         # Bounded, as the real check is by its heartbeat timeout: an update the time-skipping
         # server never answers (seen once under CI load) fails this attempt, and the next asks
         # again (a repeat changes nothing), instead of hanging the test.
         answer = await asyncio.wait_for(real.ask(bound.pool, ask), timeout=5)
         return {"slot_asked": True, "admission": answer}
+
+    @staticmethod
+    def _slot_request(req: PrepareInput, bound: PoolBound, *, in_follow: bool) -> SlotRequest:
+        assert req.accepted_at is not None
+        return SlotRequest(
+            job_id=req.job_id,
+            tenant=req.tenant or "local",
+            priority=req.priority,
+            max_running=bound.max_running,
+            accepted_at=req.accepted_at,
+            in_follow=in_follow,
+        )
+
+    async def wait_in_line(self, req: FollowInput, bound: PoolBound, answer: Any) -> bool:
+        """As JobActivities._wait_in_line: the real watch, the job told its place."""
+        assert req.prepare is not None
+        real = PoolQueueActivities(activity.client(), _NoWorkLeft())  # type: ignore[arg-type]
+        watch = SlotWatch(activity.client(), real.request_on, capacity=10)
+
+        async def tell(place: Admission) -> None:
+            report = ProgressReport(attempt_client_id=req.client_id, slot=bound, admission=place)
+            await activity.client().get_workflow_handle(req.job_id).signal(SIGNAL_PROGRESS, report)
+
+        return await watch.wait(
+            activity.info().task_queue,
+            bound.pool,
+            self._slot_request(req.prepare, bound, in_follow=True),
+            answer,
+            wait_s=req.slot_wait_s,
+            tell=tell,
+            heartbeat=activity.heartbeat,
+            heartbeat_every_s=0.2,
+        )
 
     @activity.defn(name="prepare_prompt")
     async def prepare(self, req: PrepareInput) -> PreparedJob:
@@ -227,8 +261,13 @@ class FakeBackend:
                 raise as_refused_before_submission(refusal) from refusal
             bound = self.bound(req.prepare.pool)
             if bound is not None and not req.slot_held:
-                asked = await self.ask_in_check(req.prepare, bound)
+                waits = self.script.wait_in_line and req.slot_wait_s > 0
+                asked = await self.ask_in_check(req.prepare, bound, in_follow=waits)
                 answer = asked.get("admission")
+                if waits and asked and not (answer is not None and answer.granted):
+                    if await self.wait_in_line(req, bound, answer):
+                        answer = Admission(pool=bound.pool, job_id=req.job_id, granted=True)
+                        asked["admission"] = answer
                 if answer is not None and answer.granted:
                     # As JobActivities.follow_prompt does: granted in the check, it submits.
                     req = req.model_copy(update={"slot_held": True, "slot_bound": bound})

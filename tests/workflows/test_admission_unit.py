@@ -272,3 +272,39 @@ def test_a_waiting_job_hears_its_place_when_it_halved_or_among_the_last_three() 
     assert heard == [50, 25, 12, 6, 3, 2, 1]
     assert worth_telling(5, 10) and not worth_telling(5, 9)  # pushed back twice as far
     assert not worth_telling(7, 7)
+
+
+def watching(job_id: str, *, in_follow: bool = True) -> SlotRequest:
+    return SlotRequest(
+        job_id=job_id, tenant="a", max_running=1, accepted_at=T0, in_follow=in_follow
+    )
+
+
+def test_a_follow_waiting_in_line_is_watched_through_its_grant_until_it_stops_watching() -> None:
+    line = PoolLine(QueueState(pool="p"))
+    line.request(watching("held"), T0)
+    line.request(watching("next"), T0)
+    ask(line, "loud")
+    assert [h.job_id for h in line.grants(T0)] == ["held"]
+    # A follow that watches is told nothing by signal: the queue knows it, held or waiting.
+    assert line.watched("held") and line.watched("next") and not line.watched("loud")
+    line.release("held", T0)
+    [granted] = line.grants(T0)
+    assert granted.job_id == "next" and granted.in_follow
+    # Its follow stopped watching (it waited its time): asked again without, told by signal.
+    line.request(watching("next", in_follow=False), T0)
+    assert not line.watched("next")
+
+
+def test_the_places_of_some_waiting_jobs_leave_out_those_not_waiting() -> None:
+    line = PoolLine(QueueState(pool="p", recent_holds_s=[10.0]))
+    for job_id in ("first", "second", "third"):
+        line.request(watching(job_id), T0)
+    line.grants(T0)
+    places = line.places_of(["third", "first", "unknown"])
+    # "first" holds the slot: neither placed nor waiting.
+    assert places.places == {"third": 2} and places.waiting == 2
+    assert places.per_start_s == 10.0
+    # Carried across continue-as-new: the next run knows who watches.
+    carried = PoolLine(QueueState.model_validate(line.snapshot().model_dump(mode="json")))
+    assert carried.watched("second") and carried.watched("first")

@@ -43,6 +43,7 @@ ENDINGS = {
     "webhook": COMPLETED,
     "queued": COMPLETED,
     "queued_asked": COMPLETED,
+    "queued_in_line": COMPLETED,
     "expired": COMPLETED,
 }
 RECORDED = sorted(path.stem for path in HISTORIES.glob("*.json"))

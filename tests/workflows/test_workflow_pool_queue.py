@@ -34,9 +34,10 @@ from workflows.admission import (
     SlotRelease,
     SlotRequest,
 )
-from workflows.contracts import JobState, JobStatus
+from workflows.contracts import EventsQuery, JobEvents, JobState, JobStatus
 from workflows.pool_queue import PoolQueue
 from workflows.shared import (
+    QUERY_EVENTS,
     QUERY_POOL_QUEUE,
     QUERY_STATUS,
     SIGNAL_ADMISSION,
@@ -186,6 +187,76 @@ async def test_a_check_that_asks_the_queue_hands_the_job_its_grant_or_its_place(
         assert signals_named(first_history, SIGNAL_ADMISSION) == 0
         assert signals_named(second_history, SIGNAL_ADMISSION) == 1, "the grant, by signal"
         assert queue_timers(first_history) == queue_timers(second_history) == 0
+
+
+async def ended(handle: WorkflowHandle[Any, JobStatus]) -> JobStatus:
+    """The job's final status, by query (no time skipping meanwhile)."""
+    return await eventually(
+        lambda: status(handle), timeout_s=30, what="the job ended", accept=lambda s: s.terminal
+    )
+
+
+def follows_scheduled(history: WorkflowHistory) -> int:
+    return sum(
+        1
+        for e in history.events
+        if e.HasField("activity_task_scheduled_event_attributes")
+        and e.activity_task_scheduled_event_attributes.activity_type.name == "follow_prompt"
+    )
+
+
+async def test_a_check_told_a_place_waits_in_line_in_its_own_follow_and_submits_there(
+    env: WorkflowEnvironment,
+) -> None:
+    """The check's follow, told a place, waits for the grant itself (watching the queue): the
+    job is PENDING at its place from the follow's report, and once granted the same follow
+    submits. No grant signal, no second follow; the dispatcher signals no job."""
+    script = Script(max_running=1, block_in="follow_prompt", ask_in_check=True, wait_in_line=True)
+    backend = FakeBackend(script)
+    async with queue_worker(env.client, backend) as task_queue:
+        first, second, pending = await one_holds_one_waits(env.client, task_queue)
+        assert pending.admission is not None and pending.admission.position == 1
+        metadata = await second.query("__temporal_workflow_metadata")
+        assert "1st of 1 for pool comfyui" in str(metadata.current_details)
+        assert len(backend.submitted) == 1, "nothing of the waiting job reached the pool"
+        # Made room and ended without waiting on a result: a client waiting on one lets the
+        # time-skipping server jump its clock, and a follow waiting in line heartbeats by the
+        # wall clock (its heartbeat timeout would pass in a jump).
+        await first.signal(SIGNAL_CANCEL, {"reason": "make room"})
+        await ended(first)
+        await eventually(
+            lambda: asyncio.sleep(0, len(backend.submitted)),
+            timeout_s=10,
+            what="the second submitted",
+            accept=lambda n: n == 2,
+        )
+        with contextlib.suppress(RPCError):
+            await second.signal(SIGNAL_CANCEL, {"reason": "done"})
+        await ended(second)
+        # Its follow's report (with the slot) took it out of PENDING: its prompt ran.
+        journal = await second.query(QUERY_EVENTS, EventsQuery(since=0), result_type=JobEvents)
+        states = [e.state for e in journal.events if e.kind == "state"]
+        assert JobState.PENDING in states and JobState.RUNNING in states, states
+        assert states.index(JobState.RUNNING) > states.index(JobState.PENDING), states
+        history = await second.fetch_history()
+        assert follows_scheduled(history) == 1, "granted in line, the same follow submitted"
+        assert signals_named(history, SIGNAL_ADMISSION) == 0
+        assert backend.submitted[1].job_id == second.id
+        granted = (await second.query(QUERY_STATUS, result_type=JobStatus)).admission
+        assert granted is not None and granted.granted
+        queue = env.client.get_workflow_handle(pool_queue_id(task_queue, "comfyui"))
+        told = [
+            e
+            for e in (await queue.fetch_history()).events
+            if e.HasField("signal_external_workflow_execution_initiated_event_attributes")
+        ]
+        assert told == [], "the dispatcher signalled no job"
+        await eventually(
+            lambda: view(env.client, task_queue),
+            timeout_s=10,
+            what="every slot and place given back",
+            accept=lambda v: v.running == 0 and v.waiting == 0,
+        )
 
 
 async def test_the_follow_that_saw_the_prompt_end_gives_the_slot_back_itself(

@@ -36,7 +36,7 @@ from tests.support.workflow_fakes import (
     start_time_skipping,
 )
 from workflows.activity_io import WebhookAttempt, WebhookDeliveryInput
-from workflows.admission import Holder, QueueState
+from workflows.admission import Holder, QueueState, SlotRelease
 from workflows.contracts import (
     CancelRequest,
     JobPolicy,
@@ -55,6 +55,7 @@ from workflows.shared import (
     SIGNAL_CANCEL_REASON,
     SIGNAL_CLIENT_SEEN,
     SIGNAL_RESUME,
+    SIGNAL_SLOT_RELEASE,
     UPDATE_ENDED,
     UPDATE_RESUME,
     ErrorType,
@@ -115,6 +116,19 @@ class FakeReceiver:
         if self.attempts[req.webhook_id] == 1:
             return WebhookAttempt(outcome="retry", status_code=503, error="HTTP 503", at=now)
         return WebhookAttempt(outcome="delivered", status_code=204, at=now)
+
+
+async def release_the_other_holder(handle: WorkflowHandle[Any, JobStatus]) -> None:
+    """Once the job is PENDING (its follow waits in line), the job that held the pool's one
+    slot gives it back: the follow sees its grant and submits."""
+    for _ in range(200):
+        status = await handle.query(QUERY_STATUS, result_type=JobStatus)
+        if status.state == JobState.PENDING:
+            break
+        await asyncio.sleep(0.05)
+    task_queue = (await handle.describe()).task_queue
+    queue = handle._client.get_workflow_handle(pool_queue_id(task_queue, "comfyui"))
+    await queue.signal(SIGNAL_SLOT_RELEASE, SlotRelease(job_id="another-job"))
 
 
 async def wait_for_the_end(handle: WorkflowHandle[Any, JobStatus]) -> None:
@@ -188,6 +202,13 @@ SCENARIOS: dict[str, Scenario] = {
     # The same, the check having asked the queue (its `ask` update): granted there, the same
     # follow submits (one follow, as on an open pool).
     "queued_asked": (Script(max_running=1, ask_in_check=True), {"abandon_after_s": None}, None),
+    # Its pool full, the check's follow told a place waits in line itself: PENDING from its
+    # report, granted when the other holder gives the slot back, and the same follow submits.
+    "queued_in_line": (
+        Script(max_running=1, ask_in_check=True, wait_in_line=True),
+        {"abandon_after_s": None, POOL_FULL: True},
+        release_the_other_holder,
+    ),
     # Its pool full: PENDING in our queue (its place from the check's ask) until start_by_s,
     # then EXPIRED with nothing sent.
     "expired": (
