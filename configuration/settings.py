@@ -144,8 +144,8 @@ class WorkerSettings(Settings):
     )
     # How many workflows (jobs, and pools' dispatchers) one worker keeps in memory between
     # their workflow tasks; one evicted is replayed from its history at its next task. A job
-    # waiting in a bounded pool's queue has no task until its grant: a worker holding a long
-    # line needs far fewer than it has jobs (measured: docs/queue.md, "Memory").
+    # waiting by itself in a bounded pool's queue has no task until its grant (one whose follow
+    # waits in line holds an activity slot instead): docs/queue.md, "Memory".
     max_cached_workflows: Concurrency = Field(
         1000, validation_alias="DURABLE_COMFY_MAX_CACHED_WORKFLOWS"
     )

@@ -443,8 +443,10 @@ def _rate(slots: int, run: RateRun, profiled: list[str]) -> Outcome:
         f"- a slot's cycle: K / rate = {fmt(cycle_ms)} ms, of which the prompt at the simulator "
         f"{fmt(prompt_ms)} ms (p50): {fmt(cycle_ms - prompt_ms)} ms per job from its prompt's "
         "end to the next prompt's start on that slot (the job's outputs stored and its follow "
-        "ended, its release signalled, the dispatcher's workflow task, the grant signalled, the "
-        "next job's workflow task, its follow activity dispatched, socket and POST /prompt).",
+        "ended, its release signalled, the dispatcher's workflow task, the next job's follow "
+        "seeing the grant among the queue's holders (it waits in line itself; a job waiting by "
+        "itself: the grant signalled, its workflow task, its follow dispatched), socket and "
+        "POST /prompt).",
         f"- between two starts of the drain: p50 {fmt(_p(gaps, 50) * 1000)} ms, p99 "
         f"{fmt(_p(gaps, 99) * 1000)} ms, longest {fmt(longest * 1000)} ms (a stall of the "
         "dispatcher, a workflow task timed out say, shows here).",
