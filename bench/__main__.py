@@ -140,6 +140,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         default=defaults.queue_backlog_jobs,
         help="group 10: jobs of the backlog (RSS, history events, time to run them all)",
     )
+    parser.add_argument(
+        "--queue-backlog-step-ms",
+        type=int,
+        default=defaults.queue_backlog_step_ms,
+        help="group 10: the backlog simulator's time per step (a job is 10 steps)",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the stack's state and logs")
     parser.add_argument("--out", type=Path, default=HERE, help="where results.json/RESULTS.md go")
     parser.add_argument("--command", default=None, help="the command to record (make passes it)")
@@ -169,6 +175,7 @@ async def bench(args: argparse.Namespace) -> int:
         queue_fair_jobs=args.queue_fair_jobs,
         queue_priority_behind=args.queue_priority_behind,
         queue_backlog_jobs=args.queue_backlog_jobs,
+        queue_backlog_step_ms=args.queue_backlog_step_ms,
     )
     command = args.command or shlex.join(["python", "-m", "bench", *sys.argv[1:]])
     host = machine()

@@ -52,6 +52,9 @@ class BenchOptions(BaseModel):
     queue_fair_jobs: int = Field(300, ge=1)
     queue_priority_behind: int = Field(1000, ge=1)
     queue_backlog_jobs: int = Field(2000, ge=1)
+    # The backlog's simulator's time per step (each job 10 steps): 10 ms makes the machine's
+    # CPU the bottleneck of both sides; a longer step, the GPU (the simulator's K slots).
+    queue_backlog_step_ms: int = Field(10, ge=0)
 
 
 class Section(BaseModel):

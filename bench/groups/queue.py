@@ -131,7 +131,9 @@ async def run(ctx: BenchContext, options: BenchOptions) -> Outcome:
             step_delay_ms=STEP_MS,
             parallel=max(options.queue_rate_jobs, slots),
         ) as parallel_sim,
-        extra_sim(ctx, "queue_backlog", step_delay_ms=STEP_MS, parallel=slots) as backlog_sim,
+        extra_sim(
+            ctx, "queue_backlog", step_delay_ms=options.queue_backlog_step_ms, parallel=slots
+        ) as backlog_sim,
         extra_worker(
             ctx,
             "queue",
@@ -240,7 +242,7 @@ def _outcome(slots: int, options: BenchOptions, runs: Runs) -> Outcome:
     if runs.priority is not None:
         parts.append(_priority(slots, runs.priority))
     if runs.backlog is not None:
-        parts.append(_backlog(slots, runs.backlog))
+        parts.append(_backlog(slots, runs.backlog, options.queue_backlog_step_ms))
     parts.append(_bound(slots, runs))
     for part in parts:
         results += part.results
@@ -621,7 +623,7 @@ def _mean_by_type(trips: Sequence[RoundTrips]) -> dict[str, float]:
     return {k: sum(t.by_type.get(k, 0) for t in trips) / len(trips) for k in kinds}
 
 
-def _backlog(slots: int, run: BacklogRun) -> Outcome:
+def _backlog(slots: int, run: BacklogRun, step_ms: int) -> Outcome:
     bounded, opened = run.bounded, run.open
     own = [t.events for t in bounded.own]
     open_own = sum(t.events for t in opened.own) / len(opened.own)
@@ -710,7 +712,7 @@ def _backlog(slots: int, run: BacklogRun) -> Outcome:
     )
     time_lines = [
         *unfinished,
-        f"{run.jobs} jobs ({STEPS} steps x {STEP_MS} ms) submitted at once, first to the open "
+        f"{run.jobs} jobs ({STEPS} steps x {step_ms} ms) submitted at once, first to the open "
         "pool, then to the bounded one; wall from the first submit to the last `JobClient.wait` "
         f"returned. The simulator runs {slots} prompts at once: the open pool's prompts wait in "
         f"its own queue (it held {opened.peak} at most), the bounded pool's in our queue (the "
