@@ -7,7 +7,8 @@ default), `-n 30` [N] the measured repetitions where a benchmark repeats, `--war
 `--scale-serial-jobs`, `--offload-sizes 100,1024` (MiB; `100` skips the 1 GiB upload),
 `--runpod-jobs 100` (group 9's running jobs per round), `--queue-slots 10`,
 `--queue-rate-jobs 300`, `--queue-fair-jobs 300`, `--queue-priority-behind 1000`,
-`--queue-backlog-jobs 2000` (group 10, our queue),
+`--queue-backlog-jobs 2000`, `--queue-backlog-step-ms 10` (group 10, our queue; 100 lets the
+simulator's slots set the backlog's pace instead of the machine's CPU),
 `--keep` (leave the stack's temporary state and logs), `--note` [NOTE] (what else ran meanwhile,
 recorded in RESULTS.md).
 Writes bench/results.json and bench/RESULTS.md (or `--out DIR`). Exit code 1 when a benchmark
