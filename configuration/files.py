@@ -6,7 +6,7 @@ the library and the gateway's client. Its sections:
     worker   task queue, default pool, concurrency, orphan sweep, metrics port, log level,
              heartbeat throttle, Worker Versioning          (WorkerSettings; task_queue: clients)
     pools    {name: PoolConfig}                             (WorkerSettings.pools)
-    tenants  {tenant: TenantConfig}                         (WorkerSettings.tenants)
+    tenants  {tenant: TenantConfig}       (WorkerSettings.tenants; GatewaySettings.tenants)
     storage  bucket, endpoint_url, region, allowed_input_prefixes (S3Settings)
     codec    keys_file                                      (CodecSettings)
     client   query_timeout_s                                (ClientSettings)

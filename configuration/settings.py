@@ -700,6 +700,9 @@ class GatewaySettings(AuthSettings, LimitSettings):
     webhook_allow_hosts: Annotated[tuple[str, ...], LowerCaseItems] = Field(
         (), validation_alias=WEBHOOK_ALLOW_HOSTS_VAR
     )
+    # The production file's `tenants:` section too (DURABLE_COMFY_SETTINGS_FILE), as the
+    # workers read it, below the variable: one place for a tenant's terms.
+    file_keys: ClassVar[Mapping[str, str]] = {"tenants": "tenants"}
 
     @field_validator("tenants", mode="before")
     @classmethod

@@ -38,6 +38,7 @@ from configuration.settings import (
     ClientSettings,
     CliSettings,
     CodecSettings,
+    GatewaySettings,
     S3Settings,
     TemporalSettings,
     UrlFetchSettings,
@@ -1101,6 +1102,20 @@ def test_the_variables_pools_replace_the_production_files(tmp_path: Path) -> Non
     settings = WorkerSettings.from_env(env)
     assert list(settings.pools) == ["gpu"]  # replaced, not merged
     assert settings.default_pool == "local"  # the file still gives what no variable does
+
+
+def test_the_gateway_reads_the_tenants_of_the_production_file_below_the_variable(
+    tmp_path: Path,
+) -> None:
+    """The gateway refuses a too-urgent priority with the workers' tenants: from the same file
+    they read (`tenants:`), unless the variable says otherwise."""
+    path = production_file(tmp_path, {"tenants": {"free-tier": {"max_priority": 4}}})
+    from_file = GatewaySettings.from_env({FILE_VAR: str(path)})
+    assert from_file.tenants["free-tier"].max_priority == 4
+    variable = {"acme": {"max_priority": 2}}
+    env = {FILE_VAR: str(path), "DURABLE_COMFY_TENANTS": json.dumps(variable)}
+    assert list(GatewaySettings.from_env(env).tenants) == ["acme"]  # replaced, not merged
+    assert GatewaySettings.from_env({}).tenants == {}
 
 
 def test_the_example_production_file_loads() -> None:
