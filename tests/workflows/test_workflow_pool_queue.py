@@ -151,10 +151,16 @@ async def make_room_then_end(
     first: WorkflowHandle[Any, JobStatus],
     second: WorkflowHandle[Any, JobStatus],
     backend: FakeBackend,
+    *,
+    by_query: bool = False,
 ) -> None:
-    """Cancel the first; the second is submitted in its place, then ended too."""
+    """Cancel the first; the second is submitted in its place, then ended too. `by_query`:
+    each end is awaited by query, not by its result (a client waiting on a result lets the
+    time-skipping server jump its clock, and a follow waiting in line heartbeats by the wall
+    clock: its heartbeat timeout would pass in a jump)."""
     await first.signal(SIGNAL_CANCEL, {"reason": "make room"})
-    assert (await asyncio.wait_for(first.result(), 60)).state == JobState.CANCELLED
+    first_end = await ended(first) if by_query else await asyncio.wait_for(first.result(), 60)
+    assert first_end.state == JobState.CANCELLED
     await eventually(
         lambda: asyncio.sleep(0, len(backend.submitted)),
         timeout_s=10,
@@ -165,6 +171,9 @@ async def make_room_then_end(
     # second may have ended already.)
     with contextlib.suppress(RPCError):
         await second.signal(SIGNAL_CANCEL, {"reason": "done"})
+    if by_query:
+        await ended(second)
+        return
     with contextlib.suppress(WorkflowFailureError):
         await asyncio.wait_for(second.result(), 60)
 
@@ -219,20 +228,7 @@ async def test_a_check_told_a_place_waits_in_line_in_its_own_follow_and_submits_
         metadata = await second.query("__temporal_workflow_metadata")
         assert "1st of 1 for pool comfyui" in str(metadata.current_details)
         assert len(backend.submitted) == 1, "nothing of the waiting job reached the pool"
-        # Made room and ended without waiting on a result: a client waiting on one lets the
-        # time-skipping server jump its clock, and a follow waiting in line heartbeats by the
-        # wall clock (its heartbeat timeout would pass in a jump).
-        await first.signal(SIGNAL_CANCEL, {"reason": "make room"})
-        await ended(first)
-        await eventually(
-            lambda: asyncio.sleep(0, len(backend.submitted)),
-            timeout_s=10,
-            what="the second submitted",
-            accept=lambda n: n == 2,
-        )
-        with contextlib.suppress(RPCError):
-            await second.signal(SIGNAL_CANCEL, {"reason": "done"})
-        await ended(second)
+        await make_room_then_end(first, second, backend, by_query=True)
         # Its follow's report (with the slot) took it out of PENDING: its prompt ran.
         journal = await second.query(QUERY_EVENTS, EventsQuery(since=0), result_type=JobEvents)
         states = [e.state for e in journal.events if e.kind == "state"]
