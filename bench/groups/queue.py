@@ -582,7 +582,9 @@ def _priority(slots: int, run: PriorityRun) -> Outcome:
         f"- queue.priority_slot_handover: the freed blocker's release signalled (its history) "
         f"-> the priority-1 job's prompt started at the simulator: {fmt(handover)} ms (release "
         f"-> grant received {ms(granted, released)} ms, grant -> prompt started "
-        f"{ms(start, granted)} ms). Before it, from the blocker's prompt ended (interrupted) to "
+        f"{ms(start, granted)} ms; '-': its follow waited in line and saw the grant among the "
+        "queue's holders, which no history records). Before it, from the blocker's prompt "
+        "ended (interrupted) to "
         f"its release: {ms(released, freed_end)} ms, its stop confirming the prompt gone; from "
         f"the cancel sent to the prompt ended {ms(freed_end, run.freed_at)} ms.",
     ]
