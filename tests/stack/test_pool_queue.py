@@ -324,7 +324,9 @@ async def test_a_priority_1_job_behind_a_full_queue_starts_at_the_next_free_slot
     queue: Fleet,
 ) -> None:
     fleet = queue
-    ids = await submit(fleet, [request(100) for _ in range(9)], "line")
+    # Jobs of 4 s: all nine in line before the first holder ends, even when their checks
+    # straggle under load (at 1 s, a loaded CI machine once saw the line drain first).
+    ids = await submit(fleet, [request(400) for _ in range(9)], "line")
     await eventually(
         lambda: fleet.queue(),
         timeout_s=60,
