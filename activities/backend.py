@@ -209,10 +209,9 @@ class JobActivities:
         if req.prepare is None:
             pool, backend = self._backends.resolve(req.pool)
             return await self._given_back(req, pool, await backend.follow(_on_pool(req, pool)))
-        watch = self._slot_watch
         # Told a place, this check waits in line itself (no grant signal, no second follow).
-        waits = watch is not None and req.slot_wait_s > 0 and not req.slot_held
-        waits = waits and watch is not None and watch.has_room()
+        watch = self._slot_watch
+        waits = bool(req.slot_wait_s > 0 and not req.slot_held and watch and watch.has_room())
         try:
             prepared = await self._prepare(req.prepare, in_follow=waits)
         except ApplicationError as refusal:
@@ -225,9 +224,8 @@ class JobActivities:
             if not granted and waits and prepared.slot_asked:
                 granted = await self._wait_in_line(req, req.prepare, prepared.bound, prepared)
                 if granted:
-                    prepared = prepared.model_copy(
-                        update={"admission": _grant(req.prepare, prepared.bound)}
-                    )
+                    grant = _grant(req.prepare, prepared.bound)
+                    prepared = prepared.model_copy(update={"admission": grant})
             if not granted:
                 # Checked, and nothing reaches a bounded pool without a slot of its queue.
                 return activity_io.FollowResult(

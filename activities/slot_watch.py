@@ -29,7 +29,15 @@ import structlog
 from temporalio.client import Client, WorkflowQueryFailedError
 from temporalio.service import RPCError
 
-from workflows.admission import Admission, LinePlaces, SlotRequest, worth_telling
+from workflows.admission import (
+    TELL_PLACES_EVERY_S,
+    TELL_PLACES_TO,
+    Admission,
+    LinePlaces,
+    SlotRequest,
+    placed,
+    worth_telling,
+)
 from workflows.shared import QUERY_LINE_PLACES, QUERY_SLOT_HOLDERS, pool_queue_id
 
 log = structlog.get_logger(__name__)
@@ -40,9 +48,7 @@ POLL_S = 0.05
 MAX_POLL_S = 1.0
 POLL_SHARE_OF_A_START = 0.1
 # How often it reads its waiters' places (the dispatcher's own cadence for telling places).
-PLACES_EVERY_S = 10.0
-# A waiter hears its place again only among the first this many (as the dispatcher tells).
-TELL_PLACES_TO = 50
+PLACES_EVERY_S = TELL_PLACES_EVERY_S
 # How often the places of new waiters (not told one yet) are read: the first report of a job
 # asked by signal waits for its place, rather than say "not known yet".
 PLACES_AT_MOST_EVERY_S = 0.5
@@ -166,16 +172,14 @@ class _PoolWatch:
             log.info("pool_slot_asked_again", pool=self._pool, job_id=waiter.request.job_id)
 
     def _place(self, waiter: _Waiter, position: int, places: LinePlaces) -> Admission:
-        per_start = places.per_start_s
-        return Admission(
-            pool=self._pool,
-            job_id=waiter.request.job_id,
-            position=position,
-            ahead=position - 1,
+        return placed(
+            self._pool,
+            waiter.request.job_id,
+            position,
             waiting=places.waiting,
             priority=waiter.request.priority,
             tenant=waiter.request.tenant,
-            eta_s=None if per_start is None else round(position * per_start, 1),
+            per_start_s=places.per_start_s,
             as_of=datetime.now(UTC),
         )
 

@@ -151,6 +151,37 @@ class Admission(_Read):
     as_of: datetime | None = None
 
 
+# A waiting job hears its place again at most this often, and only among the first this many
+# (the dispatcher telling a job waiting by itself, or a worker whose follow waits in line).
+TELL_PLACES_EVERY_S = 10.0
+TELL_PLACES_TO = 50
+
+
+def placed(
+    pool: str,
+    job_id: str,
+    position: int,
+    *,
+    waiting: int,
+    priority: int,
+    tenant: str,
+    per_start_s: float | None,
+    as_of: datetime,
+) -> Admission:
+    """A waiting job's place as it hears it: 1 is next; its wait, `per_start_s` a start."""
+    return Admission(
+        pool=pool,
+        job_id=job_id,
+        position=position,
+        ahead=position - 1,
+        waiting=waiting,
+        priority=priority,
+        tenant=tenant,
+        eta_s=None if per_start_s is None else round(position * per_start_s, 1),
+        as_of=as_of,
+    )
+
+
 def worth_telling(told: int | None, position: int) -> bool:
     """Whether a waiting job last told `told` (None: never) hears its new `position`: when its
     place has halved since, or moved among the last three, or it was pushed back to twice as
@@ -540,16 +571,14 @@ class PoolLine:
     # -- inside -------------------------------------------------------------------------------
 
     def _admission(self, waiter: Waiter, position: int, now: datetime) -> Admission:
-        per_start = self._seconds_per_start()
-        return Admission(
-            pool=self.state.pool,
-            job_id=waiter.job_id,
-            position=position,
-            ahead=position - 1,
+        return placed(
+            self.state.pool,
+            waiter.job_id,
+            position,
             waiting=len(self._waiting),
             priority=waiter.priority,
             tenant=waiter.tenant,
-            eta_s=None if per_start is None else round(position * per_start, 1),
+            per_start_s=self._seconds_per_start(),
             as_of=now,
         )
 

@@ -34,6 +34,8 @@ from temporalio.exceptions import ActivityError
 with workflow.unsafe.imports_passed_through():
     from workflows import shared
     from workflows.admission import (
+        TELL_PLACES_EVERY_S,
+        TELL_PLACES_TO,
         Admission,
         Holder,
         LinePlaces,
@@ -47,11 +49,6 @@ with workflow.unsafe.imports_passed_through():
         worth_telling,
     )
 
-# A waiting job hears its new place in line at most this often (and only when it is worth a
-# signal: admission.worth_telling).
-TELL_POSITIONS_EVERY_S = 10.0
-# How many waiting jobs (the first in line) may hear their place again each time.
-TELL_POSITIONS_TO = 50
 # At most this many places are told in one pass of the loop, so that a slot freed meanwhile
 # is granted after one such batch at the most, not after a whole line's.
 TELL_AT_ONCE = 100
@@ -148,7 +145,7 @@ class PoolQueue:
                     # More to tell: the next pass goes on (after any grant due meanwhile).
                     self._news = True
                 if refresh:
-                    next_telling = now + timedelta(seconds=TELL_POSITIONS_EVERY_S)
+                    next_telling = now + timedelta(seconds=TELL_PLACES_EVERY_S)
             self._metrics.depth(self._line)
         reclaim.cancel()
         ticker.cancel()
@@ -217,12 +214,12 @@ class PoolQueue:
                 untold_left -= 1
             elif (
                 refresh
-                and position <= TELL_POSITIONS_TO
+                and position <= TELL_PLACES_TO
                 and worth_telling(self._told.get(job_id), position)
                 and not self._line.watched(job_id)
             ):
                 tellings.append((job_id, position))
-            elif untold_left == 0 and (not refresh or position > TELL_POSITIONS_TO):
+            elif untold_left == 0 and (not refresh or position > TELL_PLACES_TO):
                 break  # nothing further down the line to tell
         for job_id, position in tellings:
             self._untold.discard(job_id)
@@ -256,7 +253,7 @@ class PoolQueue:
         while True:
             await workflow.wait_condition(lambda: self._line.waiting > 0)
             await workflow.sleep(
-                timedelta(seconds=TELL_POSITIONS_EVERY_S), summary="places and version"
+                timedelta(seconds=TELL_PLACES_EVERY_S), summary="places and version"
             )
             self._news = True
 
