@@ -33,6 +33,7 @@ from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxR
 
 from activities import live_progress
 from activities.backend import Backend, Backends, JobActivities
+from activities.batches import BatchActivities
 from activities.comfyui.backend import ComfyBackend
 from activities.comfyui.pools import ComfyPools
 from activities.heartbeat_budget import HeartbeatBudget
@@ -64,6 +65,7 @@ from starter.errors import ChecksFailed
 from starter.exit import exit_without_finalizing
 from workflows.errors import RunPodAuthError, RunPodError, RunPodRefused, StorageConfigError
 from workflows.inference_job import InferenceJob
+from workflows.job_batch import JobBatch
 from workflows.pool_queue import PoolQueue
 
 log = structlog.get_logger("worker")
@@ -148,6 +150,7 @@ async def run_worker(
             followed_here=budget.is_following,
         )
         queues = PoolQueueActivities(client, sweeper)
+        batches = BatchActivities(client)
         jobs = JobActivities(
             Backends(settings.pools, settings.default_pool, by_kind),
             deliverer,
@@ -164,7 +167,7 @@ async def run_worker(
             client,
             task_queue=settings.task_queue,
             identity=live_progress.poller_identity(client.identity, live.url),
-            workflows=[InferenceJob, PoolQueue],
+            workflows=[InferenceJob, PoolQueue, JobBatch],
             activities=[
                 jobs.prepare_prompt,
                 jobs.follow_prompt,
@@ -173,6 +176,8 @@ async def run_worker(
                 deliverer.deliver_webhook,
                 queues.open_pool_queue,
                 queues.closed_jobs,
+                batches.cancel_batch_jobs,
+                batches.ended_batch_jobs,
             ],
             max_concurrent_activities=settings.max_concurrent_activities,
             max_cached_workflows=settings.max_cached_workflows,

@@ -55,8 +55,13 @@ _MAX_ANSWER_BYTES: Final = 4096
 
 def webhook_body(req: WebhookDeliveryInput) -> bytes:
     """The event as JSON; the same bytes on every attempt. An artifact goes without a presigned
-    URL (it would expire long before some retries): `uri` and `key` name it in the bucket."""
+    URL (it would expire long before some retries): `uri` and `key` name it in the bucket. A
+    batch's end is its summary (workflows/job_batch.py)."""
     entry = req.entry
+    if entry is None:
+        at = (req.batch or {}).get("ended_at")
+        batch = {"type": f"batch.{req.event}", "timestamp": at, "data": req.batch or {}}
+        return json.dumps(batch, separators=(",", ":")).encode()
     data: dict[str, Any] = {
         "job_id": req.job_id,
         "seq": entry.seq,

@@ -4,13 +4,17 @@ Everything a script needs is here: the client, the request and status models, an
 the client raises (all `ClientError`s; `starter.errors` draws their tree).
 """
 
+from starter.batches import BatchSubmitted
 from starter.client import JobClient, SubmitOutcome
 from starter.connection import connect_temporal
 from starter.errors import (
+    BatchConflict,
+    BatchNotFound,
     ClientError,
     ContactLost,
     InputFileError,
     InputNeedsStaging,
+    InvalidBatch,
     InvalidJobId,
     InvalidOverride,
     JobAlreadyEnded,
@@ -32,6 +36,7 @@ from starter.errors import (
 )
 from starter.exit import exit_without_finalizing
 from starter.requests import load_graph, request_from_files
+from workflows.batches import BatchRequest, BatchResults, BatchState, BatchStatus
 from workflows.contracts import (
     Artifact,
     CancelRequest,
@@ -45,11 +50,19 @@ from workflows.contracts import (
 
 __all__ = [
     "Artifact",
+    "BatchConflict",
+    "BatchNotFound",
+    "BatchRequest",
+    "BatchResults",
+    "BatchState",
+    "BatchStatus",
+    "BatchSubmitted",
     "CancelRequest",
     "ClientError",
     "ContactLost",
     "InputFileError",
     "InputNeedsStaging",
+    "InvalidBatch",
     "InvalidJobId",
     "InvalidOverride",
     "JobAlreadyEnded",

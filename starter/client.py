@@ -17,14 +17,19 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hashlib
-import json
 import random
 import re
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Iterator
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Callable,
+    Coroutine,
+    Iterator,
+    Sequence,
+)
 from contextlib import aclosing, contextmanager
 from datetime import timedelta
 from pathlib import Path, PurePosixPath
@@ -56,6 +61,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from configuration.settings import ClientSettings
 from starter import errors
+from starter.batches import BatchMethods, BatchSubmitted
 from starter.connection import (
     connect_failure_gist,
     connect_target,
@@ -75,11 +81,12 @@ from starter.progress import (
     overlaid,
 )
 from starter.queues import RoomCheck, pool_queue, release_slot, with_queue_position
-from starter.requests import check_segment_overrides
+from starter.requests import check_segment_overrides, request_sha256
 from starter.staging import stage_inputs
 from starter.worker_wait import WAIT_STATES, QueueReader, with_worker_wait
 from workflows.activity_io import FollowHeartbeat
 from workflows.admission import PoolQueueView
+from workflows.batches import BatchRequest, BatchResults, BatchStatus
 from workflows.contracts import (
     Artifact,
     CancelRequest,
@@ -187,12 +194,6 @@ class SubmitOutcome(BaseModel):
     status: JobStatus
 
 
-def request_sha256(request: JobRequest) -> str:
-    """A fingerprint of the request that ignores key order (graphs come from hand-edited JSON)."""
-    canonical = json.dumps(request.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode()).hexdigest()
-
-
 def _client_errors(
     method: Callable[Concatenate[JobClient, P], Coroutine[Any, Any, R]],
 ) -> Callable[Concatenate[JobClient, P], Coroutine[Any, Any, R]]:
@@ -207,7 +208,7 @@ def _client_errors(
     return translated
 
 
-class JobClient:
+class JobClient(BatchMethods):
     """Async client for durable-comfy jobs.
 
     `JobClient.connect()` reads the same settings as the CLI: Temporal's (TEMPORAL_ADDRESS, a
@@ -506,6 +507,72 @@ class JobClient:
             raise errors.JobConflict(job_id, str(stored), fingerprint)
         status = await self.status(job_id)
         return SubmitOutcome(job_id=job_id, existed=True, status=status)
+
+    # -- batches (starter/batches.py) ----------------------------------------------------------
+
+    @_client_errors
+    async def submit_batch(
+        self,
+        batch: BatchRequest | Sequence[JobRequest],
+        *,
+        batch_id: str | None = None,
+        detached: bool = True,
+    ) -> BatchSubmitted:
+        """Start a batch: many ordinary jobs, one ID to follow, cancel and collect them by.
+
+        `batch`: the jobs' requests, or a `BatchRequest` (`request` with `count`: seeds varied;
+        with `overrides`: one per job; and the batch's `webhook`, fired once at its end). Every
+        job is checked first, and the queue's room for all of them: a batch that cannot start
+        whole starts nothing (`InvalidBatch`, `QueueFull`, `RequestTooLarge`). `batch_id` is an
+        idempotency key as a job's ID is: the same batch again starts only the jobs missing
+        from it (`existed=True`), another under it raises `BatchConflict`. Its jobs are
+        `<batch_id>-0001`...; each is an ordinary job (its own status, its tenant's fair share).
+        """
+        return await self._submit_batch(batch, batch_id=batch_id, detached=detached)
+
+    @_client_errors
+    async def batch_status(self, batch_id: str) -> BatchStatus:
+        """Counts by state, progress, cost and artifacts, and its jobs: one query of the batch,
+        and (while jobs run) one list call for their states now. `BatchNotFound`."""
+        return await self._batch_status(batch_id)
+
+    @_client_errors
+    async def cancel_batch(
+        self, batch_id: str, reason: str = "batch cancelled by a client"
+    ) -> BatchStatus:
+        """Stop every unfinished job of the batch (each confirmed as one cancelled job is);
+        answers at once, CANCELLING until every job has ended. A batch that ended stays as it
+        is."""
+        return await self._cancel_batch(batch_id, reason)
+
+    @_client_errors
+    async def batch_results(self, batch_id: str, *, presign: bool = True) -> BatchResults:
+        """Every ended job's end: state, error, cost and artifacts (with presigned URLs when
+        the client has the bucket and `presign`)."""
+        results = await self._batch_results(batch_id)
+        if not presign or self.store is None:
+            return results
+        ends = []
+        for end in results.ends:
+            artifacts = [await self._presigned(artifact) for artifact in end.artifacts]
+            ends.append(end.model_copy(update={"artifacts": artifacts}))
+        return results.model_copy(update={"ends": ends})
+
+    async def watch_batch(
+        self, batch_id: str, *, interval_s: float = 1.0
+    ) -> AsyncIterator[BatchStatus]:
+        """The batch's status each time it changes, until it has ended."""
+        with self.translated_errors():
+            async for status in self._watch_batch(batch_id, interval_s):
+                yield status
+
+    @_client_errors
+    async def wait_batch(self, batch_id: str, *, interval_s: float = 1.0) -> BatchStatus:
+        """The batch's status once every job has ended."""
+        async for status in self._watch_batch(batch_id, interval_s):
+            if status.terminal:
+                return status
+        return await self._batch_status(batch_id)
 
     # -- reading ------------------------------------------------------------------------------
 

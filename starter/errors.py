@@ -13,6 +13,10 @@
     ├── UnsafeArtifactKey    an artifact whose key would leave the download directory
     ├── JobNotFound          no job with that ID in this namespace
     ├── JobConflict          the ID is taken by a different request
+    ├── InvalidBatch         a batch that cannot start as sent (two tenants, over 1,000 jobs,
+    │                        an override that fits no node); nothing was started
+    ├── BatchNotFound        no batch with that ID in this namespace
+    ├── BatchConflict        the batch ID is taken by a different batch
     ├── JobAlreadyEnded      the action needs a job that still runs; `.status` is its final one
     ├── ResumeRefused        the job turned the resume down; `.reason` says why
     ├── TemporalUnreachable  no connection to the Temporal server, or no answer in time
@@ -158,6 +162,28 @@ class JobConflict(ClientError):
         self.job_id = job_id
         self.existing_sha256 = existing_sha256
         self.requested_sha256 = requested_sha256
+
+
+class InvalidBatch(ClientError):
+    """A batch that cannot start as sent; nothing of it was started."""
+
+
+class BatchNotFound(ClientError):
+    def __init__(self, batch_id: str) -> None:
+        super().__init__(f"no batch {batch_id!r} in this namespace")
+        self.batch_id = batch_id
+
+
+class BatchConflict(ClientError):
+    """The batch ID is in use by a batch with other jobs."""
+
+    def __init__(self, batch_id: str) -> None:
+        super().__init__(
+            f"batch ID {batch_id!r} is already used by a batch of other jobs; nothing was "
+            "submitted: pick another ID, or look at it with "
+            f"`durable-comfy batch status {batch_id}`"
+        )
+        self.batch_id = batch_id
 
 
 class JobAlreadyEnded(ClientError):

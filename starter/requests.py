@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import re
 from collections.abc import Mapping, Sequence
@@ -131,3 +132,9 @@ def check_segment_overrides(
                     )
     if problems:
         raise InvalidOverride("; ".join(problems))
+
+
+def request_sha256(request: JobRequest) -> str:
+    """A fingerprint of the request that ignores key order (graphs come from hand-edited JSON)."""
+    canonical = json.dumps(request.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()

@@ -129,5 +129,6 @@ async def stop(req: StopInput) -> StopCheck:
 
 async def deliver_webhook(req: WebhookDeliveryInput) -> WebhookAttempt:
     # One attempt per call: the workflow schedules retries itself, jittered (workflows/webhooks.py).
-    summary = f"webhook {req.event} (seq {req.entry.seq}, attempt {req.attempt})"
+    what = f"seq {req.entry.seq}" if req.entry is not None else "batch"
+    summary = f"webhook {req.event} ({what}, attempt {req.attempt})"
     return await _DELIVER_WEBHOOK.run(req, summary)

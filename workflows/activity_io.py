@@ -321,8 +321,11 @@ class WebhookDeliveryInput(StrictModel):
     url: str
     webhook_id: str
     event: WebhookEventName
-    entry: JobEvent
+    # The job's journal entry; None for a batch's end, whose summary is `batch`.
+    entry: JobEvent | None = None
     attempt: int = 1
+    # A batch's end (workflows/job_batch.py): its summary, sent as `batch.<event>`.
+    batch: dict[str, Any] | None = None
 
 
 class WebhookAttempt(StrictModel):

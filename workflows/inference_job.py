@@ -21,6 +21,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows import activity_calls as calls
     from workflows import shared
     from workflows.activity_io import PreparedJob, PrepareInput
+    from workflows.batches import tell_batch
     from workflows.contracts import (
         CancelRequest,
         EventsQuery,
@@ -48,8 +49,6 @@ with workflow.unsafe.imports_passed_through():
     name=shared.WORKFLOW_TYPE, failure_exception_types=[ValidationError, GraphFormatError]
 )
 class InferenceJob:
-    _work: asyncio.Task[JobCarry | None] | None
-
     @workflow.run
     async def run(self, raw_input: RawValue) -> JobStatus:
         """The job to its end state; every way out stops the prompt and keeps the outputs."""
@@ -58,7 +57,7 @@ class InferenceJob:
         self._book.set_state(known_state(self._status.state) if self._carry else JobState.QUEUED)
         if self._webhooks is not None:
             self._webhooks.start()
-        self._work = asyncio.create_task(self._run_job())
+        self._work: asyncio.Task[JobCarry | None] | None = asyncio.create_task(self._run_job())
         if self._controls.stop is not None:
             self._work.cancel()  # cancelled while still queued: nothing to run
         guards_running = start_guards(self._request.policy, self._book, self._stop, self._slot)
@@ -73,8 +72,8 @@ class InferenceJob:
             workflow.continue_as_new(JobInput(request=self._request, carry=carry))
         await self._finish_uncancellable(outcome)
         await self._slot.given_back()
-        # The job has ended (and says so to every client); its last events may still be on
-        # their way to the webhook.
+        await tell_batch(self._request.labels, self._status)
+        # Ended (every client sees it); its last events may still be on their way to the webhook.
         if self._webhooks is not None:
             await self._webhooks.deliver_the_rest()
         await workflow.wait_condition(workflow.all_handlers_finished)
@@ -182,6 +181,7 @@ class InferenceJob:
         self._book.decided(StopOrder(JobState.FAILED, refusal.error))
         self._book.nothing_to_stop()
         self._book.set_state(JobState.FAILED)
+        await tell_batch(self._request.labels, self._status)
         await workflow.wait_condition(workflow.all_handlers_finished)
         self._book.send_search_attributes()
         error, details = refusal.error, {"problems": refusal.problems}

@@ -55,6 +55,21 @@ FOLLOW_WAITS_IN_LINE_S: Final = 600.0
 QUERY_ROOM: Final = "room"
 
 
+# Batches (workflows/job_batch.py): one `JobBatch` workflow per batch, whose ID is the batch's;
+# each of its jobs carries the `batch` label and signals `job_ended` once it is terminal.
+BATCH_WORKFLOW_TYPE: Final = "JobBatch"
+BATCH_LABEL: Final = "batch"
+SIGNAL_BATCH_JOB_ENDED: Final = "job_ended"
+# The client that started the batch's jobs says it started every one.
+SIGNAL_BATCH_SUBMITTED: Final = "submitted"
+UPDATE_BATCH_CANCEL: Final = "cancel"
+QUERY_BATCH_STATUS: Final = "status"
+QUERY_BATCH_RESULTS: Final = "results"
+# Every unfinished job of a cancelled batch told to stop; its jobs that ended unheard.
+ACTIVITY_CANCEL_BATCH_JOBS: Final = "cancel_batch_jobs"
+ACTIVITY_ENDED_BATCH_JOBS: Final = "ended_batch_jobs"
+
+
 def pool_queue_id(task_queue: str, pool: str) -> str:
     """The dispatcher's workflow id: one per pool of each task queue's workers."""
     return f"durable-comfy-pool-queue:{task_queue}:{pool}"
@@ -130,6 +145,8 @@ class ErrorType:
     CANCELLED: Final = "Cancelled"
     RESUME_REFUSED: Final = "ResumeRefused"  # the resume update's refusal (the job goes on)
     ABANDONED: Final = "Abandoned"
+    # A batch's job that its client never started (workflows/job_batch.py).
+    NEVER_STARTED: Final = "NeverStarted"
 
 
 def reconnect_delay(attempt: int, base_s: float, max_s: float, u: float) -> float:

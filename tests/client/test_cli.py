@@ -30,9 +30,8 @@ from starter.cli import build_app
 from starter.cli.common import ExitCode
 from starter.cli.control import table_lines
 from starter.cli.render import Followed, stream_json, summary_lines
-from starter.client import request_sha256
 from starter.errors import InvalidOverride, RequestTooLarge
-from starter.requests import check_segment_overrides, request_from_files
+from starter.requests import check_segment_overrides, request_from_files, request_sha256
 from tests.conftest import free_port
 from tests.support.cli import (
     EXAMPLE,

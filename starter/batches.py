@@ -1,0 +1,352 @@
+"""Batches on the client's side: starting one (its workflow, then its jobs), reading it, cancelling
+it, collecting its results. `JobClient.submit_batch` and its neighbours call these.
+
+Every job of a batch is checked before anything starts (its overrides, its size, the room its
+pool's queue has for all of them at once): a bad batch starts nothing. Then the batch's workflow
+starts with the jobs' IDs (`<batch>-0001`, ...), then the jobs, several at once, each an ordinary
+job with the `batch` label, then the client says `submitted`. Submitting the same batch again
+under its ID starts only what is missing (the client stopped half-way) and changes nothing else.
+
+The batch's status is one query of its workflow (the ended jobs: how, what they cost and made)
+and, while jobs still run, one list call of Temporal's visibility store for their states now
+(the `JobState` and `JobProgress` search attributes every job keeps).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import re
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Sequence
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any, Final
+
+import structlog
+from pydantic import BaseModel, ConfigDict
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowUpdateFailedError
+from temporalio.common import (
+    SearchAttributeKey,
+    SearchAttributePair,
+    TypedSearchAttributes,
+    WorkflowIDConflictPolicy,
+    WorkflowIDReusePolicy,
+)
+from temporalio.exceptions import WorkflowAlreadyStartedError
+from temporalio.service import RPCError, RPCStatusCode
+
+from starter import errors
+from starter.queues import queue_room
+from starter.requests import check_segment_overrides, request_sha256
+from starter.staging import stage_inputs
+from workflows.batches import (
+    BATCH_ID_PATTERN,
+    MAX_BATCH_JOBS,
+    BatchCancel,
+    BatchInput,
+    BatchJob,
+    BatchRequest,
+    BatchResults,
+    BatchStatus,
+    batch_job_id,
+)
+from workflows.contracts import JobRequest, JobState
+from workflows.errors import GraphFormatError
+from workflows.shared import (
+    BATCH_LABEL,
+    BATCH_WORKFLOW_TYPE,
+    DEFAULT_TENANT,
+    PROGRESS_KEY,
+    QUERY_BATCH_RESULTS,
+    QUERY_BATCH_STATUS,
+    SA_TENANT,
+    SIGNAL_BATCH_SUBMITTED,
+    STATE_KEY,
+    TENANT_LABEL,
+    UPDATE_BATCH_CANCEL,
+)
+
+if TYPE_CHECKING:
+    from activities.storage import ArtifactStore
+
+log = structlog.get_logger(__name__)
+
+# Jobs started at once: enough to keep the server busy, few enough not to crowd out the jobs
+# already running (measured by `make bench BENCH=batch`).
+STARTS_AT_ONCE: Final = 32
+MEMO_BATCH_SHA256: Final = "batch_sha256"
+_TENANT_KEY: Final = SearchAttributeKey.for_keyword(SA_TENANT)
+
+
+class BatchSubmitted(BaseModel):
+    """What `JobClient.submit_batch` did."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    batch_id: str
+    # True: a batch with this ID and these jobs existed; only jobs missing from it were started.
+    existed: bool
+    job_ids: list[str]
+    # Jobs this call started (all of them for a new batch).
+    started: int
+    status: BatchStatus
+
+
+def checked_batch_id(batch_id: str) -> str:
+    if not re.match(BATCH_ID_PATTERN, batch_id):
+        raise errors.InvalidJobId(
+            f"batch id {batch_id!r} is not valid: use 1-190 characters from A-Z a-z 0-9 _ . : -"
+        )
+    return batch_id
+
+
+def batch_requests(batch: BatchRequest | Sequence[JobRequest]) -> tuple[list[JobRequest], Any]:
+    """The jobs' requests, and the batch's webhook."""
+    if isinstance(batch, BatchRequest):
+        try:
+            return batch.expanded(), batch.webhook
+        except GraphFormatError as exc:
+            raise errors.InvalidBatch(
+                f"the batch's overrides do not fit its graph: {exc}"
+            ) from None
+    requests = list(batch)
+    if not requests:
+        raise errors.InvalidBatch("the batch has no jobs: send at least one request")
+    if len(requests) > MAX_BATCH_JOBS:
+        raise errors.InvalidBatch(
+            f"the batch has {len(requests):,} jobs; a batch holds at most {MAX_BATCH_JOBS:,}: "
+            "send several batches"
+        )
+    return requests, None
+
+
+def _tenant_of(requests: Sequence[JobRequest]) -> str:
+    tenants = {request.labels.get(TENANT_LABEL) or DEFAULT_TENANT for request in requests}
+    if len(tenants) > 1:
+        raise errors.InvalidBatch(
+            f"a batch belongs to one tenant, and its requests name {len(tenants)} "
+            f"({', '.join(sorted(tenants)[:5])}): send one batch per tenant"
+        )
+    return tenants.pop()
+
+
+def _fingerprint(fingerprints: Sequence[str], webhook: Any) -> str:
+    shown = webhook.model_dump(mode="json") if webhook is not None else None
+    canonical = json.dumps([list(fingerprints), shown], separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+class BatchMethods:
+    """`JobClient`'s batch methods (it inherits them): what they need of the client is declared
+    here, so this module never imports the client's."""
+
+    temporal: Client
+    task_queue: str
+    store: ArtifactStore | None
+    default_pool: str | None
+
+    async def _check_size(self, request: JobRequest) -> None:
+        raise NotImplementedError
+
+    async def _start_new(self, request: JobRequest, job_id: str, fingerprint: str) -> Any:
+        raise NotImplementedError
+
+    async def _submit_batch(
+        self,
+        batch: BatchRequest | Sequence[JobRequest],
+        *,
+        batch_id: str | None = None,
+        detached: bool = True,
+    ) -> BatchSubmitted:
+        batch_id = checked_batch_id(batch_id or f"batch-{uuid.uuid4().hex[:16]}")
+        requests, webhook = batch_requests(batch)
+        tenant = _tenant_of(requests)
+        job_ids = [batch_job_id(batch_id, index) for index in range(len(requests))]
+        prepared: list[tuple[JobRequest, str]] = []
+        for index, request in enumerate(requests):
+            try:
+                check_segment_overrides(request.graph, request.segments)
+            except errors.InvalidOverride as exc:
+                raise errors.InvalidBatch(f"job {index + 1} of the batch: {exc}") from None
+            labels = {**request.labels, BATCH_LABEL: batch_id}
+            request = request.model_copy(update={"labels": labels})
+            request = await stage_inputs(request, self.store)
+            fingerprint = request_sha256(request)
+            if detached:
+                policy = request.policy.model_copy(update={"abandon_after_s": None})
+                request = request.model_copy(update={"policy": policy})
+            await self._check_size(request)
+            prepared.append((request, fingerprint))
+        sha = _fingerprint([fingerprint for _, fingerprint in prepared], webhook)
+        try:
+            await self._refuse_batch_when_full([request for request, _ in prepared], tenant)
+        except errors.QueueFull:
+            if not await self._batch_exists(batch_id):
+                raise  # a resubmission of a batch that got in is never refused
+        existed = await self._start_batch_workflow(batch_id, tenant, job_ids, webhook, sha)
+        gate = asyncio.Semaphore(STARTS_AT_ONCE)
+
+        async def start(job_id: str, request: JobRequest, fingerprint: str) -> bool:
+            async with gate:
+                outcome = await self._start_new(request, job_id, fingerprint)
+                return not outcome.existed
+
+        started = await asyncio.gather(
+            *(
+                start(job_id, request, fingerprint)
+                for job_id, (request, fingerprint) in zip(job_ids, prepared, strict=True)
+            )
+        )
+        await self.temporal.get_workflow_handle(batch_id).signal(SIGNAL_BATCH_SUBMITTED)
+        log.info("batch_submitted", batch_id=batch_id, jobs=len(job_ids), started=sum(started))
+        return BatchSubmitted(
+            batch_id=batch_id,
+            existed=existed,
+            job_ids=job_ids,
+            started=sum(started),
+            status=await self._batch_status(batch_id),
+        )
+
+    async def _batch_exists(self, batch_id: str) -> bool:
+        try:
+            await self.temporal.get_workflow_handle(batch_id).describe()
+        except RPCError as exc:
+            if exc.status == RPCStatusCode.NOT_FOUND:
+                return False
+            raise
+        return True
+
+    async def _start_batch_workflow(
+        self, batch_id: str, tenant: str, job_ids: list[str], webhook: Any, sha: str
+    ) -> bool:
+        """Start the batch's workflow; True when one with the same jobs exists (BatchConflict
+        when the ID holds another batch)."""
+        inp = BatchInput(
+            batch_id=batch_id,
+            tenant=tenant,
+            job_ids=job_ids,
+            webhook=webhook,
+            created_at=datetime.now(UTC),
+        )
+        try:
+            await self.temporal.start_workflow(
+                BATCH_WORKFLOW_TYPE,
+                inp,
+                id=batch_id,
+                task_queue=self.task_queue,
+                id_conflict_policy=WorkflowIDConflictPolicy.FAIL,
+                id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
+                search_attributes=TypedSearchAttributes([SearchAttributePair(_TENANT_KEY, tenant)]),
+                memo={MEMO_BATCH_SHA256: sha},
+                static_summary=f"batch of {len(job_ids)} jobs (tenant {tenant})",
+            )
+            return False
+        except WorkflowAlreadyStartedError:
+            pass
+        description = await self.temporal.get_workflow_handle(batch_id).describe()
+        if await description.memo_value(MEMO_BATCH_SHA256, None) != sha:
+            raise errors.BatchConflict(batch_id)
+        return True
+
+    async def _refuse_batch_when_full(self, requests: Sequence[JobRequest], tenant: str) -> None:
+        """`QueueFull` before anything starts when a pool's queue has no room for all of the
+        batch's jobs for it (a batch is never half-admitted)."""
+        by_pool = Counter(request.pool or self.default_pool for request in requests)
+        for pool, wanted in by_pool.items():
+            if pool is None:
+                continue
+            room = await queue_room(self.temporal, self.task_queue, pool, tenant)
+            if room.full:
+                reason = room.reason
+            elif room.headroom is not None and room.headroom < wanted:
+                reason = (
+                    f"the batch has {wanted} jobs for pool {pool!r}, and its queue has room for "
+                    f"{room.headroom} more of tenant {tenant!r}"
+                )
+            else:
+                continue
+            raise errors.QueueFull(pool, tenant, reason, room.retry_after_s)
+
+    async def _batch_status(self, batch_id: str) -> BatchStatus:
+        """The batch's own record, with the states its unfinished jobs show now."""
+        handle = self.temporal.get_workflow_handle(checked_batch_id(batch_id))
+        try:
+            status: BatchStatus = await handle.query(QUERY_BATCH_STATUS, result_type=BatchStatus)
+        except RPCError as exc:
+            if exc.status == RPCStatusCode.NOT_FOUND:
+                raise errors.BatchNotFound(batch_id) from None
+            raise
+        if status.terminal:
+            return status
+        return await self._with_live_states(status)
+
+    async def _with_live_states(self, status: BatchStatus) -> BatchStatus:
+        unfinished = {job.job_id for job in status.jobs if job.state is None}
+        if not unfinished:
+            return status
+        live: dict[str, tuple[str, int]] = {}
+        query = f'WorkflowId STARTS_WITH "{status.batch_id}-" AND ExecutionStatus = "Running"'
+        async for execution in self.temporal.list_workflows(query, page_size=1000):
+            if execution.id not in unfinished:
+                continue
+            if execution.status != WorkflowExecutionStatus.RUNNING:
+                continue
+            attributes = execution.typed_search_attributes
+            live[execution.id] = (
+                attributes.get(STATE_KEY) or JobState.QUEUED.value,
+                attributes.get(PROGRESS_KEY) or 0,
+            )
+        jobs: list[BatchJob] = []
+        counts = Counter(status.counts)
+        progress = float(status.ended)
+        for job in status.jobs:
+            if job.state is None and job.job_id in live:
+                state, percent = live[job.job_id]
+                job = job.model_copy(update={"state": state, "percent": percent})
+                counts[state] += 1
+                progress += min(100, max(0, percent)) / 100
+            jobs.append(job)
+        total = status.total or 1
+        return status.model_copy(
+            update={"jobs": jobs, "counts": dict(counts), "progress": round(progress / total, 4)}
+        )
+
+    async def _cancel_batch(self, batch_id: str, reason: str) -> BatchStatus:
+        handle = self.temporal.get_workflow_handle(checked_batch_id(batch_id))
+        try:
+            await handle.execute_update(
+                UPDATE_BATCH_CANCEL, BatchCancel(reason=reason), result_type=BatchStatus
+            )
+        except RPCError as exc:
+            if exc.status != RPCStatusCode.NOT_FOUND:
+                raise
+            # Not found, or closed already (every job ended): its record says which.
+        except WorkflowUpdateFailedError as exc:
+            raise errors.InvalidBatch(f"cancel refused: {exc.cause}") from None
+        return await self._batch_status(batch_id)
+
+    async def _batch_results(self, batch_id: str) -> BatchResults:
+        handle = self.temporal.get_workflow_handle(checked_batch_id(batch_id))
+        try:
+            results: BatchResults = await handle.query(
+                QUERY_BATCH_RESULTS, result_type=BatchResults
+            )
+        except RPCError as exc:
+            if exc.status == RPCStatusCode.NOT_FOUND:
+                raise errors.BatchNotFound(batch_id) from None
+            raise
+        return results
+
+    async def _watch_batch(self, batch_id: str, interval_s: float) -> AsyncIterator[BatchStatus]:
+        last: tuple[Any, ...] | None = None
+        while True:
+            status = await self._batch_status(batch_id)
+            shown = (status.state, status.seq, tuple(sorted(status.counts.items())))
+            if shown != last or status.terminal:
+                last = shown
+                yield status
+            if status.terminal:
+                return
+            await asyncio.sleep(interval_s)

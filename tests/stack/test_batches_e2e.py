@@ -1,0 +1,230 @@
+"""Batches end to end on the real local stack: a worker in this process whose pool is bounded
+(so a batch's jobs wait in our queue, and cancels find them at every stage), a webhook receiver
+on 127.0.0.1 that checks signatures, batches through `JobClient`."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import pytest_asyncio
+from temporalio.api.enums.v1 import EventType
+
+from activities.storage import ArtifactStore
+from configuration.settings import WebhookSettings, WorkerSettings
+from devstack.config import PoolConfig
+from devstack.models import RunningStack
+from starter import BatchConflict, BatchRequest, BatchState, InvalidBatch, JobClient, JobRequest
+from starter.connection import connect_temporal
+from tests.support.cli import example, s3_settings
+from tests.support.webhook_receiver import WebhookReceiver, signing_secret
+from worker import run_worker
+from workflows.batches import BatchStatus
+from workflows.contracts import JobState, JobStatus, WebhookSpec
+from workflows.job_input import JobInput
+
+SECRET = signing_secret("batches e2e")
+POOL = "gpu"
+ONE = "one"
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def client(local_stack: RunningStack) -> AsyncIterator[JobClient]:
+    """A worker with two bounded pools on the stack's simulator (`gpu`: 2 at once, `one`: 1),
+    a webhook secret for the tenants, and its client."""
+    stack = local_stack
+    task_queue = f"batches-{uuid.uuid4().hex[:8]}"
+    settings = WorkerSettings(
+        task_queue=task_queue,
+        pools={
+            POOL: PoolConfig(kind="comfyui", url=stack.comfyui_url, max_running=2),
+            ONE: PoolConfig(kind="comfyui", url=stack.comfyui_url, max_running=1),
+        },
+        default_pool=POOL,
+    )
+    webhooks = WebhookSettings(
+        secrets={"local": SECRET, "acme": SECRET}, allow_hosts=("127.0.0.1",)
+    )
+    temporal = await connect_temporal(stack.temporal_address, stack.namespace)
+    stop = asyncio.Event()
+    running = asyncio.create_task(
+        run_worker(settings, s3_settings(stack), stop=stop, client=temporal, webhooks=webhooks)
+    )
+    try:
+        async with ArtifactStore(s3_settings(stack)) as store:
+            yield JobClient(temporal, task_queue=task_queue, store=store, default_pool=POOL)
+    finally:
+        stop.set()
+        await asyncio.wait_for(running, timeout=30)
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def receiver() -> AsyncIterator[WebhookReceiver]:
+    running = WebhookReceiver(SECRET)
+    await running.start()
+    try:
+        yield running
+    finally:
+        await running.stop()
+
+
+async def until(client: JobClient, batch_id: str, check: Any, what: str) -> BatchStatus:
+    """The batch's status once `check` holds (a bound so that a hang fails, not a timing)."""
+    for _ in range(900):
+        status = await client.batch_status(batch_id)
+        if check(status):
+            return status
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"never: {what}; last {status.model_dump(exclude={'jobs'})}")
+
+
+async def job_request_of(client: JobClient, job_id: str) -> JobRequest:
+    """The request the job was started with, from the first event of its history."""
+    async for event in client.handle(job_id).fetch_history_events():
+        assert event.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_STARTED
+        payloads = event.workflow_execution_started_event_attributes.input.payloads
+        [raw] = await client.temporal.data_converter.decode(payloads, [JobInput])
+        assert isinstance(raw, JobInput)
+        return raw.request
+    raise AssertionError("no history")
+
+
+async def test_a_batch_of_20_three_cancelled_one_by_one_then_the_batch_ends_every_job_once(
+    client: JobClient, receiver: WebhookReceiver
+) -> None:
+    template = JobRequest(graph=example(steps=1000), labels={"tenant": "acme"})
+    webhook = WebhookSpec(url=receiver.url, retry_horizon_s=60.0)
+    submitted = await client.submit_batch(BatchRequest(request=template, count=20, webhook=webhook))
+    batch_id, job_ids = submitted.batch_id, submitted.job_ids
+    assert len(job_ids) == 20 and submitted.started == 20 and not submitted.existed
+    assert job_ids[0] == f"{batch_id}-0001" and job_ids[-1] == f"{batch_id}-0020"
+    await until(client, batch_id, lambda s: s.counts.get("RUNNING", 0) >= 1, "a job runs")
+
+    # Three jobs cancelled one by one, as single jobs: one that may run, two still waiting.
+    for job_id in (job_ids[0], job_ids[10], job_ids[19]):
+        await client.cancel(job_id, "not this one")
+        final = await client.wait(job_id)
+        assert final.state == JobState.CANCELLED
+    heard = await until(
+        client, batch_id, lambda s: s.ended >= 3, "the batch hears the three cancels"
+    )
+    assert heard.counts.get("CANCELLED", 0) >= 3 and heard.state == BatchState.RUNNING
+
+    cancelling = await client.cancel_batch(batch_id, "enough")
+    assert cancelling.state in (BatchState.CANCELLING, BatchState.CANCELLED)
+    final_batch = await client.wait_batch(batch_id, interval_s=0.2)
+    assert final_batch.state == BatchState.CANCELLED
+    assert final_batch.total == 20 and final_batch.ended == 20
+    assert sum(final_batch.counts.values()) == 20
+
+    # Every job ended, each as the batch counted it, each stop confirmed as one job's is.
+    statuses: list[JobStatus] = [await client.status(job_id) for job_id in job_ids]
+    assert all(status.terminal for status in statuses)
+    assert Counter(str(status.state) for status in statuses) == Counter(final_batch.counts)
+    for status in statuses:
+        if status.state == JobState.CANCELLED:
+            assert status.teardown.state in ("CONFIRMED", "SKIPPED"), status.teardown
+    by_job = {job.job_id: str(job.state) for job in final_batch.jobs}
+    assert by_job == {status.job_id: str(status.state) for status in statuses}
+    assert final_batch.counts.get("CANCELLED", 0) >= 3
+
+    # One webhook, at the batch's end, with its summary, signed.
+    async def one_delivery() -> Any:
+        for _ in range(300):
+            delivered = [r for r in receiver.delivered() if r.type.startswith("batch.")]
+            if delivered:
+                return delivered
+            await asyncio.sleep(0.2)
+        raise AssertionError("the batch's webhook never came")
+
+    [delivery] = await one_delivery()
+    await asyncio.sleep(1.0)  # nothing more follows
+    assert [r.type for r in receiver.delivered() if r.type.startswith("batch.")] == [
+        "batch.cancelled"
+    ]
+    data = delivery.body["data"]
+    assert data["batch_id"] == batch_id and data["state"] == "CANCELLED"
+    assert data["counts"] == final_batch.counts and data["total"] == 20
+    assert not any(r.type.startswith("job.") for r in receiver.delivered())
+
+
+async def test_count_5_gives_five_jobs_with_distinct_seeds_that_all_complete(
+    client: JobClient,
+) -> None:
+    graph = example(steps=2)
+    submitted = await client.submit_batch(BatchRequest(request=JobRequest(graph=graph), count=5))
+    final = await client.wait_batch(submitted.batch_id, interval_s=0.2)
+    assert final.state == BatchState.COMPLETED
+    assert final.counts == {"COMPLETED": 5} and final.progress == 1.0
+    assert final.artifacts == 5
+    seeds = [
+        (await job_request_of(client, job_id)).graph["3"]["inputs"]["seed"]
+        for job_id in submitted.job_ids
+    ]
+    base = graph["3"]["inputs"]["seed"]
+    assert seeds == [base + n for n in range(5)]
+    results = await client.batch_results(submitted.batch_id)
+    assert [end.job_id for end in results.ends] == submitted.job_ids
+    assert all(len(end.artifacts) == 1 and end.artifacts[0].url for end in results.ends)
+
+
+async def test_the_same_batch_again_starts_nothing_and_another_under_its_id_is_refused(
+    client: JobClient,
+) -> None:
+    batch_id = f"batch-{uuid.uuid4().hex[:8]}"
+    batch = BatchRequest(request=JobRequest(graph=example(steps=1)), count=2)
+    first = await client.submit_batch(batch, batch_id=batch_id)
+    again = await client.submit_batch(batch, batch_id=batch_id)
+    assert again.existed and again.started == 0 and again.job_ids == first.job_ids
+    other = BatchRequest(request=JobRequest(graph=example(steps=1)), count=3)
+    with pytest.raises(BatchConflict):
+        await client.submit_batch(other, batch_id=batch_id)
+    assert (await client.wait_batch(batch_id, interval_s=0.2)).counts == {"COMPLETED": 2}
+
+
+async def test_a_batch_that_cannot_start_whole_starts_nothing(client: JobClient) -> None:
+    bad = [
+        JobRequest(graph=example(), labels={"tenant": "acme"}),
+        JobRequest(graph=example(), labels={"tenant": "other"}),
+    ]
+    with pytest.raises(InvalidBatch, match="one tenant"):
+        await client.submit_batch(bad, batch_id="batch-two-tenants")
+    with pytest.raises(InvalidBatch, match="fit its graph"):
+        await client.submit_batch(
+            BatchRequest(request=JobRequest(graph=example()), overrides=[{"99": {"seed": 1}}]),
+            batch_id="batch-bad-override",
+        )
+    for batch_id in ("batch-two-tenants", "batch-bad-override"):
+        assert not await client._batch_exists(batch_id)
+
+
+async def test_a_batchs_jobs_interleave_with_another_tenants_single_jobs(
+    client: JobClient,
+) -> None:
+    """Pool `one` runs one job at a time: tenant acme's batch of 10 is in line first, then
+    tenant beta's 4 single jobs; at equal weights beta's start within the next 8 starts, not
+    after acme's whole batch (first come, first served would start them 10th to 13th)."""
+    template = JobRequest(graph=example(steps=4), pool=ONE, labels={"tenant": "acme"})
+    batch = await client.submit_batch(BatchRequest(request=template, count=10))
+    await until(client, batch.batch_id, lambda s: s.counts.get("PENDING", 0) >= 8, "acme's line")
+    beta = JobRequest(graph=example(steps=4), pool=ONE, labels={"tenant": "beta"})
+    singles = [(await client.submit(beta)).job_id for _ in range(4)]
+    await client.wait_batch(batch.batch_id, interval_s=0.5)
+    for job_id in singles:
+        assert (await client.wait(job_id)).state == JobState.COMPLETED
+    started: list[tuple[Any, str]] = []
+    for job_id in [*batch.job_ids, *singles]:
+        events = (await client.events(job_id, 0)).events
+        # One slot: a job starts only once the one before has ended, so the order of their
+        # ends is the order of their grants.
+        at = next(e.at for e in events if e.state == JobState.COMPLETED)
+        started.append((at, "beta" if job_id in singles else "acme"))
+    order = [tenant for _, tenant in sorted(started)]
+    beta_at = [index for index, tenant in enumerate(order) if tenant == "beta"]
+    # Acme held the slot (one start, maybe two while beta submitted) when beta came; then
+    # beta's four alternate with acme's: all of them among the first ten starts of fourteen.
+    assert max(beta_at) <= 9, order
