@@ -4,8 +4,9 @@ The client starts the batch's workflow with its jobs' IDs, then the jobs (each c
 `batch` label), then says `submitted`. Each job tells the batch its end once it is terminal
 (`job_ended`, workflows/batches.py `tell_batch`): state, error, cost, artifacts. So the batch's
 status is one query, however many jobs it has. A job that ends without telling (terminated from
-outside) or never started is found by the batch's own look (`ended_batch_jobs`, every
-`look_every_s`, through Temporal's visibility store: one list call, not a call per job).
+outside) or never started is found by the batch's own look (`ended_batch_jobs`, a minute after
+its start, then less often while it finds nothing; one list call of Temporal's visibility store,
+not a call per job).
 
 `cancel` (an update) tells every unfinished job to stop, by the job's own `cancel` signal: each
 stops as one cancelled job does, confirmed, its finished outputs kept. The batch ends when every
@@ -42,8 +43,11 @@ with workflow.unsafe.imports_passed_through():
     from workflows.failures import job_error
     from workflows.webhooks import retry_delay, webhook_id
 
-# How often the batch looks for its jobs that ended without telling it (or never started).
+# How often the batch looks for its jobs that ended without telling it (or never started): a
+# minute after its start, then twice as long after each look that found nothing, to a half
+# hour (a batch that waits for days does not fill its history with looks).
 LOOK_EVERY_S: Final = 60.0
+LOOK_AT_MOST_EVERY_S: Final = 1800.0
 # A job not started this long after the batch was, with the client silent, never will be: the
 # look records it as ended (FAILED, "never started") so the batch can end.
 START_GRACE_S: Final = 600.0
@@ -124,9 +128,10 @@ class JobBatch:
             )
 
     async def _look_for_unheard(self) -> None:
-        """Jobs that ended without a word (or never started), found every `look_every_s`."""
+        """Jobs that ended without a word (or never started), found by a look now and then."""
+        interval = LOOK_EVERY_S
         while True:
-            await workflow.sleep(LOOK_EVERY_S, summary="look for jobs ended unheard")
+            await workflow.sleep(interval, summary="look for jobs ended unheard")
             unheard = [job_id for job_id in self._input.job_ids if job_id not in self._ends]
             created = self._input.created_at or workflow.info().start_time
             started_all = self._submitted or (
@@ -145,6 +150,7 @@ class JobBatch:
                 continue  # the next look tries again
             for end in found:
                 self._heard(end)
+            interval = LOOK_EVERY_S if found else min(interval * 2, LOOK_AT_MOST_EVERY_S)
 
     async def _deliver_webhook(self) -> str:
         """The batch's end, POSTed once (retried until delivered or given up)."""

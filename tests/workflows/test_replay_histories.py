@@ -41,6 +41,7 @@ ENDINGS = {
     "decided": COMPLETED,
     "continued": COMPLETED,
     "webhook": COMPLETED,
+    "batched": COMPLETED,
     "queued": COMPLETED,
     "queued_asked": COMPLETED,
     "queued_in_line": COMPLETED,

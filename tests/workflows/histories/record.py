@@ -37,6 +37,7 @@ from tests.support.workflow_fakes import (
 )
 from workflows.activity_io import WebhookAttempt, WebhookDeliveryInput
 from workflows.admission import Holder, QueueState, SlotRelease
+from workflows.batches import BatchInput
 from workflows.contracts import (
     CancelRequest,
     JobPolicy,
@@ -47,9 +48,11 @@ from workflows.contracts import (
     WebhookSpec,
 )
 from workflows.inference_job import InferenceJob
+from workflows.job_batch import JobBatch
 from workflows.pool_queue import PoolQueue
 from workflows.shared import (
     ACTIVITY_DELIVER_WEBHOOK,
+    BATCH_LABEL,
     QUERY_STATUS,
     SIGNAL_CANCEL,
     SIGNAL_CANCEL_REASON,
@@ -70,6 +73,8 @@ UNCHECKED_GRAPH = "unchecked_graph"
 WEBHOOK = "webhook"
 # In a scenario's settings: the bounded pool's one slot is already held by another job.
 POOL_FULL = "pool_full"
+# In a scenario's settings: the job is one of a batch's (its `batch` label), which it tells its end.
+BATCH = "batch"
 CYCLE = {
     "1": {"class_type": "A", "inputs": {"x": ["2", 0]}},
     "2": {"class_type": "B", "inputs": {"y": ["1", 0]}},
@@ -216,6 +221,8 @@ SCENARIOS: dict[str, Scenario] = {
         {"abandon_after_s": None, "start_by_s": 30, POOL_FULL: True},
         None,
     ),
+    # A job of a batch: it tells its batch its end (`job_ended`), once it is terminal.
+    "batched": (Script(), {"abandon_after_s": None, BATCH: True}, None),
     # A job with a webhook: its outputs and its end delivered, each after one retry, while
     # the `ended` update answered at the job's end.
     "webhook": (
@@ -241,6 +248,14 @@ async def fill_the_pool(client: Client, task_queue: str) -> None:
     )
 
 
+async def start_batch(client: Client, task_queue: str) -> WorkflowHandle[Any, Any]:
+    """A batch for the job to tell (one that waits for another job: it outlives the recording,
+    which ends it)."""
+    batch_id = f"batch-{task_queue}"
+    state = BatchInput(batch_id=batch_id, job_ids=[f"{batch_id}-0001"])
+    return await client.start_workflow(JobBatch.run, state, id=batch_id, task_queue=task_queue)
+
+
 async def record(only: list[str] | None = None) -> None:
     env = await start_time_skipping()
     try:
@@ -252,7 +267,7 @@ async def record(only: list[str] | None = None) -> None:
             async with Worker(
                 env.client,
                 task_queue=task_queue,
-                workflows=[InferenceJob, PoolQueue],
+                workflows=[InferenceJob, PoolQueue, JobBatch],
                 activities=[*backend.activities(), FakeReceiver().deliver_webhook],
                 graceful_shutdown_timeout=timedelta(seconds=1),
             ):
@@ -260,7 +275,11 @@ async def record(only: list[str] | None = None) -> None:
                 if settings.pop(POOL_FULL, False):
                     await fill_the_pool(env.client, task_queue)
                 unchecked = settings.pop(UNCHECKED_GRAPH, None)
+                batch = (
+                    await start_batch(env.client, task_queue) if settings.pop(BATCH, 0) else None
+                )
                 fields = {
+                    "labels": {BATCH_LABEL: batch.id} if batch is not None else {},
                     "segments": settings.pop(SEGMENTS, []),
                     "webhook": settings.pop(WEBHOOK, None),
                     "policy": JobPolicy.model_validate({"heartbeat_timeout_s": 1} | settings),
@@ -278,6 +297,8 @@ async def record(only: list[str] | None = None) -> None:
                 except WorkflowFailureError:
                     pass
                 history = await handle.fetch_history()
+                if batch is not None:
+                    await batch.terminate("recorded")
             path = HERE / f"{name}.json"
             path.write_text(json.dumps(json.loads(history.to_json()), indent=1) + "\n")
             print(f"wrote {path} ({len(history.events)} events)")
