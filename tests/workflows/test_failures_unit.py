@@ -142,4 +142,5 @@ def test_the_error_types_never_change() -> None:
         "CANCELLED": "Cancelled",
         "RESUME_REFUSED": "ResumeRefused",
         "ABANDONED": "Abandoned",
+        "NEVER_STARTED": "NeverStarted",
     }
