@@ -199,7 +199,12 @@ class BatchMethods:
                 for job_id, (request, fingerprint) in zip(job_ids, prepared, strict=True)
             )
         )
-        await self.temporal.get_workflow_handle(batch_id).signal(SIGNAL_BATCH_SUBMITTED)
+        try:
+            await self.temporal.get_workflow_handle(batch_id).signal(SIGNAL_BATCH_SUBMITTED)
+        except RPCError as exc:
+            # A batch sent again after every job ended: its workflow has closed, nothing to say.
+            if not (existed and exc.status == RPCStatusCode.NOT_FOUND):
+                raise
         log.info("batch_submitted", batch_id=batch_id, jobs=len(job_ids), started=sum(started))
         return BatchSubmitted(
             batch_id=batch_id,

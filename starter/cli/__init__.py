@@ -10,7 +10,7 @@ from typing import Any
 import typer
 
 from activities.log_setup import configure_logging
-from starter.cli import codec, control, doctor, jobs, pools, submit
+from starter.cli import batches, codec, control, doctor, jobs, pools, submit
 from starter.cli.common import load_config
 from starter.exit import exit_without_finalizing
 
@@ -30,6 +30,9 @@ JOB_COMMANDS: dict[str, Callable[..., Any]] = {
     "list": control.list_jobs,
 }
 
+# The groups of job commands (`pool queue`, `batch status`, ...): the same `CliConfig`.
+COMMAND_GROUPS: dict[str, typer.Typer] = {"pool": pools.app, "batch": batches.app}
+
 
 def build_app() -> typer.Typer:
     app = typer.Typer(
@@ -43,7 +46,8 @@ def build_app() -> typer.Typer:
     app.command("codec-server")(codec.codec_server)
     app.command("codec-key")(codec.codec_key)
     app.command("doctor")(doctor.doctor)
-    app.add_typer(pools.app, name="pool")
+    for name, group in COMMAND_GROUPS.items():
+        app.add_typer(group, name=name)
     _add_plugins(app)
     return app
 
@@ -53,7 +57,7 @@ def _start(ctx: typer.Context) -> None:
 
     Logs go to stderr only; stdout is the commands' output. Quiet unless something is off.
     """
-    if ctx.invoked_subcommand not in (*JOB_COMMANDS, "pool"):
+    if ctx.invoked_subcommand not in (*JOB_COMMANDS, *COMMAND_GROUPS):
         # `worker`, `dev` and `codec-server` read their own settings and configure their own
         # logging on top.
         configure_logging("WARNING")

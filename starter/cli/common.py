@@ -25,6 +25,7 @@ from temporalio.service import RPCError, RPCStatusCode
 from configuration.processes import CliConfig
 from starter.client import JobClient
 from starter.errors import (
+    BatchConflict,
     ClientError,
     ContactLost,
     JobAlreadyEnded,
@@ -51,8 +52,9 @@ class ExitCode(IntEnum):
     # Temporal unreachable, or no worker answering for the job. `doctor`: something does not
     # answer, or no worker polls.
     UNREACHABLE = 3
-    # The ID or the job's state does not allow it: another request under the ID, cancel or
-    # resume of an ended job, a refused resume.
+    # The ID or the job's state does not allow it: another request under the ID (another batch
+    # under a batch ID), cancel or resume of an ended job (cancel of an ended batch), a refused
+    # resume.
     CONFLICT = 4
     # Refused for capacity: the pool's queue is full for the tenant (`QueueFull`); try later.
     QUEUE_FULL = 5
@@ -79,7 +81,7 @@ def exit_code_for(exc: BaseException) -> ExitCode:
             return ExitCode.UNREACHABLE
         case RPCError() | RPCTimeoutOrCancelledError():
             return ExitCode.UNREACHABLE
-        case JobConflict() | JobAlreadyEnded() | ResumeRefused():
+        case JobConflict() | BatchConflict() | JobAlreadyEnded() | ResumeRefused():
             return ExitCode.CONFLICT
         case QueueFull():
             return ExitCode.QUEUE_FULL

@@ -232,7 +232,7 @@ async def test_an_end_twice_or_of_another_batchs_job_counts_once_or_not_at_all(
 
 async def _until(handle: WorkflowHandle[Any, BatchStatus], check: Any) -> BatchStatus:
     for _ in range(200):
-        status = await handle.query(QUERY_BATCH_STATUS, result_type=BatchStatus)
+        status: BatchStatus = await handle.query(QUERY_BATCH_STATUS, result_type=BatchStatus)
         if check(status):
             return status
         await asyncio.sleep(0.05)
