@@ -102,7 +102,8 @@ test-real-comfyui: $(STAMP) $(EP_STAMP) $(STOCK_STAMP)
 ## test-ui: the Temporal UI shows a running job's live progress, and the gateway's browser page
 ## follows a job through a gateway kill -9 to its image (headless Chromium from Debian)
 test-ui: $(STAMP) chromium
-	REQUIRE_CHROMIUM=1 $(BIN)/pytest -q tests/client/test_temporal_ui.py tests/gateway/test_gateway_page.py
+	REQUIRE_CHROMIUM=1 $(BIN)/pytest -q tests/client/test_temporal_ui.py tests/gateway/test_gateway_page.py \
+		tests/gateway/test_gateway_page_batches.py
 
 ## mutate: mutation testing of workflows/ and the follower against the fast tests (not in `make test`)
 .PHONY: mutate

@@ -169,6 +169,11 @@ async def test_count_5_gives_five_jobs_with_distinct_seeds_that_all_complete(
     assert seeds == [base + n for n in range(5)]
     results = await client.batch_results(submitted.batch_id)
     assert [end.job_id for end in results.ends] == submitted.job_ids
+    # The batch's own history: its start, a signal per job end with its workflow task (often
+    # shared), `submitted`, its end: a few events per job, never a call per job per look.
+    history = await client.temporal.get_workflow_handle(submitted.batch_id).fetch_history()
+    print("batch history events", len(history.events))
+    assert len(history.events) <= 4 * 5 + 15
     assert all(len(end.artifacts) == 1 and end.artifacts[0].url for end in results.ends)
 
 
