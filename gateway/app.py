@@ -23,8 +23,9 @@ from pydantic import BaseModel
 from temporalio.api.workflowservice.v1 import DescribeNamespaceRequest
 
 from configuration.settings import GatewaySettings, TemporalSettings
-from gateway import jobs_api, pools_api, stream_api, uploads_api
+from gateway import batches_api, jobs_api, pools_api, stream_api, uploads_api
 from gateway.auth import ApiKeys
+from gateway.batches_api import BatchSubmission
 from gateway.errors import UNAVAILABLE_RETRY_AFTER_S, install_error_handlers, retry_after
 from gateway.jobs_api import JobSubmission
 from gateway.middleware import BoundedBodies, RequestLog
@@ -73,13 +74,15 @@ def create_app(
 
     app = FastAPI(
         title="durable-comfy gateway",
-        summary="Durable ComfyUI jobs over HTTP: submit, follow (SSE, WebSocket, polling), "
-        "cancel, resume, fetch outputs.",
+        summary="Durable ComfyUI jobs over HTTP: submit (alone or in batches), follow (SSE, "
+        "WebSocket, polling), cancel, resume, fetch outputs.",
         lifespan=lifespan,
     )
     app.state.gateway = gateway
     install_error_handlers(app)
     app.include_router(jobs_api.router)
+    app.include_router(batches_api.router)
+    app.include_router(batches_api.events_router)
     app.include_router(pools_api.router)
     app.include_router(stream_api.router)
     app.include_router(uploads_api.router)
@@ -148,6 +151,7 @@ def _example_graph() -> dict[str, Any] | None:
 # FastAPI therefore does not know: each route's requestBody names its schema here.
 OWN_BODIES: dict[str, type[BaseModel]] = {
     "JobSubmission": JobSubmission,
+    "BatchSubmission": BatchSubmission,
     "UploadRequest": UploadRequest,
 }
 

@@ -18,8 +18,8 @@ gateway's own exceptions:
 
 One table, `api_error_for`, maps these and what the layers below raise (the client's
 `ClientError`s, a request that does not validate) to a status, a type and the extra fields a
-client needs (`job_id`, `status`, `problems`, `pool`); docs/http-api.md lists it. Nothing here
-quotes a key or an Authorization header.
+client needs (`job_id`, `batch_id`, `status`, `problems`, `pool`); docs/http-api.md lists
+it. Nothing here quotes a key or an Authorization header.
 
 Importable without the gateway extra (`durable-comfy gateway new-key` imports gateway.auth,
 which raises these): FastAPI and Starlette are imported where a response is made.
@@ -28,6 +28,7 @@ which raises these): FastAPI and Starlette are imported where a response is made
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +37,7 @@ from pydantic import ValidationError
 
 from gateway.views import INTERNAL
 from starter import errors as client_errors
+from workflows.batches import MAX_BATCH_JOBS
 from workflows.errors import GraphRefused, RequestRefused
 from workflows.shared import ErrorType
 
@@ -52,6 +54,8 @@ UNAVAILABLE_RETRY_AFTER_S = 5
 # hold a slot for tens of seconds to minutes, so sooner would only be refused again.
 QUEUE_FULL_RETRY_AFTER_S = 30
 INVALID_REQUEST = "InvalidRequest"
+# `POST /v1/batches`, under any base path: a body refused there is told how to be smaller.
+BATCHES_PATH = re.compile(r"/v1/batches/?$")
 
 
 class ApiError(Exception):
@@ -84,12 +88,21 @@ class ApiError(Exception):
 
 
 class BodyTooLarge(ApiError):
-    def __init__(self, limit: int) -> None:
+    """`path`: the route the body was sent to; a batch's answer says how to send it smaller."""
+
+    def __init__(self, limit: int, path: str = "") -> None:
+        message = f"the body is over the gateway's limit of {limit:,} bytes; "
+        if BATCHES_PATH.search(path):
+            message += (
+                "send the graph once, as `request`, with `count` (its seeds varied) or "
+                "`overrides` (each job's changed inputs) instead of every job whole in "
+                f"`requests`, or split the jobs into several batches (at most {MAX_BATCH_JOBS:,} "
+                "jobs each, each body under the limit); "
+            )
         super().__init__(
             413,
             "RequestTooLarge",
-            f"the body is over the gateway's limit of {limit:,} bytes; pass big inputs by "
-            "reference (an s3:// or https:// input), not inline",
+            message + "pass big inputs by reference (an s3:// or https:// input), not inline",
             limit=limit,
         )
 
@@ -163,12 +176,19 @@ def not_found(job_id: str) -> ApiError:
     return ApiError(404, "JobNotFound", f"no job {job_id!r}", job_id=job_id)
 
 
-def invalid(problems: Sequence[Mapping[str, Any]], error_type: str = INVALID_REQUEST) -> ApiError:
+def batch_not_found(batch_id: str) -> ApiError:
+    """As `not_found`: an unknown batch and another tenant's answer the same."""
+    return ApiError(404, "BatchNotFound", f"no batch {batch_id!r}", batch_id=batch_id)
+
+
+def invalid(
+    problems: Sequence[Mapping[str, Any]], error_type: str = INVALID_REQUEST, whole: str = "request"
+) -> ApiError:
+    """`whole`: what a problem of the whole body (an empty `loc`) is said to be about."""
     shown = "; ".join(
-        f"{'.'.join(str(part) for part in p['loc']) or 'request'}: {p['message']}"
-        for p in problems[:5]
+        f"{'.'.join(str(part) for part in p['loc']) or whole}: {p['message']}" for p in problems[:5]
     )
-    return ApiError(422, error_type, shown or "the request is not valid", problems=list(problems))
+    return ApiError(422, error_type, shown or f"the {whole} is not valid", problems=list(problems))
 
 
 def priority_not_allowed(message: str) -> ApiError:
@@ -224,6 +244,12 @@ def api_error_for(exc: Exception) -> ApiError:
             return no_pool_queue(str(exc))
         case client_errors.InvalidJobId():
             return ApiError(404, "JobNotFound", str(exc))
+        case client_errors.BatchNotFound():
+            return batch_not_found(exc.batch_id)
+        case client_errors.BatchConflict():
+            return ApiError(409, "BatchConflict", str(exc), batch_id=exc.batch_id)
+        case client_errors.InvalidBatch():
+            return invalid([{"loc": [], "message": str(exc)}], "InvalidBatch")
         case client_errors.JobConflict():
             return ApiError(409, "JobConflict", str(exc), job_id=exc.job_id)
         case client_errors.JobAlreadyEnded():

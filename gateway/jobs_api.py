@@ -19,7 +19,7 @@ from gateway.deps import caller, request_slot
 from gateway.errors import QueueFull, TooManyJobs, bad_request, invalid, priority_not_allowed
 from gateway.state import Gateway, gateway_of
 from gateway.submission import cancel_reason, job_id_for, job_request, parse_body, resubmit_of
-from gateway.views import etag
+from gateway.views import etag, etag_matches
 from gateway.webhook_check import check_webhook
 from starter import errors as client_errors
 from starter.client import JobClient
@@ -134,14 +134,9 @@ async def job_status(
                 log.warning("client_seen_failed", job_id=job_id, error=type(exc).__name__)
     tag = etag(status)
     headers = {"ETag": tag, "Cache-Control": "no-cache"}
-    if if_none_match is not None and _matches(if_none_match, tag):
+    if if_none_match is not None and etag_matches(if_none_match, tag):
         return Response(status_code=304, headers=headers)
     return _json(await gateway.views.status(status), 200, **headers)
-
-
-def _matches(if_none_match: str, tag: str) -> bool:
-    offered = [t.strip().removeprefix("W/") for t in if_none_match.split(",")]
-    return "*" in offered or tag in offered
 
 
 @router.get("/jobs/{job_id}/artifacts")

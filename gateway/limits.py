@@ -170,20 +170,36 @@ class Limits:
                 math.ceil(wait),
             )
 
-    async def admit_job(self, tenant: str, client: JobClient) -> None:
-        """TooManyJobs when the tenant already has its limit of jobs in flight.
+    async def admit_job(self, tenant: str, client: JobClient, jobs: int = 1) -> None:
+        """TooManyJobs when the tenant's jobs in flight and `jobs` more would pass its limit
+        (`jobs`: a batch's, admitted whole or not at all).
 
         Temporal's errors come out as the client's (TemporalUnreachable, ...)."""
         limit = self.max_jobs_of(tenant)
         with client.translated_errors():
             counted = await client.temporal.count_workflows(jobs_in_flight_query(tenant))
-        if counted.count >= limit:
-            log.info("tenant_jobs_limit", tenant=tenant, in_flight=counted.count, limit=limit)
-            raise TooManyJobs(
+        if counted.count + jobs <= limit:
+            return
+        log.info(
+            "tenant_jobs_limit", tenant=tenant, in_flight=counted.count, jobs=jobs, limit=limit
+        )
+        if jobs == 1:
+            message = (
                 f"tenant {tenant} has {counted.count} jobs in flight, its limit is {limit}: "
-                "submit again once one has ended",
-                JOBS_RETRY_AFTER_S,
+                "submit again once one has ended"
             )
+        elif jobs > limit:
+            message = (
+                f"a batch of {jobs} jobs is over tenant {tenant}'s limit of {limit} jobs in "
+                f"flight whatever else runs: send batches of at most {limit} jobs"
+            )
+        else:
+            message = (
+                f"tenant {tenant} has {counted.count} jobs in flight and the batch would add "
+                f"{jobs}, its limit is {limit}: nothing was started; submit it again once "
+                f"{counted.count + jobs - limit} have ended, or send a smaller batch"
+            )
+        raise TooManyJobs(message, JOBS_RETRY_AFTER_S)
 
     @property
     def requests_open(self) -> int:

@@ -22,6 +22,7 @@ from gateway.errors import BodyTooLarge
 log = structlog.get_logger("gateway.http")
 
 _JOB_PATH = re.compile(r"^/v1/jobs/([^/]+)")
+_BATCH_PATH = re.compile(r"^/v1/batches/([^/]+)")
 
 
 class BoundedBodies:
@@ -37,7 +38,7 @@ class BoundedBodies:
             return
         length = _header(scope, b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.limit):
-            await BodyTooLarge(self.limit).response()(scope, receive, send)
+            await BodyTooLarge(self.limit, scope["path"]).response()(scope, receive, send)
             return
         received = 0
 
@@ -47,7 +48,7 @@ class BoundedBodies:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.limit:
-                    raise BodyTooLarge(self.limit)
+                    raise BodyTooLarge(self.limit, scope["path"])
             return message
 
         await self.app(scope, counted, send)
@@ -76,6 +77,8 @@ class RequestLog:
         fields: dict[str, Any] = {"method": scope.get("method", "WS"), "path": path}
         if found := _JOB_PATH.match(path):
             fields["job_id"] = found.group(1)
+        elif found := _BATCH_PATH.match(path):
+            fields["batch_id"] = found.group(1)
         try:
             await self.app(scope, receive, noted)
         finally:

@@ -50,15 +50,18 @@ def job_id_for(tenant: str, idempotency_key: str | None) -> str:
     return f"{tenant}.{hashlib.sha256(idempotency_key.encode()).hexdigest()[:32]}"
 
 
-def parse_body(raw: bytes) -> dict[str, Any]:
+def parse_body(raw: bytes, what: str = "JobRequest", whole: str = "request") -> dict[str, Any]:
+    """The body's JSON object; `what` it should be, and `whole`: what `invalid` calls it."""
     if not raw.strip():
-        raise invalid([{"loc": [], "message": "the body is empty: send a JobRequest as JSON"}])
+        message = f"the body is empty: send a {what} as JSON"
+        raise invalid([{"loc": [], "message": message}], whole=whole)
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise bad_request(f"the body is not JSON: {str(exc)[:200]}") from None
     if not isinstance(body, dict):
-        raise invalid([{"loc": [], "message": "the body is a JSON object (a JobRequest)"}])
+        message = f"the body is a JSON object (a {what})"
+        raise invalid([{"loc": [], "message": message}], whole=whole)
     return body
 
 

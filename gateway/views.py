@@ -1,5 +1,6 @@
-"""The job as the gateway shows it: one function for GET, POST and every `status` event; and
-a bounded pool's queue as one tenant may see it (`queue_view`).
+"""The job as the gateway shows it: one function for GET, POST and every `status` event; a
+batch likewise (`batch_view`); and a bounded pool's queue as one tenant may see it
+(`queue_view`).
 
 A view is the job's `JobStatus` (JSON), each artifact's `url` presigned afresh, and `links`.
 What a view needs besides the status never changes for a job (its tenant, its links' lifetime),
@@ -10,14 +11,20 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections import OrderedDict
 from datetime import datetime
-from typing import Any
+from typing import Any, Final
+
+from temporalio.common import SearchAttributeKey
+from temporalio.service import RPCError, RPCStatusCode
 
 from starter.client import JobClient
-from starter.errors import JobNotFound
+from starter.errors import BatchNotFound, JobNotFound
 from workflows.admission import PoolQueueView
+from workflows.batches import BATCH_ID_PATTERN, BatchStatus
 from workflows.contracts import Artifact, JobEvent, JobStatus
+from workflows.shared import BATCH_WORKFLOW_TYPE, SA_TENANT
 
 # Jobs whose facts are kept; the oldest read is forgotten first (it is read again if needed).
 MAX_FACTS = 10_000
@@ -25,6 +32,7 @@ MAX_FACTS = 10_000
 # worker pushes its steps (an address on the workers' network, for the gateway's own use); and
 # of its place in its pool's queue, the tenant (the caller's own) and the job's ID (the job's).
 INTERNAL: dict[str, Any] = {"live_progress": True, "admission": {"tenant": True, "job_id": True}}
+_TENANT_KEY: Final = SearchAttributeKey.for_keyword(SA_TENANT)
 
 
 class _Bounded(OrderedDict[str, Any]):
@@ -41,6 +49,8 @@ class JobFacts:
     def __init__(self) -> None:
         self._tenants = _Bounded()
         self._ttls = _Bounded()
+        # Batches apart from jobs: a job's ID given as a batch's must not pass for one.
+        self._batch_tenants = _Bounded()
 
     async def check_tenant(self, client: JobClient, job_id: str, tenant: str) -> None:
         """`JobNotFound` unless the job is `tenant`'s: another tenant's job, and one started
@@ -55,6 +65,22 @@ class JobFacts:
     def record_tenant(self, job_id: str, tenant: str) -> None:
         """A job this gateway started: its tenant is known without asking."""
         self._tenants.keep(job_id, tenant)
+
+    async def check_batch_tenant(self, client: JobClient, batch_id: str, tenant: str) -> None:
+        """`BatchNotFound` unless the batch is `tenant`'s: as for a job, another tenant's
+        batch, and a workflow that is no batch (a job's ID), look like no batch at all."""
+        owner = self._batch_tenants.get(batch_id)
+        if owner is None:
+            owner = await batch_owner(client, batch_id)
+            self._batch_tenants.keep(batch_id, owner)
+        if owner != tenant:
+            raise BatchNotFound(batch_id)
+
+    def record_batch_tenant(self, batch_id: str, job_ids: list[str], tenant: str) -> None:
+        """A batch this gateway started, and its jobs: their tenant is known without asking."""
+        self._batch_tenants.keep(batch_id, tenant)
+        for job_id in job_ids:
+            self._tenants.keep(job_id, tenant)
 
     async def presign_ttl(self, client: JobClient, job_id: str) -> int:
         ttl = self._ttls.get(job_id)
@@ -96,6 +122,51 @@ class JobViews:
         if event.artifact is not None:
             [view["artifact"]] = await self.artifacts(job_id, [event.artifact])
         return view
+
+
+async def batch_owner(client: JobClient, batch_id: str) -> str:
+    """The batch's tenant (its workflow's `Tenant`), or "" for a workflow that is not a batch or
+    has no tenant. `BatchNotFound` when there is none by that ID."""
+    if not re.match(BATCH_ID_PATTERN, batch_id):
+        raise BatchNotFound(batch_id)
+    with client.translated_errors():
+        try:
+            description = await client.temporal.get_workflow_handle(batch_id).describe()
+        except RPCError as exc:
+            if exc.status == RPCStatusCode.NOT_FOUND:
+                raise BatchNotFound(batch_id) from None
+            raise
+    if description.workflow_type != BATCH_WORKFLOW_TYPE:
+        return ""
+    return description.typed_search_attributes.get(_TENANT_KEY) or ""
+
+
+def batch_links(base_path: str, batch_id: str) -> dict[str, str]:
+    own = f"{base_path}/v1/batches/{batch_id}"
+    return {"self": own, **{name: f"{own}/{name}" for name in ("events", "results", "cancel")}}
+
+
+def batch_view(status: BatchStatus, base_path: str = "") -> dict[str, Any]:
+    """The batch: what GET answers and every `status` event of its stream carries; each job
+    with the link to its own status."""
+    view = status.model_dump(mode="json")
+    view["terminal"] = status.terminal
+    for job in view["jobs"]:
+        job["links"] = {"self": f"{base_path}/v1/jobs/{job['job_id']}"}
+    view["links"] = batch_links(base_path, status.batch_id)
+    return view
+
+
+def batch_etag(status: BatchStatus) -> str:
+    """`"<seq>.<digest>"`: the jobs' live states and progress change between two of the
+    batch's own changes, so the digest of the whole status makes one tag one answer."""
+    text = json.dumps(status.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    return f'"{status.seq}.{hashlib.sha256(text.encode()).hexdigest()[:12]}"'
+
+
+def etag_matches(if_none_match: str, tag: str) -> bool:
+    offered = [t.strip().removeprefix("W/") for t in if_none_match.split(",")]
+    return "*" in offered or tag in offered
 
 
 def etag(status: JobStatus) -> str:

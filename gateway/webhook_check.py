@@ -8,7 +8,7 @@ is the early answer, not the only guard.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 
 from activities.webhook_target import check_webhook_url
 from gateway.errors import invalid
@@ -20,7 +20,15 @@ async def check_webhook(request: JobRequest, allow_hosts: Collection[str] = ()) 
     """422 naming `webhook.url` when the worker would refuse to POST there."""
     if request.webhook is None:
         return
+    await check_webhook_at(request.webhook.url, ["webhook", "url"], allow_hosts)
+
+
+async def check_webhook_at(
+    url: str, loc: Sequence[str | int], allow_hosts: Collection[str] = ()
+) -> None:
+    """422 naming `loc` (a batch's job: `["requests", 3, "webhook", "url"]`) when the worker
+    would refuse to POST to `url`."""
     try:
-        await check_webhook_url(request.webhook.url, allow_hosts)
+        await check_webhook_url(url, allow_hosts)
     except UnsafeWebhookUrl as exc:
-        raise invalid([{"loc": ["webhook", "url"], "message": str(exc)}]) from None
+        raise invalid([{"loc": list(loc), "message": str(exc)}]) from None

@@ -26,7 +26,12 @@ from typing import TYPE_CHECKING, Any, Final
 
 import structlog
 from pydantic import BaseModel, ConfigDict
-from temporalio.client import Client, WorkflowExecutionStatus, WorkflowUpdateFailedError
+from temporalio.client import (
+    Client,
+    WorkflowExecutionStatus,
+    WorkflowQueryFailedError,
+    WorkflowUpdateFailedError,
+)
 from temporalio.common import (
     SearchAttributeKey,
     SearchAttributePair,
@@ -105,6 +110,12 @@ def checked_batch_id(batch_id: str) -> str:
 def batch_requests(batch: BatchRequest | Sequence[JobRequest]) -> tuple[list[JobRequest], Any]:
     """The jobs' requests, and the batch's webhook."""
     if isinstance(batch, BatchRequest):
+        if batch.request is not None and batch.overrides is not None:
+            # As a segment's: an input the node lacks would be ignored by ComfyUI, silently.
+            try:
+                check_segment_overrides(batch.request.graph, batch.overrides, what="override")
+            except errors.InvalidOverride as exc:
+                raise errors.InvalidBatch(f"the batch's overrides: {exc}") from None
         try:
             return batch.expanded(), batch.webhook
         except GraphFormatError as exc:
@@ -206,12 +217,24 @@ class BatchMethods:
             if not (existed and exc.status == RPCStatusCode.NOT_FOUND):
                 raise
         log.info("batch_submitted", batch_id=batch_id, jobs=len(job_ids), started=sum(started))
+        try:
+            status = await self._batch_status(batch_id)
+        except (RPCError, WorkflowQueryFailedError) as exc:
+            # Every job started, and no worker answers for the batch now: it is still the
+            # batch, as its start says (a retry with the same ID would start nothing more).
+            log.warning("batch_status_unanswered", batch_id=batch_id, error=str(exc)[:200])
+            status = BatchStatus(
+                batch_id=batch_id,
+                tenant=tenant,
+                total=len(job_ids),
+                jobs=[BatchJob(job_id=job_id) for job_id in job_ids],
+            )
         return BatchSubmitted(
             batch_id=batch_id,
             existed=existed,
             job_ids=job_ids,
             started=sum(started),
-            status=await self._batch_status(batch_id),
+            status=status,
         )
 
     async def _batch_exists(self, batch_id: str) -> bool:

@@ -106,7 +106,7 @@ def request_from_files(
 
 
 def check_segment_overrides(
-    graph: Mapping[str, Any], segments: Sequence[Mapping[str, Any]]
+    graph: Mapping[str, Any], segments: Sequence[Mapping[str, Any]], what: str = "segment"
 ) -> None:
     """Every override must name a node of the graph and an input that node has.
 
@@ -118,16 +118,16 @@ def check_segment_overrides(
         for node_id, values in overrides.items():
             node = graph.get(str(node_id))
             if not isinstance(node, dict):
-                problems.append(f"segment {index}: node {node_id!r} is not in the graph")
+                problems.append(f"{what} {index}: node {node_id!r} is not in the graph")
                 continue
             if not isinstance(values, Mapping):
-                problems.append(f"segment {index}: node {node_id!r} needs an object of inputs")
+                problems.append(f"{what} {index}: node {node_id!r} needs an object of inputs")
                 continue
             known = node.get("inputs") or {}
             for input_name in values:
                 if input_name not in known:
                     problems.append(
-                        f"segment {index}: node {node_id!r} ({node.get('class_type')}) has no "
+                        f"{what} {index}: node {node_id!r} ({node.get('class_type')}) has no "
                         f"input {input_name!r} (its inputs: {', '.join(sorted(known)) or 'none'})"
                     )
     if problems:

@@ -1,11 +1,11 @@
 // The gateway's browser page: submit a graph (with input files uploaded to the bucket first),
-// then follow the job until it ends.
+// once or as a batch (a count above 1), then follow the job or the batch until it ends.
 //
-// Following is one loop per job: stream the events (Server-Sent Events, read with fetch(),
-// because EventSource cannot send an Authorization header); when the stream fails, say
-// "reconnecting…", poll the job's status meanwhile, and open the stream again from the last
-// event seen, after a backoff. The job's state lives server-side, so the page only ever
-// loses sight of it, never the job itself.
+// Following is one loop per job or batch: stream the events (Server-Sent Events, read with
+// fetch(), because EventSource cannot send an Authorization header); when the stream fails, say
+// "reconnecting…", poll the status meanwhile, and open the stream again from the last event
+// seen, after a backoff. The state lives server-side, so the page only ever loses sight of a
+// job or a batch, never the thing itself.
 "use strict";
 
 // Every number of the retry policy. Waits are "full jitter": random(0, min(ceiling,
@@ -123,13 +123,32 @@ function readGraph() {
   return graph;
 }
 
+// How many jobs of the graph to submit: 1 is one job, more a batch.
+function readCount() {
+  const count = $("count").valueAsNumber;
+  if (!Number.isInteger(count) || count < 1) {
+    throw new Refused("Count: how many jobs of this graph to run, a whole number from 1.");
+  }
+  return count;
+}
+
+// A batch runs to its end (following a batch is no client contact for its jobs): the choice to
+// stop the job when the page closes is a single job's only.
+function countChanged() {
+  const batched = $("count").valueAsNumber > 1;
+  $("stop-on-close").disabled = batched;
+  $("stop-on-close").closest("label").title = batched ? "A batch runs to its end: cancel it to stop it." : "";
+}
+
 async function submit() {
   const button = $("submit");
   showSubmitError("");
   let graph;
   let files;
+  let count;
   try {
     graph = readGraph();
+    count = readCount();
     files = chosenFiles();
   } catch (error) {
     showSubmitError(error.message);
@@ -142,14 +161,25 @@ async function submit() {
     // for its abandon horizon abandons it, and frees the GPU.
     const request = { graph, detached: !$("stop-on-close").checked };
     if (files.length) request.inputs = await uploadFiles(files);
-    const body = JSON.stringify(request);
+    // A batch: the same request `count` times (the gateway varies the seeds), `detached` beside
+    // it, as the batch's. Always detached: a batch is stopped with its Cancel button.
+    const each = { ...request };
+    delete each.detached;
+    const batched = count > 1;
+    const body = JSON.stringify(batched ? { request: each, count, detached: true } : request);
     const size = new TextEncoder().encode(body).length;
     if (size > maxBodyBytes) {
       throw new Refused(`The request is ${size} bytes; this gateway takes at most ${maxBodyBytes}.`);
     }
-    // One key per click: a POST sent again after a lost answer finds the job the first started.
-    const job = await postJob(body, newIdempotencyKey());
-    location.hash = `job=${encodeURIComponent(job.job_id)}`; // the hashchange follows it
+    // One key per click: a POST sent again after a lost answer finds the job (or batch) the
+    // first started.
+    if (batched) {
+      const made = await postNew("v1/batches", body, newIdempotencyKey());
+      location.hash = `batch=${encodeURIComponent(made.batch_id)}`; // the hashchange follows it
+    } else {
+      const job = await postJob(body, newIdempotencyKey());
+      location.hash = `job=${encodeURIComponent(job.job_id)}`; // the hashchange follows it
+    }
   } catch (error) {
     showSubmitError(error.message);
   } finally {
@@ -270,12 +300,18 @@ function putFile(answer, file, onProgress) {
   });
 }
 
-async function postJob(body, idempotencyKey) {
+function postJob(body, idempotencyKey) {
+  return postNew("v1/jobs", body, idempotencyKey);
+}
+
+// A submit (a job, a batch): sent again with the same key while the gateway does not answer or
+// is busy, so that the retries start one thing.
+async function postNew(path, body, idempotencyKey) {
   let lastProblem = "no answer";
   for (let attempt = 0; attempt < RETRY.submitAttempts; attempt++) {
     let waitMs = backoffMs(attempt, RETRY.ceilingMs);
     try {
-      const response = await fetch("v1/jobs", {
+      const response = await fetch(path, {
         method: "POST",
         headers: headers({ "Content-Type": "application/json", "Idempotency-Key": idempotencyKey }),
         body,
@@ -301,22 +337,43 @@ function showSubmitError(text) {
   $("submit-error").hidden = !text;
 }
 
-// --- following a job --------------------------------------------------------------------
+// --- following a job or a batch ---------------------------------------------------------
 
-// The job on screen. `lastEventId` is the id of the last event a stream delivered: the next
-// stream starts after it, so no state change or output is missed or shown twice.
+// What following needs to know of what it follows: its name, where it is, what an event and a
+// status do to the page, and the line that says how the following goes. A run (below) without
+// a `view` is a job's.
+const JOB_VIEW = {
+  noun: "job",
+  path: (id, tail = "") => jobPath(id, tail),
+  onEvent: (run, event) => onEvent(run, event),
+  apply: (run, status) => applyStatus(run, status),
+  show: (kind, detail, waitMs) => showConnection(kind, detail, waitMs),
+};
+const BATCH_VIEW = {
+  noun: "batch",
+  path: (id, tail = "") => batchPath(id, tail),
+  onEvent: (run, event) => onBatchEvent(run, event),
+  apply: (run, status) => applyBatchStatus(run, status),
+  show: (kind, detail, waitMs) => showBatchConnection(kind, detail, waitMs),
+};
+
+const viewOf = (run) => run.view || JOB_VIEW;
+
+// The job on screen (or the batch: one at a time, as the address's hash names it).
+// `lastEventId` is the id of the last event a stream delivered: the next stream starts after
+// it, so no state change or output is missed or shown twice.
 let job = null;
+let batch = null;
 
-function startFollowing(jobId) {
-  if (job?.id === jobId && !job.stopped) return;
-  job?.stop();
+function newRun(id, view) {
   const abort = new AbortController();
-  job = {
-    id: jobId,
+  return {
+    id,
+    view,
     status: null,
     lastEventId: null,
     etag: null,
-    outputs: new Map(), // key → artifact, in the order they were stored
+    outputs: new Map(), // a job's: key → artifact, in the order they were stored
     ended: false,
     stopped: false,
     abort,
@@ -326,11 +383,51 @@ function startFollowing(jobId) {
       abort.abort();
     },
   };
+}
+
+// Following a job stops following a batch, and the other way round; a batch the job is part of
+// (as the page last showed it) is linked from the job.
+function stopFollowingBatch() {
+  batch?.stop();
+  batch = null;
+  $("batch-section").hidden = true;
+}
+
+function stopFollowingJob() {
+  job?.stop();
+  job = null;
+  $("job-section").hidden = true;
+}
+
+function startFollowing(jobId) {
+  if (job?.id === jobId && !job.stopped) return;
+  const listed = batch?.status?.jobs?.some((j) => j.job_id === jobId);
+  const from = listed ? batch.id : job?.id === jobId ? job.batchId : null;
+  stopFollowingBatch();
+  job?.stop();
+  job = newRun(jobId, JOB_VIEW);
+  job.batchId = from;
   renderNewJob(jobId);
+  $("job-batch").hidden = !from;
+  if (from) {
+    $("job-batch-link").textContent = from;
+    $("job-batch-link").href = `#batch=${encodeURIComponent(from)}`;
+  }
   follow(job).catch((error) => showConnection("stopped", `Stopped following: ${error.message}`));
 }
 
+function startFollowingBatch(batchId) {
+  if (batch?.id === batchId && !batch.stopped) return;
+  stopFollowingJob();
+  batch?.stop();
+  batch = newRun(batchId, BATCH_VIEW);
+  renderNewBatch(batchId);
+  const run = batch;
+  follow(run).catch((error) => showBatchConnection("stopped", `Stopped following: ${error.message}`));
+}
+
 async function follow(run) {
+  const view = viewOf(run);
   let attempt = 0;
   let lastAnswerAt = Date.now();
   const answered = () => {
@@ -347,7 +444,7 @@ async function follow(run) {
       busy = error;
     }
     if (run.stopped || run.ended) break;
-    showConnection(contactLost() ? "lost" : "reconnecting", busy?.message);
+    view.show(contactLost() ? "lost" : "reconnecting", busy?.message);
     let polled = null;
     try {
       polled = await pollStatus(run, answered);
@@ -358,7 +455,7 @@ async function follow(run) {
     const lost = contactLost();
     const ceilingMs = lost ? RETRY.lostCeilingMs : RETRY.ceilingMs;
     const waitMs = Math.max(busy?.retryAfterMs || 0, backoffMs(attempt++, ceilingMs));
-    showConnection(lost ? "lost" : "reconnecting", polled || busy?.message, waitMs);
+    view.show(lost ? "lost" : "reconnecting", polled || busy?.message, waitMs);
     const woken = new AbortController();
     run.wake = () => woken.abort();
     await sleep(waitMs, AbortSignal.any([woken.signal, run.abort.signal]));
@@ -368,12 +465,13 @@ async function follow(run) {
 
 function refuse(run, message) {
   run.stopped = true;
-  showConnection("stopped", message);
+  viewOf(run).show("stopped", message);
 }
 
 // Reads the event stream until it ends or fails; returns whether it delivered any event.
 // Throws Refused (401, 404) or, when the gateway answered busy, an Error with retryAfterMs.
 async function streamEvents(run, answered) {
+  const view = viewOf(run);
   const abort = new AbortController();
   const signal = AbortSignal.any([abort.signal, run.abort.signal]);
   let watchdog = setTimeout(() => abort.abort(), RETRY.streamSilenceMs);
@@ -388,13 +486,13 @@ async function streamEvents(run, answered) {
     const extra = { Accept: "text/event-stream" };
     if (run.lastEventId !== null) extra["Last-Event-ID"] = run.lastEventId;
     try {
-      response = await fetch(jobPath(run.id, "/events"), { headers: headers(extra), signal, cache: "no-store" });
+      response = await fetch(view.path(run.id, "/events"), { headers: headers(extra), signal, cache: "no-store" });
     } catch {
       return false; // no answer: the caller reconnects
     }
     heard();
-    if (!response.ok) throw await answerError(response);
-    showConnection("live");
+    if (!response.ok) throw await answerError(response, view.noun);
+    view.show("live");
     const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
     let buffer = "";
     for (;;) {
@@ -414,13 +512,13 @@ async function streamEvents(run, answered) {
         const event = parseEvent(block);
         if (!event) continue;
         delivered = true;
-        onEvent(run, event);
+        view.onEvent(run, event);
         if (run.ended) return delivered;
       }
     }
   } finally {
     clearTimeout(watchdog);
-    abort.abort(); // also closes a stream left open after the job ended
+    abort.abort(); // also closes a stream left open after the job (or batch) ended
   }
 }
 
@@ -443,10 +541,10 @@ function parseEvent(block) {
 
 // A non-2xx answer as an error: Refused when retrying cannot help (no key, no such job),
 // else one that carries how long the gateway asked us to wait.
-async function answerError(response) {
+async function answerError(response, noun = "job") {
   const text = await errorText(response);
   if (response.status === 401) return new Refused(`${text} — enter a valid API key above.`);
-  if (response.status === 404) return new Refused(`${text} — no such job for this API key.`);
+  if (response.status === 404) return new Refused(`${text} — no such ${noun} for this API key.`);
   const error = new Error(`The gateway answered: ${text}`);
   error.retryAfterMs = retryAfterMs(response);
   return error;
@@ -467,10 +565,11 @@ function onEvent(run, { id, name, data }) {
 
 // One status poll while the stream is down. Returns what went wrong, if the gateway said.
 async function pollStatus(run, answered) {
+  const view = viewOf(run);
   const extra = run.etag ? { "If-None-Match": run.etag } : {};
   let response;
   try {
-    response = await fetch(jobPath(run.id), {
+    response = await fetch(view.path(run.id), {
       headers: headers(extra),
       cache: "no-store",
       signal: AbortSignal.any([run.abort.signal, AbortSignal.timeout(RETRY.requestTimeoutMs)]),
@@ -481,12 +580,12 @@ async function pollStatus(run, answered) {
   answered();
   if (response.status === 304) return null;
   if (!response.ok) {
-    const error = await answerError(response);
+    const error = await answerError(response, view.noun);
     if (error instanceof Refused) throw error;
     return error.message;
   }
   run.etag = response.headers.get("ETag");
-  applyStatus(run, await response.json());
+  view.apply(run, await response.json());
   return null;
 }
 
@@ -529,6 +628,58 @@ function jobPath(jobId, tail = "") {
   return `v1/jobs/${encodeURIComponent(jobId)}${tail}`;
 }
 
+// A batch's stream sends its whole status (`status`, id: its seq) whenever it changes, then
+// `end`; a reconnected stream starts with the batch as it is then, so nothing is missed.
+function onBatchEvent(run, { id, name, data }) {
+  if (id !== null) run.lastEventId = id;
+  if (name === "status") applyBatchStatus(run, data);
+  else if (name === "end") endBatchFollowing(run);
+  // `error`: the stream ends after it; the loop polls and reconnects.
+}
+
+function applyBatchStatus(run, status) {
+  if (run.stopped && !run.ended) return; // a batch no longer on screen
+  if (run.status && status.seq < run.status.seq) return; // an older answer arriving late
+  run.status = status;
+  renderBatch(status);
+  // The gateway says whether the batch has ended (`terminal`), as it does for a job.
+  if (status.terminal === true) endBatchFollowing(run);
+}
+
+function endBatchFollowing(run) {
+  if (run.ended) return;
+  run.ended = true;
+  run.abort.abort();
+  $("batch-cancel").hidden = true;
+  showBatchConnection("ended");
+}
+
+// Cancel: sent once per click; the gateway answers the batch as it is then (CANCELLING), and
+// its end arrives with the events.
+async function cancelBatch(button) {
+  const run = batch;
+  if (!run || run.ended) return;
+  button.disabled = true;
+  try {
+    const response = await fetch(batchPath(run.id, "/cancel"), {
+      method: "POST",
+      headers: headers({ "Content-Type": "application/json" }),
+      body: JSON.stringify({ reason: "cancelled from the browser page" }),
+      signal: AbortSignal.timeout(RETRY.requestTimeoutMs),
+    });
+    if (!response.ok) showBatchError(await errorText(response));
+    else if (run === batch) applyBatchStatus(run, await response.json());
+  } catch (error) {
+    showBatchError(`Not sent (${error.message}): try again.`);
+  } finally {
+    button.disabled = false;
+  }
+}
+
+function batchPath(batchId, tail = "") {
+  return `v1/batches/${encodeURIComponent(batchId)}${tail}`;
+}
+
 // --- what the page shows ----------------------------------------------------------------
 
 function renderNewJob(jobId) {
@@ -547,6 +698,84 @@ function renderNewJob(jobId) {
   $("webhook").hidden = true;
   showJobError("");
   showConnection("connecting");
+}
+
+function renderNewBatch(batchId) {
+  $("batch-section").hidden = false;
+  $("batch-id").textContent = batchId;
+  $("batch-link").href = `#batch=${encodeURIComponent(batchId)}`;
+  $("batch-state").textContent = "—";
+  $("batch-state").dataset.state = "";
+  $("batch-counts").replaceChildren();
+  $("batch-bar").value = 0;
+  for (const id of ["batch-progress-text", "batch-cost", "batch-artifacts"]) $(id).textContent = "";
+  $("batch-cancelled").hidden = true;
+  $("batch-webhook").hidden = true;
+  $("batch-cancel").hidden = true;
+  $("batch-jobs").replaceChildren();
+  showBatchError("");
+  showBatchConnection("connecting");
+}
+
+// The batch as its status says: state, its jobs by state, progress, cost, artifacts, and each
+// job linked to its own view on this page.
+function renderBatch(status) {
+  $("batch-state").textContent = status.state;
+  $("batch-state").dataset.state = status.state;
+  const counts = Object.entries(status.counts || {}).sort(([a], [b]) => a.localeCompare(b));
+  $("batch-counts").replaceChildren(
+    ...counts.map(([state, n]) => {
+      const item = document.createElement("li");
+      item.dataset.state = state;
+      item.textContent = `${state}: ${n}`;
+      return item;
+    }),
+  );
+  const percent = Math.round((status.progress || 0) * 100);
+  $("batch-bar").value = percent;
+  $("batch-progress-text").textContent = `${status.ended} of ${status.total} jobs ended · ${percent} %`;
+  const cost = status.cost || {};
+  const usd = cost.usd == null ? "" : ` (about $${cost.usd.toFixed(4)})`;
+  $("batch-cost").textContent = `Cost: ${cost.gpu_s || 0} GPU-seconds billed${usd}`;
+  $("batch-artifacts").textContent = `Artifacts: ${status.artifacts ?? 0}`;
+  $("batch-cancelled").hidden = !status.cancel_reason;
+  $("batch-cancelled").textContent = status.cancel_reason ? `Cancelled: ${status.cancel_reason}` : "";
+  $("batch-webhook").hidden = !status.webhook;
+  $("batch-webhook").textContent = status.webhook ? `Webhook: ${status.webhook}` : "";
+  // Once cancelled there is nothing more to cancel (CANCELLING: its jobs are stopping).
+  $("batch-cancel").hidden = status.terminal === true || Boolean(status.cancel_reason);
+  $("batch-jobs").replaceChildren(...(status.jobs || []).map(batchJobItem));
+}
+
+function batchJobItem(entry) {
+  const item = document.createElement("li");
+  item.dataset.job = entry.job_id;
+  item.dataset.state = entry.state ?? "";
+  const link = document.createElement("a");
+  link.href = `#job=${encodeURIComponent(entry.job_id)}`;
+  const code = document.createElement("code");
+  code.textContent = entry.job_id;
+  link.append(code);
+  // No state yet: not started, or ended and not yet heard of by its batch.
+  const parts = [entry.state ?? "—"];
+  if (entry.percent != null) parts.push(`${entry.percent} %`);
+  if (entry.artifacts) parts.push(`${entry.artifacts} artifact${entry.artifacts === 1 ? "" : "s"}`);
+  const state = document.createElement("span");
+  state.className = "job-state";
+  state.textContent = ` ${parts.join(" · ")}`;
+  item.append(link, state);
+  if (entry.error) {
+    const error = document.createElement("span");
+    error.className = "error";
+    error.textContent = ` — ${entry.error.type}: ${entry.error.message}`;
+    item.append(error);
+  }
+  return item;
+}
+
+function showBatchError(text) {
+  $("batch-error").textContent = text;
+  $("batch-error").hidden = !text;
 }
 
 function renderState(state) {
@@ -669,66 +898,85 @@ function showJobError(text) {
 }
 
 function showConnection(kind, detail = null, waitMs = null) {
-  const line = $("connection");
-  const seconds = waitMs === null ? "" : ` Next try in ${Math.ceil(waitMs / 1000)} s.`;
+  connectionLine($("connection"), $("retry"), "job", kind, detail, waitMs);
+}
+
+function showBatchConnection(kind, detail = null, waitMs = null) {
+  connectionLine($("batch-connection"), $("batch-retry"), "batch", kind, detail, waitMs);
+}
+
+function connectionLine(line, retry, noun, kind, detail, waitMs) {
+  const seconds = waitMs == null ? "" : ` Next try in ${Math.ceil(waitMs / 1000)} s.`;
   const texts = {
     idle: "",
     connecting: "Connecting…",
-    live: "Live: following the job's events.",
-    reconnecting: `reconnecting… the gateway's event stream dropped; polling the job meanwhile.${seconds}`,
+    live: `Live: following the ${noun}'s events.`,
+    reconnecting: `reconnecting… the gateway's event stream dropped; polling the ${noun} meanwhile.${seconds}`,
     lost:
       `contact lost: no answer from the gateway for over ${RETRY.contactHorizonMs / 1000} s. ` +
-      `The job itself goes on server-side; this page keeps trying.${seconds}`,
-    ended: "The job has ended; no longer following.",
+      `The ${noun} itself goes on server-side; this page keeps trying.${seconds}`,
+    ended: `The ${noun} has ended; no longer following.`,
     stopped: "Not following.",
   };
   line.dataset.connection = kind;
   line.textContent = detail ? `${texts[kind]} ${detail}` : texts[kind];
-  $("retry").hidden = !(kind === "reconnecting" || kind === "lost" || kind === "stopped");
+  retry.hidden = !(kind === "reconnecting" || kind === "lost" || kind === "stopped");
 }
 
 // --- wiring -----------------------------------------------------------------------------
 
-function jobIdFromHash() {
-  const match = /^#job=(.+)$/.exec(location.hash);
+// What the address names: `#job=<id>` or `#batch=<id>` (each link reopens it anywhere).
+function fromHash(name) {
+  const match = new RegExp(`^#${name}=(.+)$`).exec(location.hash);
   return match ? decodeURIComponent(match[1]) : null;
+}
+
+function followHash() {
+  const jobId = fromHash("job");
+  const batchId = fromHash("batch");
+  if (jobId) startFollowing(jobId);
+  else if (batchId) startFollowingBatch(batchId);
 }
 
 function retryNow() {
   if (!job) return;
-  if (job.stopped && !job.ended) {
-    const id = job.id;
-    job = null;
-    startFollowing(id);
-  } else {
-    job.wake?.();
-  }
+  if (job.stopped && !job.ended) startFollowing(job.id);
+  else job.wake?.();
+}
+
+function retryBatchNow() {
+  if (!batch) return;
+  if (batch.stopped && !batch.ended) startFollowingBatch(batch.id);
+  else batch.wake?.();
 }
 
 async function main() {
   $("api-key").value = localStorage.getItem(KEY_STORAGE) || "";
   $("api-key").addEventListener("change", () => {
     localStorage.setItem(KEY_STORAGE, apiKey());
-    if (job?.stopped && !job.ended) retryNow(); // it stopped for want of a key
+    // Either stopped for want of a key.
+    if (job?.stopped && !job.ended) retryNow();
+    if (batch?.stopped && !batch.ended) retryBatchNow();
   });
   $("load-example").addEventListener("click", () => {
     if (exampleGraph) $("graph").value = JSON.stringify(exampleGraph, null, 2);
     else showSubmitError("The gateway offers no example graph.");
   });
   $("submit").addEventListener("click", submit);
+  $("count").addEventListener("input", countChanged);
+  $("count").addEventListener("change", countChanged);
+  countChanged(); // a count the browser kept over a reload
   $("retry").addEventListener("click", retryNow);
   $("cancel").addEventListener("click", (e) =>
     control(e.target, "/cancel", { reason: "cancelled from the browser page" }),
   );
   $("resume").addEventListener("click", (e) => control(e.target, "/resume", { resubmit: false }));
   $("resubmit").addEventListener("click", (e) => control(e.target, "/resume", { resubmit: true }));
-  window.addEventListener("hashchange", () => {
-    const jobId = jobIdFromHash();
-    if (jobId) startFollowing(jobId);
-  });
+  $("batch-retry").addEventListener("click", retryBatchNow);
+  $("batch-cancel").addEventListener("click", (e) => cancelBatch(e.target));
+  window.addEventListener("hashchange", followHash);
   await loadConfig();
-  const jobId = jobIdFromHash();
-  if (jobId) startFollowing(jobId);
+  followHash();
 }
 
 main();

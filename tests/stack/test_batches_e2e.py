@@ -198,12 +198,20 @@ async def test_a_batch_that_cannot_start_whole_starts_nothing(client: JobClient)
     ]
     with pytest.raises(InvalidBatch, match="one tenant"):
         await client.submit_batch(bad, batch_id="batch-two-tenants")
-    with pytest.raises(InvalidBatch, match="fit its graph"):
+    with pytest.raises(InvalidBatch, match="override 0: node '99' is not in the graph"):
         await client.submit_batch(
             BatchRequest(request=JobRequest(graph=example()), overrides=[{"99": {"seed": 1}}]),
             batch_id="batch-bad-override",
         )
-    for batch_id in ("batch-two-tenants", "batch-bad-override"):
+    with pytest.raises(InvalidBatch, match="override 1: node '3' .* has no input 'sede'"):
+        await client.submit_batch(
+            BatchRequest(
+                request=JobRequest(graph=example()),
+                overrides=[{"3": {"seed": 1}}, {"3": {"sede": 2}}],
+            ),
+            batch_id="batch-typo",
+        )
+    for batch_id in ("batch-two-tenants", "batch-bad-override", "batch-typo"):
         assert not await client._batch_exists(batch_id)
 
 
