@@ -203,7 +203,7 @@ async def test_a_batch_that_cannot_start_whole_starts_nothing(client: JobClient)
             BatchRequest(request=JobRequest(graph=example()), overrides=[{"99": {"seed": 1}}]),
             batch_id="batch-bad-override",
         )
-    with pytest.raises(InvalidBatch, match="override 1: node '3' .* has no input 'sede'"):
+    with pytest.raises(InvalidBatch, match=r"override 1: node '3' .* has no input 'sede'"):
         await client.submit_batch(
             BatchRequest(
                 request=JobRequest(graph=example()),
