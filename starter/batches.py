@@ -29,10 +29,14 @@ from pydantic import BaseModel, ConfigDict
 from temporalio.client import (
     Client,
     WorkflowExecutionStatus,
+    WorkflowFailureError,
+    WorkflowHandle,
     WorkflowQueryFailedError,
+    WorkflowQueryRejectedError,
     WorkflowUpdateFailedError,
 )
 from temporalio.common import (
+    QueryRejectCondition,
     SearchAttributeKey,
     SearchAttributePair,
     TypedSearchAttributes,
@@ -299,9 +303,19 @@ class BatchMethods:
 
     async def _batch_status(self, batch_id: str) -> BatchStatus:
         """The batch's own record, with the states its unfinished jobs show now."""
-        handle = self.temporal.get_workflow_handle(checked_batch_id(batch_id))
+        handle = self.temporal.get_workflow_handle(
+            checked_batch_id(batch_id), result_type=BatchStatus
+        )
         try:
-            status: BatchStatus = await handle.query(QUERY_BATCH_STATUS, result_type=BatchStatus)
+            # An ended batch's query would replay its whole history on a worker: its result
+            # (its last status) is read from its record instead, with no worker at all.
+            status: BatchStatus = await handle.query(
+                QUERY_BATCH_STATUS,
+                result_type=BatchStatus,
+                reject_condition=QueryRejectCondition.NOT_OPEN,
+            )
+        except WorkflowQueryRejectedError:
+            return await self._ended_batch(handle)
         except RPCError as exc:
             if exc.status == RPCStatusCode.NOT_FOUND:
                 raise errors.BatchNotFound(batch_id) from None
@@ -309,6 +323,15 @@ class BatchMethods:
         if status.terminal:
             return status
         return await self._with_live_states(status)
+
+    async def _ended_batch(self, handle: WorkflowHandle[Any, BatchStatus]) -> BatchStatus:
+        try:
+            result: BatchStatus = await handle.result(follow_runs=False)
+            return result
+        except WorkflowFailureError:
+            # Terminated from outside: its last word is its query's (on a worker, replayed).
+            ended: BatchStatus = await handle.query(QUERY_BATCH_STATUS, result_type=BatchStatus)
+            return ended
 
     async def _with_live_states(self, status: BatchStatus) -> BatchStatus:
         unfinished = {job.job_id for job in status.jobs if job.state is None}
