@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any, Final
 
 import structlog
-from fastapi import APIRouter, Depends, Header, Request, Response
+from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field
 
@@ -162,11 +162,16 @@ async def batch_status(
     batch_id: str,
     tenant: Tenant,
     if_none_match: Annotated[str | None, Header(alias="If-None-Match")] = None,
+    jobs: Annotated[
+        bool,
+        Query(description="true: each unfinished job's state and percent too (a costlier read)"),
+    ] = False,
 ) -> Response:
-    """The batch: counts by state, progress, cost, artifacts, and each job with its state."""
+    """The batch: counts by state, progress, cost, artifacts, and each job (an unfinished
+    job's state only with `?jobs=true`)."""
     gateway = gateway_of(request)
     client = await _owned(gateway, batch_id, tenant)
-    status = await client.batch_status(batch_id)
+    status = await client.batch_status(batch_id, jobs=jobs)
     tag = batch_etag(status)
     headers = {"ETag": tag, "Cache-Control": "no-cache"}
     if if_none_match is not None and etag_matches(if_none_match, tag):

@@ -70,6 +70,7 @@ from workflows.shared import (
     PROGRESS_KEY,
     QUERY_BATCH_RESULTS,
     QUERY_BATCH_STATUS,
+    SA_JOB_STATE,
     SA_TENANT,
     SIGNAL_BATCH_SUBMITTED,
     STATE_KEY,
@@ -87,6 +88,8 @@ log = structlog.get_logger(__name__)
 STARTS_AT_ONCE: Final = 32
 MEMO_BATCH_SHA256: Final = "batch_sha256"
 _TENANT_KEY: Final = SearchAttributeKey.for_keyword(SA_TENANT)
+# What a job that has not ended may show (its `JobState` search attribute).
+LIVE_STATES: Final = tuple(state for state in JobState if not state.terminal)
 
 
 class BatchSubmitted(BaseModel):
@@ -301,8 +304,9 @@ class BatchMethods:
                 continue
             raise errors.QueueFull(pool, tenant, reason, room.retry_after_s)
 
-    async def _batch_status(self, batch_id: str) -> BatchStatus:
-        """The batch's own record, with the states its unfinished jobs show now."""
+    async def _batch_status(self, batch_id: str, *, jobs: bool = False) -> BatchStatus:
+        """The batch's own record, with how many of its unfinished jobs show each state now
+        (and with `jobs`, each one's state and percent)."""
         handle = self.temporal.get_workflow_handle(
             checked_batch_id(batch_id), result_type=BatchStatus
         )
@@ -322,7 +326,28 @@ class BatchMethods:
             raise
         if status.terminal:
             return status
-        return await self._with_live_states(status)
+        if jobs:
+            return await self._with_live_states(status)
+        return await self._with_live_counts(status)
+
+    async def _with_live_counts(self, status: BatchStatus) -> BatchStatus:
+        """Counts of the unfinished jobs by the state they show (their `JobState` search
+        attribute): one count call per state, all at once. Listing 1,000 jobs costs the
+        dev server ~200 ms of CPU; these counts ~20 ms together."""
+        if status.ended >= status.total:
+            return status
+        prefix = f'WorkflowId STARTS_WITH "{status.batch_id}-" AND ExecutionStatus = "Running"'
+        answers = await asyncio.gather(
+            *(
+                self.temporal.count_workflows(f'{prefix} AND {SA_JOB_STATE} = "{state.value}"')
+                for state in LIVE_STATES
+            )
+        )
+        counts = Counter(status.counts)
+        for state, answer in zip(LIVE_STATES, answers, strict=True):
+            if answer.count:
+                counts[state.value] += answer.count
+        return status.model_copy(update={"counts": dict(counts)})
 
     async def _ended_batch(self, handle: WorkflowHandle[Any, BatchStatus]) -> BatchStatus:
         try:

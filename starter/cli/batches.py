@@ -361,7 +361,7 @@ def status(ctx: typer.Context, batch_id: BatchArg, as_json: JsonOpt = False) -> 
     async def go() -> BatchStatus:
         checked_batch_id(batch_id)
         async with job_client(config) as client:
-            return await client.batch_status(batch_id)
+            return await client.batch_status(batch_id, jobs=True)
 
     current = run(go)
     if as_json:
