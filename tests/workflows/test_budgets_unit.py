@@ -1,0 +1,137 @@
+"""A tenant's budget day without Temporal: its boundaries, the spend it counts (once per job),
+when it is over, and a job's hold until the reset (workflows/budgets.py)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from configuration.tenants import TenantConfig, budget_limits
+from workflows.admission import Admission, place_in_line
+from workflows.budgets import (
+    MAX_COUNTED,
+    BudgetDay,
+    BudgetLimits,
+    BudgetUsage,
+    LedgerState,
+    Spent,
+    day_of,
+    hold_of,
+    over_limit,
+)
+
+NOON = datetime(2026, 3, 4, 12, 0, tzinfo=UTC)
+
+
+def limits(**fields: object) -> BudgetLimits:
+    return BudgetLimits.model_validate({"tenant": "acme", "gpu_seconds_per_day": 30.0} | fields)
+
+
+def test_a_day_of_86400_seconds_begins_at_midnight_utc() -> None:
+    start, end = day_of(NOON, 86400)
+    assert start == datetime(2026, 3, 4, tzinfo=UTC)
+    assert end == datetime(2026, 3, 5, tzinfo=UTC)
+    # The boundary itself begins the next day.
+    assert day_of(end, 86400) == (end, end + timedelta(days=1))
+    assert day_of(end - timedelta(microseconds=1), 86400) == (start, end)
+
+
+def test_a_short_day_is_counted_from_the_epoch_in_its_own_steps() -> None:
+    start, end = day_of(NOON + timedelta(seconds=7), 20)
+    assert (end - start).total_seconds() == 20
+    assert start <= NOON + timedelta(seconds=7) < end
+    assert int(start.timestamp()) % 20 == 0
+
+
+def test_spend_adds_up_once_per_job_until_the_reset() -> None:
+    day = BudgetDay(LedgerState(limits=limits()), NOON)
+    assert day.resets_at == datetime(2026, 3, 5, tzinfo=UTC)
+    assert day.spend(Spent(job_id="a", gpu_s=12.5, usd=0.005))
+    assert day.spend(Spent(job_id="b", gpu_s=10.25))
+    assert not day.spend(Spent(job_id="a", gpu_s=12.5, usd=0.005)), "a repeat counts nothing"
+    usage = day.usage(NOON)
+    assert (usage.gpu_s, usage.usd, usage.jobs, usage.over) == (22.75, 0.005, 2, False)
+    assert day.spend(Spent(job_id="c", gpu_s=8.0))
+    usage = day.usage(NOON)
+    assert usage.over and usage.gpu_s == 30.75
+    assert "30.8 of its 30 GPU-seconds" in usage.reason
+    assert usage.over_at(NOON) and not usage.over_at(day.resets_at)
+    # The next day: nothing spent; a late repeat of yesterday's job is still not counted.
+    assert not day.roll(NOON + timedelta(hours=11))
+    assert day.roll(day.resets_at)
+    assert (day.state.gpu_s, day.state.usd, day.state.jobs) == (0.0, 0.0, 0)
+    assert not day.spend(Spent(job_id="c", gpu_s=8.0))
+    assert day.usage(day.resets_at).resets_at == datetime(2026, 3, 6, tzinfo=UTC)
+
+
+def test_a_ledger_asleep_for_days_starts_the_day_it_wakes_in() -> None:
+    day = BudgetDay(LedgerState(limits=limits(), day_started_at=NOON - timedelta(days=3)), NOON)
+    assert day.state.day_started_at == datetime(2026, 3, 4, tzinfo=UTC)
+
+
+def test_limits_latest_wins_and_a_new_day_length_keeps_todays_spend() -> None:
+    day = BudgetDay(LedgerState(limits=limits()), NOON)
+    day.spend(Spent(job_id="a", gpu_s=40))
+    assert not day.told(limits(), NOON)
+    assert day.told(limits(gpu_seconds_per_day=100.0), NOON)
+    assert not day.usage(NOON).over
+    assert day.told(limits(gpu_seconds_per_day=100.0, day_s=20.0), NOON)
+    assert day.resets_at == NOON + timedelta(seconds=20)
+    assert day.state.gpu_s == 40
+
+
+def test_usd_limit_and_both() -> None:
+    both = limits(usd_per_day=1.0)
+    assert over_limit(29.0, 0.5, both) is None
+    assert over_limit(29.0, 1.0, both) == "tenant 'acme' has spent $1.0000 of its $1 today"
+    assert "and" in (over_limit(31.0, 2.0, both) or "")
+    assert over_limit(1e9, 0.0, limits(gpu_seconds_per_day=None)) is None
+
+
+def test_the_counted_ids_are_bounded() -> None:
+    day = BudgetDay(LedgerState(limits=limits(gpu_seconds_per_day=1e9)), NOON)
+    for index in range(MAX_COUNTED + 5):
+        day.spend(Spent(job_id=f"j{index}", gpu_s=1))
+    assert len(day.state.counted) == MAX_COUNTED
+    assert day.state.jobs == MAX_COUNTED + 5
+
+
+def test_a_hold_is_judged_by_the_checking_workers_limits_until_the_reset() -> None:
+    resets = NOON + timedelta(hours=12)
+    usage = BudgetUsage(tenant="acme", gpu_s=31.0, resets_at=resets, gpu_seconds_per_day=100)
+    hold = hold_of(usage, limits(), NOON, "gpu")
+    assert hold is not None and hold.resets_at == resets
+    assert hold.reason.endswith("its budget resets at 00:00 UTC")
+    assert hold_of(usage, limits(gpu_seconds_per_day=100.0), NOON, "gpu") is None
+    assert hold_of(usage, limits(), resets, "gpu") is None, "a reading of a day that is over"
+    # Checked again after the reset, within a small share of a short day.
+    short = hold.model_copy(update={"day_s": 20.0})
+    assert short.recheck_in_s(resets - timedelta(seconds=5), 0.0) == pytest.approx(5.0, abs=0.01)
+    assert short.recheck_in_s(resets - timedelta(seconds=5), 0.99) <= 6.0
+    assert hold.recheck_in_s(resets, 0.99) <= 30.0
+
+
+def test_tenant_settings_give_the_ledgers_limits() -> None:
+    tenants = {
+        "acme": TenantConfig(gpu_seconds_per_day=30, over_budget="refuse"),
+        "default": TenantConfig(usd_per_day=2.5),
+        "free": TenantConfig(weight=2),
+    }
+    acme = budget_limits(tenants, "acme", 20.0)
+    assert acme is not None
+    assert (acme.gpu_seconds_per_day, acme.over_budget, acme.day_s) == (30, "refuse", 20.0)
+    other = budget_limits(tenants, "someone", 86400)
+    assert other is not None and (other.tenant, other.usd_per_day) == ("someone", 2.5)
+    assert budget_limits(tenants, "free", 86400) is None
+    with pytest.raises(ValueError):
+        TenantConfig(gpu_seconds_per_day=0)
+    with pytest.raises(ValueError):
+        TenantConfig.model_validate({"over_budget": "kill"})
+
+
+def test_a_held_job_says_until_when() -> None:
+    held = Admission(pool="gpu", held="budget", resets_at=datetime(2026, 3, 5, tzinfo=UTC))
+    assert place_in_line(held) == "held: over budget until 00:00 UTC"
+    short = held.model_copy(update={"resets_at": datetime(2026, 3, 5, 0, 0, 20, tzinfo=UTC)})
+    assert place_in_line(short) == "held: over budget until 00:00:20 UTC"
