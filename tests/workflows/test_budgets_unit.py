@@ -8,10 +8,12 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from configuration.tenants import TenantConfig, budget_limits
+from tests.support.workflow_fakes import FakeWorkflow
 from workflows.admission import Admission, place_in_line
 from workflows.budgets import (
     MAX_COUNTED,
     BudgetDay,
+    BudgetHold,
     BudgetLimits,
     BudgetUsage,
     LedgerState,
@@ -20,6 +22,8 @@ from workflows.budgets import (
     hold_of,
     over_limit,
 )
+from workflows.contracts import Checkpoint, JobCost, JobState, JobStatus
+from workflows.job_book import BookCarry, JobBook
 
 NOON = datetime(2026, 3, 4, 12, 0, tzinfo=UTC)
 
@@ -135,3 +139,52 @@ def test_a_held_job_says_until_when() -> None:
     assert place_in_line(held) == "held: over budget until 00:00 UTC"
     short = held.model_copy(update={"resets_at": datetime(2026, 3, 5, 0, 0, 20, tzinfo=UTC)})
     assert place_in_line(short) == "held: over budget until 00:00:20 UTC"
+
+
+# -- the job's side: its GPU-seconds, whose budget counts it, its hold ------------------------
+
+
+def test_a_jobs_gpu_seconds_are_runpods_execution_and_comfyuis_measured_run(
+    wf: FakeWorkflow,
+) -> None:
+    book = JobBook(JobStatus(job_id="j"))
+    # RunPod: each provider job's execution (every delivery's); the idle tail is in dollars only.
+    book.add_cost(JobCost(provider_job_id="rp-1", execution_s=12.0, billed_after_end_s=5.0))
+    book.add_cost(
+        JobCost(
+            provider_job_id="rp-2", execution_s=3.5, billed_after_end_s=2.0, usd_per_second=0.001
+        )
+    )
+    assert (book.status.gpu_s, book.status.usd) == (15.5, 0.0055)
+    # A later reading of the same provider job replaces the earlier one.
+    book.add_cost(JobCost(provider_job_id="rp-1", execution_s=12.5, billed_after_end_s=5.0))
+    assert book.status.gpu_s == 16.0
+    # ComfyUI: each submission's run as its follows measured it, the furthest reading kept.
+    checkpoint = Checkpoint(job_id="j", prompt_id="p", client_id="c1", ran_s=2.0)
+    book.set_checkpoint(checkpoint)
+    book.set_checkpoint(checkpoint.model_copy(update={"ran_s": 1.0}))
+    assert book.status.gpu_s == 18.0
+    book.set_checkpoint(checkpoint.model_copy(update={"client_id": "c2", "ran_s": 4.0}))
+    assert book.status.gpu_s == 22.0
+    # Carried across continue-as-new.
+    carried = JobBook(book.status, [], book.carry())
+    carried.set_checkpoint(checkpoint.model_copy(update={"ran_s": 3.0}))
+    assert carried.status.gpu_s == 23.0
+
+
+def test_the_checks_word_and_a_hold(wf: FakeWorkflow) -> None:
+    book = JobBook(JobStatus(job_id="j", state=JobState.SUBMITTING))
+    book.client_id = "c"
+    book.report({"attempt_client_id": "c", "budget": "acme"})
+    assert book.budget == "acme" and book.status.state == JobState.SUBMITTING, "no prompt yet"
+    book.budgeted(None)
+    assert book.budget == "acme"
+    resets = datetime(2026, 1, 2, tzinfo=UTC)
+    book.held_by_budget(BudgetHold(tenant="acme", pool="gpu", resets_at=resets))
+    assert book.status.state == JobState.PENDING
+    admission = book.status.admission
+    assert admission is not None and (admission.held, admission.resets_at) == ("budget", resets)
+    assert "held: over budget until 00:00 UTC" in wf.details[-1]
+    book.budget_reset()
+    assert book.status.admission is None and book.budget_hold is None
+    assert BookCarry.model_validate(book.carry().model_dump()).budget == "acme"
