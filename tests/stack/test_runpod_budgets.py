@@ -39,8 +39,8 @@ pytestmark = pytest.mark.skipif(
 # Long enough for two jobs of ~15 s each (a RunPod worker's cold start included) inside one
 # budget day, short enough that the held job's wait for the reset is a test's wait.
 DAY_S = 90.0
-# Sampler steps at the simulator's 20 ms: about 17 s of execution each (two pass 30 s).
-STEPS = 850
+# Sampler steps at the simulator's 20 ms: about 20 s of execution each (two pass 30 s).
+STEPS = 1000
 WAITING = f"wait-{uuid.uuid4().hex[:6]}"
 REFUSING = f"refuse-{uuid.uuid4().hex[:6]}"
 TENANTS = {
