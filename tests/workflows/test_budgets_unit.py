@@ -4,12 +4,15 @@ when it is over, and a job's hold until the reset (workflows/budgets.py)."""
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
+from temporalio import workflow
 
 from configuration.tenants import TenantConfig, budget_limits
 from tests.support.workflow_fakes import FakeWorkflow
 from workflows.admission import Admission, place_in_line
+from workflows.budget_ledger import LedgerMetrics
 from workflows.budgets import (
     MAX_COUNTED,
     BudgetDay,
@@ -188,3 +191,35 @@ def test_the_checks_word_and_a_hold(wf: FakeWorkflow) -> None:
     book.budget_reset()
     assert book.status.admission is None and book.budget_hold is None
     assert BookCarry.model_validate(book.carry().model_dump()).budget == "acme"
+
+
+class Gauges:
+    """A workflow meter that keeps each gauge's last value, by name and tenant."""
+
+    def __init__(self) -> None:
+        self.values: dict[tuple[str, str], float] = {}
+
+    def _gauge(self, name: str, *_args: object) -> Any:
+        values = self.values
+
+        class Gauge:
+            def set(self, value: float, labels: dict[str, str]) -> None:
+                values[(name, labels["tenant"])] = value
+
+        return Gauge()
+
+    create_gauge = create_gauge_float = _gauge
+
+
+def test_the_ledgers_gauges_show_the_tenants_spend(monkeypatch: pytest.MonkeyPatch) -> None:
+    meter = Gauges()
+    monkeypatch.setattr(workflow, "metric_meter", lambda: meter)
+    day = BudgetDay(LedgerState(limits=limits()), NOON)
+    day.spend(Spent(job_id="a", gpu_s=31.5, usd=0.02))
+    LedgerMetrics().show(day.usage(NOON))
+    assert meter.values == {
+        ("durable_comfy_budget_gpu_seconds", "acme"): 31.5,
+        ("durable_comfy_budget_usd", "acme"): 0.02,
+        ("durable_comfy_budget_gpu_seconds_limit", "acme"): 30.0,
+        ("durable_comfy_budget_over", "acme"): 1,
+    }
