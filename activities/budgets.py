@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import structlog
 from temporalio import activity
-from temporalio.client import Client, WorkflowQueryFailedError
+from temporalio.client import Client, RPCTimeoutOrCancelledError, WorkflowQueryFailedError
 from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.service import RPCError, RPCStatusCode
 
@@ -37,6 +37,9 @@ log = structlog.get_logger(__name__)
 # long each time: about 3 s) before the check fails retryably: a budget is never passed over
 # because its ledger could not be read, the job tries again after its backoff.
 USAGE_ATTEMPTS = 5
+# How long one read waits for the ledger's worker to answer: well inside the heartbeat timeout
+# of a follow that checks (it heartbeats only once it follows).
+USAGE_TIMEOUT = timedelta(seconds=5)
 # A ledger too busy for another query now, a server in trouble, or a run that has not finished
 # its first workflow task (just continued as new at the reset).
 _TRY_AGAIN = (
@@ -88,13 +91,21 @@ class BudgetActivities:
         why = "no answer"
         for attempt in range(USAGE_ATTEMPTS):
             try:
-                usage: BudgetUsage = await handle.query(QUERY_LEDGER_USAGE, result_type=BudgetUsage)
+                usage: BudgetUsage = await handle.query(
+                    QUERY_LEDGER_USAGE, result_type=BudgetUsage, rpc_timeout=USAGE_TIMEOUT
+                )
             except RPCError as exc:
                 if exc.status == RPCStatusCode.NOT_FOUND:
                     return None
+                if exc.status == RPCStatusCode.DEADLINE_EXCEEDED:
+                    why = "no answer in time: is a worker running on its task queue?"
+                    break
                 if exc.status not in _TRY_AGAIN:
                     raise
                 why = exc.message
+            except RPCTimeoutOrCancelledError:
+                why = "no answer in time: is a worker running on its task queue?"
+                break
             except WorkflowQueryFailedError as exc:
                 why = str(exc)
             else:
