@@ -34,6 +34,7 @@ from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxR
 from activities import live_progress
 from activities.backend import Backend, Backends, JobActivities
 from activities.batches import BatchActivities
+from activities.budgets import BudgetActivities
 from activities.comfyui.backend import ComfyBackend
 from activities.comfyui.pools import ComfyPools
 from activities.heartbeat_budget import HeartbeatBudget
@@ -63,6 +64,7 @@ from starter import doctor
 from starter.connection import forwarded_core_logs
 from starter.errors import ChecksFailed
 from starter.exit import exit_without_finalizing
+from workflows.budget_ledger import TenantLedger
 from workflows.errors import RunPodAuthError, RunPodError, RunPodRefused, StorageConfigError
 from workflows.inference_job import InferenceJob
 from workflows.job_batch import JobBatch
@@ -151,6 +153,7 @@ async def run_worker(
         )
         queues = PoolQueueActivities(client, sweeper)
         batches = BatchActivities(client)
+        budgets = BudgetActivities(client, settings.tenants, settings.budget_day_s)
         jobs = JobActivities(
             Backends(settings.pools, settings.default_pool, by_kind),
             deliverer,
@@ -162,12 +165,13 @@ async def run_worker(
             slot_watch=SlotWatch(
                 client, queues.request_on, waiters_room(settings.max_concurrent_activities)
             ),
+            check_budget=budgets.check,
         )
         worker = Worker(
             client,
             task_queue=settings.task_queue,
             identity=live_progress.poller_identity(client.identity, live.url),
-            workflows=[InferenceJob, PoolQueue, JobBatch],
+            workflows=[InferenceJob, PoolQueue, JobBatch, TenantLedger],
             activities=[
                 jobs.prepare_prompt,
                 jobs.follow_prompt,
@@ -178,6 +182,7 @@ async def run_worker(
                 queues.closed_jobs,
                 batches.cancel_batch_jobs,
                 batches.ended_batch_jobs,
+                budgets.record_spend,
             ],
             max_concurrent_activities=settings.max_concurrent_activities,
             max_cached_workflows=settings.max_cached_workflows,

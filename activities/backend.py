@@ -31,6 +31,7 @@ from configuration.settings import S3Settings
 from configuration.tenants import TenantConfig, priority_refusal, tenant_config
 from workflows import activity_io
 from workflows.admission import Admission, PoolBound, SlotRelease, SlotRequest
+from workflows.budgets import BudgetHold
 from workflows.contracts import Checkpoint, ProgressReport
 from workflows.failures import as_refused_before_submission
 from workflows.shared import (
@@ -117,6 +118,8 @@ class JobActivities:
         ask_for_slot: Callable[[str, SlotRequest], Awaitable[Admission | None]] | None = None,
         release_slot: Callable[[str, SlotRelease], Awaitable[bool]] | None = None,
         slot_watch: SlotWatch | None = None,
+        check_budget: Callable[[str, str, str], Awaitable[tuple[str | None, BudgetHold | None]]]
+        | None = None,
     ) -> None:
         self._backends = backends
         self._webhooks = webhooks
@@ -131,6 +134,9 @@ class JobActivities:
         self._release_slot = release_slot
         # A check told a place waits for its grant here, watching the queue (slot_watch.py).
         self._slot_watch = slot_watch
+        # Tenants' daily budgets (activities/budgets.py): whether the job's tenant has one, and
+        # whether its spend today holds the job until the reset.
+        self._check_budget = check_budget
 
     @activity.defn(name=ACTIVITY_PREPARE)
     async def prepare_prompt(self, req: activity_io.PrepareInput) -> activity_io.PreparedJob:
@@ -161,6 +167,14 @@ class JobActivities:
                 max_priority=terms.max_priority,
             )
         prepared = await backend.prepare(req, pool)
+        if self._check_budget is not None:
+            # After the graph's check (a bad job fails now, not after the reset), before the
+            # pool's queue is asked: a job held by its tenant's budget holds no place in line.
+            budget, held = await self._check_budget(tenant, req.job_id, pool)
+            if budget is not None:
+                prepared = prepared.model_copy(update={"budget": budget, "held": held})
+            if held is not None:
+                return prepared
         bound = self._bound(pool, terms)
         if bound is None:
             return prepared
@@ -219,6 +233,22 @@ class JobActivities:
                 raise  # a pool slow or down: the workflow backs off and tries again
             raise as_refused_before_submission(refusal) from refusal
         pool, backend = self._backends.resolve(prepared.pool)
+        if prepared.held is not None:
+            # Its tenant's budget is spent for today: nothing is submitted before the reset.
+            return activity_io.FollowResult(
+                prompt_id=req.prompt_id,
+                outcome="held",
+                checkpoint=req.checkpoint or Checkpoint(job_id=req.job_id),
+                pool=pool,
+                kind=prepared.kind,
+                budget=prepared.budget,
+                held=prepared.held,
+            )
+        if prepared.budget is not None:
+            # Before anything is submitted, the job hears whose budget counts it: however its
+            # prompt ends (a failure, a cancel before any report), it tells that ledger.
+            report = ProgressReport(attempt_client_id=req.client_id, budget=prepared.budget)
+            await send_progress(req.job_id, report, log)
         if prepared.bound is not None and not req.slot_held:
             granted = prepared.admission is not None and prepared.admission.granted
             if not granted and waits and prepared.slot_asked:
@@ -237,13 +267,14 @@ class JobActivities:
                     bound=prepared.bound,
                     slot_asked=prepared.slot_asked,
                     admission=prepared.admission,
+                    budget=prepared.budget,
                 )
             # The check's own ask was granted (an idle pool): submit now, in this attempt,
             # rather than hand the grant to the workflow for a second follow. Its reports and
             # its result tell the workflow it holds the slot.
             req = req.model_copy(update={"slot_held": True, "slot_bound": prepared.bound})
         result = await backend.follow(_on_pool(req, pool))
-        update: dict[str, Any] = {"pool": pool, "kind": prepared.kind}
+        update: dict[str, Any] = {"pool": pool, "kind": prepared.kind, "budget": prepared.budget}
         if req.slot_bound is not None:
             update |= {"bound": prepared.bound, "slot_asked": True, "admission": prepared.admission}
         return await self._given_back(req, pool, result.model_copy(update=update))

@@ -66,6 +66,7 @@ class WorkerFileSection(_Section):
     log_level: str | None = None
     heartbeat_throttle_s: values.HeartbeatThrottle | None = None
     heartbeat_budget_per_s: values.HeartbeatBudgetRate | None = None
+    budget_day_s: values.BudgetDayLength | None = None
     versioning: bool | None = None
     deployment_name: values.DeploymentName | None = None
     build_id: values.BuildId | None = None

@@ -63,6 +63,7 @@ from configuration.values import (
     TENANT_PATTERN,
     AllowedInputPrefixes,
     BucketName,
+    BudgetDayLength,
     BuildId,
     Concurrency,
     DeploymentName,
@@ -78,6 +79,7 @@ from configuration.values import (
     package_build_id,
     webhook_signing_key,
 )
+from workflows.budgets import DEFAULT_BUDGET_DAY_S
 from workflows.errors import StorageConfigError
 from workflows.shared import DEFAULT_TASK_QUEUE
 
@@ -108,6 +110,7 @@ _WORKER_FILE_FIELDS = (
     "log_level",
     "heartbeat_throttle_s",
     "heartbeat_budget_per_s",
+    "budget_day_s",
     "versioning",
     "deployment_name",
     "build_id",
@@ -190,6 +193,12 @@ class WorkerSettings(Settings):
     )
     live_progress_key: SecretStr | None = Field(
         None, validation_alias="DURABLE_COMFY_LIVE_PROGRESS_KEY"
+    )
+    # The length of tenants' budget days (`gpu_seconds_per_day`, `usd_per_day`), counted from
+    # the Unix epoch: 86,400 resets budgets at 00:00 UTC; a test sets a few seconds. Every
+    # worker must say the same (the ledger keeps the latest it was told).
+    budget_day_s: BudgetDayLength = Field(
+        DEFAULT_BUDGET_DAY_S, validation_alias="DURABLE_COMFY_BUDGET_DAY_S"
     )
     # Worker Versioning (docs/upgrading.md): the worker polls as one version of a Worker
     # Deployment, `deployment_name` + `build_id`, and InferenceJob is pinned to the version it

@@ -36,6 +36,8 @@ Concurrency = Annotated[int, Field(ge=1)]
 SweepInterval = Annotated[float, Field(ge=0)]
 HeartbeatThrottle = Annotated[float, Field(gt=0, le=60)]
 HeartbeatBudgetRate = Annotated[float, Field(gt=0, le=100_000)]
+# A tenant's budget day (workflows/budgets.py): a second at the least (tests), a year at most.
+BudgetDayLength = Annotated[float, Field(ge=1, le=366 * 86400)]
 
 _BUCKET_NAME = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 

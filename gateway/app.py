@@ -23,7 +23,7 @@ from pydantic import BaseModel
 from temporalio.api.workflowservice.v1 import DescribeNamespaceRequest
 
 from configuration.settings import GatewaySettings, TemporalSettings
-from gateway import batches_api, jobs_api, pools_api, stream_api, uploads_api
+from gateway import batches_api, jobs_api, pools_api, stream_api, uploads_api, usage_api
 from gateway.auth import ApiKeys
 from gateway.batches_api import BatchSubmission
 from gateway.errors import UNAVAILABLE_RETRY_AFTER_S, install_error_handlers, retry_after
@@ -84,6 +84,7 @@ def create_app(
     app.include_router(batches_api.router)
     app.include_router(batches_api.events_router)
     app.include_router(pools_api.router)
+    app.include_router(usage_api.router)
     app.include_router(stream_api.router)
     app.include_router(uploads_api.router)
     _add_service_routes(app, gateway)

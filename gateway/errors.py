@@ -12,6 +12,8 @@ gateway's own exceptions:
     │                        gateway counts them (429)
     ├── QueueFull            the pool's queue holds as many waiting jobs as the workers'
     │                        `max_pending` lets it, the tenant's or the pool's (429)
+    ├── BudgetExceeded       the tenant's daily budget is spent and its settings refuse new
+    │                        jobs until the reset (429, Retry-After: the reset)
     └── Overloaded           this replica is at its limit of requests or streams (503)
     FollowFailed             a stream's follower stopped without the job ending
     Dropped                  a stream's subscriber fell too far behind (503)
@@ -154,6 +156,22 @@ class QueueFull(LimitExceeded):
         return cls(str(exc), exc.pool, exc.reason, exc.retry_after_s)
 
 
+class BudgetExceeded(LimitExceeded):
+    """The tenant's spend today has reached its daily budget and its settings say `over_budget:
+    refuse` (429): nothing was started; Retry-After is the time until the budget resets."""
+
+    def __init__(self, exc: client_errors.BudgetExceeded) -> None:
+        super().__init__(str(exc), exc.retry_after_s)
+        self.tenant = exc.tenant
+        self.reason = exc.reason
+        self.resets_at = exc.resets_at
+        self.spent = {"gpu_s": exc.spent_gpu_s, "usd": exc.spent_usd}
+        self.limits = {
+            "gpu_seconds_per_day": exc.gpu_seconds_per_day,
+            "usd_per_day": exc.usd_per_day,
+        }
+
+
 class Overloaded(LimitExceeded):
     """This replica is at its limit of concurrent requests or open streams (503)."""
 
@@ -233,6 +251,20 @@ def api_error_for(exc: Exception) -> ApiError:
                 pool=exc.pool,
                 reason=exc.reason,
                 retry_after_s=exc.estimate_s,
+            )
+        case client_errors.BudgetExceeded():
+            return api_error_for(BudgetExceeded(exc))
+        case BudgetExceeded():
+            return ApiError(
+                429,
+                "BudgetExceeded",
+                str(exc),
+                headers=retry_after(exc.retry_after_s),
+                tenant=exc.tenant,
+                reason=exc.reason,
+                resets_at=exc.resets_at.isoformat(),
+                spent=exc.spent,
+                limits=exc.limits,
             )
         case LimitExceeded():
             return ApiError(

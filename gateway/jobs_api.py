@@ -16,7 +16,14 @@ from pydantic import Field
 
 from configuration.tenants import priority_refusal
 from gateway.deps import caller, request_slot
-from gateway.errors import QueueFull, TooManyJobs, bad_request, invalid, priority_not_allowed
+from gateway.errors import (
+    BudgetExceeded,
+    QueueFull,
+    TooManyJobs,
+    bad_request,
+    invalid,
+    priority_not_allowed,
+)
 from gateway.state import Gateway, gateway_of
 from gateway.submission import cancel_reason, job_id_for, job_request, parse_body, resubmit_of
 from gateway.views import etag, etag_matches
@@ -69,10 +76,12 @@ async def submit_job(
 ) -> JSONResponse:
     """Submit a job: the same Idempotency-Key with the same request is the same job (200).
 
-    Two refusals for capacity, both 429 with Retry-After: `TooManyJobs`, this gateway's cap
-    on the tenant's open jobs of every pool (counted here, in Temporal's visibility), and
+    Three refusals for capacity, all 429 with Retry-After: `TooManyJobs`, this gateway's cap
+    on the tenant's open jobs of every pool (counted here, in Temporal's visibility);
     `QueueFull`, the pool queue's cap on the jobs waiting in it (the workers' `max_pending`,
-    checked by the client library against the queue itself)."""
+    checked by the client library against the queue itself); and `BudgetExceeded`, the
+    tenant's daily budget spent with `over_budget: refuse` (its ledger read by the client
+    library; Retry-After: until the reset)."""
     gateway = gateway_of(request)
     job_id = job_id_for(tenant, idempotency_key)
     body = parse_body(await request.body())
@@ -95,6 +104,9 @@ async def submit_job(
     except client_errors.QueueFull as exc:
         log.info("queue_full", tenant=tenant, pool=exc.pool, retry_after_s=exc.retry_after_s)
         raise QueueFull.of(exc) from None
+    except client_errors.BudgetExceeded as exc:
+        log.info("budget_exceeded", tenant=tenant, resets_at=exc.resets_at.isoformat())
+        raise BudgetExceeded(exc) from None
     except JobUnanswered:
         # Raised only once the ID was found holding this very request: the same job, whose
         # status no worker gives now. Temporal's record of it is the answer.

@@ -10,6 +10,7 @@ from starter.connection import connect_temporal
 from starter.errors import (
     BatchConflict,
     BatchNotFound,
+    BudgetExceeded,
     ClientError,
     ContactLost,
     InputFileError,
@@ -37,6 +38,7 @@ from starter.errors import (
 from starter.exit import exit_without_finalizing
 from starter.requests import load_graph, request_from_files
 from workflows.batches import BatchRequest, BatchResults, BatchState, BatchStatus
+from workflows.budgets import BudgetUsage
 from workflows.contracts import (
     Artifact,
     CancelRequest,
@@ -57,6 +59,8 @@ __all__ = [
     "BatchState",
     "BatchStatus",
     "BatchSubmitted",
+    "BudgetExceeded",
+    "BudgetUsage",
     "CancelRequest",
     "ClientError",
     "ContactLost",

@@ -47,6 +47,7 @@ from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
 from starter import errors
+from starter.budgets import BudgetCheck, budget_exceeded
 from starter.queues import queue_room
 from starter.requests import check_segment_overrides, request_sha256
 from starter.staging import stage_inputs
@@ -200,7 +201,11 @@ class BatchMethods:
         sha = _fingerprint([fingerprint for _, fingerprint in prepared], webhook)
         try:
             await self._refuse_batch_when_full([request for request, _ in prepared], tenant)
-        except errors.QueueFull:
+            # Its tenant's budget spent, `over_budget: refuse`: nothing of it starts.
+            usage = await BudgetCheck(self.temporal).refusal(tenant)
+            if usage is not None:
+                raise budget_exceeded(usage)
+        except (errors.QueueFull, errors.BudgetExceeded):
             if not await self._batch_exists(batch_id):
                 raise  # a resubmission of a batch that got in is never refused
         existed = await self._start_batch_workflow(batch_id, tenant, job_ids, webhook, sha)

@@ -62,6 +62,7 @@ from temporalio.service import RPCError, RPCStatusCode
 from configuration.settings import ClientSettings
 from starter import errors
 from starter.batches import BatchMethods, BatchSubmitted
+from starter.budgets import BudgetCheck, budget_exceeded, every_usage, tenant_usage
 from starter.connection import (
     connect_failure_gist,
     connect_target,
@@ -87,6 +88,7 @@ from starter.worker_wait import WAIT_STATES, QueueReader, with_worker_wait
 from workflows.activity_io import FollowHeartbeat
 from workflows.admission import PoolQueueView
 from workflows.batches import BatchRequest, BatchResults, BatchStatus
+from workflows.budgets import BudgetUsage
 from workflows.contracts import (
     Artifact,
     CancelRequest,
@@ -236,6 +238,7 @@ class JobClient(BatchMethods):
         # The workers' default pool, for the queue's room check of a request that names none.
         self.default_pool = default_pool
         self._rooms = RoomCheck(client, task_queue)
+        self._budgets = BudgetCheck(client)
         self.store = store
         self.query_timeout = timedelta(seconds=query_timeout_s)
         self.max_request_bytes = MAX_REQUEST_BYTES
@@ -408,6 +411,7 @@ class JobClient(BatchMethods):
             request = request.model_copy(update={"policy": policy})
         await self._check_size(request)
         await self._refuse_when_full(request, job_id)
+        await self._refuse_over_budget(request, job_id)
         if self.live is not None:
             self.live.list_soon()  # for the watch that usually follows
         try:
@@ -439,6 +443,36 @@ class JobClient(BatchMethods):
             if exc.status != RPCStatusCode.NOT_FOUND:
                 raise
         raise errors.QueueFull(pool, tenant, room.reason, room.retry_after_s)
+
+    async def _refuse_over_budget(self, request: JobRequest, job_id: str) -> None:
+        """`BudgetExceeded` when the job's tenant has spent its daily budget and its settings
+        say `over_budget: refuse` (with `wait`, the job is started and waits PENDING until the
+        reset); a job already started under `job_id` is found as always."""
+        tenant = request.labels.get(TENANT_LABEL) or DEFAULT_TENANT
+        usage = await self._budgets.refusal(tenant)
+        if usage is None or await self._exists(job_id):
+            return
+        raise budget_exceeded(usage)
+
+    async def _exists(self, job_id: str) -> bool:
+        try:
+            await self.handle(job_id).describe()
+        except RPCError as exc:
+            if exc.status != RPCStatusCode.NOT_FOUND:
+                raise
+            return False
+        return True
+
+    async def tenant_usage(self, tenant: str) -> BudgetUsage | None:
+        """The tenant's spend today as its budget ledger has it (None: it has no ledger: no
+        budget, or no job of it checked yet)."""
+        with self.translated_errors():
+            return await tenant_usage(self.temporal, tenant)
+
+    async def every_usage(self) -> list[BudgetUsage]:
+        """Every tenant's spend today, of every ledger that runs (`durable-comfy tenants`)."""
+        with self.translated_errors():
+            return await every_usage(self.temporal)
 
     async def _start_new(self, request: JobRequest, job_id: str, fingerprint: str) -> SubmitOutcome:
         """Start the workflow of a checked request, or compare it with the job under its ID."""

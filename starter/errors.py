@@ -17,6 +17,8 @@
     │                        an override that fits no node); nothing was started
     ├── BatchNotFound        no batch with that ID in this namespace
     ├── BatchConflict        the batch ID is taken by a different batch
+    ├── BudgetExceeded       the tenant's daily budget is spent and its settings refuse new jobs
+    │                        until the reset (`.resets_at`); nothing was started
     ├── JobAlreadyEnded      the action needs a job that still runs; `.status` is its final one
     ├── ResumeRefused        the job turned the resume down; `.reason` says why
     ├── TemporalUnreachable  no connection to the Temporal server, or no answer in time
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 from workflows.contracts import MAX_INLINE_INPUT_BYTES, MAX_INLINE_TOTAL_BYTES
@@ -137,6 +140,35 @@ class QueueFull(ClientError):
         # Whole seconds rounded up, as the gateway's Retry-After says it.
         when = "later" if retry_after_s is None else f"in about {math.ceil(retry_after_s)} s"
         super().__init__(f"queue full: {reason}; nothing was started, try again {when}")
+
+
+class BudgetExceeded(ClientError):
+    """Refused for capacity: the tenant's spend today has reached its daily budget, and its
+    settings say `over_budget: refuse` (with `wait`, the job would wait PENDING instead).
+    Nothing was started; try again after `resets_at` (`retry_after_s` from now)."""
+
+    def __init__(
+        self,
+        tenant: str,
+        reason: str,
+        resets_at: datetime,
+        *,
+        spent_gpu_s: float = 0.0,
+        gpu_seconds_per_day: float | None = None,
+        spent_usd: float = 0.0,
+        usd_per_day: float | None = None,
+    ) -> None:
+        self.tenant, self.reason, self.resets_at = tenant, reason, resets_at
+        self.spent_gpu_s, self.gpu_seconds_per_day = spent_gpu_s, gpu_seconds_per_day
+        self.spent_usd, self.usd_per_day = spent_usd, usd_per_day
+        left = (resets_at - datetime.now(UTC)).total_seconds()
+        self.retry_after_s = max(math.ceil(left), 1)
+        at = resets_at.astimezone(UTC)
+        when = at.strftime("%H:%M UTC" if at.second == 0 else "%H:%M:%S UTC")
+        super().__init__(
+            f"budget exceeded: {reason}; nothing was started, its budget resets at {when} "
+            f"(in about {self.retry_after_s} s)"
+        )
 
 
 class NoPoolQueue(ClientError, LookupError):

@@ -127,8 +127,8 @@ async def release_slot(temporal: Client, task_queue: str, pool: str, job_id: str
 async def with_queue_position(temporal: Client, task_queue: str, status: JobStatus) -> JobStatus:
     """A PENDING job's status with its place in line as the queue has it now."""
     admission = status.admission
-    if status.state != JobState.PENDING or admission is None:
-        return status
+    if status.state != JobState.PENDING or admission is None or admission.held is not None:
+        return status  # not in line (a job its tenant's budget holds is in none)
     handle = temporal.get_workflow_handle(pool_queue_id(task_queue, admission.pool))
     try:
         raw = await handle.query(QUERY_ADMISSION, status.job_id)

@@ -273,8 +273,16 @@ SAMPLES: dict[str, tuple[str, Any, dict[str, str]]] = {
         {},
     ),
     "DURABLE_COMFY_TENANTS": (
-        '{"acme": {"weight": 2, "max_priority": 2}}',
-        {"acme": {"weight": 2.0, "max_priority": 2}},
+        '{"acme": {"weight": 2, "max_priority": 2, "gpu_seconds_per_day": 30, '
+        '"over_budget": "refuse"}}',
+        {
+            "acme": {
+                "weight": 2.0,
+                "max_priority": 2,
+                "gpu_seconds_per_day": 30.0,
+                "over_budget": "refuse",
+            }
+        },
         {},
     ),
     "DURABLE_COMFY_TASK_QUEUE": ("q1", "q1", {}),
@@ -287,6 +295,7 @@ SAMPLES: dict[str, tuple[str, Any, dict[str, str]]] = {
     "DURABLE_COMFY_LOG_LEVEL": ("DEBUG", "DEBUG", {}),
     "DURABLE_COMFY_HEARTBEAT_THROTTLE_S": ("1.5", 1.5, {}),
     "DURABLE_COMFY_HEARTBEAT_BUDGET": ("100", 100.0, {}),
+    "DURABLE_COMFY_BUDGET_DAY_S": ("20", 20.0, {}),
     "DURABLE_COMFY_LIVE_PROGRESS_PORT": (
         "7441",
         7441,

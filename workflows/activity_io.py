@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BeforeValidator, Field, ValidationError
 
 from workflows.admission import Admission, PoolBound
+from workflows.budgets import BudgetHold
 from workflows.contracts import (
     Artifact,
     Checkpoint,
@@ -102,6 +103,11 @@ class PreparedJob(StrictModel):
     bound: PoolBound | None = None
     slot_asked: bool = False
     admission: Admission | None = None
+    # The job's tenant has a daily budget: the tenant, whose ledger the job tells its spend at
+    # its end (workflows/budgets.py). `held`: its spend today has reached a limit, so the job
+    # may not start before the reset (nothing was asked of the pool's queue).
+    budget: str | None = None
+    held: BudgetHold | None = None
 
     @classmethod
     def unchecked(cls, request: JobRequest) -> PreparedJob:
@@ -175,8 +181,10 @@ class FollowResult(StrictModel):
 
     prompt_id: str
     # needs_slot: the check (`FollowInput.prepare`) passed on a bounded pool and nothing was
-    # submitted: the job asks for a slot (`bound`), then follows again.
-    outcome: Literal["success", "needs_slot"]
+    # submitted: the job asks for a slot (`bound`), then follows again. held: the check found
+    # the tenant over its daily budget (`held`) and nothing was submitted: the job waits until
+    # the reset, then is checked again.
+    outcome: Literal["success", "needs_slot", "held"]
     artifacts: list[Artifact] = Field(default_factory=list)
     checkpoint: Checkpoint
     # What the provider job that produced the result cost; and other provider jobs of the same
@@ -196,6 +204,10 @@ class FollowResult(StrictModel):
     admission: Admission | None = None
     # The follow gave the job's slot back itself (its last prompt ended): the job need not.
     slot_released: bool = False
+    # From the check (`FollowInput.prepare`): the tenant whose daily budget counts the job, and
+    # with `held`, until when it may not start.
+    budget: str | None = None
+    held: BudgetHold | None = None
 
 
 class FollowHeartbeat(StrictModel):

@@ -25,7 +25,7 @@ import heapq
 import math
 from collections import deque
 from collections.abc import Iterable, Iterator
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -149,6 +149,10 @@ class Admission(_Read):
     # From the pool's recent hold times and its bound; None until the pool has some.
     eta_s: float | None = None
     as_of: datetime | None = None
+    # Why a job that may not start yet waits, besides a place in line: `budget`, its tenant's
+    # spend today has reached its daily budget (workflows/budgets.py), until `resets_at`.
+    held: str | None = None
+    resets_at: datetime | None = None
 
 
 # A waiting job hears its place again at most this often, and only among the first this many
@@ -195,8 +199,20 @@ def worth_telling(told: int | None, position: int) -> bool:
     return position <= 3 or position * 2 <= told or position >= told * 2
 
 
+def clock(at: datetime) -> str:
+    """ "17:00 UTC", or "17:00:20 UTC" when the time is not on a whole minute (a short day)."""
+    at = at.astimezone(UTC)
+    return at.strftime("%H:%M UTC" if at.second == 0 else "%H:%M:%S UTC")
+
+
 def place_in_line(admission: Admission) -> str:
-    """ "12th of 40 for pool gpu, about 3 min": where a PENDING job stands, in words."""
+    """ "12th of 40 for pool gpu, about 3 min": where a PENDING job stands, in words; "held:
+    over budget until 00:00 UTC" for a job its tenant's budget holds."""
+    if admission.held == "budget":
+        until = f" until {clock(admission.resets_at)}" if admission.resets_at else ""
+        return f"held: over budget{until}"
+    if admission.held is not None:
+        return f"held: {admission.held}"
     position = admission.position
     if position is None:
         line = f"in line for pool {admission.pool}, its place not known yet"

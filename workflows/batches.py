@@ -156,8 +156,8 @@ class BatchJobEnd(ReadModel):
     job_id: str
     state: ReadState
     error: JobError | None = None
-    # What it billed on a per-second provider (RunPod), and that in dollars where the pool
-    # says its price.
+    # The GPU-seconds it held a GPU (`JobStatus.gpu_s`), and its dollars where its pool gives
+    # a price (`JobStatus.usd`).
     gpu_s: float = 0.0
     usd: float | None = None
     artifacts: list[Artifact] = Field(default_factory=list)
@@ -168,13 +168,13 @@ class BatchJobEnd(ReadModel):
 
     @classmethod
     def of(cls, status: JobStatus, at: datetime) -> BatchJobEnd:
-        usd = [cost.usd_estimate for cost in status.cost if cost.usd_estimate is not None]
+        # The job's own figures: what its tenant's budget counts (docs/queue.md, "Budgets").
         return cls(
             job_id=status.job_id,
             state=status.state,
             error=status.error,
-            gpu_s=round(sum(cost.billed_s for cost in status.cost), 3),
-            usd=round(sum(usd), 6) if usd else None,
+            gpu_s=status.gpu_s,
+            usd=status.usd,
             artifacts=status.artifacts,
             ended_at=at,
         )
@@ -185,9 +185,9 @@ class BatchCancel(StrictModel):
 
 
 class BatchCost(ReadModel):
-    # Seconds billed by per-second providers (RunPod), over the ended jobs.
+    # The GPU-seconds its ended jobs held a GPU (each job's `gpu_s`).
     gpu_s: float = 0.0
-    # The same in dollars, over the ended jobs whose pool gives its price (None: none does).
+    # Their dollars, over the ended jobs whose pool gives its price (None: none does).
     usd: float | None = None
 
 

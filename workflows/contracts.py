@@ -357,6 +357,10 @@ class Checkpoint(ReadModel):
     # no `provider_job_id` beside it, whether the backend has the prompt is unknown.
     submit_sent_at: datetime | None = None
     updated_at: datetime | None = None
+    # How long the prompt has run on its GPU so far, as its follows measured it on a comfyui
+    # pool (each attempt on its worker's monotonic clock, from when it saw the prompt running to
+    # its end; a follow that re-attaches adds its own): at least what it ran.
+    ran_s: float = 0.0
 
 
 class Artifact(ReadModel):
@@ -610,6 +614,13 @@ class JobStatus(ReadModel):
     # Each provider job of the job (a RunPod job: one delivery of a submission to a worker),
     # what became of it and what it billed: one per entry of `cost`.
     deliveries: list[Delivery] = Field(default_factory=list)
+    # The GPU-seconds the job held a GPU, over all its provider jobs and prompts: RunPod's
+    # billed execution on a `runpod` pool, the prompts' execution as the follow measured it on
+    # a `comfyui` pool. What its tenant's daily budget counts (docs/queue.md, "Budgets").
+    gpu_s: float = 0.0
+    # What it cost in dollars where its pool gives a price (`usd_per_second`; RunPod's bill,
+    # the idle time billed after its end included). None: no price.
+    usd: float | None = None
     # Set when the request has a webhook: each event's delivery.
     webhook: WebhookStatus | None = None
     detached: bool = False
@@ -711,6 +722,10 @@ class ProgressReport(StrictModel):
     # `slot`): the job is PENDING at that place. A later report with `slot` and without it says
     # the follow was granted the slot.
     admission: Admission | None = None
+    # From a follow whose check found the job's tenant has a daily budget, before it submits
+    # anything: the tenant whose ledger the job tells its spend at its end (the report says
+    # nothing of a prompt).
+    budget: str | None = None
 
 
 class CancelRequest(StrictModel):

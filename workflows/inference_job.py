@@ -1,10 +1,10 @@
 """The `InferenceJob` workflow: one ComfyUI job, from request to confirmed artifacts.
 
-The story (`run`, first): check the job on its pool (a prepare, or its first follow), wait for a
-slot of a bounded pool (workflows/pool_slot.py), run each segment (workflows/segment_run.py),
-continue as new when the history grows long. Every ending stops the prompt until that is
-confirmed and keeps what finished (workflows/stopping.py). The book writes the status
-(workflows/job_book.py); the handlers at the end take what a plain client sends (messages.py).
+The story (`run`, first): check the job on its pool (a prepare, or its first follow), wait out
+its tenant's budget (budget_hold.py) and for a slot of a bounded pool (pool_slot.py), run each
+segment (segment_run.py), continue as new when the history grows long. Every ending stops the
+prompt until confirmed, keeps what finished (stopping.py) and tells its batch and its budget's
+ledger. The book writes the status (job_book.py); the handlers at the end take any message.
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ from temporalio.common import RawValue
 from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
-    from workflows import activity_calls as calls
     from workflows import shared
     from workflows.activity_io import PreparedJob, PrepareInput
     from workflows.batches import tell_batch
+    from workflows.budget_hold import prepare_within_budget
+    from workflows.budgets import tell_ledger
     from workflows.contracts import (
         CancelRequest,
         EventsQuery,
@@ -73,6 +74,7 @@ class InferenceJob:
         await self._finish_uncancellable(outcome)
         await self._slot.given_back()
         await tell_batch(self._request.labels, self._status)
+        await tell_ledger(self._book.budget, self._status)
         # Ended (every client sees it); its last events may still be on their way to the webhook.
         if self._webhooks is not None:
             await self._webhooks.deliver_the_rest()
@@ -87,15 +89,13 @@ class InferenceJob:
         request, carry = self._reading.input.request, self._reading.input.carry
         self._request, self._carry = request, carry
         self._prepared: PreparedJob | None = carry.prepared if carry else None
-        # The request's check, for the follows until one names the pool (a request that stages
-        # nothing).
+        # The request's check, for the follows until one names the pool (it stages nothing).
         self._unchecked: PrepareInput | None = None
         self._status = carry.status if carry else new_status(request)
-        journal = carry.journal if carry else None
-        self._book = JobBook(self._status, journal, requested_pool=request.pool)
+        journal, kept = (carry.journal, carry.book) if carry else (None, None)
+        self._book = JobBook(self._status, journal, kept, requested_pool=request.pool)
         self._controls = self._book.controls
-        # The reason a Temporal cancel that follows should carry (the `cancel_reason` signal).
-        self._cancel_reason: str | None = None
+        self._cancel_reason: str | None = None  # for a Temporal cancel (`cancel_reason` signal)
         self._work = None
         self._stopper = ConfirmedStop(self._book, request.policy, request.output)
         self._webhooks: WebhookSender | None = None
@@ -116,8 +116,7 @@ class InferenceJob:
         if self._prepared is None:
             check = PrepareInput.of(request, self._status.job_id, self._status.created_at)
             if request.inputs:
-                book.set_state(JobState.PREPARING)
-                self._prepared = await calls.prepare(check)
+                self._prepared = await prepare_within_budget(book, check, self._slot)
                 book.prepared_on(self._prepared.pool, self._prepared.kind)
                 await self._slot.take_checked(self._prepared)
             else:
@@ -134,6 +133,7 @@ class InferenceJob:
                     next_segment=segment,
                     journal=self._book.journal,
                     slot=self._slot.carry(),
+                    book=self._book.carry(),
                 )
             run = SegmentRun(book, request, self._prepared, segment, self._slot)
             await run.run(check=self._unchecked)
@@ -202,7 +202,7 @@ class InferenceJob:
         ending = self._ending(outcome)
         book, prompt_id = self._book, self._book.prompt_id
         book.decided(ending)
-        nothing_sent = self._prepared is None or self._slot.waiting
+        nothing_sent = self._prepared is None or self._slot.waiting or book.budget_hold is not None
         if nothing_sent or prompt_id is None or refused_before_submission(outcome):
             book.nothing_to_stop()
         else:

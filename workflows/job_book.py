@@ -18,13 +18,14 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import ValidationError
+from pydantic import BaseModel, Field, ValidationError
 from temporalio import workflow
 from temporalio.common import MetricCounter, SearchAttributeUpdate
 
 with workflow.unsafe.imports_passed_through():
     from workflows.activity_io import FollowResult
     from workflows.admission import Admission, PoolBound, place_in_line
+    from workflows.budgets import BudgetHold
     from workflows.contracts import (
         MAX_JOURNAL,
         MAX_NOTICES,
@@ -94,6 +95,15 @@ def at_task_end(callback: Callable[[], None], changes: Callable[[], int]) -> Non
     asyncio.get_running_loop().create_task(when_settled())
 
 
+class BookCarry(BaseModel):
+    """What the book keeps across continue-as-new besides the status and its journal."""
+
+    # The tenant whose daily budget counts the job (its check said so; None: no budget).
+    budget: str | None = None
+    # Each submission's (client id's) measured run on a comfyui pool: `JobStatus.gpu_s`.
+    ran_s: dict[str, float] = Field(default_factory=dict)
+
+
 @dataclass(frozen=True)
 class StopOrder:
     """How the job ends and why: ordered while its work runs (a cancel, a guard's timer), or
@@ -130,10 +140,18 @@ class JobBook:
         self,
         status: JobStatus,
         journal: list[JobEvent] | None = None,
+        kept: BookCarry | None = None,
         *,
         requested_pool: str | None = None,
     ) -> None:
         self.status = status
+        kept = kept or BookCarry()
+        # The tenant whose ledger the job tells its spend at its end (workflows/budgets.py),
+        # and what holds it until its budget resets (None: nothing).
+        self.budget: str | None = kept.budget
+        self.budget_hold: BudgetHold | None = None
+        # How long each submission (by client id) has run on a comfyui pool, as measured.
+        self._ran: dict[str, float] = dict(kept.ran_s)
         self._requested = requested_pool
         # What a follower must not miss (state changes, stored outputs, tenths of progress),
         # numbered by the seq that wrote them: the `events` query and the webhooks read it.
@@ -210,6 +228,36 @@ class JobBook:
             self.set_state(JobState.PENDING)
         else:
             self.changed()
+
+    def budgeted(self, tenant: str | None) -> None:
+        """The check found the job's tenant has a daily budget: the job tells its ledger its
+        spend at its end (None says nothing)."""
+        if tenant is not None:
+            self.budget = tenant
+
+    def held_by_budget(self, hold: BudgetHold) -> None:
+        """Its tenant's spend today has reached a limit: PENDING, held until the reset."""
+        self.budget_hold = hold
+        self.status.admission = Admission(
+            pool=hold.pool,
+            held="budget",
+            resets_at=hold.resets_at,
+            tenant=hold.tenant,
+            as_of=workflow.now(),
+        )
+        if self.status.state in (JobState.QUEUED, JobState.PREPARING, JobState.SUBMITTING):
+            self.set_state(JobState.PENDING)
+        else:
+            self.changed()
+
+    def budget_reset(self) -> None:
+        """The budget day it waited for has begun: the job is checked again."""
+        self.budget_hold = None
+        self.status.admission = None
+        self.changed()
+
+    def carry(self) -> BookCarry:
+        return BookCarry(budget=self.budget, ran_s=dict(self._ran))
 
     @property
     def pending(self) -> bool:
@@ -425,6 +473,10 @@ class JobBook:
             return
         if report.attempt_client_id != self.client_id or self.status.terminal:
             return  # from a socket of an earlier submission, or too late
+        if report.budget is not None:
+            self.budgeted(report.budget)
+            if report.checkpoint is None and report.slot is None:
+                return  # the check's word before it submits: nothing of a prompt yet
         if report.admission is not None and report.slot is not None:
             if self.on_slot_waiting is not None:
                 self.on_slot_waiting(report.slot, report.admission)
@@ -563,6 +615,18 @@ class JobBook:
         costs[:] = [c for c in costs if c.provider_job_id != cost.provider_job_id]
         costs.append(cost)
         self.status.deliveries = [Delivery.of(c) for c in costs if c.provider_job_id]
+        self._count_gpu()
+
+    def _count_gpu(self) -> None:
+        """`gpu_s` and `usd`: what each provider job ran (RunPod's execution, every delivery's)
+        and each prompt ran as measured (a comfyui pool); dollars where the pool has a price.
+        The idle time RunPod bills after a job's end is in its dollars, not its GPU-seconds:
+        the job did not hold the GPU then."""
+        costs = self.status.cost
+        ran = sum(cost.execution_s for cost in costs) + sum(self._ran.values())
+        self.status.gpu_s = round(ran, 3)
+        usd = [cost.usd_estimate for cost in costs if cost.usd_estimate is not None]
+        self.status.usd = round(sum(usd), 6) if usd else None
 
     def _merge(self, artifacts: list[Artifact]) -> bool:
         known = {a.key for a in self.status.artifacts}
@@ -576,7 +640,12 @@ class JobBook:
         return added
 
     def _note_provider_job(self, checkpoint: Checkpoint) -> None:
-        """The backend's own job id once it names one (RunPod's); ComfyUI's is the prompt id."""
+        """The backend's own job id once it names one (RunPod's); ComfyUI's is the prompt id.
+        And how long the submission has run, as its follows measured it (a comfyui pool)."""
+        submission = checkpoint.client_id
+        if submission and checkpoint.ran_s > self._ran.get(submission, 0.0):
+            self._ran[submission] = checkpoint.ran_s
+            self._count_gpu()
         backend = self.status.backend
         if backend is not None and checkpoint.provider_job_id is not None:
             backend.provider_job_id = checkpoint.provider_job_id

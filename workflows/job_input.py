@@ -22,6 +22,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows.activity_io import PreparedJob
     from workflows.contracts import JobError, JobEvent, JobRequest, JobStatus
     from workflows.errors import GraphRefused, RequestRefused, UndeclaredInputFile, safe_text
+    from workflows.job_book import BookCarry
     from workflows.pool_slot import SlotCarry
     from workflows.shared import ErrorType
 
@@ -39,6 +40,8 @@ class JobCarry(BaseModel):
     webhook_cursor: tuple[int, int] | None = None
     # The slot of its bounded pool's queue the job holds (workflows/pool_slot.py).
     slot: SlotCarry | None = None
+    # Whose daily budget counts the job, and what its prompts ran (workflows/job_book.py).
+    book: BookCarry | None = None
 
 
 class JobInput(BaseModel):

@@ -17,6 +17,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows import activity_calls as calls
     from workflows import shared
     from workflows.activity_io import FollowInput, FollowResult, PreparedJob, PrepareInput
+    from workflows.budget_hold import wait_for_reset
     from workflows.contracts import Checkpoint, Decision, JobRequest, JobState
     from workflows.failures import (
         FailureKind,
@@ -91,6 +92,13 @@ class SegmentRun:
             try:
                 follow_input = self._follow_input(checkpoint, submit, first_post)
                 result = await calls.follow(follow_input, policy)
+                book.budgeted(result.budget)
+                if result.outcome == "held" and result.held is not None:
+                    # Its tenant's budget is spent for today: nothing was submitted. Checked
+                    # again (graph, budget, slot) once the day has reset.
+                    await wait_for_reset(book, self._slot, result.held)
+                    given = False
+                    continue
                 if result.outcome != "needs_slot":
                     if self._slot is not None:
                         self._slot.followed(result)

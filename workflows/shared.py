@@ -69,6 +69,22 @@ QUERY_BATCH_RESULTS: Final = "results"
 ACTIVITY_CANCEL_BATCH_JOBS: Final = "cancel_batch_jobs"
 ACTIVITY_ENDED_BATCH_JOBS: Final = "ended_batch_jobs"
 
+# Tenants' daily budgets (workflows/budget_ledger.py): one `TenantLedger` workflow per tenant
+# with a budget, for every task queue and worker; a worker's check starts it with its limits
+# (signal `limits`) and reads its spend (query `usage`); each budgeted job tells it its spend
+# once it has ended (signal `spent`).
+LEDGER_WORKFLOW_TYPE: Final = "TenantLedger"
+SIGNAL_LEDGER_LIMITS: Final = "limits"
+SIGNAL_LEDGER_SPENT: Final = "spent"
+QUERY_LEDGER_USAGE: Final = "usage"
+# A job's spend, by signal-with-start, when its ledger was not running (terminated).
+ACTIVITY_RECORD_SPEND: Final = "record_spend"
+
+
+def ledger_id(tenant: str) -> str:
+    """The tenant's ledger's workflow id: one per tenant, whatever the task queue."""
+    return f"durable-comfy-budget:{tenant}"
+
 
 def pool_queue_id(task_queue: str, pool: str) -> str:
     """The dispatcher's workflow id: one per pool of each task queue's workers."""
@@ -147,6 +163,8 @@ class ErrorType:
     ABANDONED: Final = "Abandoned"
     # A batch's job that its client never started (workflows/job_batch.py).
     NEVER_STARTED: Final = "NeverStarted"
+    # A tenant's ledger (its daily budget) could not be read: the check is tried again.
+    BUDGET_UNKNOWN: Final = "BudgetUnknown"
 
 
 def reconnect_delay(attempt: int, base_s: float, max_s: float, u: float) -> float:

@@ -29,6 +29,7 @@ from temporalio import workflow
 with workflow.unsafe.imports_passed_through():
     from workflows import activity_calls as calls
     from workflows.activity_io import OffloadInput, StopCheck, StopInput
+    from workflows.admission import place_in_line
     from workflows.contracts import (
         ENDINGS,
         JobError,
@@ -100,6 +101,8 @@ async def start_deadline(start_by_s: float, book: JobBook, stop: OrderStop) -> N
 
 def _where_it_waits(book: JobBook) -> str:
     admission = book.status.admission
+    if book.pending and admission is not None and admission.held is not None:
+        return place_in_line(admission)
     if book.pending and admission is not None:
         return f"place {admission.position or '?'} in the queue of pool {admission.pool}"
     if book.status.state == JobState.WAITING:

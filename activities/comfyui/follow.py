@@ -17,6 +17,7 @@ attempt reads the last heartbeat and re-attaches to the same prompt by ID. `offl
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -125,6 +126,12 @@ class FollowAttempt:
         # The ended prompt's history, read while its last outputs are still being stored.
         self.history: asyncio.Task[dict[str, Any]] | None = None
         self.worker_id = worker_identity()
+        # The prompt's run on the GPU, as this attempt sees it, on this worker's monotonic clock
+        # (what the tenant's budget counts: `Checkpoint.ran_s`): from when the follower first
+        # saw it running to its end, added to what earlier attempts measured.
+        self.ran_before_s = self.checkpoint.ran_s
+        self.running_since: float | None = None
+        self.ran_until: float | None = None
 
     async def run(self, *, read_history: bool = False) -> FollowResult:
         """Follow the prompt to its end and store its outputs. `read_history`: once the prompt
@@ -144,7 +151,9 @@ class FollowAttempt:
         try:
             if self.req.graph is not None and not self.follower.submitted:
                 await self._refuse_a_bad_pool()
-            await self._raise_unless_success(await self.follower.follow())
+            seen = await self.follower.follow()
+            self.ran_until = time.monotonic()
+            await self._raise_unless_success(seen)
             if read_history:
                 # A short job's last upload is still in flight when its prompt ends.
                 self.history = asyncio.create_task(
@@ -222,6 +231,8 @@ class FollowAttempt:
         self.beat(now=True)
 
     async def stage(self, stage: Stage, position: int | None) -> None:
+        if stage == "running" and self.running_since is None:
+            self.running_since = time.monotonic()
         # Clients see the new stage (or place) at once, in the heartbeat: during the quiet start
         # it is the only way they see it, and a prompt may end before its next paced beat.
         self.beat(now=True)
@@ -293,9 +304,17 @@ class FollowAttempt:
 
     # --- what the workflow hears -------------------------------------------------------------
 
+    def ran_s(self) -> float:
+        """How long the prompt has run on the GPU, by this attempt's count and the earlier's."""
+        if self.running_since is None:
+            return self.ran_before_s
+        until = self.ran_until if self.ran_until is not None else time.monotonic()
+        return round(self.ran_before_s + max(until - self.running_since, 0.0), 3)
+
     def _checkpoint(self) -> Checkpoint:
         return self.checkpoint.model_copy(
             update={
+                "ran_s": self.ran_s(),
                 "step": self.tracker.step,
                 "total_steps": self.tracker.total,
                 "node_steps": dict(self.tracker.node_steps),

@@ -823,6 +823,13 @@ function renderStatus(status) {
 // Where a PENDING job stands in its pool's queue, in the words the CLI uses
 // (workflows.admission.place_in_line): "12th of 40 for pool gpu, about 3 min".
 function placeInLine(admission) {
+  if (admission && admission.held === "budget") {
+    // Held by its tenant's daily budget: "held: over budget until 00:00 UTC".
+    const at = admission.resets_at ? new Date(admission.resets_at) : null;
+    if (!at) return "held: over budget";
+    const clock = at.toISOString().slice(11, at.getUTCSeconds() ? 19 : 16);
+    return `held: over budget until ${clock} UTC`;
+  }
   if (!admission || admission.granted || !admission.pool) return null;
   const position = admission.position;
   let place = "waiting";

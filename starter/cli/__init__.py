@@ -10,7 +10,7 @@ from typing import Any
 import typer
 
 from activities.log_setup import configure_logging
-from starter.cli import batches, codec, control, doctor, jobs, pools, submit
+from starter.cli import batches, codec, control, doctor, jobs, pools, submit, tenants
 from starter.cli.common import load_config
 from starter.exit import exit_without_finalizing
 
@@ -28,6 +28,7 @@ JOB_COMMANDS: dict[str, Callable[..., Any]] = {
     "cancel": control.cancel,
     "resume": control.resume,
     "list": control.list_jobs,
+    "tenants": tenants.tenants,
 }
 
 # The groups of job commands (`pool queue`, `batch status`, ...): the same `CliConfig`.

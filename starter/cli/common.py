@@ -26,6 +26,7 @@ from configuration.processes import CliConfig
 from starter.client import JobClient
 from starter.errors import (
     BatchConflict,
+    BudgetExceeded,
     ClientError,
     ContactLost,
     JobAlreadyEnded,
@@ -56,7 +57,9 @@ class ExitCode(IntEnum):
     # under a batch ID), cancel or resume of an ended job (cancel of an ended batch), a refused
     # resume.
     CONFLICT = 4
-    # Refused for capacity: the pool's queue is full for the tenant (`QueueFull`); try later.
+    # Refused for capacity: the pool's queue is full for the tenant (`QueueFull`), or the
+    # tenant's daily budget is spent and its settings refuse new jobs (`BudgetExceeded`); try
+    # later.
     QUEUE_FULL = 5
     # Artifacts could not be downloaded, or their bytes do not match the recorded sha256.
     STORAGE = 6
@@ -83,7 +86,7 @@ def exit_code_for(exc: BaseException) -> ExitCode:
             return ExitCode.UNREACHABLE
         case JobConflict() | BatchConflict() | JobAlreadyEnded() | ResumeRefused():
             return ExitCode.CONFLICT
-        case QueueFull():
+        case QueueFull() | BudgetExceeded():
             return ExitCode.QUEUE_FULL
         case StorageConfigError():
             return ExitCode.BAD_INPUT

@@ -167,6 +167,28 @@ async def test_a_retry_resumes_from_its_heartbeat_and_uploads_nothing_twice(rig:
     assert rig.heartbeats()[0].checkpoint.node_steps == {"3": 7}
 
 
+async def test_the_prompts_run_is_measured_from_running_to_its_end(rig: Rig) -> None:
+    """What the tenant's budget counts on a comfyui pool (`Checkpoint.ran_s`): the time the
+    follow saw the prompt running, on its monotonic clock, added to what an earlier attempt
+    measured (its heartbeat)."""
+    rig.comfy.running.append(PROMPT_ID)
+    rig.socket.scripts = [
+        [
+            send(frame("execution_start"), frame("executing", node="3")),
+            pause(0.3),
+            send(
+                frame("executing", node="9"),
+                executed("9", image("img_00001_.png")),
+                frame("execution_success"),
+            ),
+        ]
+    ]
+    earlier = Checkpoint(job_id="job-1", prompt_id=PROMPT_ID, client_id=CLIENT_ID, ran_s=5.0)
+    details = [FollowHeartbeat(checkpoint=earlier).model_dump(mode="json")]
+    result = await rig.follow(request(), heartbeat_details=details)
+    assert 5.25 <= result.checkpoint.ran_s <= 7.0, result.checkpoint
+
+
 async def test_duplicate_executed_frames_upload_the_file_once(rig: Rig) -> None:
     rig.comfy.running.append(PROMPT_ID)
     saved = executed("9", image("img_00001_.png"))

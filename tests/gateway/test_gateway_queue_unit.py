@@ -163,6 +163,9 @@ async def test_a_pending_jobs_view_carries_its_admission_without_the_tenant() ->
         "priority": 2,
         "eta_s": 180.0,
         "as_of": "2026-12-07T12:00:00Z",
+        # Set for a job its tenant's daily budget holds (docs/queue.md, "Budgets").
+        "held": None,
+        "resets_at": None,
     }
     assert "live_progress" not in view
     # A job on an unbounded pool has none.

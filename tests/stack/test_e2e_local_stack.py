@@ -60,6 +60,8 @@ async def test_example_job_completes_with_verified_png_in_s3(
     assert JobState.RUNNING in states and states[-1] == JobState.COMPLETED
     assert final.teardown.state == "CONFIRMED"
     assert final.progress.fraction == 1.0 and final.progress.step == 8
+    # Its prompt's run as the follow measured it (what a tenant's budget counts); no price.
+    assert 0 < final.gpu_s < 60 and final.usd is None, final.gpu_s
     [artifact] = final.artifacts
     assert artifact.uri == f"s3://{local_stack.bucket}/{artifact.key}"
     assert artifact.key.startswith(f"jobs/{submitted.job_id}/0/9/")

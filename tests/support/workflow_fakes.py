@@ -36,8 +36,10 @@ from temporalio.exceptions import ActivityError, ApplicationError
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
+from activities.budgets import BudgetActivities
 from activities.pool_queue import PoolQueueActivities
 from activities.slot_watch import SlotWatch
+from configuration.tenants import TenantConfig
 from workflows import job_book
 from workflows.activity_io import (
     FollowHeartbeat,
@@ -51,9 +53,12 @@ from workflows.activity_io import (
     StopInput,
 )
 from workflows.admission import Admission, PoolBound, SlotRelease, SlotRequest
+from workflows.budget_ledger import TenantLedger
+from workflows.budgets import BudgetHold, Spent
 from workflows.contracts import (
     Artifact,
     Checkpoint,
+    JobCost,
     JobPolicy,
     JobRequest,
     JobStatus,
@@ -66,6 +71,7 @@ from workflows.pool_queue import PoolQueue
 from workflows.shared import (
     ACTIVITY_CLOSED_JOBS,
     ACTIVITY_OPEN_POOL_QUEUE,
+    ACTIVITY_RECORD_SPEND,
     QUERY_STATUS,
     SA_JOB_POOL,
     SA_JOB_PROGRESS,
@@ -144,6 +150,12 @@ class Script:
     # activities/slot_watch.py, watching the dispatcher), tells the job its place, and submits
     # once granted, as JobActivities.follow_prompt does when the workflow lets it wait.
     wait_in_line: bool = False
+    # Tenants' settings with budgets: the check reads the tenant's ledger (the real
+    # BudgetActivities, activities/budgets.py) and holds the job when its spend is at a limit.
+    tenants: dict[str, TenantConfig] | None = None
+    budget_day_s: float = 86400.0
+    # Each successful follow's provider job ran this long (a RunPod job's execution seconds).
+    cost_s: float | None = None
 
 
 class FakeBackend:
@@ -161,6 +173,8 @@ class FakeBackend:
         self.finished: set[str] = set()  # prompt ids that ran to their end
         self.blocked = asyncio.Event()
         self.interrupted = asyncio.Event()
+        # When set by a test: each follow, once submitted, waits (heartbeating) until it is set.
+        self.follow_gate: asyncio.Event | None = None
 
     async def _enter(self, name: str) -> None:
         self.calls.append(name)
@@ -210,6 +224,13 @@ class FakeBackend:
             in_follow=in_follow,
         )
 
+    async def check_budget(self, req: PrepareInput) -> tuple[str | None, BudgetHold | None]:
+        """As JobActivities._prepare: the tenant's ledger read, and the job held or not."""
+        if self.script.tenants is None:
+            return None, None
+        budgets = BudgetActivities(activity.client(), self.script.tenants, self.script.budget_day_s)
+        return await budgets.check(req.tenant or "local", req.job_id, req.pool or "comfyui")
+
     async def wait_in_line(self, req: FollowInput, bound: PoolBound, answer: Any) -> bool:
         """As JobActivities._wait_in_line: the real watch, the job told its place."""
         assert req.prepare is not None
@@ -235,6 +256,8 @@ class FakeBackend:
     async def prepare(self, req: PrepareInput) -> PreparedJob:
         self.prepared.append(req)
         await self._enter("prepare_prompt")
+        budget, held = await self.check_budget(req)
+        bound = self.bound(req.pool) if held is None else None
         return PreparedJob(
             pool=req.pool or "comfyui",
             kind="comfyui",
@@ -242,14 +265,17 @@ class FakeBackend:
             sampler_steps={"1": 10},
             nodes_total=len(req.graph),
             output_nodes=["2"],
-            bound=self.bound(req.pool),
-            **await self.ask_in_check(req, self.bound(req.pool)),
+            bound=bound,
+            budget=budget,
+            held=held,
+            **(await self.ask_in_check(req, bound) if held is None else {}),
         )
 
     @activity.defn(name="follow_prompt")
     async def follow(self, req: FollowInput) -> FollowResult:
         self.followed.append(req)
         held: dict[str, Any] = {}
+        budget: str | None = None
         if req.prepare is not None:
             # A request that stages nothing is checked here, as JobActivities.follow_prompt does.
             self.prepared.append(req.prepare)
@@ -259,6 +285,22 @@ class FakeBackend:
                 if not refusal.non_retryable:
                     raise
                 raise as_refused_before_submission(refusal) from refusal
+            budget, hold = await self.check_budget(req.prepare)
+            if hold is not None:
+                return FollowResult(
+                    prompt_id=req.prompt_id,
+                    outcome="held",
+                    checkpoint=req.checkpoint or Checkpoint(job_id=req.job_id),
+                    pool=req.prepare.pool or "comfyui",
+                    kind="comfyui",
+                    budget=budget,
+                    held=hold,
+                )
+            if budget is not None:
+                # As JobActivities.follow_prompt: the job hears whose budget counts it first.
+                report = ProgressReport(attempt_client_id=req.client_id, budget=budget)
+                handle = activity.client().get_workflow_handle(req.job_id)
+                await handle.signal(SIGNAL_PROGRESS, report)
             bound = self.bound(req.prepare.pool)
             if bound is not None and not req.slot_held:
                 waits = self.script.wait_in_line and req.slot_wait_s > 0
@@ -310,6 +352,9 @@ class FakeBackend:
             handle = activity.client().get_workflow_handle(req.job_id)
             await handle.signal(SIGNAL_PROGRESS, report)
         await self._enter("follow_prompt")
+        while self.follow_gate is not None and not self.follow_gate.is_set():
+            activity.heartbeat()
+            await asyncio.sleep(0.1)
         if self.script.follow_failures:
             failure = self.script.follow_failures.pop(0)
             checkpoint = Checkpoint(
@@ -355,6 +400,10 @@ class FakeBackend:
             pool=(req.prepare.pool or "comfyui") if req.prepare is not None else None,
             kind="comfyui" if req.prepare is not None else None,
             slot_released=released,
+            budget=budget,
+            cost=None
+            if self.script.cost_s is None
+            else JobCost(provider_job_id=f"rp-{req.prompt_id}", execution_s=self.script.cost_s),
             **held,
         )
 
@@ -382,7 +431,8 @@ class FakeBackend:
         return StopCheck(at=now, position="gone", ended="interrupted", node="1", node_type="X")
 
     def activities(self) -> list[Any]:
-        return [self.prepare, self.follow, self.offload, self.stop, *queue_activities()]
+        queues = queue_activities(self.script.tenants or {}, self.script.budget_day_s)
+        return [self.prepare, self.follow, self.offload, self.stop, *queues]
 
 
 class _NoWorkLeft:
@@ -392,17 +442,28 @@ class _NoWorkLeft:
         return set()
 
 
-def queue_activities() -> list[Any]:
-    """The pool queue's own activities (activities/pool_queue.py) on the test's server."""
-    queues = _Queues()
-    return [queues.open_pool_queue, queues.closed_jobs]
+def queue_activities(
+    tenants: dict[str, TenantConfig] | None = None, budget_day_s: float = 86400.0
+) -> list[Any]:
+    """The pool queue's own activities (activities/pool_queue.py) on the test's server, and the
+    budget ledger's (activities/budgets.py) with `tenants`' settings."""
+    queues = _Queues(tenants or {}, budget_day_s)
+    return [queues.open_pool_queue, queues.closed_jobs, queues.record_spend]
 
 
 class _Queues:
+    def __init__(self, tenants: dict[str, TenantConfig], budget_day_s: float) -> None:
+        self.tenants, self.budget_day_s = tenants, budget_day_s
+
     @activity.defn(name=ACTIVITY_OPEN_POOL_QUEUE)
     async def open_pool_queue(self, pool: str, request: SlotRequest) -> None:
         real = PoolQueueActivities(activity.client(), _NoWorkLeft())  # type: ignore[arg-type]
         await real.open_pool_queue(pool, request)
+
+    @activity.defn(name=ACTIVITY_RECORD_SPEND)
+    async def record_spend(self, tenant: str, spent: Spent) -> None:
+        budgets = BudgetActivities(activity.client(), self.tenants, self.budget_day_s)
+        await budgets.record_spend(tenant, spent)
 
     @activity.defn(name=ACTIVITY_CLOSED_JOBS)
     async def closed_jobs(self, pool: str, job_ids: list[str]) -> list[str]:
@@ -416,7 +477,7 @@ async def job_worker(client: Client, backend: FakeBackend) -> AsyncIterator[str]
     async with Worker(
         client,
         task_queue=task_queue,
-        workflows=[InferenceJob, PoolQueue],
+        workflows=[InferenceJob, PoolQueue, TenantLedger],
         activities=backend.activities(),
         graceful_shutdown_timeout=timedelta(seconds=1),
     ):

@@ -109,7 +109,10 @@ def test_a_jobs_end_carries_its_cost_in_seconds_and_dollars_and_its_artifacts() 
             JobCost(execution_s=2.0, billed_after_end_s=1.0, usd_per_second=0.5),
             JobCost(execution_s=4.0),
         ],
+        gpu_s=6.0,
+        usd=1.5,
     )
     end = BatchJobEnd.of(status, datetime(2026, 12, 7, tzinfo=UTC))
-    assert end.gpu_s == 7.0 and end.usd == 1.5
+    # The job's own figures, as its tenant's budget counts them (not recomputed here).
+    assert end.gpu_s == 6.0 and end.usd == 1.5
     assert end.artifacts == [artifact] and end.state == JobState.COMPLETED

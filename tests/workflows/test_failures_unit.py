@@ -143,4 +143,5 @@ def test_the_error_types_never_change() -> None:
         "RESUME_REFUSED": "ResumeRefused",
         "ABANDONED": "Abandoned",
         "NEVER_STARTED": "NeverStarted",
+        "BUDGET_UNKNOWN": "BudgetUnknown",
     }

@@ -42,6 +42,8 @@ ENDINGS = {
     "continued": COMPLETED,
     "webhook": COMPLETED,
     "batched": COMPLETED,
+    "budgeted": COMPLETED,
+    "budget_held": COMPLETED,
     "queued": COMPLETED,
     "queued_asked": COMPLETED,
     "queued_in_line": COMPLETED,

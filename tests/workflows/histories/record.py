@@ -25,9 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from temporalio import activity
-from temporalio.client import Client, WorkflowFailureError, WorkflowHandle
+from temporalio.client import Client, WorkflowFailureError, WorkflowHandle, WorkflowHistory
+from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
+from configuration.tenants import TenantConfig
 from tests.support.workflow_fakes import (
     GRAPH,
     FakeBackend,
@@ -38,6 +40,8 @@ from tests.support.workflow_fakes import (
 from workflows.activity_io import WebhookAttempt, WebhookDeliveryInput
 from workflows.admission import Holder, QueueState, SlotRelease
 from workflows.batches import BatchInput
+from workflows.budget_ledger import TenantLedger
+from workflows.budgets import RESET_JITTER_MAX_S, BudgetLimits, LedgerState
 from workflows.contracts import (
     CancelRequest,
     JobPolicy,
@@ -57,11 +61,14 @@ from workflows.shared import (
     SIGNAL_CANCEL,
     SIGNAL_CANCEL_REASON,
     SIGNAL_CLIENT_SEEN,
+    SIGNAL_LEDGER_LIMITS,
     SIGNAL_RESUME,
     SIGNAL_SLOT_RELEASE,
+    TENANT_LABEL,
     UPDATE_ENDED,
     UPDATE_RESUME,
     ErrorType,
+    ledger_id,
     pool_queue_id,
 )
 
@@ -75,6 +82,16 @@ WEBHOOK = "webhook"
 POOL_FULL = "pool_full"
 # In a scenario's settings: the job is one of a batch's (its `batch` label), which it tells its end.
 BATCH = "batch"
+# In a scenario's settings: the job's tenant (its `tenant` label), which has a daily budget of
+# 30 GPU-seconds; with OVER_BUDGET its ledger says it spent 40 today already. Its ledger is
+# terminated at the scenario's end while its worker still runs: a ledger left behind, its reset
+# timer firing with no worker to run its task, keeps the time-skipping server from skipping.
+TENANT = "tenant"
+OVER_BUDGET = "over_budget"
+BUDGETED = {
+    "acme": TenantConfig(gpu_seconds_per_day=30),
+    "beta": TenantConfig(gpu_seconds_per_day=30),
+}
 CYCLE = {
     "1": {"class_type": "A", "inputs": {"x": ["2", 0]}},
     "2": {"class_type": "B", "inputs": {"y": ["1", 0]}},
@@ -200,6 +217,22 @@ SCENARIOS: dict[str, Scenario] = {
         {"abandon_after_s": None, "history_budget_events": 10, SEGMENTS: [{}, {}, {}]},
         None,
     ),
+    # (Before the bounded pools': their queues outlive their scenarios, and a queue's timer
+    # firing with no worker keeps the time-skipping server from skipping to the reset.)
+    # A job of a tenant with a daily budget: its check says so (a report before it submits),
+    # and it tells the tenant's ledger its spend (`spent`) once it has ended.
+    "budgeted": (
+        Script(tenants=BUDGETED, cost_s=12.0),
+        {"abandon_after_s": None, TENANT: "acme"},
+        None,
+    ),
+    # Its tenant's budget spent for today: PENDING, held, on a timer until the reset, then
+    # checked again; it runs, and tells the ledger its spend of the new day.
+    "budget_held": (
+        Script(tenants=BUDGETED, cost_s=12.0),
+        {"abandon_after_s": None, TENANT: "beta", OVER_BUDGET: True},
+        None,
+    ),
     # A bounded pool (`max_running`): the follow that checks it finds it bounded, the job asks
     # its queue for a slot (by signal: the check could not), is granted at once, runs, and
     # gives the slot back.
@@ -248,6 +281,43 @@ async def fill_the_pool(client: Client, task_queue: str) -> None:
     )
 
 
+async def spend_the_budget(client: Client, task_queue: str, tenant: str) -> None:
+    """Start the tenant's ledger with 40 of its 30 GPU-seconds spent today."""
+    limits = BudgetLimits(tenant=tenant, gpu_seconds_per_day=30)
+    state = LedgerState(limits=limits, gpu_s=40.0, jobs=2, counted=["earlier-1", "earlier-2"])
+    await client.start_workflow(
+        TenantLedger.run,
+        state,
+        id=ledger_id(tenant),
+        task_queue=task_queue,
+        start_signal=SIGNAL_LEDGER_LIMITS,
+        start_signal_args=[limits],
+    )
+
+
+async def ended_history(handle: WorkflowHandle[Any, JobStatus]) -> WorkflowHistory:
+    try:
+        await handle.result()
+    except WorkflowFailureError:
+        pass
+    return await handle.fetch_history()
+
+
+async def until_held_then_reset(env: WorkflowEnvironment, handle: WorkflowHandle[Any, Any]) -> None:
+    """A job its tenant's budget holds: once PENDING, the server's clock past the reset (and
+    the job's jitter after it); any other job, nothing."""
+    for _ in range(100):
+        status = await handle.query(QUERY_STATUS, result_type=JobStatus)
+        if status.terminal:
+            return
+        admission = status.admission
+        if status.state == JobState.PENDING and admission and admission.resets_at:
+            now = await env.get_current_time()
+            await env.sleep(admission.resets_at - now + timedelta(seconds=RESET_JITTER_MAX_S + 5))
+            return
+        await asyncio.sleep(0.05)
+
+
 async def start_batch(client: Client, task_queue: str) -> WorkflowHandle[Any, Any]:
     """A batch for the job to tell (one that waits for another job: it outlives the recording,
     which ends it)."""
@@ -267,19 +337,23 @@ async def record(only: list[str] | None = None) -> None:
             async with Worker(
                 env.client,
                 task_queue=task_queue,
-                workflows=[InferenceJob, PoolQueue, JobBatch],
+                workflows=[InferenceJob, PoolQueue, JobBatch, TenantLedger],
                 activities=[*backend.activities(), FakeReceiver().deliver_webhook],
                 graceful_shutdown_timeout=timedelta(seconds=1),
             ):
                 settings = dict(policy)
                 if settings.pop(POOL_FULL, False):
                     await fill_the_pool(env.client, task_queue)
+                tenant = settings.pop(TENANT, None)
+                if settings.pop(OVER_BUDGET, False):
+                    await spend_the_budget(env.client, task_queue, tenant)
                 unchecked = settings.pop(UNCHECKED_GRAPH, None)
                 batch = (
                     await start_batch(env.client, task_queue) if settings.pop(BATCH, 0) else None
                 )
+                labels = {BATCH_LABEL: batch.id} if batch is not None else {}
                 fields = {
-                    "labels": {BATCH_LABEL: batch.id} if batch is not None else {},
+                    "labels": labels | ({TENANT_LABEL: tenant} if tenant else {}),
                     "segments": settings.pop(SEGMENTS, []),
                     "webhook": settings.pop(WEBHOOK, None),
                     "policy": JobPolicy.model_validate({"heartbeat_timeout_s": 1} | settings),
@@ -289,16 +363,23 @@ async def record(only: list[str] | None = None) -> None:
                     if unchecked is None
                     else JobRequest.model_construct(graph=unchecked, **fields)
                 )
-                handle = await start_job(env.client, task_queue, request)
-                if action is not None:
-                    await action(handle)
-                try:
-                    await handle.result()
-                except WorkflowFailureError:
-                    pass
-                history = await handle.fetch_history()
+                if tenant is not None:
+                    # A ledger's reset timer must fire only when the scenario means it to:
+                    # skipped by itself, the server passes it while the job ends, and a ledger
+                    # terminated in the middle of its continue-as-new stops it skipping at all.
+                    with env.auto_time_skipping_disabled():
+                        handle = await start_job(env.client, task_queue, request)
+                        await until_held_then_reset(env, handle)
+                        history = await ended_history(handle)
+                else:
+                    handle = await start_job(env.client, task_queue, request)
+                    if action is not None:
+                        await action(handle)
+                    history = await ended_history(handle)
                 if batch is not None:
                     await batch.terminate("recorded")
+                if tenant is not None:
+                    await env.client.get_workflow_handle(ledger_id(tenant)).terminate("recorded")
             path = HERE / f"{name}.json"
             path.write_text(json.dumps(json.loads(history.to_json()), indent=1) + "\n")
             print(f"wrote {path} ({len(history.events)} events)")
