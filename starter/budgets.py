@@ -12,9 +12,14 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
-from temporalio.client import Client, WorkflowExecutionStatus, WorkflowQueryFailedError
+from temporalio.client import (
+    Client,
+    RPCTimeoutOrCancelledError,
+    WorkflowExecutionStatus,
+    WorkflowQueryFailedError,
+)
 from temporalio.service import RPCError, RPCStatusCode
 
 from starter.errors import BudgetExceeded
@@ -25,16 +30,26 @@ from workflows.shared import LEDGER_WORKFLOW_TYPE, QUERY_LEDGER_USAGE, ledger_id
 # client submitting hundreds of jobs asks about once a second, not once a job. The workers'
 # own check, before anything is submitted, is never cached.
 USAGE_FRESH_S = 1.0
+# A tenant without a ledger (no budget) is asked again only this often: every submission of
+# every unbudgeted tenant would otherwise pay a call for nothing.
+NO_LEDGER_FRESH_S = 5.0
+# A client's read waits this long at most: a refusal is a courtesy, the workers' check holds
+# an over-budget job whatever the client said.
+USAGE_READ_TIMEOUT = timedelta(seconds=2)
 # The ledgers `durable-comfy tenants` reads at once.
 READ_AT_ONCE = 10
 
 
-async def tenant_usage(temporal: Client, tenant: str) -> BudgetUsage | None:
+async def tenant_usage(
+    temporal: Client, tenant: str, rpc_timeout: timedelta | None = None
+) -> BudgetUsage | None:
     """The tenant's spend today as its ledger has it; None when it has no ledger (no budget,
     or none of its jobs was checked yet). A ledger whose worker does not answer raises."""
     handle = temporal.get_workflow_handle(ledger_id(tenant))
     try:
-        usage: BudgetUsage = await handle.query(QUERY_LEDGER_USAGE, result_type=BudgetUsage)
+        usage: BudgetUsage = await handle.query(
+            QUERY_LEDGER_USAGE, result_type=BudgetUsage, rpc_timeout=rpc_timeout
+        )
     except RPCError as exc:
         if exc.status == RPCStatusCode.NOT_FOUND:
             return None
@@ -88,11 +103,13 @@ class BudgetCheck:
     async def _usage(self, tenant: str) -> BudgetUsage | None:
         async with self._asking.setdefault(tenant, asyncio.Lock()):
             known = self._answers.get(tenant)
-            if known is not None and time.monotonic() - known[1] < USAGE_FRESH_S:
-                return known[0]
+            if known is not None:
+                fresh_s = NO_LEDGER_FRESH_S if known[0] is None else USAGE_FRESH_S
+                if time.monotonic() - known[1] < fresh_s:
+                    return known[0]
             try:
-                usage = await tenant_usage(self.temporal, tenant)
-            except (RPCError, WorkflowQueryFailedError):
+                usage = await tenant_usage(self.temporal, tenant, USAGE_READ_TIMEOUT)
+            except (RPCError, RPCTimeoutOrCancelledError, WorkflowQueryFailedError):
                 usage = None
             self._answers[tenant] = (usage, time.monotonic())
             return usage
