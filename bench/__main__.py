@@ -9,6 +9,7 @@ default), `-n 30` [N] the measured repetitions where a benchmark repeats, `--war
 `--queue-rate-jobs 300`, `--queue-fair-jobs 300`, `--queue-priority-behind 1000`,
 `--queue-backlog-jobs 2000`, `--queue-backlog-step-ms 10` (group 10, our queue; 100 lets the
 simulator's slots set the backlog's pace instead of the machine's CPU),
+`--batch-jobs 1000`, `--batch-reads 50` (group 11, batches),
 `--keep` (leave the stack's temporary state and logs), `--note` [NOTE] (what else ran meanwhile,
 recorded in RESULTS.md).
 Writes bench/results.json and bench/RESULTS.md (or `--out DIR`). Exit code 1 when a benchmark
@@ -147,6 +148,19 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         default=defaults.queue_backlog_step_ms,
         help="group 10: the backlog simulator's time per step (a job is 10 steps)",
     )
+    parser.add_argument(
+        "--batch-jobs",
+        type=int,
+        default=defaults.batch_jobs,
+        help="group 11: jobs per phase (submitted one by one, 32 at once, as a batch; the "
+        "batch read while they wait), at most 1000",
+    )
+    parser.add_argument(
+        "--batch-reads",
+        type=int,
+        default=defaults.batch_reads,
+        help="group 11: timed reads of the batch's status, while running and after",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the stack's state and logs")
     parser.add_argument("--out", type=Path, default=HERE, help="where results.json/RESULTS.md go")
     parser.add_argument("--command", default=None, help="the command to record (make passes it)")
@@ -177,6 +191,8 @@ async def bench(args: argparse.Namespace) -> int:
         queue_priority_behind=args.queue_priority_behind,
         queue_backlog_jobs=args.queue_backlog_jobs,
         queue_backlog_step_ms=args.queue_backlog_step_ms,
+        batch_jobs=args.batch_jobs,
+        batch_reads=args.batch_reads,
     )
     command = args.command or shlex.join(["python", "-m", "bench", *sys.argv[1:]])
     host = machine()

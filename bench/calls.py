@@ -7,6 +7,7 @@ signal, describe, update, history fetch), so a benchmark can say what one `submi
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -30,11 +31,23 @@ from temporalio.client import (
 )
 
 
+def task_id() -> int:
+    """The running asyncio task's identity (0 outside one)."""
+    try:
+        task = asyncio.current_task()
+    except RuntimeError:
+        return 0
+    return 0 if task is None else id(task)
+
+
 @dataclass(frozen=True)
 class Call:
     method: str
     started: float  # time.time(), comparable with the server's event times on one machine
     ended: float
+    # The asyncio task that made it (`task_id()`; 0 outside one): whose call it was when many
+    # callers share one client.
+    task: int = 0
 
     @property
     def seconds(self) -> float:
@@ -61,7 +74,7 @@ class _Recording(OutboundInterceptor):
         self._log = log
 
     def _add(self, method: str, started: float) -> None:
-        self._log.calls.append(Call(method, started, time.time()))
+        self._log.calls.append(Call(method, started, time.time(), task_id()))
 
     async def start_workflow(self, input: StartWorkflowInput) -> WorkflowHandle[Any, Any]:
         started = time.time()
@@ -113,7 +126,7 @@ class _Recording(OutboundInterceptor):
         # The RPCs happen as the iterator is read (`result()` long-polls in it): counted as one
         # call here, timed by whoever reads it.
         now = time.time()
-        self._log.calls.append(Call("fetch_history", now, now))
+        self._log.calls.append(Call("fetch_history", now, now, task_id()))
         return super().fetch_workflow_history_events(input)
 
 

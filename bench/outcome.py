@@ -55,6 +55,10 @@ class BenchOptions(BaseModel):
     # The backlog's simulator's time per step (each job 10 steps): 10 ms makes the machine's
     # CPU the bottleneck of both sides; a longer step, the GPU (the simulator's K slots).
     queue_backlog_step_ms: int = Field(10, ge=0)
+    # Group 11 (batches): the jobs of each phase (a batch holds at most 1,000), and the timed
+    # reads of a batch's status while its jobs wait and after they ended.
+    batch_jobs: int = Field(1000, ge=2, le=1000)
+    batch_reads: int = Field(50, ge=1)
 
 
 class Section(BaseModel):

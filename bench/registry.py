@@ -4,6 +4,7 @@ PLANNED) and `make bench` runs it, prints it and writes it into results.json and
 from __future__ import annotations
 
 from bench.groups import (
+    batch,
     client_latency,
     history_size,
     offload,
@@ -28,6 +29,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     push.BENCHMARK,
     runpod_path.BENCHMARK,
     queue.BENCHMARK,
+    batch.BENCHMARK,
 )
 
 # Planned groups without a module yet: listed in RESULTS.md as not yet measured.

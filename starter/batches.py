@@ -28,6 +28,7 @@ import structlog
 from pydantic import BaseModel, ConfigDict
 from temporalio.client import (
     Client,
+    RPCTimeoutOrCancelledError,
     WorkflowExecutionStatus,
     WorkflowFailureError,
     WorkflowHandle,
@@ -229,18 +230,21 @@ class BatchMethods:
             if not (existed and exc.status == RPCStatusCode.NOT_FOUND):
                 raise
         log.info("batch_submitted", batch_id=batch_id, jobs=len(job_ids), started=sum(started))
-        try:
-            status = await self._batch_status(batch_id)
-        except (RPCError, WorkflowQueryFailedError) as exc:
-            # Every job started, and no worker answers for the batch now: it is still the
-            # batch, as its start says (a retry with the same ID would start nothing more).
-            log.warning("batch_status_unanswered", batch_id=batch_id, error=str(exc)[:200])
-            status = BatchStatus(
-                batch_id=batch_id,
-                tenant=tenant,
-                total=len(job_ids),
-                jobs=[BatchJob(job_id=job_id) for job_id in job_ids],
-            )
+        # A new batch is what this call just made: said here, not asked of its workflow, whose
+        # worker is busy starting the jobs just sent (its answer took seconds at 1,000 jobs,
+        # `make bench BENCH=batch`). A batch sent again is read: some of its jobs may have ended.
+        status = BatchStatus(
+            batch_id=batch_id,
+            tenant=tenant,
+            total=len(job_ids),
+            jobs=[BatchJob(job_id=job_id) for job_id in job_ids],
+            created_at=datetime.now(UTC),
+        )
+        if existed:
+            try:
+                status = await self._batch_status(batch_id)
+            except (RPCError, WorkflowQueryFailedError) as exc:
+                log.warning("batch_status_unanswered", batch_id=batch_id, error=str(exc)[:200])
         return BatchSubmitted(
             batch_id=batch_id,
             existed=existed,
@@ -423,7 +427,20 @@ class BatchMethods:
     async def _watch_batch(self, batch_id: str, interval_s: float) -> AsyncIterator[BatchStatus]:
         last: tuple[Any, ...] | None = None
         while True:
-            status = await self._batch_status(batch_id)
+            try:
+                status = await self._batch_status(batch_id)
+            except (WorkflowQueryFailedError, RPCTimeoutOrCancelledError) as exc:
+                # Its worker busy past the query's time (a batch's own jobs keep it so): the
+                # batch is there all the same, and is asked again.
+                log.warning("batch_query_unanswered", batch_id=batch_id, error=str(exc)[:200])
+                await asyncio.sleep(interval_s)
+                continue
+            except RPCError as exc:
+                if exc.status != RPCStatusCode.DEADLINE_EXCEEDED:
+                    raise
+                log.warning("batch_query_unanswered", batch_id=batch_id, error=exc.message)
+                await asyncio.sleep(interval_s)
+                continue
             shown = (status.state, status.seq, tuple(sorted(status.counts.items())))
             if shown != last or status.terminal:
                 last = shown

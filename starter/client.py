@@ -463,16 +463,16 @@ class JobClient(BatchMethods):
             return False
         return True
 
+    @_client_errors
     async def tenant_usage(self, tenant: str) -> BudgetUsage | None:
         """The tenant's spend today as its budget ledger has it (None: it has no ledger: no
         budget, or no job of it checked yet)."""
-        with self.translated_errors():
-            return await tenant_usage(self.temporal, tenant)
+        return await tenant_usage(self.temporal, tenant)
 
+    @_client_errors
     async def every_usage(self) -> list[BudgetUsage]:
         """Every tenant's spend today, of every ledger that runs (`durable-comfy tenants`)."""
-        with self.translated_errors():
-            return await every_usage(self.temporal)
+        return await every_usage(self.temporal)
 
     async def _start_new(self, request: JobRequest, job_id: str, fingerprint: str) -> SubmitOutcome:
         """Start the workflow of a checked request, or compare it with the job under its ID."""

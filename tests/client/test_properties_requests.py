@@ -21,6 +21,7 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from starter.client import JobClient
 from starter.errors import ClientError, InputFileError
 from starter.requests import request_from_files
+from tests.support.no_ledger import NoLedgers
 from tests.support.properties import (
     FIXED,
     NAME_CHARS,
@@ -132,7 +133,7 @@ def test_request_from_files_raises_only_documented_errors(
             return
 
 
-class RecordingTemporal:
+class RecordingTemporal(NoLedgers):
     """What `JobClient.start` uses of a Temporal client: the data converter and a start that
     records the payload it would send."""
 

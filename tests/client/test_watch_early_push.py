@@ -29,6 +29,7 @@ from starter.live import WORKERS_FRESH_S, LiveRelay, Pushed
 from starter.pollers import split_identity
 from starter.progress import overlaid
 from tests.client.test_client_progress_unit import JOB, beat, checkpoint, description, running
+from tests.support.no_ledger import NoLedgers
 from workflows.activity_io import FollowHeartbeat
 from workflows.contracts import JobState, JobStatus, Progress
 from workflows.shared import ACTIVITY_FOLLOW
@@ -206,7 +207,7 @@ class LateFirstAnswer:
     def __init__(self, url: str | None) -> None:
         self.released = asyncio.Event()
         self.described = 0
-        self.client = JobClient(cast(Client, object()), live_progress_key=KEY)
+        self.client = JobClient(cast(Client, NoLedgers()), live_progress_key=KEY)
 
         self.listed = asyncio.Event()
 

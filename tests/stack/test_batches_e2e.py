@@ -226,8 +226,11 @@ async def test_a_batchs_jobs_interleave_with_another_tenants_single_jobs(
     batch = await client.submit_batch(BatchRequest(request=template, count=14))
     await until(client, batch.batch_id, lambda s: s.counts.get("PENDING", 0) >= 12, "acme's line")
     beta = JobRequest(graph=example(steps=10), pool=ONE, labels={"tenant": "beta"})
-    singles = [(await client.submit(beta)).job_id for _ in range(4)]
+    # Beta's four join together (sent at once): from then on the two tenants take turns.
     joined = datetime.now(UTC)
+    sent = await asyncio.gather(*(client.submit(beta) for _ in range(4)))
+    singles = [status.job_id for status in sent]
+    assert len(set(singles)) == 4
     await client.wait_batch(batch.batch_id, interval_s=0.5)
     for job_id in singles:
         assert (await client.wait(job_id)).state == JobState.COMPLETED
@@ -238,8 +241,8 @@ async def test_a_batchs_jobs_interleave_with_another_tenants_single_jobs(
         # ends is the order of their grants.
         at = next(e.at for e in events if e.state == JobState.COMPLETED)
         ends.append((at, "beta" if job_id in singles else "acme"))
-    # From when all of beta's were in line: the acme job then running ends first, then the
-    # two tenants take turns (acme may win the first tie): beta's last by the 9th end.
+    # From when beta's were sent: the acme job then running ends first, then the two tenants
+    # take turns (acme may win the first tie): beta's last by the 9th end.
     after = [tenant for at, tenant in sorted(ends) if at > joined]
     beta_at = [index for index, tenant in enumerate(after) if tenant == "beta"]
     assert len(beta_at) == 4 and after.count("acme") >= 8, after  # FIFO would end beta 9th+
