@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any, Final
@@ -24,10 +23,10 @@ from pydantic import Field
 from configuration.tenants import priority_refusal
 from gateway.batch_submission import BATCH, ParsedBatch, batch_id_for, batch_request
 from gateway.deps import caller, request_slot
-from gateway.errors import QueueFull, TooManyJobs, api_error_for, priority_not_allowed
+from gateway.errors import QueueFull, TooManyJobs, priority_not_allowed
 from gateway.feed import StreamEvent
 from gateway.state import Gateway, gateway_of
-from gateway.stream_api import RETRY_MS, HeldStream, sse_frame
+from gateway.stream_api import sse_response
 from gateway.submission import cancel_reason, parse_body
 from gateway.views import batch_etag, batch_links, batch_owner, batch_view, etag_matches
 from gateway.webhook_check import check_webhook_at
@@ -230,26 +229,10 @@ async def batch_events(
     client = await _owned(gateway, batch_id, tenant)
     slot = gateway.limits.in_stream()
     await slot.__aenter__()
-    base = gateway.settings.base_path
+    view = functools.partial(batch_view, base_path=gateway.settings.base_path)
     heartbeat_s = gateway.settings.heartbeat_s
-
-    async def frames() -> AsyncIterator[str]:
-        yield f"retry: {RETRY_MS}\n\n"
-        try:
-            view = functools.partial(batch_view, base_path=base)
-            async for event in batch_stream(client, batch_id, view, BATCH_POLL_S, heartbeat_s):
-                yield ": keep-alive\n\n" if event is None else sse_frame(event)
-        except Exception as exc:
-            error = api_error_for(exc)
-            log.info("batch_stream_ended", batch_id=batch_id, error=error.error_type)
-            yield f"event: error\ndata: {json.dumps(error.body(), separators=(',', ':'))}\n\n"
-
-    return HeldStream(
-        frames(),
-        slot,
-        media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-    )
+    events = batch_stream(client, batch_id, view, BATCH_POLL_S, heartbeat_s)
+    return sse_response(events, slot, batch_id=batch_id)
 
 
 async def batch_stream(

@@ -62,6 +62,33 @@ def sse_frame(event: StreamEvent) -> str:
     return f"id: {event.id}\nevent: {event.kind}\ndata: {data}\n\n"
 
 
+def sse_response(
+    events: AsyncIterator[StreamEvent | None],
+    slot: AbstractAsyncContextManager[None],
+    **about: str,
+) -> HeldStream:
+    """Server-Sent Events of a job's or a batch's stream (None: a keep-alive); a failure ends
+    it with an `error` event, as the JSON error of any route says it. `about` names what the
+    stream follows in the log."""
+
+    async def frames() -> AsyncIterator[str]:
+        yield f"retry: {RETRY_MS}\n\n"
+        try:
+            async for event in events:
+                yield ": keep-alive\n\n" if event is None else sse_frame(event)
+        except Exception as exc:
+            error = api_error_for(exc)
+            log.info("stream_ended", **about, error=error.error_type)
+            yield f"event: error\ndata: {json.dumps(error.body(), separators=(',', ':'))}\n\n"
+
+    return HeldStream(
+        frames(),
+        slot,
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
 @router.get("/jobs/{job_id}/events", response_class=StreamingResponse)
 async def job_events(
     request: Request,
@@ -79,23 +106,8 @@ async def job_events(
     slot = gateway.limits.in_stream()
     await slot.__aenter__()
     heartbeat_s = gateway.settings.heartbeat_s
-
-    async def frames() -> AsyncIterator[str]:
-        yield f"retry: {RETRY_MS}\n\n"
-        try:
-            async for event in stream_events(hub, client, job_id, cursor, heartbeat_s):
-                yield ": keep-alive\n\n" if event is None else sse_frame(event)
-        except Exception as exc:
-            error = api_error_for(exc)
-            log.info("stream_ended", job_id=job_id, error=error.error_type)
-            yield f"event: error\ndata: {json.dumps(error.body(), separators=(',', ':'))}\n\n"
-
-    return HeldStream(
-        frames(),
-        slot,
-        media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-    )
+    events = stream_events(hub, client, job_id, cursor, heartbeat_s)
+    return sse_response(events, slot, job_id=job_id)
 
 
 @router.websocket("/jobs/{job_id}/ws")
