@@ -30,7 +30,7 @@ from starter.cli.batches import (
 from starter.cli.common import ExitCode, exit_code_for
 from starter.errors import BatchConflict, InvalidBatch
 from tests.conftest import free_port
-from tests.support.cli import EXAMPLE, ROOT, example
+from tests.support.cli import EXAMPLE, ROOT, example, logging_restored
 from workflows.batches import (
     MAX_BATCH_JOBS,
     BatchCost,
@@ -50,7 +50,8 @@ def dead_env() -> dict[str, str]:
 
 
 def invoke(*args: str, env: dict[str, str] | None = None, stdin: str | None = None) -> Any:
-    result = CliRunner().invoke(build_app(), list(args), env=env or dead_env(), input=stdin)
+    with logging_restored():
+        result = CliRunner().invoke(build_app(), list(args), env=env or dead_env(), input=stdin)
     return result.exit_code, result.stdout, result.stderr
 
 

@@ -13,17 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import os
 import sys
-from collections.abc import AsyncIterator, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import NamedTuple
 
 import pytest
 import pytest_asyncio
-import structlog
 from typer.testing import CliRunner
 
 from devstack.config import StackConfig
@@ -35,7 +32,15 @@ from starter.cli.common import ExitCode
 from starter.client import SEARCH_ATTRIBUTES
 from starter.doctor import Check, CheckResult, DoctorExit, Outcome, Problem, fail, refuses_start
 from starter.pollers import workflow_pollers
-from tests.support.cli import EXAMPLE, ROOT, RunningWorker, cli_env, json_lines, run_cli
+from tests.support.cli import (
+    EXAMPLE,
+    ROOT,
+    RunningWorker,
+    cli_env,
+    json_lines,
+    logging_restored,
+    run_cli,
+)
 from tests.support.cli import running_worker as in_process_worker
 
 # Every check but the gateway's, which runs only when `--gateway URL` names one.
@@ -149,22 +154,6 @@ def doctor_in_process(env: dict[str, str]) -> tuple[int, Results]:
     with logging_restored():
         result = CliRunner().invoke(build_app(), ["doctor", "--json"], env=unset | env)
     return result.exit_code, by_check(result.stdout, result.stderr)
-
-
-@contextmanager
-def logging_restored() -> Iterator[None]:
-    """The CLI configures logging onto the `sys.stderr` it finds, which CliRunner swaps for a
-    stream it closes afterwards: every later test in this process would then log into a closed
-    file (`ValueError: I/O operation on closed file`). Put back what was there."""
-    config = structlog.get_config()
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    try:
-        yield
-    finally:
-        structlog.configure(**config)
-        root.handlers[:] = handlers
-        root.setLevel(level)
 
 
 # --- subprocesses ---------------------------------------------------------------------------------

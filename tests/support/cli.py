@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import signal
 import sys
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
+
+import structlog
 
 from activities.storage import ArtifactStore
 from configuration.settings import S3Settings, WorkerSettings
@@ -131,3 +134,19 @@ def json_lines(out: str) -> list[dict[str, Any]]:
         assert isinstance(document, dict), line
         documents.append(document)
     return documents
+
+
+@contextmanager
+def logging_restored() -> Iterator[None]:
+    """The CLI configures logging onto the `sys.stderr` it finds, which CliRunner swaps for a
+    stream it closes afterwards: every later test in this process would then log into a closed
+    file (`ValueError: I/O operation on closed file`). Put back what was there."""
+    config = structlog.get_config()
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        yield
+    finally:
+        structlog.configure(**config)
+        root.handlers[:] = handlers
+        root.setLevel(level)
