@@ -65,7 +65,7 @@ demo-chaos: $(STAMP)
 ## (a worker, a pool's endpoint) start once, not once in each process that drew one of its tests.
 TEST_WORKERS ?= 4
 test: $(STAMP) $(EP_STAMP) $(STOCK_STAMP) debs
-	REQUIRE_CHROMIUM=1 $(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
+	REQUIRE_CHROMIUM=1 $(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
 
 # Debian's nginx-light (grpc_pass, http2): tests/stack/test_tls_connection.py puts a TLS front that
 # requires client certificates before the dev server, so the production connection path is run.

@@ -119,10 +119,40 @@ def _hung_test_watchdog() -> Iterator[None]:
 
 # --- where the suite's time goes ---------------------------------------------------------------
 
+# --- the order files run in --------------------------------------------------------------------
+
+# The longest files, longest first (the "slowest files" `make test` prints). `make test` runs
+# `--dist loadfile --no-loadscope-reorder`: each process takes the next file in collection order
+# when it is free, so the longest start first and the many short ones even out the end. (xdist's
+# own order, files with the most tests first, started a two-minute file of two tests last.)
+LONGEST_FILES = (
+    "tests/stack/test_chaos.py",
+    "tests/stack/test_runpod_fencing.py",
+    "tests/stack/test_runpod_chaos.py",
+    "tests/stack/test_runpod_budgets.py",
+    "tests/stack/test_pool_queue.py",
+    "tests/tooling/test_runpod_sim.py",
+    "tests/tooling/test_devstack.py",
+    "tests/gateway/test_gateway_batches.py",
+    "tests/endpoint/test_endpoint_fence.py",
+    "tests/stack/test_runpod_e2e.py",
+    "tests/test_package_install.py",
+    "tests/endpoint/test_endpoint_outage.py",
+    "tests/stack/test_runpod_budget_refusal.py",
+)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {path: index for index, path in enumerate(LONGEST_FILES)}
+    # A stable sort: each file's tests, and the other files, keep their order.
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
+
+
 # Seconds per test file (setup, call and teardown of its tests), summed in the process that
 # reports them: with xdist, the controller hears every worker's reports.
 _FILE_SECONDS: dict[str, float] = {}
-SLOWEST_FILES = 12
+SLOWEST_FILES = 24
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
