@@ -9,7 +9,10 @@ left running is stopped by PID when the session ends, also after failures.
 from __future__ import annotations
 
 import faulthandler
+import os
 import sys
+import tempfile
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
@@ -103,6 +106,25 @@ async def worker(
 # that hangs (a job that never ends, a server that never answers) dumps every thread's stack and
 # ends its process instead of holding `make test` until CI gives up on it.
 HUNG_TEST_S = 600
+
+
+# The test each process is running, in a file of its own that outlives the process: a process
+# that died (a hang's dump lost, a signal) names what it was doing. Removed when it ends well.
+RUNNING_DIR = Path(tempfile.gettempdir()) / "durable-comfy-tests"
+
+
+def _running_file() -> Path:
+    return RUNNING_DIR / f"running-{os.getpid()}"
+
+
+def pytest_runtest_logstart(nodeid: str, location: tuple[str, int | None, str]) -> None:
+    RUNNING_DIR.mkdir(exist_ok=True)
+    stamp = time.strftime("%H:%M:%S")
+    _running_file().write_text(f"{stamp} {os.environ.get('PYTEST_XDIST_WORKER', '-')} {nodeid}\n")
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    _running_file().unlink(missing_ok=True)
 
 
 @pytest.fixture(autouse=True)
