@@ -61,6 +61,7 @@ from configuration.settings import (
     runpod_api_keys,
 )
 from starter import doctor
+from starter.client import JobClient
 from starter.connection import forwarded_core_logs
 from starter.errors import ChecksFailed
 from starter.exit import exit_without_finalizing
@@ -152,7 +153,9 @@ async def run_worker(
             followed_here=budget.is_following,
         )
         queues = PoolQueueActivities(client, sweeper)
-        batches = BatchActivities(client)
+        # A batch's workflow starts its jobs as a client would: the same start, on this queue.
+        starter = JobClient(client, task_queue=settings.task_queue)
+        batches = BatchActivities(client, starter.start_batch_job)
         budgets = BudgetActivities(client, settings.tenants, settings.budget_day_s)
         jobs = JobActivities(
             Backends(settings.pools, settings.default_pool, by_kind),
@@ -182,6 +185,7 @@ async def run_worker(
                 queues.closed_jobs,
                 batches.cancel_batch_jobs,
                 batches.ended_batch_jobs,
+                batches.start_batch_jobs,
                 budgets.record_spend,
             ],
             max_concurrent_activities=settings.max_concurrent_activities,

@@ -1,22 +1,26 @@
-"""The activities of a batch (workflows/job_batch.py): telling its unfinished jobs to stop, and
-finding the jobs that ended without telling it (or never started)."""
+"""The activities of a batch (workflows/job_batch.py): starting its jobs, telling its unfinished
+jobs to stop, and finding the jobs that ended without telling it (or never started)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Final
 
 import structlog
 from temporalio import activity
 from temporalio.client import Client, WorkflowExecutionDescription, WorkflowExecutionStatus
+from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
-from workflows.batches import BatchJobEnd
-from workflows.contracts import CancelRequest, JobError, JobState, JobStatus
+from workflows.batches import BatchJobEnd, BatchJobs, batch_job_id
+from workflows.contracts import CancelRequest, JobError, JobRequest, JobState, JobStatus
 from workflows.shared import (
     ACTIVITY_CANCEL_BATCH_JOBS,
     ACTIVITY_ENDED_BATCH_JOBS,
+    ACTIVITY_START_BATCH_JOBS,
     QUERY_STATUS,
     SIGNAL_CANCEL,
     ErrorType,
@@ -26,6 +30,16 @@ log = structlog.get_logger(__name__)
 
 # Calls to the server at once for one batch (signals, describes, queries).
 _AT_ONCE: Final = 20
+# Jobs started at once, and between two heartbeats (what a resumed start may repeat): as many as
+# a client's submission starts at once (starter/batches.py).
+STARTS_AT_ONCE: Final = 32
+
+# Starts one job of a batch: its request as checked (not yet detached), its ID, whether it runs
+# detached -> "started", "existed" (the same request under the ID), or "not started: <why>"
+# for a job that never can be (another request holds the ID). Errors that may pass (the
+# server unreachable) raise. The worker gives the client's (starter/batches.py): this module
+# starts workflows as every client does, without importing the client.
+StartBatchJob = Callable[[JobRequest, str, bool], Awaitable[str]]
 
 # How Temporal's own record names an ending the job never ran (it cannot have told its batch).
 _FROM_OUTSIDE: Final = {
@@ -48,8 +62,42 @@ _RECORDED: Final = {
 
 
 class BatchActivities:
-    def __init__(self, client: Client) -> None:
+    def __init__(self, client: Client, start_job: StartBatchJob | None = None) -> None:
         self._client = client
+        self._start_job = start_job
+
+    @activity.defn(name=ACTIVITY_START_BATCH_JOBS)
+    async def start_batch_jobs(self, batch_id: str, jobs: BatchJobs) -> int:
+        """Start every job of the batch, `STARTS_AT_ONCE` at a time, from where the last attempt
+        heartbeated; how many this attempt started (the others existed). Cancelled, it returns
+        only once no start is in flight: the batch's cancel that follows finds every job."""
+        if self._start_job is None:
+            raise ApplicationError("this worker was given no way to start jobs")
+        details = activity.info().heartbeat_details
+        done = int(details[0]) if details else 0
+        total = len(jobs.inputs)
+        started = 0
+        while done < total:
+            chunk = range(done, min(done + STARTS_AT_ONCE, total))
+            starts = asyncio.gather(*(self._start_one(batch_id, jobs, i) for i in chunk))
+            try:
+                started += sum(await asyncio.shield(starts))
+            except asyncio.CancelledError:
+                with contextlib.suppress(Exception):
+                    await starts
+                raise
+            done = chunk.stop
+            activity.heartbeat(done)
+        log.info("batch_jobs_started", batch_id=batch_id, jobs=total, started=started)
+        return started
+
+    async def _start_one(self, batch_id: str, jobs: BatchJobs, index: int) -> bool:
+        assert self._start_job is not None
+        job_id = batch_job_id(batch_id, index)
+        outcome = await self._start_job(jobs.request(index), job_id, jobs.detached)
+        if outcome not in ("started", "existed"):
+            log.warning("batch_job_not_started", batch_id=batch_id, job_id=job_id, why=outcome)
+        return outcome == "started"
 
     @activity.defn(name=ACTIVITY_CANCEL_BATCH_JOBS)
     async def cancel_batch_jobs(self, job_ids: list[str], reason: str) -> list[str]:
@@ -124,8 +172,9 @@ class BatchActivities:
         if description is None:
             error = JobError(
                 type=ErrorType.NEVER_STARTED,
-                message="never started: the client that submitted the batch stopped before "
-                "starting this job (submit the batch again, with the same ID, to start it)",
+                message="never started: the batch's submission stopped before starting this "
+                "job, or another request holds its ID (submit the batch again, with the same ID, "
+                "to start what is missing)",
             )
             return BatchJobEnd(
                 job_id=job_id, state=JobState.FAILED, error=error, ended_at=now, source="found"

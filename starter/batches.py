@@ -3,9 +3,13 @@ it, collecting its results. `JobClient.submit_batch` and its neighbours call the
 
 Every job of a batch is checked before anything starts (its overrides, its size, the room its
 pool's queue has for all of them at once): a bad batch starts nothing. Then the batch's workflow
-starts with the jobs' IDs (`<batch>-0001`, ...), then the jobs, several at once, each an ordinary
-job with the `batch` label, then the client says `submitted`. Submitting the same batch again
-under its ID starts only what is missing (the client stopped half-way) and changes nothing else.
+starts with the jobs' IDs (`<batch>-0001`, ...). Jobs that differ only in input values (a batch
+by `count` or `overrides`, or such `requests`) go with it in short (`BatchJobs`: one request and
+each job's differing inputs), and the batch's workflow starts them, each an ordinary job with the
+`batch` label: the submission ends once the batch is recorded, a fraction of a second however
+many jobs it has. Other batches' jobs are started by this client, several at once, and then it
+says `submitted`. Submitting the same batch again under its ID starts only what is missing (the
+client stopped half-way) and changes nothing else.
 
 The batch's status is one query of its workflow (the ended jobs: how, what they cost and made)
 and, while jobs still run, one list call of Temporal's visibility store for their states now
@@ -58,12 +62,14 @@ from workflows.batches import (
     BatchCancel,
     BatchInput,
     BatchJob,
+    BatchJobs,
     BatchRequest,
     BatchResults,
     BatchStatus,
     batch_job_id,
+    compact_jobs,
 )
-from workflows.contracts import JobRequest, JobState
+from workflows.contracts import JobRequest, JobState, JobStatus
 from workflows.errors import GraphFormatError
 from workflows.shared import (
     BATCH_LABEL,
@@ -88,7 +94,18 @@ log = structlog.get_logger(__name__)
 # Jobs started at once: enough to keep the server busy, few enough not to crowd out the jobs
 # already running (measured by `make bench BENCH=batch`).
 STARTS_AT_ONCE: Final = 32
+# The most a batch's jobs in short may take in its workflow's input (its history holds them
+# twice: the input, and the start activity's): a quarter of Temporal's warning size per event.
+# A batch whose jobs take more is started by the client.
+MAX_BATCH_JOBS_BYTES: Final = 128 * 1024
 MEMO_BATCH_SHA256: Final = "batch_sha256"
+# A batch whose workflow starts its jobs: how many it holds (a reader asking for one of them
+# before it is started hears QUEUED, not "no such job").
+MEMO_BATCH_STARTS: Final = "batch_starts"
+# A batch's job's ID: the batch's, and its number (`batch_job_id`).
+_BATCH_JOB_ID: Final = re.compile(r"^(?P<batch>.+)-(?P<number>\d{4})$")
+# While a reader waits for a batch's job to be started by its batch.
+_START_POLL_S: Final = 0.5
 _TENANT_KEY: Final = SearchAttributeKey.for_keyword(SA_TENANT)
 # What a job that has not ended may show (its `JobState` search attribute).
 LIVE_STATES: Final = tuple(state for state in JobState if not state.terminal)
@@ -152,10 +169,22 @@ def _tenant_of(requests: Sequence[JobRequest]) -> str:
     return tenants.pop()
 
 
+def _detached(request: JobRequest) -> JobRequest:
+    """As a detached job runs: never abandoned for want of a client."""
+    policy = request.policy.model_copy(update={"abandon_after_s": None})
+    return request.model_copy(update={"policy": policy})
+
+
 def _fingerprint(fingerprints: Sequence[str], webhook: Any) -> str:
     shown = webhook.model_dump(mode="json") if webhook is not None else None
     canonical = json.dumps([list(fingerprints), shown], separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def queued_in_batch(job_id: str) -> JobStatus:
+    """The status of a job its batch's workflow has yet to start. Detached: there is nothing to
+    keep alive yet (a batch's jobs are detached unless its client asked otherwise)."""
+    return JobStatus(job_id=job_id, state=JobState.QUEUED, detached=True)
 
 
 class BatchMethods:
@@ -185,6 +214,7 @@ class BatchMethods:
         tenant = _tenant_of(requests)
         job_ids = [batch_job_id(batch_id, index) for index in range(len(requests))]
         prepared: list[tuple[JobRequest, str]] = []
+        checked: list[JobRequest] = []  # as fingerprinted: staged and labelled, not detached
         for index, request in enumerate(requests):
             try:
                 check_segment_overrides(request.graph, request.segments)
@@ -193,13 +223,14 @@ class BatchMethods:
             labels = {**request.labels, BATCH_LABEL: batch_id}
             request = request.model_copy(update={"labels": labels})
             request = await stage_inputs(request, self.store)
+            checked.append(request)
             fingerprint = request_sha256(request)
-            if detached:
-                policy = request.policy.model_copy(update={"abandon_after_s": None})
-                request = request.model_copy(update={"policy": policy})
+            request = _detached(request) if detached else request
             await self._check_size(request)
             prepared.append((request, fingerprint))
-        sha = _fingerprint([fingerprint for _, fingerprint in prepared], webhook)
+        fingerprints = [fingerprint for _, fingerprint in prepared]
+        sha = _fingerprint(fingerprints, webhook)
+        jobs = await self._in_short(checked, fingerprints, detached=detached)
         try:
             await self._refuse_batch_when_full([request for request, _ in prepared], tenant)
             # Its tenant's budget spent, `over_budget: refuse`: nothing of it starts.
@@ -209,27 +240,19 @@ class BatchMethods:
         except (errors.QueueFull, errors.BudgetExceeded):
             if not await self._batch_exists(batch_id):
                 raise  # a resubmission of a batch that got in is never refused
-        existed = await self._start_batch_workflow(batch_id, tenant, job_ids, webhook, sha)
-        gate = asyncio.Semaphore(STARTS_AT_ONCE)
-
-        async def start(job_id: str, request: JobRequest, fingerprint: str) -> bool:
-            async with gate:
-                outcome = await self._start_new(request, job_id, fingerprint)
-                return not outcome.existed
-
-        started = await asyncio.gather(
-            *(
-                start(job_id, request, fingerprint)
-                for job_id, (request, fingerprint) in zip(job_ids, prepared, strict=True)
-            )
+        existed = await self._start_batch_workflow(batch_id, tenant, job_ids, webhook, sha, jobs)
+        if jobs is not None:
+            # Its workflow starts them (and, sent again, goes on with what it had not started).
+            started = 0 if existed else len(job_ids)
+        else:
+            started = await self._start_jobs(batch_id, job_ids, prepared, existed=existed)
+        log.info(
+            "batch_submitted",
+            batch_id=batch_id,
+            jobs=len(job_ids),
+            started=started,
+            by="batch" if jobs is not None else "client",
         )
-        try:
-            await self.temporal.get_workflow_handle(batch_id).signal(SIGNAL_BATCH_SUBMITTED)
-        except RPCError as exc:
-            # A batch sent again after every job ended: its workflow has closed, nothing to say.
-            if not (existed and exc.status == RPCStatusCode.NOT_FOUND):
-                raise
-        log.info("batch_submitted", batch_id=batch_id, jobs=len(job_ids), started=sum(started))
         # A new batch is what this call just made: said here, not asked of its workflow, whose
         # worker is busy starting the jobs just sent (its answer took seconds at 1,000 jobs,
         # `make bench BENCH=batch`). A batch sent again is read: some of its jobs may have ended.
@@ -249,9 +272,104 @@ class BatchMethods:
             batch_id=batch_id,
             existed=existed,
             job_ids=job_ids,
-            started=sum(started),
+            started=started,
             status=status,
         )
+
+    async def _in_short(
+        self, checked: Sequence[JobRequest], fingerprints: Sequence[str], *, detached: bool
+    ) -> BatchJobs | None:
+        """The jobs in short for the batch's workflow to start, or None (they differ in more
+        than input values, or take too much room in its history)."""
+        jobs = compact_jobs(checked, detached=detached)
+        if jobs is None:
+            return None
+        # What the workflow will rebuild is each job exactly: the same fingerprint.
+        for index, fingerprint in enumerate(fingerprints):
+            if request_sha256(jobs.request(index)) != fingerprint:
+                return None
+        payloads = await self.temporal.data_converter.encode([jobs])
+        if sum(payload.ByteSize() for payload in payloads) > MAX_BATCH_JOBS_BYTES:
+            return None
+        return jobs
+
+    async def _start_jobs(
+        self,
+        batch_id: str,
+        job_ids: Sequence[str],
+        prepared: Sequence[tuple[JobRequest, str]],
+        *,
+        existed: bool,
+    ) -> int:
+        """This client starts the batch's jobs, then says `submitted`: how many it started."""
+        gate = asyncio.Semaphore(STARTS_AT_ONCE)
+
+        async def start(job_id: str, request: JobRequest, fingerprint: str) -> bool:
+            async with gate:
+                outcome = await self._start_new(request, job_id, fingerprint)
+                return not outcome.existed
+
+        started = await asyncio.gather(
+            *(
+                start(job_id, request, fingerprint)
+                for job_id, (request, fingerprint) in zip(job_ids, prepared, strict=True)
+            )
+        )
+        try:
+            await self.temporal.get_workflow_handle(batch_id).signal(SIGNAL_BATCH_SUBMITTED)
+        except RPCError as exc:
+            # A batch sent again after every job ended: its workflow has closed, nothing to say.
+            if not (existed and exc.status == RPCStatusCode.NOT_FOUND):
+                raise
+        return sum(started)
+
+    async def start_batch_job(self, request: JobRequest, job_id: str, detached: bool) -> str:
+        """One job of a batch, for the batch's workflow (activities/batches.py
+        `StartBatchJob`): "started", "existed", or "not started: <why>"."""
+        fingerprint = request_sha256(request)
+        try:
+            outcome = await self._start_new(
+                _detached(request) if detached else request, job_id, fingerprint
+            )
+        except (errors.JobConflict, errors.RequestTooLarge) as exc:
+            return f"not started: {exc}"
+        return "existed" if outcome.existed else "started"
+
+    async def _queued_in_batch(self, job_id: str) -> str | None:
+        """The tenant of the running batch that holds `job_id` and starts its jobs itself, when
+        the job does not exist yet: it is queued, its batch's workflow has yet to start it.
+        None: no such batch (the job is not found)."""
+        match = _BATCH_JOB_ID.match(job_id)
+        if match is None:
+            return None
+        try:
+            description = await self.temporal.get_workflow_handle(match["batch"]).describe()
+        except RPCError as exc:
+            if exc.status == RPCStatusCode.NOT_FOUND:
+                return None
+            raise
+        if description.workflow_type != BATCH_WORKFLOW_TYPE:
+            return None
+        if description.status != WorkflowExecutionStatus.RUNNING:
+            return None
+        holds = await description.memo_value(MEMO_BATCH_STARTS, 0)
+        if not 1 <= int(match["number"]) <= holds:
+            return None
+        return description.typed_search_attributes.get(_TENANT_KEY) or DEFAULT_TENANT
+
+    async def _until_started(self, job_id: str) -> None:
+        """Return once the job exists; while its batch has yet to start it, wait (a batch's
+        workflow starts about 30 jobs a second). `JobNotFound` when no batch holds it."""
+        while True:
+            try:
+                await self.temporal.get_workflow_handle(job_id).describe()
+                return
+            except RPCError as exc:
+                if exc.status != RPCStatusCode.NOT_FOUND:
+                    raise
+            if await self._queued_in_batch(job_id) is None:
+                raise errors.JobNotFound(job_id)
+            await asyncio.sleep(_START_POLL_S)
 
     async def _batch_exists(self, batch_id: str) -> bool:
         try:
@@ -263,7 +381,13 @@ class BatchMethods:
         return True
 
     async def _start_batch_workflow(
-        self, batch_id: str, tenant: str, job_ids: list[str], webhook: Any, sha: str
+        self,
+        batch_id: str,
+        tenant: str,
+        job_ids: list[str],
+        webhook: Any,
+        sha: str,
+        jobs: BatchJobs | None,
     ) -> bool:
         """Start the batch's workflow; True when one with the same jobs exists (BatchConflict
         when the ID holds another batch)."""
@@ -273,6 +397,7 @@ class BatchMethods:
             job_ids=job_ids,
             webhook=webhook,
             created_at=datetime.now(UTC),
+            jobs=jobs,
         )
         try:
             await self.temporal.start_workflow(
@@ -283,7 +408,10 @@ class BatchMethods:
                 id_conflict_policy=WorkflowIDConflictPolicy.FAIL,
                 id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
                 search_attributes=TypedSearchAttributes([SearchAttributePair(_TENANT_KEY, tenant)]),
-                memo={MEMO_BATCH_SHA256: sha},
+                memo={
+                    MEMO_BATCH_SHA256: sha,
+                    **({MEMO_BATCH_STARTS: len(job_ids)} if jobs is not None else {}),
+                },
                 static_summary=f"batch of {len(job_ids)} jobs (tenant {tenant})",
             )
             return False

@@ -61,7 +61,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from configuration.settings import ClientSettings
 from starter import errors
-from starter.batches import BatchMethods, BatchSubmitted
+from starter.batches import BatchMethods, BatchSubmitted, queued_in_batch
 from starter.budgets import BudgetCheck, budget_exceeded, every_usage, tenant_usage
 from starter.connection import (
     connect_failure_gist,
@@ -618,8 +618,14 @@ class JobClient(BatchMethods):
         """The job's status, from the job itself, corrected by Temporal's record when the
         workflow was ended from outside (TERMINATED, TIMED_OUT), and with the follow activity's
         latest step laid over it while a prompt is followed (two calls: the query, and the
-        describe that serves both; the query once more when the follow ended in between)."""
-        status = await self._query(job_id)
+        describe that serves both; the query once more when the follow ended in between). A
+        job its batch has yet to start is QUEUED."""
+        try:
+            status = await self._query(job_id)
+        except errors.JobNotFound:
+            if await self._queued_in_batch(job_id) is None:
+                raise
+            return queued_in_batch(job_id)
         if status.terminal:
             return status
         description = await self._describe(job_id)
@@ -650,7 +656,12 @@ class JobClient(BatchMethods):
             )
             return events
         except RPCError as exc:
-            failure: Exception = _unanswered(job_id, exc)
+            try:
+                failure: Exception = _unanswered(job_id, exc)
+            except errors.JobNotFound:
+                if await self._queued_in_batch(job_id) is None:
+                    raise
+                return JobEvents(status=queued_in_batch(job_id))
         except WorkflowQueryFailedError as exc:
             failure = exc
         # No worker answered: the status as Temporal alone gives it, with no journal.
@@ -664,7 +675,13 @@ class JobClient(BatchMethods):
         events = await self.events(job_id, since)
         if events.status.terminal:
             return events
-        described = await self._described(job_id, events.status, await self._describe(job_id))
+        try:
+            description = await self._describe(job_id)
+        except errors.JobNotFound:
+            if await self._queued_in_batch(job_id) is None:
+                raise
+            return events  # its batch has yet to start it
+        described = await self._described(job_id, events.status, description)
         return events.model_copy(update={"status": described})
 
     @_client_errors
@@ -683,8 +700,15 @@ class JobClient(BatchMethods):
 
     @_client_errors
     async def tenant_of(self, job_id: str) -> str | None:
-        """The job's `Tenant` search attribute (None: started without one). `JobNotFound`."""
-        description = await self._describe(job_id)
+        """The job's `Tenant` search attribute (None: started without one); a job its batch
+        has yet to start, its batch's. `JobNotFound`."""
+        try:
+            description = await self._describe(job_id)
+        except errors.JobNotFound:
+            tenant = await self._queued_in_batch(job_id)
+            if tenant is None:
+                raise
+            return tenant
         return description.typed_search_attributes.get(TENANT_KEY)
 
     @_client_errors
@@ -862,6 +886,7 @@ class JobClient(BatchMethods):
         requested, so the workflow also ends Canceled in Temporal. Returns the status the job
         had when the cancel was sent; `JobAlreadyEnded` (with the final status) when there is
         nothing left to cancel. Works without a worker: the job stops when one picks it up.
+        A job its batch has yet to start is cancelled once started (within seconds).
         """
         try:
             current = await self.status(job_id)
@@ -877,6 +902,9 @@ class JobClient(BatchMethods):
         except RPCError as exc:
             if exc.status != RPCStatusCode.NOT_FOUND:
                 raise
+            if current is not None and await self._queued_in_batch(job_id) is not None:
+                await self._until_started(job_id)
+                return await self.cancel(job_id, reason)
             raise await self._not_found_or_ended(job_id, exc, action) from exc
         return current or JobStatus(job_id=job_id)
 
@@ -1173,21 +1201,27 @@ class JobClient(BatchMethods):
         """
         handle = self.temporal.get_workflow_handle(checked_job_id(job_id))
         try:
-            if await self._has_webhook(handle):
-                final = _final_status(await self._ended_or_result(handle))
-            else:
-                final = _final_status(await handle.result())
-        except WorkflowFailureError as exc:
-            cause = exc.cause
-            details = cause.details if isinstance(cause, ApplicationError) else ()
-            final = _final_status(details[0] if details else None)
+            final = await self._final(handle)
         except RPCError as exc:
-            if _job_missing(exc):
-                raise errors.JobNotFound(job_id) from exc
-            raise
+            if not _job_missing(exc):
+                raise
+            # A job its batch has yet to start is waited for from its start.
+            await self._until_started(job_id)
+            final = await self._final(handle)
         if final is not None and final.job_id == job_id:
             return final
         return await self.status(job_id)
+
+    async def _final(self, handle: WorkflowHandle[Any, Any]) -> JobStatus | None:
+        """The job's final status as its result (or its failure's details) carries it."""
+        try:
+            if await self._has_webhook(handle):
+                return _final_status(await self._ended_or_result(handle))
+            return _final_status(await handle.result())
+        except WorkflowFailureError as exc:
+            cause = exc.cause
+            details = cause.details if isinstance(cause, ApplicationError) else ()
+            return _final_status(details[0] if details else None)
 
     @staticmethod
     async def _has_webhook(handle: WorkflowHandle[Any, Any]) -> bool:

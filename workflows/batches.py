@@ -13,7 +13,7 @@ graph small enough for one HTTP body.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from enum import StrEnum
 from typing import Any, Final, Literal
@@ -137,9 +137,80 @@ def batch_job_id(batch_id: str, index: int) -> str:
     return f"{batch_id}-{index + 1:04d}"
 
 
+class BatchJobs(BaseModel):
+    """A batch's jobs in short, for its workflow to start: the first job's request as the
+    client checked it (staged, labelled) and, per job, the graph inputs in which it differs
+    from that one. A batch by `count` or `overrides`, or of `requests` that differ only in
+    input values (prompts, seeds, files), fits in a few bytes a job."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    template: JobRequest
+    # Per job, in order: {node_id: {input: value}} where its graph differs ({} for the first).
+    inputs: list[dict[str, dict[str, Any]]]
+    # Each job runs detached (its fingerprint is the request's before this was applied).
+    detached: bool = True
+
+    def request(self, index: int) -> JobRequest:
+        """Job `index`'s request, whole (its fingerprint's form: not yet detached)."""
+        values = self.inputs[index]
+        if not values:
+            return self.template
+        graph = apply_overrides(self.template.graph, values)
+        return self.template.model_copy(update={"graph": graph})
+
+
+def compact_jobs(requests: Sequence[JobRequest], *, detached: bool) -> BatchJobs | None:
+    """The jobs as one request and each one's differing inputs; None when they differ in more
+    than input values (another node, an input one lacks, another pool or policy)."""
+    template = requests[0]
+    rest = template.model_dump(mode="json", exclude={"graph"})
+    inputs: list[dict[str, dict[str, Any]]] = []
+    for request in requests:
+        if request is not template and request.model_dump(mode="json", exclude={"graph"}) != rest:
+            return None
+        differing = _differing_inputs(template.graph, request.graph)
+        if differing is None:
+            return None
+        inputs.append(differing)
+    jobs = BatchJobs(template=template, inputs=inputs, detached=detached)
+    return jobs
+
+
+def _differing_inputs(
+    base: Mapping[str, Any], graph: Mapping[str, Any]
+) -> dict[str, dict[str, Any]] | None:
+    if base.keys() != graph.keys():
+        return None
+    differing: dict[str, dict[str, Any]] = {}
+    for node_id, node in graph.items():
+        base_node = base[node_id]
+        if not isinstance(node, Mapping) or not isinstance(base_node, Mapping):
+            return None
+        if {k: v for k, v in node.items() if k != "inputs"} != {
+            k: v for k, v in base_node.items() if k != "inputs"
+        }:
+            return None
+        values, base_values = node.get("inputs", {}), base_node.get("inputs", {})
+        if not isinstance(values, Mapping) or not isinstance(base_values, Mapping):
+            return None
+        if values.keys() != base_values.keys():
+            return None
+        changed = {
+            name: value
+            for name, value in values.items()
+            # By type too: 1 and True (or 1.0) are equal in Python, not in the graph's JSON.
+            if value != base_values[name] or type(value) is not type(base_values[name])
+        }
+        if changed:
+            differing[node_id] = changed
+    return differing
+
+
 class BatchInput(BaseModel):
-    """`JobBatch`'s argument: the IDs of its jobs (the client starts them, each with the
-    `batch` label), its tenant, and its webhook."""
+    """`JobBatch`'s argument: the IDs of its jobs, its tenant, and its webhook; with `jobs`,
+    the batch's workflow starts its jobs itself (each with the `batch` label), so a client's
+    submission ends once the batch is recorded; without, the client starts them."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -148,6 +219,7 @@ class BatchInput(BaseModel):
     job_ids: list[str]
     webhook: WebhookSpec | None = None
     created_at: datetime | None = None
+    jobs: BatchJobs | None = None
 
 
 class BatchJobEnd(ReadModel):

@@ -1,12 +1,16 @@
 """`JobBatch`: one batch of ordinary jobs, and the one place their ends are counted.
 
-The client starts the batch's workflow with its jobs' IDs, then the jobs (each carries the
-`batch` label), then says `submitted`. Each job tells the batch its end once it is terminal
-(`job_ended`, workflows/batches.py `tell_batch`): state, error, cost, artifacts. So the batch's
-status is one query, however many jobs it has. A job that ends without telling (terminated from
-outside) or never started is found by the batch's own look (`ended_batch_jobs`, a minute after
-its start, then less often while it finds nothing; one list call of Temporal's visibility store,
-not a call per job).
+The client starts the batch's workflow with its jobs' IDs and, for a batch whose jobs differ
+only in input values (by `count`, by `overrides`, or such `requests`), the jobs in short
+(`BatchJobs`): the workflow then starts them itself (`start_batch_jobs`, an activity that
+heartbeats how far it got, so a worker lost half-way is resumed where it stopped), and the
+client's submission ends once the batch is recorded. Otherwise the client starts the jobs
+(each carries the `batch` label), then says `submitted`. Each job tells the batch its end once
+it is terminal (`job_ended`, workflows/batches.py `tell_batch`): state, error, cost, artifacts.
+So the batch's status is one query, however many jobs it has. A job that ends without telling
+(terminated from outside) or never started is found by the batch's own look (`ended_batch_jobs`,
+a minute after its start, then less often while it finds nothing; one list call of Temporal's
+visibility store, not a call per job).
 
 `cancel` (an update) tells every unfinished job to stop, by the job's own `cancel` signal: each
 stops as one cancelled job does, confirmed, its finished outputs kept. The batch ends when every
@@ -17,6 +21,7 @@ retried on durable timers as a job's events are (workflows/webhooks.py's delay).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import Counter
 from datetime import timedelta
 from typing import Any, Final
@@ -35,6 +40,7 @@ with workflow.unsafe.imports_passed_through():
         BatchInput,
         BatchJob,
         BatchJobEnd,
+        BatchJobs,
         BatchResults,
         BatchState,
         BatchStatus,
@@ -55,6 +61,11 @@ START_GRACE_S: Final = 600.0
 _LOOK_RETRY = RetryPolicy(
     initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30)
 )
+# Starting the jobs: a lost worker (or a cancel, heard on a heartbeat) is noticed within 20 s,
+# and the next attempt goes on from the last start heartbeated; tried until every job is started
+# (or the batch cancelled).
+START_HEARTBEAT_S: Final = 20.0
+START_TIMEOUT_S: Final = 3600.0
 
 
 @workflow.defn(name=shared.BATCH_WORKFLOW_TYPE)
@@ -80,10 +91,19 @@ class JobBatch:
 
     @workflow.run
     async def run(self, batch: BatchInput) -> BatchStatus:
+        starting = None
+        if batch.jobs is not None:
+            starting = asyncio.create_task(self._start_jobs(batch.jobs))
         look = asyncio.create_task(self._look_for_unheard())
         await workflow.wait_condition(lambda: self._all_ended or self._cancel is not None)
         if not self._all_ended:
             self._changed(BatchState.CANCELLING)
+            if starting is not None and not starting.done():
+                # Its starts stop first (the activity returns once none is in flight): a job
+                # started after the cancel's look would be missed by it and run on.
+                starting.cancel()
+                with contextlib.suppress(asyncio.CancelledError, ActivityError):
+                    await starting
             await self._cancel_jobs()
             await workflow.wait_condition(lambda: self._all_ended)
         look.cancel()
@@ -118,6 +138,23 @@ class JobBatch:
         self._seq += 1
 
     # -- what it does -------------------------------------------------------------------------
+
+    async def _start_jobs(self, jobs: BatchJobs) -> None:
+        """Every job started (those that exist already are left as they are); then the batch
+        knows that a job still missing never will start."""
+        total = len(self._input.job_ids)
+        await workflow.execute_activity(
+            shared.ACTIVITY_START_BATCH_JOBS,
+            args=[self._input.batch_id, jobs],
+            result_type=int,
+            start_to_close_timeout=timedelta(seconds=START_TIMEOUT_S),
+            heartbeat_timeout=timedelta(seconds=START_HEARTBEAT_S),
+            retry_policy=_LOOK_RETRY,
+            cancellation_type=workflow.ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
+            summary=f"start {total} jobs",
+        )
+        self._submitted = True
+        self._seq += 1
 
     async def _cancel_jobs(self) -> None:
         """Every unfinished job told to stop; those that never started end here, cancelled."""

@@ -68,6 +68,7 @@ QUERY_BATCH_RESULTS: Final = "results"
 # Every unfinished job of a cancelled batch told to stop; its jobs that ended unheard.
 ACTIVITY_CANCEL_BATCH_JOBS: Final = "cancel_batch_jobs"
 ACTIVITY_ENDED_BATCH_JOBS: Final = "ended_batch_jobs"
+ACTIVITY_START_BATCH_JOBS: Final = "start_batch_jobs"
 
 # Tenants' daily budgets (workflows/budget_ledger.py): one `TenantLedger` workflow per tenant
 # with a budget, for every task queue and worker; a worker's check starts it with its limits

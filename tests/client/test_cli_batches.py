@@ -26,6 +26,8 @@ def unique_id(prefix: str) -> str:
 async def job_request_of(worker: RunningWorker, job_id: str) -> JobRequest:
     """The request the job was started with, from the first event of its history."""
     client = worker.client
+    # The batch's workflow starts its jobs: the submission may have answered before.
+    await client._until_started(job_id)
     async for event in client.handle(job_id).fetch_history_events():
         assert event.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_STARTED
         payloads = event.workflow_execution_started_event_attributes.input.payloads

@@ -158,6 +158,8 @@ def locs(answer: httpx.Response) -> list[list[Any]]:
 async def seed_of(worker: RunningWorker, job_id: str) -> int:
     """The KSampler seed the job was started with, from the first event of its history."""
     client = worker.client
+    # The batch's workflow starts its jobs: the submission may have answered before.
+    await client._until_started(job_id)
     async for event in client.handle(job_id).fetch_history_events():
         assert event.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_STARTED
         payloads = event.workflow_execution_started_event_attributes.input.payloads

@@ -178,6 +178,42 @@ async def test_count_5_gives_five_jobs_with_distinct_seeds_that_all_complete(
     assert all(len(end.artifacts) == 1 and end.artifacts[0].url for end in results.ends)
 
 
+async def activities_of(client: JobClient, workflow_id: str) -> list[str]:
+    """The activity types a workflow's history scheduled, in order."""
+    history = await client.temporal.get_workflow_handle(workflow_id).fetch_history()
+    return [
+        event.activity_task_scheduled_event_attributes.activity_type.name
+        for event in history.events
+        if event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
+    ]
+
+
+async def test_jobs_differing_in_values_are_started_by_the_batch_the_others_by_the_client(
+    client: JobClient,
+) -> None:
+    """A batch by `count` goes in short: its workflow starts the jobs, and the submission
+    ends once the batch is recorded. Jobs that differ in more (here, their labels) are started
+    by the client, then `submitted`. Both run every job once, as sent."""
+    by_count = await client.submit_batch(
+        BatchRequest(request=JobRequest(graph=example(steps=1)), count=3)
+    )
+    labelled = [
+        JobRequest(graph=example(steps=1), labels={"tenant": "acme", "shot": str(n)})
+        for n in range(3)
+    ]
+    by_client = await client.submit_batch(labelled)
+    for submitted, expected in ((by_count, ["start_batch_jobs"]), (by_client, [])):
+        final = await client.wait_batch(submitted.batch_id, interval_s=0.2)
+        assert final.counts == {"COMPLETED": 3}, final
+        assert submitted.started == 3
+        assert await activities_of(client, submitted.batch_id) == expected
+    shots = [(await job_request_of(client, j)).labels["shot"] for j in by_client.job_ids]
+    assert shots == ["0", "1", "2"]
+    # The batch's jobs are ordinary jobs, each with its batch's label.
+    for job_id in by_count.job_ids:
+        assert (await job_request_of(client, job_id)).labels == {"batch": by_count.batch_id}
+
+
 async def test_the_same_batch_again_starts_nothing_and_another_under_its_id_is_refused(
     client: JobClient,
 ) -> None:

@@ -15,6 +15,7 @@ from workflows.batches import (
     BatchJobEnd,
     BatchRequest,
     batch_job_id,
+    compact_jobs,
     seed_inputs,
 )
 from workflows.contracts import Artifact, JobCost, JobRequest, JobState, JobStatus
@@ -116,3 +117,55 @@ def test_a_jobs_end_carries_its_cost_in_seconds_and_dollars_and_its_artifacts() 
     # The job's own figures, as its tenant's budget counts them (not recomputed here).
     assert end.gpu_s == 6.0 and end.usd == 1.5
     assert end.artifacts == [artifact] and end.state == JobState.COMPLETED
+
+
+# -- a batch's jobs in short, for its workflow to start (`compact_jobs`) ------------------------
+
+
+def test_jobs_by_count_overrides_or_requests_that_differ_in_values_go_in_short() -> None:
+    request = JobRequest(graph=graph(7, noise_seed=100))
+    by_count = BatchRequest(request=request, count=1000).expanded()
+    jobs = compact_jobs(by_count, detached=True)
+    assert jobs is not None and jobs.detached
+    assert jobs.inputs[0] == {} and jobs.inputs[2] == {"3": {"seed": 9}, "4": {"noise_seed": 102}}
+    # Each job rebuilt is the job sent, exactly (its JSON, so its fingerprint).
+    for index in (0, 1, 999):
+        assert jobs.request(index).model_dump_json() == by_count[index].model_dump_json()
+    # A thousand jobs by count: a few dozen bytes each, not a graph each.
+    assert len(jobs.model_dump_json()) < 60 * 1000
+    # Whole requests that differ only in input values go in short too.
+    prompts = [JobRequest(graph=graph(seed)) for seed in (1, 5, 5)]
+    short = compact_jobs(prompts, detached=False)
+    assert short is not None and short.inputs == [{}, {"3": {"seed": 5}}, {"3": {"seed": 5}}]
+    assert not short.detached
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        pytest.param(JobRequest(graph=graph(7, noise_seed=1)), id="a node the first lacks"),
+        pytest.param(JobRequest(graph=graph(7), pool="other"), id="another pool"),
+        pytest.param(JobRequest(graph=graph(7), labels={"tenant": "b"}), id="other labels"),
+        pytest.param(
+            JobRequest(graph={**graph(7), "1": {"class_type": "Other", "inputs": {}}}),
+            id="another node class",
+        ),
+        pytest.param(
+            JobRequest(graph={**graph(7), "1": {"class_type": "EmptyLatentImage", "inputs": {}}}),
+            id="an input missing",
+        ),
+    ],
+)
+def test_jobs_that_differ_in_more_than_values_do_not_go_in_short(other: JobRequest) -> None:
+    assert compact_jobs([JobRequest(graph=graph(7)), other], detached=True) is None
+
+
+def test_a_value_equal_in_python_but_not_in_json_is_kept_as_sent() -> None:
+    """8.0 == 8 (and True == 1) in Python; rebuilt from the first job's 8, the job would be
+    another request, with another fingerprint."""
+    nodes = graph(7)
+    nodes["1"] = {"class_type": "EmptyLatentImage", "inputs": {"width": 8.0, "height": 8}}
+    other = JobRequest(graph=nodes)
+    jobs = compact_jobs([JobRequest(graph=graph(7)), other], detached=True)
+    assert jobs is not None and jobs.inputs[1] == {"1": {"width": 8.0}}
+    assert jobs.request(1).model_dump_json() == other.model_dump_json()
