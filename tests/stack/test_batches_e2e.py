@@ -8,7 +8,7 @@ import asyncio
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 import pytest
@@ -252,6 +252,19 @@ async def test_a_batch_that_cannot_start_whole_starts_nothing(client: JobClient)
         assert not await client._batch_exists(batch_id)
 
 
+async def line_of(client: JobClient, job_id: str) -> tuple[datetime, datetime]:
+    """When the job joined its pool's line (its PENDING) and when it left it, by its journal.
+    A follow that waits in line itself reports its grant with its end: on a one-slot pool the
+    next job's grant, so the order of leaving is the order of grants."""
+    states = [e for e in (await client.events(job_id, 0)).events if e.kind == "state"]
+    pending = next((e for e in states if e.state == JobState.PENDING), None)
+    if pending is None:  # granted as it asked
+        at = next(e.at for e in states if e.state != JobState.QUEUED)
+        return at, at
+    left = next(e for e in states if e.seq > pending.seq and e.state != JobState.PENDING)
+    return pending.at, left.at
+
+
 async def test_a_batchs_jobs_interleave_with_another_tenants_single_jobs(
     client: JobClient,
 ) -> None:
@@ -263,23 +276,25 @@ async def test_a_batchs_jobs_interleave_with_another_tenants_single_jobs(
     await until(client, batch.batch_id, lambda s: s.counts.get("PENDING", 0) >= 12, "acme's line")
     beta = JobRequest(graph=example(steps=10), pool=ONE, labels={"tenant": "beta"})
     # Beta's four join together (sent at once): from then on the two tenants take turns.
-    joined = datetime.now(UTC)
     sent = await asyncio.gather(*(client.submit(beta) for _ in range(4)))
     singles = [status.job_id for status in sent]
     assert len(set(singles)) == 4
     await client.wait_batch(batch.batch_id, interval_s=0.5)
     for job_id in singles:
         assert (await client.wait(job_id)).state == JobState.COMPLETED
-    ends: list[tuple[datetime, str]] = []
-    for job_id in [*batch.job_ids, *singles]:
-        events = (await client.events(job_id, 0)).events
-        # One slot: a job starts only once the one before has ended, so the order of their
-        # ends is the order of their grants.
-        at = next(e.at for e in events if e.state == JobState.COMPLETED)
-        ends.append((at, "beta" if job_id in singles else "acme"))
-    # From when beta's were sent: the acme job then running ends first, then the two tenants
-    # take turns (acme may win the first tie): beta's last by the 9th end.
-    after = [tenant for at, tenant in sorted(ends) if at > joined]
-    beta_at = [index for index, tenant in enumerate(after) if tenant == "beta"]
-    assert len(beta_at) == 4 and after.count("acme") >= 8, after  # FIFO would end beta 9th+
-    assert max(beta_at) <= 8, after
+    # Each job's time in line, by its journal: from its first state past QUEUED (it joined the
+    # line, a moment after it was sent: its checks first) to its first state past PENDING (its
+    # grant). Told apart by grants, not by when beta's were sent: acme's go on starting
+    # until beta's are in line, more of them the busier the machine.
+    lines = {job_id: await line_of(client, job_id) for job_id in [*batch.job_ids, *singles]}
+    acme_grants = [lines[job_id][1] for job_id in batch.job_ids]
+    for k, job_id in enumerate(sorted(singles, key=lambda j: lines[j])):
+        joined, granted = lines[job_id]
+        passed = sum(1 for at in acme_grants if joined < at < granted)
+        # Fair shares: the k-th of beta's waits for about k + 1 of acme's (acme may win the
+        # first tie; one more, for the one that was running as it joined); first come, first
+        # served would make the first wait for acme's whole line (8 or more).
+        assert passed <= k + 2, (k, passed, sorted(lines.items(), key=lambda kv: kv[1]))
+    # Acme's line was long enough when beta's joined for first come, first served to show.
+    first_joined = min(lines[job_id][0] for job_id in singles)
+    assert sum(1 for at in acme_grants if at > first_joined) >= 8
