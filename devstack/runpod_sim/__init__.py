@@ -30,8 +30,9 @@ What it simulates (PROTOCOLS.md, "RunPod serverless"):
   (worker_watchdog.py; `--watchdog auto|on|off`, on for endpoint/handler.py), and its own road
   to the bucket, a TCP proxy (s3_proxy.py) that a `partition` fault shuts.
 - A ledger (GET /sim/ledger, ledger.py) and fault injection (POST /sim/faults, faults.py): on
-  the platform (bursts, dropped answers, lost results, slow cold starts) and on a job's worker
-  (crash, freeze, partition; worker_faults.py), each of the latter an event in the ledger.
+  the platform (bursts, dropped answers, lost results, slow cold starts, unhealthy or throttled
+  workers) and on a job's worker (crash, freeze, partition; worker_faults.py), each of the
+  latter an event in the ledger.
 
 What it does not: GPUs, regions, network volumes, FlashBoot, the active workers' discount,
 lowPriority (accepted, no effect), concurrency modifiers beyond what the SDK does itself, the
@@ -42,7 +43,9 @@ three behaviours seen in the wild. Pings are recorded, never used to judge a wor
 simulator owns the processes and sees them die (a frozen one keeps its job and its bill, as a
 hung container does on RunPod, until its watchdog or a timeout ends it).
 `health.workers.ready` counts idle plus running workers (the simulator's reading of a field
-RunPod does not define), `throttled` and `unhealthy` stay 0. A simulator killed with SIGKILL
+RunPod does not define); `unhealthy` and `throttled` are 0 but under the `unhealthy_workers`
+fault (the workers holding no job, which take none meanwhile) and the `throttled_workers` fault
+(the workers the autoscaler would start and cannot). A simulator killed with SIGKILL
 cannot stop its workers (each runs in its own session): stop it with SIGTERM or SIGINT and give
 it --stop-grace plus a few seconds.
 """

@@ -1,9 +1,10 @@
 """Simulator-only fault injection (POST /sim/faults): make the platform misbehave on purpose, the
 ways RunPod is known to. None of this is part of RunPod's API.
 
-Every fault is a countdown taken by the next matching event; fields left out of a POST keep their
-current value, `null` or 0 disarms. POST /sim/reset disarms everything (a frozen or partitioned
-worker stays so until its own timer, or its end).
+Every fault is a countdown taken by the next matching event, except the two worker states
+(`unhealthy_workers`, `throttled_workers`), which hold until cleared; fields left out of a POST
+keep their current value, `null`, 0 or `false` disarms. POST /sim/reset disarms everything (a
+frozen or partitioned worker stays so until its own timer, or its end).
 
 Three faults are armed on a job delivery: they are taken by the `on_delivery`-th delivery from
 now (counting only deliveries to `worker_id` and of `job_id` when those are given: per worker,
@@ -37,6 +38,17 @@ with it. Each fired one is an event of its worker in the ledger
 - `slow_cold_start_s`: the next `slow_cold_starts` workers take that much longer to start.
 - `lost_result`: the next N final job-done posts are refused with 400 and their job is COMPLETED
   without output (what users report after a result too big for RunPod).
+- `unhealthy_workers`: while true, the endpoint's workers fail their health check: every live
+  worker holding no job (booting or idle; one started meanwhile too) is `unhealthy` in
+  `/health` (not initializing, idle nor ready), takes no job (they stay IN_QUEUE) and is no
+  capacity to the autoscaler (which may start more, up to max workers: unhealthy too). A job
+  already running on a worker runs on to its end (the worker counts as running meanwhile),
+  then the worker is unhealthy. Workers are neither killed nor replaced for it; cleared, they
+  are healthy again and take the queue.
+- `throttled_workers`: while true, no GPU is free for a new worker: the autoscaler starts none,
+  and `/health` counts as `throttled` the workers it would start (for queued jobs no idle or
+  booting worker will take, and up to the active workers; at most max workers in all). Workers
+  already launched, booting included, work on. Cleared, the autoscaler starts them.
 """
 
 from __future__ import annotations
@@ -103,6 +115,9 @@ class FaultConfig(BaseModel):
     slow_cold_start_s: float = Field(default=0.0, ge=0)
     slow_cold_starts: int = Field(default=1, ge=0)
     lost_result: int = Field(default=0, ge=0)
+    # Worker states rather than countdowns: they hold until cleared.
+    unhealthy_workers: bool = False
+    throttled_workers: bool = False
 
 
 DELIVERY_FAULTS: tuple[DeliveryFaultKind, ...] = ("crash", "freeze", "partition")

@@ -70,8 +70,10 @@ class Platform:
     def health(self) -> dict[str, Any]:
         jobs = self.table
         alive = self.pool.alive()
-        count = {state: sum(1 for w in alive if w.state == state) for state in
+        healthy = [w for w in alive if not self.unhealthy(w)]
+        count = {state: sum(1 for w in healthy if w.state == state) for state in
                  ("initializing", "idle", "running")}  # fmt: skip
+        throttled = self._launches_wanted() if self.throttled() else 0
         return {
             "jobs": {
                 "completed": jobs.completed,
@@ -86,15 +88,26 @@ class Platform:
                 # The simulator's reading: workers past initialization, busy or not.
                 "ready": count["idle"] + count["running"],
                 "running": count["running"],
-                "throttled": 0,
-                "unhealthy": 0,
+                "throttled": throttled,
+                "unhealthy": len(alive) - len(healthy),
             },
         }
+
+    # -- the worker-state faults (faults.py) ---------------------------------------------------
+
+    def unhealthy(self, worker: Worker) -> bool:
+        """Failing its health check (the `unhealthy_workers` fault): a live worker holding no
+        job. One running a job runs it to its end, then is unhealthy."""
+        return self.faults.armed.unhealthy_workers and worker.state in ("initializing", "idle")
+
+    def throttled(self) -> bool:
+        """No GPU free for a new worker (the `throttled_workers` fault)."""
+        return self.faults.armed.throttled_workers and not self.shutting_down
 
     # -- the worker side -----------------------------------------------------------------------
 
     def can_take(self, worker: Worker) -> bool:
-        return worker.alive and not self.shutting_down
+        return worker.alive and not self.shutting_down and not self.faults.armed.unhealthy_workers
 
     def worker_polled(self, worker: Worker, job_in_progress: bool) -> None:
         """A job-take request: the worker is ready; with job_in_progress=0 it holds no job."""
@@ -321,15 +334,22 @@ class Platform:
 
     def autoscale(self) -> None:
         """Start workers for queued jobs that no idle or booting worker will take, and up to
-        the active (min) workers."""
-        if self.shutting_down or time.monotonic() < self.launch_not_before:
+        the active (min) workers; none while throttled (`/health` counts them instead)."""
+        if self.shutting_down or time.monotonic() < self.launch_not_before or self.throttled():
             return
+        for _ in range(self._launches_wanted()):
+            self.pool.launch(self.faults.take_cold_start_extra())
+
+    def _launches_wanted(self) -> int:
+        """How many workers the autoscaler wants started now. An unhealthy worker is no
+        capacity; it still counts towards max workers."""
         alive = self.pool.alive()
-        available = sum(1 for w in alive if w.state in ("initializing", "idle"))
+        available = sum(
+            1 for w in alive if w.state in ("initializing", "idle") and not self.unhealthy(w)
+        )
         needed = max(len(self.table.queue) - available, self.settings.min_workers - len(alive))
         room = self.settings.max_workers - len(alive)
-        for _ in range(max(0, min(needed, room))):
-            self.pool.launch(self.faults.take_cold_start_extra())
+        return max(0, min(needed, room))
 
     async def run_timers(self) -> None:
         while True:

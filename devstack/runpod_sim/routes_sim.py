@@ -52,11 +52,14 @@ async def post_faults(request: web.Request) -> web.Response:
     except (ValueError, ValidationError) as exc:
         return web.json_response({"error": str(exc)}, status=400)
     rt.faults.arm(update)
+    rt.table.changes.notify()  # held job-takes look again (an unhealthy worker healed)
     return web.json_response(rt.faults.as_json())
 
 
 @routes.post("/sim/reset")
 async def reset(request: web.Request) -> web.Response:
     """Disarm every fault (jobs, workers and the ledger are left alone)."""
-    runtime_of(request).faults.reset()
+    rt = runtime_of(request)
+    rt.faults.reset()
+    rt.table.changes.notify()
     return web.json_response({"ok": True})

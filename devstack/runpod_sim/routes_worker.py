@@ -45,9 +45,11 @@ async def _take(request: web.Request, worker: Worker, batch_size: int | None) ->
     rt.platform.worker_polled(worker, request.query.get("job_in_progress") == "1")
     deadline = time.monotonic() + rt.settings.take_poll_s
     while True:
-        if not rt.platform.can_take(worker):
+        if not worker.alive or rt.platform.shutting_down:
             await rt.table.changes.wait(STOPPING_PAUSE_S)
             return web.Response(status=204)
+        # None for an unhealthy worker (the `unhealthy_workers` fault): its poll is held open as
+        # an empty queue's, and answered once the fault is cleared.
         jobs = rt.platform.take(worker, batch_size or 1)
         if jobs:
             log.info("job taken", worker_id=worker.id, job_ids=[j.id for j in jobs])
