@@ -81,11 +81,13 @@ async def worker(local_stack: RunningStack) -> AsyncIterator[RunningWorker]:
             client = JobClient(temporal, task_queue=task_queue, store=store)
             yield RunningWorker(task_queue, client, store)
     finally:
+        # The worker first: a batch's workflow starts its jobs there, and a start still going
+        # after the terminations would leave jobs running.
+        stop.set()
         try:
-            await terminate_all(temporal, task_queue)
-        finally:
-            stop.set()
             await asyncio.wait_for(running, timeout=60)
+        finally:
+            await terminate_all(temporal, task_queue)
 
 
 def template(steps: int = 2, pool: str = POOL, **extra: Any) -> dict[str, Any]:
@@ -431,11 +433,13 @@ async def idling(local_stack: RunningStack) -> AsyncIterator[RunningGateway]:
             async with running_gateway(stack_client_factory(local_stack, idle)) as gateway:
                 yield gateway
     finally:
+        # The worker first: a batch's workflow starts its jobs there, and a start still going
+        # after the terminations would leave jobs running.
+        stop.set()
         try:
-            await terminate_all(temporal, task_queue)
-        finally:
-            stop.set()
             await asyncio.wait_for(running, timeout=60)
+        finally:
+            await terminate_all(temporal, task_queue)
 
 
 async def terminate_all(temporal: Client, task_queue: str) -> None:
@@ -461,7 +465,7 @@ async def test_a_thousand_jobs_in_one_request_by_count_or_by_overrides(
     # Under the test gateway's limit (64 KiB), a sixty-fourth of the default's.
     assert len(json.dumps(by_overrides)) < BODY_LIMIT
     async with idling(local_stack) as gateway:
-        answer = await submit(http, gateway, by_count, tenant="gamma")
+        answer = await submit(http, gateway, by_count, tenant="delta")
         assert answer.status_code == 201, answer.text
         view = answer.json()
         batch_id = view["batch_id"]
@@ -470,14 +474,14 @@ async def test_a_thousand_jobs_in_one_request_by_count_or_by_overrides(
             f"{batch_id}-0001",
             f"{batch_id}-1000",
         ]
-        again = await batch_of(http, gateway, batch_id, tenant="gamma")
+        again = await batch_of(http, gateway, batch_id, tenant="delta")
         assert again["total"] == 1000 and again["ended"] == 0
         # The 1,000 overrides are read whole in one body too: one that names no node, last,
         # refuses the batch before any of its jobs starts (what starting them costs is the
         # count form's, above).
         overrides: list[dict[str, Any]] = [{"3": {"seed": n}} for n in range(999)]
         bad = [*overrides, {"99": {"seed": 1}}]
-        refused = await submit(http, gateway, by_overrides | {"overrides": bad}, tenant="gamma")
+        refused = await submit(http, gateway, by_overrides | {"overrides": bad}, tenant="delta")
         assert refused.status_code == 422, refused.text
         assert ["overrides", 999, "99"] in locs(refused), refused.text
 
