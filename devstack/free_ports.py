@@ -8,6 +8,7 @@ and the state goes where the caller says.
 from __future__ import annotations
 
 import functools
+import os
 import random
 import socket
 from pathlib import Path
@@ -61,12 +62,26 @@ def free_port(host: str = HOST) -> int:
     low, _ = _ephemeral_range()
     rng = random.SystemRandom()
     reserved = _shipped_ports()
+    index, share = _process_share()
     for _ in range(1000):
-        port = rng.randrange(10000, min(low, 65535 - ADMIN_GRPC_OFFSET))
+        port = rng.randrange(10000, min(low, 65535 - ADMIN_GRPC_OFFSET) - share)
+        port += (index - port) % share
         if port not in _handed_out and port not in reserved and port_is_free(port, host):
             _handed_out.add(port)
             return port
     raise RuntimeError("no free port found")
+
+
+def _process_share() -> tuple[int, int]:
+    """(i, n): this process picks only ports equal to i modulo n. Under pytest-xdist, n is the
+    number of test processes and i this one's: each starts a stack of its own at the same
+    moment, and a port two of them picked before either bound it failed a whole stack
+    ("address already in use"). Elsewhere (0, 1): any port."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if worker.startswith("gw") and worker[2:].isdigit() and count.isdigit() and int(count) > 0:
+        return int(worker[2:]) % int(count), int(count)
+    return 0, 1
 
 
 def _admin_port() -> int:

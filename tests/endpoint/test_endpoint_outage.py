@@ -26,6 +26,7 @@ from endpoint.claims import ClaimStore
 from endpoint.job import run_job
 from endpoint.s3 import S3
 from endpoint.settings import EndpointSettings
+from faults.wait import eventually
 from protocol.runpod.contract import Claim, S3Target, claim_key
 from tests.support.comfy_sim import ksampler_graph
 from tests.support.endpoint import (
@@ -111,13 +112,18 @@ async def test_outages_while_claiming_and_mid_upload_cost_time_not_the_run(
     progress = Progress()
     with capture_logs() as logs:
         task = asyncio.create_task(run_job(job(job_input), settings, progress))
-        # Long enough for the second "claiming" update (one at once, one a third of a lease on).
-        await asyncio.sleep(lease_s / 3 + 1.0)
-        assert not task.done() and await prompt_runs(sim, block["prompt_id"]) == 0
+
         # No claim yet, so no lease: "claiming" every third of the lease says the handler
-        # lives (the orchestrator gives a delivery silent for a lease up for dead).
-        claiming = [u for u in progress.updates if u.stage == "claiming"]
-        assert len(claiming) >= 2, progress.stages()
+        # lives (the orchestrator gives a delivery silent for a lease up for dead). The second
+        # comes a third of a lease after the first, itself sent once the handler is up (later,
+        # under load): waited for up to half a lease, which a handler silent for a lease misses.
+        async def claiming() -> int:
+            return len([u for u in progress.updates if u.stage == "claiming"])
+
+        await eventually(
+            claiming, accept=lambda n: n >= 2, timeout_s=lease_s / 2, what="a second 'claiming'"
+        )
+        assert not task.done() and await prompt_runs(sim, block["prompt_id"]) == 0
         # Back, until 3 MiB more went up: a cut in the middle of the large file's first part.
         cut = gate.shut_after(3 * MIB)
         await gate.open()
