@@ -19,7 +19,6 @@ re-recorded here.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -31,7 +30,7 @@ from temporalio.worker import Worker
 
 from activities.batches import BatchActivities
 from tests.support.workflow_fakes import GRAPH, FakeBackend, Script, start_time_skipping
-from tests.workflows.histories.record import FakeReceiver
+from tests.workflows.histories.record import FakeReceiver, write_history
 from workflows.batches import BatchInput, BatchStatus, compact_jobs
 from workflows.budget_ledger import TenantLedger
 from workflows.contracts import JobPolicy, JobRequest, WebhookSpec
@@ -150,9 +149,7 @@ async def record() -> None:
                 handle = await scenario(env.client, task_queue)
                 await asyncio.wait_for(handle.result(), timeout=120)
                 history = await handle.fetch_history()
-            path = HERE / f"{name}.json"
-            path.write_text(json.dumps(json.loads(history.to_json()), indent=1) + "\n")
-            print(f"wrote {path} ({len(history.events)} events)")
+            write_history(HERE / f"{name}.json", history)
     finally:
         await env.shutdown()
 

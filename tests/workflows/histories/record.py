@@ -380,11 +380,15 @@ async def record(only: list[str] | None = None) -> None:
                     await batch.terminate("recorded")
                 if tenant is not None:
                     await env.client.get_workflow_handle(ledger_id(tenant)).terminate("recorded")
-            path = HERE / f"{name}.json"
-            path.write_text(json.dumps(json.loads(history.to_json()), indent=1) + "\n")
-            print(f"wrote {path} ({len(history.events)} events)")
+            write_history(HERE / f"{name}.json", history)
     finally:
         await env.shutdown()
+
+
+def write_history(path: Path, history: WorkflowHistory) -> None:
+    """The history as the replay tests read it (indented: a re-recording's diff is readable)."""
+    path.write_text(json.dumps(json.loads(history.to_json()), indent=1) + "\n")
+    print(f"wrote {path} ({len(history.events)} events)")
 
 
 if __name__ == "__main__":
