@@ -827,6 +827,8 @@ def test_a_private_stack_is_never_handed_a_shipped_port(monkeypatch: pytest.Monk
     monkeypatch.setattr(random.SystemRandom, "randrange", lambda *_: next(draws))
     monkeypatch.setattr(free_ports, "_handed_out", set())
     monkeypatch.setattr(free_ports, "port_is_free", lambda *_: True)
+    # The draws as they are: not moved into an xdist process's class of ports.
+    monkeypatch.setattr(free_ports, "_process_share", lambda: (0, 1))
     assert free_ports.free_port() == 12345
 
 
