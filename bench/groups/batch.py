@@ -546,24 +546,36 @@ async def _replayed_reads(
     reading another ended batch and job (its first workflow of each type costs it more than a
     replay), then one timed batch read and one timed job read, each a replay of its history."""
     out = Reads()
-    query = f"query:{QUERY_BATCH_STATUS}"
     warm_batch, warm_job = warm
     for _ in range(REPLAYED_READS):
         await worker.killable.terminate()
         await worker.killable.start()
         await _timed(lambda: jobs.batch_status(warm_batch), out.errors)
         await _timed(lambda: jobs.status(warm_job), out.errors)
-        log.clear()
-        seconds, status = await _timed(lambda: jobs.batch_status(batch_id), out.errors)
-        out.batch.append(seconds)
-        out.queries += [c.seconds for c in log.calls if c.method == query]
-        if status is not None:
-            out.listed.append(unfinished_shown(status))
-            out.counts = dict(status.counts)
-            out.state = str(status.state)
-        seconds, _ = await _timed(lambda: jobs.status(job_id), out.errors)
-        out.single.append(seconds)
+        await _read_pair(jobs, log, lambda: jobs.batch_status(batch_id), job_id, out)
     return out
+
+
+async def _read_pair(
+    jobs: JobClient,
+    log: CallLog,
+    read_batch: Callable[[], Awaitable[BatchStatus]],
+    job_id: str,
+    out: Reads,
+) -> None:
+    """One timed batch read (its query's own time from the client's calls) and one timed read
+    of a job's status, the baseline, into `out`."""
+    log.clear()
+    seconds, status = await _timed(read_batch, out.errors)
+    out.batch.append(seconds)
+    query = f"query:{QUERY_BATCH_STATUS}"
+    out.queries += [c.seconds for c in log.calls if c.method == query]
+    if status is not None:
+        out.listed.append(unfinished_shown(status))
+        out.counts = dict(status.counts)
+        out.state = str(status.state)
+    seconds, _ = await _timed(lambda: jobs.status(job_id), out.errors)
+    out.single.append(seconds)
 
 
 async def _workflow_status(ctx: BenchContext, workflow_id: str) -> str:
@@ -667,7 +679,6 @@ async def _reads(
     listed), each followed by one read of one job's status (the baseline). A read that raised
     keeps its time in the figures and is said in `errors`."""
     out = Reads()
-    query = f"query:{QUERY_BATCH_STATUS}"
 
     async def read_batch() -> BatchStatus:
         return await jobs.batch_status(batch_id, jobs=each_job)
@@ -678,16 +689,7 @@ async def _reads(
     out.cpu = CpuUse.start(pids) if pids is not None else None
     began = time.perf_counter()
     for _ in range(reads):
-        log.clear()
-        seconds, status = await _timed(read_batch, out.errors)
-        out.batch.append(seconds)
-        out.queries += [c.seconds for c in log.calls if c.method == query]
-        if status is not None:
-            out.listed.append(unfinished_shown(status))
-            out.counts = dict(status.counts)
-            out.state = str(status.state)
-        seconds, _ = await _timed(lambda: jobs.status(job_id), out.errors)
-        out.single.append(seconds)
+        await _read_pair(jobs, log, read_batch, job_id, out)
     out.wall = time.perf_counter() - began
     if out.cpu is not None:
         out.cpu.stop()
