@@ -37,6 +37,7 @@ from activities.batches import BatchActivities
 from activities.budgets import BudgetActivities
 from activities.comfyui.backend import ComfyBackend
 from activities.comfyui.pools import ComfyPools
+from activities.comfyui.server_health import ServerHealthActivities
 from activities.heartbeat_budget import HeartbeatBudget
 from activities.live_progress import LiveProgress
 from activities.log_setup import configure_logging
@@ -153,6 +154,7 @@ async def run_worker(
             followed_here=budget.is_following,
         )
         queues = PoolQueueActivities(client, sweeper)
+        server_health = ServerHealthActivities(pools)
         # A batch's workflow starts its jobs as a client would: the same start, on this queue.
         starter = JobClient(client, task_queue=settings.task_queue)
         batches = BatchActivities(client, starter.start_batch_job)
@@ -183,6 +185,7 @@ async def run_worker(
                 deliverer.deliver_webhook,
                 queues.open_pool_queue,
                 queues.closed_jobs,
+                server_health.watch_pool_servers,
                 batches.cancel_batch_jobs,
                 batches.ended_batch_jobs,
                 batches.start_batch_jobs,

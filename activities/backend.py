@@ -21,6 +21,7 @@ import structlog
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from activities.comfyui.graph import warm_key
 from activities.errors import fatal
 from activities.follow_common import send_progress
 from activities.inputs import refuse_inputs_outside_area
@@ -178,6 +179,8 @@ class JobActivities:
         bound = self._bound(pool, terms)
         if bound is None:
             return prepared
+        if bound.servers:
+            bound = bound.model_copy(update={"graph_key": warm_key(prepared.graph)})
         asked, admission = await self._asked(req, bound, in_follow=in_follow)
         return prepared.model_copy(
             update={"bound": bound, "slot_asked": asked, "admission": admission}
@@ -200,7 +203,8 @@ class JobActivities:
 
     def _bound(self, pool: str, terms: TenantConfig) -> PoolBound | None:
         config = self._backends.config_of(pool)
-        if config.max_running is None:
+        bound = config.running_bound
+        if bound is None:
             return None
         settle_after_s = None
         if config.kind == "runpod":
@@ -210,12 +214,14 @@ class JobActivities:
             settle_after_s = None if timeout is None else timeout + (config.fence_after_s or 30)
         return PoolBound(
             pool=pool,
-            max_running=config.max_running,
+            max_running=bound,
             weight=terms.weight,
             reclaim_every_s=self._reclaim_every_s,
             settle_after_s=settle_after_s,
             tenant_max_pending=terms.max_pending,
             pool_max_pending=config.max_pending,
+            servers=config.servers if config.assigns_servers else [],
+            server_slots=config.slots_per_server,
         )
 
     @activity.defn(name=ACTIVITY_FOLLOW)
@@ -254,7 +260,8 @@ class JobActivities:
             if not granted and waits and prepared.slot_asked:
                 granted = await self._wait_in_line(req, req.prepare, prepared.bound, prepared)
                 if granted:
-                    grant = _grant(req.prepare, prepared.bound)
+                    server = await self._server_granted(req.job_id, prepared.bound)
+                    grant = _grant(req.prepare, prepared.bound, server)
                     prepared = prepared.model_copy(update={"admission": grant})
             if not granted:
                 # Checked, and nothing reaches a bounded pool without a slot of its queue.
@@ -272,7 +279,10 @@ class JobActivities:
             # The check's own ask was granted (an idle pool): submit now, in this attempt,
             # rather than hand the grant to the workflow for a second follow. Its reports and
             # its result tell the workflow it holds the slot.
-            req = req.model_copy(update={"slot_held": True, "slot_bound": prepared.bound})
+            server = prepared.admission.server if prepared.admission else None
+            req = req.model_copy(
+                update={"slot_held": True, "slot_bound": prepared.bound, "server": server}
+            )
         result = await backend.follow(_on_pool(req, pool))
         update: dict[str, Any] = {"pool": pool, "kind": prepared.kind, "budget": prepared.budget}
         if req.slot_bound is not None:
@@ -308,6 +318,14 @@ class JobActivities:
             heartbeat=activity.heartbeat,
             heartbeat_every_s=beat,
         )
+
+    async def _server_granted(self, job_id: str, bound: PoolBound) -> str | None:
+        """The server the queue gave a job granted while its check waited in line (the watch
+        sees who holds a slot, not where)."""
+        if not bound.servers or self._slot_watch is None:
+            return None
+        grant = await self._slot_watch.admission_of(activity.info().task_queue, bound.pool, job_id)
+        return grant.server if grant is not None else None
 
     async def _given_back(
         self, req: activity_io.FollowInput, pool: str, result: activity_io.FollowResult
@@ -356,10 +374,13 @@ def _slot_request(
         tenant_max_pending=bound.tenant_max_pending,
         pool_max_pending=bound.pool_max_pending,
         in_follow=in_follow,
+        servers=bound.servers,
+        server_slots=bound.server_slots,
+        graph_key=bound.graph_key,
     )
 
 
-def _grant(req: activity_io.PrepareInput, bound: PoolBound) -> Admission:
+def _grant(req: activity_io.PrepareInput, bound: PoolBound, server: str | None = None) -> Admission:
     """The grant a check that waited in line saw (by the queue's holders, not an answer)."""
     return Admission(
         pool=bound.pool,
@@ -367,6 +388,7 @@ def _grant(req: activity_io.PrepareInput, bound: PoolBound) -> Admission:
         granted=True,
         priority=req.priority,
         tenant=req.tenant or DEFAULT_TENANT,
+        server=server,
     )
 
 

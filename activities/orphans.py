@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal
@@ -83,7 +83,7 @@ class OrphanSweeper:
     def __init__(
         self,
         temporal: Client,
-        pools: Mapping[str, ComfyClient],
+        pools: Mapping[str, Sequence[ComfyClient]],
         *,
         runpod: RunPodSweep | None = None,
         on_swept: Callable[[SweptPrompt], None] | None = None,
@@ -116,11 +116,17 @@ class OrphanSweeper:
 
     async def sweep_once(self) -> list[SweptPrompt]:
         swept: list[SweptPrompt] = []
-        for pool, client in self._pools.items():
-            try:
-                swept += await self._sweep_pool(pool, client)
-            except ComfyError as exc:
-                log.info("orphan_sweep_pool_unreachable", pool=pool, error=str(exc))
+        for pool, clients in self._pools.items():
+            for client in clients:
+                try:
+                    swept += await self._sweep_pool(pool, client)
+                except ComfyError as exc:
+                    log.info(
+                        "orphan_sweep_pool_unreachable",
+                        pool=pool,
+                        server=client.base_url,
+                        error=str(exc),
+                    )
         if self._runpod is not None:
             for pool, (config, runpod) in self._runpod.pools.items():
                 try:
@@ -168,9 +174,13 @@ class OrphanSweeper:
         tagged with the job still on a ComfyUI pool's queue, a submission record the sweep has
         not dropped on a RunPod pool (it drops one once RunPod says its job ended). A pool this
         worker does not serve: all of them (nothing here can tell)."""
-        client = self._pools.get(pool)
-        if client is not None:
-            queued = {self._our_job(item) for item in _queued(await client.queue())}
+        clients = self._pools.get(pool)
+        if clients is not None:
+            # Every server of the pool (a server that cannot be asked fails the look: asked
+            # again at the next).
+            queued: set[str | None] = set()
+            for client in clients:
+                queued |= {self._our_job(item) for item in _queued(await client.queue())}
             return job_ids & {job for job in queued if job is not None}
         if self._runpod is not None and pool in self._runpod.pools:
             recorded = {job for _key, job in await submissions.listed(self._runpod.store, pool)}

@@ -38,7 +38,12 @@ from workflows.admission import (
     placed,
     worth_telling,
 )
-from workflows.shared import QUERY_LINE_PLACES, QUERY_SLOT_HOLDERS, pool_queue_id
+from workflows.shared import (
+    QUERY_ADMISSION,
+    QUERY_LINE_PLACES,
+    QUERY_SLOT_HOLDERS,
+    pool_queue_id,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -263,3 +268,17 @@ class SlotWatch:
         finally:
             self._waiting -= 1
             watch.remove(waiter)
+
+    async def admission_of(self, task_queue: str, pool: str, job_id: str) -> Admission | None:
+        """The queue's word on one job (query `admission`): a granted job's server. None when
+        the queue cannot be asked now (the follow then goes on without a server named, and
+        asks again at its next attempt)."""
+        handle = self._client.get_workflow_handle(pool_queue_id(task_queue, pool))
+        for _ in range(3):
+            try:
+                answer = await handle.query(QUERY_ADMISSION, job_id)
+                return None if answer is None else Admission.model_validate(answer)
+            except (RPCError, WorkflowQueryFailedError, ValueError) as exc:
+                log.warning("pool_admission_unreadable", pool=pool, job_id=job_id, error=str(exc))
+                await asyncio.sleep(RETRY_S)
+        return None

@@ -39,12 +39,21 @@ _RUNPOD_ONLY = (
     "report_interval_s",
     "node_registry",
 )
+# The most servers one pool names: each is a line of its queue's state and of `pool status`.
+MAX_SERVERS = 64
 
 
 class PoolConfig(BaseModel):
     """A named backend the worker may run jobs on. Requests name pools, never URLs.
 
-    `comfyui`: `url` is the ComfyUI server.
+    `comfyui`: `url` is the ComfyUI server; or `urls`, several servers that run the same nodes
+    and models, one pool to the jobs (docs/pools.md). `server_slots`: how many of the pool's
+    jobs each server holds at once (default 1: ComfyUI runs one prompt at a time, and a second
+    would only wait in its queue, where our queue could still have sent it elsewhere). Our
+    queue hands each job to a healthy, undrained server with a free slot (least loaded first,
+    then the one that last ran the same graph, whose models are warm); `max_running` defaults
+    to the sum of the servers' slots. A single-`url` pool keeps today's behaviour (unbounded,
+    the server's own queue) unless `max_running` or `server_slots` is set.
     `runpod`: a serverless endpoint. `endpoint_id` (required) on the API at `url` (default
     RunPod's); its key is read once at start-up from the variable `api_key_env` names (default
     RUNPOD_API_KEY, see `runpod_api_keys`), never from a config file. `claims`: the endpoint runs
@@ -110,6 +119,9 @@ class PoolConfig(BaseModel):
 
     kind: Literal["comfyui", "runpod"] = "comfyui"
     url: str | None = None
+    # A comfyui pool of many servers (exclusive with `url`), each holding `server_slots` jobs.
+    urls: list[str] | None = Field(None, min_length=1, max_length=MAX_SERVERS)
+    server_slots: int | None = Field(None, ge=1, le=64)
     endpoint_id: str | None = None
     api_key_env: str | None = None
     claims: bool | None = None
@@ -188,13 +200,28 @@ class PoolConfig(BaseModel):
             raise ValueError("not a RunPod endpoint id (letters, digits, '-' and '_' only)")
         return value
 
+    @field_validator("urls")
+    @classmethod
+    def _server_urls(cls, value: list[str] | None) -> list[str] | None:
+        if value is None:
+            return value
+        servers = [_server_url(url) for url in value]
+        if len(set(servers)) != len(servers):
+            raise ValueError("urls must not name a server twice")
+        return servers
+
     @model_validator(mode="after")
     def _fields_of_its_kind(self) -> Self:
         if self.kind != "runpod":
             misplaced = [name for name in _RUNPOD_ONLY if getattr(self, name) is not None]
             if misplaced:
                 raise ValueError(f"{', '.join(misplaced)}: only for pools of kind 'runpod'")
+            if self.url is not None and self.urls is not None:
+                raise ValueError("url and urls: a comfyui pool names one server or several")
             return self
+        misplaced = [name for name in ("urls", "server_slots") if getattr(self, name) is not None]
+        if misplaced:
+            raise ValueError(f"{', '.join(misplaced)}: only for pools of kind 'comfyui'")
         if not self.endpoint_id:
             raise ValueError(
                 "a runpod pool needs endpoint_id (the id in the endpoint's URL, "
@@ -205,6 +232,41 @@ class PoolConfig(BaseModel):
         if self.claims is None:
             self.claims = True
         return self
+
+    @property
+    def servers(self) -> list[str]:
+        """The ComfyUI servers of a comfyui pool, in the order its settings name them."""
+        if self.urls is not None:
+            return list(self.urls)
+        return [self.url] if self.kind == "comfyui" and self.url else []
+
+    @property
+    def assigns_servers(self) -> bool:
+        """Our queue picks each job's server (a pool of `urls`, or one given `server_slots`)."""
+        return self.kind == "comfyui" and (self.urls is not None or self.server_slots is not None)
+
+    @property
+    def slots_per_server(self) -> int:
+        return self.server_slots or 1
+
+    @property
+    def running_bound(self) -> int | None:
+        """How many of the pool's jobs may hold it at once: `max_running`, else the sum of its
+        servers' slots when the queue assigns servers; None: unbounded."""
+        if self.max_running is not None:
+            return self.max_running
+        if self.assigns_servers:
+            return min(len(self.servers) * self.slots_per_server, 1000)
+        return None
+
+
+def _server_url(value: str) -> str:
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{value!r} is not an http(s) URL of a ComfyUI server")
+    if parts.username or parts.password:
+        raise ValueError("a server's URL must not carry credentials (it is shown in statuses)")
+    return value.rstrip("/")
 
 
 def _has_credentials(url: str) -> bool:

@@ -168,6 +168,9 @@ class FollowInput(StrictModel):
     # before it returns `needs_slot` (the job then waits by signal); 0: it returns at once. The
     # attempt's start-to-close timeout has this much more than the execution timeout.
     slot_wait_s: float = 0.0
+    # On a pool of many servers: the one its queue granted the job (a checkpoint's own
+    # `server`, where an attempt sent the prompt, comes first).
+    server: str | None = None
 
     @property
     def named_pool(self) -> str:
@@ -253,6 +256,8 @@ class OffloadInput(StrictModel):
     stored: list[Artifact] = Field(default_factory=list)
     # Compensation after a failure or cancel: keep whatever finished, never fail for the rest.
     partial: bool = False
+    # On a pool of many servers: the one that ran the prompt (None: not known; each is asked).
+    server: str | None = None
 
     @property
     def named_pool(self) -> str:
@@ -279,6 +284,9 @@ class StopInput(StrictModel):
     # The backend's own job id for the prompt, when the workflow has heard it (RunPod's).
     provider_job_id: str | None = None
     output: OutputSpec = Field(default_factory=OutputSpec)
+    # On a pool of many servers: the one the prompt was sent to (None: not known; each is
+    # asked, and one that cannot be makes the check "unreachable").
+    server: str | None = None
 
     @property
     def named_pool(self) -> str:

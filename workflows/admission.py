@@ -62,6 +62,13 @@ class PoolBound(_Read):
     # How many of the tenant's jobs, and of the pool's, may wait at once (None: no bound).
     tenant_max_pending: int | None = None
     pool_max_pending: int | None = None
+    # A pool whose queue picks each job's server (a comfyui pool of `urls`, or `server_slots`):
+    # its servers and how many jobs each holds at once. Empty: the pool is one backend.
+    servers: list[str] = Field(default_factory=list)
+    server_slots: int = 1
+    # What the job's graph loads (activities/comfyui/graph.py `warm_key`): the queue prefers a
+    # server that last started a job of the same key (its models are loaded).
+    graph_key: str | None = None
 
 
 class SlotRequest(_Read):
@@ -84,6 +91,11 @@ class SlotRequest(_Read):
     # `places`): the queue signals it nothing. A request without it (the job's own, or the
     # follow's when it stops watching) has the grant and the places told by signal.
     in_follow: bool = False
+    # The pool's servers as the asking job's worker has them (see `PoolBound.servers`), and
+    # what its graph is (a server that last ran the same graph has its models loaded).
+    servers: list[str] = Field(default_factory=list)
+    server_slots: int = 1
+    graph_key: str | None = None
 
 
 class LinePlaces(_Read):
@@ -153,6 +165,8 @@ class Admission(_Read):
     # spend today has reached its daily budget (workflows/budgets.py), until `resets_at`.
     held: str | None = None
     resets_at: datetime | None = None
+    # With the grant, on a pool whose queue picks servers: the server the job runs on.
+    server: str | None = None
 
 
 # A waiting job hears its place again at most this often, and only among the first this many
@@ -245,6 +259,8 @@ class Holder(_Read):
     detail: str = ""
     # Its follow waited in line itself: it learns of the grant by watching, not by signal.
     in_follow: bool = False
+    # The server it was given (a pool whose queue picks servers), else None.
+    server: str | None = None
 
 
 class Waiter(_Read):
@@ -256,6 +272,46 @@ class Waiter(_Read):
     # Arrival order in the queue: first come, first served within a tenant.
     seq: int
     in_follow: bool = False
+    graph_key: str | None = None
+
+
+class ServerState(_Read):
+    """One server of a pool whose queue picks servers, as its dispatcher has it."""
+
+    # Given no new job: `unhealthy` (its health check failed: `reason`), `drained` (an
+    # operator's `pool drain`: `reason` says by whom); None: takes work.
+    unhealthy: str | None = None
+    drained: str | None = None
+    since: datetime | None = None
+    # The graph it last started (its models are loaded), and how many jobs it was given.
+    last_graph: str | None = None
+    started: int = 0
+    failures: int = 0
+
+
+class ServerWatch(_Read):
+    """What a pool's dispatcher asks its health watch (activity `watch_pool_servers`): report
+    when any of `servers` is seen otherwise than `unhealthy` says (server -> why; a server
+    not in it is healthy)."""
+
+    pool: str
+    servers: list[str]
+    unhealthy: dict[str, str] = Field(default_factory=dict)
+
+
+class ServerView(_Read):
+    """One line of `pool status` for a server."""
+
+    url: str
+    health: Literal["healthy", "unhealthy", "drained"]
+    running: int = 0
+    slots: int = 1
+    started: int = 0
+    failures: int = 0
+    last_error: str | None = None
+    # `pool drain --server`: by whom.
+    drained_by: str | None = None
+    since: datetime | None = None
 
 
 class QueueEntry(_Read):
@@ -270,6 +326,17 @@ class QueueEntry(_Read):
     position: int | None = None
     since: datetime
     detail: str = ""
+    server: str | None = None
+
+
+class PoolDrain(_Read):
+    """`pool drain` / `pool undrain` (update `drain`): no new job for one server of the pool,
+    or for the whole pool (`server` None), while drained; jobs running there finish."""
+
+    server: str | None = None
+    drain: bool = True
+    # Who drained it (the CLI's user), shown in `pool status`.
+    by: str = "operator"
 
 
 class PoolQueueView(_Read):
@@ -277,12 +344,16 @@ class PoolQueueView(_Read):
 
     pool: str
     max_running: int | None = None
+    # `pool drain POOL`: by whom; None: not drained.
+    drained: str | None = None
     running: int = 0
     waiting: int = 0
     entries: list[QueueEntry] = Field(default_factory=list)
     # Tenant -> (waiting, running): what the gateway shows a tenant beside its own jobs.
     tenants: dict[str, tuple[int, int]] = Field(default_factory=dict)
     eta_s_per_start: float | None = None
+    # A pool whose queue picks servers: each one's state (empty otherwise).
+    servers: list[ServerView] = Field(default_factory=list)
 
 
 class QueueState(_Read):
@@ -300,6 +371,13 @@ class QueueState(_Read):
     last_pass: float = 0.0
     next_seq: int = 0
     recent_holds_s: list[float] = Field(default_factory=list)
+    # A pool whose queue picks servers: its servers (as the latest ask named them), each
+    # one's slots, and what the queue knows of each (health, drain, warm graph).
+    servers: list[str] = Field(default_factory=list)
+    server_slots: int = 1
+    server_states: dict[str, ServerState] = Field(default_factory=dict)
+    # The whole pool drained (`pool drain POOL`): no job is granted until `pool undrain`.
+    drained: str | None = None
     # Waiters that have not heard their place yet: the next run tells them, and only them (a
     # run that told every carried waiter again would fill its history before granting).
     untold: list[str] = Field(default_factory=list)
@@ -332,6 +410,8 @@ class PoolLine:
         state.reclaim_every_s = ask.reclaim_every_s
         state.weights[ask.tenant] = ask.weight
         state.pool_max_pending = ask.pool_max_pending
+        # The latest ask's servers are the pool's (none: the pool no longer assigns servers).
+        state.servers, state.server_slots = list(ask.servers), max(ask.server_slots, 1)
         if ask.tenant_max_pending is None:
             state.tenant_max_pending.pop(ask.tenant, None)
         else:
@@ -354,6 +434,7 @@ class PoolLine:
             asked_at=now,
             seq=state.next_seq,
             in_follow=ask.in_follow,
+            graph_key=ask.graph_key,
         )
         state.next_seq += 1
         self._enqueue(waiter)
@@ -388,6 +469,7 @@ class PoolLine:
         granted: list[Holder] = []
         while self._waiting and self.free_slots() > 0:
             waiter = self._pick()
+            server = self._server_for(waiter.graph_key) if self.state.servers else None
             holder = Holder(
                 job_id=waiter.job_id,
                 tenant=waiter.tenant,
@@ -395,16 +477,106 @@ class PoolLine:
                 granted_at=now,
                 asked_at=waiter.asked_at,
                 in_follow=waiter.in_follow,
+                server=server,
             )
             self.state.holders[waiter.job_id] = holder
             granted.append(holder)
         return granted
 
     def free_slots(self) -> int:
-        bound = self.state.max_running
-        if bound is None:
-            return len(self._waiting)
-        return max(bound - len(self.state.holders), 0)
+        state = self.state
+        if state.drained is not None:
+            return 0
+        bound = state.max_running
+        free = len(self._waiting) if bound is None else max(bound - len(state.holders), 0)
+        if state.servers:
+            loads = self.server_loads()
+            room = sum(
+                max(state.server_slots - loads.get(s, 0), 0)
+                for s in state.servers
+                if self.takes_work(s)
+            )
+            free = min(free, room)
+        return free
+
+    # -- servers (a pool whose queue picks each job's server) --------------------------------
+
+    def server_loads(self) -> dict[str, int]:
+        loads: dict[str, int] = {}
+        for holder in self.state.holders.values():
+            if holder.server is not None:
+                loads[holder.server] = loads.get(holder.server, 0) + 1
+        return loads
+
+    def takes_work(self, server: str) -> bool:
+        known = self.state.server_states.get(server)
+        return known is None or (known.unhealthy is None and known.drained is None)
+
+    def set_health(self, server: str, unhealthy: str | None, now: datetime) -> bool:
+        """A server's health as its check saw it (`unhealthy`: why not; None: healthy); True
+        when that changed what the queue knew."""
+        known = self.state.server_states.setdefault(server, ServerState())
+        if (known.unhealthy is None) == (unhealthy is None):
+            return False
+        known.unhealthy, known.since = unhealthy, now
+        if unhealthy is not None:
+            known.failures += 1
+        return True
+
+    def drain(self, server: str | None, by: str | None, now: datetime) -> None:
+        """No new job for `server` (None: for the whole pool) while `by` is set; None undrains.
+        A job it runs finishes there."""
+        if server is None:
+            self.state.drained = by
+            return
+        known = self.state.server_states.setdefault(server, ServerState())
+        known.drained, known.since = by, now
+
+    def _server_for(self, graph_key: str | None) -> str:
+        """The server a job starts on: the least loaded that takes work, then one that last ran
+        the same graph (its models are warm), then the first named."""
+        state, loads = self.state, self.server_loads()
+        free = [
+            (loads.get(s, 0), self._cold(s, graph_key), index, s)
+            for index, s in enumerate(state.servers)
+            if self.takes_work(s) and loads.get(s, 0) < state.server_slots
+        ]
+        server = min(free)[3]  # `free_slots` counted at least one
+        known = state.server_states.setdefault(server, ServerState())
+        known.started += 1
+        if graph_key is not None:
+            known.last_graph = graph_key
+        return server
+
+    def _cold(self, server: str, graph_key: str | None) -> int:
+        known = self.state.server_states.get(server)
+        warm = graph_key is not None and known is not None and known.last_graph == graph_key
+        return 0 if warm else 1
+
+    def server_views(self) -> list[ServerView]:
+        state, loads = self.state, self.server_loads()
+        views = []
+        for server in state.servers:
+            known = state.server_states.get(server) or ServerState()
+            health: Literal["healthy", "unhealthy", "drained"] = "healthy"
+            if known.drained is not None:
+                health = "drained"
+            elif known.unhealthy is not None:
+                health = "unhealthy"
+            views.append(
+                ServerView(
+                    url=server,
+                    health=health,
+                    running=loads.get(server, 0),
+                    slots=state.server_slots,
+                    started=known.started,
+                    failures=known.failures,
+                    last_error=known.unhealthy,
+                    drained_by=known.drained,
+                    since=known.since,
+                )
+            )
+        return views
 
     def settle_due(self, now: datetime) -> list[str]:
         """Unsettled holders whose provider has surely ended their prompt by now."""
@@ -493,6 +665,7 @@ class PoolLine:
             priority=holder.priority,
             tenant=holder.tenant,
             as_of=now,
+            server=holder.server,
         )
 
     def view(self, now: datetime) -> PoolQueueView:
@@ -516,6 +689,7 @@ class PoolLine:
                 state="unsettled" if h.unsettled else "running",
                 since=h.granted_at,
                 detail=h.detail,
+                server=h.server,
             )
             for h in state.holders.values()
         ]
@@ -527,6 +701,8 @@ class PoolLine:
             entries=entries,
             tenants=self.tenant_counts(),
             eta_s_per_start=self._seconds_per_start(),
+            servers=self.server_views(),
+            drained=state.drained,
         )
 
     def room(self, tenant: str) -> QueueRoom:

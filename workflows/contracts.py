@@ -361,6 +361,9 @@ class Checkpoint(ReadModel):
     # pool (each attempt on its worker's monotonic clock, from when it saw the prompt running to
     # its end; a follow that re-attaches adds its own): at least what it ran.
     ran_s: float = 0.0
+    # The server of a pool of many (`urls`) the prompt was sent to: every later look at it
+    # (re-attach, stop, offload) asks that server, never another.
+    server: str | None = None
 
 
 class Artifact(ReadModel):
@@ -399,6 +402,8 @@ class BackendInfo(ReadModel):
     provider_job_id: str | None = None
     # The worker process following the job (`pid@host`, its Temporal identity).
     worker_id: str | None = None
+    # On a pool of many ComfyUI servers: the one the job runs on (its queue's choice).
+    server: str | None = None
 
 
 StopAction = Literal[

@@ -174,6 +174,9 @@ class JobBook:
         # A prompt whose successful end the follow activity saw on the backend: nothing of it
         # runs any more, so a completed job's teardown needs no check of its own.
         self.finished_prompt: str | None = None
+        # The server of a pool of many the job's grant named, heard before the job knew its
+        # pool (kept until `prepared_on` makes the status's backend).
+        self._server: str | None = None
         # Messages from clients: the abandon watchdog waits for this to move.
         self.contacts = 0
         self.controls = JobControls()
@@ -211,7 +214,9 @@ class JobBook:
         backend = self.status.backend
         if backend is not None and (backend.pool, backend.kind) == (pool, kind):
             return
-        self.status.backend = BackendInfo(pool=pool, kind=kind, provider_job_id=self.prompt_id)
+        self.status.backend = BackendInfo(
+            pool=pool, kind=kind, provider_job_id=self.prompt_id, server=self._server
+        )
         if self.status.checkpoint is not None:
             self._note_provider_job(self.status.checkpoint)
         self._upsert(POOL_KEY.value_set(pool))
@@ -221,6 +226,8 @@ class JobBook:
         """Its pool's queue answered: a place in line (PENDING, unless the job is on its way
         out), or the grant (the state then moves on with the submission)."""
         self.status.admission = answer.model_copy(update={"job_id": None})
+        if answer.granted and answer.server is not None:
+            self.ran_on(answer.server)
         waiting_states = (JobState.QUEUED, JobState.PREPARING, JobState.SUBMITTING)
         if answer.granted or self.controls.stop is not None:
             self.changed()
@@ -649,6 +656,24 @@ class JobBook:
         backend = self.status.backend
         if backend is not None and checkpoint.provider_job_id is not None:
             backend.provider_job_id = checkpoint.provider_job_id
+        if checkpoint.server is not None:
+            self.ran_on(checkpoint.server)
+
+    def ran_on(self, server: str) -> None:
+        """The server of a pool of many that the job's queue gave it (or its follow sent the
+        prompt to): the status names it, and every later activity asks that server."""
+        self._server = server
+        backend = self.status.backend
+        if backend is not None and backend.server != server:
+            backend.server = server
+            self.changed()
+
+    @property
+    def server(self) -> str | None:
+        backend = self.status.backend
+        if backend is not None and backend.server is not None:
+            return backend.server
+        return self._server
 
     def _upsert_progress(self) -> None:
         # Only whole tens: a search-attribute upsert costs history events.
@@ -714,6 +739,8 @@ class CurrentDetails:
             lines.append(f"about {_duration(eta)} to go")
         if status.backend:
             where = f"pool `{status.backend.pool}`"
+            if status.backend.server:
+                where += f" on {plain(status.backend.server)}"
             if progress.node and status.state == JobState.RUNNING:
                 where += f", node {plain(progress.node)}"
             lines.append(where)

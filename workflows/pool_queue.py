@@ -39,10 +39,12 @@ with workflow.unsafe.imports_passed_through():
         Admission,
         Holder,
         LinePlaces,
+        PoolDrain,
         PoolLine,
         PoolQueueView,
         QueueRoom,
         QueueState,
+        ServerWatch,
         SlotRelease,
         SlotRequest,
         SlotUnsettled,
@@ -55,6 +57,10 @@ TELL_AT_ONCE = 100
 # A run with nothing held and nothing waiting continues as new after this long, so an idle
 # dispatcher also moves to the current version.
 IDLE_RUN_S = 3600.0
+# The server health watch's own limits (activities/comfyui/server_health.py returns within 10
+# minutes and heartbeats every second).
+WATCH_SERVERS_FOR_S = 660.0
+WATCH_HEARTBEAT_S = 30.0
 
 
 class QueueMetrics:
@@ -77,7 +83,20 @@ class QueueMetrics:
         self._running = meter.create_gauge(
             "durable_comfy_queue_running", "Jobs holding a slot of a bounded pool"
         )
+        self._server_running = meter.create_gauge(
+            "durable_comfy_pool_server_running", "Jobs on one server of a pool of many"
+        )
+        self._server_healthy = meter.create_gauge(
+            "durable_comfy_pool_server_healthy",
+            "1 when a server of a pool of many takes work, 0 when unhealthy or drained",
+        )
+        self._server_failures = meter.create_counter(
+            "durable_comfy_pool_server_failures", "Times a server of a pool turned unhealthy"
+        )
         self._tenants: set[str] = set()
+
+    def server_failed(self, server: str) -> None:
+        self._server_failures.add(1, {"pool": self._pool, "server": server})
 
     def granted(self, holder: Holder) -> None:
         labels = {"pool": self._pool, "tenant": holder.tenant}
@@ -93,6 +112,10 @@ class QueueMetrics:
             waiting, _ = counts.get(tenant, (0, 0))
             self._waiting.set(waiting, {"pool": self._pool, "tenant": tenant})
         self._running.set(len(line.state.holders), {"pool": self._pool})
+        for server in line.server_views():
+            labels = {"pool": self._pool, "server": server.url}
+            self._server_running.set(server.running, labels)
+            self._server_healthy.set(1 if server.health == "healthy" else 0, labels)
 
 
 @workflow.defn(name=shared.POOL_QUEUE_WORKFLOW_TYPE)
@@ -117,6 +140,7 @@ class PoolQueue:
     async def run(self, state: QueueState) -> None:
         reclaim = asyncio.create_task(self._reclaim_closed_holders())
         ticker = asyncio.create_task(self._tick_while_anyone_waits())
+        health = asyncio.create_task(self._watch_servers())
         started = workflow.now()
         next_telling = started
         while not self._should_continue(started):
@@ -149,9 +173,12 @@ class PoolQueue:
             self._metrics.depth(self._line)
         reclaim.cancel()
         ticker.cancel()
+        health.cancel()
         with contextlib.suppress(asyncio.CancelledError, ActivityError):
             # Its activity's cancellation, retrieved (unretrieved, asyncio logs it).
             await reclaim
+        with contextlib.suppress(asyncio.CancelledError, ActivityError):
+            await health
         with contextlib.suppress(asyncio.CancelledError):
             await ticker
         await workflow.wait_condition(workflow.all_handlers_finished)
@@ -286,6 +313,64 @@ class PoolQueue:
                     )
                     self._reclaimed += 1
                     self._news = True
+
+    # -- the servers of a pool of many ------------------------------------------------------
+
+    async def _watch_servers(self) -> None:
+        """The health of the pool's servers, as one watch (an activity) sees it: its answer
+        comes when a server turns unhealthy or healthy again; no job is granted a server
+        that is not healthy (its running jobs stay with it: their follows re-attach)."""
+        state = self._line.state
+        while True:
+            await workflow.wait_condition(lambda: bool(state.servers))
+            watch = ServerWatch(
+                pool=state.pool,
+                servers=list(state.servers),
+                unhealthy={
+                    server: known.unhealthy
+                    for server, known in state.server_states.items()
+                    if known.unhealthy is not None and server in state.servers
+                },
+            )
+            seen: dict[str, str | None] = await workflow.execute_activity(
+                shared.ACTIVITY_WATCH_SERVERS,
+                watch,
+                result_type=dict[str, str | None],
+                start_to_close_timeout=timedelta(seconds=WATCH_SERVERS_FOR_S),
+                heartbeat_timeout=timedelta(seconds=WATCH_HEARTBEAT_S),
+                retry_policy=RetryPolicy(maximum_interval=timedelta(seconds=10)),
+                summary="server health",
+            )
+            now = workflow.now()
+            for server, reason in sorted(seen.items()):
+                if self._line.set_health(server, reason, now):
+                    if reason is not None:
+                        self._metrics.server_failed(server)
+                    workflow.logger.warning(
+                        "pool_server_health",
+                        extra={"pool": state.pool, "server": server, "unhealthy": reason},
+                    )
+                    self._news = True
+
+    @workflow.update(name=shared.UPDATE_POOL_DRAIN)
+    def drain(self, payload: Any = None) -> PoolQueueView:
+        """`pool drain` / `pool undrain`: a drained server (or pool) is granted no new job;
+        what runs there finishes. Durable: every worker's jobs get their grants here."""
+        order = PoolDrain.model_validate(payload)
+        now = workflow.now()
+        self._line.drain(order.server, order.by if order.drain else None, now)
+        self._news = True
+        return self._line.view(now)
+
+    @drain.validator
+    def _drain_names_a_server(self, payload: Any = None) -> None:
+        order = PoolDrain.model_validate(payload)
+        servers = self._line.state.servers
+        if order.server is not None and servers and order.server not in servers:
+            raise ValueError(
+                f"{order.server} is not a server of pool {self._line.state.pool!r} "
+                f"(its servers: {', '.join(servers)})"
+            )
 
     # -- messages -----------------------------------------------------------------------------
 

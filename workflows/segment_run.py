@@ -168,6 +168,7 @@ class SegmentRun:
             slot_held=held,
             # A check told a place waits in line itself a while: no signal, no second follow.
             slot_wait_s=shared.FOLLOW_WAITS_IN_LINE_S if check is not None and not held else 0.0,
+            server=book.server,
         )
 
     def _furthest(self, current: Checkpoint, recovered: Checkpoint | None) -> Checkpoint:

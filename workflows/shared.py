@@ -53,6 +53,8 @@ QUERY_LINE_PLACES: Final = "places"
 FOLLOW_WAITS_IN_LINE_S: Final = 600.0
 # Whether a tenant's new job may join the line (its `max_pending`, the pool's).
 QUERY_ROOM: Final = "room"
+# `pool drain` / `pool undrain`: no new job for a server of the pool, or the whole pool.
+UPDATE_POOL_DRAIN: Final = "drain"
 
 
 # Batches (workflows/job_batch.py): one `JobBatch` workflow per batch, whose ID is the batch's;
@@ -102,6 +104,8 @@ ACTIVITY_DELIVER_WEBHOOK: Final = "deliver_webhook"  # one attempt to POST one e
 ACTIVITY_OPEN_POOL_QUEUE: Final = "open_pool_queue"
 # Which of a dispatcher's holders have closed without releasing (a terminated job).
 ACTIVITY_CLOSED_JOBS: Final = "closed_jobs"
+# The health of a pool of many servers, watched for its dispatcher: returns when it changes.
+ACTIVITY_WATCH_SERVERS: Final = "watch_pool_servers"
 
 # A worker that pushes live progress polls under `<identity> live=<its address>`, so a client
 # that lists the task queue's pollers can subscribe there before a job names its worker.

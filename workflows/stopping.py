@@ -243,6 +243,7 @@ class PromptStop:
                     final=final,
                     provider_job_id=self._provider_job_id(prompt_id),
                     output=self._output,
+                    server=self._book.server,
                 )
             )
             checks = self._book.stop_checked()
@@ -488,6 +489,7 @@ class ConfirmedStop:
                     output=self._output,
                     stored=book.artifacts_of(checkpoint.segment),
                     partial=True,
+                    server=checkpoint.server or book.server,
                 )
             )
         except Exception as err:

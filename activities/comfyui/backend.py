@@ -50,6 +50,7 @@ class ComfyBackend:
                     run_tag=req.run_tag,
                     output=req.output,
                     stored=followed.artifacts,
+                    server=attempt.server,
                 ),
                 # A retry after a failure here re-attaches from where the follow ended.
                 beat=lambda: activity.heartbeat(resume_point.model_dump(mode="json")),

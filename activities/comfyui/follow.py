@@ -28,12 +28,14 @@ import websockets
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from activities.comfyui.activities import MAX_INPUT_BYTES
 from activities.comfyui.offload import OutputUploader, finished_history
 from activities.comfyui.pools import ComfyPools, PoolHealth
 from activities.errors import (
     execution_failure,
     fatal,
     from_comfy,
+    from_storage,
     history_failure,
     retryable,
 )
@@ -57,6 +59,7 @@ from protocol.errors import ComfyError, PromptLost
 from protocol.progress import ProgressTracker
 from workflows.activity_io import FollowHeartbeat, FollowInput, FollowResult
 from workflows.contracts import Artifact, Checkpoint, ProgressReport
+from workflows.errors import ObjectMissing, StorageError
 from workflows.shared import ErrorType
 
 log = structlog.get_logger(__name__)
@@ -77,13 +80,23 @@ class FollowAttempt:
         health: PoolHealth,
         budget: HeartbeatBudget,
         live: LiveProgress | None = None,
+        *,
+        where: str | None = None,
     ) -> None:
         self.req = req
+        self.store = store
         self.live = live or LiveProgress()
         self.client = client
         self.health = health
+        # What this process's health marks of the backend are kept under (the pool, or its
+        # server on a pool of many).
+        self.where = where or req.named_pool
+        # The server of a pool of many, recorded in every checkpoint from the first.
+        self.server = req.server
         heartbeat = FollowHeartbeat.from_details(activity.info().heartbeat_details)
         self.checkpoint = restore_checkpoint(heartbeat, req)
+        if self.server is not None and self.checkpoint.server != self.server:
+            self.checkpoint = self.checkpoint.model_copy(update={"server": self.server})
         stored = list(req.stored) + (heartbeat.artifacts if heartbeat is not None else [])
         self.uploader = OutputUploader(
             client,
@@ -172,7 +185,7 @@ class FollowAttempt:
             raise from_comfy(exc, "following the prompt") from None
         except ApplicationError as exc:
             if exc.type == ErrorType.BACKEND_FAULT:
-                self.health.mark_unhealthy(self.req.named_pool, exc.message)
+                self.health.mark_unhealthy(self.where, exc.message)
             raise with_resume_point(exc, self._resume_point) from None
         finally:
             for task in self.uploads:
@@ -200,15 +213,35 @@ class FollowAttempt:
     async def _refuse_a_bad_pool(self) -> None:
         """Nothing is submitted to a pool that is unhealthy (until a probe prompt succeeds) or
         busy (a stop that outlived its horizon still holds it)."""
-        pool = self.req.named_pool
-        unhealthy = await self.health.probe(pool, self.client)
+        where = self.where
+        unhealthy = await self.health.probe(where, self.client)
         if unhealthy is not None:
             raise retryable(
-                ErrorType.BACKEND_UNAVAILABLE, f"pool {pool!r} is unhealthy: {unhealthy}"
+                ErrorType.BACKEND_UNAVAILABLE, f"pool {where!r} is unhealthy: {unhealthy}"
             )
-        busy = await self.health.busy(pool, self.client)
+        busy = await self.health.busy(where, self.client)
         if busy is not None:
-            raise retryable(ErrorType.BACKEND_UNAVAILABLE, f"pool {pool!r} is busy: {busy}")
+            raise retryable(ErrorType.BACKEND_UNAVAILABLE, f"pool {where!r} is busy: {busy}")
+        await self._upload_staged_inputs()
+
+    async def _upload_staged_inputs(self) -> None:
+        """A pool of many servers: the job's input files, staged in the bucket by its prepare
+        (which ran before the queue chose the server), go to this server under the names its
+        graph was bound to, before the prompt that reads them. Again on each attempt before a
+        submission: an upload of the same bytes under the same name changes nothing."""
+        bucket = self.req.output.bucket or self.store.settings.bucket
+        for stored_as, key in self.req.staged_inputs.items():
+            try:
+                data = await self.store.read_bytes(key, limit=MAX_INPUT_BYTES, bucket=bucket)
+            except ObjectMissing as exc:
+                raise fatal(
+                    ErrorType.MISSING_INPUT, f"input {stored_as!r}: its staged copy is gone: {exc}"
+                ) from exc
+            except StorageError as exc:
+                raise from_storage(exc, f"reading staged input {stored_as!r}") from exc
+            await self.client.upload_image(stored_as, data)
+        if self.req.staged_inputs:
+            self.log.info("inputs_uploaded", server=self.server, inputs=len(self.req.staged_inputs))
 
     async def _raise_unless_success(self, seen: str) -> None:
         """An error or an interrupt fails the job at once; a history entry that says it failed
@@ -417,6 +450,15 @@ class FollowActivities:
         return await self.attempt(req).run()
 
     def attempt(self, req: FollowInput) -> FollowAttempt:
-        """An attempt to run; its `uploader` says afterwards what it stored."""
-        client = self.pools.client(req.named_pool)
-        return FollowAttempt(req, client, self.store, self.pools.health, self.budget, self.live)
+        """An attempt to run; its `uploader` says afterwards what it stored. On a pool of many
+        servers, the server is where an earlier attempt sent the prompt (its checkpoint), else
+        the one the job's grant named."""
+        heartbeat = FollowHeartbeat.from_details(activity.info().heartbeat_details)
+        server = restore_checkpoint(heartbeat, req).server or req.server
+        client = self.pools.client(req.named_pool, server)
+        if server != req.server:
+            req = req.model_copy(update={"server": server})
+        where = self.pools.health_key(req.named_pool, client)
+        return FollowAttempt(
+            req, client, self.store, self.pools.health, self.budget, self.live, where=where
+        )

@@ -8,6 +8,7 @@ so a bad graph costs no GPU time.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -134,3 +135,20 @@ def output_nodes(graph: Mapping[str, Any], object_info: Mapping[str, Any]) -> li
         for node_id, class_type, _inputs in iter_nodes(graph)
         if object_info.get(class_type, {}).get("output_node")
     ]
+
+
+def warm_key(graph: Mapping[str, Any]) -> str:
+    """What a server keeps loaded after running `graph`: its node classes and the files its
+    loaders name (every string input of a node whose class names a loader: checkpoints, LoRAs,
+    VAEs, CLIPs), hashed. Two jobs of one graph with other prompts or seeds share the key, so
+    the queue sends the second where the first left its models warm."""
+    loaded: set[str] = set()
+    for _node_id, class_type, inputs in iter_nodes(graph):
+        loaded.add(class_type)
+        if "loader" not in class_type.lower():
+            continue
+        for name, value in sorted(inputs.items()):
+            if isinstance(value, str):
+                loaded.add(f"{class_type}.{name}={value}")
+    digest = hashlib.sha256("\n".join(sorted(loaded)).encode()).hexdigest()
+    return digest[:16]

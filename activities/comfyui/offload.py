@@ -40,7 +40,7 @@ import structlog
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from activities.comfyui.pools import ComfyPools
+from activities.comfyui.pools import ComfyPools, locate_prompt
 from activities.errors import fatal, from_comfy, from_storage, history_failure, retryable
 from activities.metrics import count_offloaded
 from activities.storage import ArtifactStore
@@ -239,6 +239,21 @@ class OffloadActivities:
         self._pools = pools
         self._store = store
 
+    async def _client_of(self, req: OffloadInput) -> ComfyClient:
+        """The server that ran the prompt: the one named, else (a pool of many servers whose
+        job never said) the one whose history holds it."""
+        config = self._pools.config(self._pools.resolve(req.named_pool))
+        if req.server is not None or not config.assigns_servers:
+            return self._pools.client(req.named_pool, req.server)
+        client = await locate_prompt(self._pools.clients_of(req.named_pool), req.prompt_id)
+        if client is None:
+            raise retryable(
+                ErrorType.BACKEND_UNAVAILABLE,
+                f"no server of pool {req.named_pool!r} could be found to hold prompt "
+                f"{req.prompt_id}",
+            )
+        return client
+
     async def offload_outputs(
         self,
         req: OffloadInput,
@@ -255,7 +270,7 @@ class OffloadActivities:
         passes its own, so its checkpoint stays the activity's heartbeat details. `history`: the
         ended prompt's `finished_history`, when the follow has already begun reading it."""
         beat = beat or activity.heartbeat
-        client = self._pools.client(req.named_pool)
+        client = await self._client_of(req)
         uploader = OutputUploader(
             client,
             self._store,

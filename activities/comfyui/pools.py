@@ -22,7 +22,7 @@ import uuid
 import httpx
 import structlog
 
-from activities.errors import fatal
+from activities.errors import fatal, retryable
 from configuration.pools import PoolConfig
 from configuration.settings import WorkerSettings
 from protocol.comfyui.client import ComfyClient
@@ -102,7 +102,11 @@ class PoolHealth:
 
 
 class ComfyPools:
-    """Maps pool names from the worker's settings to clients; requests never carry URLs."""
+    """Maps pool names from the worker's settings to clients; requests never carry URLs.
+
+    A pool of many servers (`urls`) has a client per server: a job's activities name the server
+    its queue gave it (`Checkpoint.server`, `FollowInput.server`), and only one of the pool's
+    own servers is ever asked."""
 
     def __init__(self, settings: WorkerSettings, http: httpx.AsyncClient) -> None:
         self._settings = settings
@@ -119,7 +123,7 @@ class ComfyPools:
                 f"pool {name!r} is not configured on this worker (configured pools: {known})",
                 pool=name,
             )
-        if config.kind != "comfyui" or not config.url:
+        if config.kind != "comfyui" or not config.servers:
             raise fatal(
                 ErrorType.UNKNOWN_POOL,
                 f"pool {name!r} is of kind {config.kind!r}, which this worker cannot run yet",
@@ -131,15 +135,71 @@ class ComfyPools:
         """The settings of a pool `resolve` named."""
         return self._settings.pools[pool]
 
-    def client(self, pool: str) -> ComfyClient:
+    def client(self, pool: str, server: str | None = None) -> ComfyClient:
+        """The client of the pool's server: `server` on a pool whose queue picks servers (one
+        of its own: a name from elsewhere is refused), else its one server."""
         config = self._settings.pools[self.resolve(pool)]
-        assert config.url is not None
-        return ComfyClient(config.url, self._http)
+        if not config.assigns_servers:
+            return ComfyClient(config.servers[0], self._http)
+        if server is None:
+            # The grant names the server; a follow that could not read it asks again.
+            raise retryable(
+                ErrorType.BACKEND_UNAVAILABLE,
+                f"pool {pool!r} has many servers and the job's grant named none yet",
+            )
+        if server not in config.servers:
+            raise fatal(
+                ErrorType.UNKNOWN_POOL,
+                f"server {server} is not one of pool {pool!r}'s servers on this worker "
+                f"({', '.join(config.servers)})",
+                pool=pool,
+            )
+        return ComfyClient(server, self._http)
 
-    def clients(self) -> dict[str, ComfyClient]:
-        """A client for every ComfyUI pool this worker serves."""
+    def health_key(self, pool: str, client: ComfyClient) -> str:
+        """What this process's health marks are kept under: the pool, or on a pool of many
+        servers the server (one wedged server is not the pool)."""
+        return f"{pool} {client.base_url}" if self.config(pool).assigns_servers else pool
+
+    def clients_of(self, pool: str) -> list[ComfyClient]:
+        """A client for each of the pool's servers, in the order its settings name them."""
+        config = self._settings.pools[self.resolve(pool)]
+        return [ComfyClient(url, self._http) for url in config.servers]
+
+    def clients(self) -> dict[str, list[ComfyClient]]:
+        """The clients of every ComfyUI pool this worker serves, a list per pool."""
         return {
-            name: ComfyClient(config.url, self._http)
+            name: [ComfyClient(url, self._http) for url in config.servers]
             for name, config in self._settings.pools.items()
-            if config.kind == "comfyui" and config.url
+            if config.kind == "comfyui" and config.servers
         }
+
+
+async def find_prompt(
+    clients: list[ComfyClient], prompt_id: str
+) -> tuple[ComfyClient | None, list[str]]:
+    """Which of a pool's servers holds `prompt_id` (in its queue or its history), for a job
+    whose server was never heard of (a follow that sent the prompt and died before any report):
+    the server found, and the servers that could not be asked (while any could not, "on none"
+    is not known)."""
+
+    async def holds(client: ComfyClient) -> bool:
+        place = await client.queue_place(prompt_id)
+        return place.where is not None or await client.history(prompt_id) is not None
+
+    answers = await asyncio.gather(*(holds(c) for c in clients), return_exceptions=True)
+    unreachable: list[str] = []
+    for client, answer in zip(clients, answers, strict=True):
+        if isinstance(answer, ComfyError):
+            unreachable.append(client.base_url)
+        elif isinstance(answer, BaseException):
+            raise answer
+        elif answer:
+            return client, []
+    return None, unreachable
+
+
+async def locate_prompt(clients: list[ComfyClient], prompt_id: str) -> ComfyClient | None:
+    """The server holding `prompt_id`, or None (not found on any that answered)."""
+    found, _unreachable = await find_prompt(clients, prompt_id)
+    return found

@@ -51,7 +51,7 @@ def sweeper(
 ) -> OrphanSweeper:
     return OrphanSweeper(
         temporal or FakeTemporal(workflows),  # type: ignore[arg-type]
-        {POOL: comfy},  # type: ignore[dict-item]
+        {POOL: [comfy]},  # type: ignore[list-item]
         followed_here=followed_here.__contains__,
     )
 

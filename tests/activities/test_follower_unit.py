@@ -33,6 +33,7 @@ from activities.comfyui.follow import FollowActivities
 from activities.follow_common import process_identity
 from activities.orphans import TAG_KEY
 from activities.storage import StoredObject
+from configuration.pools import PoolConfig
 from protocol.comfyui.client import ComfyClient
 from protocol.errors import ComfyGone
 from protocol.progress import ProgressTracker
@@ -996,9 +997,12 @@ async def test_the_activity_follows_with_the_pools_client_and_health(rig: Rig) -
     class Pools:
         health = StubHealth()
 
-        def client(self, pool: str) -> ComfyClient:
+        def client(self, pool: str, server: str | None = None) -> ComfyClient:
             asked.append(pool)
             return rig.client()
+
+        def health_key(self, pool: str, client: ComfyClient) -> str:
+            return pool
 
     activities = FollowActivities(Pools(), rig.store, rig.budget)  # type: ignore[arg-type]
     result: FollowResult = await rig.env.run(activities.follow_prompt, request(graph=GRAPH))
@@ -1033,8 +1037,17 @@ async def test_the_follow_activity_does_not_ask_s3_again_for_what_it_just_stored
     class Pools:
         health = StubHealth()
 
-        def client(self, pool: str) -> ComfyClient:
+        def client(self, pool: str, server: str | None = None) -> ComfyClient:
             return rig.client()
+
+        def health_key(self, pool: str, client: ComfyClient) -> str:
+            return pool
+
+        def resolve(self, pool: str) -> str:
+            return pool
+
+        def config(self, pool: str) -> PoolConfig:
+            return PoolConfig(kind="comfyui", url="http://127.0.0.1:1")
 
     backend = ComfyBackend(Pools(), rig.store, rig.budget)  # type: ignore[arg-type]
     result: FollowResult = await rig.env.run(backend.follow, request(graph=GRAPH))

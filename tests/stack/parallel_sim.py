@@ -18,11 +18,12 @@ START_TIMEOUT_S = 30.0
 
 
 async def start_parallel_sim(
-    base: Path, *, step_delay_ms: int, parallel: int
+    base: Path, *, step_delay_ms: int, parallel: int, port: int | None = None
 ) -> tuple[PidRecord, str]:
     """`python -m devstack.comfy_sim --parallel N` in `base`: its record and its URL, once it
-    answers; its log is `base/sim.log`."""
-    port = free_port()
+    answers; its log is `base/sim.log` (appended to: a restart on the same `port` keeps the
+    log of the one before)."""
+    port = port or free_port()
     argv = [
         sys.executable,
         "-m",

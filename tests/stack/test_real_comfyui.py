@@ -420,3 +420,56 @@ async def test_a_bounded_pool_sends_the_real_comfyui_one_prompt_at_a_time(
         assert_artifacts_are_comfyuis_files(real_env, final, SAVE_NODE)
     line = await case.client.pool_queue("comfyui")
     assert line.running == 0 and line.waiting == 0, line
+
+
+async def test_two_real_comfyuis_in_one_pool_one_killed_mid_prompt_and_restarted(
+    case: ChaosCase, real_env: RealEnv
+) -> None:
+    """A pool of two real servers (`urls`): two jobs run one on each; the server of one is
+    killed (SIGKILL) mid-blur and restarted. Its job re-attaches, finds the prompt gone (a
+    restarted ComfyUI keeps neither queue nor history) and sends it again to the same server,
+    where it runs once to its end; the other server's job is untouched."""
+    assert REAL_DIR is not None
+    second = RealComfyUI(Path(REAL_DIR), free_port())
+    await asyncio.to_thread(second.start)
+    try:
+        first = real_env.real
+        pools = {"comfyui": {"kind": "comfyui", "urls": [first.url, second.url]}}
+        case.workers.env["DURABLE_COMFY_POOLS"] = json.dumps(pools)
+        await case.workers.start()
+        logs_from = {first.url: first.log_size(), second.url: second.log_size()}
+        job_ids = [
+            await case.submit(
+                JobRequest(graph=blur_graph(1024, 4, prefix=f"two{n}"), policy=chaos_policy())
+            )
+            for n in range(2)
+        ]
+        async with asyncio.timeout(JOB_DEADLINE_S):
+            while True:
+                statuses = [await case.client.status(job_id) for job_id in job_ids]
+                servers = {s.backend.server for s in statuses if s.backend is not None}
+                if servers == {first.url, second.url} and all(
+                    s.progress.node == BLUR_NODE for s in statuses
+                ):
+                    break
+                await asyncio.sleep(0.2)
+        victim = next(s.job_id for s in statuses if s.backend and s.backend.server == second.url)
+        await second.restart_async()
+        finals = {
+            job_id: await asyncio.wait_for(case.client.wait(job_id), JOB_DEADLINE_S)
+            for job_id in job_ids
+        }
+    finally:
+        await asyncio.to_thread(second.stop)
+    for job_id, final in finals.items():
+        assert final.state == JobState.COMPLETED, final.model_dump_json(indent=1)
+        assert final.backend is not None
+        assert final.checkpoint is not None and final.checkpoint.server == final.backend.server
+        assert_artifacts_are_comfyuis_files(real_env, final, SAVE_NODE, count=4)
+        await case.assert_nothing_left(job_id)
+    victim_backend = finals[victim].backend
+    assert victim_backend is not None and victim_backend.server == second.url
+    # The killed server took the victim's prompt twice (before the kill, and once provably
+    # gone); the other server took its own job's prompt once. Nothing moved between them.
+    assert accepted_prompts(second.log_text(logs_from[second.url])) == 2
+    assert accepted_prompts(first.log_text(logs_from[first.url])) == 1
