@@ -13,6 +13,7 @@ from starter.errors import (
     BudgetExceeded,
     ClientError,
     ContactLost,
+    DrainRefused,
     InputFileError,
     InputNeedsStaging,
     InvalidBatch,
@@ -33,6 +34,7 @@ from starter.errors import (
     StorageNotConfigured,
     TemporalRefused,
     TemporalUnreachable,
+    UnknownServer,
     UnsafeArtifactKey,
 )
 from starter.exit import exit_without_finalizing
@@ -64,6 +66,7 @@ __all__ = [
     "CancelRequest",
     "ClientError",
     "ContactLost",
+    "DrainRefused",
     "InputFileError",
     "InputNeedsStaging",
     "InvalidBatch",
@@ -91,6 +94,7 @@ __all__ = [
     "SubmitOutcome",
     "TemporalRefused",
     "TemporalUnreachable",
+    "UnknownServer",
     "UnsafeArtifactKey",
     "WorkerWait",
     "connect_temporal",

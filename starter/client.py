@@ -81,7 +81,14 @@ from starter.progress import (
     heartbeat_status,
     overlaid,
 )
-from starter.queues import RoomCheck, pool_queue, release_slot, with_queue_position
+from starter.queues import (
+    RoomCheck,
+    drain_pool,
+    operator_name,
+    pool_queue,
+    release_slot,
+    with_queue_position,
+)
 from starter.requests import check_segment_overrides, request_sha256
 from starter.staging import stage_inputs
 from starter.worker_wait import WAIT_STATES, QueueReader, with_worker_wait
@@ -697,6 +704,40 @@ class JobClient(BatchMethods):
         """Settle a slot held by a job whose teardown was never confirmed, once you know its
         prompt no longer runs (or take a job out of line). False: the queue had no such job."""
         return await release_slot(self.temporal, self.task_queue, pool, job_id)
+
+    @_client_errors
+    async def drain_pool(
+        self, pool: str, server: str | None = None, *, by: str | None = None
+    ) -> PoolQueueView:
+        """No new job for `server` of `pool` (a URL of its `urls`), or for the whole pool
+        (`server` None), until `undrain_pool`; jobs running there finish. `by` (default: the
+        OS user) is shown in `pool_queue`'s view. Returns the queue as it is then.
+        `NoPoolQueue` when none runs, `UnknownServer` for a server the queue does not have."""
+        return await drain_pool(
+            self.temporal,
+            self.task_queue,
+            pool,
+            server=server,
+            drain=True,
+            by=by or operator_name(),
+            rpc_timeout=self.query_timeout,
+        )
+
+    @_client_errors
+    async def undrain_pool(
+        self, pool: str, server: str | None = None, *, by: str | None = None
+    ) -> PoolQueueView:
+        """`drain_pool` undone: `server` (or the whole pool) is given new jobs again (a server
+        its health check finds unhealthy only once healthy again)."""
+        return await drain_pool(
+            self.temporal,
+            self.task_queue,
+            pool,
+            server=server,
+            drain=False,
+            by=by or operator_name(),
+            rpc_timeout=self.query_timeout,
+        )
 
     @_client_errors
     async def tenant_of(self, job_id: str) -> str | None:

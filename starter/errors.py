@@ -19,6 +19,8 @@
     ├── BatchConflict        the batch ID is taken by a different batch
     ├── BudgetExceeded       the tenant's daily budget is spent and its settings refuse new jobs
     │                        until the reset (`.resets_at`); nothing was started
+    ├── DrainRefused         the pool's queue turned a drain or undrain down (`.reason`)
+    │   └── UnknownServer    a server the pool's queue does not have (`.servers`: the ones it has)
     ├── JobAlreadyEnded      the action needs a job that still runs; `.status` is its final one
     ├── ResumeRefused        the job turned the resume down; `.reason` says why
     ├── TemporalUnreachable  no connection to the Temporal server, or no answer in time
@@ -174,6 +176,36 @@ class BudgetExceeded(ClientError):
 class NoPoolQueue(ClientError, LookupError):
     """No queue runs for the pool: it is unbounded (no `max_running`), or no job has asked for
     one of its slots yet."""
+
+
+class DrainRefused(ClientError):
+    """The pool's queue turned a `drain_pool` / `undrain_pool` down (a dispatcher of a version
+    without the update, ...); nothing changed."""
+
+    def __init__(self, pool: str, reason: str, *, drain: bool = True) -> None:
+        action = "drain" if drain else "undrain"
+        super().__init__(f"pool {pool!r}'s queue refused the {action}: {reason}")
+        self.pool = pool
+        self.reason = reason
+
+
+class UnknownServer(DrainRefused, LookupError):
+    """A drain named a server its pool's queue does not have; `.servers` are those it has (none:
+    the queue picks no servers, a pool of one backend). Nothing changed."""
+
+    def __init__(
+        self, pool: str, server: str, servers: Sequence[str], *, drain: bool = True
+    ) -> None:
+        if servers:
+            reason = f"{server} is not one of its servers ({', '.join(servers)})"
+        else:
+            reason = (
+                f"it picks no servers, so it has no {server} (a pool of one backend, or none "
+                "of its jobs has asked since the pool was given `urls`): drain the whole pool"
+            )
+        super().__init__(pool, reason, drain=drain)
+        self.server = server
+        self.servers = list(servers)
 
 
 class JobNotFound(ClientError):

@@ -1,28 +1,39 @@
 """Reading and settling a bounded pool's queue (workflows/pool_queue.py) from a client.
 
-The queue is one workflow per pool and task queue: `durable-comfy pool queue` queries it,
-`pool release` settles a slot whose teardown was never confirmed, and a PENDING job's status is
-given the queue's latest word on its place (the job itself hears it only every few seconds).
+The queue is one workflow per pool and task queue: `durable-comfy pool queue` and `pool status`
+query it, `pool release` settles a slot whose teardown was never confirmed, `pool drain` and
+`pool undrain` take a server of the pool (or the whole pool) out of its assignments and back
+(the update `drain`), and a PENDING job's status is given the queue's latest word on its place
+(the job itself hears it only every few seconds).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import getpass
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from temporalio.client import Client, WorkflowQueryFailedError
+from temporalio.client import (
+    Client,
+    RPCTimeoutOrCancelledError,
+    WorkflowQueryFailedError,
+    WorkflowUpdateFailedError,
+)
+from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
-from starter.errors import NoPoolQueue
-from workflows.admission import Admission, PoolQueueView, QueueRoom, SlotRelease
+from starter.errors import DrainRefused, NoPoolQueue, UnknownServer
+from workflows.admission import Admission, PoolDrain, PoolQueueView, QueueRoom, SlotRelease
 from workflows.contracts import JobState, JobStatus
 from workflows.shared import (
     QUERY_ADMISSION,
     QUERY_POOL_QUEUE,
     QUERY_ROOM,
     SIGNAL_SLOT_RELEASE,
+    UPDATE_POOL_DRAIN,
     pool_queue_id,
 )
 
@@ -122,6 +133,80 @@ async def release_slot(temporal: Client, task_queue: str, pool: str, job_id: str
     handle = temporal.get_workflow_handle(pool_queue_id(task_queue, pool))
     await handle.signal(SIGNAL_SLOT_RELEASE, SlotRelease(job_id=job_id, reason="settled"))
     return True
+
+
+async def drain_pool(
+    temporal: Client,
+    task_queue: str,
+    pool: str,
+    *,
+    server: str | None,
+    drain: bool,
+    by: str,
+    rpc_timeout: timedelta | None = None,
+) -> PoolQueueView:
+    """Drain (`drain=True`) or undrain one server of `pool` (`server` None: the whole pool) on
+    its running dispatcher, and return the queue as it is then. A drained server is given no new
+    job (a drained pool grants none); what runs there finishes.
+
+    `NoPoolQueue` when no dispatcher runs. None is started for the drain: the client cannot tell
+    a pool from a typo, nor one of many servers from an unbounded pool (whose jobs never ask a
+    queue: a drain recorded there would stop nothing), and a dispatcher, once started, runs for
+    good. Every pool whose jobs have asked for a slot has one.
+
+    `server` is checked against the servers the queue has before anything is sent (a URL given
+    with a trailing `/` is taken as the queue names it): `UnknownServer` names them (none: the
+    queue picks no servers, and records nothing it would never consult). The queue's own
+    refusal of the server (its servers changed in between) is `UnknownServer` too; any other
+    refusal is `DrainRefused`."""
+    before = await pool_queue(temporal, task_queue, pool, rpc_timeout=rpc_timeout)
+    if server is not None:
+        server = _server_of(before, server, drain=drain)
+    handle = temporal.get_workflow_handle(pool_queue_id(task_queue, pool))
+    order = PoolDrain(server=server, drain=drain, by=by)
+    try:
+        view: PoolQueueView = await handle.execute_update(
+            UPDATE_POOL_DRAIN, order, result_type=PoolQueueView, rpc_timeout=rpc_timeout
+        )
+    except RPCError as exc:
+        if exc.status == RPCStatusCode.NOT_FOUND:
+            raise NoPoolQueue(pool) from None
+        raise
+    except WorkflowUpdateFailedError as refused:
+        cause = refused.cause
+        reason = cause.message if isinstance(cause, ApplicationError) else str(cause)
+        if (
+            server is not None
+            and isinstance(cause, ApplicationError)
+            and cause.type == "ValueError"
+        ):
+            # The validator's refusal of a server the pool no longer has.
+            servers = [s.url for s in before.servers]
+            with contextlib.suppress(
+                RPCError, RPCTimeoutOrCancelledError, WorkflowQueryFailedError, NoPoolQueue
+            ):
+                now = await pool_queue(temporal, task_queue, pool, rpc_timeout=rpc_timeout)
+                servers = [s.url for s in now.servers]
+            raise UnknownServer(pool, server, servers, drain=drain) from None
+        raise DrainRefused(pool, reason or "no reason given", drain=drain) from None
+    return view
+
+
+def operator_name() -> str:
+    """Who drains, as `pool status` shows it: the OS user, else "operator"."""
+    try:
+        return getpass.getuser() or "operator"
+    except (OSError, KeyError, ImportError):
+        return "operator"
+
+
+def _server_of(view: PoolQueueView, server: str, *, drain: bool) -> str:
+    """`server` as the queue names it (the pool's settings drop a trailing `/`)."""
+    names = [s.url for s in view.servers]
+    for candidate in (server, server.rstrip("/")):
+        if candidate in names:
+            return candidate
+    raise UnknownServer(view.pool, server, names, drain=drain)
 
 
 async def with_queue_position(temporal: Client, task_queue: str, status: JobStatus) -> JobStatus:
