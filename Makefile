@@ -122,7 +122,7 @@ mutate-module: $(STAMP)
 	@$(BIN)/mutmut results | grep -F '$(subst /,.,$(MODULE:.py=)).' || echo "no surviving mutants"
 
 ## bench: the benchmarks (bench/) on a local stack of their own; writes bench/results.json and
-## bench/RESULTS.md. BENCH=overhead,throughput,recovery,scale,offload,history,client_latency,push,runpod,queue picks
+## bench/RESULTS.md. BENCH=overhead,throughput,recovery,scale,offload,history,client_latency,push,runpod,queue,batch,pools picks
 ## some (all by default), N= the repetitions where a benchmark repeats (30), NOTE= what else ran
 ## (into RESULTS.md; no quotes in it); more options (--scale-jobs 100,300,1000,
 ## --offload-sizes 100, ...): .venv/bin/python -m bench --help

@@ -9,7 +9,8 @@ default), `-n 30` [N] the measured repetitions where a benchmark repeats, `--war
 `--queue-rate-jobs 300`, `--queue-fair-jobs 300`, `--queue-priority-behind 1000`,
 `--queue-backlog-jobs 2000`, `--queue-backlog-step-ms 10` (group 10, our queue; 100 lets the
 simulator's slots set the backlog's pace instead of the machine's CPU),
-`--batch-jobs 1000`, `--batch-reads 50` (group 11, batches),
+`--batch-jobs 1000`, `--batch-reads 50` (group 11, batches), `--pools-jobs 24`,
+`--pools-rounds 3` (group 12, pools of many servers),
 `--keep` (leave the stack's temporary state and logs), `--note` [NOTE] (what else ran meanwhile,
 recorded in RESULTS.md).
 Writes bench/results.json and bench/RESULTS.md (or `--out DIR`). Exit code 1 when a benchmark
@@ -161,6 +162,18 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         default=defaults.batch_reads,
         help="group 11: timed reads of the batch's status, while running and after",
     )
+    parser.add_argument(
+        "--pools-jobs",
+        type=int,
+        default=defaults.pools_jobs,
+        help="group 12: jobs of 1 to 5 s spread over four servers (and round-robin)",
+    )
+    parser.add_argument(
+        "--pools-rounds",
+        type=int,
+        default=defaults.pools_rounds,
+        help="group 12: rounds of both sides of the spread (each side's median)",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the stack's state and logs")
     parser.add_argument("--out", type=Path, default=HERE, help="where results.json/RESULTS.md go")
     parser.add_argument("--command", default=None, help="the command to record (make passes it)")
@@ -193,6 +206,8 @@ async def bench(args: argparse.Namespace) -> int:
         queue_backlog_step_ms=args.queue_backlog_step_ms,
         batch_jobs=args.batch_jobs,
         batch_reads=args.batch_reads,
+        pools_jobs=args.pools_jobs,
+        pools_rounds=args.pools_rounds,
     )
     command = args.command or shlex.join(["python", "-m", "bench", *sys.argv[1:]])
     host = machine()

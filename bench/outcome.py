@@ -59,6 +59,10 @@ class BenchOptions(BaseModel):
     # reads of a batch's status while its jobs wait and after they ended.
     batch_jobs: int = Field(1000, ge=2, le=1000)
     batch_reads: int = Field(50, ge=1)
+    # Group 12 (pools of many servers): the jobs spread over four servers (and sent round-robin
+    # to four single-server pools), and how many rounds of both sides (each side's median).
+    pools_jobs: int = Field(24, ge=1)
+    pools_rounds: int = Field(3, ge=1)
 
 
 class Section(BaseModel):

@@ -9,6 +9,7 @@ from bench.groups import (
     history_size,
     offload,
     overhead,
+    pools,
     push,
     queue,
     recovery,
@@ -30,6 +31,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     runpod_path.BENCHMARK,
     queue.BENCHMARK,
     batch.BENCHMARK,
+    pools.BENCHMARK,
 )
 
 # Planned groups without a module yet: listed in RESULTS.md as not yet measured.

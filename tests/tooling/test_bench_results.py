@@ -169,8 +169,8 @@ def test_benchmarks_are_selected_by_name_in_registry_order() -> None:
     with pytest.raises(UnknownBenchmark, match="nope"):
         select("overhead,nope")
     measured = {b.group for b in BENCHMARKS}
-    # Groups 1 to 11: the first seven, the push path (8), the RunPod path (9), our queue (10),
-    # batches (11).
-    assert measured.isdisjoint(PLANNED) and measured | set(PLANNED) == set(range(1, 12))
+    # Groups 1 to 12: the first seven, the push path (8), the RunPod path (9), our queue (10),
+    # batches (11), pools of many servers (12).
+    assert measured.isdisjoint(PLANNED) and measured | set(PLANNED) == set(range(1, 13))
     assert [b.name for b in select("batch")] == ["batch"]
     assert len({b.name for b in BENCHMARKS}) == len(BENCHMARKS)
