@@ -46,6 +46,7 @@ from activities.orphans import OrphanSweeper, RunPodSweep
 from activities.pool_queue import PoolQueueActivities
 from activities.runpod.backend import RunPodBackend
 from activities.runpod.client import RunPodClient
+from activities.runpod.endpoint_health import EndpointHealthActivities
 from activities.runpod.nodes import check_captured_registries
 from activities.runpod.retry import NO_RETRY
 from activities.slot_watch import SlotWatch, waiters_room
@@ -155,12 +156,13 @@ async def run_worker(
         )
         queues = PoolQueueActivities(client, sweeper)
         server_health = ServerHealthActivities(pools)
+        endpoint_health = EndpointHealthActivities(on_runpod)
         # A batch's workflow starts its jobs as a client would: the same start, on this queue.
         starter = JobClient(client, task_queue=settings.task_queue)
         batches = BatchActivities(client, starter.start_batch_job)
         budgets = BudgetActivities(client, settings.tenants, settings.budget_day_s)
         jobs = JobActivities(
-            Backends(settings.pools, settings.default_pool, by_kind),
+            Backends(settings.pools, settings.default_pool, by_kind, settings.groups),
             deliverer,
             s3,
             tenants=settings.tenants,
@@ -171,6 +173,7 @@ async def run_worker(
                 client, queues.request_on, waiters_room(settings.max_concurrent_activities)
             ),
             check_budget=budgets.check,
+            pool_health=queues.health,
         )
         worker = Worker(
             client,
@@ -186,6 +189,7 @@ async def run_worker(
                 queues.open_pool_queue,
                 queues.closed_jobs,
                 server_health.watch_pool_servers,
+                endpoint_health.watch_endpoint_health,
                 batches.cancel_batch_jobs,
                 batches.ended_batch_jobs,
                 batches.start_batch_jobs,

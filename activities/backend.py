@@ -14,6 +14,7 @@ default before anything reads it, as prepare would have, and says which pool tha
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol, TypeVar
 
@@ -22,16 +23,16 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.comfyui.graph import warm_key
-from activities.errors import fatal
+from activities.errors import fatal, retryable
 from activities.follow_common import send_progress
 from activities.inputs import refuse_inputs_outside_area
 from activities.slot_watch import SlotWatch
 from activities.webhooks import WebhookDeliverer
-from configuration.pools import PoolConfig
+from configuration.pools import COLD_START_S, PoolConfig
 from configuration.settings import S3Settings
 from configuration.tenants import TenantConfig, priority_refusal, tenant_config
 from workflows import activity_io
-from workflows.admission import Admission, PoolBound, SlotRelease, SlotRequest
+from workflows.admission import Admission, PoolBound, PoolHealthView, SlotRelease, SlotRequest
 from workflows.budgets import BudgetHold
 from workflows.contracts import Checkpoint, ProgressReport
 from workflows.failures import as_refused_before_submission
@@ -74,11 +75,23 @@ class Backends:
     """The pools of the worker's settings, each with the backend of its kind."""
 
     def __init__(
-        self, pools: Mapping[str, PoolConfig], default_pool: str, by_kind: Mapping[str, Backend]
+        self,
+        pools: Mapping[str, PoolConfig],
+        default_pool: str,
+        by_kind: Mapping[str, Backend],
+        groups: Mapping[str, list[str]] | None = None,
     ) -> None:
         self._pools = pools
         self._default = default_pool
         self._by_kind = by_kind
+        self._groups = groups or {}
+
+    def group(self, pool: str | None) -> tuple[str, list[str]] | None:
+        """The group a request's `pool` (None: the default) names, with its pools in order;
+        None when it names a pool."""
+        name = self._default if pool is None else pool
+        members = self._groups.get(name)
+        return None if members is None else (name, list(members))
 
     def kind_of(self, pool: str) -> str:
         return self._pools[pool].kind
@@ -88,6 +101,14 @@ class Backends:
 
     def resolve(self, pool: str | None) -> tuple[str, Backend]:
         name = self._default if pool is None else pool
+        if name in self._groups:
+            # Only a check picks a group's pool; a stop or an offload of a job that has not
+            # heard which it picked asks again once the job has.
+            raise retryable(
+                ErrorType.BACKEND_UNAVAILABLE,
+                f"the job's pool in group {name!r} is not known yet",
+                pool=name,
+            )
         config = self._pools.get(name)
         if config is None:
             known = ", ".join(sorted(self._pools)) or "none"
@@ -121,6 +142,7 @@ class JobActivities:
         slot_watch: SlotWatch | None = None,
         check_budget: Callable[[str, str, str], Awaitable[tuple[str | None, BudgetHold | None]]]
         | None = None,
+        pool_health: Callable[[str], Awaitable[PoolHealthView | None]] | None = None,
     ) -> None:
         self._backends = backends
         self._webhooks = webhooks
@@ -138,12 +160,44 @@ class JobActivities:
         # Tenants' daily budgets (activities/budgets.py): whether the job's tenant has one, and
         # whether its spend today holds the job until the reset.
         self._check_budget = check_budget
+        # A group's check asks each of its pools' queues whether it takes work (query `health`).
+        self._pool_health = pool_health
 
     @activity.defn(name=ACTIVITY_PREPARE)
     async def prepare_prompt(self, req: activity_io.PrepareInput) -> activity_io.PreparedJob:
         return await self._prepare(req)
 
     async def _prepare(
+        self, req: activity_io.PrepareInput, *, in_follow: bool = False
+    ) -> activity_io.PreparedJob:
+        group = self._backends.group(req.pool)
+        if group is not None:
+            req = req.model_copy(update={"pool": await self._pool_of_group(req, *group)})
+        prepared = await self._prepare_on_pool(req, in_follow=in_follow)
+        if group is not None:
+            prepared = prepared.model_copy(update={"group": group[0]})
+        return prepared
+
+    async def _pool_of_group(
+        self, req: activity_io.PrepareInput, group: str, members: list[str]
+    ) -> str:
+        """The first pool of the group that takes work (by its queue: a pool with none always
+        does) and, for a job with a start deadline, whose estimated start is within it; the
+        pool the job is leaving is passed. None does: the one it is leaving (it stays in line
+        there), else the group's first."""
+        views: list[PoolHealthView | None] = [None] * len(members)
+        if self._pool_health is not None:
+            views = list(await asyncio.gather(*(self._pool_health(m) for m in members)))
+        for pool, view in zip(members, views, strict=True):
+            if pool == req.leaving:
+                continue
+            why = _passed(view, req.start_by_s)
+            if why is None:
+                return pool
+            log.info("group_pool_passed", job_id=req.job_id, group=group, pool=pool, reason=why)
+        return req.leaving or members[0]
+
+    async def _prepare_on_pool(
         self, req: activity_io.PrepareInput, *, in_follow: bool = False
     ) -> activity_io.PreparedJob:
         pool, backend = self._backends.resolve(req.pool)
@@ -222,6 +276,8 @@ class JobActivities:
             pool_max_pending=config.max_pending,
             servers=config.servers if config.assigns_servers else [],
             server_slots=config.slots_per_server,
+            watch_endpoint=config.kind == "runpod",
+            cold_start_s=(config.cold_start_s or COLD_START_S) if config.kind == "runpod" else None,
         )
 
     @activity.defn(name=ACTIVITY_FOLLOW)
@@ -275,6 +331,7 @@ class JobActivities:
                     slot_asked=prepared.slot_asked,
                     admission=prepared.admission,
                     budget=prepared.budget,
+                    group=prepared.group,
                 )
             # The check's own ask was granted (an idle pool): submit now, in this attempt,
             # rather than hand the grant to the workflow for a second follow. Its reports and
@@ -284,7 +341,12 @@ class JobActivities:
                 update={"slot_held": True, "slot_bound": prepared.bound, "server": server}
             )
         result = await backend.follow(_on_pool(req, pool))
-        update: dict[str, Any] = {"pool": pool, "kind": prepared.kind, "budget": prepared.budget}
+        update: dict[str, Any] = {
+            "pool": pool,
+            "kind": prepared.kind,
+            "budget": prepared.budget,
+            "group": prepared.group,
+        }
         if req.slot_bound is not None:
             update |= {"bound": prepared.bound, "slot_asked": True, "admission": prepared.admission}
         return await self._given_back(req, pool, result.model_copy(update=update))
@@ -317,6 +379,7 @@ class JobActivities:
             tell=tell,
             heartbeat=activity.heartbeat,
             heartbeat_every_s=beat,
+            leave_when_unhealthy=prepared.group is not None,
         )
 
     async def _server_granted(self, job_id: str, bound: PoolBound) -> str | None:
@@ -359,24 +422,29 @@ class JobActivities:
         return check.model_copy(update=update) if update else check
 
 
+def _passed(view: PoolHealthView | None, start_by_s: float | None) -> str | None:
+    """Why a group's check passes a pool (None: it does not): it takes no work now, or a job
+    with a start deadline would not start there in time by its queue's estimate."""
+    if view is None:
+        return None  # no queue (unbounded, or no job asked yet): nothing says it is not well
+    if view.unhealthy:
+        return view.unhealthy
+    if start_by_s is not None and view.eta_s is not None and view.eta_s > start_by_s:
+        return f"estimated start in {view.eta_s:.0f} s, past its start_by_s {start_by_s:.0f} s"
+    return None
+
+
 def _slot_request(
     req: activity_io.PrepareInput, bound: PoolBound, *, in_follow: bool
 ) -> SlotRequest:
     assert req.accepted_at is not None
-    return SlotRequest(
+    return SlotRequest.of_bound(
+        bound,
         job_id=req.job_id,
         tenant=req.tenant or DEFAULT_TENANT,
         priority=req.priority,
-        weight=bound.weight,
-        max_running=bound.max_running,
         accepted_at=req.accepted_at,
-        reclaim_every_s=bound.reclaim_every_s,
-        tenant_max_pending=bound.tenant_max_pending,
-        pool_max_pending=bound.pool_max_pending,
         in_follow=in_follow,
-        servers=bound.servers,
-        server_slots=bound.server_slots,
-        graph_key=bound.graph_key,
     )
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from datetime import timedelta
 from typing import Any
 
 import structlog
@@ -14,17 +15,25 @@ from temporalio.client import (
     Client,
     WithStartWorkflowOperation,
     WorkflowExecutionStatus,
+    WorkflowQueryFailedError,
     WorkflowUpdateFailedError,
 )
 from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.service import RPCError, RPCStatusCode
 
 from activities.orphans import OrphanSweeper
-from workflows.admission import Admission, QueueState, SlotRelease, SlotRequest
+from workflows.admission import (
+    Admission,
+    PoolHealthView,
+    QueueState,
+    SlotRelease,
+    SlotRequest,
+)
 from workflows.shared import (
     ACTIVITY_CLOSED_JOBS,
     ACTIVITY_OPEN_POOL_QUEUE,
     POOL_QUEUE_WORKFLOW_TYPE,
+    QUERY_POOL_HEALTH,
     SIGNAL_SLOT_RELEASE,
     SIGNAL_SLOT_REQUEST,
     UPDATE_SLOT_ASK,
@@ -45,6 +54,8 @@ _ASK_BUSY_FOR_S = 10.0
 _BUSY = (RPCStatusCode.RESOURCE_EXHAUSTED, RPCStatusCode.UNAVAILABLE)
 # The same, for a check that waits in line itself (activities/slot_watch.py).
 _ASK_IN_FOLLOW_BUSY_FOR_S = 0.5
+# How long a group's check waits for a pool's queue to say whether it takes work.
+_HEALTH_TIMEOUT = timedelta(seconds=5)
 # Asks one worker has in flight to one dispatcher: under the server's limit of updates in flight,
 # so that a burst of checks queues here (a few ms each) rather than backs off from refusals.
 _ASK_AT_ONCE = 5
@@ -149,6 +160,24 @@ class PoolQueueActivities:
             )
             return False
         return True
+
+    async def health(self, pool: str) -> PoolHealthView | None:
+        """Whether the pool's queue takes work, and a new job's wait there (a group's check);
+        None when no queue runs for it (an unbounded pool, or none of its jobs asked yet) or it
+        cannot be asked now: nothing then says it is unwell."""
+        queue = pool_queue_id(activity.info().task_queue, pool)
+        try:
+            view: PoolHealthView = await self._client.get_workflow_handle(queue).query(
+                QUERY_POOL_HEALTH, result_type=PoolHealthView, rpc_timeout=_HEALTH_TIMEOUT
+            )
+        except RPCError as exc:
+            if exc.status != RPCStatusCode.NOT_FOUND:
+                log.warning("pool_health_unread", pool=pool, error=exc.message)
+            return None
+        except WorkflowQueryFailedError as exc:
+            log.warning("pool_health_unread", pool=pool, error=str(exc))
+            return None
+        return view
 
     async def _request(self, pool: str, request: SlotRequest) -> None:
         await self.request_on(activity.info().task_queue, pool, request)

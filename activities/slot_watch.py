@@ -34,6 +34,7 @@ from workflows.admission import (
     TELL_PLACES_TO,
     Admission,
     LinePlaces,
+    PoolHealthView,
     SlotRequest,
     placed,
     worth_telling,
@@ -41,6 +42,7 @@ from workflows.admission import (
 from workflows.shared import (
     QUERY_ADMISSION,
     QUERY_LINE_PLACES,
+    QUERY_POOL_HEALTH,
     QUERY_SLOT_HOLDERS,
     pool_queue_id,
 )
@@ -62,6 +64,8 @@ PLACES_AT_MOST_EVERY_S = 0.5
 ASK_AGAIN_EVERY_S = 10.0
 # How long a failed query waits before the next.
 RETRY_S = 1.0
+# How often a watch with a job of a group waiting asks whether the pool takes work.
+HEALTH_EVERY_S = 1.0
 
 # Activity slots of a worker that follows waiting in line never take: the worker's other work
 # (running jobs' stops, offloads, webhooks, queue sweeps) always has these.
@@ -82,6 +86,10 @@ class _Waiter:
     missing_since: float | None = None
     # Its queue cannot be watched: `granted` is set to end the wait, which is handed to the job.
     unwatchable: bool = False
+    # A job of a group: when its pool takes no work, the wait ends and goes to the job (which
+    # may move to the group's next pool); `leaving` says why.
+    leave_when_unhealthy: bool = False
+    leaving: str | None = None
 
 
 class _PoolWatch:
@@ -93,9 +101,11 @@ class _PoolWatch:
         self.waiters: dict[str, _Waiter] = {}
         self._task: asyncio.Task[None] | None = None
         self._telling: set[asyncio.Task[None]] = set()
-        # When every waiter's place is read again, and when those not told any yet may be.
+        # When every waiter's place is read again, and when those not told any yet may be; when
+        # the pool's health is read again (while a job of a group waits).
         self._all_places_at = 0.0
         self._new_places_at = 0.0
+        self._health_at = 0.0
         self._poll_s = POLL_S
 
     def add(self, waiter: _Waiter) -> None:
@@ -131,6 +141,7 @@ class _PoolWatch:
         for job_id in held & self.waiters.keys():
             self.waiters[job_id].granted.set()
         now = time.monotonic()
+        await self._leave_if_unhealthy(now)
         waiting = {j: w for j, w in self.waiters.items() if not w.granted.is_set()}
         if now >= self._all_places_at:
             # Every waiter's place (its job hears it when it has halved among the first 50).
@@ -164,6 +175,26 @@ class _PoolWatch:
             ):
                 waiter.told = position
                 self._tell(waiter, self._place(waiter, position, places))
+
+    async def _leave_if_unhealthy(self, now: float) -> None:
+        """Every `HEALTH_EVERY_S` while a job of a group waits here: if the pool takes no work,
+        those jobs' waits end (handed to the jobs, which move to the group's next pool)."""
+        leavers = [
+            w for w in self.waiters.values() if w.leave_when_unhealthy and not w.granted.is_set()
+        ]
+        if not leavers or now < self._health_at:
+            return
+        self._health_at = now + HEALTH_EVERY_S
+        try:
+            health = await self._handle.query(QUERY_POOL_HEALTH, result_type=PoolHealthView)
+        except WorkflowQueryFailedError:
+            return  # a dispatcher of a version without the query: its jobs wait as before
+        if health.unhealthy is None:
+            return
+        for waiter in leavers:
+            waiter.leaving = health.unhealthy
+            waiter.granted.set()
+        log.info("pool_line_left_unhealthy", pool=self._pool, jobs=len(leavers))
 
     def _unknown(self, waiter: _Waiter, now: float) -> None:
         """Neither placed nor holding: granted since the look at holders, its request not read
@@ -234,6 +265,7 @@ class SlotWatch:
         tell: Tell,
         heartbeat: Callable[[], None],
         heartbeat_every_s: float,
+        leave_when_unhealthy: bool = False,
     ) -> bool:
         """Until the job holds a slot (True), or `wait_s` has passed (False: the queue was
         asked again to tell the job by signal, as a check that did not wait). `answer` is the
@@ -242,7 +274,7 @@ class SlotWatch:
         watch = self._pools.get(key)
         if watch is None:
             watch = self._pools[key] = _PoolWatch(self._client, task_queue, pool, self._ask)
-        waiter = _Waiter(request, tell)
+        waiter = _Waiter(request, tell, leave_when_unhealthy=leave_when_unhealthy)
         if answer is not None and answer.position is not None:
             waiter.told = answer.position
             await tell(answer)
@@ -259,7 +291,7 @@ class SlotWatch:
                         waiter.granted.wait(), timeout=min(left, heartbeat_every_s)
                     )
                 heartbeat()
-            if waiter.granted.is_set() and not waiter.unwatchable:
+            if waiter.granted.is_set() and not waiter.unwatchable and waiter.leaving is None:
                 return True
             loud = request.model_copy(update={"in_follow": False})
             await self._ask(task_queue, pool, loud)

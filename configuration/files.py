@@ -96,6 +96,8 @@ class ConfigFile(_Section):
     worker: WorkerFileSection = Field(default_factory=WorkerFileSection)
     # None: no `pools:` key (DURABLE_COMFY_POOLS or the default decides).
     pools: dict[str, PoolConfig] | None = None
+    # None: no `groups:` key (DURABLE_COMFY_GROUPS or the default decides).
+    groups: dict[str, list[str]] | None = None
     # None: no `tenants:` key (DURABLE_COMFY_TENANTS or the default decides).
     tenants: dict[str, TenantConfig] | None = None
     storage: StorageFileSection = Field(default_factory=StorageFileSection)

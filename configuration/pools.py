@@ -38,7 +38,11 @@ _RUNPOD_ONLY = (
     "status_poll_s",
     "report_interval_s",
     "node_registry",
+    "cold_start_s",
 )
+# A runpod pool's cold start (a worker's image pulled and its ComfyUI started) when its settings
+# name none: what a waiting job's estimate adds while the endpoint has no worker ready.
+COLD_START_S = 40.0
 # The most servers one pool names: each is a line of its queue's state and of `pool status`.
 MAX_SERVERS = 64
 
@@ -126,6 +130,9 @@ class PoolConfig(BaseModel):
     api_key_env: str | None = None
     claims: bool | None = None
     usd_per_second: float | None = Field(None, ge=0)
+    # How long a worker of the endpoint takes to start (default COLD_START_S): a waiting job's
+    # estimate adds it while no worker is ready and some are starting.
+    cold_start_s: float | None = Field(None, ge=0, le=3600)
     execution_timeout_s: float | None = Field(None, ge=MIN_EXECUTION_TIMEOUT_S, le=MAX_POLICY_S)
     idle_timeout_s: float | None = Field(None, ge=0)
     claim_lease_s: float | None = Field(None, ge=5, le=3600)

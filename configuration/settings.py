@@ -85,6 +85,7 @@ from workflows.shared import DEFAULT_TASK_QUEUE
 
 SETTINGS_FILE_VAR = FILE_VAR
 POOLS_VAR = "DURABLE_COMFY_POOLS"
+GROUPS_VAR = "DURABLE_COMFY_GROUPS"
 TENANTS_VAR = "DURABLE_COMFY_TENANTS"
 BUCKET_VAR = "DURABLE_COMFY_BUCKET"
 ALLOWED_INPUT_PREFIXES_VAR = "DURABLE_COMFY_ALLOWED_INPUT_PREFIXES"
@@ -121,6 +122,7 @@ _WORKER_FILE_FIELDS = (
 # What DURABLE_COMFY_POOLS and DURABLE_COMFY_TENANTS hold, as their errors say it.
 _JSON_SHAPES = {
     "pools": "{name: {kind, url}}",
+    "groups": "{group: [pool, ...]}",
     "tenants": "{tenant: {weight, max_priority}}",
 }
 
@@ -136,6 +138,9 @@ class WorkerSettings(Settings):
     default_pool: str = Field("comfyui", validation_alias="DURABLE_COMFY_DEFAULT_POOL")
     # JSON `{name: {kind, url}}` from the variable; replaces the config file's pools.
     pools: dict[str, PoolConfig] = Field(default_factory=dict, validation_alias=POOLS_VAR)
+    # JSON `{group: [pool, ...]}`: a request's `pool` may name a group, an ordered list of pools
+    # tried in turn (docs/pools.md "Groups"); replaces the config file's groups.
+    groups: dict[str, list[str]] = Field(default_factory=dict, validation_alias=GROUPS_VAR)
     # JSON `{tenant: {weight, max_priority, max_pending}}` (configuration/tenants.py): each
     # tenant's share of a bounded pool; a `default` entry is every unnamed tenant's.
     tenants: dict[str, TenantConfig] = Field(default_factory=dict, validation_alias=TENANTS_VAR)
@@ -219,9 +224,27 @@ class WorkerSettings(Settings):
     file_keys: ClassVar[Mapping[str, str]] = {
         **{name: f"worker.{name}" for name in _WORKER_FILE_FIELDS},
         "pools": "pools",
+        "groups": "groups",
         "tenants": "tenants",
     }
     reads_stack_file: ClassVar[bool] = True
+
+    @model_validator(mode="after")
+    def _groups_of_pools(self) -> Self:
+        for group, members in self.groups.items():
+            if group in self.pools:
+                raise ValueError(f"groups.{group}: a pool has that name; name the group otherwise")
+            if not members:
+                raise ValueError(f"groups.{group}: name at least one pool")
+            if len(set(members)) != len(members):
+                raise ValueError(f"groups.{group}: a pool is named twice")
+            unknown = [m for m in members if m not in self.pools]
+            if unknown:
+                known = ", ".join(sorted(self.pools)) or "none"
+                raise ValueError(
+                    f"groups.{group}: {', '.join(unknown)} not among the pools ({known})"
+                )
+        return self
 
     @model_validator(mode="after")
     def _one_file(self) -> Self:
@@ -269,7 +292,7 @@ class WorkerSettings(Settings):
             object.__setattr__(self, "build_id", package_build_id())
         return self
 
-    @field_validator("pools", "tenants", mode="before")
+    @field_validator("pools", "groups", "tenants", mode="before")
     @classmethod
     def _mapping_json(cls, value: Any, info: ValidationInfo) -> Any:
         return _json_mapping(value, info)

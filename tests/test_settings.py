@@ -272,6 +272,11 @@ SAMPLES: dict[str, tuple[str, Any, dict[str, str]]] = {
         {"gpu": {"kind": "comfyui", "url": "http://gpu:8188"}},
         {},
     ),
+    "DURABLE_COMFY_GROUPS": (
+        '{"gpus": ["gpu"]}',
+        {"gpus": ["gpu"]},
+        {"DURABLE_COMFY_POOLS": '{"gpu": {"url": "http://gpu:8188"}}'},
+    ),
     "DURABLE_COMFY_TENANTS": (
         '{"acme": {"weight": 2, "max_priority": 2, "gpu_seconds_per_day": 30, '
         '"over_budget": "refuse"}}',

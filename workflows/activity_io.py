@@ -62,6 +62,11 @@ class PrepareInput(StrictModel):
     # When the job was accepted: on a bounded pool the check asks the pool's queue for a slot
     # at once, in the job's place (its order within its tenant).
     accepted_at: datetime | None = None
+    # A job of a group (its `pool` names one) leaving this pool of it before it started there
+    # (it turned unhealthy): the check picks another that takes work, else this one again.
+    leaving: str | None = None
+    # The request's start deadline: a group's pool whose estimated start is later is passed.
+    start_by_s: float | None = None
 
     @classmethod
     def of(
@@ -81,6 +86,7 @@ class PrepareInput(StrictModel):
             tenant=request.labels.get(TENANT_LABEL),
             priority=request.priority,
             accepted_at=accepted_at,
+            start_by_s=request.policy.start_by_s,
         )
 
 
@@ -108,6 +114,8 @@ class PreparedJob(StrictModel):
     # may not start before the reset (nothing was asked of the pool's queue).
     budget: str | None = None
     held: BudgetHold | None = None
+    # The request named a group: this (`pool`) is the pool of it the check picked.
+    group: str | None = None
 
     @classmethod
     def unchecked(cls, request: JobRequest) -> PreparedJob:
@@ -211,6 +219,8 @@ class FollowResult(StrictModel):
     # with `held`, until when it may not start.
     budget: str | None = None
     held: BudgetHold | None = None
+    # From the check: the request named a group, and `pool` is the pool of it picked.
+    group: str | None = None
 
 
 class FollowHeartbeat(StrictModel):

@@ -69,6 +69,10 @@ class PoolBound(_Read):
     # What the job's graph loads (activities/comfyui/graph.py `warm_key`): the queue prefers a
     # server that last started a job of the same key (its models are loaded).
     graph_key: str | None = None
+    # A runpod pool: its queue watches the endpoint's `/health` (one watch per pool), holds its
+    # jobs while no worker can take one, and counts a cold start into their wait.
+    watch_endpoint: bool = False
+    cold_start_s: float | None = None
 
 
 class SlotRequest(_Read):
@@ -96,6 +100,85 @@ class SlotRequest(_Read):
     servers: list[str] = Field(default_factory=list)
     server_slots: int = 1
     graph_key: str | None = None
+    watch_endpoint: bool = False
+    cold_start_s: float | None = None
+
+    @classmethod
+    def of_bound(
+        cls,
+        bound: PoolBound,
+        *,
+        job_id: str,
+        tenant: str,
+        priority: int,
+        accepted_at: datetime,
+        in_follow: bool = False,
+    ) -> SlotRequest:
+        """A job's request on the pool's terms as its worker has them (`bound`)."""
+        return cls(
+            job_id=job_id,
+            tenant=tenant,
+            priority=priority,
+            weight=bound.weight,
+            max_running=bound.max_running,
+            accepted_at=accepted_at,
+            reclaim_every_s=bound.reclaim_every_s,
+            tenant_max_pending=bound.tenant_max_pending,
+            pool_max_pending=bound.pool_max_pending,
+            in_follow=in_follow,
+            servers=bound.servers,
+            server_slots=bound.server_slots,
+            graph_key=bound.graph_key,
+            watch_endpoint=bound.watch_endpoint,
+            cold_start_s=bound.cold_start_s,
+        )
+
+
+class EndpointHealth(_Read):
+    """A RunPod endpoint as its pool's queue last read its `/health` (activity
+    `watch_endpoint_health`): workers by state, jobs queued and running, and what that means."""
+
+    idle: int = 0
+    initializing: int = 0
+    ready: int = 0
+    running: int = 0
+    throttled: int = 0
+    unhealthy_workers: int = 0
+    in_queue: int = 0
+    in_progress: int = 0
+    # No worker can take a new job (none idle, ready or starting) and some are unhealthy or
+    # throttled: why; None while it can. Its queue grants nothing meanwhile, and a job of a
+    # group moves on.
+    unhealthy: str | None = None
+    # No worker ready, some starting: a job waits for a cold start.
+    cold: bool = False
+    as_of: datetime | None = None
+
+    def same_as(self, other: EndpointHealth | None) -> bool:
+        """Whether `other` says the same for routing (unhealthy, cold), whatever the counts."""
+        return other is not None and (other.unhealthy, other.cold) == (self.unhealthy, self.cold)
+
+
+class PoolMove(_Read):
+    """A job of a group that left a pool before it started there (`admission.moves`)."""
+
+    from_pool: str
+    to_pool: str | None = None
+    reason: str
+    at: datetime
+
+
+class PoolHealthView(_Read):
+    """What a group's check asks each of its pools' queues (query `health`): whether it takes
+    work, and how long a new job would wait."""
+
+    pool: str
+    unhealthy: str | None = None
+    waiting: int = 0
+    running: int = 0
+    max_running: int | None = None
+    # A new job's wait: the line ahead of it at the pool's recent pace, and a cold start.
+    eta_s: float | None = None
 
 
 class LinePlaces(_Read):
@@ -107,6 +190,9 @@ class LinePlaces(_Read):
     waiting: int = 0
     # Seconds per start, as `Admission.eta_s` counts them (None until the pool has some).
     per_start_s: float | None = None
+    # The pool takes no work now (`Admission.unhealthy`): a follow waiting in line hands the
+    # wait to its job, which may move to another pool of its group.
+    unhealthy: str | None = None
 
 
 class QueueRoom(_Read):
@@ -167,6 +253,14 @@ class Admission(_Read):
     resets_at: datetime | None = None
     # With the grant, on a pool whose queue picks servers: the server the job runs on.
     server: str | None = None
+    # While waiting: the pool takes no work now, and why (a RunPod endpoint none of whose
+    # workers can take a job; every server of a pool of many unhealthy). A job of a group
+    # moves to the next pool that does.
+    unhealthy: str | None = None
+    # Why `eta_s` is what it is beyond the line ("cold start: about 40 s").
+    note: str | None = None
+    # The pools the job left before it started (a group's failover), kept by the job.
+    moves: list[PoolMove] = Field(default_factory=list)
 
 
 # A waiting job hears its place again at most this often, and only among the first this many
@@ -185,8 +279,16 @@ def placed(
     tenant: str,
     per_start_s: float | None,
     as_of: datetime,
+    unhealthy: str | None = None,
+    cold_start_s: float | None = None,
 ) -> Admission:
-    """A waiting job's place as it hears it: 1 is next; its wait, `per_start_s` a start."""
+    """A waiting job's place as it hears it: 1 is next; its wait, `per_start_s` a start, and
+    a cold start when its endpoint has no worker ready."""
+    eta = None if per_start_s is None else position * per_start_s
+    note = None
+    if cold_start_s is not None:
+        eta = (eta or 0.0) + cold_start_s
+        note = f"cold start: about {_duration(cold_start_s)}"
     return Admission(
         pool=pool,
         job_id=job_id,
@@ -195,8 +297,10 @@ def placed(
         waiting=waiting,
         priority=priority,
         tenant=tenant,
-        eta_s=None if per_start_s is None else round(position * per_start_s, 1),
+        eta_s=None if eta is None else round(eta, 1),
         as_of=as_of,
+        unhealthy=unhealthy,
+        note=note,
     )
 
 
@@ -236,6 +340,10 @@ def place_in_line(admission: Admission) -> str:
         line = f"{place} of {admission.waiting or '?'} for pool {admission.pool}"
     if admission.eta_s is not None:
         line += f", about {_duration(admission.eta_s)}"
+    if admission.note:
+        line += f" ({admission.note})"
+    if admission.unhealthy:
+        line += f"; the pool takes no work now: {admission.unhealthy}"
     return line
 
 
@@ -354,6 +462,10 @@ class PoolQueueView(_Read):
     eta_s_per_start: float | None = None
     # A pool whose queue picks servers: each one's state (empty otherwise).
     servers: list[ServerView] = Field(default_factory=list)
+    # A runpod pool whose endpoint its queue watches: its health as last read.
+    endpoint: EndpointHealth | None = None
+    # Why the pool takes no work now (None: it does).
+    unhealthy: str | None = None
 
 
 class QueueState(_Read):
@@ -378,6 +490,10 @@ class QueueState(_Read):
     server_states: dict[str, ServerState] = Field(default_factory=dict)
     # The whole pool drained (`pool drain POOL`): no job is granted until `pool undrain`.
     drained: str | None = None
+    # A runpod pool: its endpoint's health is watched, as last read, and its cold start.
+    endpoint_watch: bool = False
+    endpoint: EndpointHealth | None = None
+    cold_start_s: float | None = None
     # Waiters that have not heard their place yet: the next run tells them, and only them (a
     # run that told every carried waiter again would fill its history before granting).
     untold: list[str] = Field(default_factory=list)
@@ -410,8 +526,12 @@ class PoolLine:
         state.reclaim_every_s = ask.reclaim_every_s
         state.weights[ask.tenant] = ask.weight
         state.pool_max_pending = ask.pool_max_pending
-        # The latest ask's servers are the pool's (none: the pool no longer assigns servers).
-        state.servers, state.server_slots = list(ask.servers), max(ask.server_slots, 1)
+        # The latest ask that names servers says what they are (one that names none may come
+        # from a job of a version before them: it changes nothing).
+        if ask.servers:
+            state.servers, state.server_slots = list(ask.servers), max(ask.server_slots, 1)
+        if ask.watch_endpoint:
+            state.endpoint_watch, state.cold_start_s = True, ask.cold_start_s
         if ask.tenant_max_pending is None:
             state.tenant_max_pending.pop(ask.tenant, None)
         else:
@@ -485,7 +605,7 @@ class PoolLine:
 
     def free_slots(self) -> int:
         state = self.state
-        if state.drained is not None:
+        if state.drained is not None or (state.endpoint and state.endpoint.unhealthy):
             return 0
         bound = state.max_running
         free = len(self._waiting) if bound is None else max(bound - len(state.holders), 0)
@@ -498,6 +618,52 @@ class PoolLine:
             )
             free = min(free, room)
         return free
+
+    # -- health (a pool of many servers, a watched RunPod endpoint) ---------------------------
+
+    def unhealthy(self) -> str | None:
+        """Why the pool takes no work now: its endpoint has no worker that can take a job, or
+        every one of its servers is unhealthy or drained, at least one unhealthy. None: it
+        takes work (or only an operator's drain holds it)."""
+        state = self.state
+        if state.endpoint is not None and state.endpoint.unhealthy:
+            return state.endpoint.unhealthy
+        if state.servers and not any(self.takes_work(s) for s in state.servers):
+            reasons = [
+                f"{s}: {known.unhealthy}"
+                for s in state.servers
+                if (known := state.server_states.get(s)) is not None and known.unhealthy
+            ]
+            if reasons:
+                return "no server takes work (" + "; ".join(reasons) + ")"
+        return None
+
+    def set_endpoint(self, health: EndpointHealth) -> bool:
+        """The endpoint's health as its watch read it; True when that changes the routing
+        (unhealthy, cold)."""
+        changed = not health.same_as(self.state.endpoint)
+        self.state.endpoint = health
+        return changed
+
+    def cold_start_s(self) -> float | None:
+        endpoint = self.state.endpoint
+        return self.state.cold_start_s if endpoint is not None and endpoint.cold else None
+
+    def health_view(self) -> PoolHealthView:
+        """A new job's prospects here (query `health`), for a group's check."""
+        per_start = self._seconds_per_start()
+        eta = None if per_start is None else (len(self._waiting) + 1) * per_start
+        cold = self.cold_start_s()
+        if cold is not None:
+            eta = (eta or 0.0) + cold
+        return PoolHealthView(
+            pool=self.state.pool,
+            unhealthy=self.unhealthy(),
+            waiting=len(self._waiting),
+            running=len(self.state.holders),
+            max_running=self.state.max_running,
+            eta_s=None if eta is None else round(eta, 1),
+        )
 
     # -- servers (a pool whose queue picks each job's server) --------------------------------
 
@@ -644,7 +810,10 @@ class PoolLine:
                     if len(found) == len(wanted):
                         break
         return LinePlaces(
-            places=found, waiting=len(self._waiting), per_start_s=self._seconds_per_start()
+            places=found,
+            waiting=len(self._waiting),
+            per_start_s=self._seconds_per_start(),
+            unhealthy=self.unhealthy(),
         )
 
     def watched(self, job_id: str) -> bool:
@@ -703,6 +872,8 @@ class PoolLine:
             eta_s_per_start=self._seconds_per_start(),
             servers=self.server_views(),
             drained=state.drained,
+            endpoint=state.endpoint,
+            unhealthy=self.unhealthy(),
         )
 
     def room(self, tenant: str) -> QueueRoom:
@@ -772,6 +943,8 @@ class PoolLine:
             tenant=waiter.tenant,
             per_start_s=self._seconds_per_start(),
             as_of=now,
+            unhealthy=self.unhealthy(),
+            cold_start_s=self.cold_start_s(),
         )
 
     def _seconds_per_start(self) -> float | None:

@@ -44,3 +44,15 @@ async def prepare_within_budget(book: JobBook, check: PrepareInput, slot: PoolSl
         if prepared.held is None:
             return prepared
         await wait_for_reset(book, slot, prepared.held)
+
+
+async def prepare_and_take_slot(book: JobBook, check: PrepareInput, slot: PoolSlot) -> PreparedJob:
+    """The prepare of a request with input files, then the wait for its pool's slot; for a job
+    of a group whose pool turns unable to take work while it waits, again, leaving that pool
+    (the check picks the group's next pool that takes work, else the same one)."""
+    while True:
+        prepared = await prepare_within_budget(book, check, slot)
+        book.prepared_on(prepared.pool, prepared.kind)
+        if await slot.take_checked(prepared) is None:
+            return prepared
+        check = check.model_copy(update={"leaving": prepared.pool})

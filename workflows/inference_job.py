@@ -21,7 +21,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows import shared
     from workflows.activity_io import PreparedJob, PrepareInput
     from workflows.batches import tell_batch
-    from workflows.budget_hold import prepare_within_budget
+    from workflows.budget_hold import prepare_and_take_slot
     from workflows.budgets import tell_ledger
     from workflows.contracts import (
         CancelRequest,
@@ -116,9 +116,7 @@ class InferenceJob:
         if self._prepared is None:
             check = PrepareInput.of(request, self._status.job_id, self._status.created_at)
             if request.inputs:
-                self._prepared = await prepare_within_budget(book, check, self._slot)
-                book.prepared_on(self._prepared.pool, self._prepared.kind)
-                await self._slot.take_checked(self._prepared)
+                self._prepared = await prepare_and_take_slot(book, check, self._slot)
             else:
                 # Nothing to stage, nothing to prepare but the check, which the first follow
                 # does before it submits (activities/backend.py): one activity to the GPU.

@@ -24,7 +24,7 @@ from temporalio.common import MetricCounter, SearchAttributeUpdate
 
 with workflow.unsafe.imports_passed_through():
     from workflows.activity_io import FollowResult
-    from workflows.admission import Admission, PoolBound, place_in_line
+    from workflows.admission import Admission, PoolBound, PoolMove, place_in_line
     from workflows.budgets import BudgetHold
     from workflows.contracts import (
         MAX_JOURNAL,
@@ -191,6 +191,8 @@ class JobBook:
         self.on_slot_held: Callable[[PoolBound], None] | None = None
         # A follow's report said it waits in line for the slot itself, at the place it names.
         self.on_slot_waiting: Callable[[PoolBound, Admission], None] | None = None
+        # The job heard which pool its check picked (a job of a group may have moved).
+        self.on_pool_named: Callable[[str], None] | None = None
 
     # -- the run --------------------------------------------------------------------------
 
@@ -211,6 +213,8 @@ class JobBook:
         (None) says nothing of it."""
         if pool is None or kind is None:
             return
+        if self.on_pool_named is not None:
+            self.on_pool_named(pool)
         backend = self.status.backend
         if backend is not None and (backend.pool, backend.kind) == (pool, kind):
             return
@@ -225,7 +229,8 @@ class JobBook:
     def admission(self, answer: Admission) -> None:
         """Its pool's queue answered: a place in line (PENDING, unless the job is on its way
         out), or the grant (the state then moves on with the submission)."""
-        self.status.admission = answer.model_copy(update={"job_id": None})
+        moves = self.status.admission.moves if self.status.admission is not None else []
+        self.status.admission = answer.model_copy(update={"job_id": None, "moves": moves})
         if answer.granted and answer.server is not None:
             self.ran_on(answer.server)
         waiting_states = (JobState.QUEUED, JobState.PREPARING, JobState.SUBMITTING)
@@ -658,6 +663,23 @@ class JobBook:
             backend.provider_job_id = checkpoint.provider_job_id
         if checkpoint.server is not None:
             self.ran_on(checkpoint.server)
+
+    def moved(self, from_pool: str, to_pool: str | None, reason: str) -> None:
+        """A job of a group left a pool before it started there (`admission.moves`)."""
+        move = PoolMove(from_pool=from_pool, to_pool=to_pool, reason=reason, at=workflow.now())
+        admission = self.status.admission or Admission(pool=from_pool)
+        self.status.admission = admission.model_copy(update={"moves": [*admission.moves, move]})
+        workflow.logger.info(
+            "job moved to another pool of its group",
+            extra={"job_id": self.status.job_id, "from": from_pool, "to": to_pool},
+        )
+        self.changed()
+
+    def left_pool(self) -> None:
+        """Its pool took no work while it waited: the job's next check picks its group's pool
+        again (the status names no pool until then)."""
+        self.status.backend = None
+        self.changed()
 
     def ran_on(self, server: str) -> None:
         """The server of a pool of many that the job's queue gave it (or its follow sent the

@@ -37,9 +37,11 @@ with workflow.unsafe.imports_passed_through():
         TELL_PLACES_EVERY_S,
         TELL_PLACES_TO,
         Admission,
+        EndpointHealth,
         Holder,
         LinePlaces,
         PoolDrain,
+        PoolHealthView,
         PoolLine,
         PoolQueueView,
         QueueRoom,
@@ -141,6 +143,7 @@ class PoolQueue:
         reclaim = asyncio.create_task(self._reclaim_closed_holders())
         ticker = asyncio.create_task(self._tick_while_anyone_waits())
         health = asyncio.create_task(self._watch_servers())
+        endpoint = asyncio.create_task(self._watch_endpoint())
         started = workflow.now()
         next_telling = started
         while not self._should_continue(started):
@@ -174,11 +177,14 @@ class PoolQueue:
         reclaim.cancel()
         ticker.cancel()
         health.cancel()
+        endpoint.cancel()
         with contextlib.suppress(asyncio.CancelledError, ActivityError):
             # Its activity's cancellation, retrieved (unretrieved, asyncio logs it).
             await reclaim
         with contextlib.suppress(asyncio.CancelledError, ActivityError):
             await health
+        with contextlib.suppress(asyncio.CancelledError, ActivityError):
+            await endpoint
         with contextlib.suppress(asyncio.CancelledError):
             await ticker
         await workflow.wait_condition(workflow.all_handlers_finished)
@@ -342,6 +348,7 @@ class PoolQueue:
                 summary="server health",
             )
             now = workflow.now()
+            was = self._line.unhealthy()
             for server, reason in sorted(seen.items()):
                 if self._line.set_health(server, reason, now):
                     if reason is not None:
@@ -351,6 +358,41 @@ class PoolQueue:
                         extra={"pool": state.pool, "server": server, "unhealthy": reason},
                     )
                     self._news = True
+            if was is None and self._line.unhealthy() is not None:
+                self._tell_every_waiter()
+
+    async def _watch_endpoint(self) -> None:
+        """A runpod pool's endpoint, as one watch (an activity reading `/health`) sees it: its
+        answer comes when the endpoint turns unable to take a job (no worker idle, ready or
+        starting, some unhealthy or throttled), able again, or cold. Unable, the pool grants
+        nothing, and every waiting job hears why (a job of a group moves to its next pool)."""
+        state = self._line.state
+        while True:
+            await workflow.wait_condition(lambda: state.endpoint_watch)
+            health: EndpointHealth = await workflow.execute_activity(
+                shared.ACTIVITY_WATCH_ENDPOINT,
+                args=[state.pool, state.endpoint],
+                result_type=EndpointHealth,
+                start_to_close_timeout=timedelta(seconds=WATCH_SERVERS_FOR_S),
+                heartbeat_timeout=timedelta(seconds=WATCH_HEARTBEAT_S),
+                retry_policy=RetryPolicy(maximum_interval=timedelta(seconds=10)),
+                summary="endpoint health",
+            )
+            was = self._line.unhealthy()
+            if self._line.set_endpoint(health):
+                workflow.logger.warning(
+                    "pool_endpoint_health",
+                    extra={"pool": state.pool, "unhealthy": health.unhealthy, "cold": health.cold},
+                )
+                self._news = True
+                if was is None and self._line.unhealthy() is not None:
+                    self._tell_every_waiter()
+
+    def _tell_every_waiter(self) -> None:
+        """Each waiting job hears its place again, now with why the pool takes no work: those
+        waiting by signal from the loop, a follow waiting in line from its next look."""
+        self._untold |= {j for j in self._line.waiting_ids() if not self._line.watched(j)}
+        self._news = True
 
     @workflow.update(name=shared.UPDATE_POOL_DRAIN)
     def drain(self, payload: Any = None) -> PoolQueueView:
@@ -450,6 +492,10 @@ class PoolQueue:
     def places(self, job_ids: Any = None) -> LinePlaces:
         wanted = [j for j in job_ids if isinstance(j, str)] if isinstance(job_ids, list) else []
         return self._line.places_of(wanted)
+
+    @workflow.query(name=shared.QUERY_POOL_HEALTH)
+    def health(self, _ignored: Any = None) -> PoolHealthView:
+        return self._line.health_view()
 
     @workflow.query(name=shared.QUERY_ROOM)
     def room(self, tenant: Any = None) -> QueueRoom:

@@ -36,6 +36,7 @@ class SlotCarry(BaseModel):
 
     bound: PoolBound
     granted: bool = True
+    group: str | None = None
 
 
 class PoolSlot:
@@ -57,7 +58,15 @@ class PoolSlot:
         self._waited = False
         # In line by a follow that waits for the grant itself (its reports say where it is).
         self._in_follow = False
+        # A job of a group (its request names one): the group, and the pool's latest word that
+        # it takes no work (`_unwell`). When a pool it waits in turns so, `relocate` says why:
+        # its wait ends, and the job's check picks the group's next pool that takes work.
+        self.group: str | None = carry.group if carry else None
+        self._unwell: str | None = None
+        self.relocate: str | None = None
+        self._leaving: list[asyncio.Task[bool]] = []
         book.on_slot_held = self.held_by_check
+        book.on_pool_named = self.pool_named
         book.on_slot_waiting = self.waits_in_follow
 
     @property
@@ -70,7 +79,9 @@ class PoolSlot:
         return self.granted and not self._given_back
 
     def carry(self) -> SlotCarry | None:
-        return SlotCarry(bound=self.bound, granted=self.granted) if self.bound else None
+        if self.bound is None:
+            return None
+        return SlotCarry(bound=self.bound, granted=self.granted, group=self.group)
 
     @property
     def tenant(self) -> str:
@@ -78,13 +89,15 @@ class PoolSlot:
 
     async def take(
         self, bound: PoolBound | None, *, asked: bool = False, answer: Admission | None = None
-    ) -> None:
+    ) -> str | None:
         """Ask the pool's queue (unless the check has: `asked`, with the queue's `answer` when
         it gave one) and wait for the grant (PENDING meanwhile, when the queue says so);
         nothing to wait for on an unbounded pool (None). Cancelled with the job: the place in
-        line is given back by `give_back`."""
+        line is given back by `give_back`. A job of a group whose pool turns unable to take
+        work stops waiting: why (its place is kept until its next check picks another pool)."""
         if self.granted or bound is None:
-            return
+            return None
+        await self._moving_to(bound)
         self.bound = bound
         self._in_follow = False  # waits by signal from here on
         self._book.awaiting_slot = True
@@ -97,27 +110,59 @@ class PoolSlot:
         if asked and not self._answered:
             # Asked by the check, the answer to come by signal: in line meanwhile.
             self._in_line(bound)
-        while not self.granted:
+        while not self.granted and self.relocate is None:
             if not asked:
                 await self._ask(bound)
                 asked = True
             if self._answered:
                 # In line: the grant comes by signal, however long the line.
-                await workflow.wait_condition(lambda: self.granted)
+                await workflow.wait_condition(lambda: self.granted or self.relocate is not None)
                 break
             try:
                 await workflow.wait_condition(
-                    lambda: self.granted or self._answered,
+                    lambda: self.granted or self._answered or self.relocate is not None,
                     timeout=timedelta(seconds=ASK_AGAIN_AFTER_S),
                     timeout_summary="pool queue answer",
                 )
             except TimeoutError:
                 asked = False  # no word from the queue at all: ask again (a repeat is harmless)
         self._book.awaiting_slot = False
+        if self.granted:
+            return None
+        reason, self.relocate = self.relocate, None
+        return reason
 
-    async def take_checked(self, checked: PreparedJob | FollowResult) -> None:
+    async def take_checked(self, checked: PreparedJob | FollowResult) -> str | None:
         """`take`, after a check that found the pool bounded (and may have asked already)."""
-        await self.take(checked.bound, asked=checked.slot_asked, answer=checked.admission)
+        if checked.group is not None:
+            self.group = checked.group
+        return await self.take(checked.bound, asked=checked.slot_asked, answer=checked.admission)
+
+    async def _moving_to(self, bound: PoolBound) -> None:
+        self.pool_named(bound.pool)
+        await self.moves_told()
+
+    def pool_named(self, pool: str | None) -> None:
+        """The job heard which pool its check picked: a job of a group checked again that
+        picked another pool than the one it waits in gives its place there back (by signal,
+        awaited by `moves_told`) and records the move, whether the new pool is bounded or
+        not."""
+        old = self.bound
+        if old is None or pool is None or old.pool == pool or self.granted or self._given_back:
+            return
+        release = self._release("withdrawn")
+        self._leaving.append(
+            asyncio.create_task(self._signal(shared.SIGNAL_SLOT_RELEASE, release, pool=old.pool))
+        )
+        self._book.moved(old.pool, pool, self._unwell or "its pool took no work")
+        self._answered, self._unwell, self.relocate = False, None, None
+        # In no line until the new pool's check result says whether it has one.
+        self.bound = None
+
+    async def moves_told(self) -> None:
+        """Until the places left by moves are given back (their signals delivered)."""
+        while self._leaving:
+            await self._leaving.pop()
 
     def heard(self, payload: Any) -> None:
         """The queue's word: a place in line, or the grant (anything else is ignored: a
@@ -130,13 +175,24 @@ class PoolSlot:
             # Asked by the check, answered before the workflow heard the check's result.
             self._early = answer
             return
-        if self._given_back or self.bound is None or answer.pool != self.bound.pool:
+        if self._given_back or self.bound is None:
+            return
+        if answer.pool != self.bound.pool:
+            if self.group is not None:
+                # A job of a group checked again on another pool: that queue's word came
+                # before the check's result (`take` hears it then).
+                self._early = answer
             return
         self._answered = True
         if self.granted:
             return
         if answer.granted:
             self.granted = True
+        elif self.group is not None:
+            # Told its pool takes no work (newly: not again while it stays so): the wait ends.
+            if answer.unhealthy is not None and self._unwell is None:
+                self.relocate = answer.unhealthy
+            self._unwell = answer.unhealthy
         if self.on_answer is not None:
             self.on_answer(answer)
         if not answer.granted and not self._waited:
@@ -181,7 +237,11 @@ class PoolSlot:
         holds it unsettled) at its end as after any grant."""
         if self._given_back or self.granted:
             return
-        if self.bound is not None and not self._in_follow:
+        if self.bound is not None and self.bound.pool != bound.pool:
+            # A job of a group that left its pool's line: its check picked another pool and
+            # was granted a slot of it at once.
+            self.pool_named(bound.pool)
+        elif self.bound is not None and not self._in_follow:
             return  # in line by signal: the grant comes by signal
         if self._in_follow and self._book.pending:
             # Its follow was granted in line and submits: the job follows its prompt again
@@ -223,6 +283,7 @@ class PoolSlot:
     async def given_back(self) -> None:
         """Until the giving back is delivered: a signal initiated by a workflow that closes in
         the same task is not delivered (tried: the queue never heard it)."""
+        await self.moves_told()
         if self._giving_back is not None:
             await self._giving_back
 
@@ -264,16 +325,12 @@ class PoolSlot:
         )
 
     async def _ask(self, bound: PoolBound) -> None:
-        ask = SlotRequest(
+        ask = SlotRequest.of_bound(
+            bound,
             job_id=self._status.job_id,
             tenant=self.tenant,
             priority=self._request.priority,
-            weight=bound.weight,
-            max_running=bound.max_running,
             accepted_at=self._status.created_at or workflow.now(),
-            reclaim_every_s=bound.reclaim_every_s,
-            tenant_max_pending=bound.tenant_max_pending,
-            pool_max_pending=bound.pool_max_pending,
         )
         if await self._signal(shared.SIGNAL_SLOT_REQUEST, ask):
             return
@@ -285,9 +342,11 @@ class PoolSlot:
             summary=f"open the queue of pool {bound.pool}",
         )
 
-    async def _signal(self, name: str, message: BaseModel) -> bool:
-        assert self.bound is not None
-        queue = shared.pool_queue_id(workflow.info().task_queue, self.bound.pool)
+    async def _signal(self, name: str, message: BaseModel, *, pool: str | None = None) -> bool:
+        assert self.bound is not None or pool is not None
+        queue = shared.pool_queue_id(
+            workflow.info().task_queue, pool or (self.bound.pool if self.bound else "")
+        )
         try:
             await workflow.get_external_workflow_handle(queue).signal(name, message)
         except Exception:

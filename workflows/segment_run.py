@@ -136,7 +136,12 @@ class SegmentRun:
             # Checked on a bounded pool, nothing submitted: wait for a slot, then submit.
             book.prepared_on(result.pool, result.kind)
             assert self._slot is not None and result.bound is not None
-            await self._slot.take_checked(result)
+            if await self._slot.take_checked(result) is not None:
+                # Its pool took no work while it waited (a job of a group): checked again,
+                # leaving that pool for the group's next one that does.
+                assert self._check is not None
+                self._check = self._check.model_copy(update={"leaving": result.pool})
+                book.left_pool()
             given = False
 
     def _follow_input(self, checkpoint: Checkpoint, submit: bool, first_post: bool) -> FollowInput:

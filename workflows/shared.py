@@ -55,6 +55,8 @@ FOLLOW_WAITS_IN_LINE_S: Final = 600.0
 QUERY_ROOM: Final = "room"
 # `pool drain` / `pool undrain`: no new job for a server of the pool, or the whole pool.
 UPDATE_POOL_DRAIN: Final = "drain"
+# Whether a pool takes work and how long a new job would wait (a group's check asks it).
+QUERY_POOL_HEALTH: Final = "health"
 
 
 # Batches (workflows/job_batch.py): one `JobBatch` workflow per batch, whose ID is the batch's;
@@ -106,6 +108,8 @@ ACTIVITY_OPEN_POOL_QUEUE: Final = "open_pool_queue"
 ACTIVITY_CLOSED_JOBS: Final = "closed_jobs"
 # The health of a pool of many servers, watched for its dispatcher: returns when it changes.
 ACTIVITY_WATCH_SERVERS: Final = "watch_pool_servers"
+# A RunPod endpoint's `/health`, watched for its pool's dispatcher: returns when it changes.
+ACTIVITY_WATCH_ENDPOINT: Final = "watch_endpoint_health"
 
 # A worker that pushes live progress polls under `<identity> live=<its address>`, so a client
 # that lists the task queue's pollers can subscribe there before a job names its worker.

@@ -18,7 +18,7 @@ import typer
 
 from starter.cli.common import ExitCode, config_of, echo_json, fail, job_client, run
 from starter.errors import NoPoolQueue, UnknownServer
-from workflows.admission import PoolQueueView, ServerView
+from workflows.admission import EndpointHealth, PoolQueueView, ServerView
 
 app = typer.Typer(
     help="A bounded pool's queue: who runs, who waits, its servers, settling a slot, draining."
@@ -227,6 +227,10 @@ def status_lines(view: PoolQueueView, now: datetime) -> list[str]:
     if view.drained is not None:
         line += f", drained by {view.drained}"
     lines = [line]
+    if view.unhealthy is not None:
+        lines.append(f"takes no work now: {view.unhealthy}")
+    if view.endpoint is not None:
+        lines.append(endpoint_line(view.endpoint))
     if not view.servers:
         return lines
     header = ("server", "health", "running", "started", "failures", "since", "last error")
@@ -235,6 +239,18 @@ def status_lines(view: PoolQueueView, now: datetime) -> list[str]:
     for row in rows:
         lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
     return lines
+
+
+def endpoint_line(health: EndpointHealth) -> str:
+    """A runpod pool's endpoint as its queue last read `/health`."""
+    line = (
+        f"endpoint: {health.idle} idle, {health.initializing} starting, {health.running} "
+        f"running, {health.unhealthy_workers} unhealthy, {health.throttled} throttled; "
+        f"{health.in_queue} in its queue, {health.in_progress} in progress"
+    )
+    if health.cold:
+        line += " (cold: no worker up yet)"
+    return line
 
 
 def _server_row(server: ServerView, now: datetime) -> tuple[str, ...]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime
 from typing import Any
 
 import httpx
@@ -20,6 +21,8 @@ from activities.comfyui import server_health
 from activities.comfyui.graph import warm_key
 from activities.comfyui.pools import ComfyPools, find_prompt
 from activities.comfyui.server_health import ServerHealthActivities
+from activities.runpod.endpoint_health import read_health
+from activities.runpod.models import RunPodHealth
 from configuration.pools import PoolConfig
 from configuration.settings import WorkerSettings
 from devstack.free_ports import free_port
@@ -197,3 +200,25 @@ async def test_a_prompt_whose_server_was_never_heard_of_is_found_or_left_unknown
         second.down = True
         found, unreachable = await find_prompt(clients, "p-2")
         assert found is None and unreachable == [second.url]
+
+
+@pytest.mark.parametrize(
+    ("workers", "unhealthy", "cold"),
+    [
+        ({"idle": 1}, False, False),
+        ({"running": 1, "unhealthy": 1}, True, False),
+        ({"throttled": 2}, True, False),
+        ({"unhealthy": 1, "initializing": 1}, False, True),
+        ({"running": 1, "unhealthy": 1, "idle": 1}, False, False),
+        ({"initializing": 2}, False, True),
+        ({"running": 1, "initializing": 1}, False, False),
+        ({}, False, False),
+    ],
+)
+def test_what_an_endpoints_health_means_for_routing(
+    workers: dict[str, int], unhealthy: bool, cold: bool
+) -> None:
+    health = RunPodHealth.model_validate({"workers": workers, "jobs": {"inQueue": 2}})
+    read = read_health(health, datetime.now(UTC))
+    assert (read.unhealthy is not None, read.cold) == (unhealthy, cold)
+    assert read.in_queue == 2

@@ -26,7 +26,7 @@ from starter.errors import ClientError, DrainRefused, NoPoolQueue, UnknownServer
 from starter.queues import drain_pool, operator_name
 from tests.conftest import free_port
 from tests.support.cli import logging_restored
-from workflows.admission import PoolDrain, PoolQueueView, ServerView
+from workflows.admission import EndpointHealth, PoolDrain, PoolQueueView, ServerView
 from workflows.shared import QUERY_POOL_QUEUE, UPDATE_POOL_DRAIN, pool_queue_id
 
 NOW = datetime(2026, 12, 7, 12, 0, tzinfo=UTC)
@@ -416,3 +416,21 @@ def test_a_drained_server_says_by_whom() -> None:
         servers=[ServerView(url=A, health="drained", drained_by="carol")],
     )
     assert status_lines(view, NOW)[2].split("  ")[1] == "drained by carol"
+
+
+def test_a_watched_endpoint_shows_its_workers_and_why_it_takes_no_work() -> None:
+    view = PoolQueueView(
+        pool="rp",
+        max_running=2,
+        waiting=3,
+        unhealthy="no worker can take a job: 2 unhealthy, 0 throttled, 1 running",
+        endpoint=EndpointHealth(running=1, unhealthy_workers=2, in_queue=0, in_progress=1),
+    )
+    lines = status_lines(view, NOW)
+    assert lines[1] == (
+        "takes no work now: no worker can take a job: 2 unhealthy, 0 throttled, 1 running"
+    )
+    assert lines[2] == (
+        "endpoint: 0 idle, 0 starting, 1 running, 2 unhealthy, 0 throttled; 0 in its queue, "
+        "1 in progress"
+    )

@@ -6,7 +6,13 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from workflows.admission import PoolLine, QueueState, SlotRequest
+from workflows.admission import (
+    EndpointHealth,
+    PoolLine,
+    QueueState,
+    SlotRequest,
+    place_in_line,
+)
 
 T0 = datetime(2026, 12, 7, tzinfo=UTC)
 A, B, C = "http://127.0.0.1:8001", "http://127.0.0.1:8002", "http://127.0.0.1:8003"
@@ -143,3 +149,66 @@ def test_the_servers_and_their_states_survive_continue_as_new() -> None:
     assert not again.takes_work(B)
     again.release("j0", T0)
     assert granted(again) == {"j2": A}
+
+
+def endpoint(**fields: object) -> EndpointHealth:
+    return EndpointHealth.model_validate(fields)
+
+
+def runpod_ask(line: PoolLine, job_id: str, cold_start_s: float = 40.0) -> None:
+    line.request(
+        SlotRequest(
+            job_id=job_id,
+            tenant="t",
+            max_running=1,
+            accepted_at=T0,
+            watch_endpoint=True,
+            cold_start_s=cold_start_s,
+        ),
+        T0,
+    )
+
+
+def test_an_endpoint_no_worker_can_serve_grants_nothing_and_its_waiters_hear_why() -> None:
+    line = PoolLine(QueueState(pool="rp"))
+    runpod_ask(line, "j0")
+    runpod_ask(line, "j1")
+    assert granted(line) == {"j0": None}
+    assert line.set_endpoint(endpoint(running=1, unhealthy="no worker can take a job"))
+    assert not line.set_endpoint(endpoint(running=1, unhealthy="no worker can take a job"))
+    line.release("j0", T0)
+    assert granted(line) == {}
+    place = line.admission_of("j1", T0)
+    assert place is not None and place.unhealthy == "no worker can take a job"
+    assert line.health_view().unhealthy == "no worker can take a job"
+    assert line.places_of(["j1"]).unhealthy == "no worker can take a job"
+    assert line.set_endpoint(endpoint(idle=1))
+    assert granted(line) == {"j1": None}
+
+
+def test_a_cold_endpoint_adds_its_cold_start_to_the_wait_and_says_so() -> None:
+    line = PoolLine(QueueState(pool="rp"))
+    runpod_ask(line, "j0", cold_start_s=40.0)
+    runpod_ask(line, "j1", cold_start_s=40.0)
+    granted(line)
+    line.set_endpoint(endpoint(initializing=2, cold=True))
+    place = line.admission_of("j1", T0)
+    assert place is not None and place.eta_s == 40.0
+    assert place.note == "cold start: about 40 s"
+    assert "cold start: about 40 s" in place_in_line(place)
+    assert line.health_view().eta_s == 40.0
+    line.set_endpoint(endpoint(idle=1))
+    warm = line.admission_of("j1", T0)
+    assert warm is not None and warm.eta_s is None and warm.note is None
+
+
+def test_every_server_unhealthy_makes_the_pool_unhealthy_but_a_drain_does_not() -> None:
+    line = PoolLine(QueueState(pool="farm"))
+    ask(line, "j0")
+    line.drain(A, "ops", T0)
+    line.drain(B, "ops", T0)
+    assert line.unhealthy() is None  # an operator's drain is not a failure to route around
+    line.drain(B, None, T0)
+    line.set_health(B, "no answer", T0)
+    reason = line.unhealthy()
+    assert reason is not None and "no answer" in reason
