@@ -17,7 +17,7 @@ import resource
 import signal
 import sys
 from collections.abc import Mapping
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 from typing import Annotated
 
@@ -46,7 +46,7 @@ from activities.orphans import OrphanSweeper, RunPodSweep
 from activities.pool_queue import PoolQueueActivities
 from activities.runpod.backend import RunPodBackend
 from activities.runpod.client import RunPodClient
-from activities.runpod.endpoint_health import EndpointHealthActivities
+from activities.runpod.endpoint_health import EndpointHealthActivities, read_health
 from activities.runpod.nodes import check_captured_registries
 from activities.runpod.retry import NO_RETRY
 from activities.slot_watch import SlotWatch, waiters_room
@@ -62,6 +62,8 @@ from configuration.settings import (
     WorkerSettings,
     runpod_api_keys,
 )
+from protocol.comfyui.client import ComfyClient
+from protocol.errors import ComfyError
 from starter import doctor
 from starter.client import JobClient
 from starter.connection import forwarded_core_logs
@@ -81,6 +83,8 @@ STICKY_TIMEOUT = timedelta(seconds=3)
 SDK_HEARTBEAT_THROTTLE = timedelta(seconds=0.05)
 # The start-up check's GET /health, per endpoint.
 RUNPOD_CHECK_TIMEOUT_S = 15.0
+# How long the doctor waits for a ComfyUI server's answer.
+POOL_CHECK_TIMEOUT_S = 5.0
 # Open files a worker needs besides its slots (Temporal, S3, logs, the metrics server).
 BASE_OPEN_FILES = 256
 # Per slot: a followed ComfyUI prompt's WebSocket, and an HTTP connection for its calls.
@@ -124,7 +128,11 @@ async def run_worker(
             address = f"{settings.metrics_host}:{settings.metrics_port}"
             log.info("metrics_serving", url=f"http://{address}/metrics")
         inputs = doctor.Inputs.of(
-            temporal, settings.task_queue, s3, functools.partial(runpod_health, settings, keys)
+            temporal,
+            settings.task_queue,
+            s3,
+            functools.partial(runpod_health, settings, keys),
+            functools.partial(comfyui_servers_health, settings),
         )
         client = await doctor.connect_checked(inputs, runtime)
     # Temporal owns retries: no transport-level retries here.
@@ -333,13 +341,13 @@ async def runpod_health(
             check=doctor.Check.RUNPOD, outcome=doctor.Outcome.OK, message="no runpod pools"
         )
     async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, connect=5.0), trust_env=False) as http:
-        failures = [
-            failure
+        answers = [
+            (name, await _endpoint_health(name, pool, keys[name], http))
             for name, pool in sorted(pools.items())
-            if (failure := await _endpoint_health(name, pool, keys[name], http)) is not None
         ]
+    failures = [answer for _, answer in answers if not isinstance(answer, str)]
     if not failures:
-        answered = f"{', '.join(sorted(pools))}: GET /health answered"
+        answered = "; ".join(f"{name}: GET /health answered: {answer}" for name, answer in answers)
         return doctor.CheckResult(
             check=doctor.Check.RUNPOD, outcome=doctor.Outcome.OK, message=answered
         )
@@ -354,13 +362,14 @@ async def runpod_health(
 
 async def _endpoint_health(
     name: str, pool: PoolConfig, key: SecretStr, http: httpx.AsyncClient
-) -> tuple[doctor.Problem, str] | None:
-    """None when the pool's endpoint answers; else what kind of problem, and what to do."""
+) -> tuple[doctor.Problem, str] | str:
+    """What the pool's endpoint's workers and jobs are when it answers; else what kind of
+    problem, and what to do."""
     client = RunPodClient.for_pool(pool, key, http, retry=NO_RETRY)
     where = f"endpoint {pool.endpoint_id} (pool {name!r})"
     try:
         async with asyncio.timeout(RUNPOD_CHECK_TIMEOUT_S):
-            await client.health()
+            health = read_health(await client.health(), datetime.now(UTC))
     except RunPodAuthError as exc:
         return doctor.Problem.CONFIGURATION, (
             f"the key in {exc.variable} is refused by {where}, HTTP {exc.status_code}: set "
@@ -376,7 +385,84 @@ async def _endpoint_health(
             f"{where} did not answer GET /health at {pool.url} "
             f"({doctor.one_line(exc) or 'no answer in time'})"
         )
-    return None
+    said = (
+        f"{health.idle} idle, {health.initializing} starting, {health.running} running, "
+        f"{health.unhealthy_workers} unhealthy, {health.throttled} throttled; "
+        f"{health.in_queue} in queue"
+    )
+    if health.unhealthy is not None:
+        said += f" (takes no work: {health.unhealthy})"
+    return said
+
+
+async def comfyui_servers_health(settings: WorkerSettings) -> doctor.CheckResult:
+    """The doctor's `pools` check: every server of each comfyui pool answers `GET /queue`,
+    and what it holds. One try each: a doctor says what it sees now."""
+    pools = {name: pool for name, pool in settings.pools.items() if pool.kind == "comfyui"}
+    if not pools:
+        return doctor.CheckResult(
+            check=doctor.Check.POOLS, outcome=doctor.Outcome.OK, message="no comfyui pools"
+        )
+    timeout = httpx.Timeout(POOL_CHECK_TIMEOUT_S, connect=POOL_CHECK_TIMEOUT_S)
+    async with httpx.AsyncClient(timeout=timeout, trust_env=False) as http:
+
+        async def look(url: str) -> tuple[str, str | None, int]:
+            """(server, why it did not answer or None, prompts it holds)."""
+            try:
+                queue = await ComfyClient(url, http).queue()
+            except ComfyError as exc:
+                return url, doctor.one_line(exc) or "no answer", 0
+            held = sum(len(queue.get(key, [])) for key in ("queue_running", "queue_pending"))
+            return url, None, held
+
+        seen = {
+            name: await asyncio.gather(*(look(url) for url in pool.servers))
+            for name, pool in sorted(pools.items())
+        }
+    failures = [
+        f"{url} (pool {name!r}) did not answer GET /queue ({error})"
+        for name, answers in seen.items()
+        for url, error, _ in answers
+        if error is not None
+    ]
+    lines = []
+    for name, answers in seen.items():
+        up = sum(1 for _, error, _ in answers if error is None)
+        busy = [f"{url} holds {held}" for url, error, held in answers if error is None and held]
+        lines.append(
+            f"{name}: {up} of {len(answers)} server(s) answer"
+            + (f" ({', '.join(busy)})" if busy else "")
+        )
+    if failures:
+        return doctor.CheckResult(
+            check=doctor.Check.POOLS,
+            outcome=doctor.Outcome.FAIL,
+            message="; ".join(failures + lines),
+            problem=doctor.Problem.UNREACHABLE,
+        )
+    return doctor.CheckResult(
+        check=doctor.Check.POOLS, outcome=doctor.Outcome.OK, message="; ".join(lines)
+    )
+
+
+def doctor_pools_check() -> doctor.PoolsCheck:
+    """The `pools` check for `durable-comfy doctor` (through the `worker` plugin, as
+    `doctor_runpod_check`)."""
+    try:
+        settings = WorkerSettings()
+    except (ValidationError, SettingsError) as exc:
+        message = "; ".join(problem_lines(exc))
+
+        async def refused() -> doctor.CheckResult:
+            return doctor.CheckResult(
+                check=doctor.Check.POOLS,
+                outcome=doctor.Outcome.FAIL,
+                message=f"invalid worker settings: {message}",
+                problem=doctor.Problem.CONFIGURATION,
+            )
+
+        return refused
+    return functools.partial(comfyui_servers_health, settings)
 
 
 def doctor_runpod_check() -> doctor.RunPodCheck:

@@ -88,6 +88,7 @@ class Check(StrEnum):
     WORKER = "worker"
     BUCKET = "bucket"
     RUNPOD = "runpod"
+    POOLS = "pools"
     ENCRYPTION = "encryption"
     GATEWAY = "gateway"
 
@@ -157,6 +158,8 @@ def exit_code(results: list[CheckResult]) -> DoctorExit:
 # The worker's own check of its RunPod pools (worker.py): the client library holds no worker
 # code, so the CLI gets it from the `worker` plugin (starter.cli.doctor).
 RunPodCheck = Callable[[], Awaitable[CheckResult]]
+# And its check of its ComfyUI pools' servers (the same plugin).
+PoolsCheck = Callable[[], Awaitable[CheckResult]]
 
 
 @dataclass
@@ -168,17 +171,21 @@ class Inputs:
     s3: S3Settings | None = None
     codec: EncryptionCodec | None = None
     runpod: RunPodCheck | None = None
+    pools: PoolsCheck | None = None
     # An HTTP gateway to check as well (`doctor --gateway URL`); None: no gateway check.
     gateway_url: str | None = None
     errors: dict[Check, str] = field(default_factory=dict)
 
     @classmethod
     def from_environment(
-        cls, runpod: RunPodCheck | None = None, gateway_url: str | None = None
+        cls,
+        runpod: RunPodCheck | None = None,
+        gateway_url: str | None = None,
+        pools: PoolsCheck | None = None,
     ) -> Inputs:
         """Read as the job commands and the worker read them, without stopping at the first
         bad one: each problem fails the check that needs the setting."""
-        inputs = cls(runpod=runpod, gateway_url=gateway_url)
+        inputs = cls(runpod=runpod, gateway_url=gateway_url, pools=pools)
         codec_problem = inputs._read_codec()
         try:
             inputs.temporal = TemporalSettings()
@@ -209,9 +216,10 @@ class Inputs:
         task_queue: str,
         s3: S3Settings,
         runpod: RunPodCheck | None,
+        pools: PoolsCheck | None = None,
     ) -> Inputs:
         """Settings the worker has already read (and the codec's, read here)."""
-        inputs = cls(temporal=temporal, task_queue=task_queue, s3=s3, runpod=runpod)
+        inputs = cls(temporal=temporal, task_queue=task_queue, s3=s3, runpod=runpod, pools=pools)
         inputs._read_codec()
         return inputs
 
@@ -256,6 +264,7 @@ class Doctor:
             (Check.WORKER, (Check.NAMESPACE,), self._worker),
             (Check.BUCKET, (), self._bucket),
             (Check.RUNPOD, (), self._runpod),
+            (Check.POOLS, (), self._pools),
             (Check.ENCRYPTION, (), self._encryption),
             (Check.GATEWAY, (), self._gateway),
         )
@@ -415,6 +424,15 @@ class Doctor:
             )
         return await self.inputs.runpod()
 
+    async def _pools(self) -> CheckResult:
+        if self.inputs.pools is None:
+            return CheckResult(
+                check=Check.POOLS,
+                outcome=Outcome.SKIPPED,
+                message="skipped (needs the worker, which reads the pools: not installed here)",
+            )
+        return await self.inputs.pools()
+
     async def _encryption(self) -> CheckResult:
         codec = self.inputs.codec
         if codec is None:
@@ -471,7 +489,7 @@ class Doctor:
 # Services a worker rides out when they are down: each activity retries against them, and a
 # worker that refused to start during an S3 or RunPod outage would also stop every job of its
 # other pools (and crash-loop under a process manager). Temporal is not one of them.
-RIDDEN_OUT = frozenset({Check.BUCKET, Check.RUNPOD})
+RIDDEN_OUT = frozenset({Check.BUCKET, Check.RUNPOD, Check.POOLS})
 
 
 def refuses_start(result: CheckResult) -> bool:

@@ -150,7 +150,7 @@ class EndpointHealth(_Read):
     # throttled: why; None while it can. Its queue grants nothing meanwhile, and a job of a
     # group moves on.
     unhealthy: str | None = None
-    # No worker ready, some starting: a job waits for a cold start.
+    # No worker idle or running (none up, or some starting): a job waits for a cold start.
     cold: bool = False
     as_of: datetime | None = None
 

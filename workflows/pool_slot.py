@@ -148,7 +148,9 @@ class PoolSlot:
         awaited by `moves_told`) and records the move, whether the new pool is bounded or
         not."""
         old = self.bound
-        if old is None or pool is None or old.pool == pool or self.granted or self._given_back:
+        if self.group is None or old is None or pool is None or old.pool == pool:
+            return
+        if self.granted or self._given_back:
             return
         release = self._release("withdrawn")
         self._leaving.append(

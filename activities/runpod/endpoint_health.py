@@ -9,8 +9,8 @@ per change:
   unhealthy or throttled; or `/health` itself failed `FAILS_TO_MARK` times in a row (RunPod's
   API is where jobs are submitted too). Its queue grants nothing meanwhile, and a job of a group
   moves on to the group's next pool.
-- **cold**: no worker idle or running and some starting: a job waits for a cold start, which
-  its wait estimate counts (`cold_start_s`).
+- **cold**: no worker idle or running (none at all, or some starting): a job waits for a cold
+  start, which its wait estimate counts (`cold_start_s`).
 
 It also returns after `WATCH_FOR_S` with what it read, so the pool's changed settings reach the
 next watch.
@@ -62,9 +62,8 @@ def read_health(health: RunPodHealth, now: datetime) -> EndpointHealth:
         in_queue=jobs.in_queue,
         in_progress=jobs.in_progress,
         unhealthy=unhealthy,
-        cold=unhealthy is None
-        and not (workers.idle or workers.running)
-        and workers.initializing > 0,
+        # No worker up at all: a new job waits for one to start (from zero, or a starting one).
+        cold=unhealthy is None and not (workers.idle or workers.running),
         as_of=now,
     )
 

@@ -41,12 +41,12 @@ def doctor(
     raise typer.Exit(int(exit_code(results)))
 
 
-def _worker_runpod_check() -> RunPodCheck | None:
-    """The worker's `runpod` check, from the `worker` plugin this install registers (None
-    without it). Found through the plugin, as the command itself is: the client library
-    imports no worker code (tests/test_layers.py)."""
+def _worker_check(name: str) -> RunPodCheck | None:
+    """The worker's check `name` (`doctor_runpod_check`, `doctor_pools_check`), from the
+    `worker` plugin this install registers (None without it). Found through the plugin, as the
+    command itself is: the client library imports no worker code (tests/test_layers.py)."""
     for entry in entry_points(group=PLUGIN_GROUP, name="worker"):
-        check = getattr(importlib.import_module(entry.module), "doctor_runpod_check", None)
+        check = getattr(importlib.import_module(entry.module), name, None)
         if check is not None:
             made: RunPodCheck = check()
             return made
@@ -55,7 +55,11 @@ def _worker_runpod_check() -> RunPodCheck | None:
 
 async def _checks(json_output: bool, gateway: str | None) -> list[CheckResult]:
     results: list[CheckResult] = []
-    inputs = Inputs.from_environment(runpod=_worker_runpod_check(), gateway_url=gateway)
+    inputs = Inputs.from_environment(
+        runpod=_worker_check("doctor_runpod_check"),
+        gateway_url=gateway,
+        pools=_worker_check("doctor_pools_check"),
+    )
     async for result in Doctor(inputs).run():
         # As each check ends: a slow one shows what has passed so far.
         if json_output:

@@ -26,6 +26,8 @@ from activities.runpod.models import RunPodHealth
 from configuration.pools import PoolConfig
 from configuration.settings import WorkerSettings
 from devstack.free_ports import free_port
+from starter.doctor import Outcome, Problem
+from worker import comfyui_servers_health
 from workflows.admission import ServerWatch
 
 A, B = "http://127.0.0.1:8001", "http://127.0.0.1:8002"
@@ -212,7 +214,7 @@ async def test_a_prompt_whose_server_was_never_heard_of_is_found_or_left_unknown
         ({"running": 1, "unhealthy": 1, "idle": 1}, False, False),
         ({"initializing": 2}, False, True),
         ({"running": 1, "initializing": 1}, False, False),
-        ({}, False, False),
+        ({}, False, True),
     ],
 )
 def test_what_an_endpoints_health_means_for_routing(
@@ -222,3 +224,19 @@ def test_what_an_endpoints_health_means_for_routing(
     read = read_health(health, datetime.now(UTC))
     assert (read.unhealthy is not None, read.cold) == (unhealthy, cold)
     assert read.in_queue == 2
+
+
+async def test_the_doctor_names_each_server_that_does_not_answer_and_what_the_others_hold(
+    two_servers: tuple[FakeServer, FakeServer],
+) -> None:
+    first, second = two_servers
+    first.queued = ["p-1"]
+    farm = PoolConfig(urls=[first.url, second.url])
+    result = await comfyui_servers_health(settings({"farm": farm}))
+    assert result.outcome is Outcome.OK, result
+    assert result.message == f"farm: 2 of 2 server(s) answer ({first.url} holds 1)"
+    second.down = True
+    result = await comfyui_servers_health(settings({"farm": farm}))
+    assert result.outcome is Outcome.FAIL and result.problem is Problem.UNREACHABLE
+    assert result.message.startswith(f"{second.url} (pool 'farm') did not answer GET /queue")
+    assert result.message.endswith("farm: 1 of 2 server(s) answer (" + first.url + " holds 1)")

@@ -166,6 +166,11 @@ async def test_a_pending_jobs_view_carries_its_admission_without_the_tenant() ->
         # Set for a job its tenant's daily budget holds (docs/queue.md, "Budgets").
         "held": None,
         "resets_at": None,
+        # A pool of many servers, a group's failover (docs/pools.md).
+        "server": None,
+        "unhealthy": None,
+        "note": None,
+        "moves": [],
     }
     assert "live_progress" not in view
     # A job on an unbounded pool has none.

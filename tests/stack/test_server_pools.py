@@ -25,15 +25,15 @@ import pytest
 import pytest_asyncio
 
 from activities.storage import ArtifactStore
+from configuration.settings import S3Settings
+from devstack.models import RunningStack
 from devstack.processes import PidRecord, terminate
 from faults.graphs import chaos_policy, sampler_graph
-from faults.harness import ChaosStack
 from faults.wait import eventually
 from faults.worker_proc import KillableWorker
 from starter.client import JobClient
 from starter.connection import connect_temporal
 from starter.errors import NoPoolQueue
-from tests.conftest import StackConfigFactory
 from tests.stack.parallel_sim import start_parallel_sim
 from workflows import shared
 from workflows.admission import PoolQueueView
@@ -57,7 +57,7 @@ class Sim:
 
 @dataclass
 class Farm:
-    stack: ChaosStack
+    stack: RunningStack
     task_queue: str
     workers: list[KillableWorker]
     sims: list[Sim]
@@ -104,16 +104,16 @@ async def start_sim(base: Path, port: int | None = None) -> Sim:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def farm_fleet(
-    stack_config_factory: StackConfigFactory, tmp_path_factory: pytest.TempPathFactory
+    local_stack: RunningStack, tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[Farm]:
-    config = stack_config_factory("server-pools")
-    stack = await ChaosStack.start(config, Path(config.state_dir).parent)
+    """The process's stack (Temporal, S3), two simulators of the module's own, and two worker
+    processes on a task queue of their own whose pool `farm` is the two simulators."""
     base = tmp_path_factory.mktemp("server-pools")
     task_queue = f"farm-{uuid.uuid4().hex[:8]}"
     sims = [await start_sim(base / f"sim-{n}") for n in (1, 2)]
     pools = {POOL: {"kind": "comfyui", "urls": [s.url for s in sims]}}
     env = {
-        **stack.running.worker_env(),
+        **local_stack.worker_env(),
         "DURABLE_COMFY_TASK_QUEUE": task_queue,
         "DURABLE_COMFY_POOLS": json.dumps(pools),
         "DURABLE_COMFY_DEFAULT_POOL": POOL,
@@ -124,19 +124,17 @@ async def farm_fleet(
     ]
     try:
         await asyncio.gather(*(w.start() for w in workers))
-        running = stack.running
-        temporal = await connect_temporal(running.temporal_address, running.namespace)
+        temporal = await connect_temporal(local_stack.temporal_address, local_stack.namespace)
         async with (
             httpx.AsyncClient(trust_env=False) as http,
-            ArtifactStore(stack.s3_settings()) as store,
+            ArtifactStore(S3Settings.from_env(local_stack.worker_env())) as store,
         ):
             client = JobClient(temporal, task_queue=task_queue, store=store)
-            yield Farm(stack, task_queue, workers, sims, http, client)
+            yield Farm(local_stack, task_queue, workers, sims, http, client)
     finally:
         await asyncio.gather(*(w.terminate(grace_s=10.0) for w in workers))
         for sim in sims:
             await terminate(sim.record, grace_s=10)
-        await stack.stop()
     assert [pid for w in workers for pid in w.running_pids()] == []
 
 
