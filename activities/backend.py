@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Mapping
+from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol, TypeVar
 
 import structlog
@@ -380,6 +381,7 @@ class JobActivities:
             heartbeat=activity.heartbeat,
             heartbeat_every_s=beat,
             leave_when_unhealthy=prepared.group is not None,
+            start_by=_start_by(check) if prepared.group is not None else None,
         )
 
     async def _server_granted(self, job_id: str, bound: PoolBound) -> str | None:
@@ -420,6 +422,16 @@ class JobActivities:
         if req.pool is None:
             update |= {"pool": pool, "kind": self._backends.kind_of(pool)}
         return check.model_copy(update=update) if update else check
+
+
+def _start_by(check: activity_io.PrepareInput) -> datetime | None:
+    """When the job must have begun running (its check's start deadline, left of it)."""
+    if check.start_by_s is None or check.accepted_at is None:
+        return None
+    if check.leaving is not None:
+        # Checked again: `start_by_s` is what was left of it then.
+        return datetime.now(UTC) + timedelta(seconds=check.start_by_s)
+    return check.accepted_at + timedelta(seconds=check.start_by_s)
 
 
 def _passed(view: PoolHealthView | None, start_by_s: float | None) -> str | None:

@@ -90,6 +90,9 @@ class _Waiter:
     # may move to the group's next pool); `leaving` says why.
     leave_when_unhealthy: bool = False
     leaving: str | None = None
+    # A job of a group with a start deadline: when its place here would start it later, its
+    # wait ends too.
+    start_by: datetime | None = None
 
 
 class _PoolWatch:
@@ -170,11 +173,26 @@ class _PoolWatch:
                 self._unknown(waiter, now)
                 continue
             waiter.missing_since = None
+            if self._too_late(waiter, position, places):
+                continue
             if waiter.told is None or (
                 position <= TELL_PLACES_TO and worth_telling(waiter.told, position)
             ):
                 waiter.told = position
                 self._tell(waiter, self._place(waiter, position, places))
+
+    def _too_late(self, waiter: _Waiter, position: int, places: LinePlaces) -> bool:
+        """A job of a group whose start deadline its place here would pass (by the queue's
+        pace): its wait ends, handed to the job, which moves to the group's next pool."""
+        if waiter.start_by is None or places.per_start_s is None:
+            return False
+        eta = position * places.per_start_s
+        left = (waiter.start_by - datetime.now(UTC)).total_seconds()
+        if eta <= left:
+            return False
+        waiter.leaving = f"estimated start in {eta:.0f} s, {max(left, 0):.0f} s left of start_by_s"
+        waiter.granted.set()
+        return True
 
     async def _leave_if_unhealthy(self, now: float) -> None:
         """Every `HEALTH_EVERY_S` while a job of a group waits here: if the pool takes no work,
@@ -266,6 +284,7 @@ class SlotWatch:
         heartbeat: Callable[[], None],
         heartbeat_every_s: float,
         leave_when_unhealthy: bool = False,
+        start_by: datetime | None = None,
     ) -> bool:
         """Until the job holds a slot (True), or `wait_s` has passed (False: the queue was
         asked again to tell the job by signal, as a check that did not wait). `answer` is the
@@ -274,7 +293,9 @@ class SlotWatch:
         watch = self._pools.get(key)
         if watch is None:
             watch = self._pools[key] = _PoolWatch(self._client, task_queue, pool, self._ask)
-        waiter = _Waiter(request, tell, leave_when_unhealthy=leave_when_unhealthy)
+        waiter = _Waiter(
+            request, tell, leave_when_unhealthy=leave_when_unhealthy, start_by=start_by
+        )
         if answer is not None and answer.position is not None:
             waiter.told = answer.position
             await tell(answer)

@@ -65,7 +65,8 @@ class PrepareInput(StrictModel):
     # A job of a group (its `pool` names one) leaving this pool of it before it started there
     # (it turned unhealthy): the check picks another that takes work, else this one again.
     leaving: str | None = None
-    # The request's start deadline: a group's pool whose estimated start is later is passed.
+    # The request's start deadline (left of it, for a job checked again): a group's pool whose
+    # estimated start is later is passed.
     start_by_s: float | None = None
 
     @classmethod

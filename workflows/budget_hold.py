@@ -55,4 +55,5 @@ async def prepare_and_take_slot(book: JobBook, check: PrepareInput, slot: PoolSl
         book.prepared_on(prepared.pool, prepared.kind)
         if await slot.take_checked(prepared) is None:
             return prepared
-        check = check.model_copy(update={"leaving": prepared.pool})
+        left = slot.start_left_s()
+        check = check.model_copy(update={"leaving": prepared.pool, "start_by_s": left})

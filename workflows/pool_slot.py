@@ -63,7 +63,10 @@ class PoolSlot:
         # its wait ends, and the job's check picks the group's next pool that takes work.
         self.group: str | None = carry.group if carry else None
         self._unwell: str | None = None
+        self._late_told = False
         self.relocate: str | None = None
+        # Why the job's wait ended last (what its move records).
+        self._leaving_because: str | None = None
         self._leaving: list[asyncio.Task[bool]] = []
         book.on_slot_held = self.held_by_check
         book.on_pool_named = self.pool_named
@@ -130,6 +133,7 @@ class PoolSlot:
         if self.granted:
             return None
         reason, self.relocate = self.relocate, None
+        self._leaving_because = reason
         return reason
 
     async def take_checked(self, checked: PreparedJob | FollowResult) -> str | None:
@@ -156,8 +160,9 @@ class PoolSlot:
         self._leaving.append(
             asyncio.create_task(self._signal(shared.SIGNAL_SLOT_RELEASE, release, pool=old.pool))
         )
-        self._book.moved(old.pool, pool, self._unwell or "its pool took no work")
+        self._book.moved(old.pool, pool, self._leaving_because or "its pool took no work")
         self._answered, self._unwell, self.relocate = False, None, None
+        self._late_told, self._leaving_because = False, None
         # In no line until the new pool's check result says whether it has one.
         self.bound = None
 
@@ -191,10 +196,15 @@ class PoolSlot:
         if answer.granted:
             self.granted = True
         elif self.group is not None:
-            # Told its pool takes no work (newly: not again while it stays so): the wait ends.
+            # Told its pool takes no work (newly: not again while it stays so), or that it would
+            # not start there before its start deadline (once a pool): the wait ends.
             if answer.unhealthy is not None and self._unwell is None:
                 self.relocate = answer.unhealthy
             self._unwell = answer.unhealthy
+            late = self._late(answer)
+            if self.relocate is None and late is not None and not self._late_told:
+                self._late_told = True
+                self.relocate = late
         if self.on_answer is not None:
             self.on_answer(answer)
         if not answer.granted and not self._waited:
@@ -203,6 +213,24 @@ class PoolSlot:
                 self.on_wait()
         elif answer.granted and self._waited and self.on_granted_after_wait is not None:
             self.on_granted_after_wait()
+
+    def start_left_s(self) -> float | None:
+        """How long the job has left to begin running by its `start_by_s` (None: no deadline)."""
+        start_by = self._request.policy.start_by_s
+        if start_by is None:
+            return None
+        accepted = self._status.created_at or workflow.now()
+        return max(start_by - (workflow.now() - accepted).total_seconds(), 0.0)
+
+    def _late(self, answer: Admission) -> str | None:
+        """Why the job would not start in its pool in time, by the queue's estimate; None."""
+        left = self.start_left_s()
+        if left is None or answer.eta_s is None or answer.eta_s <= left:
+            return None
+        return (
+            f"estimated start in {answer.eta_s:.0f} s, {left:.0f} s left of its "
+            f"start_by_s ({self._request.policy.start_by_s:.0f} s)"
+        )
 
     def _in_line(self, bound: PoolBound) -> None:
         """PENDING, place not known yet (not an answer: the job still asks again if none

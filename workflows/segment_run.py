@@ -140,7 +140,10 @@ class SegmentRun:
                 # Its pool took no work while it waited (a job of a group): checked again,
                 # leaving that pool for the group's next one that does.
                 assert self._check is not None
-                self._check = self._check.model_copy(update={"leaving": result.pool})
+                left = self._slot.start_left_s()
+                self._check = self._check.model_copy(
+                    update={"leaving": result.pool, "start_by_s": left}
+                )
                 book.left_pool()
             given = False
 

@@ -5,7 +5,7 @@ asks again when the queue does not know it, and hands the wait to its job when i
 from __future__ import annotations
 
 import asyncio
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -13,8 +13,8 @@ from temporalio.client import WorkflowQueryFailedError
 
 from activities import slot_watch
 from activities.slot_watch import SlotWatch, waiters_room
-from workflows.admission import Admission, LinePlaces, SlotRequest
-from workflows.shared import QUERY_LINE_PLACES, QUERY_SLOT_HOLDERS
+from workflows.admission import Admission, LinePlaces, PoolHealthView, SlotRequest
+from workflows.shared import QUERY_LINE_PLACES, QUERY_POOL_HEALTH, QUERY_SLOT_HOLDERS
 
 
 class Dispatcher:
@@ -26,6 +26,7 @@ class Dispatcher:
         self.waiting = 0
         self.queries: list[str] = []
         self.knows_queries = True
+        self.unhealthy: str | None = None
 
     async def query(self, name: str, *args: Any, result_type: Any = None) -> Any:
         self.queries.append(name)
@@ -33,6 +34,8 @@ class Dispatcher:
             raise WorkflowQueryFailedError(f"unknown query type {name!r}")
         if name == QUERY_SLOT_HOLDERS:
             return list(self.holders)
+        if name == QUERY_POOL_HEALTH:
+            return PoolHealthView(pool="gpu", unhealthy=self.unhealthy)
         assert name == QUERY_LINE_PLACES
         [ids] = args
         wanted = {j: p for j, p in self.places.items() if j in ids}
@@ -65,7 +68,15 @@ class World:
     def beat(self) -> None:
         self.beats += 1
 
-    def wait(self, job_id: str, answer: Admission | None = None, wait_s: float = 30.0) -> Any:
+    def wait(
+        self,
+        job_id: str,
+        answer: Admission | None = None,
+        wait_s: float = 30.0,
+        *,
+        leave_when_unhealthy: bool = False,
+        start_by: datetime | None = None,
+    ) -> Any:
         request = SlotRequest(
             job_id=job_id,
             tenant="t",
@@ -83,6 +94,8 @@ class World:
             tell=self.tell,
             heartbeat=self.beat,
             heartbeat_every_s=0.05,
+            leave_when_unhealthy=leave_when_unhealthy,
+            start_by=start_by,
         )
 
 
@@ -172,3 +185,41 @@ async def test_a_queue_that_cannot_be_watched_hands_the_wait_to_the_job(world: W
     world.dispatcher.knows_queries = False  # a dispatcher of a version before the queries
     assert await asyncio.wait_for(world.wait("j"), 5) is False
     assert [(a.job_id, a.in_follow) for a in world.asked] == [("j", False)]
+
+
+async def test_a_job_of_a_group_leaves_the_line_of_a_pool_that_takes_no_work(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(slot_watch, "HEALTH_EVERY_S", 0.02)
+    world.dispatcher.places, world.dispatcher.waiting = {"g": 3, "plain": 2}, 3
+    group_job = asyncio.create_task(world.wait("g", leave_when_unhealthy=True))
+    plain_job = asyncio.create_task(world.wait("plain"))
+    await until(lambda: len(world.told) == 2, "both places told")
+    await asyncio.sleep(0.1)
+    assert not group_job.done()
+    world.dispatcher.unhealthy = "no worker can take a job"
+    # Handed to its job (which moves): the queue is asked to tell it by signal from now on.
+    assert await asyncio.wait_for(group_job, 2) is False
+    assert [(a.job_id, a.in_follow) for a in world.asked] == [("g", False)]
+    # A job of no group waits on.
+    await asyncio.sleep(0.1)
+    assert not plain_job.done()
+    world.dispatcher.holders = ["plain"]
+    assert await asyncio.wait_for(plain_job, 2) is True
+
+
+async def test_a_job_of_a_group_leaves_a_line_that_would_start_it_after_its_deadline(
+    world: World,
+) -> None:
+    # 2 s a start: 3rd in line is 6 s away; one deadline is 10 s away, the other 4 s.
+    world.dispatcher.places, world.dispatcher.waiting = {"patient": 3, "hurried": 3}, 3
+    soon = datetime.now(UTC) + timedelta(seconds=4)
+    later = datetime.now(UTC) + timedelta(seconds=10)
+    hurried = asyncio.create_task(world.wait("hurried", leave_when_unhealthy=True, start_by=soon))
+    patient = asyncio.create_task(world.wait("patient", leave_when_unhealthy=True, start_by=later))
+    assert await asyncio.wait_for(hurried, 2) is False
+    assert [a.job_id for a in world.asked] == ["hurried"]
+    await asyncio.sleep(0.1)
+    assert not patient.done()
+    world.dispatcher.holders = ["patient"]
+    assert await asyncio.wait_for(patient, 2) is True

@@ -13,12 +13,16 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 import pytest_asyncio
 
 from configuration.pools import PoolConfig
 from devstack.models import RunningStack
+from devstack.processes import terminate
+from faults.wait import eventually
+from tests.stack.parallel_sim import start_parallel_sim
 from tests.support.runpod_e2e import bucket_env, endpoint_sim, job, runpod_pool, serving
 from tests.support.runpod_sim import ENDPOINT_VENV_MISSING, RunpodSim
 from workflows.contracts import JobState
@@ -102,3 +106,46 @@ async def test_pending_jobs_leave_an_unhealthy_endpoint_for_the_groups_next_pool
     assert final.checkpoint is not None
     assert [j.id for j in ledger.jobs] == [final.checkpoint.provider_job_id], ledger.jobs
     assert view.endpoint is not None
+
+
+async def test_a_job_with_a_start_deadline_passes_a_pool_that_would_start_it_too_late(
+    local_stack: RunningStack, tmp_path: Path
+) -> None:
+    """Group [busy (one job at a time, its line long by its recent holds), spare (a simulator of
+    its own)]: a job whose `start_by_s` its estimate there would pass goes to `spare` at once;
+    one without a deadline waits its turn in `busy`."""
+    record, spare_url = await start_parallel_sim(tmp_path / "spare", step_delay_ms=20, parallel=1)
+    pools = {
+        "busy": PoolConfig(kind="comfyui", url=local_stack.comfyui_url, max_running=1),
+        "spare": PoolConfig(kind="comfyui", url=spare_url),
+    }
+    try:
+        await _deadline_passes_busy(local_stack, pools)
+    finally:
+        await terminate(record, grace_s=10)
+
+
+async def _deadline_passes_busy(local_stack: RunningStack, pools: dict[str, PoolConfig]) -> None:
+    async with serving(
+        local_stack, pools, default_pool=GROUP, groups={GROUP: ["busy", "spare"]}
+    ) as (client, _store):
+        # One hold of a few seconds gives `busy` its pace; then a long one holds its slot.
+        warm = await asyncio.wait_for(client.wait((await client.submit(job(steps=250))).job_id), 60)
+        assert warm.backend is not None and warm.backend.pool == "busy"
+        blocker = await client.submit(job(steps=3000))
+        await eventually(
+            lambda: client.status(blocker.job_id),
+            timeout_s=60,
+            what="the blocker running",
+            accept=lambda s: s.state == JobState.RUNNING,
+        )
+        patient = await client.submit(job(steps=5))
+        hurried = await client.submit(job(steps=5, start_by_s=5.0))
+        done = await asyncio.wait_for(client.wait(hurried.job_id), 60)
+        waiting = await client.status(patient.job_id)
+        for job_id in (blocker.job_id, patient.job_id):
+            await client.cancel(job_id, "the test is over")
+    assert done.state == JobState.COMPLETED, done.model_dump_json(indent=1)
+    assert done.backend is not None and done.backend.pool == "spare"
+    assert waiting.state == JobState.PENDING and waiting.admission is not None
+    assert waiting.admission.pool == "busy"

@@ -249,8 +249,11 @@ async def _running_on_both(farm: Farm, ids: list[str]) -> list[JobStatus]:
     async def both_running() -> bool:
         nonlocal found
         found = list(await asyncio.gather(*(farm.client.status(i) for i in ids)))
+        # Both servers named (a status read in a follow's quiet start has the heartbeat's step
+        # before the job has heard which server: not yet).
         servers = {ran_on(s) for s in found}
-        return len(servers) == 2 and all(s.progress.step >= 2 for s in found)
+        named = servers == {sim.url for sim in farm.sims}
+        return named and all(s.progress.step >= 2 for s in found)
 
     await eventually(both_running, timeout_s=60, what="both jobs running on a server each")
     return found
