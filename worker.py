@@ -451,17 +451,7 @@ def doctor_pools_check() -> doctor.PoolsCheck:
     try:
         settings = WorkerSettings()
     except (ValidationError, SettingsError) as exc:
-        message = "; ".join(problem_lines(exc))
-
-        async def refused() -> doctor.CheckResult:
-            return doctor.CheckResult(
-                check=doctor.Check.POOLS,
-                outcome=doctor.Outcome.FAIL,
-                message=f"invalid worker settings: {message}",
-                problem=doctor.Problem.CONFIGURATION,
-            )
-
-        return refused
+        return _refused_check(doctor.Check.POOLS, exc)
     return functools.partial(comfyui_servers_health, settings)
 
 
@@ -473,18 +463,24 @@ def doctor_runpod_check() -> doctor.RunPodCheck:
         settings = WorkerSettings()
         keys = runpod_api_keys(settings.pools)
     except (ValidationError, SettingsError) as exc:
-        message = "; ".join(problem_lines(exc))
-
-        async def refused() -> doctor.CheckResult:
-            return doctor.CheckResult(
-                check=doctor.Check.RUNPOD,
-                outcome=doctor.Outcome.FAIL,
-                message=f"invalid worker settings: {message}",
-                problem=doctor.Problem.CONFIGURATION,
-            )
-
-        return refused
+        return _refused_check(doctor.Check.RUNPOD, exc)
     return functools.partial(runpod_health, settings, keys)
+
+
+def _refused_check(check: doctor.Check, exc: ValidationError | SettingsError) -> doctor.RunPodCheck:
+    """A doctor check of the worker's that fails: its settings do not load (one line naming
+    each variable)."""
+    message = "; ".join(problem_lines(exc))
+
+    async def refused() -> doctor.CheckResult:
+        return doctor.CheckResult(
+            check=check,
+            outcome=doctor.Outcome.FAIL,
+            message=f"invalid worker settings: {message}",
+            problem=doctor.Problem.CONFIGURATION,
+        )
+
+    return refused
 
 
 class SetCurrentOption(StrEnum):

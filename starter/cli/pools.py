@@ -11,6 +11,7 @@ pool's dispatcher, which runs once a job has asked for one of the pool's slots.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Annotated
 
@@ -48,21 +49,7 @@ def queue(
 ) -> None:
     """Every job that holds a slot of POOL or waits for one, waiting ones in the order they
     will start (position, tenant, priority, age)."""
-    config = config_of(ctx)
-
-    async def go() -> PoolQueueView:
-        async with job_client(config) as client:
-            try:
-                return await client.pool_queue(pool)
-            except NoPoolQueue:
-                fail(NO_QUEUE.format(pool=pool), code=ExitCode.BAD_INPUT)
-
-    view = run(go)
-    if as_json:
-        echo_json(view.model_dump_json())
-        return
-    for line in queue_lines(view, datetime.now(UTC)):
-        typer.echo(line)
+    _show_queue(ctx, pool, as_json, queue_lines)
 
 
 @app.command("status")
@@ -73,6 +60,16 @@ def status(
 ) -> None:
     """POOL in a line (running, waiting, its bound, drained by whom), then each of its servers:
     health, running/slots, jobs started there, failures, last error and since when."""
+    _show_queue(ctx, pool, as_json, status_lines)
+
+
+def _show_queue(
+    ctx: typer.Context,
+    pool: str,
+    as_json: bool,
+    lines: Callable[[PoolQueueView, datetime], list[str]],
+) -> None:
+    """The pool's queue as its dispatcher has it: JSON, or `lines` of it."""
     config = config_of(ctx)
 
     async def go() -> PoolQueueView:
@@ -86,7 +83,7 @@ def status(
     if as_json:
         echo_json(view.model_dump_json())
         return
-    for line in status_lines(view, datetime.now(UTC)):
+    for line in lines(view, datetime.now(UTC)):
         typer.echo(line)
 
 
